@@ -1,0 +1,31 @@
+"""tilec's exceptions. Each names the user's thing: FX node, source line, op, shape, event."""
+from __future__ import annotations
+
+
+class TilecError(Exception):
+    """Base class of every error tilec raises on purpose."""
+
+
+class UnsupportedNodeError(TilecError):
+    """One or more FX nodes cannot be lowered to tilec ops.
+
+    ``nodes`` holds ``(node name, target, source line)`` for each.
+    """
+
+    def __init__(self, nodes: list[tuple[str, str, str]], reason: str = ""):
+        self.nodes = nodes
+        lines = [f"  {name} ({target})" + (f" at {src}" if src else "") for name, target, src in nodes]
+        head = f"tilec cannot lower {len(nodes)} FX node(s)" + (f": {reason}" if reason else "")
+        super().__init__(head + "\n" + "\n".join(lines))
+
+
+class VerificationError(TilecError):
+    """A stage verifier found a broken invariant (a compiler bug, or a corrupted plan)."""
+
+
+class DeadlockError(TilecError):
+    """No worker can make progress: ``cycle`` lists ``(worker, instruction, event)`` triples."""
+
+    def __init__(self, message: str, cycle: list[tuple[int, int, int]]):
+        self.cycle = cycle
+        super().__init__(message)

@@ -1,0 +1,690 @@
+"""FX (aten) graph -> OpGraph.
+
+One lowering for both entry points: the offline path hands over a functionalized
+``torch.export`` graph, the ``torch.compile`` path an AOTAutograd graph; both are aten
+graphs whose placeholders are classified by a :class:`GraphBinding`.
+
+Lowering is demand driven from the graph outputs (and the in-place state writes), so
+sub-graphs absorbed by a pattern (RMSNorm's pow/mean/rsqrt, RoPE's slice/neg/cat, GQA's
+expand/clone) are never lowered on their own. Values that depend only on constants are
+folded; values that depend only on the decode position ``p`` (RoPE cos/sin, causal
+masks, cache indices) are tabulated for every ``p < max_positions`` and become position
+tables read through a view that moves with ``p`` - or, for masks and cache indices,
+are checked against the causal / slot semantics and absorbed into the ops.
+"""
+from __future__ import annotations
+
+import operator
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .errors import UnsupportedNodeError
+from .ir import Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides
+from .ops.ewise import BINARY_FNS, UNARY_FNS
+from .ops.rope import INTERLEAVED, ROTATE_HALF
+
+aten = torch.ops.aten
+POSITION, IGNORED = "<position>", "<ignored>"
+
+
+@dataclass
+class GraphBinding:
+    """How an aten graph's placeholders bind.
+
+    params: placeholder name -> tensor bound once (weights; never folded).
+    consts: placeholder name -> tensor that may be folded (lifted constants, RoPE inv_freq).
+    user_inputs: placeholder names of the user's arguments, in call order.
+    positions: the subset of user_inputs that hold the decode position (int tensors).
+    mutations: output node name -> placeholder name it updates in place.
+    """
+
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    consts: dict[str, torch.Tensor] = field(default_factory=dict)
+    user_inputs: list[str] = field(default_factory=list)
+    positions: set[str] = field(default_factory=set)
+    mutations: dict[str, str] = field(default_factory=dict)
+
+
+def source_of(node: fx.Node) -> str:
+    """The innermost user source line recorded in ``node.meta["stack_trace"]``."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{lines[i].removeprefix('File ')}: {code}".strip()
+    return ""
+
+
+def target_name(node: fx.Node) -> str:
+    t = node.target
+    return getattr(t, "__name__", None) or str(t) if not isinstance(t, torch._ops.OpOverload) else str(t)
+
+
+@dataclass(frozen=True)
+class Static:
+    """A folded constant value."""
+
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Positional:
+    """A position-dependent value tabulated over p: ``table[p]`` is its value at position p."""
+
+    table: torch.Tensor
+
+
+_VIEW_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+    aten.permute.default, aten.t.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.alias.default,
+    aten.detach.default, aten.narrow.default,
+}
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_IDENTITY = {aten.alias.default, aten.detach.default, aten.clone.default, aten.contiguous.default,
+             aten.lift_fresh_copy.default}
+_CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device}
+_SKIP = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
+_UNARY = {
+    aten.neg.default: "neg", aten.silu.default: "silu", aten.relu.default: "relu", aten.sigmoid.default: "sigmoid",
+    aten.tanh.default: "tanh", aten.exp.default: "exp", aten.rsqrt.default: "rsqrt", aten.sqrt.default: "sqrt",
+    aten.cos.default: "cos", aten.sin.default: "sin",
+}
+_BINARY = {
+    aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
+    aten.maximum.default: "maximum", aten.minimum.default: "minimum",
+}
+_SCALAR_OF = {"add": "add_scalar", "mul": "mul_scalar", "div": "div_scalar"}
+_INDEX_WRITES = {aten.index_copy.default, aten.index_copy_.default, aten.index_put.default, aten.index_put_.default}
+
+
+def _val(node) -> torch.Tensor | None:
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+class Lowering:
+    """Lowers one aten graph; see the module docstring. Use :func:`lower_graph`."""
+
+    def __init__(self, gm: fx.GraphModule, binding: GraphBinding, max_positions: int):
+        self.gm, self.b, self.max_positions = gm, binding, max_positions
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.buffers: dict[str, Buffer] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+        self.ops: list[Op] = []
+        self.env: dict[fx.Node, object] = {}
+        self.state_writes: set[str] = set()
+        self._names: dict[str, int] = {}
+        self._static_cache: dict = {}
+        self._pos_caches: dict[int, dict] = {}
+        self._views: dict[int, View] = {}
+        self.cls = self._classify()
+
+    # ---- classification: static / positional / runtime --------------------------------
+    def _classify(self) -> dict[fx.Node, str]:
+        cls: dict[fx.Node, str] = {}
+        mutated = set(self.b.mutations.values())
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                if n.name in self.b.positions:
+                    cls[n] = "pos"
+                elif n.name in self.b.consts and n.name not in mutated:
+                    cls[n] = "static"
+                else:
+                    cls[n] = "runtime"
+            elif n.op == "get_attr":
+                cls[n] = "static"
+            elif n.op == "call_function":
+                kinds = {cls[a] for a in n.all_input_nodes}
+                if n.target in _INDEX_WRITES or n.target in (aten.copy_.default,):
+                    cls[n] = "runtime"
+                elif "runtime" in kinds:
+                    cls[n] = "runtime"
+                elif "pos" in kinds:
+                    cls[n] = "pos"
+                else:
+                    cls[n] = "static"
+            else:
+                cls[n] = "runtime"
+        return cls
+
+    def _evaluate(self, node: fx.Node, p: int | None, cache: dict) -> object:
+        """Evaluates a static/positional node with real tensors at position p."""
+        if node in cache:
+            return cache[node]
+        if node.op == "placeholder":
+            if node.name in self.b.positions:
+                ex = _val(node)
+                out = torch.full(tuple(ex.shape), p, dtype=ex.dtype)
+            else:
+                out = self.b.consts[node.name]
+        elif node.op == "get_attr":
+            out = getattr(self.gm, node.target)
+        else:
+            args = fx.node.map_arg(node.args, lambda a: self._evaluate(a, p, cache))
+            kwargs = fx.node.map_arg(node.kwargs, lambda a: self._evaluate(a, p, cache))
+            if "device" in kwargs:
+                kwargs = dict(kwargs, device="cpu")
+            out = node.target(*args, **kwargs)
+        cache[node] = out
+        return out
+
+    def _fold(self, node: fx.Node):
+        if self.cls[node] == "static":
+            return Static(self._evaluate(node, None, self._static_cache))
+        caches = self._pos_caches
+        tables = [self._evaluate(node, p, caches.setdefault(p, dict(self._static_cache)))
+                  for p in range(self.max_positions)]
+        return Positional(torch.stack(tables))
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _name(self, base: str) -> str:
+        base = base.replace(".", "_")
+        k = self._names.get(base, 0)
+        self._names[base] = k + 1
+        return base if k == 0 else f"{base}_{k}"
+
+    def _prov(self, node: fx.Node) -> Provenance:
+        return Provenance(node.name, target_name(node), source_of(node))
+
+    def _unsupported(self, node: fx.Node, reason: str = ""):
+        raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason)
+
+    def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP) -> Buffer:
+        buf = Buffer(self._name(name), tuple(int(s) for s in shape), dtype, kind)
+        self.buffers[buf.name] = buf
+        return buf
+
+    def _emit(self, node: fx.Node, kind: str, inputs, out_shape=None, out_dtype=None, attrs=(), name=None) -> View:
+        val = _val(node)
+        shape = tuple(val.shape) if out_shape is None else tuple(out_shape)
+        dtype = val.dtype if out_dtype is None else out_dtype
+        for v in inputs:
+            if len(v.shape) > 4:
+                self._unsupported(node, f"operand {v.render()} has more than 4 dims")
+        if len(shape) > 4:
+            self._unsupported(node, f"output of shape {list(shape)} has more than 4 dims")
+        buf = self._new_buffer(name or node.name, shape, dtype)
+        out = View.whole(buf)
+        self.ops.append(Op(self._name(f"{kind}_{node.name}" if name is None else name), kind, tuple(inputs), (out,),
+                           tuple(sorted(attrs)), self._prov(node)))
+        return out
+
+    def as_view(self, value, node: fx.Node | None = None) -> View:
+        """A view for an operand: runtime views pass through; constants and position tables get buffers."""
+        if isinstance(value, View):
+            return value
+        if id(value) in self._views:
+            return self._views[id(value)]
+        view = self._materialize(value, node)
+        self._views[id(value)] = view
+        return view
+
+    def _materialize(self, value, node: fx.Node | None) -> View:
+        if isinstance(value, Static):
+            t = value.value.contiguous()
+            buf = self._new_buffer(f"const_{node.name if node is not None else 'c'}", tuple(t.shape), t.dtype,
+                                   BufferKind.CONST)
+            self.constants[buf.name] = t
+            return View.whole(buf)
+        if isinstance(value, Positional):
+            t = value.table.contiguous()
+            buf = self._new_buffer(f"table_{node.name if node is not None else 't'}", tuple(t.shape), t.dtype,
+                                   BufferKind.TABLE)
+            self.constants[buf.name] = t
+            row = tuple(t.shape[1:])
+            return View(buf.name, row, contiguous_strides(row), 0, int(t[0].numel()))
+        raise TypeError(f"not a tensor value: {value!r}")
+
+    # ---- demand-driven lowering ------------------------------------------------------
+    def value(self, node):
+        if not isinstance(node, fx.Node):
+            return node
+        if node in self.env:
+            return self.env[node]
+        if self.cls[node] in ("static", "pos"):
+            out = self._fold(node)
+        elif node.op == "placeholder":
+            out = self._placeholder(node)
+        else:
+            out = self._lower(node)
+        self.env[node] = out
+        return out
+
+    def view_of(self, node) -> View:
+        return self.as_view(self.value(node), node)
+
+    def _placeholder(self, node: fx.Node) -> View:
+        val = _val(node)
+        if node.name in self.b.params:
+            kind = BufferKind.PARAM
+        elif node.name in self.b.consts:
+            kind = BufferKind.STATE  # a mutated buffer
+        elif node.name in set(self.b.mutations.values()):
+            kind = BufferKind.STATE
+        else:
+            kind = BufferKind.INPUT
+        buf = Buffer(node.name, tuple(val.shape), val.dtype, kind)
+        self.buffers[buf.name] = buf
+        return View.whole(buf)
+
+    def _lower(self, node: fx.Node):
+        t = node.target
+        if t in _SKIP:
+            return None
+        if t is operator.getitem:
+            src = self.value(node.args[0])
+            return src[node.args[1]]
+        for pattern in (self._rmsnorm, self._silu_mul, self._rope_rotate_half, self._rope_interleaved):
+            out = pattern(node)
+            if out is not None:
+                return out
+        if t in _VIEW_OPS:
+            return self._view(node)
+        if t in _IDENTITY:
+            src = self.value(node.args[0])
+            if isinstance(src, View) and t is not aten.clone.default and t is not aten.contiguous.default:
+                return src
+            if isinstance(src, View) and src.is_contiguous():
+                return src
+            return self._emit(node, "copy", [self.as_view(src, node.args[0])])
+        if t in _CASTS:
+            src = self.view_of(node.args[0])
+            want = node.kwargs.get("dtype") or _val(node).dtype
+            if self.buffers[src.buffer].dtype == want:
+                return src
+            return self._emit(node, "unary", [src], attrs=(("fn", "cast"), ("scalar", 0.0)))
+        if t in (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default):
+            return self._linear(node)
+        if t is aten.scaled_dot_product_attention.default:
+            return self._attention(node)
+        if t in _INDEX_WRITES:
+            return self._index_write(node)
+        if t is aten.copy_.default:
+            return self._copy_(node)
+        if t is aten.embedding.default:
+            w, ids = self.view_of(node.args[0]), self.view_of(node.args[1])
+            return self._emit(node, "embedding", [w, ids])
+        if t in (aten._softmax.default, aten.softmax.int):
+            dim = node.args[1]
+            if dim not in (-1, len(_val(node).shape) - 1):
+                self._unsupported(node, "softmax over a dim other than the last")
+            return self._emit(node, "softmax", [self.view_of(node.args[0])])
+        if t in (aten.layer_norm.default, aten.native_layer_norm.default):
+            return self._layernorm(node)
+        if t is aten.cat.default:
+            return self._cat(node)
+        if t in _UNARY:
+            return self._emit(node, "unary", [self._bcast(node.args[0], node)], attrs=(("fn", _UNARY[t]), ("scalar", 0.0)))
+        if t is aten.gelu.default:
+            fn = "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
+            return self._emit(node, "unary", [self._bcast(node.args[0], node)], attrs=(("fn", fn), ("scalar", 0.0)))
+        if t is aten.pow.Tensor_Scalar:
+            return self._emit(node, "unary", [self._bcast(node.args[0], node)],
+                              attrs=(("fn", "pow_scalar"), ("scalar", float(node.args[1]))))
+        if t in _BINARY or t in (aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar):
+            return self._binary(node)
+        self._unsupported(node)
+
+    # ---- generic lowerings -----------------------------------------------------------
+    def _view(self, node: fx.Node):
+        src = self.value(node.args[0])
+        if not isinstance(src, View):
+            self._unsupported(node, "view of a non-tensor value")
+        buf = self.buffers[src.buffer]
+        meta = torch.empty(buf.numel, dtype=buf.dtype, device="meta").as_strided(src.shape, src.strides, src.offset)
+        args = [meta, *node.args[1:]]
+        try:
+            if node.target in _RESHAPES:
+                out = meta.view(_val(node).shape)
+            else:
+                out = node.target(*args, **node.kwargs)
+        except RuntimeError:
+            # not expressible as a strided view: materialize a contiguous copy, then view it
+            copy = self._emit(node, "copy", [src], out_shape=src.shape, out_dtype=buf.dtype, name=f"{node.name}_contig")
+            return View(copy.buffer, tuple(_val(node).shape), contiguous_strides(tuple(_val(node).shape)))
+        return View(src.buffer, tuple(out.shape), tuple(out.stride()), out.storage_offset(), src.pos_stride)
+
+    def _bcast(self, arg, node: fx.Node) -> View:
+        """An operand expanded (stride 0) to the output shape of ``node``."""
+        v = self.as_view(self.value(arg), arg if isinstance(arg, fx.Node) else None)
+        shape = tuple(_val(node).shape)
+        if v.shape == shape:
+            return v
+        k = len(shape) - len(v.shape)
+        strides = [0] * k + [0 if s == 1 and o != 1 else st for s, o, st in zip(v.shape, shape[k:], v.strides)]
+        return View(v.buffer, shape, tuple(strides), v.offset, v.pos_stride)
+
+    def _binary(self, node: fx.Node):
+        t = node.target
+        a, b = node.args[0], node.args[1]
+        if node.kwargs.get("alpha", 1) != 1:
+            self._unsupported(node, "alpha != 1")
+        fn = _BINARY.get(t) or {aten.add.Scalar: "add", aten.mul.Scalar: "mul", aten.sub.Scalar: "sub",
+                                aten.div.Scalar: "div", aten.rsub.Scalar: "rsub"}[t]
+        scalars = [x if not isinstance(x, fx.Node) else (self.value(x).value.item() if self.cls[x] == "static"
+                                                         and self.value(x).value.numel() == 1 else None)
+                   for x in (a, b)]
+        if scalars[1] is not None and fn in ("add", "sub", "mul", "div", "rsub"):
+            s = float(scalars[1])
+            fn2, s = {"add": ("add_scalar", s), "sub": ("add_scalar", -s), "mul": ("mul_scalar", s),
+                      "div": ("div_scalar", s), "rsub": ("rsub_scalar", s)}[fn]
+            return self._emit(node, "unary", [self._bcast(a, node)], attrs=(("fn", fn2), ("scalar", s)))
+        if scalars[0] is not None and fn in ("add", "mul", "sub"):
+            s = float(scalars[0])
+            fn2 = {"add": "add_scalar", "mul": "mul_scalar", "sub": "rsub_scalar"}[fn]
+            return self._emit(node, "unary", [self._bcast(b, node)], attrs=(("fn", fn2), ("scalar", s)))
+        if fn not in BINARY_FNS:
+            self._unsupported(node)
+        return self._emit(node, "binary", [self._bcast(a, node), self._bcast(b, node)], attrs=(("fn", fn),))
+
+    def _linear(self, node: fx.Node):
+        t = node.target
+        if t is aten.linear.default:
+            x, w = self.view_of(node.args[0]), self.view_of(node.args[1])
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        else:
+            args = node.args[1:] if t is aten.addmm.default else node.args
+            bias = node.args[0] if t is aten.addmm.default else None
+            x, wt = self.view_of(args[0]), self.view_of(args[1])
+            if len(wt.shape) != 2:
+                self._unsupported(node, "matmul with a batched right operand")
+            w = View(wt.buffer, (wt.shape[1], wt.shape[0]), (wt.strides[1], wt.strides[0]), wt.offset, wt.pos_stride)
+        inputs = [x, w]
+        if bias is not None:
+            bv = self.view_of(bias)
+            if len(bv.shape) != 1:
+                self._unsupported(node, "bias that is not 1-D")
+            inputs.append(bv)
+        return self._emit(node, "linear", inputs)
+
+    def _layernorm(self, node: fx.Node):
+        x = self.view_of(node.args[0])
+        shape = node.args[1]
+        if len(shape) != 1:
+            self._unsupported(node, "layer_norm over more than the last dim")
+        args = list(node.args) + [None] * (5 - len(node.args))
+        w, b, eps = args[2], args[3], args[4] if args[4] is not None else node.kwargs.get("eps", 1e-5)
+        val = _val(node) if node.target is aten.layer_norm.default else node.meta["val"][0]
+        inputs = [x, self.view_of(w) if w is not None else self.as_view(Static(torch.ones(shape[0], dtype=val.dtype)), node)]
+        if b is not None:
+            inputs.append(self.view_of(b))
+        out = self._emit(node, "layernorm", inputs, out_shape=val.shape, out_dtype=val.dtype, attrs=(("eps", float(eps)),))
+        return out if node.target is aten.layer_norm.default else (out, None, None)
+
+    def _cat(self, node: fx.Node):
+        parts = [self.view_of(a) for a in node.args[0]]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        dim = dim % len(_val(node).shape)
+        return self._emit(node, "concat", parts, attrs=(("dim", dim),))
+
+    # ---- patterns --------------------------------------------------------------------
+    def _strip_casts(self, n):
+        while _is(n, *_CASTS, aten.alias.default):
+            n = n.args[0]
+        return n
+
+    def _norm_core(self, n):
+        """``mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim), eps)))`` -> (x, eps) or None."""
+        n = self._strip_casts(n)
+        if not _is(n, aten.mul.Tensor):
+            return None
+        for x, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+            if not _is(r, aten.rsqrt.default):
+                continue
+            add = r.args[0]
+            if not _is(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
+                continue
+            mean = add.args[0]
+            if not _is(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [len(_val(mean).shape) - 1]):
+                continue
+            pw = mean.args[0]
+            if _is(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2 and pw.args[0] is x:
+                return x, float(add.args[1])
+            if _is(pw, aten.mul.Tensor) and pw.args[0] is x and pw.args[1] is x:
+                return x, float(add.args[1])
+        return None
+
+    def _rmsnorm(self, node: fx.Node):
+        if not _is(node, aten.mul.Tensor):
+            return None
+        for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            m = self._norm_core(core) if isinstance(core, fx.Node) else None
+            wv = _val(w)
+            if m is None or wv is None or wv.dim() != 1 or wv.shape[0] != _val(node).shape[-1]:
+                continue
+            x, eps = m
+            x = self._strip_casts(x)
+            return self._emit(node, "rmsnorm", [self.view_of(x), self.view_of(w)], attrs=(("eps", eps),))
+        m = self._norm_core(node)
+        if m is not None and self._strip_casts(node) is node:
+            x, eps = m
+            x = self._strip_casts(x)
+            ones = self.as_view(Static(torch.ones(_val(node).shape[-1], dtype=_val(x).dtype)), node)
+            return self._emit(node, "rmsnorm", [self.view_of(x), ones], attrs=(("eps", eps),))
+        return None
+
+    def _silu_mul(self, node: fx.Node):
+        if not _is(node, aten.mul.Tensor):
+            return None
+        a, b = node.args
+        for g, u in ((a, b), (b, a)):
+            if _is(g, aten.silu.default) and isinstance(u, fx.Node) and self.cls[u] == "runtime" \
+                    and tuple(_val(g).shape) == tuple(_val(u).shape) == tuple(_val(node).shape):
+                return self._emit(node, "silu_mul", [self.view_of(g.args[0]), self.view_of(u)])
+        return None
+
+    def _rope_args(self, node: fx.Node, x_node, cs, style: int):
+        cos, sin = cs
+        x = self.view_of(x_node)
+        if len(x.shape) > 4:
+            return None
+        shape = tuple(_val(node).shape)
+        lead = shape[:-1]
+        def table(arg):
+            v = self.as_view(self.value(arg), arg)
+            k = len(lead) + 1 - len(v.shape)
+            strides = [0] * k + [0 if s == 1 and o != 1 else st for s, o, st in zip(v.shape[:-1], lead[k:], v.strides[:-1])]
+            return View(v.buffer, lead + (v.shape[-1],), tuple(strides) + (v.strides[-1],), v.offset, v.pos_stride)
+        return self._emit(node, "rope", [x, table(cos), table(sin)], attrs=(("style", style),))
+
+    def _rope_rotate_half(self, node: fx.Node):
+        """``x * cos + cat([-x[..., h:], x[..., :h]]) * sin`` (HF ``apply_rotary_pos_emb``)."""
+        if not _is(node, aten.add.Tensor):
+            return None
+        for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if not (_is(m1, aten.mul.Tensor) and _is(m2, aten.mul.Tensor)):
+                continue
+            for cat, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
+                if not _is(cat, aten.cat.default) or len(cat.args[0]) != 2:
+                    continue
+                neg, lo = cat.args[0]
+                if not (_is(neg, aten.neg.default) and _is(neg.args[0], aten.slice.Tensor) and _is(lo, aten.slice.Tensor)):
+                    continue
+                hi = neg.args[0]
+                x = hi.args[0]
+                if lo.args[0] is not x:
+                    continue
+                for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
+                    if xx is x and _val(x).shape[-1] % 2 == 0 and _val(cos).shape[-1] == _val(x).shape[-1]:
+                        return self._rope_args(node, x, (cos, sin), ROTATE_HALF)
+        return None
+
+    def _rope_interleaved(self, node: fx.Node):
+        """``cat([x1*c - x2*s, x2*c + x1*s])`` with ``x1, x2 = x[..., 0::2], x[..., 1::2]``
+        (HF ``apply_rotary_pos_emb_interleave``, DeepSeek-V3 / GLM)."""
+        if not _is(node, aten.cat.default) or len(node.args[0]) != 2:
+            return None
+        first, second = node.args[0]
+        if not (_is(first, aten.sub.Tensor) and _is(second, aten.add.Tensor)):
+            return None
+        def prod(m):
+            return (m.args[0], m.args[1]) if _is(m, aten.mul.Tensor) else None
+        a, b, c, d = prod(first.args[0]), prod(first.args[1]), prod(second.args[0]), prod(second.args[1])
+        if None in (a, b, c, d):
+            return None
+        x1, cos = a
+        x2, sin = b
+        if not (_is(x1, aten.slice.Tensor) and _is(x2, aten.slice.Tensor)):
+            return None
+        last = len(_val(x1).shape) - 1
+        if x1.args[0] is not x2.args[0] or len(x1.args) != 5 or len(x2.args) != 5 \
+                or x1.args[1] % (last + 1) != last or x1.args[1:] != (x1.args[1], 0, x1.args[3], 2) \
+                or x2.args[1:] != (x1.args[1], 1, x2.args[3], 2):
+            return None
+        if set(c) != {x2, cos} or set(d) != {x1, sin}:
+            return None
+        return self._rope_args(node, x1.args[0], (cos, sin), INTERLEAVED)
+
+    # ---- attention and cache writes --------------------------------------------------
+    def _gqa_source(self, n):
+        """``reshape(clone(expand(unsqueeze(kv, 2))))`` (HF ``repeat_kv``) -> (kv node, group) or (n, 1)."""
+        m = n
+        if _is(m, *_RESHAPES):
+            m = m.args[0]
+            if _is(m, aten.clone.default):
+                m = m.args[0]
+            if _is(m, aten.expand.default) and _is(m.args[0], aten.unsqueeze.default) and m.args[0].args[1] == 2:
+                src = m.args[0].args[0]
+                return src, _val(m).shape[2]
+        return n, 1
+
+    def _attention(self, node: fx.Node):
+        q_n, k_n, v_n = node.args[:3]
+        rest = dict(zip(["attn_mask", "dropout_p", "is_causal"], node.args[3:]))
+        rest.update(node.kwargs)
+        if rest.get("dropout_p", 0.0) not in (0, 0.0):
+            self._unsupported(node, "dropout in attention")
+        q = self.view_of(q_n)
+        (k_src, gk), (v_src, gv) = self._gqa_source(k_n), self._gqa_source(v_n)
+        k, v = self.view_of(k_src), self.view_of(v_src)
+        bsz, hq, sq, d = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        if hq % hkv:
+            self._unsupported(node, f"{hq} query heads not a multiple of {hkv} KV heads")
+        scale = rest.get("scale") or d ** -0.5
+        mask = rest.get("attn_mask")
+        causal = False
+        if rest.get("is_causal"):
+            self._unsupported(node, "is_causal=True (prefill attention) is not a decode step")
+        if mask is not None:
+            self._check_causal_mask(node, mask, bsz, hq, sq, s)
+            causal = True
+        return self._emit(node, "attention", [q, k, v], attrs=(("scale", float(scale)), ("causal", causal)))
+
+    def _check_causal_mask(self, node, mask, bsz, hq, sq, s):
+        val = self.value(mask)
+        if not isinstance(val, Positional):
+            self._unsupported(node, "attention mask that does not depend only on the decode position "
+                                    "(padding masks are not supported)")
+        table = val.table
+        for p in range(min(self.max_positions, s - sq + 1)):
+            m = table[p]
+            allowed = m if m.dtype == torch.bool else (m == 0)
+            want = torch.arange(s).view(1, s) <= (p + torch.arange(sq)).view(sq, 1)
+            if not torch.equal(allowed.expand(bsz, hq, sq, s), want.expand(bsz, hq, sq, s)):
+                self._unsupported(node, f"attention mask at position {p} is not the causal mask over the static cache")
+
+    def _check_slot_index(self, node, idx_node, sq):
+        val = self.value(idx_node)
+        if not isinstance(val, Positional):
+            self._unsupported(node, "cache write at an index that is not the decode position")
+        for p in range(self.max_positions):
+            if not torch.equal(val.table[p].flatten(), torch.arange(sq) + p):
+                self._unsupported(node, f"cache write index at position {p} is {val.table[p].tolist()}, "
+                                        f"expected positions p..p+{sq - 1}")
+
+    def _index_write(self, node: fx.Node):
+        t = node.target
+        dst_node = node.args[0]
+        if dst_node.op != "placeholder":
+            self._unsupported(node, "index write into a tensor that is not a graph input (static cache)")
+        dst = self.view_of(dst_node)
+        if t in (aten.index_copy.default, aten.index_copy_.default):
+            dim, idx, src_n = node.args[1], node.args[2], node.args[3]
+        else:
+            indices, src_n = node.args[1], node.args[2]
+            dims = [i for i, ix in enumerate(indices) if ix is not None]
+            if len(dims) != 1 or node.args[3:4] == (True,):
+                self._unsupported(node, "index_put with more than one index tensor or accumulate=True")
+            dim, idx = dims[0], indices[dims[0]]
+        dim = dim % len(dst.shape)
+        src = self.view_of(src_n)
+        sq = src.shape[dim]
+        self._check_slot_index(node, idx, sq)
+        shape = list(dst.shape)
+        shape[dim] = sq
+        slot = View(dst.buffer, tuple(shape), dst.strides, dst.offset, dst.strides[dim])
+        self.ops.append(Op(self._name(f"cache_write_{node.name}"), "cache_write", (src,), (slot,), (),
+                           self._prov(node)))
+        self.state_writes.add(dst.buffer)
+        return dst
+
+    def _copy_(self, node: fx.Node):
+        """AOTAutograd's ``copy_(input, new_value)`` epilogue for an in-place cache update."""
+        dst_n, src_n = node.args[0], node.args[1]
+        src = self.value(src_n)
+        if isinstance(src, View) and dst_n.op == "placeholder" and src.buffer == dst_n.name:
+            return src
+        self._unsupported(node, "copy_ into a graph input that is not an in-place cache write")
+
+
+def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 1) -> OpGraph:
+    """Lowers an aten graph to an :class:`OpGraph`.
+
+    Args:
+        gm: an aten-level FX graph with FakeTensor ``meta["val"]`` on every node.
+        binding: how its placeholders bind (see :class:`GraphBinding`).
+        max_positions: decode positions p to plan for (position tables have this many rows;
+            the KV-cache length for an HF static cache).
+
+    Raises:
+        UnsupportedNodeError: naming the FX node, its target and source line.
+    """
+    low = Lowering(gm, binding, max_positions)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    results = out_node.args[0]
+    results = list(results) if isinstance(results, (tuple, list)) else [results]
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 20000))
+    try:
+        outputs = []
+        for r in results:
+            if isinstance(r, fx.Node) and r.name in binding.mutations:
+                target = binding.mutations[r.name]
+                if target in binding.positions:
+                    continue  # position counters are advanced by the caller
+                v = low.value(r)
+                if not (isinstance(v, View) and v.buffer == target and target in low.state_writes):
+                    low._unsupported(r, f"in-place update of input {target} that is not a KV-cache write")
+                continue
+            v = low.value(r)
+            outputs.append(low.as_view(v, r) if not isinstance(v, View) else v)
+        for n in gm.graph.nodes:  # side-effecting in-place writes nobody reads
+            if n.op == "call_function" and n.target in (aten.index_copy_.default, aten.index_put_.default):
+                low.value(n)
+    finally:
+        sys.setrecursionlimit(old)
+    # outputs owned by the program become OUTPUT buffers
+    buffers = dict(low.buffers)
+    for v in outputs:
+        b = buffers[v.buffer]
+        if b.kind is BufferKind.TEMP:
+            buffers[v.buffer] = Buffer(b.name, b.shape, b.dtype, BufferKind.OUTPUT)
+    inputs = []
+    for name in binding.user_inputs:
+        if name in binding.positions:
+            inputs.append(POSITION)
+        elif name in buffers:
+            inputs.append(name)
+        else:
+            inputs.append(IGNORED)
+    return OpGraph(tuple(low.ops), buffers, tuple(inputs), tuple(outputs), max_positions, low.constants)

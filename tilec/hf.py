@@ -1,0 +1,91 @@
+"""Hugging Face decoders with a ``StaticCache``: one decode step as a capturable module."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .api import compile_module
+from .options import Options
+
+
+def _layers(cache):
+    return cache.layers if hasattr(cache, "layers") else None
+
+
+class StaticCacheStep(torch.nn.Module):
+    """``forward(input_ids [B, S] int64, cache_position [S] int64, *state) -> logits [B, S, V]``.
+
+    ``state`` holds, per cache layer, the key cache [B, Hkv, L, D], the value cache and - on
+    transformers versions whose ``StaticLayer`` keeps one - its ``cumulative_length`` counter.
+    The cache tensors are passed as inputs so the captured graph updates them in place.
+    """
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.cache = model, cache
+        self.has_counter = [isinstance(getattr(l, "cumulative_length", None), torch.Tensor) for l in _layers(cache)]
+
+    def state(self) -> list[torch.Tensor]:
+        out = []
+        for layer, counter in zip(_layers(self.cache), self.has_counter):
+            out += [layer.keys, layer.values] + ([layer.cumulative_length] if counter else [])
+        return out
+
+    def forward(self, input_ids, cache_position, *state):
+        i = 0
+        saved = []
+        for layer, counter in zip(_layers(self.cache), self.has_counter):
+            saved.append((layer.keys, layer.values, getattr(layer, "cumulative_length", None)))
+            layer.keys, layer.values = state[i], state[i + 1]
+            i += 2
+            if counter:
+                layer.cumulative_length = state[i]
+                i += 1
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                return self.model(input_ids, past_key_values=self.cache, cache_position=cache_position,
+                                  use_cache=True).logits
+        finally:
+            for layer, (k, v, c) in zip(_layers(self.cache), saved):
+                layer.keys, layer.values = k, v
+                if c is not None:
+                    layer.cumulative_length = c
+
+
+class HFDecodeStep:
+    """A compiled decode step of an HF causal LM over its ``StaticCache``.
+
+    ``step(input_ids [B, 1], position)`` returns logits [B, 1, V] (float, the model's dtype)
+    and writes the new keys/values into the cache at ``position`` in place, advancing the
+    cache's own position counters as eager HF would.
+    """
+
+    def __init__(self, model, cache, batch_size: int, options=None, hook=None):
+        if not all(l.is_initialized for l in _layers(cache)):
+            raise ValueError("the StaticCache is not initialized: run a prefill step eagerly first")
+        self.cache = cache
+        self.module = StaticCacheStep(model, cache)
+        self.max_len = int(_layers(cache)[0].keys.shape[2])
+        ids = torch.zeros(batch_size, 1, dtype=torch.int64)
+        pos = torch.zeros(1, dtype=torch.int64)
+        state = [t.clone() if t.dim() == 0 else t for t in self.module.state()]
+        positions = [1] + [2 + i for i, t in enumerate(state) if t.dim() == 0]
+        self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
+                                      max_positions=self.max_len, options=options, hook=hook)
+
+    def __call__(self, input_ids: torch.Tensor, position: int) -> torch.Tensor:
+        pos = torch.tensor([position], dtype=torch.int64)
+        state = [torch.tensor(position) if t.dim() == 0 else t for t in self.module.state()]
+        logits = self.program(input_ids, pos, *state)
+        for layer, counter in zip(_layers(self.cache), self.module.has_counter):
+            if counter:
+                layer.cumulative_length.fill_(position + input_ids.shape[1])
+        return logits
+
+
+def compile_decode_step(model, cache, batch_size: int = 1, options: Options | dict | None = None,
+                        hook=None) -> HFDecodeStep:
+    """Compiles one decode step (one new token per sequence) of ``model`` over ``cache``."""
+    return HFDecodeStep(model, cache, batch_size, options, hook)

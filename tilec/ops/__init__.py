@@ -1,0 +1,187 @@
+"""The op registry: one module per op kind.
+
+Each module defines one :class:`OpDef` subclass and registers it with :func:`register`.
+An OpDef holds, for its op kind:
+
+* ``operands(op)`` - the operand list in operand-table order: the op's input views,
+  output views, then per-call scalars (:class:`tilec.ir.ScalarOperand`);
+* ``tiles(op, opts)`` - the tiling rule: the tasks of the op, each a :class:`Tile`
+  with the boxes (in operand-view coordinates) it reads and writes;
+* ``params(op)`` - up to 16 static int32 parameters encoded in each descriptor;
+* ``run_tile(t)`` - the CPU reference of one tile, working only from decoded
+  descriptor fields and operand tensors built from the operand table;
+* ``cost(op, tile)`` - bytes moved and flops of one tile (for the cost model).
+
+Adding an op touches its own module (and, for the GPU, its device template).
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from ..ir import Op, ScalarOperand, View
+
+Box = tuple[tuple[int, int], ...]
+WRITE, ACCUMULATE = "write", "accumulate"
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One task of an op.
+
+    ``coords`` are up to 4 half-open ranges in the op's iteration space (encoded in the
+    descriptor); ``reads``/``writes`` are ``(operand index, box)`` and
+    ``(operand index, box, access)`` with ``access`` in ``{"write", "accumulate"}``.
+    ``variant`` distinguishes tile flavours of one op (e.g. split-K init vs partial).
+    """
+
+    coords: tuple[tuple[int, int], ...]
+    reads: tuple[tuple[int, Box], ...]
+    writes: tuple[tuple[int, Box, str], ...]
+    variant: int = 0
+
+
+@dataclass
+class TileArgs:
+    """What the CPU reference of one tile sees: decoded descriptor fields and operands."""
+
+    coords: tuple[tuple[int, int], ...]
+    params: tuple[int, ...]
+    variant: int
+    operands: list  # torch.Tensor views (in the operand's view shape) or int scalars
+
+
+class OpDef:
+    kind: str = ""
+    opcode: int = -1
+
+    def operands(self, op: Op) -> list[View | ScalarOperand]:
+        return [*op.inputs, *op.outputs]
+
+    def tiles(self, op: Op, opts) -> list[Tile]:
+        raise NotImplementedError
+
+    def params(self, op: Op) -> list[int]:
+        return []
+
+    def run_tile(self, t: TileArgs) -> None:
+        raise NotImplementedError
+
+    def cost(self, op: Op, tile: Tile) -> tuple[int, int]:
+        """(bytes, flops) of one tile: bytes of every box read and written."""
+        ops = self.operands(op)
+        nbytes = 0
+        for idx, box in tile.reads:
+            nbytes += box_numel(box) * _elem(ops[idx])
+        for idx, box, _ in tile.writes:
+            nbytes += box_numel(box) * _elem(ops[idx])
+        return nbytes, 0
+
+
+_ELEM_SIZES: dict[str, int] = {}
+
+
+def _elem(v) -> int:
+    return 4 if isinstance(v, ScalarOperand) else _ELEM_SIZES.get(v.buffer, 4)
+
+
+def set_element_sizes(sizes: dict[str, int]) -> None:
+    """Element sizes (bytes) by buffer name, used by ``OpDef.cost``; set by the task builder."""
+    _ELEM_SIZES.clear()
+    _ELEM_SIZES.update(sizes)
+
+
+REGISTRY: dict[str, OpDef] = {}
+BY_OPCODE: dict[int, OpDef] = {}
+NOOP, EMPTY = 0, 1  # reserved opcodes: queue padding, and normalization's empty tasks
+
+
+def register(cls):
+    inst = cls()
+    if inst.kind in REGISTRY or inst.opcode in BY_OPCODE or inst.opcode in (NOOP, EMPTY):
+        raise ValueError(f"duplicate op registration {inst.kind}/{inst.opcode}")
+    REGISTRY[inst.kind] = inst
+    BY_OPCODE[inst.opcode] = inst
+    return cls
+
+
+def opdef(kind: str) -> OpDef:
+    return REGISTRY[kind]
+
+
+# ---- helpers shared by op modules -------------------------------------------------------
+
+def f32_bits(x: float) -> int:
+    """A float32 as the int32 with the same bits (descriptor params are int32)."""
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+
+
+def bits_f32(i: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", int(i)))[0]
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, s) for s in shape)
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(hi - lo for lo, hi in box)
+
+
+def chunks(n: int, size: int) -> Iterable[tuple[int, int]]:
+    size = max(1, min(size, n)) if n else 1
+    for lo in range(0, n, size):
+        yield lo, min(n, lo + size)
+
+
+def out_tiles(shape: Sequence[int], tile_rows: int, tile_cols: int | None = None) -> list[Box]:
+    """Exact boxes tiling ``shape``: rows are split along the first leading dim of size > 1
+    (about ``tile_rows`` rows per tile, inner leading dims whole), the last dim in chunks
+    of ``tile_cols`` (whole when None). Used as output boxes and descriptor coordinates.
+    """
+    if not shape:
+        return [()]
+    lead, cols = list(shape[:-1]), shape[-1]
+    col_ranges = list(chunks(cols, tile_cols or cols))
+    split = next((i for i, s in enumerate(lead) if s > 1), None)
+    if split is None:
+        lead_boxes = [tuple((0, s) for s in lead)]
+    else:
+        inner = math.prod(lead[split + 1:])
+        per = max(1, tile_rows // max(inner, 1))
+        lead_boxes = [
+            tuple((0, s) for s in lead[:split]) + ((a, b),) + tuple((0, s) for s in lead[split + 1:])
+            for a, b in chunks(lead[split], per)
+        ]
+    return [lb + (cr,) for lb in lead_boxes for cr in col_ranges]
+
+
+def sub(t: torch.Tensor, box: Box) -> torch.Tensor:
+    """``t[box]`` for a box over t's dims (a view, so writes land in ``t``)."""
+    return t[tuple(slice(lo, hi) for lo, hi in box)]
+
+
+def bcast_box(view_shape: Sequence[int], out_box: Box) -> Box:
+    """The box an input of shape ``view_shape`` (broadcast to the output, right-aligned) reads."""
+    k = len(out_box) - len(view_shape)
+    return tuple((0, 1) if s == 1 else (lo, hi) for s, (lo, hi) in zip(view_shape, out_box[k:]))
+
+
+from . import (  # noqa: E402,F401  (registration side effects)
+    attention,
+    cache_write,
+    concat,
+    copy,
+    embedding,
+    ewise,
+    layernorm,
+    linear,
+    rmsnorm,
+    rope,
+    silu_mul,
+    softmax,
+)

@@ -1,0 +1,33 @@
+"""Embedding lookup: ``out[..., c] = weight[ids[...], c]``.
+
+Operands: weight [V, D], ids [...] int64, out [..., D]. Tiles: rows x column chunks of out.
+"""
+from __future__ import annotations
+
+from . import OpDef, Tile, TileArgs, full_box, out_tiles, register, sub
+
+
+@register
+class Embedding(OpDef):
+    kind, opcode = "embedding", 2
+
+    def tiles(self, op, opts):
+        weight, ids = op.inputs
+        (out,) = op.outputs
+        return [
+            Tile(box, reads=((0, full_box(weight.shape)), (1, box[:-1])), writes=((2, box, "write"),))
+            for box in out_tiles(out.shape, opts.tile_rows, opts.tile_cols)
+        ]
+
+    def run_tile(self, t: TileArgs):
+        weight, ids, out = t.operands
+        box = t.coords
+        c0, c1 = box[-1]
+        sub(out, box).copy_(weight[sub(ids, box[:-1])][..., c0:c1])
+
+    def cost(self, op, tile):
+        rows = 1
+        for lo, hi in tile.coords[:-1]:
+            rows *= hi - lo
+        c0, c1 = tile.coords[-1]
+        return 2 * rows * (c1 - c0) * 4, 0

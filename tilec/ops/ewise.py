@@ -1,0 +1,81 @@
+"""Elementwise ops: unary (with an optional float scalar) and binary (broadcast views).
+
+The lowering expands every input view to the output shape (stride 0 on broadcast dims),
+so a tile reads the same box from every operand. Params: function code, scalar bits.
+float32 math, cast on store.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import OpDef, Tile, TileArgs, bits_f32, f32_bits, out_tiles, register, sub
+
+UNARY_FNS = {
+    "neg": lambda x, a: -x,
+    "silu": lambda x, a: torch.nn.functional.silu(x),
+    "relu": lambda x, a: torch.relu(x),
+    "gelu": lambda x, a: torch.nn.functional.gelu(x),
+    "gelu_tanh": lambda x, a: torch.nn.functional.gelu(x, approximate="tanh"),
+    "sigmoid": lambda x, a: torch.sigmoid(x),
+    "tanh": lambda x, a: torch.tanh(x),
+    "exp": lambda x, a: torch.exp(x),
+    "rsqrt": lambda x, a: torch.rsqrt(x),
+    "sqrt": lambda x, a: torch.sqrt(x),
+    "cos": lambda x, a: torch.cos(x),
+    "sin": lambda x, a: torch.sin(x),
+    "cast": lambda x, a: x,
+    "mul_scalar": lambda x, a: x * a,
+    "add_scalar": lambda x, a: x + a,
+    "rsub_scalar": lambda x, a: a - x,
+    "div_scalar": lambda x, a: x / a,
+    "pow_scalar": lambda x, a: x.pow(a),
+}
+BINARY_FNS = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+}
+UNARY_CODES = {name: i for i, name in enumerate(UNARY_FNS)}
+BINARY_CODES = {name: i for i, name in enumerate(BINARY_FNS)}
+
+
+def _tiles(op, opts):
+    (out,) = op.outputs
+    n = len(op.inputs)
+    return [Tile(box, reads=tuple((i, box) for i in range(n)), writes=((n, box, "write"),))
+            for box in out_tiles(out.shape, opts.tile_rows, opts.tile_cols)]
+
+
+@register
+class Unary(OpDef):
+    kind, opcode = "unary", 12
+
+    def tiles(self, op, opts):
+        return _tiles(op, opts)
+
+    def params(self, op):
+        return [UNARY_CODES[op.attr("fn")], f32_bits(op.attr("scalar", 0.0))]
+
+    def run_tile(self, t: TileArgs):
+        x, out = t.operands
+        fn = list(UNARY_FNS.values())[t.params[0]]
+        sub(out, t.coords).copy_(fn(sub(x, t.coords).float(), bits_f32(t.params[1])))
+
+
+@register
+class Binary(OpDef):
+    kind, opcode = "binary", 13
+
+    def tiles(self, op, opts):
+        return _tiles(op, opts)
+
+    def params(self, op):
+        return [BINARY_CODES[op.attr("fn")]]
+
+    def run_tile(self, t: TileArgs):
+        a, b, out = t.operands
+        fn = list(BINARY_FNS.values())[t.params[0]]
+        sub(out, t.coords).copy_(fn(sub(a, t.coords).float(), sub(b, t.coords).float()))

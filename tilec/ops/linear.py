@@ -1,0 +1,72 @@
+"""Linear / GEMV: ``out[..., n] = sum_k x[..., k] * W[n, k] (+ bias[n])``.
+
+Operands: x [..., K], W [N, K] (any strides), bias [N] (optional), out [..., N].
+Tiles: all rows x ``tile_n`` output columns. With ``split_k`` > 1 each column tile becomes
+one init tile (variant 1: writes bias or zeros) and ``split_k`` partial tiles (variant 2:
+accumulate a K-slice) - the ``tile_reduce`` case. Coords: the out box, then the K range.
+Params: K, has_bias. Accumulation in float32.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, out_tiles, register, sub
+
+
+@register
+class Linear(OpDef):
+    kind, opcode = "linear", 5
+
+    def tiles(self, op, opts):
+        x, w = op.inputs[0], op.inputs[1]
+        has_bias = len(op.inputs) == 3
+        out_idx = len(op.inputs)
+        (out,) = op.outputs
+        k = x.shape[-1]
+        rows = 1
+        for s in out.shape[:-1]:
+            rows *= s
+        tiles = []
+        for box in out_tiles(out.shape, max(rows, 1), opts.tile_n):
+            n0, n1 = box[-1]
+            lead = box[:-1]
+            bias_read = ((2, ((n0, n1),)),) if has_bias else ()
+            if opts.split_k <= 1 or k < 2 * opts.split_k:
+                tiles.append(Tile(box + ((0, k),), reads=((0, lead + ((0, k),)), (1, ((n0, n1), (0, k)))) + bias_read,
+                                  writes=((out_idx, box, WRITE),)))
+                continue
+            tiles.append(Tile(box + ((0, 0),), reads=bias_read, writes=((out_idx, box, WRITE),), variant=1))
+            for k0, k1 in chunks(k, -(-k // opts.split_k)):
+                tiles.append(Tile(box + ((k0, k1),), reads=((0, lead + ((k0, k1),)), (1, ((n0, n1), (k0, k1)))),
+                                  writes=((out_idx, box, ACCUMULATE),), variant=2))
+        return tiles
+
+    def params(self, op):
+        return [op.inputs[0].shape[-1], int(len(op.inputs) == 3)]
+
+    def run_tile(self, t: TileArgs):
+        has_bias = t.params[1]
+        x, w = t.operands[0], t.operands[1]
+        out = t.operands[-1]
+        box, (k0, k1) = t.coords[:-1], t.coords[-1]
+        n0, n1 = box[-1]
+        o = sub(out, box)
+        if t.variant == 1:
+            o.copy_(t.operands[2][n0:n1].float().expand(o.shape) if has_bias else torch.zeros_like(o))
+            return
+        xs = sub(x, box[:-1] + ((k0, k1),)).float()
+        acc = xs @ w[n0:n1, k0:k1].float().t()
+        if t.variant == 2:
+            o.copy_(o.float() + acc)
+            return
+        if has_bias:
+            acc = acc + t.operands[2][n0:n1].float()
+        o.copy_(acc)
+
+    def cost(self, op, tile):
+        nbytes, _ = super().cost(op, tile)
+        rows = 1
+        for lo, hi in tile.coords[:-2]:
+            rows *= hi - lo
+        (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
+        return nbytes, 2 * rows * (n1 - n0) * (k1 - k0)

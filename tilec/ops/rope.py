@@ -1,0 +1,52 @@
+"""Rotary position embedding on [..., D] rows (RoFormer, arXiv 2104.09864).
+
+style 0, rotate-half (HF ``apply_rotary_pos_emb``): ``out = x*cos + rotate_half(x)*sin``,
+with cos/sin [..., D].
+style 1, interleaved pairs (HF ``apply_rotary_pos_emb_interleave``, DeepSeek/GLM):
+``out[i] = x[2i]*c[i] - x[2i+1]*s[i]``, ``out[D/2+i] = x[2i+1]*c[i] + x[2i]*s[i]``, with
+cos/sin [..., D/2].
+Operands: x, cos, sin (broadcast to x's leading dims), out. Tiles: whole rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import OpDef, Tile, TileArgs, bcast_box, out_tiles, register, sub
+
+ROTATE_HALF, INTERLEAVED = 0, 1
+
+
+@register
+class Rope(OpDef):
+    kind, opcode = "rope", 6
+
+    def tiles(self, op, opts):
+        x, cos, sin = op.inputs
+        (out,) = op.outputs
+        tiles = []
+        for box in out_tiles(out.shape, opts.tile_rows):
+            cbox = bcast_box(cos.shape[:-1], box[:-1]) + ((0, cos.shape[-1]),)
+            sbox = bcast_box(sin.shape[:-1], box[:-1]) + ((0, sin.shape[-1]),)
+            tiles.append(Tile(box, reads=((0, box), (1, cbox), (2, sbox)), writes=((3, box, "write"),)))
+        return tiles
+
+    def params(self, op):
+        return [op.attr("style")]
+
+    def run_tile(self, t: TileArgs):
+        x, cos, sin, out = t.operands
+        box = t.coords
+        xs = sub(x, box).float()
+        c = sub(cos, bcast_box(cos.shape[:-1], box[:-1]) + ((0, cos.shape[-1]),)).float()
+        s = sub(sin, bcast_box(sin.shape[:-1], box[:-1]) + ((0, sin.shape[-1]),)).float()
+        h = xs.shape[-1] // 2
+        if t.params[0] == ROTATE_HALF:
+            y = xs * c + torch.cat([-xs[..., h:], xs[..., :h]], -1) * s
+        else:
+            x1, x2 = xs[..., 0::2], xs[..., 1::2]
+            y = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+        sub(out, box).copy_(y)
+
+    def cost(self, op, tile):
+        nbytes, _ = super().cost(op, tile)
+        return nbytes, 0

@@ -1,0 +1,57 @@
+"""One typed options object for the whole pipeline (hashed into cache keys)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+SCHEDULERS = ("list", "round_robin")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Compile options.
+
+    workers: number of worker queues W (one persistent CTA each on the GPU; 1..1024).
+    scheduler: ``"list"`` (cost-aware list scheduling, default) or ``"round_robin"``.
+    tile_n: output columns per GEMV/GEMM tile.
+    split_k: K splits per GEMV tile (> 1 makes ``tile_reduce`` partial tiles).
+    tile_rows: rows per tile of row-wise ops (norms, elementwise, softmax, RoPE).
+    tile_cols: columns per tile of elementwise ops (None = whole rows).
+    attn_heads_per_tile: KV heads per decode-attention tile.
+    verify: run the stage verifiers after every pass (always on in tests).
+    """
+
+    workers: int = 132
+    scheduler: str = "list"
+    tile_n: int = 64
+    split_k: int = 1
+    tile_rows: int = 4
+    tile_cols: int | None = 1024
+    attn_heads_per_tile: int = 1
+    verify: bool = True
+
+    def __post_init__(self):
+        if not 1 <= self.workers <= 1024:
+            raise ValueError(f"tilec option workers={self.workers}: must be in 1..1024")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"tilec option scheduler={self.scheduler!r}: must be one of {SCHEDULERS}")
+        for name in ("tile_n", "split_k", "tile_rows", "attn_heads_per_tile"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tilec option {name}={getattr(self, name)}: must be >= 1")
+        if self.tile_cols is not None and self.tile_cols < 1:
+            raise ValueError(f"tilec option tile_cols={self.tile_cols}: must be >= 1 or None")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "Options":
+        """Build from a user dict; an unknown key raises ``ValueError`` listing the valid keys."""
+        d = dict(d or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown tilec option(s) {unknown}; valid options: {valid}")
+        return cls(**d)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,80 @@
+"""Linearization (MPK section 4.4).
+
+Requires: a normalized TaskGraph (each task waits on <= 1 event).
+Guarantees: ``order`` is a topological order in which the successors of every event are
+contiguous; each event stores that range as ``[first, last]`` (indices into ``order``).
+Within a group, tasks are ordered by descending bottom level (longest predicted path to
+the end, from ``tilec.cost``) so the scheduler meets critical tasks first.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from ..cost import HOP_US, task_time_us
+from ..errors import VerificationError
+from ..taskgraph import TaskGraph
+
+
+def bottom_levels(tg: TaskGraph) -> dict[int, float]:
+    """Longest predicted time (us) from the start of each task to the end of the graph."""
+    succ_tasks: dict[int, set[int]] = {t.id: set() for t in tg.tasks}
+    for e in tg.events:
+        for p in e.preds:
+            succ_tasks[p] |= e.succs
+    cost = {t.id: task_time_us(t.nbytes, t.flops) for t in tg.tasks}
+    level: dict[int, float] = {}
+    indeg = {t: len(s) for t, s in succ_tasks.items()}
+    preds_of: dict[int, set[int]] = {t.id: set() for t in tg.tasks}
+    for p, ss in succ_tasks.items():
+        for s in ss:
+            preds_of[s].add(p)
+    ready = deque(t for t, n in indeg.items() if n == 0)
+    while ready:
+        t = ready.popleft()
+        level[t] = cost[t] + max((level[s] + HOP_US for s in succ_tasks[t]), default=0.0)
+        for p in preds_of[t]:
+            indeg[p] -= 1
+            if indeg[p] == 0:
+                ready.append(p)
+    if len(level) != len(tg.tasks):
+        raise VerificationError("task graph has a cycle")
+    return level
+
+
+def linearize(tg: TaskGraph) -> TaskGraph:
+    level = bottom_levels(tg)
+    wait_of: dict[int, int] = {}
+    for e in tg.events:
+        for s in e.succs:
+            if s in wait_of:
+                raise VerificationError(f"task t{s} waits on two events; normalize first")
+            wait_of[s] = e.id
+    events = {e.id: e for e in tg.events}
+    trig: dict[int, list[int]] = {}
+    for e in tg.events:
+        for p in e.preds:
+            trig.setdefault(p, []).append(e.id)
+    remaining = {e.id: len(e.preds) for e in tg.events}
+    key = lambda t: (-level[t], t)  # noqa: E731
+    order: list[int] = []
+    ranges: dict[int, tuple[int, int]] = {}
+    queue = deque([None])  # None = the tasks that wait on nothing
+    while queue:
+        eid = queue.popleft()
+        group = sorted((t.id for t in tg.tasks if t.id not in wait_of), key=key) if eid is None \
+            else sorted(events[eid].succs, key=key)
+        if eid is not None:
+            ranges[eid] = (len(order), len(order) + len(group) - 1)
+        order.extend(group)
+        for t in group:
+            for e2 in trig.get(t, ()):
+                remaining[e2] -= 1
+                if remaining[e2] == 0:
+                    queue.append(e2)
+    if len(order) != len(tg.tasks):
+        raise VerificationError(f"linearization placed {len(order)} of {len(tg.tasks)} tasks: the graph has a cycle "
+                                f"or an event that can never trigger")
+    new_events = tuple(dataclasses.replace(e, first=ranges.get(e.id, (-1, -1))[0], last=ranges.get(e.id, (-1, -1))[1])
+                       for e in tg.events)
+    return dataclasses.replace(tg, events=new_events, order=tuple(order))

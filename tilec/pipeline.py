@@ -1,0 +1,81 @@
+"""The compile pipeline, top to bottom, as one flat list of named stages.
+
+    opgraph     OpGraph from the frontend                  (verify_opgraph)
+    tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
+    fused       fuse_events                                (verify_taskgraph "fused")
+    normalized  normalize                                  (verify_taskgraph "normalized")
+    linearized  linearize                                  (verify_taskgraph "linearized")
+    schedule    schedule into W queues
+    plan        encode -> KernelPlan                       (verify_plan)
+
+A hook ``hook(stage_name, ir, seconds)`` sees every stage (print, dump, time). Verifiers
+run after every stage when ``Options.verify`` is on.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .ir import OpGraph
+from .options import Options
+from .passes import fuse_events, linearize, normalize, schedule
+from .plan import KernelPlan, encode
+from .stats import compile_stats
+from .taskgraph import build_taskgraph
+from .verify import verify_opgraph, verify_plan, verify_taskgraph
+
+Hook = Callable[[str, object, float], None]
+
+
+@dataclass
+class Compiled:
+    """Every stage's IR, by name, in pipeline order; ``plan`` and ``stats`` for convenience."""
+
+    stages: dict[str, object] = field(default_factory=dict)
+    plan: KernelPlan | None = None
+    stats: dict = field(default_factory=dict)
+
+
+def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | None = None) -> Compiled:
+    """Runs the pipeline from an OpGraph to a verified KernelPlan.
+
+    Raises:
+        VerificationError: a stage broke an invariant (a compiler bug).
+    """
+    opts = opts or Options()
+    out = Compiled()
+
+    def stage(name: str, fn, *args):
+        t0 = time.perf_counter()
+        ir = fn(*args)
+        dt = time.perf_counter() - t0
+        out.stages[name] = ir
+        if hook:
+            hook(name, ir, dt)
+        return ir
+
+    if opts.verify:
+        verify_opgraph(graph)
+    out.stages["opgraph"] = graph
+    if hook:
+        hook("opgraph", graph, 0.0)
+    tg = stage("tasks", build_taskgraph, graph, opts)
+    if opts.verify:
+        verify_taskgraph(tg, "tasks", opts)
+    tg = stage("fused", fuse_events, tg)
+    if opts.verify:
+        verify_taskgraph(tg, "fused", opts)
+    tg = stage("normalized", normalize, tg)
+    if opts.verify:
+        verify_taskgraph(tg, "normalized", opts)
+    tg = stage("linearized", linearize, tg)
+    if opts.verify:
+        verify_taskgraph(tg, "linearized", opts)
+    sched = stage("schedule", schedule, tg, opts.workers, opts.scheduler)
+    plan = stage("plan", encode, tg, sched)
+    if opts.verify:
+        verify_plan(plan, tg)
+    out.plan = plan
+    out.stats = plan.stats = compile_stats(graph, tg, sched)
+    return out

@@ -1,0 +1,226 @@
+"""KernelPlan: the encoded program a persistent kernel (or the CPU reference) executes.
+
+* ``queues``: int32 ``[W, L, 32]``, one 32-int descriptor per instruction
+  (:data:`DESCRIPTOR` defines the layout once; the C++ header is generated from it),
+  padded with NoOps;
+* ``events``: int32 ``[E, 4]`` = (trigger count per step, first task, last task, unused);
+  a wait in step ``epoch`` (1, 2, ...) is satisfied when the monotonic counter reaches
+  ``epoch * count``, so consecutive steps need no reset;
+* an operand table: int64 ``[R, MAX_OPERANDS, OPERAND_FIELDS]``, one row per op: for each
+  operand its address (bytes; or the value of a scalar), dtype code, rank, sizes and
+  strides (elements). Addresses are recomputed per call by :meth:`KernelPlan.bind` from
+  the bound tensors and the decode position ``p`` - tables never change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops as opreg
+from .errors import TilecError
+from .ir import DTYPE_CODES, OpGraph, ScalarOperand, View
+from .ops import EMPTY, NOOP
+from .passes.schedule import Schedule
+from .taskgraph import TaskGraph
+
+# ---- the single definition of the descriptor layout ------------------------------------
+DESCRIPTOR_WORDS = 32
+MAX_COORDS = 5
+MAX_PARAMS = 13
+DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
+    # (field, first word, number of words)
+    ("opcode", 0, 1),
+    ("variant", 1, 1),
+    ("wait_event", 2, 1),  # -1: no wait
+    ("wait_count", 3, 1),  # triggers per step; the wait target is epoch * wait_count
+    ("signal_event", 4, 1),  # -1: no signal
+    ("operand_row", 5, 1),
+    ("task", 6, 1),  # linearized task index
+    ("op", 7, 1),  # op index in the OpGraph (-1 for empty tasks)
+    ("coords", 8, 2 * MAX_COORDS),  # (lo, hi) pairs of the tile in the op's iteration space
+    ("ncoords", 18, 1),  # number of coordinate ranges in use
+    ("params", 19, MAX_PARAMS),  # op parameters (int32; floats as float32 bits)
+)
+F = {name: (start, n) for name, start, n in DESCRIPTOR}
+assert sum(n for _, _, n in DESCRIPTOR) == DESCRIPTOR_WORDS
+
+MAX_OPERANDS = 8
+MAX_DIMS = 4
+OPERAND: tuple[tuple[str, int, int], ...] = (
+    ("addr", 0, 1),  # byte address (or the scalar's value)
+    ("dtype", 1, 1),  # tilec.ir.DTYPE_CODES; -1 for a scalar
+    ("ndim", 2, 1),
+    ("sizes", 3, MAX_DIMS),
+    ("strides", 3 + MAX_DIMS, MAX_DIMS),  # in elements
+    ("reserved", 3 + 2 * MAX_DIMS, 1),
+)
+OPERAND_FIELDS = 12
+UNUSED_OPERAND, SCALAR_OPERAND = -2, -1  # dtype codes of an empty slot and of a scalar
+OF = {name: (start, n) for name, start, n in OPERAND}
+
+
+@dataclass(frozen=True)
+class OperandBinding:
+    """How one operand-table entry is computed per call."""
+
+    view: View | None
+    scalar: ScalarOperand | None
+    elem_size: int = 0
+
+
+@dataclass
+class KernelPlan:
+    """The encoded program. See the module docstring for the table layouts."""
+
+    graph: OpGraph
+    queues: torch.Tensor  # int32 [W, L, 32]
+    events: torch.Tensor  # int32 [E, 4]
+    operands: list[list[OperandBinding]]  # per operand row
+    op_names: list[str]
+    static_operands: torch.Tensor  # int64 [R, MAX_OPERANDS, OPERAND_FIELDS] (addr = 0)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def workers(self) -> int:
+        return self.queues.shape[0]
+
+    def bind(self, tensors: dict[str, torch.Tensor], position: int) -> torch.Tensor:
+        """The operand table for one call: ``static_operands`` with addresses filled in.
+
+        Args:
+            tensors: buffer name -> tensor holding it (contiguous, matching dtype/shape).
+            position: the decode position p.
+        Raises:
+            TilecError: a buffer is missing, or p is outside [0, max_positions).
+        """
+        if not 0 <= position < self.graph.max_positions:
+            raise TilecError(f"decode position {position} outside the planned range [0, {self.graph.max_positions})")
+        table = self.static_operands.clone()
+        a = OF["addr"][0]
+        for r, row in enumerate(self.operands):
+            for i, b in enumerate(row):
+                if b.scalar is not None:
+                    table[r, i, a] = b.scalar.base + position * b.scalar.pos_scale
+                    continue
+                t = tensors.get(b.view.buffer)
+                if t is None:
+                    raise TilecError(f"no tensor bound for buffer {b.view.buffer}")
+                table[r, i, a] = t.data_ptr() + (b.view.offset + position * b.view.pos_stride) * b.elem_size
+        return table
+
+    def render(self) -> str:
+        lines = [f"kernelplan workers={self.queues.shape[0]} length={self.queues.shape[1]} "
+                 f"events={self.events.shape[0]} operand_rows={len(self.operands)} {{"]
+        op_lo, op_n = F["opcode"]
+        for w in range(self.queues.shape[0]):
+            instrs = []
+            for d in self.queues[w].tolist():
+                if d[0] == NOOP:
+                    continue
+                name = "empty" if d[0] == EMPTY else self.op_names[d[F["op"][0]]]
+                wait = f" wait e{d[2]}>={d[3]}" if d[2] >= 0 else ""
+                sig = f" signal e{d[4]}" if d[4] >= 0 else ""
+                instrs.append(f"#{d[6]} {name}{wait}{sig}")
+            lines.append(f"  w{w}: " + "; ".join(instrs))
+        for e, (count, first, last, _) in enumerate(self.events.tolist()):
+            lines.append(f"  e{e}: count={count} tasks=[{first},{last}]")
+        lines.append("}")
+        return "\n".join(lines)
+
+
+def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
+    """Encodes a scheduled, linearized TaskGraph into a :class:`KernelPlan`.
+
+    Raises:
+        TilecError: an op has more operands, dims, coords or params than the layout holds.
+    """
+    graph = tg.graph
+    op_index = {op.name: i for i, op in enumerate(graph.ops)}
+    index_of = {tid: i for i, tid in enumerate(tg.order)}
+    wait_of, signal_of = {}, {}
+    for e in tg.events:
+        for s in e.succs:
+            wait_of[s] = e
+        for p in e.preds:
+            signal_of[p] = e
+    # operand rows: one per op
+    rows: list[list[OperandBinding]] = []
+    static = torch.zeros(len(graph.ops), MAX_OPERANDS, OPERAND_FIELDS, dtype=torch.int64)
+    static[:, :, OF["dtype"][0]] = UNUSED_OPERAND
+    for r, op in enumerate(graph.ops):
+        operands = opreg.opdef(op.kind).operands(op)
+        if len(operands) > MAX_OPERANDS:
+            raise TilecError(f"op {op.name} has {len(operands)} operands (max {MAX_OPERANDS})")
+        row = []
+        for i, v in enumerate(operands):
+            if isinstance(v, ScalarOperand):
+                row.append(OperandBinding(None, v))
+                static[r, i, OF["dtype"][0]] = SCALAR_OPERAND
+                continue
+            buf = graph.buffers[v.buffer]
+            if len(v.shape) > MAX_DIMS:
+                raise TilecError(f"op {op.name}: operand {v.render()} has more than {MAX_DIMS} dims")
+            es = torch.empty((), dtype=buf.dtype).element_size()
+            row.append(OperandBinding(v, None, es))
+            static[r, i, OF["dtype"][0]] = DTYPE_CODES[buf.dtype]
+            static[r, i, OF["ndim"][0]] = len(v.shape)
+            s0, t0 = OF["sizes"][0], OF["strides"][0]
+            for d, (size, stride) in enumerate(zip(v.shape, v.strides)):
+                static[r, i, s0 + d] = size
+                static[r, i, t0 + d] = stride
+        rows.append(row)
+
+    length = max((len(q) for q in sched.queues), default=0) or 1
+    queues = torch.zeros(len(sched.queues), length, DESCRIPTOR_WORDS, dtype=torch.int32)
+    queues[:, :, F["wait_event"][0]] = -1
+    queues[:, :, F["signal_event"][0]] = -1
+    queues[:, :, F["op"][0]] = -1
+    by_id = {t.id: t for t in tg.tasks}
+    for w, q in enumerate(sched.queues):
+        for j, tid in enumerate(q):
+            t = by_id[tid]
+            d = queues[w, j]
+            d[F["task"][0]] = index_of[tid]
+            if tid in wait_of:
+                d[F["wait_event"][0]] = wait_of[tid].id
+                d[F["wait_count"][0]] = len(wait_of[tid].preds)
+            if tid in signal_of:
+                d[F["signal_event"][0]] = signal_of[tid].id
+            if t.op is None:
+                d[F["opcode"][0]] = EMPTY
+                continue
+            op = graph.ops[op_index[t.op]]
+            od = opreg.opdef(op.kind)
+            d[F["opcode"][0]] = od.opcode
+            d[F["variant"][0]] = t.tile.variant
+            d[F["operand_row"][0]] = op_index[t.op]
+            d[F["op"][0]] = op_index[t.op]
+            if len(t.tile.coords) > MAX_COORDS:
+                raise TilecError(f"op {op.name}: tile has {len(t.tile.coords)} coordinate ranges (max {MAX_COORDS})")
+            c0 = F["coords"][0]
+            d[F["ncoords"][0]] = len(t.tile.coords)
+            for k, (lo, hi) in enumerate(t.tile.coords):
+                d[c0 + 2 * k] = lo
+                d[c0 + 2 * k + 1] = hi
+            params = od.params(op)
+            if len(params) > MAX_PARAMS:
+                raise TilecError(f"op {op.name}: {len(params)} params (max {MAX_PARAMS})")
+            p0 = F["params"][0]
+            for k, v in enumerate(params):
+                d[p0 + k] = v
+    events = torch.zeros(len(tg.events), 4, dtype=torch.int32)
+    for e in tg.events:
+        events[e.id] = torch.tensor([len(e.preds), e.first, e.last, 0], dtype=torch.int32)
+    return KernelPlan(graph, queues, events, rows, [op.name for op in graph.ops], static)
+
+
+def decode_coords(d: list[int]) -> tuple[tuple[int, int], ...]:
+    """The tile's coordinate ranges from one descriptor (a list of 32 ints)."""
+    c0 = F["coords"][0]
+    return tuple((d[c0 + 2 * k], d[c0 + 2 * k + 1]) for k in range(d[F["ncoords"][0]]))
+
+
+def decode_params(d: list[int]) -> tuple[int, ...]:
+    p0, n = F["params"]
+    return tuple(d[p0:p0 + n])

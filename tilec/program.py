@@ -1,0 +1,82 @@
+"""A compiled program: the KernelPlan plus the tensors it binds, callable like the module."""
+from __future__ import annotations
+
+import torch
+
+from .errors import TilecError
+from .frontend import IGNORED, POSITION, GraphBinding
+from .ir import BufferKind
+from .pipeline import Compiled
+from .refexec import ReferenceExecutor
+
+
+class CompiledProgram:
+    """Calls the compiled step: ``program(*args)`` with the same arguments as the captured module.
+
+    Parameters are bound by reference (the module's own tensors). Buffers marked STATE (KV
+    caches) are the caller's tensors, updated in place. Intermediates are owned by the program
+    and poisoned with NaN before each reference run, so an unwritten element cannot pass a test.
+    Returns the outputs as new tensors (a tuple, or one tensor when the module returns one).
+
+    Raises:
+        TilecError: an argument has the wrong shape/dtype/layout, or positions disagree.
+    """
+
+    def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool):
+        self.compiled = compiled
+        self.plan = compiled.plan
+        self.graph = self.plan.graph
+        self.single_output = single_output
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, b in self.graph.buffers.items():
+            if b.kind is BufferKind.PARAM:
+                t = binding.params[name]
+            elif b.kind in (BufferKind.CONST, BufferKind.TABLE):
+                t = self.graph.constants[name]
+            elif b.kind in (BufferKind.TEMP, BufferKind.OUTPUT):
+                t = torch.empty(b.shape, dtype=b.dtype)
+            else:
+                continue
+            self.tensors[name] = t.contiguous()
+        self.executor = ReferenceExecutor(self.plan)
+
+    @property
+    def stats(self) -> dict:
+        return self.compiled.stats
+
+    def bind_args(self, args) -> tuple[dict[str, torch.Tensor], int]:
+        """Checks the call arguments and returns (buffer tensors, decode position)."""
+        want = self.graph.inputs
+        if len(args) != len(want):
+            raise TilecError(f"compiled step takes {len(want)} arguments, got {len(args)}")
+        tensors = dict(self.tensors)
+        positions = set()
+        for i, (name, a) in enumerate(zip(want, args)):
+            if name == IGNORED:
+                continue
+            if name == POSITION:
+                positions.add(int(torch.as_tensor(a).reshape(-1)[0]))
+                continue
+            b = self.graph.buffers[name]
+            if not isinstance(a, torch.Tensor) or tuple(a.shape) != b.shape or a.dtype != b.dtype:
+                got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                raise TilecError(f"argument {i} ({name}): expected {b.dtype}{list(b.shape)}, got {got}")
+            if not a.is_contiguous():
+                raise TilecError(f"argument {i} ({name}) must be contiguous")
+            tensors[name] = a
+        if len(positions) > 1:
+            raise TilecError(f"position arguments disagree: {sorted(positions)}")
+        return tensors, positions.pop() if positions else 0
+
+    def __call__(self, *args):
+        tensors, p = self.bind_args(args)
+        for name, b in self.graph.buffers.items():
+            if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
+                tensors[name].fill_(float("nan"))
+        table = self.plan.bind(tensors, p)
+        self.executor.run(tensors, table)
+        outs = []
+        for v in self.graph.outputs:
+            t = tensors[v.buffer].reshape(-1)
+            outs.append(t.as_strided(v.shape, v.strides, t.storage_offset() + v.offset + p * v.pos_stride).clone())
+        return outs[0] if self.single_output and len(outs) == 1 else tuple(outs)

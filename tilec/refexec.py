@@ -1,0 +1,147 @@
+"""CPU reference executor: runs the *encoded* KernelPlan tile by tile, worker by worker.
+
+It reads only the int32 instruction queues, the event table and the int64 operand table;
+operand tensors are rebuilt from the addresses, dtypes, sizes and strides in the table
+(resolved against the tensors bound for the call, with bounds checks). Each worker runs
+until its next wait is unsatisfied; the sweep repeats until every queue is done. If a whole
+sweep makes no progress it raises :class:`DeadlockError` naming the cycle of
+``(worker, instruction, event)``. Event counters are monotonic across calls: call ``k``
+(epoch ``k``) waits for ``epoch * count``, as the GPU executor does.
+
+This is the validation executor (and the fallback without CUDA); it is not fast.
+"""
+from __future__ import annotations
+
+import bisect
+
+import networkx as nx
+import torch
+
+from . import ops as opreg
+from .errors import DeadlockError, TilecError
+from .ir import CODE_DTYPES
+from .ops import EMPTY, NOOP, TileArgs
+from .plan import OF, SCALAR_OPERAND, UNUSED_OPERAND, F, KernelPlan, decode_coords, decode_params
+
+_W = {name: F[name][0] for name in ("opcode", "variant", "wait_event", "wait_count", "signal_event", "operand_row",
+                                    "task")}
+
+
+class MemoryMap:
+    """Resolves byte addresses from the operand table to views of the bound CPU tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        spans = []
+        for name, t in tensors.items():
+            if t.numel():
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name, t))
+        spans.sort(key=lambda s: s[0])
+        self.spans = spans
+        self.starts = [s[0] for s in spans]
+
+    def view(self, addr: int, dtype: torch.dtype, sizes: list[int], strides: list[int]) -> torch.Tensor:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i < 0 or addr >= self.spans[i][1]:
+            raise TilecError(f"operand address {addr:#x} is not inside any bound tensor")
+        start, end, name, t = self.spans[i]
+        if t.dtype != dtype:
+            raise TilecError(f"operand at {addr:#x} in buffer {name}: table says {dtype}, tensor is {t.dtype}")
+        es = t.element_size()
+        off = (addr - start) // es
+        last = off + sum((s - 1) * st for s, st in zip(sizes, strides) if s > 0)
+        if any(st < 0 for st in strides) or last >= t.numel():
+            raise TilecError(f"operand view sizes={sizes} strides={strides} at element {off} overruns buffer {name} "
+                             f"({t.numel()} elements)")
+        flat = t.reshape(-1)
+        return flat.as_strided(sizes, strides, flat.storage_offset() + off)
+
+
+class ReferenceExecutor:
+    """Executes a :class:`KernelPlan` on the CPU; keeps the event counters between calls."""
+
+    def __init__(self, plan: KernelPlan):
+        self.plan = plan
+        self.counters = torch.zeros(plan.events.shape[0], dtype=torch.int64)
+        self.epoch = 0
+
+    def run(self, tensors: dict[str, torch.Tensor], operand_table: torch.Tensor,
+            queues: torch.Tensor | None = None) -> None:
+        """One step. ``tensors`` maps buffer names to the tensors the operand table points into.
+
+        Raises:
+            DeadlockError: no worker can progress (names the wait cycle).
+            TilecError: an operand address or view is out of bounds.
+        """
+        queues = self.plan.queues if queues is None else queues
+        self.epoch += 1
+        mem = MemoryMap(tensors)
+        q = queues.tolist()
+        table = operand_table.tolist()
+        events = self.plan.events.tolist()
+        counters = self.counters
+        pcs = [0] * len(q)
+        ends = [sum(1 for d in qw if d[0] != NOOP) for qw in q]
+        while True:
+            progress = False
+            for w, qw in enumerate(q):
+                while pcs[w] < ends[w]:
+                    d = qw[pcs[w]]
+                    e = d[_W["wait_event"]]
+                    if e >= 0 and counters[e] < self.epoch * d[_W["wait_count"]]:
+                        break
+                    if d[_W["opcode"]] != EMPTY:
+                        self._execute(d, table, mem)
+                    s = d[_W["signal_event"]]
+                    if s >= 0:
+                        counters[s] += 1
+                    pcs[w] += 1
+                    progress = True
+            if all(pc == end for pc, end in zip(pcs, ends)):
+                break
+            if not progress:
+                raise self._deadlock(q, pcs, ends, events)
+
+    def _execute(self, d: list[int], table: list, mem: MemoryMap) -> None:
+        od = opreg.BY_OPCODE.get(d[_W["opcode"]])
+        if od is None:
+            raise TilecError(f"task {d[_W['task']]}: unknown opcode {d[_W['opcode']]}")
+        operands = []
+        for entry in table[d[_W["operand_row"]]]:
+            code = entry[OF["dtype"][0]]
+            if code == UNUSED_OPERAND:
+                break
+            if code == SCALAR_OPERAND:
+                operands.append(entry[OF["addr"][0]])
+                continue
+            n = entry[OF["ndim"][0]]
+            sizes = entry[OF["sizes"][0]:OF["sizes"][0] + n]
+            strides = entry[OF["strides"][0]:OF["strides"][0] + n]
+            operands.append(mem.view(entry[OF["addr"][0]], CODE_DTYPES[code], sizes, strides))
+        od.run_tile(TileArgs(decode_coords(d), decode_params(d), d[_W["variant"]], operands))
+
+    def _deadlock(self, q, pcs, ends, events) -> DeadlockError:
+        waits_for = nx.DiGraph()
+        blocked = {}
+        for w, qw in enumerate(q):
+            if pcs[w] == ends[w]:
+                continue
+            d = qw[pcs[w]]
+            e = d[_W["wait_event"]]
+            blocked[w] = (pcs[w], e)
+            waits_for.add_node(w)
+            for w2, qw2 in enumerate(q):
+                for i in range(pcs[w2], ends[w2]):
+                    if qw2[i][_W["signal_event"]] == e:
+                        waits_for.add_edge(w, w2)
+        try:
+            cycle_edges = nx.find_cycle(waits_for)
+            cycle = [(w, blocked[w][0], blocked[w][1]) for w, _ in cycle_edges]
+            steps = " -> ".join(f"(worker {w}, instruction {i}, event {e})" for w, i, e in cycle)
+            msg = f"deadlock in step {self.epoch}: wait cycle {steps}"
+        except nx.NetworkXNoCycle:
+            w, (i, e) = next(iter(blocked.items()))
+            cycle = [(w, i, e)]
+            have = int(self.counters[e])
+            msg = (f"deadlock in step {self.epoch}: (worker {w}, instruction {i}, event {e}) waits for "
+                   f"{self.epoch * events[e][0]} signals but only {have} can ever arrive")
+        return DeadlockError(msg, cycle)

@@ -1,0 +1,244 @@
+"""TaskGraph: tiles of every op, the tensor regions they touch, and events between them.
+
+Events are derived from region overlap (read-after-write, write-after-read, write-after-write,
+in program order) and labelled with the pairing strategy of the seed (MegaRTP):
+
+* ``tile``        one producer tile feeds the consumer tile;
+* ``tile_cover``  the consumer region is covered by several disjoint producer tiles
+                  (an RMSNorm row after the N-tiles of a GEMV);
+* ``tile_reduce`` the producer tiles accumulate into the region (split-K partials);
+* ``whole``       the region analysis was not exact (a view it could not map), so the
+                  consumer waits for every producer tile that may overlap (conservative).
+
+Before fusion there is one event per (consumer task, producer op); the passes in
+``tilec.passes`` fuse, normalize and linearize them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops as opreg
+from .ir import Buffer, OpGraph, View, contiguous_strides
+from .ops import ACCUMULATE, Box, Tile
+
+_ENUM_LIMIT = 1 << 16
+
+
+@dataclass(frozen=True)
+class Task:
+    """One tile of one op (``op`` is None for normalization's empty tasks).
+
+    reads / writes are boxes in *buffer* coordinates: ``(buffer, box)`` and
+    ``(buffer, box, access)``; ``nbytes``/``flops`` come from the op's cost rule.
+    """
+
+    id: int
+    op: str | None
+    kind: str
+    tile: Tile | None
+    reads: tuple = ()
+    writes: tuple = ()
+    exact: bool = True
+    nbytes: int = 0
+    flops: int = 0
+
+    def label(self) -> str:
+        if self.op is None:
+            return f"t{self.id} empty"
+        coords = ",".join(f"{lo}:{hi}" for lo, hi in self.tile.coords)
+        v = f" v{self.tile.variant}" if self.tile.variant else ""
+        return f"t{self.id} {self.op}[{coords}]{v}"
+
+
+@dataclass(frozen=True)
+class Event:
+    """A counter: triggered once by each task in ``preds``; ``succs`` wait for all of them.
+
+    After linearization ``first``/``last`` give the contiguous index range of ``succs``.
+    """
+
+    id: int
+    preds: frozenset[int]
+    succs: frozenset[int]
+    strategy: str = "tile"
+    first: int = -1
+    last: int = -1
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    graph: OpGraph
+    tasks: tuple[Task, ...]
+    events: tuple[Event, ...]
+    order: tuple[int, ...] = ()  # linearized task order (empty until linearization)
+    stats: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def waits(self) -> dict[int, list[int]]:
+        """task id -> events it waits on."""
+        out: dict[int, list[int]] = {t.id: [] for t in self.tasks}
+        for e in self.events:
+            for s in e.succs:
+                out[s].append(e.id)
+        return out
+
+    def triggers(self) -> dict[int, list[int]]:
+        """task id -> events it triggers."""
+        out: dict[int, list[int]] = {t.id: [] for t in self.tasks}
+        for e in self.events:
+            for p in e.preds:
+                out[p].append(e.id)
+        return out
+
+    def dependency_count(self) -> int:
+        """Encoded dependencies: one per (event, predecessor) and per (event, successor)."""
+        return sum(len(e.preds) + len(e.succs) for e in self.events)
+
+    def render(self) -> str:
+        lines = ["taskgraph {"]
+        by_id = {t.id: t for t in self.tasks}
+        order = self.order or tuple(sorted(by_id))
+        for i, tid in enumerate(order):
+            lines.append(f"  {i if self.order else tid}: {by_id[tid].label()}")
+        for e in sorted(self.events, key=lambda e: e.id):
+            rng = f" range=[{e.first},{e.last}]" if e.first >= 0 else ""
+            lines.append(f"  e{e.id} {e.strategy}: {_ids(e.preds)} -> {_ids(e.succs)}{rng}")
+        lines.append("}")
+        return "\n".join(lines)
+
+
+def _ids(s) -> str:
+    return "{" + ",".join(f"t{i}" for i in sorted(s)) + "}"
+
+
+# ---- view box -> buffer box --------------------------------------------------------------
+
+def _unravel(flat: int, shape) -> list[int]:
+    out = []
+    for s in reversed(shape):
+        out.append(flat % s if s else 0)
+        flat = flat // s if s else 0
+    return list(reversed(out))
+
+
+def map_box(view: View, box: Box, buf: Buffer, p: int | None = None) -> tuple[Box, bool]:
+    """The buffer-coordinate box covered by ``box`` of ``view``, and whether it is exact.
+
+    ``p`` is the decode position; ``None`` means any position: a dim that moves with p is
+    then covered whole (the conservative choice for dependencies).
+    """
+    shape = buf.shape
+    cs = contiguous_strides(shape)
+    if any(hi <= lo for lo, hi in box):
+        return tuple((0, 0) for _ in shape), True
+    offset = view.offset + (p or 0) * view.pos_stride
+    base = _unravel(offset, shape)
+    ranges: dict[int, tuple[int, int]] = {}
+    ok = True
+    for (lo, hi), size, stride in zip(box, view.shape, view.strides):
+        if stride == 0 or size == 1:
+            if stride and lo:
+                ok = False
+            continue
+        j = next((j for j in range(len(shape)) if cs[j] == stride and shape[j] > 1), None)
+        if j is None or j in ranges or base[j] + hi > shape[j]:
+            ok = False
+            break
+        ranges[j] = (base[j] + lo, base[j] + hi)
+    if ok:
+        out = []
+        for j, s in enumerate(shape):
+            out.append(ranges.get(j, (base[j], base[j] + 1)))
+        if view.pos_stride and p is None:
+            jd = next((j for j in range(len(shape)) if cs[j] == view.pos_stride), None)
+            if jd is None:
+                return tuple((0, s) for s in shape), False
+            out[jd] = (0, shape[jd])
+        return tuple(out), True
+    numel = math.prod(hi - lo for lo, hi in box)
+    if numel <= _ENUM_LIMIT and not (view.pos_stride and p is None):
+        addr = torch.tensor(offset)
+        for (lo, hi), stride in zip(box, view.strides):
+            addr = (addr.unsqueeze(-1) + torch.arange(lo, hi) * stride)
+        addr = addr.flatten().unique()
+        coords = [(addr // cs[j]) % max(shape[j], 1) for j in range(len(shape))]
+        bbox = tuple((int(c.min()), int(c.max()) + 1) for c in coords)
+        return bbox, math.prod(hi - lo for lo, hi in bbox) == addr.numel()
+    return tuple((0, s) for s in shape), False
+
+
+def boxes_overlap(a: Box, b: Box) -> bool:
+    return all(alo < bhi and blo < ahi for (alo, ahi), (blo, bhi) in zip(a, b))
+
+
+# ---- building ----------------------------------------------------------------------------
+
+def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
+    """Splits every op into tiles and derives one event per (consumer task, producer op).
+
+    Raises:
+        VerificationError: if a tile writes through a view that cannot be mapped exactly.
+    """
+    from .errors import VerificationError
+
+    opreg.set_element_sizes({b.name: torch.empty((), dtype=b.dtype).element_size() for b in graph.buffers.values()})
+    tasks: list[Task] = []
+    task_op: list[int] = []
+    for oi, op in enumerate(graph.ops):
+        d = opreg.opdef(op.kind)
+        operands = d.operands(op)
+        for tile in d.tiles(op, opts):
+            reads, writes, exact = [], [], True
+            for idx, box in tile.reads:
+                v = operands[idx]
+                bbox, ex = map_box(v, box, graph.buffers[v.buffer])
+                exact &= ex
+                reads.append((v.buffer, bbox))
+            for idx, box, access in tile.writes:
+                v = operands[idx]
+                bbox, ex = map_box(v, box, graph.buffers[v.buffer])
+                if not ex:
+                    raise VerificationError(f"op {op.name}: tile {tile.coords} writes {v.render()} through a view "
+                                            f"that is not a box of the buffer")
+                writes.append((v.buffer, bbox, access))
+            nbytes, flops = d.cost(op, tile)
+            tasks.append(Task(len(tasks), op.name, op.kind, tile, tuple(reads), tuple(writes), exact, nbytes, flops))
+            task_op.append(oi)
+
+    # accesses per buffer in program order: (task, box, mode, exact)
+    history: dict[str, list[tuple[int, Box, str, bool]]] = {}
+    deps: dict[tuple[int, int], set[int]] = {}  # (consumer task, producer op) -> producer tasks
+    reduce_ops: set[int] = set()
+    inexact: set[tuple[int, int]] = set()
+    for t in tasks:
+        accesses = [(b, box, "read") for b, box in t.reads] + [(b, box, mode) for b, box, mode in t.writes]
+        for buf, box, mode in accesses:
+            for (pt, pbox, pmode, pexact) in history.get(buf, ()):
+                if pt == t.id:
+                    continue
+                conflict = (pmode != "read" or mode != "read") and not (pmode == mode == ACCUMULATE
+                                                                        and task_op[pt] == task_op[t.id])
+                if conflict and boxes_overlap(box, pbox):
+                    key = (t.id, task_op[pt])
+                    deps.setdefault(key, set()).add(pt)
+                    if pmode == ACCUMULATE:
+                        reduce_ops.add(task_op[pt])
+                    if not (pexact and t.exact):
+                        inexact.add(key)
+        for buf, box, mode in accesses:
+            history.setdefault(buf, []).append((t.id, box, mode, t.exact))
+
+    events = []
+    for (consumer, pop), preds in sorted(deps.items()):
+        if (consumer, pop) in inexact:
+            strategy = "whole"
+        elif pop in reduce_ops:
+            strategy = "tile_reduce"
+        elif len(preds) == 1:
+            strategy = "tile"
+        else:
+            strategy = "tile_cover"
+        events.append(Event(len(events), frozenset(preds), frozenset({consumer}), strategy))
+    return TaskGraph(graph, tuple(tasks), tuple(events))

@@ -1,0 +1,171 @@
+"""Stage verifiers. Each raises :class:`VerificationError` with the broken invariant.
+
+* :func:`verify_opgraph` - ops registered, operands inside their buffers at every planned
+  position, every intermediate produced before it is read;
+* :func:`verify_taskgraph` - acyclic, every event has predecessors, every element of each
+  intermediate/output written exactly once per step (cache slots at most once),
+  accumulations inside written regions; after normalization <= 1 wait and <= 1 trigger per
+  task; after linearization a topological order with contiguous event ranges;
+* :func:`verify_plan` - queues follow the global order, every task encoded once, wait and
+  trigger counts equal the number of signalling instructions, and a simulation of the
+  queues (no tile math) completes without deadlock.
+"""
+from __future__ import annotations
+
+import networkx as nx
+import torch
+
+from . import ops as opreg
+from .errors import DeadlockError, VerificationError
+from .ir import BufferKind, OpGraph, View
+from .ops import ACCUMULATE, NOOP, WRITE
+from .plan import F, KernelPlan
+from .taskgraph import TaskGraph, map_box
+
+
+def _max_offset(v: View, p: int) -> int:
+    return v.offset + p * v.pos_stride + sum((s - 1) * st for s, st in zip(v.shape, v.strides) if s > 0)
+
+
+def verify_opgraph(g: OpGraph) -> None:
+    produced = {name for name, b in g.buffers.items() if b.kind not in (BufferKind.TEMP, BufferKind.OUTPUT)}
+    for op in g.ops:
+        if op.kind not in opreg.REGISTRY:
+            raise VerificationError(f"op {op.name}: unknown kind {op.kind}")
+        for v in op.inputs:
+            if v.buffer not in produced:
+                raise VerificationError(f"op {op.name} reads {v.buffer} before any op writes it")
+        for v in (*op.inputs, *op.outputs):
+            buf = g.buffers[v.buffer]
+            for p in {0, g.max_positions - 1}:
+                if v.offset < 0 or _max_offset(v, p) >= buf.numel or any(st < 0 for st in v.strides):
+                    raise VerificationError(f"op {op.name}: view {v.render()} overruns buffer {buf.name} "
+                                            f"{list(buf.shape)} at position {p}")
+        for v in op.outputs:
+            produced.add(v.buffer)
+    for v in g.outputs:
+        if v.buffer not in produced:
+            raise VerificationError(f"output {v.render()} is never written")
+
+
+def _check_writes(tg: TaskGraph, opts) -> None:
+    g = tg.graph
+    counts: dict[str, torch.Tensor] = {}
+    accum: list[tuple[str, tuple]] = []
+    for op in g.ops:
+        d = opreg.opdef(op.kind)
+        operands = d.operands(op)
+        for tile in d.tiles(op, opts):
+            for idx, box, access in tile.writes:
+                v = operands[idx]
+                buf = g.buffers[v.buffer]
+                bbox, exact = map_box(v, box, buf, p=0)
+                if not exact:
+                    raise VerificationError(f"op {op.name}: write box {box} of {v.render()} is not exact")
+                if access == WRITE:
+                    c = counts.setdefault(buf.name, torch.zeros(buf.shape, dtype=torch.int32))
+                    c[tuple(slice(lo, hi) for lo, hi in bbox)] += 1
+                elif access == ACCUMULATE:
+                    accum.append((buf.name, bbox))
+    for name, c in counts.items():
+        buf = g.buffers[name]
+        if int(c.max()) > 1:
+            raise VerificationError(f"buffer {name}: {int((c > 1).sum())} elements written more than once per step")
+        if buf.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and int(c.min()) < 1:
+            raise VerificationError(f"buffer {name}: {int((c < 1).sum())} elements never written")
+    for name, bbox in accum:
+        c = counts.get(name)
+        if c is None or int(c[tuple(slice(lo, hi) for lo, hi in bbox)].min()) < 1:
+            raise VerificationError(f"buffer {name}: accumulation into {bbox} without an initializing write")
+    for b in g.buffers.values():
+        if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.name not in counts and b.numel:
+            raise VerificationError(f"buffer {b.name} is never written")
+
+
+def verify_taskgraph(tg: TaskGraph, stage: str, opts) -> None:
+    """``stage`` is one of ``tasks``, ``fused``, ``normalized``, ``linearized``."""
+    ids = {t.id for t in tg.tasks}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(ids)
+    for e in tg.events:
+        if not e.preds and e.succs:
+            raise VerificationError(f"event e{e.id} has waiters but no task triggers it")
+        if not (e.preds | e.succs) <= ids:
+            raise VerificationError(f"event e{e.id} names unknown tasks")
+        for p in e.preds:
+            for s in e.succs:
+                dag.add_edge(p, s)
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = nx.find_cycle(dag)
+        raise VerificationError(f"task graph has a cycle: {cycle}")
+    if stage == "tasks":
+        _check_writes(tg, opts)
+    if stage in ("normalized", "linearized"):
+        for tid, es in tg.waits().items():
+            if len(es) > 1:
+                raise VerificationError(f"task t{tid} waits on {len(es)} events after normalization")
+        for tid, es in tg.triggers().items():
+            if len(es) > 1:
+                raise VerificationError(f"task t{tid} triggers {len(es)} events after normalization")
+    if stage == "linearized":
+        pos = {tid: i for i, tid in enumerate(tg.order)}
+        if sorted(tg.order) != sorted(ids):
+            raise VerificationError("linearized order is not a permutation of the tasks")
+        for p, s in dag.edges:
+            if pos[p] >= pos[s]:
+                raise VerificationError(f"linearized order puts t{s} before its predecessor t{p}")
+        for e in tg.events:
+            idx = sorted(pos[s] for s in e.succs)
+            if idx and (idx[0] != e.first or idx[-1] != e.last or e.last - e.first + 1 != len(idx)):
+                raise VerificationError(f"event e{e.id}: successors are not the contiguous range [{e.first},{e.last}]")
+
+
+def simulate(plan: KernelPlan, queues: torch.Tensor | None = None) -> None:
+    """Runs the queues' waits and signals (no tile math) for two steps.
+
+    Raises:
+        DeadlockError: naming the cycle of (worker, instruction, event).
+    """
+    from .refexec import ReferenceExecutor
+
+    class _Sim(ReferenceExecutor):
+        def _execute(self, d, table, mem):
+            pass
+
+    sim = _Sim(plan)
+    for _ in range(2):
+        sim.run({}, plan.static_operands, queues)
+
+
+def verify_plan(plan: KernelPlan, tg: TaskGraph) -> None:
+    q = plan.queues.tolist()
+    op_w, task_w, sig_w, wait_w, cnt_w = (F[n][0] for n in ("opcode", "task", "signal_event", "wait_event", "wait_count"))
+    seen: list[int] = []
+    signals = [0] * plan.events.shape[0]
+    for w, qw in enumerate(q):
+        last = -1
+        padded = False
+        for i, d in enumerate(qw):
+            if d[op_w] == NOOP:
+                padded = True
+                continue
+            if padded:
+                raise VerificationError(f"worker {w}: instruction {i} after NoOp padding")
+            if d[task_w] <= last:
+                raise VerificationError(f"worker {w}: instruction {i} (task {d[task_w]}) breaks the global order")
+            last = d[task_w]
+            seen.append(d[task_w])
+            if d[sig_w] >= 0:
+                signals[d[sig_w]] += 1
+            if d[wait_w] >= 0 and d[cnt_w] != int(plan.events[d[wait_w], 0]):
+                raise VerificationError(f"worker {w}: instruction {i} waits for {d[cnt_w]} signals of event "
+                                        f"{d[wait_w]}, whose count is {int(plan.events[d[wait_w], 0])}")
+    if sorted(seen) != list(range(len(tg.tasks))):
+        raise VerificationError(f"plan encodes {len(seen)} instructions for {len(tg.tasks)} tasks")
+    for e, n in enumerate(signals):
+        if n != int(plan.events[e, 0]):
+            raise VerificationError(f"event {e}: trigger count {int(plan.events[e, 0])} but {n} instructions signal it")
+    try:
+        simulate(plan)
+    except DeadlockError as err:
+        raise VerificationError(f"plan simulation: {err}") from err
