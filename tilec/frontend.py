@@ -84,6 +84,7 @@ _VIEW_OPS = {
     aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.alias.default,
     aten.detach.default, aten.narrow.default,
 }
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _IDENTITY = {aten.alias.default, aten.detach.default, aten.clone.default, aten.contiguous.default,
              aten.lift_fresh_copy.default}
@@ -165,9 +166,9 @@ class Lowering:
                 ex = _val(node)
                 out = torch.full(tuple(ex.shape), p, dtype=ex.dtype)
             else:
-                out = self.b.consts[node.name]
+                out = self.b.consts[node.name].cpu()
         elif node.op == "get_attr":
-            out = getattr(self.gm, node.target)
+            out = getattr(self.gm, node.target).cpu()
         else:
             args = fx.node.map_arg(node.args, lambda a: self._evaluate(a, p, cache))
             kwargs = fx.node.map_arg(node.kwargs, lambda a: self._evaluate(a, p, cache))
@@ -289,6 +290,8 @@ class Lowering:
                 return out
         if t in _VIEW_OPS:
             return self._view(node)
+        if t in _SPLITS:
+            return self._split(node)
         if t in _IDENTITY:
             src = self.value(node.args[0])
             if isinstance(src, View) and t is not aten.clone.default and t is not aten.contiguous.default:
@@ -352,6 +355,17 @@ class Lowering:
             copy = self._emit(node, "copy", [src], out_shape=src.shape, out_dtype=buf.dtype, name=f"{node.name}_contig")
             return View(copy.buffer, tuple(_val(node).shape), contiguous_strides(tuple(_val(node).shape)))
         return View(src.buffer, tuple(out.shape), tuple(out.stride()), out.storage_offset(), src.pos_stride)
+
+    def _split(self, node: fx.Node) -> tuple[View, ...]:
+        """``split`` / ``chunk`` / ``unbind``: a tuple of zero-copy views (read by ``getitem``)."""
+        src = self.value(node.args[0])
+        if not isinstance(src, View):
+            self._unsupported(node, "split of a non-tensor value")
+        buf = self.buffers[src.buffer]
+        meta = torch.empty(buf.numel, dtype=buf.dtype, device="meta").as_strided(src.shape, src.strides, src.offset)
+        outs = node.target(meta, *node.args[1:], **node.kwargs)
+        return tuple(View(src.buffer, tuple(o.shape), tuple(o.stride()), o.storage_offset(), src.pos_stride)
+                     for o in outs)
 
     def _bcast(self, arg, node: fx.Node) -> View:
         """An operand expanded (stride 0) to the output shape of ``node``."""

@@ -68,8 +68,9 @@ class HFDecodeStep:
         self.cache = cache
         self.module = StaticCacheStep(model, cache)
         self.max_len = int(_layers(cache)[0].keys.shape[2])
-        ids = torch.zeros(batch_size, 1, dtype=torch.int64)
-        pos = torch.zeros(1, dtype=torch.int64)
+        device = next(model.parameters()).device
+        ids = torch.zeros(batch_size, 1, dtype=torch.int64, device=device)
+        pos = torch.zeros(1, dtype=torch.int64, device=device)
         state = [t.clone() if t.dim() == 0 else t for t in self.module.state()]
         positions = [1] + [2 + i for i, t in enumerate(state) if t.dim() == 0]
         self.program = compile_module(self.module, (ids, pos, *state), positions=positions,

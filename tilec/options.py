@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 SCHEDULERS = ("list", "round_robin")
+EXECUTORS = ("auto", "cuda", "reference")
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,11 @@ class Options:
     tile_cols: columns per tile of elementwise ops (None = whole rows).
     attn_heads_per_tile: KV heads per decode-attention tile.
     verify: run the stage verifiers after every pass (always on in tests).
+    executor: ``"cuda"`` (persistent kernel), ``"reference"`` (CPU reference executor), or
+        ``"auto"``: CUDA when the model's tensors are on a CUDA device.
+    arch: nvcc target architecture (``sm_90a`` = Hopper with wgmma/TMA).
+    watchdog_ms: a device-side event wait longer than this aborts the step with an error.
+    check: synchronize after every CUDA step and raise on a watchdog error (off for timing).
     """
 
     workers: int = 132
@@ -31,6 +37,10 @@ class Options:
     tile_cols: int | None = 1024
     attn_heads_per_tile: int = 1
     verify: bool = True
+    executor: str = "auto"
+    arch: str = "sm_90a"
+    watchdog_ms: int = 2000
+    check: bool = True
 
     def __post_init__(self):
         if not 1 <= self.workers <= 1024:
@@ -40,6 +50,10 @@ class Options:
         for name in ("tile_n", "split_k", "tile_rows", "attn_heads_per_tile"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tilec option {name}={getattr(self, name)}: must be >= 1")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"tilec option executor={self.executor!r}: must be one of {EXECUTORS}")
+        if self.watchdog_ms < 1:
+            raise ValueError(f"tilec option watchdog_ms={self.watchdog_ms}: must be >= 1")
         if self.tile_cols is not None and self.tile_cols < 1:
             raise ValueError(f"tilec option tile_cols={self.tile_cols}: must be >= 1 or None")
 

@@ -27,7 +27,7 @@ from .taskgraph import TaskGraph
 # ---- the single definition of the descriptor layout ------------------------------------
 DESCRIPTOR_WORDS = 32
 MAX_COORDS = 5
-MAX_PARAMS = 13
+MAX_PARAMS = 12
 DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     # (field, first word, number of words)
     ("opcode", 0, 1),
@@ -40,7 +40,8 @@ DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     ("op", 7, 1),  # op index in the OpGraph (-1 for empty tasks)
     ("coords", 8, 2 * MAX_COORDS),  # (lo, hi) pairs of the tile in the op's iteration space
     ("ncoords", 18, 1),  # number of coordinate ranges in use
-    ("params", 19, MAX_PARAMS),  # op parameters (int32; floats as float32 bits)
+    ("dtype_sig", 19, 1),  # operand dtype codes, 4 bits each (selects the device variant)
+    ("params", 20, MAX_PARAMS),  # op parameters (int32; floats as float32 bits)
 )
 F = {name: (start, n) for name, start, n in DESCRIPTOR}
 assert sum(n for _, _, n in DESCRIPTOR) == DESCRIPTOR_WORDS
@@ -80,6 +81,7 @@ class KernelPlan:
     op_names: list[str]
     static_operands: torch.Tensor  # int64 [R, MAX_OPERANDS, OPERAND_FIELDS] (addr = 0)
     stats: dict = field(default_factory=dict)
+    _bind_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def workers(self) -> int:
@@ -87,6 +89,9 @@ class KernelPlan:
 
     def bind(self, tensors: dict[str, torch.Tensor], position: int) -> torch.Tensor:
         """The operand table for one call: ``static_operands`` with addresses filled in.
+
+        The per-tensor-set part is computed once and cached (keyed by the bound data
+        pointers); a new position only updates the entries that move with p.
 
         Args:
             tensors: buffer name -> tensor holding it (contiguous, matching dtype/shape).
@@ -96,18 +101,40 @@ class KernelPlan:
         """
         if not 0 <= position < self.graph.max_positions:
             raise TilecError(f"decode position {position} outside the planned range [0, {self.graph.max_positions})")
+        names = sorted({b.view.buffer for row in self.operands for b in row if b.view is not None})
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise TilecError(f"no tensor bound for buffer(s) {missing}")
+        key = tuple(tensors[n].data_ptr() for n in names)
+        cached = self._bind_cache.get(key)
+        if cached is None:
+            if len(self._bind_cache) > 8:
+                self._bind_cache.clear()
+            cached = self._bind_cache[key] = self._bind_static(tensors)
+        base, idx, delta = cached
+        table = base.clone()
+        if idx.numel():
+            table.view(-1)[idx] += position * delta
+        return table
+
+    def _bind_static(self, tensors):
         table = self.static_operands.clone()
         a = OF["addr"][0]
+        idx, delta = [], []
+        width = self.static_operands.shape[1] * self.static_operands.shape[2]
         for r, row in enumerate(self.operands):
             for i, b in enumerate(row):
+                flat = r * width + i * self.static_operands.shape[2] + a
                 if b.scalar is not None:
-                    table[r, i, a] = b.scalar.base + position * b.scalar.pos_scale
-                    continue
-                t = tensors.get(b.view.buffer)
-                if t is None:
-                    raise TilecError(f"no tensor bound for buffer {b.view.buffer}")
-                table[r, i, a] = t.data_ptr() + (b.view.offset + position * b.view.pos_stride) * b.elem_size
-        return table
+                    table[r, i, a] = b.scalar.base
+                    step = b.scalar.pos_scale
+                else:
+                    table[r, i, a] = tensors[b.view.buffer].data_ptr() + b.view.offset * b.elem_size
+                    step = b.view.pos_stride * b.elem_size
+                if step:
+                    idx.append(flat)
+                    delta.append(step)
+        return table, torch.tensor(idx, dtype=torch.int64), torch.tensor(delta, dtype=torch.int64)
 
     def render(self) -> str:
         lines = [f"kernelplan workers={self.queues.shape[0]} length={self.queues.shape[1]} "
@@ -193,6 +220,7 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
             op = graph.ops[op_index[t.op]]
             od = opreg.opdef(op.kind)
             d[F["opcode"][0]] = od.opcode
+            d[F["dtype_sig"][0]] = dtype_signature(graph, od.operands(op))
             d[F["variant"][0]] = t.tile.variant
             d[F["operand_row"][0]] = op_index[t.op]
             d[F["op"][0]] = op_index[t.op]
@@ -213,6 +241,15 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
     for e in tg.events:
         events[e.id] = torch.tensor([len(e.preds), e.first, e.last, 0], dtype=torch.int32)
     return KernelPlan(graph, queues, events, rows, [op.name for op in graph.ops], static)
+
+
+def dtype_signature(graph: OpGraph, operands) -> int:
+    """Operand dtype codes packed 4 bits each (scalars as 0xF), operand 0 in the low bits."""
+    sig = 0
+    for i, v in enumerate(operands):
+        code = 0xF if isinstance(v, ScalarOperand) else DTYPE_CODES[graph.buffers[v.buffer].dtype]
+        sig |= code << (4 * i)
+    return sig if sig < 2 ** 31 else sig - 2 ** 32
 
 
 def decode_coords(d: list[int]) -> tuple[tuple[int, int], ...]:

@@ -6,6 +6,7 @@ import torch
 from .errors import TilecError
 from .frontend import IGNORED, POSITION, GraphBinding
 from .ir import BufferKind
+from .options import Options
 from .pipeline import Compiled
 from .refexec import ReferenceExecutor
 
@@ -22,23 +23,38 @@ class CompiledProgram:
         TilecError: an argument has the wrong shape/dtype/layout, or positions disagree.
     """
 
-    def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool):
+    def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
+                 progress=None):
+        self.opts = opts = opts or Options()
         self.compiled = compiled
         self.plan = compiled.plan
         self.graph = self.plan.graph
         self.single_output = single_output
+        devices = {t.device for t in (*binding.params.values(), *binding.consts.values())}
+        self.device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+        kind = opts.executor
+        if kind == "auto":
+            kind = "cuda" if self.device.type == "cuda" else "reference"
+        if kind == "cuda" and self.device.type != "cuda":
+            raise TilecError("executor='cuda' needs the model on a CUDA device (its parameters are on the CPU)")
+        self.executor_kind = kind
         self.tensors: dict[str, torch.Tensor] = {}
         for name, b in self.graph.buffers.items():
             if b.kind is BufferKind.PARAM:
                 t = binding.params[name]
             elif b.kind in (BufferKind.CONST, BufferKind.TABLE):
-                t = self.graph.constants[name]
+                t = self.graph.constants[name].to(self.device)
             elif b.kind in (BufferKind.TEMP, BufferKind.OUTPUT):
-                t = torch.empty(b.shape, dtype=b.dtype)
+                t = torch.empty(b.shape, dtype=b.dtype, device=self.device)
             else:
                 continue
             self.tensors[name] = t.contiguous()
-        self.executor = ReferenceExecutor(self.plan)
+        if kind == "cuda":
+            from .cuda import CudaExecutor
+
+            self.executor = CudaExecutor(self.plan, opts, self.device, progress)
+        else:
+            self.executor = ReferenceExecutor(self.plan)
 
     @property
     def stats(self) -> dict:
@@ -63,6 +79,8 @@ class CompiledProgram:
                 raise TilecError(f"argument {i} ({name}): expected {b.dtype}{list(b.shape)}, got {got}")
             if not a.is_contiguous():
                 raise TilecError(f"argument {i} ({name}) must be contiguous")
+            if a.device != self.device:
+                raise TilecError(f"argument {i} ({name}) is on {a.device}, the compiled step runs on {self.device}")
             tensors[name] = a
         if len(positions) > 1:
             raise TilecError(f"position arguments disagree: {sorted(positions)}")
@@ -70,9 +88,10 @@ class CompiledProgram:
 
     def __call__(self, *args):
         tensors, p = self.bind_args(args)
-        for name, b in self.graph.buffers.items():
-            if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
-                tensors[name].fill_(float("nan"))
+        if self.executor_kind == "reference":
+            for name, b in self.graph.buffers.items():
+                if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
+                    tensors[name].fill_(float("nan"))
         table = self.plan.bind(tensors, p)
         self.executor.run(tensors, table)
         outs = []

@@ -207,15 +207,18 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
             tasks.append(Task(len(tasks), op.name, op.kind, tile, tuple(reads), tuple(writes), exact, nbytes, flops))
             task_op.append(oi)
 
-    # accesses per buffer in program order: (task, box, mode, exact)
-    history: dict[str, list[tuple[int, Box, str, bool]]] = {}
+    # earlier accesses per buffer: (task, box, mode, exact); reads and writes kept apart,
+    # since a read conflicts only with earlier writes
+    writes_of: dict[str, list[tuple[int, Box, str, bool]]] = {}
+    reads_of: dict[str, list[tuple[int, Box, str, bool]]] = {}
     deps: dict[tuple[int, int], set[int]] = {}  # (consumer task, producer op) -> producer tasks
     reduce_ops: set[int] = set()
     inexact: set[tuple[int, int]] = set()
     for t in tasks:
         accesses = [(b, box, "read") for b, box in t.reads] + [(b, box, mode) for b, box, mode in t.writes]
         for buf, box, mode in accesses:
-            for (pt, pbox, pmode, pexact) in history.get(buf, ()):
+            earlier = writes_of.get(buf, []) if mode == "read" else writes_of.get(buf, []) + reads_of.get(buf, [])
+            for (pt, pbox, pmode, pexact) in earlier:
                 if pt == t.id:
                     continue
                 conflict = (pmode != "read" or mode != "read") and not (pmode == mode == ACCUMULATE
@@ -228,7 +231,7 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
                     if not (pexact and t.exact):
                         inexact.add(key)
         for buf, box, mode in accesses:
-            history.setdefault(buf, []).append((t.id, box, mode, t.exact))
+            (reads_of if mode == "read" else writes_of).setdefault(buf, []).append((t.id, box, mode, t.exact))
 
     events = []
     for (consumer, pop), preds in sorted(deps.items()):

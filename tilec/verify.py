@@ -63,7 +63,9 @@ def _check_writes(tg: TaskGraph, opts) -> None:
                 if not exact:
                     raise VerificationError(f"op {op.name}: write box {box} of {v.render()} is not exact")
                 if access == WRITE:
-                    c = counts.setdefault(buf.name, torch.zeros(buf.shape, dtype=torch.int32))
+                    if buf.name not in counts:
+                        counts[buf.name] = torch.zeros(buf.shape, dtype=torch.int32)
+                    c = counts[buf.name]
                     c[tuple(slice(lo, hi) for lo, hi in bbox)] += 1
                 elif access == ACCUMULATE:
                     accum.append((buf.name, bbox))

@@ -1,0 +1,135 @@
+"""Decode-step benchmark on a CUDA GPU: prints one table per model.
+
+Rows: eager HF; the same under one CUDA graph; torch.compile (Inductor) under CUDA graphs
+(mode="reduce-overhead"); tilec; the HBM roofline (bytes that must move / measured read
+bandwidth). Each row is the median of many CUDA-event-timed steps after warm-up.
+
+    python benchmarks/decode.py --model llama-3.2-1b --context 1024 [--batch 1] [--skip-inductor]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tilec.hf import compile_decode_step  # noqa: E402
+from tilec.zoo import make_model, prefill  # noqa: E402
+
+
+def time_cuda(fn, iters: int, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls, each between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def read_bandwidth() -> float:
+    """Measured HBM read bandwidth in bytes/s: a sum over 4 GiB (read-bound)."""
+    x = torch.empty(1 << 30, dtype=torch.float32, device="cuda").uniform_()
+    ms = time_cuda(lambda: x.sum(), 20)
+    return x.numel() * 4 / (ms * 1e-3)
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+    """Bytes a decode step must move: every weight once (the tied embedding once as LM head;
+    the embedding lookup reads only ``batch`` rows) plus the KV cache read up to ``context``."""
+    cfg = model.config
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * context * cfg.head_dim * 2
+    return nbytes + kv
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--skip-inductor", action="store_true")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    dev = "cuda"
+    model = make_model(args.model, torch.bfloat16, dev)
+    ctx, B = args.context, args.batch
+    cache, tok = prefill(model, B, ctx, ctx + 64, dev)
+    pos_t = torch.tensor([ctx], device=dev)
+    rows = []
+
+    def eager():
+        with torch.no_grad():
+            return model(tok, past_key_values=cache, cache_position=pos_t, use_cache=True).logits
+
+    counters = [l for l in cache.layers if isinstance(getattr(l, "cumulative_length", None), torch.Tensor)]
+
+    def rewind():  # keep the position fixed at ctx (transformers versions with a counter advance it)
+        for l in counters:
+            l.cumulative_length.fill_(ctx)
+
+    def eager_fixed():
+        rewind()
+        return eager()
+
+    rows.append(("eager", time_cuda(eager_fixed, args.iters)))
+
+    # one CUDA graph of the eager step (the counter reset is captured too)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            eager_fixed()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        eager_fixed()
+    rows.append(("CUDA graph (eager)", time_cuda(g.replay, args.iters)))
+
+    if not args.skip_inductor:
+        t0 = time.time()
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=False)
+
+        def inductor():
+            rewind()
+            with torch.no_grad():
+                return compiled(tok, past_key_values=cache, cache_position=pos_t, use_cache=True).logits
+
+        for _ in range(3):
+            inductor()
+        print(f"inductor compile+warmup {time.time() - t0:.1f}s", flush=True)
+        rows.append(("torch.compile (Inductor, CUDA graphs)", time_cuda(inductor, args.iters)))
+
+    t0 = time.time()
+    step = compile_decode_step(model, cache, B, options=dict(check=False))
+    print(f"tilec compile {time.time() - t0:.1f}s; stats {step.program.stats}", flush=True)
+    step(tok, ctx)
+    step.program.executor.check()
+    rows.append(("tilec", time_cuda(lambda: step(tok, ctx), args.iters)))
+
+    bw = read_bandwidth()
+    nbytes = step_bytes(model, B, ctx)
+    roof = nbytes / bw * 1e3
+    rows.append((f"roofline ({nbytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)", roof))
+    name = torch.cuda.get_device_name()
+    print(f"\n{args.model} decode step, batch {B}, context {ctx}, bf16, {name}")
+    print(f"{'variant':<48} {'ms':>9} {'x roofline':>11}")
+    for label, ms in rows:
+        print(f"{label:<48} {ms:>9.3f} {ms / roof:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Everything the GPU machine should run, in one go (results under $OUT when set).
+# usage: bash benchmarks/run_gpu.sh [smoke|models|bench|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TILEC_CACHE_DIR=${TILEC_CACHE_DIR:-/tmp/tilec-cache}
+OUT=${OUT:-/tmp/tilec-out}; mkdir -p "$OUT"
+what=${1:-all}
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+if [[ $what == smoke || $what == all ]]; then
+  python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tee "$OUT/ops.log" | tail -15
+  python3 -m pytest -x -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py -k "tiny or watchdog" 2>&1 | tee "$OUT/tiny.log" | tail -15
+fi
+if [[ $what == models || $what == all ]]; then
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py -k "not tiny and not watchdog" 2>&1 | tee "$OUT/models.log" | tail -25
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 2>&1 | tee "$OUT/bench.log" | tail -12
+fi

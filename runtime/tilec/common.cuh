@@ -1,0 +1,116 @@
+// tilec runtime: shared device helpers (operands, element access, reductions).
+// Needs the generated layout header (tilec_layout.h) included first.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace tilec {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRows = 64;  // rows of one GEMV tile (flattened leading dims of the out box)
+
+// One operand of the current instruction, decoded from the operand table.
+struct Operand {
+  char* ptr;            // byte address (for a scalar operand: unused)
+  long long scalar;     // value of a scalar operand
+  int dtype;
+  int ndim;
+  int sizes[TILEC_MAX_DIMS];
+  long long strides[TILEC_MAX_DIMS];  // elements
+};
+
+// What an op sees for one instruction.
+struct TileCtx {
+  const int* d;         // the 32-word descriptor (shared memory)
+  Operand* ops;         // decoded operands (shared memory)
+  float* smem;          // dynamic shared memory scratch
+  int smem_floats;
+  __device__ int lo(int k) const { return d[TILEC_W_COORDS + 2 * k]; }
+  __device__ int hi(int k) const { return d[TILEC_W_COORDS + 2 * k + 1]; }
+  __device__ int ncoords() const { return d[TILEC_W_NCOORDS]; }
+  __device__ int param(int k) const { return d[TILEC_W_PARAMS + k]; }
+  __device__ float fparam(int k) const { return __int_as_float(d[TILEC_W_PARAMS + k]); }
+  __device__ int variant() const { return d[TILEC_W_VARIANT]; }
+};
+
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f<long long>(long long v) { return (float)v; }
+template <> __device__ __forceinline__ float to_f<int>(int v) { return (float)v; }
+template <> __device__ __forceinline__ float to_f<bool>(bool v) { return v ? 1.f : 0.f; }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
+
+template <typename T> __device__ __forceinline__ T* base(const Operand& o) { return reinterpret_cast<T*>(o.ptr); }
+
+// Element offset of index (i0..i3) in an operand with up to 4 dims (missing dims are 0).
+__device__ __forceinline__ long long offset4(const Operand& o, const int* idx) {
+  long long off = 0;
+#pragma unroll
+  for (int k = 0; k < TILEC_MAX_DIMS; ++k)
+    if (k < o.ndim) off += (long long)idx[k] * o.strides[k];
+  return off;
+}
+
+// Iterates the elements of a box (given as per-dim lo/hi over `nd` dims): calls f(idx).
+template <typename F>
+__device__ __forceinline__ void for_box(int nd, const int* lo, const int* hi, F f) {
+  long long total = 1;
+  int ext[TILEC_MAX_DIMS];
+  for (int k = 0; k < nd; ++k) { ext[k] = hi[k] - lo[k]; total *= ext[k]; }
+  for (long long e = threadIdx.x; e < total; e += blockDim.x) {
+    long long r = e;
+    int idx[TILEC_MAX_DIMS] = {0, 0, 0, 0};
+    for (int k = nd - 1; k >= 0; --k) { idx[k] = lo[k] + (int)(r % ext[k]); r /= ext[k]; }
+    f(idx);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide reductions (all threads call; `red` is >= kWarps floats of shared memory).
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) red[w] = v;
+  __syncthreads();
+  float t = l < kWarps ? red[l] : 0.f;
+  return warp_sum(t);
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+  v = warp_max(v);
+  int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  __syncthreads();
+  if (l == 0) red[w] = v;
+  __syncthreads();
+  float t = l < kWarps ? red[l] : -INFINITY;
+  return warp_max(t);
+}
+
+// Row offsets of the leading dims of a box: the `r`-th row (row-major over dims 0..nd-2).
+__device__ __forceinline__ void row_index(int r, int nd, const int* lo, const int* hi, int* idx) {
+  for (int k = nd - 2; k >= 0; --k) {
+    int ext = hi[k] - lo[k];
+    idx[k] = lo[k] + r % ext;
+    r /= ext;
+  }
+}
+
+}  // namespace tilec

@@ -1,0 +1,384 @@
+// tilec runtime: device implementations of the tile ops (one function template per op
+// kind; the generated translation unit instantiates the dtype variants a plan uses).
+// Semantics mirror the CPU references in tilec/ops/*.py: storage in the operand dtype,
+// float32 math, rounding to the input dtype where HF rounds.
+#pragma once
+#include "common.cuh"
+
+namespace tilec {
+
+// Loads of values written earlier in the same step go to L2 (ld.global.cg): a stale L1
+// line must never be read after an event wait. Read-only data (weights) may use __ldg.
+template <typename T> __device__ __forceinline__ T ldc(const T* p) { return __ldcg(p); }
+template <> __device__ __forceinline__ bool ldc<bool>(const bool* p) {
+  return __ldcg(reinterpret_cast<const unsigned char*>(p)) != 0;
+}
+template <typename T> __device__ __forceinline__ float ldf(const Operand& o, long long off) {
+  return to_f<T>(ldc<T>(base<T>(o) + off));
+}
+template <typename T> __device__ __forceinline__ void stf(const Operand& o, long long off, float v) {
+  base<T>(o)[off] = from_f<T>(v);
+}
+template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f<T>(from_f<T>(v)); }
+
+__device__ __forceinline__ void box_of(const TileCtx& c, int nd, int* lo, int* hi) {
+  for (int k = 0; k < nd; ++k) { lo[k] = c.lo(k); hi[k] = c.hi(k); }
+}
+
+// ---- embedding: out[..., c] = W[ids[...], c] ----------------------------------------
+template <typename TW, typename TI, typename TO>
+__device__ void op_embedding(TileCtx& c) {
+  const Operand &w = c.ops[0], &ids = c.ops[1], &out = c.ops[2];
+  int nd = out.ndim, lo[4], hi[4];
+  box_of(c, nd, lo, hi);
+  for_box(nd, lo, hi, [&](const int* idx) {
+    long long id = (long long)ldc<TI>(base<TI>(ids) + offset4(ids, idx));
+    float v = to_f<TW>(base<TW>(w)[id * w.strides[0] + (long long)idx[nd - 1] * w.strides[1]]);
+    stf<TO>(out, offset4(out, idx), v);
+  });
+}
+
+// ---- row-wise ops: rows of the out box's leading dims, whole last dim --------------
+template <typename F>
+__device__ __forceinline__ void for_rows(const TileCtx& c, int nd, F f) {
+  int lo[4], hi[4];
+  box_of(c, nd, lo, hi);
+  int rows = 1;
+  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  for (int r = 0; r < rows; ++r) {
+    int idx[4] = {0, 0, 0, 0};
+    row_index(r, nd, lo, hi, idx);
+    idx[nd - 1] = 0;
+    f(idx);
+    __syncthreads();
+  }
+}
+
+template <typename TX, typename TW, typename TO>
+__device__ void op_rmsnorm(TileCtx& c) {
+  const Operand &x = c.ops[0], &w = c.ops[1], &out = c.ops[2];
+  const int nd = out.ndim, D = out.sizes[nd - 1];
+  const float eps = c.fparam(0);
+  for_rows(c, nd, [&](int* idx) {
+    long long xo = offset4(x, idx), oo = offset4(out, idx);
+    long long xs = x.strides[nd - 1], os = out.strides[nd - 1];
+    float ss = 0.f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) { float v = ldf<TX>(x, xo + d * xs); ss += v * v; }
+    ss = block_sum(ss, c.smem);
+    float r = rsqrtf(ss / D + eps);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      float v = round_to<TX>(ldf<TX>(x, xo + d * xs) * r);
+      stf<TO>(out, oo + d * os, v * to_f<TW>(base<TW>(w)[d * w.strides[0]]));
+    }
+  });
+}
+
+template <typename TX, typename TW, typename TB, typename TO, bool kBias>
+__device__ void layernorm_impl(TileCtx& c) {
+  const Operand &x = c.ops[0], &w = c.ops[1];
+  const Operand &out = c.ops[kBias ? 3 : 2];
+  const int nd = out.ndim, D = out.sizes[nd - 1];
+  const float eps = c.fparam(0);
+  for_rows(c, nd, [&](int* idx) {
+    long long xo = offset4(x, idx), oo = offset4(out, idx);
+    long long xs = x.strides[nd - 1], os = out.strides[nd - 1];
+    float s = 0.f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) s += ldf<TX>(x, xo + d * xs);
+    float mean = block_sum(s, c.smem) / D;
+    float v2 = 0.f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) { float t = ldf<TX>(x, xo + d * xs) - mean; v2 += t * t; }
+    float r = rsqrtf(block_sum(v2, c.smem) / D + eps);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      float y = (ldf<TX>(x, xo + d * xs) - mean) * r * to_f<TW>(base<TW>(w)[d * w.strides[0]]);
+      if constexpr (kBias) y += to_f<TB>(base<TB>(c.ops[2])[d * c.ops[2].strides[0]]);
+      stf<TO>(out, oo + d * os, y);
+    }
+  });
+}
+template <typename TX, typename TW, typename TO>
+__device__ void op_layernorm(TileCtx& c) { layernorm_impl<TX, TW, TW, TO, false>(c); }
+template <typename TX, typename TW, typename TB, typename TO>
+__device__ void op_layernorm(TileCtx& c) { layernorm_impl<TX, TW, TB, TO, true>(c); }
+
+template <typename TX, typename TO>
+__device__ void op_softmax(TileCtx& c) {
+  const Operand &x = c.ops[0], &out = c.ops[1];
+  const int nd = out.ndim, D = out.sizes[nd - 1];
+  for_rows(c, nd, [&](int* idx) {
+    long long xo = offset4(x, idx), oo = offset4(out, idx), xs = x.strides[nd - 1], os = out.strides[nd - 1];
+    float m = -INFINITY;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) m = fmaxf(m, ldf<TX>(x, xo + d * xs));
+    m = block_max(m, c.smem);
+    float s = 0.f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) s += __expf(ldf<TX>(x, xo + d * xs) - m);
+    s = block_sum(s, c.smem);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) stf<TO>(out, oo + d * os, __expf(ldf<TX>(x, xo + d * xs) - m) / s);
+  });
+}
+
+// ---- RoPE: rotate-half (style 0) or interleaved pairs (style 1) --------------------
+template <typename TX, typename TC, typename TS, typename TO>
+__device__ void op_rope(TileCtx& c) {
+  const Operand &x = c.ops[0], &cs = c.ops[1], &sn = c.ops[2], &out = c.ops[3];
+  const int nd = out.ndim, D = out.sizes[nd - 1], h = D / 2, style = c.param(0);
+  for_rows(c, nd, [&](int* idx) {
+    long long xo = offset4(x, idx), oo = offset4(out, idx), co = offset4(cs, idx), so = offset4(sn, idx);
+    long long xs = x.strides[nd - 1], os = out.strides[nd - 1], cst = cs.strides[nd - 1], sst = sn.strides[nd - 1];
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+      float a, b, c0, s0, c1, s1;
+      if (style == 0) {
+        a = ldf<TX>(x, xo + i * xs); b = ldf<TX>(x, xo + (i + h) * xs);
+        c0 = ldf<TC>(cs, co + i * cst); s0 = ldf<TS>(sn, so + i * sst);
+        c1 = ldf<TC>(cs, co + (i + h) * cst); s1 = ldf<TS>(sn, so + (i + h) * sst);
+      } else {
+        a = ldf<TX>(x, xo + 2 * i * xs); b = ldf<TX>(x, xo + (2 * i + 1) * xs);
+        c0 = c1 = ldf<TC>(cs, co + i * cst); s0 = s1 = ldf<TS>(sn, so + i * sst);
+      }
+      stf<TO>(out, oo + i * os, a * c0 - b * s0);
+      stf<TO>(out, oo + (i + h) * os, b * c1 + a * s1);
+    }
+  });
+}
+
+// ---- elementwise -----------------------------------------------------------------------
+template <typename F>
+__device__ __forceinline__ void for_out_box(const TileCtx& c, const Operand& out, F f) {
+  int lo[4], hi[4];
+  box_of(c, out.ndim, lo, hi);
+  for_box(out.ndim, lo, hi, f);
+}
+
+template <typename TG, typename TU, typename TO>
+__device__ void op_silu_mul(TileCtx& c) {
+  const Operand &g = c.ops[0], &u = c.ops[1], &out = c.ops[2];
+  for_out_box(c, out, [&](const int* idx) {
+    float gv = ldf<TG>(g, offset4(g, idx));
+    float s = round_to<TG>(gv / (1.f + __expf(-gv)));
+    stf<TO>(out, offset4(out, idx), s * ldf<TU>(u, offset4(u, idx)));
+  });
+}
+
+__device__ __forceinline__ float unary_fn(int fn, float x, float a) {
+  // codes follow tilec/ops/ewise.py UNARY_FNS order
+  switch (fn) {
+    case 0: return -x;
+    case 1: return x / (1.f + __expf(-x));
+    case 2: return fmaxf(x, 0.f);
+    case 3: return 0.5f * x * (1.f + erff(x * 0.70710678118f));
+    case 4: return 0.5f * x * (1.f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+    case 5: return 1.f / (1.f + __expf(-x));
+    case 6: return tanhf(x);
+    case 7: return __expf(x);
+    case 8: return rsqrtf(x);
+    case 9: return sqrtf(x);
+    case 10: return cosf(x);
+    case 11: return sinf(x);
+    case 12: return x;
+    case 13: return x * a;
+    case 14: return x + a;
+    case 15: return a - x;
+    case 16: return x / a;
+    case 17: return powf(x, a);
+  }
+  return x;
+}
+
+template <typename TX, typename TO>
+__device__ void op_unary(TileCtx& c) {
+  const Operand &x = c.ops[0], &out = c.ops[1];
+  const int fn = c.param(0);
+  const float a = c.fparam(1);
+  for_out_box(c, out, [&](const int* idx) {
+    stf<TO>(out, offset4(out, idx), unary_fn(fn, ldf<TX>(x, offset4(x, idx)), a));
+  });
+}
+
+template <typename TA, typename TB, typename TO>
+__device__ void op_binary(TileCtx& c) {
+  const Operand &a = c.ops[0], &b = c.ops[1], &out = c.ops[2];
+  const int fn = c.param(0);
+  for_out_box(c, out, [&](const int* idx) {
+    float x = ldf<TA>(a, offset4(a, idx)), y = ldf<TB>(b, offset4(b, idx)), r;
+    switch (fn) {  // tilec/ops/ewise.py BINARY_FNS order
+      case 0: r = x + y; break;
+      case 1: r = x - y; break;
+      case 2: r = x * y; break;
+      case 3: r = x / y; break;
+      case 4: r = fmaxf(x, y); break;
+      default: r = fminf(x, y); break;
+    }
+    stf<TO>(out, offset4(out, idx), r);
+  });
+}
+
+template <typename TX, typename TO>
+__device__ void op_copy(TileCtx& c) {
+  const Operand &x = c.ops[0], &out = c.ops[1];
+  for_out_box(c, out, [&](const int* idx) { stf<TO>(out, offset4(out, idx), ldf<TX>(x, offset4(x, idx))); });
+}
+
+template <typename TS, typename TD>
+__device__ void op_cache_write(TileCtx& c) {
+  const Operand &s = c.ops[0], &d = c.ops[1];
+  for_out_box(c, d, [&](const int* idx) { stf<TD>(d, offset4(d, idx), ldf<TS>(s, offset4(s, idx))); });
+}
+
+// concat: variant i copies input i into its slab [lo, hi) of the out dim
+template <typename TI, typename TO>
+__device__ void op_concat(TileCtx& c) {
+  const int i = c.variant(), dim = c.param(0);
+  int n_in = 0;
+  while (n_in < TILEC_MAX_OPERANDS && c.ops[n_in].dtype != TILEC_UNUSED_OPERAND) ++n_in;
+  const Operand &x = c.ops[i], &out = c.ops[n_in - 1];
+  const int start = c.lo(dim);
+  for_out_box(c, out, [&](const int* idx) {
+    int j[4] = {idx[0], idx[1], idx[2], idx[3]};
+    j[dim] -= start;
+    stf<TO>(out, offset4(out, idx), ldf<TI>(x, offset4(x, j)));
+  });
+}
+
+// ---- linear / GEMV: out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) ------------------------
+// One warp per output column n; the tile's rows (<= kMaxRows, processed kRowsPerPass at a
+// time) accumulate in registers; lanes stride over K. bf16 weights with unit K-stride and
+// 16-byte alignment stream as 8-element vectors.
+constexpr int kRowsPerPass = 8;
+
+template <typename TX, typename TW, typename TB, typename TO, bool kBias>
+__device__ void linear_impl(TileCtx& c) {
+  const Operand &x = c.ops[0], &w = c.ops[1];
+  const Operand &out = c.ops[kBias ? 3 : 2];
+  const int nd = out.ndim;
+  int lo[4], hi[4];
+  box_of(c, nd, lo, hi);
+  const int n0 = lo[nd - 1], n1 = hi[nd - 1];
+  const int k0 = c.lo(nd), k1 = c.hi(nd);
+  const int variant = c.variant();
+  int rows = 1;
+  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  long long* xoff = reinterpret_cast<long long*>(c.smem);
+  long long* ooff = xoff + kMaxRows;
+  const long long xk = x.strides[x.ndim - 1], wn = w.strides[0], wk = w.strides[1], on = out.strides[nd - 1];
+  for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const int nr = min(kMaxRows, rows - r0);
+    __syncthreads();
+    for (int r = threadIdx.x; r < nr; r += blockDim.x) {
+      int idx[4] = {0, 0, 0, 0};
+      row_index(r0 + r, nd, lo, hi, idx);
+      idx[nd - 1] = 0;
+      xoff[r] = offset4(x, idx);
+      ooff[r] = offset4(out, idx);
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int n = n0 + warp; n < n1; n += kWarps) {
+      const TW* wrow = base<TW>(w) + (long long)n * wn;
+      float bias = 0.f;
+      if constexpr (kBias) bias = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+      for (int m0 = 0; m0 < nr; m0 += kRowsPerPass) {
+        float acc[kRowsPerPass];
+#pragma unroll
+        for (int m = 0; m < kRowsPerPass; ++m) acc[m] = 0.f;
+        if (variant != 1) {
+          bool vec = sizeof(TW) == 2 && wk == 1 && ((k1 - k0) % 8 == 0) &&
+                     ((reinterpret_cast<uintptr_t>(wrow + k0) & 15) == 0);
+          if (vec) {
+            for (int k = k0 + lane * 8; k < k1; k += 32 * 8) {
+              uint4 raw = __ldg(reinterpret_cast<const uint4*>(wrow + k));
+              const TW* wv = reinterpret_cast<const TW*>(&raw);
+#pragma unroll
+              for (int m = 0; m < kRowsPerPass; ++m) {
+                if (m0 + m < nr) {
+                  const long long xo = xoff[m0 + m];
+#pragma unroll
+                  for (int e = 0; e < 8; ++e) acc[m] += ldf<TX>(x, xo + (long long)(k + e) * xk) * to_f<TW>(wv[e]);
+                }
+              }
+            }
+          } else {
+            for (int k = k0 + lane; k < k1; k += 32) {
+              float wv = to_f<TW>(wrow[(long long)k * wk]);
+#pragma unroll
+              for (int m = 0; m < kRowsPerPass; ++m)
+                if (m0 + m < nr) acc[m] += ldf<TX>(x, xoff[m0 + m] + (long long)k * xk) * wv;
+            }
+          }
+#pragma unroll
+          for (int m = 0; m < kRowsPerPass; ++m) acc[m] = warp_sum(acc[m]);
+        }
+        if (lane == 0) {
+          for (int m = 0; m < kRowsPerPass && m0 + m < nr; ++m) {
+            long long o = ooff[m0 + m] + (long long)n * on;
+            if (variant == 0) stf<TO>(out, o, acc[m] + bias);
+            else if (variant == 1) stf<TO>(out, o, bias);
+            else atomicAdd(reinterpret_cast<float*>(out.ptr) + o, acc[m]);  // split-K: float32 out only
+          }
+        }
+      }
+    }
+  }
+}
+template <typename TX, typename TW, typename TO>
+__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TW, TO, false>(c); }
+template <typename TX, typename TW, typename TB, typename TO>
+__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TB, TO, true>(c); }
+
+// ---- decode attention over a static KV cache (GQA) -------------------------------------
+// Per (batch, KV head): for each of the G query heads and Sq queries, scores over the
+// visible positions go to shared memory, then a block softmax and the V reduction.
+template <typename TQ, typename TK, typename TV, typename TO>
+__device__ void op_attention(TileCtx& c) {
+  const Operand &q = c.ops[0], &k = c.ops[1], &v = c.ops[2], &out = c.ops[3];
+  const long long valid = c.ops[4].scalar;
+  const float scale = c.fparam(0);
+  const int causal = c.param(1);
+  const int Hq = q.sizes[1], Sq = q.sizes[2], D = q.sizes[3], Hkv = k.sizes[1], S = k.sizes[2], Dv = v.sizes[3];
+  const int G = Hq / Hkv;
+  const int n = causal ? (int)min((long long)S, valid + Sq - 1) : S;
+  float* scores = c.smem + 2 * kWarps;
+  float* red = c.smem;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int b = c.lo(0); b < c.hi(0); ++b)
+    for (int h = c.lo(1); h < c.hi(1); ++h)
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < Sq; ++i) {
+          const int hq = h * G + g;
+          const long long limit = causal ? valid + i : S;
+          int qi[4] = {b, hq, i, 0};
+          const long long qo = offset4(q, qi);
+          for (int j = warp; j < n; j += kWarps) {
+            int ki[4] = {b, h, j, 0};
+            const long long ko = offset4(k, ki);
+            float s = 0.f;
+            for (int d = lane; d < D; d += 32)
+              s += ldf<TQ>(q, qo + d * q.strides[3]) * ldf<TK>(k, ko + d * k.strides[3]);
+            s = warp_sum(s) * scale;
+            if (lane == 0) scores[j] = j < limit ? s : -INFINITY;
+          }
+          __syncthreads();
+          float m = -INFINITY;
+          for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, scores[j]);
+          m = block_max(m, red);
+          float sum = 0.f;
+          for (int j = threadIdx.x; j < n; j += blockDim.x) {
+            float p = scores[j] == -INFINITY ? 0.f : __expf(scores[j] - m);
+            scores[j] = p;
+            sum += p;
+          }
+          sum = block_sum(sum, red + kWarps);
+          const float inv = 1.f / sum;
+          int oi[4] = {b, hq, i, 0};
+          const long long oo = offset4(out, oi);
+          for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
+            float acc = 0.f;
+            for (int j = 0; j < n; ++j) {
+              int vi[4] = {b, h, j, d};
+              acc += scores[j] * ldf<TV>(v, offset4(v, vi));
+            }
+            stf<TO>(out, oo + d * out.strides[3], acc * inv);
+          }
+          __syncthreads();
+        }
+}
+
+}  // namespace tilec

@@ -1,0 +1,122 @@
+"""One test per tile op on the CUDA executor against eager torch, on random inputs at
+several shapes (including sizes that are not multiples of the tile sizes)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilec.api import compile_module
+
+DEV = "cuda"
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def tol(dtype):
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def check(mod, args, dtype, **opts):
+    mod = mod.to(DEV)
+    args = tuple(a.to(DEV) for a in args)
+    prog = compile_module(mod, args, options=dict(executor="cuda", **opts))
+    with torch.no_grad():
+        want = mod(*args)
+    got = prog(*args)
+    assert prog.executor_kind == "cuda"
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert torch.isfinite(g.float()).all()
+        assert rel(g, w) < tol(dtype), rel(g, w)
+    return prog
+
+
+class Lin(torch.nn.Module):
+    def __init__(self, k, n, bias, dtype):
+        super().__init__()
+        self.l = torch.nn.Linear(k, n, bias=bias, dtype=dtype)
+
+    def forward(self, x):
+        return self.l(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n,bias,tile_n", [(1, 256, 100, False, 64), (3, 72, 130, True, 32), (16, 512, 64, False, 16)])
+def test_linear(dtype, m, k, n, bias, tile_n):
+    check(Lin(k, n, bias, dtype), (torch.randn(m, k, dtype=dtype),), dtype, tile_n=tile_n)
+
+
+def test_linear_split_k_fp32():
+    prog = check(Lin(1000, 96, True, torch.float32), (torch.randn(2, 1000),), torch.float32, tile_n=32, split_k=4)
+    assert any("tile_reduce" in e.strategy for e in prog.compiled.stages["tasks"].events)
+
+
+class Norms(torch.nn.Module):
+    def __init__(self, d, dtype):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d, dtype=dtype))
+        self.ln = torch.nn.LayerNorm(d, dtype=dtype)
+        torch.nn.init.normal_(self.ln.weight)
+        torch.nn.init.normal_(self.ln.bias)
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        r = self.w * h.to(x.dtype)
+        return r, self.ln(x), torch.softmax(x, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (2, 3, 100)])
+def test_rmsnorm_layernorm_softmax(dtype, shape):
+    prog = check(Norms(shape[-1], dtype), (torch.randn(*shape, dtype=dtype),), dtype, tile_rows=2)
+    kinds = {op.kind for op in prog.graph.ops}
+    assert {"rmsnorm", "layernorm", "softmax"} <= kinds
+
+
+class Rope(torch.nn.Module):
+    def forward(self, x, cos, sin, c2, s2):
+        h = x.shape[-1] // 2
+        a = x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        b = torch.cat([x1 * c2 - x2 * s2, x2 * c2 + x1 * s2], -1)
+        return a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope(dtype):
+    x = torch.randn(2, 4, 1, 64, dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    cos, sin = torch.randn(2, 1, 1, 64, dtype=dtype), torch.randn(2, 1, 1, 64, dtype=dtype)
+    c2, s2 = torch.randn(2, 1, 1, 32, dtype=dtype), torch.randn(2, 1, 1, 32, dtype=dtype)
+    prog = check(Rope(), (x, cos, sin, c2, s2), dtype)
+    assert sorted(op.attr("style") for op in prog.graph.ops if op.kind == "rope") == [0, 1]
+
+
+class Ewise(torch.nn.Module):
+    def forward(self, g, u, b):
+        return F.silu(g) * u, (g + b) * 0.5 - u, torch.exp(b) / 3.0, torch.relu(-g), F.gelu(u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1000, 4096])
+def test_elementwise(dtype, n):
+    g, u = torch.randn(2, n, dtype=dtype), torch.randn(2, n, dtype=dtype)
+    b = torch.randn(1, n, dtype=dtype)
+    check(Ewise(), (g, u, b), dtype, tile_cols=333)
+
+
+class Emb(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.e = torch.nn.Embedding(1000, 96, dtype=dtype)
+
+    def forward(self, ids, y):
+        return self.e(ids), torch.cat([y, y * 2], dim=1), y.transpose(0, 1).contiguous().view(-1) + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_concat_copy(dtype):
+    check(Emb(dtype), (torch.randint(0, 1000, (3, 1)), torch.randn(5, 7, dtype=dtype)), dtype, tile_cols=40)

@@ -1,0 +1,95 @@
+"""Rendering of the generated sources (see the package docstring)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import torch
+
+from .. import __version__
+from .. import ops as opreg
+from ..errors import TilecError
+from ..ir import ScalarOperand
+from ..plan import (DESCRIPTOR, DESCRIPTOR_WORDS, MAX_DIMS, MAX_OPERANDS, OPERAND, OPERAND_FIELDS, SCALAR_OPERAND,
+                    UNUSED_OPERAND, KernelPlan, dtype_signature)
+
+ABI_VERSION = 1
+C_TYPES = {
+    torch.float32: "float",
+    torch.bfloat16: "__nv_bfloat16",
+    torch.float16: "__half",
+    torch.int64: "long long",
+    torch.int32: "int",
+    torch.bool: "bool",
+}
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One device instantiation: ``tilec::{function}<{types}>`` for ops of ``kind`` with dtype signature ``sig``."""
+
+    kind: str
+    sig: int
+    function: str
+    types: tuple[str, ...]
+
+
+def _ctype(dtype: torch.dtype, op_name: str) -> str:
+    if dtype not in C_TYPES:
+        raise TilecError(f"op {op_name}: dtype {dtype} has no CUDA implementation yet")
+    return C_TYPES[dtype]
+
+
+def variants(plan: KernelPlan) -> list[Variant]:
+    """The (op kind, dtype signature) variants used by ``plan``, in a stable order."""
+    g = plan.graph
+    seen: dict[tuple[str, int], Variant] = {}
+    for op in g.ops:
+        operands = opreg.opdef(op.kind).operands(op)
+        tensors = [v for v in operands if not isinstance(v, ScalarOperand)]
+        dtypes = [g.buffers[v.buffer].dtype for v in tensors]
+        if op.kind == "concat":
+            if len(set(dtypes[:-1])) != 1:
+                raise TilecError(f"op {op.name}: concat inputs of mixed dtypes {dtypes[:-1]}")
+            dtypes = [dtypes[0], dtypes[-1]]
+        key = (op.kind, dtype_signature(g, operands))
+        if key not in seen:
+            seen[key] = Variant(op.kind, key[1], f"op_{op.kind}", tuple(_ctype(d, op.name) for d in dtypes))
+    return sorted(seen.values(), key=lambda v: (opreg.opdef(v.kind).opcode, v.sig))
+
+
+def _render(name: str, **ctx) -> str:
+    try:
+        return _ENV.get_template(name).render(**ctx)
+    except jinja2.TemplateError as e:
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise TilecError(f"codegen template {name}{where}: {e}; context keys: {sorted(ctx)}") from e
+
+
+def render(plan: KernelPlan) -> dict[str, str]:
+    """Sources for ``plan``: ``{"tilec_layout.h": ..., "program.cu": ...}``."""
+    layout = _render(
+        "layout.h.j2",
+        version=__version__,
+        descriptor_words=DESCRIPTOR_WORDS,
+        descriptor=DESCRIPTOR,
+        max_operands=MAX_OPERANDS,
+        max_dims=MAX_DIMS,
+        operand_fields=OPERAND_FIELDS,
+        operand=OPERAND,
+        unused_operand=UNUSED_OPERAND,
+        scalar_operand=SCALAR_OPERAND,
+        noop=opreg.NOOP,
+        empty=opreg.EMPTY,
+        opcodes=sorted((d.kind, d.opcode) for d in opreg.REGISTRY.values()),
+    )
+    program = _render("program.cu.j2", version=__version__, variants=variants(plan), abi_version=ABI_VERSION)
+    return {"tilec_layout.h": layout, "program.cu": program}

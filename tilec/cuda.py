@@ -1,0 +1,101 @@
+"""The CUDA executor: builds the plan's persistent kernel and launches it per step.
+
+The generated library is loaded with ctypes through a plain C ABI; the launch goes on
+``torch.cuda.current_stream()``. The instruction queues live on the device once; the
+operand table is re-bound per call (new input tensors or a new decode position change
+data, never code). Event counters are monotonic across steps (epoch-based targets).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import codegen
+from .errors import TilecError
+from .ops import attention as _attention  # noqa: F401
+from .plan import KernelPlan
+
+_ERR_INTS = 10  # ErrorRecord: 6 int32 + 2 int64
+
+
+class WatchdogError(TilecError):
+    """A device wait exceeded the watchdog bound; names the worker, instruction, event, op and FX node."""
+
+
+class CudaExecutor:
+    """Runs a :class:`KernelPlan` as one cooperative launch of W worker CTAs per step.
+
+    Raises:
+        TilecError: nvcc/ABI problems, or the W workers cannot be co-resident.
+    """
+
+    def __init__(self, plan: KernelPlan, opts, device: torch.device, progress=None):
+        self.plan, self.opts, self.device = plan, opts, device
+        self.sources = codegen.render(plan)
+        self.lib_path = codegen.build(self.sources, opts.arch, progress)
+        lib = ctypes.CDLL(str(self.lib_path))
+        if lib.tilec_abi_version() != codegen.ABI_VERSION:
+            raise TilecError(f"{self.lib_path}: ABI version {lib.tilec_abi_version()} != {codegen.ABI_VERSION}")
+        lib.tilec_launch.restype = ctypes.c_int
+        lib.tilec_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                                     ctypes.c_void_p]
+        lib.tilec_last_error.restype = ctypes.c_char_p
+        self.lib = lib
+        self.queues = plan.queues.to(device)
+        self.counters = torch.zeros(max(plan.events.shape[0], 1), dtype=torch.int64, device=device)
+        self.err = torch.zeros(_ERR_INTS, dtype=torch.int32, device=device)
+        self.table = torch.zeros_like(plan.static_operands, device=device)
+        self._last_table: torch.Tensor | None = None
+        self.epoch = 0
+        self.smem_bytes = self._smem_bytes()
+
+    def _smem_bytes(self) -> int:
+        need = 4096
+        for op in self.plan.graph.ops:
+            if op.kind == "attention":
+                need = max(need, 4 * (op.inputs[1].shape[2] + 64))
+        if need > 227 * 1024:
+            raise TilecError(f"attention over {need // 4 - 64} cache positions needs {need} bytes of shared memory "
+                             f"(max 227 KiB); split-KV attention is not implemented yet")
+        return (need + 127) // 128 * 128
+
+    def reset(self) -> None:
+        """Zeroes the event counters and the error record (after an aborted step)."""
+        torch.cuda.synchronize(self.device)
+        self.counters.zero_()
+        self.err.zero_()
+        self.epoch = 0
+
+    def run(self, tensors: dict[str, torch.Tensor], operand_table: torch.Tensor, queues: torch.Tensor | None = None,
+            check: bool | None = None) -> None:
+        """Launches one step; with ``check`` synchronizes and raises :class:`WatchdogError` on a timeout."""
+        if self._last_table is None or not torch.equal(self._last_table, operand_table):
+            self.table.copy_(operand_table)
+            self._last_table = operand_table
+        q = self.queues if queues is None else queues.to(self.device)
+        self.epoch += 1
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        rc = self.lib.tilec_launch(q.data_ptr(), q.shape[0], q.shape[1], self.table.data_ptr(),
+                                   self.counters.data_ptr(), self.epoch, self.err.data_ptr(),
+                                   int(self.opts.watchdog_ms) * 1_000_000, self.smem_bytes, stream)
+        if rc != 0:
+            raise TilecError(f"tilec launch failed: {self.lib.tilec_last_error().decode()}")
+        if self.opts.check if check is None else check:
+            self.check()
+
+    def check(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+        rec = self.err.cpu()
+        if int(rec[0]) == 0:
+            return
+        worker, instr, event, task, op = (int(x) for x in rec[1:6])
+        seen, target = (int(x) for x in rec[6:10].view(torch.int64))
+        self.reset()
+        name = self.plan.op_names[op] if 0 <= op < len(self.plan.op_names) else "empty task"
+        prov = ""
+        if 0 <= op < len(self.plan.graph.ops) and self.plan.graph.ops[op].provenance:
+            prov = f" from FX node {self.plan.graph.ops[op].provenance.render()}"
+        raise WatchdogError(f"watchdog: worker {worker} instruction {instr} (task {task}, op {name}{prov}) waited "
+                            f"over {self.opts.watchdog_ms} ms on event {event}: counter {seen}, target {target}")

@@ -1,0 +1,69 @@
+"""Model shapes used by tests, examples and benchmarks (random weights, HF ``transformers``)."""
+from __future__ import annotations
+
+import torch
+
+CONFIGS = {
+    # Llama-3.2-1B: 16 layers, hidden 2048, 32/8 heads, head_dim 64, tied embeddings
+    "llama-3.2-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # Llama-3.1-8B: 32 layers, hidden 4096, 32/8 heads, head_dim 128
+    "llama-3.1-8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # Qwen3-0.6B: 28 layers, hidden 1024, 16/8 heads, head_dim 128, q/k norms, tied embeddings
+    "qwen3-0.6b": dict(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # tiny shapes for CI
+    "llama-tiny": dict(arch="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000),
+    "qwen3-tiny": dict(arch="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=1000),
+}
+
+
+def make_model(name: str, dtype=torch.float32, device="cpu", layers: int | None = None, seed: int = 0):
+    """An HF causal LM with the named shapes and random weights (``attn_implementation="sdpa"``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    kw = dict(CONFIGS[name])
+    arch = kw.pop("arch")
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    cls_cfg, cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    cfg = cls_cfg(max_position_embeddings=8192, **kw)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls(cfg).to(dtype).eval()
+    return model
+
+
+def prefill(model, batch: int, context: int, max_cache_len: int, device="cpu", seed: int = 1):
+    """Allocates a ``StaticCache`` and runs an eager prefill of ``context`` random tokens.
+
+    Returns ``(cache, next_token [batch, 1])``.
+    """
+    import warnings
+
+    from transformers import StaticCache
+
+    g = torch.Generator().manual_seed(seed)
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(device)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = model(ids, past_key_values=cache, cache_position=torch.arange(context, device=device), use_cache=True)
+    return cache, out.logits[:, -1:].argmax(-1)
+
+
+def eager_step(model, cache, tokens, position: int):
+    """One eager HF decode step: logits [B, 1, V]; updates ``cache`` in place."""
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return model(tokens, past_key_values=cache, use_cache=True,
+                     cache_position=torch.tensor([position], device=tokens.device)).logits
