@@ -32,4 +32,5 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     compiled = compile_opgraph(graph, opts, hook)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     n_user = sum(1 for r in out_node.args[0] if getattr(r, "name", None) not in binding.mutations)
-    return CompiledProgram(compiled, binding, single_output=n_user == 1, opts=opts)
+    return CompiledProgram(compiled, binding, single_output=n_user == 1, opts=opts,
+                           example_args=args)

@@ -15,6 +15,8 @@ are checked against the causal / slot semantics and absorbed into the ops.
 from __future__ import annotations
 
 import operator
+import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -48,15 +50,28 @@ class GraphBinding:
     mutations: dict[str, str] = field(default_factory=dict)
 
 
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
 def source_of(node: fx.Node) -> str:
-    """The innermost user source line recorded in ``node.meta["stack_trace"]``."""
+    """The innermost user source line recorded in ``node.meta["stack_trace"]``.
+
+    Frames inside torch itself (``nn.Module`` library code such as ``nn.GroupNorm.forward``)
+    are skipped when a frame outside torch exists: the user's line is the one calling them.
+    """
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return f"{lines[i].removeprefix('File ')}: {code}".strip()
-    return ""
+    frames = []
+    for i, ln in enumerate(lines):
+        if ln.startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            m = re.match(r'File "([^"]+)"', ln)
+            in_torch = bool(m) and os.path.abspath(m.group(1)).startswith(_TORCH_DIR)
+            frames.append((in_torch, f"{ln.removeprefix('File ')}: {code}".strip()))
+    for in_torch, text in reversed(frames):
+        if not in_torch:
+            return text
+    return frames[-1][1] if frames else ""
 
 
 def target_name(node: fx.Node) -> str:

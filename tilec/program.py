@@ -24,13 +24,15 @@ class CompiledProgram:
     """
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
-                 progress=None):
+                 progress=None, example_args=()):
         self.opts = opts = opts or Options()
         self.compiled = compiled
         self.plan = compiled.plan
         self.graph = self.plan.graph
         self.single_output = single_output
-        devices = {t.device for t in (*binding.params.values(), *binding.consts.values())}
+        tensors_seen = (*binding.params.values(), *binding.consts.values(),
+                        *(a for a in example_args if isinstance(a, torch.Tensor)))
+        devices = {t.device for t in tensors_seen}
         self.device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
         kind = opts.executor
         if kind == "auto":

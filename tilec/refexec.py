@@ -68,19 +68,42 @@ class ReferenceExecutor:
             queues: torch.Tensor | None = None) -> None:
         """One step. ``tensors`` maps buffer names to the tensors the operand table points into.
 
+        A step that raises is rolled back (event counters and epoch), so the executor stays
+        usable for the next call.
+
         Raises:
             DeadlockError: no worker can progress (names the wait cycle).
-            TilecError: an operand address or view is out of bounds.
+            TilecError: an operand address or view is out of bounds, or an instruction names an
+                event outside the event table.
         """
         queues = self.plan.queues if queues is None else queues
-        self.epoch += 1
-        mem = MemoryMap(tensors)
         q = queues.tolist()
-        table = operand_table.tolist()
         events = self.plan.events.tolist()
+        ends = [sum(1 for d in qw if d[0] != NOOP) for qw in q]
+        n_events = len(events)
+        for w, qw in enumerate(q):
+            for i in range(ends[w]):
+                for name in ("wait_event", "signal_event"):
+                    e = qw[i][_W[name]]
+                    if not -1 <= e < n_events:
+                        raise TilecError(f"(worker {w}, instruction {i}): {name} {e} is outside the event table "
+                                         f"[0, {n_events})")
+        mem = MemoryMap(tensors)
+        table = operand_table.tolist()
+        counters = self.counters
+        snapshot = counters.clone()
+        self.epoch += 1
+        try:
+            self._run(q, ends, table, events, mem)
+        except BaseException:
+            # a failed step leaves no partial signals behind: the next call starts a clean epoch
+            counters.copy_(snapshot)
+            self.epoch -= 1
+            raise
+
+    def _run(self, q, ends, table, events, mem) -> None:
         counters = self.counters
         pcs = [0] * len(q)
-        ends = [sum(1 for d in qw if d[0] != NOOP) for qw in q]
         while True:
             progress = False
             for w, qw in enumerate(q):
@@ -120,6 +143,13 @@ class ReferenceExecutor:
         od.run_tile(TileArgs(decode_coords(d), decode_params(d), d[_W["variant"]], operands))
 
     def _deadlock(self, q, pcs, ends, events) -> DeadlockError:
+        """Explains why no worker can progress.
+
+        A cycle of workers each waiting for a signal that only another blocked worker of the
+        cycle would still send is reported as that cycle. Otherwise some blocked wait can never
+        be satisfied (its target exceeds the signals received plus those still pending): that
+        root cause is reported, not the workers blocked behind it.
+        """
         waits_for = nx.DiGraph()
         blocked = {}
         for w, qw in enumerate(q):
@@ -127,21 +157,27 @@ class ReferenceExecutor:
                 continue
             d = qw[pcs[w]]
             e = d[_W["wait_event"]]
-            blocked[w] = (pcs[w], e)
+            pending = 0
             waits_for.add_node(w)
             for w2, qw2 in enumerate(q):
                 for i in range(pcs[w2], ends[w2]):
                     if qw2[i][_W["signal_event"]] == e:
                         waits_for.add_edge(w, w2)
+                        pending += 1
+            blocked[w] = (pcs[w], e, self.epoch * d[_W["wait_count"]], int(self.counters[e]), pending)
         try:
             cycle_edges = nx.find_cycle(waits_for)
             cycle = [(w, blocked[w][0], blocked[w][1]) for w, _ in cycle_edges]
             steps = " -> ".join(f"(worker {w}, instruction {i}, event {e})" for w, i, e in cycle)
             msg = f"deadlock in step {self.epoch}: wait cycle {steps}"
         except nx.NetworkXNoCycle:
-            w, (i, e) = next(iter(blocked.items()))
+            stuck = [w for w, (_, _, target, have, pending) in blocked.items() if have + pending < target]
+            w = min(stuck or blocked, key=lambda w: (waits_for.out_degree(w), w))
+            i, e, target, have, pending = blocked[w]
             cycle = [(w, i, e)]
-            have = int(self.counters[e])
             msg = (f"deadlock in step {self.epoch}: (worker {w}, instruction {i}, event {e}) waits for "
-                   f"{self.epoch * events[e][0]} signals but only {have} can ever arrive")
+                   f"{target} signals but only {have + pending} can ever arrive")
+            others = len(blocked) - 1
+            if others:
+                msg += f" ({others} other worker(s) also blocked)"
         return DeadlockError(msg, cycle)

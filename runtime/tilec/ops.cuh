@@ -134,8 +134,9 @@ __device__ void op_rope(TileCtx& c) {
         a = ldf<TX>(x, xo + 2 * i * xs); b = ldf<TX>(x, xo + (2 * i + 1) * xs);
         c0 = c1 = ldf<TC>(cs, co + i * cst); s0 = s1 = ldf<TS>(sn, so + i * sst);
       }
-      stf<TO>(out, oo + i * os, a * c0 - b * s0);
-      stf<TO>(out, oo + (i + h) * os, b * c1 + a * s1);
+      // each product rounded to the storage type, as eager HF computes x*cos + rot(x)*sin
+      stf<TO>(out, oo + i * os, round_to<TX>(a * c0) - round_to<TX>(b * s0));
+      stf<TO>(out, oo + (i + h) * os, round_to<TX>(b * c1) + round_to<TX>(a * s1));
     }
   });
 }
@@ -369,6 +370,10 @@ __device__ void op_attention(TileCtx& c) {
           const float inv = 1.f / sum;
           int oi[4] = {b, hq, i, 0};
           const long long oo = offset4(out, oi);
+          // like fused SDPA kernels: exp(s - max) is rounded to the value type for the P.V
+          // product, the normalizer sums the unrounded values
+          for (int j = threadIdx.x; j < n; j += blockDim.x) scores[j] = round_to<TV>(scores[j]);
+          __syncthreads();
           for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
             float acc = 0.f;
             for (int j = 0; j < n; ++j) {

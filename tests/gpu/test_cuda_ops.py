@@ -49,8 +49,14 @@ def test_linear(dtype, m, k, n, bias, tile_n):
     check(Lin(k, n, bias, dtype), (torch.randn(m, k, dtype=dtype),), dtype, tile_n=tile_n)
 
 
+class LinScaled(Lin):
+    def forward(self, x):
+        return self.l(x) * 2.0
+
+
 def test_linear_split_k_fp32():
-    prog = check(Lin(1000, 96, True, torch.float32), (torch.randn(2, 1000),), torch.float32, tile_n=32, split_k=4)
+    prog = check(LinScaled(1000, 96, True, torch.float32), (torch.randn(2, 1000),), torch.float32, tile_n=32,
+                 split_k=4)
     assert any("tile_reduce" in e.strategy for e in prog.compiled.stages["tasks"].events)
 
 

@@ -60,7 +60,11 @@ class DecodeAttention(OpDef):
                 if causal:
                     limit = valid + torch.arange(sq).view(sq, 1)  # query i sees positions < valid + i
                     scores = scores.masked_fill(torch.arange(n).view(1, n) >= limit, float("-inf"))
-                out[b, h * g:(h + 1) * g].copy_(torch.softmax(scores, -1) @ vals)
+                # like fused SDPA kernels: exp(s - max) rounded to the value dtype for P.V,
+                # normalized by the sum of the unrounded values
+                e = torch.exp(scores - scores.amax(-1, keepdim=True))
+                pv = e.to(v.dtype).float() @ vals
+                out[b, h * g:(h + 1) * g].copy_(pv / e.sum(-1, keepdim=True))
 
     def cost(self, op, tile):
         nbytes, _ = super().cost(op, tile)

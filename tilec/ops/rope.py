@@ -40,11 +40,15 @@ class Rope(OpDef):
         c = sub(cos, bcast_box(cos.shape[:-1], box[:-1]) + ((0, cos.shape[-1]),)).float()
         s = sub(sin, bcast_box(sin.shape[:-1], box[:-1]) + ((0, sin.shape[-1]),)).float()
         h = xs.shape[-1] // 2
+
+        def r(v):  # each product rounded to the storage type, as eager HF computes it
+            return v.to(x.dtype).float()
+
         if t.params[0] == ROTATE_HALF:
-            y = xs * c + torch.cat([-xs[..., h:], xs[..., :h]], -1) * s
+            y = r(xs * c) + r(torch.cat([-xs[..., h:], xs[..., :h]], -1) * s)
         else:
             x1, x2 = xs[..., 0::2], xs[..., 1::2]
-            y = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+            y = torch.cat([r(x1 * c) - r(x2 * s), r(x2 * c) + r(x1 * s)], -1)
         sub(out, box).copy_(y)
 
     def cost(self, op, tile):
