@@ -14,12 +14,15 @@ fi
 if [[ $what == models || $what == all ]]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py -k "not tiny and not watchdog" 2>&1 | tee "$OUT/models.log" | tail -25
 fi
+if [[ $what == noise || $what == all ]]; then
+  python3 benchmarks/bf16_noise.py --model llama-3.2-1b --context 1024 2>&1 | tee "$OUT/noise.log" | tail -6
+fi
 if [[ $what == bench || $what == all ]]; then
   python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 2>&1 | tee "$OUT/bench.log" | tail -12
 fi
 if [[ $what == sanitize || $what == all ]]; then
   python3 tests/gpu/sanitize_step.py >/dev/null 2>&1  # warm the build cache outside the sanitizer
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool python3 tests/gpu/sanitize_step.py 2>&1 | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize step|Error" | head -5
+    compute-sanitizer --tool $tool --kernel-name regex:tilec python3 tests/gpu/sanitize_step.py 2>&1 | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize step|Error" | head -5
   done
 fi

@@ -1,0 +1,54 @@
+"""How far apart two *eager* bf16 decode steps are when only the attention kernel differs.
+
+Prints relative L2 distances of the logits between eager bf16 (default SDPA backend), eager
+bf16 with the math SDPA backend, tilec, and an eager float32 reference, for one step at
+the given context. This measures the bf16 noise floor any implementation faces.
+
+    python benchmarks/bf16_noise.py --model llama-3.2-1b --context 1024
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tilec.hf import compile_decode_step  # noqa: E402
+from tilec.zoo import eager_step, make_model, prefill  # noqa: E402
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--context", type=int, default=1024)
+    args = ap.parse_args()
+    model = make_model(args.model, torch.bfloat16, "cuda")
+    ctx = args.context
+    cache, tok = prefill(model, 1, ctx, ctx + 8, "cuda")
+    c_default, c_math, c_tilec = copy.deepcopy(cache), copy.deepcopy(cache), copy.deepcopy(cache)
+    default = eager_step(model, c_default, tok, ctx)
+    with sdpa_kernel([SDPBackend.MATH]):
+        math = eager_step(model, c_math, tok, ctx)
+    tilec = compile_decode_step(model, c_tilec, 1)(tok, ctx)
+    m32 = copy.deepcopy(model).float()
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.float(), layer.values.float()
+    ref = eager_step(m32, cache, tok, ctx)
+    print(f"{args.model} context {ctx}: relative L2 distance of logits")
+    print(f"  eager(default SDPA) vs eager(math SDPA): {rel(default, math):.3e}")
+    print(f"  tilec vs eager(default SDPA):           {rel(tilec, default):.3e}")
+    print(f"  tilec vs eager(math SDPA):              {rel(tilec, math):.3e}")
+    print(f"  eager(default) vs fp32: {rel(default, ref):.3e}; eager(math) vs fp32: {rel(math, ref):.3e}; "
+          f"tilec vs fp32: {rel(tilec, ref):.3e}")
+
+
+if __name__ == "__main__":
+    main()
