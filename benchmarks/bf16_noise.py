@@ -29,15 +29,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=0, help="also count greedy agreement over this many steps")
     args = ap.parse_args()
     model = make_model(args.model, torch.bfloat16, "cuda")
     ctx = args.context
-    cache, tok = prefill(model, 1, ctx, ctx + 8, "cuda")
+    cache, tok = prefill(model, 1, ctx, ctx + args.steps + 8, "cuda")
     c_default, c_math, c_tilec = copy.deepcopy(cache), copy.deepcopy(cache), copy.deepcopy(cache)
     default = eager_step(model, c_default, tok, ctx)
     with sdpa_kernel([SDPBackend.MATH]):
         math = eager_step(model, c_math, tok, ctx)
-    tilec = compile_decode_step(model, c_tilec, 1)(tok, ctx)
+    step = compile_decode_step(model, c_tilec, 1)
+    tilec = step(tok, ctx)
     m32 = copy.deepcopy(model).float()
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.float(), layer.values.float()
@@ -48,6 +50,20 @@ def main():
     print(f"  tilec vs eager(math SDPA):              {rel(tilec, math):.3e}")
     print(f"  eager(default) vs fp32: {rel(default, ref):.3e}; eager(math) vs fp32: {rel(math, ref):.3e}; "
           f"tilec vs fp32: {rel(tilec, ref):.3e}")
+    if args.steps:
+        # greedy agreement over consecutive steps, every variant fed eager(default)'s tokens
+        agree_math = agree_tilec = 0
+        t = default.argmax(-1)
+        for i in range(1, args.steps + 1):
+            d = eager_step(model, c_default, t, ctx + i)
+            with sdpa_kernel([SDPBackend.MATH]):
+                m = eager_step(model, c_math, t, ctx + i)
+            g = step(t, ctx + i)
+            agree_math += int(torch.equal(m.argmax(-1), d.argmax(-1)))
+            agree_tilec += int(torch.equal(g.argmax(-1), d.argmax(-1)))
+            t = d.argmax(-1)
+        print(f"  greedy agreement with eager(default) over {args.steps} steps: eager(math SDPA) {agree_math}, "
+              f"tilec {agree_tilec}")
 
 
 if __name__ == "__main__":

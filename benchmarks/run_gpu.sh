@@ -23,6 +23,6 @@ fi
 if [[ $what == sanitize || $what == all ]]; then
   python3 tests/gpu/sanitize_step.py >/dev/null 2>&1  # warm the build cache outside the sanitizer
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --kernel-name regex:tilec python3 tests/gpu/sanitize_step.py 2>&1 | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize step|Error" | head -5
+    compute-sanitizer --tool $tool python3 tests/gpu/sanitize_step.py 2>&1 | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize step|Error|Race" | head -8
   done
 fi

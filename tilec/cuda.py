@@ -52,13 +52,25 @@ class CudaExecutor:
         self.smem_bytes = self._smem_bytes()
 
     def _smem_bytes(self) -> int:
+        """Dynamic shared memory per CTA: attention scores and P.V partials (runtime/tilec/ops.cuh,
+        ``op_attention``), and the staged x rows of a GEMV tile when they fit in 96 KiB."""
         need = 4096
         for op in self.plan.graph.ops:
             if op.kind == "attention":
-                need = max(need, 4 * (op.inputs[1].shape[2] + 64))
+                q, k, v = op.inputs
+                if q.shape[3] > 256 or v.shape[3] > 256:
+                    raise TilecError(f"op {op.name}: attention head dim {q.shape[3]}/{v.shape[3]} > 256")
+                need = max(need, 4 * (4 * 256 + 4 + 8 * 4 * 256 + 4 * k.shape[2]) + 256)
+            elif op.kind == "linear":
+                rows = 1
+                for s in op.outputs[0].shape[:-1]:
+                    rows *= s
+                staged = 4 * min(rows, 64) * op.inputs[0].shape[-1] + 2048
+                if staged <= 96 * 1024:
+                    need = max(need, staged)
         if need > 227 * 1024:
-            raise TilecError(f"attention over {need // 4 - 64} cache positions needs {need} bytes of shared memory "
-                             f"(max 227 KiB); split-KV attention is not implemented yet")
+            raise TilecError(f"the plan needs {need} bytes of shared memory per CTA (max 227 KiB); "
+                             f"split-KV attention is not implemented yet")
         return (need + 127) // 128 * 128
 
     def reset(self) -> None:

@@ -212,7 +212,7 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
     writes_of: dict[str, list[tuple[int, Box, str, bool]]] = {}
     reads_of: dict[str, list[tuple[int, Box, str, bool]]] = {}
     deps: dict[tuple[int, int], set[int]] = {}  # (consumer task, producer op) -> producer tasks
-    reduce_ops: set[int] = set()
+    reduced: set[tuple[int, int]] = set()  # (consumer task, producer op) edges that see accumulations
     inexact: set[tuple[int, int]] = set()
     for t in tasks:
         accesses = [(b, box, "read") for b, box in t.reads] + [(b, box, mode) for b, box, mode in t.writes]
@@ -227,7 +227,7 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
                     key = (t.id, task_op[pt])
                     deps.setdefault(key, set()).add(pt)
                     if pmode == ACCUMULATE:
-                        reduce_ops.add(task_op[pt])
+                        reduced.add(key)
                     if not (pexact and t.exact):
                         inexact.add(key)
         for buf, box, mode in accesses:
@@ -237,7 +237,7 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
     for (consumer, pop), preds in sorted(deps.items()):
         if (consumer, pop) in inexact:
             strategy = "whole"
-        elif pop in reduce_ops:
+        elif (consumer, pop) in reduced:  # not an op's own partials waiting for its init tile
             strategy = "tile_reduce"
         elif len(preds) == 1:
             strategy = "tile"

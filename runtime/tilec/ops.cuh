@@ -271,6 +271,15 @@ __device__ void linear_impl(TileCtx& c) {
       ooff[r] = offset4(out, idx);
     }
     __syncthreads();
+    // stage this chunk's x rows (K range) in shared memory as float when they fit
+    float* xs_smem = reinterpret_cast<float*>(ooff + kMaxRows);
+    const int kl = k1 - k0;
+    const bool staged = (long long)nr * kl + 4 * kMaxRows <= (long long)c.smem_floats - 64;
+    if (staged && variant != 1) {
+      for (int e = threadIdx.x; e < nr * kl; e += blockDim.x)
+        xs_smem[e] = ldf<TX>(x, xoff[e / kl] + (long long)(k0 + e % kl) * xk);
+      __syncthreads();
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int n = n0 + warp; n < n1; n += kWarps) {
       const TW* wrow = base<TW>(w) + (long long)n * wn;
@@ -290,9 +299,17 @@ __device__ void linear_impl(TileCtx& c) {
 #pragma unroll
               for (int m = 0; m < kRowsPerPass; ++m) {
                 if (m0 + m < nr) {
-                  const long long xo = xoff[m0 + m];
+                  if (staged) {
+                    const float4* xr = reinterpret_cast<const float4*>(xs_smem + (m0 + m) * kl + (k - k0));
+                    float4 a = xr[0], b = xr[1];
+                    acc[m] += a.x * to_f<TW>(wv[0]) + a.y * to_f<TW>(wv[1]) + a.z * to_f<TW>(wv[2]) +
+                              a.w * to_f<TW>(wv[3]) + b.x * to_f<TW>(wv[4]) + b.y * to_f<TW>(wv[5]) +
+                              b.z * to_f<TW>(wv[6]) + b.w * to_f<TW>(wv[7]);
+                  } else {
+                    const long long xo = xoff[m0 + m];
 #pragma unroll
-                  for (int e = 0; e < 8; ++e) acc[m] += ldf<TX>(x, xo + (long long)(k + e) * xk) * to_f<TW>(wv[e]);
+                    for (int e = 0; e < 8; ++e) acc[m] += ldf<TX>(x, xo + (long long)(k + e) * xk) * to_f<TW>(wv[e]);
+                  }
                 }
               }
             }
@@ -301,7 +318,9 @@ __device__ void linear_impl(TileCtx& c) {
               float wv = to_f<TW>(wrow[(long long)k * wk]);
 #pragma unroll
               for (int m = 0; m < kRowsPerPass; ++m)
-                if (m0 + m < nr) acc[m] += ldf<TX>(x, xoff[m0 + m] + (long long)k * xk) * wv;
+                if (m0 + m < nr)
+                  acc[m] += (staged ? xs_smem[(m0 + m) * kl + (k - k0)]
+                                    : ldf<TX>(x, xoff[m0 + m] + (long long)k * xk)) * wv;
             }
           }
 #pragma unroll
@@ -325,8 +344,15 @@ template <typename TX, typename TW, typename TB, typename TO>
 __device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TB, TO, true>(c); }
 
 // ---- decode attention over a static KV cache (GQA) -------------------------------------
-// Per (batch, KV head): for each of the G query heads and Sq queries, scores over the
-// visible positions go to shared memory, then a block softmax and the V reduction.
+// Per (batch, KV head), queries (the G heads of the group x Sq tokens) in chunks of
+// kQChunk: (1) warp per cache position j: the K row is loaded once (lanes over d,
+// coalesced) and dotted with every query of the chunk; scores go to shared memory;
+// (2) warp per query: max, exp, sum; (3) warp per position subset: P.V with lanes over d
+// and kQChunk x 8 accumulators per lane, then a cross-warp sum in shared memory.
+// Like fused SDPA kernels, exp(s - max) is rounded to the value type for P.V while the
+// normalizer sums the unrounded values. Needs D, Dv <= 256.
+constexpr int kQChunk = 4;
+
 template <typename TQ, typename TK, typename TV, typename TO>
 __device__ void op_attention(TileCtx& c) {
   const Operand &q = c.ops[0], &k = c.ops[1], &v = c.ops[2], &out = c.ops[3];
@@ -334,56 +360,105 @@ __device__ void op_attention(TileCtx& c) {
   const float scale = c.fparam(0);
   const int causal = c.param(1);
   const int Hq = q.sizes[1], Sq = q.sizes[2], D = q.sizes[3], Hkv = k.sizes[1], S = k.sizes[2], Dv = v.sizes[3];
-  const int G = Hq / Hkv;
+  const int G = Hq / Hkv, nq = G * Sq;
   const int n = causal ? (int)min((long long)S, valid + Sq - 1) : S;
-  float* scores = c.smem + 2 * kWarps;
-  float* red = c.smem;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* qs = c.smem;                       // [kQChunk][256]
+  float* sums = qs + kQChunk * 256;         // [kQChunk]
+  float* part = sums + kQChunk;             // [kWarps][kQChunk][256] partial P.V
+  float* sc = part + kWarps * kQChunk * 256;  // [kQChunk][n]
   for (int b = c.lo(0); b < c.hi(0); ++b)
     for (int h = c.lo(1); h < c.hi(1); ++h)
-      for (int g = 0; g < G; ++g)
-        for (int i = 0; i < Sq; ++i) {
-          const int hq = h * G + g;
-          const long long limit = causal ? valid + i : S;
-          int qi[4] = {b, hq, i, 0};
-          const long long qo = offset4(q, qi);
-          for (int j = warp; j < n; j += kWarps) {
-            int ki[4] = {b, h, j, 0};
-            const long long ko = offset4(k, ki);
-            float s = 0.f;
-            for (int d = lane; d < D; d += 32)
-              s += ldf<TQ>(q, qo + d * q.strides[3]) * ldf<TK>(k, ko + d * k.strides[3]);
-            s = warp_sum(s) * scale;
-            if (lane == 0) scores[j] = j < limit ? s : -INFINITY;
+      for (int q0 = 0; q0 < nq; q0 += kQChunk) {
+        const int qc = min(kQChunk, nq - q0);
+        __syncthreads();
+        for (int e = threadIdx.x; e < kQChunk * 256; e += blockDim.x) {
+          int qq = e / 256, d = e % 256;
+          float val = 0.f;
+          if (qq < qc && d < D) {
+            int g = (q0 + qq) / Sq, i = (q0 + qq) % Sq;
+            int qi[4] = {b, h * G + g, i, d};
+            val = ldf<TQ>(q, offset4(q, qi)) * scale;
           }
-          __syncthreads();
-          float m = -INFINITY;
-          for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, scores[j]);
-          m = block_max(m, red);
-          float sum = 0.f;
-          for (int j = threadIdx.x; j < n; j += blockDim.x) {
-            float p = scores[j] == -INFINITY ? 0.f : __expf(scores[j] - m);
-            scores[j] = p;
-            sum += p;
-          }
-          sum = block_sum(sum, red + kWarps);
-          const float inv = 1.f / sum;
-          int oi[4] = {b, hq, i, 0};
-          const long long oo = offset4(out, oi);
-          // like fused SDPA kernels: exp(s - max) is rounded to the value type for the P.V
-          // product, the normalizer sums the unrounded values
-          for (int j = threadIdx.x; j < n; j += blockDim.x) scores[j] = round_to<TV>(scores[j]);
-          __syncthreads();
-          for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
-            float acc = 0.f;
-            for (int j = 0; j < n; ++j) {
-              int vi[4] = {b, h, j, d};
-              acc += scores[j] * ldf<TV>(v, offset4(v, vi));
-            }
-            stf<TO>(out, oo + d * out.strides[3], acc * inv);
-          }
-          __syncthreads();
+          qs[e] = val;
         }
+        __syncthreads();
+        // (1) scores
+        for (int j = warp; j < n; j += kWarps) {
+          int ki[4] = {b, h, j, 0};
+          const long long ko = offset4(k, ki);
+          float kr[8];
+#pragma unroll
+          for (int t = 0; t < 8; ++t) {
+            int d = lane + 32 * t;
+            kr[t] = d < D ? ldf<TK>(k, ko + (long long)d * k.strides[3]) : 0.f;
+          }
+#pragma unroll
+          for (int qq = 0; qq < kQChunk; ++qq) {
+            if (qq < qc) {
+              float s = 0.f;
+#pragma unroll
+              for (int t = 0; t < 8; ++t) s += kr[t] * qs[qq * 256 + lane + 32 * t];
+              s = warp_sum(s);
+              const int i = (q0 + qq) % Sq;
+              const long long limit = causal ? valid + i : S;
+              if (lane == 0) sc[qq * n + j] = j < limit ? s : -INFINITY;
+            }
+          }
+        }
+        __syncthreads();
+        // (2) softmax statistics, one warp per query
+        for (int qq = warp; qq < qc; qq += kWarps) {
+          float m = -INFINITY;
+          for (int j = lane; j < n; j += 32) m = fmaxf(m, sc[qq * n + j]);
+          m = warp_max(m);
+          float sum = 0.f;
+          for (int j = lane; j < n; j += 32) {
+            float s = sc[qq * n + j];
+            float p = s == -INFINITY ? 0.f : __expf(s - m);
+            sum += p;
+            sc[qq * n + j] = round_to<TV>(p);
+          }
+          sum = warp_sum(sum);
+          if (lane == 0) sums[qq] = sum;
+        }
+        __syncthreads();
+        // (3) P.V
+        float acc[kQChunk][8];
+#pragma unroll
+        for (int qq = 0; qq < kQChunk; ++qq)
+#pragma unroll
+          for (int t = 0; t < 8; ++t) acc[qq][t] = 0.f;
+        for (int j = warp; j < n; j += kWarps) {
+          int vi[4] = {b, h, j, 0};
+          const long long vo = offset4(v, vi);
+          float vr[8];
+#pragma unroll
+          for (int t = 0; t < 8; ++t) {
+            int d = lane + 32 * t;
+            vr[t] = d < Dv ? ldf<TV>(v, vo + (long long)d * v.strides[3]) : 0.f;
+          }
+#pragma unroll
+          for (int qq = 0; qq < kQChunk; ++qq) {
+            float p = qq < qc ? sc[qq * n + j] : 0.f;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) acc[qq][t] += p * vr[t];
+          }
+        }
+#pragma unroll
+        for (int qq = 0; qq < kQChunk; ++qq)
+#pragma unroll
+          for (int t = 0; t < 8; ++t) part[(warp * kQChunk + qq) * 256 + lane + 32 * t] = acc[qq][t];
+        __syncthreads();
+        for (int e = threadIdx.x; e < qc * Dv; e += blockDim.x) {
+          const int qq = e / Dv, d = e % Dv;
+          float o = 0.f;
+          for (int w = 0; w < kWarps; ++w) o += part[(w * kQChunk + qq) * 256 + d];
+          const int g = (q0 + qq) / Sq, i = (q0 + qq) % Sq;
+          int oi[4] = {b, h * G + g, i, d};
+          stf<TO>(out, offset4(out, oi), o / sums[qq]);
+        }
+      }
 }
 
 }  // namespace tilec

@@ -1,0 +1,182 @@
+"""User-facing errors: unsupported ops name the FX node, aten target and the user's source line;
+bad call arguments and bad options name what is wrong."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilec.api import compile_module
+from tilec.errors import TilecError, UnsupportedNodeError
+from tilec.options import Options
+
+THIS_FILE = pathlib.Path(__file__).name
+
+
+def line_of(marker: str) -> int:
+    """Line number (1-based) of the line in this file holding ``marker`` in a comment."""
+    lines = pathlib.Path(__file__).read_text().splitlines()
+    hits = [i + 1 for i, ln in enumerate(lines) if ln.rstrip().endswith(f"# {marker}")]
+    assert len(hits) == 1, marker
+    return hits[0]
+
+
+class Cumsum(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2.0
+        return torch.cumsum(y, dim=-1)  # MARK-cumsum
+
+
+class Sort(torch.nn.Module):
+    def forward(self, x):
+        values, _ = torch.sort(x * 2.0, dim=-1)  # MARK-sort
+        return values + 1.0
+
+
+class LibraryModule(torch.nn.Module):
+    """The unsupported op sits in torch's own nn.Module code; the user's line calls it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        return self.norm(x)  # MARK-groupnorm
+
+
+@pytest.mark.parametrize("module, node, target, marker, code", [
+    (Cumsum(), "cumsum", "aten.cumsum.default", "MARK-cumsum", "return torch.cumsum(y, dim=-1)"),
+    (Sort(), "sort", "aten.sort.default", "MARK-sort", "values, _ = torch.sort(x * 2.0, dim=-1)"),
+    (LibraryModule(), "group_norm", "aten.group_norm.default", "MARK-groupnorm", "return self.norm(x)"),
+], ids=["cumsum", "sort", "nn.GroupNorm"])
+def test_unsupported_op_names_node_target_and_source_line(module, node, target, marker, code):
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(module, (torch.randn(2, 8),))
+    err = info.value
+    msg = str(err)
+    line = line_of(marker)
+    assert f"{node} ({target})" in msg, msg
+    assert re.search(rf'{re.escape(THIS_FILE)}", line {line}, in forward', msg), msg
+    assert code in msg, msg
+    assert len(err.nodes) == 1
+    name, tgt, src = err.nodes[0]
+    assert (name, tgt) == (node, target)
+    assert code in src and f"line {line}" in src
+    assert isinstance(err, TilecError)
+
+
+class SoftmaxDim0(torch.nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, dim=0)  # MARK-softmax0
+
+
+def test_unsupported_variant_gives_the_reason():
+    with pytest.raises(UnsupportedNodeError, match="softmax over a dim other than the last") as info:
+        compile_module(SoftmaxDim0(), (torch.randn(3, 8),))
+    assert f"line {line_of('MARK-softmax0')}" in str(info.value)
+
+
+class Causal(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_prefill_attention_is_rejected_with_reason():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(UnsupportedNodeError, match="is_causal=True"):
+        compile_module(Causal(), (q, q.clone(), q.clone()))
+
+
+# ---- call arguments ----------------------------------------------------------------------
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, hidden, gate):
+        return self.proj(hidden) * gate
+
+
+@pytest.fixture(scope="module")
+def two_inputs():
+    torch.manual_seed(0)
+    m = TwoInputs().eval()
+    args = (torch.randn(2, 8), torch.randn(2, 4))
+    return m, args, compile_module(m, args, options=dict(workers=2))
+
+
+def test_compiled_program_matches_eager(two_inputs):
+    m, args, prog = two_inputs
+    torch.testing.assert_close(prog(*args), m(*args).detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    ((torch.randn(3, 8), torch.randn(2, 4)),
+     r"argument 0 \(hidden\): expected torch.float32\[2, 8\], got torch.float32\[3, 8\]"),
+    ((torch.randn(2, 8), torch.randn(2, 5)),
+     r"argument 1 \(gate\): expected torch.float32\[2, 4\], got torch.float32\[2, 5\]"),
+    ((torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 4)),
+     r"argument 0 \(hidden\): expected torch.float32\[2, 8\], got torch.float64\[2, 8\]"),
+    ((torch.randn(8, 2).t(), torch.randn(2, 4)), r"argument 0 \(hidden\) must be contiguous"),
+    ((torch.randn(2, 8), [[1.0] * 4] * 2), r"argument 1 \(gate\): expected torch.float32\[2, 4\], got list"),
+    ((torch.randn(2, 8),), r"takes 2 arguments, got 1"),
+], ids=["rows", "cols", "dtype", "layout", "not-a-tensor", "arity"])
+def test_wrong_arguments_name_the_argument(two_inputs, bad, pattern):
+    _, _, prog = two_inputs
+    with pytest.raises(TilecError, match=pattern):
+        prog(*bad)
+
+
+def test_program_still_works_after_a_bad_call(two_inputs):
+    m, args, prog = two_inputs
+    with pytest.raises(TilecError):
+        prog(torch.randn(5, 8), args[1])
+    torch.testing.assert_close(prog(*args), m(*args).detach(), rtol=1e-5, atol=1e-6)
+
+
+# ---- options -------------------------------------------------------------------------------
+
+def test_unknown_option_lists_valid_keys():
+    with pytest.raises(ValueError) as info:
+        compile_module(TwoInputs(), (torch.randn(2, 8), torch.randn(2, 4)), options=dict(wokers=4, tile_n=8))
+    msg = str(info.value)
+    assert "wokers" in msg and "tile_n'" not in msg.split("valid")[0]
+    for key in ("workers", "scheduler", "tile_n", "split_k", "tile_rows", "tile_cols", "verify"):
+        assert f"'{key}'" in msg.split("valid")[1], msg
+
+
+def test_unknown_option_through_the_hf_entry_point():
+    transformers = pytest.importorskip("transformers")
+    from tilec.hf import compile_decode_step
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, vocab_size=50, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    cache = transformers.StaticCache(config=cfg, max_cache_len=8)
+    with torch.no_grad():
+        model(torch.zeros(1, 2, dtype=torch.int64), past_key_values=cache, cache_position=torch.arange(2),
+              use_cache=True)
+    with pytest.raises(ValueError, match=r"unknown tilec option\(s\) \['schedular'\]; valid options: \["):
+        compile_decode_step(model, cache, options=dict(schedular="list"))
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (dict(workers=0), r"workers=0: must be in 1\.\.1024"),
+    (dict(workers=2000), r"workers=2000"),
+    (dict(scheduler="random"), r"scheduler='random': must be one of \('list', 'round_robin'\)"),
+    (dict(tile_n=0), r"tile_n=0: must be >= 1"),
+    (dict(split_k=0), r"split_k=0"),
+    (dict(tile_cols=0), r"tile_cols=0"),
+])
+def test_invalid_option_values(bad, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        Options.from_dict(bad)
+
+
+def test_options_digest_is_stable_and_distinguishes():
+    assert Options().digest() == Options.from_dict({}).digest()
+    assert Options(workers=8).digest() != Options(workers=9).digest()

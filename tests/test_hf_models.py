@@ -1,0 +1,127 @@
+"""Whole HF decoders (random weights, static KV cache): compiled decode steps vs eager HF.
+
+Prefill 4 tokens eagerly, deep-copy the cache for the eager reference, compile one decode
+step with :func:`tilec.hf.compile_decode_step`, then run three consecutive decode steps on
+both and compare the logits and every layer's key/value cache (1e-4 relative L2), plus the
+slot each step writes on its own.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from _helpers import assert_close, rel_l2
+from tilec.errors import TilecError
+from tilec.hf import compile_decode_step
+
+transformers = pytest.importorskip("transformers")
+
+MAX_CACHE_LEN = 16
+PREFILL = 4
+STEPS = 3
+TOL = 1e-4
+
+
+def llama_config():
+    return transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, vocab_size=1000, max_position_embeddings=128,
+        attn_implementation="sdpa")
+
+
+def qwen3_config():
+    return transformers.Qwen3Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=500, max_position_embeddings=128,
+        attn_implementation="sdpa")
+
+
+MODELS = {
+    "llama": (transformers.LlamaForCausalLM, llama_config),
+    "qwen3": (transformers.Qwen3ForCausalLM, qwen3_config),
+}
+
+
+def build(arch: str, batch: int, seed: int = 0):
+    """(model, prefilled StaticCache, vocab size), deterministic for (arch, batch, seed)."""
+    cls, make_cfg = MODELS[arch]
+    cfg = make_cfg()
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    assert model.config._attn_implementation == "sdpa"
+    assert next(model.parameters()).dtype == torch.float32
+    cache = transformers.StaticCache(config=cfg, max_cache_len=MAX_CACHE_LEN)
+    ids = torch.randint(0, cfg.vocab_size, (batch, PREFILL))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, cache_position=torch.arange(PREFILL), use_cache=True)
+    return model, cache, cfg.vocab_size
+
+
+def run_and_compare(arch: str, batch: int, options: dict):
+    model, cache, vocab = build(arch, batch)
+    eager_cache = copy.deepcopy(cache)
+    step = compile_decode_step(model, cache, batch_size=batch, options=options)
+    assert step.program.plan.workers == options.get("workers", 132)
+    gen = torch.Generator().manual_seed(1)
+    pos = PREFILL
+    for s in range(STEPS):
+        tok = torch.randint(0, vocab, (batch, 1), generator=gen)
+        with torch.no_grad():
+            ref = model(tok, past_key_values=eager_cache, cache_position=torch.tensor([pos]), use_cache=True).logits
+        out = step(tok, pos)
+        assert out.shape == ref.shape == (batch, 1, vocab)
+        assert_close(out, ref, TOL, f"{arch} B={batch} step {s}: logits")
+        for li, (got, want) in enumerate(zip(cache.layers, eager_cache.layers)):
+            assert_close(got.keys, want.keys, TOL, f"{arch} B={batch} step {s}: layer {li} key cache")
+            assert_close(got.values, want.values, TOL, f"{arch} B={batch} step {s}: layer {li} value cache")
+            # the slot this step wrote, on its own (a missed write must not hide in the average)
+            assert_close(got.keys[:, :, pos], want.keys[:, :, pos], TOL, f"layer {li} keys at slot {pos}")
+            assert_close(got.values[:, :, pos], want.values[:, :, pos], TOL, f"layer {li} values at slot {pos}")
+            assert got.keys[:, :, pos + 1:].abs().sum() == 0, "wrote past the decode position"
+            if isinstance(getattr(want, "cumulative_length", None), torch.Tensor):
+                assert int(got.cumulative_length) == int(want.cumulative_length) == pos + 1
+        pos += 1
+    return step
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_llama_decode_steps_match_eager(batch):
+    step = run_and_compare("llama", batch, dict(workers=8 if batch == 1 else 5))
+    stats = step.program.stats
+    assert stats["deps_after_fusion"] < stats["deps_before_fusion"], stats
+    assert stats["events_after_fusion"] < stats["events_before_fusion"], stats
+    kinds = {op.kind for op in step.program.graph.ops}
+    assert {"embedding", "rmsnorm", "linear", "rope", "cache_write", "attention", "silu_mul"} <= kinds
+    # GQA: the attention op reads the 2 KV heads directly (no repeat_kv copy)
+    att = next(op for op in step.program.graph.ops if op.kind == "attention")
+    assert att.inputs[0].shape[1] == 8 and att.inputs[1].shape[1] == 2 and att.inputs[2].shape[1] == 2
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_qwen3_decode_steps_match_eager(batch):
+    step = run_and_compare("qwen3", batch, dict(workers=6, scheduler="round_robin" if batch == 2 else "list"))
+    # q_norm / k_norm: per-head RMSNorms in front of RoPE, two more per layer than Llama
+    n_rms = sum(op.kind == "rmsnorm" for op in step.program.graph.ops)
+    assert n_rms == 2 * 4 + 1
+
+
+def test_decode_position_outside_planned_range_raises():
+    model, cache, vocab = build("llama", 1)
+    step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    with pytest.raises(TilecError, match="position 16 outside"):
+        step(torch.zeros(1, 1, dtype=torch.int64), MAX_CACHE_LEN)
+
+
+def test_uninitialized_cache_is_rejected():
+    cfg = qwen3_config()
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    cache = transformers.StaticCache(config=cfg, max_cache_len=MAX_CACHE_LEN)
+    with pytest.raises(ValueError, match="prefill"):
+        compile_decode_step(model, cache, batch_size=1)
+
+
+def test_rel_l2_helper_rejects_zero_reference():
+    with pytest.raises(AssertionError, match="zeros"):
+        rel_l2(torch.zeros(3), torch.zeros(3))

@@ -1,0 +1,297 @@
+"""Per-op tests through :func:`tilec.api.compile_module`: the op is recognized (checked in the
+OpGraph / TaskGraph) and the compiled program matches eager PyTorch on random inputs.
+
+GQA decode attention through ``F.scaled_dot_product_attention`` is covered end to end by
+``test_hf_models.py``; a direct GQA test without a cache is here too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _helpers import StageRecorder, assert_close
+from tilec.api import compile_module
+from tilec.ops.rope import INTERLEAVED, ROTATE_HALF
+from tilec.options import Options
+
+
+def run(module, args, **opts):
+    """Compiles, checks against eager (1e-4 relative L2, float32) and returns (program, stages)."""
+    module = module.eval()
+    rec = StageRecorder()
+    prog = compile_module(module, args, options=Options(**opts) if opts else None, hook=rec)
+    with torch.no_grad():
+        want = module(*args)
+    got = prog(*args)
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype
+        if w.dtype.is_floating_point:
+            assert_close(g, w, 1e-4, f"output {i}")
+        else:
+            assert torch.equal(g, w)
+    return prog, rec.stages
+
+
+def kinds(prog) -> list[str]:
+    return [op.kind for op in prog.graph.ops]
+
+
+class Fn(torch.nn.Module):
+    """Wraps a function of (module, *inputs); ``params`` become registered parameters."""
+
+    def __init__(self, fn, **params):
+        super().__init__()
+        self.fn = fn
+        for k, v in params.items():
+            setattr(self, k, torch.nn.Parameter(v))
+
+    def forward(self, *args):
+        return self.fn(self, *args)
+
+
+# ---- rotary embeddings -------------------------------------------------------------------
+
+def rope_interleave(x, cos, sin):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def rotary_tables(shape, d):
+    ang = torch.rand(*shape, d) * 6.28
+    return torch.cos(ang), torch.sin(ang)
+
+
+@pytest.mark.parametrize("tile_rows", [1, 3, 8])
+def test_interleaved_rope(tile_rows):
+    b, h, s, d = 2, 4, 1, 16
+    x = torch.randn(b, h, s, d)
+    cos, sin = rotary_tables((b, 1, s), d // 2)  # broadcast over the heads, last dim D/2
+    prog, stages = run(Fn(lambda m, x, c, s_: rope_interleave(x, c, s_)), (x, cos, sin), tile_rows=tile_rows, workers=3)
+    assert kinds(prog) == ["rope"]
+    rope = prog.graph.ops[0]
+    assert rope.attr("style") == INTERLEAVED
+    assert "rope(" in stages["opgraph"].render() and "style=1" in stages["opgraph"].render()
+
+
+def test_interleaved_rope_of_projection_with_hf_function():
+    """HF's own ``apply_rotary_pos_emb_interleave`` (DeepSeek-V3 / GLM) on q and k projections."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    b, s, h, d = 2, 1, 2, 8
+
+    def f(m, x, cos, sin):
+        q = F.linear(x, m.wq).view(b, s, h, d).transpose(1, 2)
+        k = F.linear(x, m.wk).view(b, s, 1, d).transpose(1, 2)
+        return apply_rotary_pos_emb_interleave(q, k, cos, sin)
+
+    x = torch.randn(b, s, 32)
+    cos, sin = rotary_tables((b, s), d)  # HF passes cat(freqs, freqs); the function halves them
+    prog, _ = run(Fn(f, wq=torch.randn(h * d, 32) / 6, wk=torch.randn(d, 32) / 6), (x, cos, sin), workers=4, tile_n=8)
+    ropes = [op for op in prog.graph.ops if op.kind == "rope"]
+    assert len(ropes) == 2 and all(op.attr("style") == INTERLEAVED for op in ropes)
+    assert kinds(prog).count("concat") == 0
+
+
+def test_rotate_half_rope_hf_layout():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    b, h, s, d = 2, 4, 1, 16
+    q, k = torch.randn(b, h, s, d), torch.randn(b, 2, s, d)
+    cos, sin = rotary_tables((b, s), d)
+    prog, _ = run(Fn(lambda m, q, k, c, s_: apply_rotary_pos_emb(q, k, c, s_)), (q, k, cos, sin), workers=2)
+    assert kinds(prog) == ["rope", "rope"]
+    assert all(op.attr("style") == ROTATE_HALF for op in prog.graph.ops)
+
+
+# ---- linear ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_linear_is_a_tile_reduce(bias):
+    lin = torch.nn.Linear(64, 40, bias=bias)
+    if bias:
+        torch.nn.init.normal_(lin.bias)
+    module = Fn(lambda m, x: m.lin(x) * 2.0)
+    module.lin = lin
+    prog, stages = run(module, (torch.randn(3, 64),), split_k=4, tile_n=16, tile_cols=16, workers=5)
+    assert kinds(prog) == ["linear", "unary"]
+    tg = stages["tasks"]
+    lin_tasks = [t for t in tg.tasks if t.kind == "linear"]
+    # per 16-column tile (3 of them): one init tile (bias or zeros, variant 1) + 4 K-partials (variant 2)
+    variants = [t.tile.variant for t in lin_tasks]
+    assert variants.count(1) == 3 and variants.count(2) == 12
+    assert sorted({t.tile.coords[-1] for t in lin_tasks if t.tile.variant == 2}) == [(0, 16), (16, 32), (32, 48),
+                                                                                     (48, 64)]
+    # the consumer tile of each column block waits for the init tile and the 4 partials
+    reduce_events = [e for e in tg.events if e.strategy == "tile_reduce"]
+    assert len(reduce_events) == 3, [e.strategy for e in tg.events]
+    assert all(len(e.preds) == 5 and len(e.succs) == 1 for e in reduce_events)
+    assert all(tg.tasks[next(iter(e.succs))].kind == "unary" for e in reduce_events)
+    assert "tile_reduce" in tg.render()
+    # the partials wait for their column's init tile (the accumulation needs the initial write)
+    partial_waits = [e for e in tg.events if any(tg.tasks[s].tile.variant == 2 for s in e.succs
+                                                 if tg.tasks[s].kind == "linear")]
+    assert len(partial_waits) == 12 and all(tg.tasks[next(iter(e.preds))].tile.variant == 1 for e in partial_waits)
+
+
+def test_split_k_partials_feed_a_consumer():
+    """A consumer tile covering several split-K column blocks waits for every contribution."""
+    def f(m, x):
+        return torch.relu(F.linear(x, m.w, m.b)) * 2.0
+
+    prog, stages = run(Fn(f, w=torch.randn(24, 48) / 7, b=torch.randn(24)), (torch.randn(2, 48),),
+                       split_k=3, tile_n=8, workers=4)
+    tg = stages["tasks"]
+    (ev,) = [e for e in tg.events if e.strategy == "tile_reduce"]
+    assert len(ev.preds) == 3 * (1 + 3)  # 3 column tiles x (init + 3 partials), one whole-row relu tile
+    assert len(tg.tasks) == 12 + 2  # + one whole-rows tile each for relu and the scale
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_linear_on_transposed_activation_and_matmul_forms(split_k):
+    def f(m, x):
+        a = F.linear(x.transpose(0, 1), m.w)  # strided activation
+        b = x.transpose(0, 1) @ m.w2.t()  # matmul with a transposed weight
+        return a + b
+
+    prog, _ = run(Fn(f, w=torch.randn(8, 16), w2=torch.randn(8, 16)), (torch.randn(3, 2, 16),), split_k=split_k,
+                  tile_n=4, workers=3)
+    assert kinds(prog).count("linear") == 2
+
+
+# ---- embedding ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tile_cols", [None, 8])
+def test_embedding(tile_cols):
+    emb = torch.nn.Embedding(50, 32)
+    ids = torch.tensor([[3, 17, 3], [49, 0, 21]])
+    prog, _ = run(emb, (ids,), tile_cols=tile_cols, tile_rows=1, workers=3)
+    assert kinds(prog) == ["embedding"]
+    # new ids, same plan
+    ids2 = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert_close(prog(ids2), emb(ids2).detach(), 0.0)
+
+
+def test_embedding_then_projection():
+    def f(m, ids):
+        return F.linear(F.embedding(ids, m.table), m.w)
+
+    run(Fn(f, table=torch.randn(40, 16), w=torch.randn(24, 16)), (torch.randint(0, 40, (2, 1)),), tile_n=8, workers=4)
+
+
+# ---- normalization -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("affine, bias", [(True, True), (True, False), (False, False)])
+def test_layernorm(affine, bias):
+    d = 48
+    ln = torch.nn.LayerNorm(d, eps=1e-5, elementwise_affine=affine, bias=bias)
+    if affine:
+        torch.nn.init.normal_(ln.weight, 1.0, 0.2)
+    if affine and bias:
+        torch.nn.init.normal_(ln.bias)
+    prog, _ = run(ln, (3.0 + 2.0 * torch.randn(2, 3, d),), tile_rows=2, workers=3)
+    assert kinds(prog) == ["layernorm"]
+    assert len(prog.graph.ops[0].inputs) == (3 if bias else 2)
+
+
+def test_layernorm_functional_with_bias_only():
+    f = Fn(lambda m, x: F.layer_norm(x, (16,), None, m.b, 1e-6), b=torch.randn(16))
+    prog, _ = run(f, (torch.randn(4, 16),))
+    assert kinds(prog) == ["layernorm"]
+
+
+def test_rmsnorm_hf_module():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(32, eps=1e-6)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.2)
+    prog, _ = run(norm, (torch.randn(2, 1, 32),), tile_rows=1)
+    assert kinds(prog) == ["rmsnorm"]
+    assert prog.graph.ops[0].attr("eps") == 1e-6
+
+
+def test_hf_mlp_is_silu_mul_between_linears():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=80, hidden_act="silu", mlp_bias=False)
+    prog, _ = run(LlamaMLP(cfg), (torch.randn(2, 1, 32),), tile_n=16, tile_cols=16, workers=6)
+    assert kinds(prog) == ["linear", "linear", "silu_mul", "linear"]
+
+
+# ---- softmax and elementwise ---------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, tile_rows", [((5, 33), 2), ((2, 3, 4, 16), 3), ((1, 7), 4)])
+def test_softmax(shape, tile_rows):
+    prog, _ = run(Fn(lambda m, x: torch.softmax(x * 3.0, dim=-1)), (torch.randn(*shape),), tile_rows=tile_rows)
+    assert "softmax" in kinds(prog)
+
+
+def test_softmax_of_scores():
+    def f(m, x):
+        scores = F.linear(x, m.w) * 0.25
+        return F.softmax(scores, dim=-1)
+
+    prog, _ = run(Fn(f, w=torch.randn(20, 16)), (torch.randn(3, 16),), tile_n=8, workers=3)
+    assert kinds(prog) == ["linear", "unary", "softmax"]
+
+
+def test_elementwise_zoo():
+    def f(m, x, y):
+        a = torch.sigmoid(x) + torch.tanh(y) * 0.5
+        b = torch.maximum(a, y) - torch.minimum(x, 0.5 * y)
+        c = F.gelu(b) + F.gelu(a, approximate="tanh") - 1.0
+        return c / 3.0, torch.exp(-x * x), (2.0 - x).to(torch.bfloat16).to(torch.float32) * m.s
+
+    prog, _ = run(Fn(f, s=torch.randn(8)), (torch.randn(3, 8), torch.randn(3, 8)), tile_cols=4, tile_rows=2)
+    assert set(kinds(prog)) <= {"unary", "binary"}
+
+
+def test_concat_and_views():
+    def f(m, x):
+        y = torch.cat([x * 2.0, torch.relu(x)], dim=1)  # [2, 6, 8]
+        z = y.transpose(1, 2).reshape(2, 48)  # needs a real copy
+        lo, hi = z.split([16, 32], dim=-1)
+        return lo + 1.0, hi.unsqueeze(0) * 3.0
+
+    prog, _ = run(Fn(f), (torch.randn(2, 3, 8),))
+    assert {"concat", "copy"} <= set(kinds(prog))
+
+
+def test_fused_gate_up_projection_chunk():
+    """Regression: ``chunk``/``split`` (one fused gate-up GEMV, Phi-3 style) used to be unsupported."""
+    def f(m, x):
+        gate, up = F.linear(x, m.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, m.down)
+
+    prog, _ = run(Fn(f, gate_up=torch.randn(64, 16) / 4, down=torch.randn(16, 32) / 6), (torch.randn(2, 16),),
+                  tile_n=16, workers=4)
+    assert kinds(prog) == ["linear", "silu_mul", "linear"]
+    gate_view, up_view = prog.graph.ops[1].inputs
+    assert gate_view.buffer == up_view.buffer and up_view.offset == 32  # zero-copy views of one buffer
+
+
+# ---- attention (no cache) -------------------------------------------------------------------
+
+def test_gqa_attention_without_mask():
+    """F.scaled_dot_product_attention with HF's repeat_kv: the KV heads are read directly."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    def repeat_kv(x, n):
+        b, h, s, d = x.shape
+        return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+    def f(m, q, k, v):
+        return sdpa(q, repeat_kv(k, 4), repeat_kv(v, 4), scale=0.3)
+
+    q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16)
+    prog, _ = run(Fn(f), (q, k, v), attn_heads_per_tile=2, workers=3)
+    assert kinds(prog) == ["attention"]
+    att = prog.graph.ops[0]
+    assert att.inputs[1].shape == (2, 2, 6, 16) and att.attr("scale") == pytest.approx(0.3)
