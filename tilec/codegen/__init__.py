@@ -9,7 +9,7 @@ nvcc into a shared library with a plain ``extern "C"`` ABI (no torch headers).
 """
 from __future__ import annotations
 
-from .render import ABI_VERSION, render, variants
+from .sources import ABI_VERSION, render, variants
 from .build import build, nvcc_version, runtime_dir
 
 __all__ = ["render", "variants", "build", "nvcc_version", "runtime_dir", "ABI_VERSION"]

@@ -1,0 +1,80 @@
+"""Codegen and build on a machine without a GPU: the layout header is generated from the
+Python definition, and the generated sources of the tiny Llama and Qwen3 steps compile
+with the machine's nvcc (they are not run here)."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from tilec import codegen
+from tilec.errors import TilecError
+from tilec.hf import compile_decode_step
+from tilec.plan import DESCRIPTOR, OPERAND
+from tilec.zoo import make_model, prefill
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+
+
+def tiny_plan(name, dtype, batch=1):
+    model = make_model(name, dtype)
+    cache, _ = prefill(model, batch, 4, 16)
+    return compile_decode_step(model, cache, batch, options=dict(workers=8)).program.plan
+
+
+@pytest.fixture(scope="module")
+def llama_plan():
+    return tiny_plan("llama-tiny", torch.bfloat16)
+
+
+def test_layout_header_generated_from_python(llama_plan):
+    header = codegen.render(llama_plan)["tilec_layout.h"]
+    for name, start, _ in DESCRIPTOR:
+        assert f"#define TILEC_W_{name.upper()} {start} " in header
+    for name, start, _ in OPERAND:
+        assert f"#define TILEC_OF_{name.upper()} {start}\n" in header
+    from tilec import ops
+    for kind, d in ops.REGISTRY.items():
+        assert f"#define TILEC_OP_{kind.upper()} {d.opcode}\n" in header
+
+
+def test_program_instantiates_exactly_the_used_variants(llama_plan):
+    src = codegen.render(llama_plan)["program.cu"]
+    used = {op.kind for op in llama_plan.graph.ops}
+    instantiated = set(re.findall(r"tilec::op_(\w+)<", src))
+    assert instantiated == used
+    assert "tilec::op_linear<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(c)" in src
+    assert "torch" not in src.lower()  # plain C ABI, no torch headers
+
+
+def test_template_errors_name_the_template(monkeypatch):
+    from tilec.codegen import sources as r
+    with pytest.raises(TilecError, match="layout.h.j2"):
+        r._render("layout.h.j2", version="x")  # StrictUndefined: missing context keys are errors
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype,batch", [("llama-tiny", torch.bfloat16, 1), ("qwen3-tiny", torch.bfloat16, 2),
+                                              ("llama-tiny", torch.float32, 2)])
+def test_generated_step_compiles(name, dtype, batch, tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
+    plan = tiny_plan(name, dtype, batch)
+    lib = codegen.build(codegen.render(plan))
+    assert lib.exists() and lib.stat().st_size > 0
+    assert lib.parent.parent == tmp_path
+    # a second build of the same sources is a cache hit: same path, nothing rebuilt
+    mtime = lib.stat().st_mtime_ns
+    assert codegen.build(codegen.render(plan)) == lib and lib.stat().st_mtime_ns == mtime
+
+
+@needs_nvcc
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch, llama_plan):
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
+    srcs = codegen.render(llama_plan)
+    srcs["program.cu"] += "\nthis is not C++;\n"
+    with pytest.raises(TilecError, match="nvcc failed"):
+        codegen.build(srcs)
+    assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
