@@ -9,8 +9,6 @@ bandwidth). Each row is the median of many CUDA-event-timed steps after warm-up.
 from __future__ import annotations
 
 import argparse
-import copy
-import statistics
 import sys
 import time
 import warnings
@@ -20,23 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.hf import compile_decode_step  # noqa: E402
+from tilec.timing import median_ms  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
 
 def time_cuda(fn, iters: int, warmup: int = 5) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` calls, each between two CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, iters, warmup, "cuda")
 
 
 def read_bandwidth() -> float:

@@ -79,7 +79,7 @@ def test_interleaved_rope(tile_rows):
 
 def test_interleaved_rope_of_projection_with_hf_function():
     """HF's own ``apply_rotary_pos_emb_interleave`` (DeepSeek-V3 / GLM) on q and k projections."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
     b, s, h, d = 2, 1, 2, 8
@@ -98,7 +98,7 @@ def test_interleaved_rope_of_projection_with_hf_function():
 
 
 def test_rotate_half_rope_hf_layout():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     b, h, s, d = 2, 4, 1, 16
@@ -206,7 +206,7 @@ def test_layernorm_functional_with_bias_only():
 
 
 def test_rmsnorm_hf_module():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     norm = LlamaRMSNorm(32, eps=1e-6)
@@ -217,7 +217,7 @@ def test_rmsnorm_hf_module():
 
 
 def test_hf_mlp_is_silu_mul_between_linears():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=80, hidden_act="silu", mlp_bias=False)

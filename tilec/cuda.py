@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from . import codegen
+from . import ops as opreg
 from .errors import TilecError
 from .ops import attention as _attention  # noqa: F401
 from .plan import KernelPlan
@@ -30,17 +31,19 @@ class CudaExecutor:
         TilecError: nvcc/ABI problems, or the W workers cannot be co-resident.
     """
 
-    def __init__(self, plan: KernelPlan, opts, device: torch.device, progress=None):
+    def __init__(self, plan: KernelPlan, opts, device: torch.device, progress=None, lib_path=None):
+        """``lib_path``: an already built library of this plan (e.g. an artifact's ``cuda/libtilec.so``);
+        without it the plan's sources are rendered and built (cached) with nvcc."""
         self.plan, self.opts, self.device = plan, opts, device
         self.sources = codegen.render(plan)
-        self.lib_path = codegen.build(self.sources, opts.arch, progress)
+        self.lib_path = lib_path if lib_path is not None else codegen.build(self.sources, opts.arch, progress)
         lib = ctypes.CDLL(str(self.lib_path))
         if lib.tilec_abi_version() != codegen.ABI_VERSION:
             raise TilecError(f"{self.lib_path}: ABI version {lib.tilec_abi_version()} != {codegen.ABI_VERSION}")
         lib.tilec_launch.restype = ctypes.c_int
         lib.tilec_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                                     ctypes.c_void_p]
+                                     ctypes.c_void_p, ctypes.c_void_p]
         lib.tilec_last_error.restype = ctypes.c_char_p
         self.lib = lib
         self.queues = plan.queues.to(device)
@@ -50,6 +53,9 @@ class CudaExecutor:
         self._last_table: torch.Tensor | None = None
         self.epoch = 0
         self.smem_bytes = self._smem_bytes()
+        # per-instruction %globaltimer stamps [W, L, 2] (ns) when Options.profile is on
+        self.stamps = (torch.zeros(*plan.queues.shape[:2], 2, dtype=torch.int64, device=device)
+                       if getattr(opts, "profile", False) else None)
 
     def _smem_bytes(self) -> int:
         """Dynamic shared memory per CTA: attention scores and P.V partials (runtime/tilec/ops.cuh,
@@ -68,6 +74,8 @@ class CudaExecutor:
                 staged = 4 * min(rows, 64) * op.inputs[0].shape[-1] + 2048
                 if staged <= 96 * 1024:
                     need = max(need, staged)
+        for op in self.plan.graph.ops:  # ops that state their own needs (tilec/ops/*.py smem_bytes)
+            need = max(need, opreg.opdef(op.kind).smem_bytes(op))
         if need > 227 * 1024:
             raise TilecError(f"the plan needs {need} bytes of shared memory per CTA (max 227 KiB); "
                              f"split-KV attention is not implemented yet")
@@ -91,7 +99,8 @@ class CudaExecutor:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         rc = self.lib.tilec_launch(q.data_ptr(), q.shape[0], q.shape[1], self.table.data_ptr(),
                                    self.counters.data_ptr(), self.epoch, self.err.data_ptr(),
-                                   int(self.opts.watchdog_ms) * 1_000_000, self.smem_bytes, stream)
+                                   int(self.opts.watchdog_ms) * 1_000_000, self.smem_bytes, stream,
+                                   None if self.stamps is None or queues is not None else self.stamps.data_ptr())
         if rc != 0:
             raise TilecError(f"tilec launch failed: {self.lib.tilec_last_error().decode()}")
         if self.opts.check if check is None else check:

@@ -14,6 +14,7 @@ class UnsupportedNodeError(TilecError):
 
     def __init__(self, nodes: list[tuple[str, str, str]], reason: str = ""):
         self.nodes = nodes
+        self.reason = reason
         lines = [f"  {name} ({target})" + (f" at {src}" if src else "") for name, target, src in nodes]
         head = f"tilec cannot lower {len(nodes)} FX node(s)" + (f": {reason}" if reason else "")
         super().__init__(head + "\n" + "\n".join(lines))

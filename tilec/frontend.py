@@ -14,6 +14,7 @@ are checked against the causal / slot semantics and absorbed into the ops.
 """
 from __future__ import annotations
 
+import math
 import operator
 import os
 import re
@@ -25,7 +26,7 @@ import torch.fx as fx
 
 from .errors import UnsupportedNodeError
 from .ir import Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides
-from .ops.ewise import BINARY_FNS, UNARY_FNS
+from .ops.ewise import BINARY_FNS
 from .ops.rope import INTERLEAVED, ROTATE_HALF
 
 aten = torch.ops.aten
@@ -115,6 +116,16 @@ _BINARY = {
     aten.maximum.default: "maximum", aten.minimum.default: "minimum",
 }
 _SCALAR_OF = {"add": "add_scalar", "mul": "mul_scalar", "div": "div_scalar"}
+# positional argument names of SDPA and of the fused variants AOTAutograd dispatches it to
+_SDPA_ARGS = {
+    aten.scaled_dot_product_attention.default: ("attn_mask", "dropout_p", "is_causal"),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: ("dropout_p", "is_causal"),
+    aten._scaled_dot_product_efficient_attention.default: ("attn_mask", "compute_log_sumexp", "dropout_p",
+                                                           "is_causal"),
+    aten._scaled_dot_product_flash_attention.default: ("dropout_p", "is_causal", "return_debug_mask"),
+    aten._scaled_dot_product_cudnn_attention.default: ("attn_mask", "compute_log_sumexp", "dropout_p", "is_causal",
+                                                       "return_debug_mask"),
+}
 _INDEX_WRITES = {aten.index_copy.default, aten.index_copy_.default, aten.index_put.default, aten.index_put_.default}
 
 
@@ -130,7 +141,7 @@ def _is(node, *targets) -> bool:
 class Lowering:
     """Lowers one aten graph; see the module docstring. Use :func:`lower_graph`."""
 
-    def __init__(self, gm: fx.GraphModule, binding: GraphBinding, max_positions: int):
+    def __init__(self, gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe: bool = False):
         self.gm, self.b, self.max_positions = gm, binding, max_positions
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.buffers: dict[str, Buffer] = {}
@@ -142,6 +153,9 @@ class Lowering:
         self._static_cache: dict = {}
         self._pos_caches: dict[int, dict] = {}
         self._views: dict[int, View] = {}
+        self.position_updates: dict[str, torch.Tensor] = {}
+        self.probe = probe
+        self.unsupported: list[tuple[str, str, str, str]] = []
         self.cls = self._classify()
 
     # ---- classification: static / positional / runtime --------------------------------
@@ -270,6 +284,15 @@ class Lowering:
             out = self._fold(node)
         elif node.op == "placeholder":
             out = self._placeholder(node)
+        elif self.probe:
+            try:
+                out = self._lower(node)
+            except UnsupportedNodeError as e:
+                # probe mode: note the node, stand in an input of its shape, keep going
+                self.unsupported.append(e.nodes[0] + (e.reason,))
+                val = _val(node)
+                out = None if val is None else View.whole(self._new_buffer(f"opaque_{node.name}", tuple(val.shape),
+                                                                           val.dtype, BufferKind.INPUT))
         else:
             out = self._lower(node)
         self.env[node] = out
@@ -299,7 +322,9 @@ class Lowering:
         if t is operator.getitem:
             src = self.value(node.args[0])
             return src[node.args[1]]
-        for pattern in (self._rmsnorm, self._silu_mul, self._rope_rotate_half, self._rope_interleaved):
+        for pattern in (self._rmsnorm, self._silu_mul, self._rope_rotate_half, self._rope_interleaved,
+                        self._fp8_quant, self._fp8_quant_scale, self._fp8_linear, self._einsum,
+                        self._paged_cache_write, self._paged_index_score):
             out = pattern(node)
             if out is not None:
                 return out
@@ -322,7 +347,7 @@ class Lowering:
             return self._emit(node, "unary", [src], attrs=(("fn", "cast"), ("scalar", 0.0)))
         if t in (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default):
             return self._linear(node)
-        if t is aten.scaled_dot_product_attention.default:
+        if t in _SDPA_ARGS:
             return self._attention(node)
         if t in _INDEX_WRITES:
             return self._index_write(node)
@@ -588,12 +613,14 @@ class Lowering:
 
     def _attention(self, node: fx.Node):
         q_n, k_n, v_n = node.args[:3]
-        rest = dict(zip(["attn_mask", "dropout_p", "is_causal"], node.args[3:]))
+        rest = dict(zip(_SDPA_ARGS[node.target], node.args[3:]))
         rest.update(node.kwargs)
+        if "attn_bias" in rest:
+            rest["attn_mask"] = rest.pop("attn_bias")
         if rest.get("dropout_p", 0.0) not in (0, 0.0):
             self._unsupported(node, "dropout in attention")
         q = self.view_of(q_n)
-        (k_src, gk), (v_src, gv) = self._gqa_source(k_n), self._gqa_source(v_n)
+        (k_src, _), (v_src, _) = self._gqa_source(k_n), self._gqa_source(v_n)
         k, v = self.view_of(k_src), self.view_of(v_src)
         bsz, hq, sq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
@@ -607,7 +634,11 @@ class Lowering:
         if mask is not None:
             self._check_causal_mask(node, mask, bsz, hq, sq, s)
             causal = True
-        return self._emit(node, "attention", [q, k, v], attrs=(("scale", float(scale)), ("causal", causal)))
+        out = self._emit(node, "attention", [q, k, v], out_shape=q.shape[:3] + (v.shape[3],),
+                         out_dtype=self.buffers[q.buffer].dtype, attrs=(("scale", float(scale)), ("causal", causal)))
+        if node.target is aten.scaled_dot_product_attention.default:
+            return out
+        return (out,) + (None,) * 8  # fused variants return (out, logsumexp, ...); only out may be used
 
     def _check_causal_mask(self, node, mask, bsz, hq, sq, s):
         val = self.value(mask)
@@ -660,10 +691,366 @@ class Lowering:
     def _copy_(self, node: fx.Node):
         """AOTAutograd's ``copy_(input, new_value)`` epilogue for an in-place cache update."""
         dst_n, src_n = node.args[0], node.args[1]
+        if dst_n.op == "placeholder" and dst_n.name in self.b.positions:
+            return self.position_update(node, dst_n.name, src_n)
         src = self.value(src_n)
         if isinstance(src, View) and dst_n.op == "placeholder" and src.buffer == dst_n.name:
             return src
         self._unsupported(node, "copy_ into a graph input that is not an in-place cache write")
+
+    def position_update(self, node: fx.Node, target: str, value_node) -> None:
+        """A position input updated in place (HF's ``cumulative_length += 1``): its new value is
+        tabulated over p and written back by the program after each step."""
+        val = self.value(value_node)
+        if not isinstance(val, Positional):
+            self._unsupported(node, f"in-place update of position input {target} with a value that does not depend "
+                                    f"only on the position")
+        self.position_updates[target] = val.table
+
+    # ---- DSA prelude (GLM-5 / DeepSeek-V3.2): FP8 GEMMs, absorption, paged caches ----------
+    # The plain-torch forms recognized here are those of examples/glm5_dsa_prelude.py:
+    # act_quant / act_dequant / weight_dequant (DeepSeek-V3's FP8 recipe written in torch ops),
+    # einsum for MLA's absorption, index_put / index_copy at a slot-mapping input, and the
+    # lightning indexer's score over pages gathered through a block table.
+    def _upcast_src(self, n):
+        """Strips widening casts to float32 (exact): the node whose value they widen."""
+        while _is(n, *_CASTS, aten.alias.default) and _val(n) is not None and _val(n).dtype == torch.float32:
+            n = n.args[0]
+        return n
+
+    def _apply_view(self, src: View, node: fx.Node) -> View:
+        """The view ``node`` (a view op) takes of ``src``, as a strided View of src's buffer."""
+        buf = self.buffers[src.buffer]
+        meta = torch.empty(buf.numel, dtype=buf.dtype, device="meta").as_strided(src.shape, src.strides, src.offset)
+        out = meta.view(_val(node).shape) if node.target in _RESHAPES else node.target(meta, *node.args[1:],
+                                                                                         **node.kwargs)
+        return View(src.buffer, tuple(out.shape), tuple(out.stride()), out.storage_offset(), src.pos_stride)
+
+    def _fp8_scale(self, s):
+        """``amax(|v|, -1, keepdim).clamp(min=a) / 448`` (or ``exp2(ceil(log2(...)))`` of it, a
+        power-of-two scale) -> ``(v node, pow2, a)`` or None."""
+        pow2 = False
+        if _is(s, aten.exp2.default) and _is(s.args[0], aten.ceil.default) and _is(s.args[0].args[0], aten.log2.default):
+            s, pow2 = s.args[0].args[0].args[0], True
+        if _is(s, aten.div.Tensor) and not isinstance(s.args[1], fx.Node) and float(s.args[1]) == 448.0:
+            base = s.args[0]
+        elif _is(s, aten.mul.Tensor) and not isinstance(s.args[1], fx.Node) and float(s.args[1]) == 1.0 / 448.0:
+            base = s.args[0]
+        else:
+            return None
+        amin = 0.0
+        if _is(base, aten.clamp.default, aten.clamp_min.default):
+            if len(base.args) > 2 and base.args[2] is not None or isinstance(base.args[1], fx.Node):
+                return None
+            base, amin = base.args[0], float(base.args[1])
+        if not (_is(base, aten.amax.default) and len(base.args) > 2 and base.args[2]
+                and list(base.args[1]) in ([-1], [len(_val(base).shape) - 1]) and _is(base.args[0], aten.abs.default)):
+            return None
+        return base.args[0].args[0], pow2, amin
+
+    def _fp8_quant_parts(self, node):
+        """``to_fp8(clamp(v / s, -448, 448))`` with ``v = view(x.float())`` [..., K/G, G] and s its
+        :meth:`_fp8_scale` -> ``(x node, s node, G, pow2, amin)`` or None."""
+        if not (_is(node, *_CASTS) and _val(node) is not None and _val(node).dtype == torch.float8_e4m3fn):
+            return None
+        c = node.args[0]
+        if _is(c, aten.clamp.default):
+            if tuple(c.args[1:3]) != (-448.0, 448.0):
+                return None
+            c = c.args[0]
+        if not (_is(c, aten.div.Tensor) and isinstance(c.args[1], fx.Node)):
+            return None
+        v, s = c.args
+        sc = self._fp8_scale(s)
+        if sc is None or sc[0] is not v or not _is(v, *_RESHAPES):
+            return None
+        x = self._upcast_src(v.args[0])
+        xs, vs = tuple(_val(x).shape), tuple(_val(v).shape)
+        if len(vs) < 2 or vs[:-2] != xs[:-1] or vs[-2] * vs[-1] != xs[-1]:
+            return None
+        return x, s, vs[-1], sc[1], sc[2]
+
+    def _fp8_quant(self, node: fx.Node):
+        """Per-group FP8 quantization -> one ``fp8_quant`` op with two outputs: the values
+        (this node's value) and the scales (bound to the scale node)."""
+        m = self._fp8_quant_parts(node)
+        if m is None:
+            return None
+        x_n, s_n, group, pow2, amin = m
+        x = self.view_of(x_n)
+        lead, k = x.shape[:-1], x.shape[-1]
+        qbuf = self._new_buffer(f"{node.name}_q", lead + (k,), torch.float8_e4m3fn)
+        sbuf = self._new_buffer(f"{node.name}_scale", lead + (k // group,), torch.float32)
+        self.ops.append(Op(self._name(f"fp8_quant_{node.name}"), "fp8_quant", (x,), (View.whole(qbuf), View.whole(sbuf)),
+                           (("amin", amin), ("group", group), ("pow2", pow2)), self._prov(node)))
+        sshape = tuple(_val(s_n).shape)
+        self.env[s_n] = View(sbuf.name, sshape, contiguous_strides(sshape))
+        shape = tuple(_val(node).shape)
+        return View(qbuf.name, shape, contiguous_strides(shape))
+
+    def _fp8_quant_scale(self, node: fx.Node):
+        """The scale of an FP8 quantization demanded before its values: lowers the quantization."""
+        if self._fp8_scale(node) is None:
+            return None
+        for div in node.users:
+            for c in [div, *div.users]:
+                for cast in c.users:
+                    m = self._fp8_quant_parts(cast)
+                    if m is not None and m[1] is node:
+                        self.value(cast)
+                        return self.env[node]
+        return None
+
+    def _act_dequant(self, n):
+        """``view(view(q.float()) * scale.unsqueeze(-1))`` (FP8 values per group of G) -> (q, scale, G) or None."""
+        if not (_is(n, *_RESHAPES) and _is(n.args[0], aten.mul.Tensor)):
+            return None
+        mul = n.args[0]
+        for a, b in (mul.args, mul.args[::-1]):
+            if not (_is(a, *_RESHAPES) and _is(b, aten.unsqueeze.default)):
+                continue
+            q, s = self._upcast_src(a.args[0]), b.args[0]
+            qv, av, sv = _val(q), _val(a), _val(s)
+            if qv is None or sv is None or qv.dtype != torch.float8_e4m3fn or b.args[1] not in (-1, len(av.shape) - 1):
+                continue
+            if tuple(av.shape[:-1]) == tuple(sv.shape) and tuple(qv.shape) == tuple(_val(n).shape):
+                return q, s, av.shape[-1]
+        return None
+
+    def _weight_dequant(self, n):
+        """``w.float() * S`` where S broadcasts a ``[ceil(N/Br), ceil(K/Bc)]`` scale over Br x Bc
+        blocks of the FP8 weight w [N, K] (``scale[:, None, :, None].expand(...).reshape(...)[:N, :K]``),
+        both module parameters -> (w, scale, (Br, Bc)) or None."""
+        if not _is(n, aten.mul.Tensor):
+            return None
+        for a, s in (n.args, n.args[::-1]):
+            w = self._upcast_src(a) if _is(a, *_CASTS) else None
+            if w is None or _val(w) is None or _val(w).dtype != torch.float8_e4m3fn or _val(w).dim() != 2:
+                continue
+            while _is(s, aten.alias.default, aten.clone.default, *_RESHAPES) or (_is(s, aten.slice.Tensor)
+                                                                               and s.args[2] in (0, None)):
+                s = s.args[0]
+            if not _is(s, aten.expand.default) or len(s.args[1]) != 4:
+                continue
+            nb, br, kb, bc = (int(x) for x in s.args[1])
+            u = s.args[0]
+            if tuple(_val(u).shape) != (nb, 1, kb, 1):
+                continue
+            while _is(u, aten.unsqueeze.default):
+                u = u.args[0]
+            n_, k_ = _val(w).shape
+            weights = all(v.op == "placeholder" and (v.name in self.b.params or v.name in self.b.consts) for v in (w, u))
+            if weights and tuple(_val(u).shape) == (nb, kb) and -(-n_ // br) == nb and -(-k_ // bc) == kb \
+                    and tuple(_val(n).shape) == (n_, k_):  # read-only weights: device tiles may use __ldg
+                return w, u, (br, bc)
+        return None
+
+    def _fp8_linear(self, node: fx.Node):
+        """``linear(act_dequant(xq, xs), weight_dequant(wq, ws))`` (optionally cast to the
+        activation dtype) -> one block-scaled ``fp8_linear`` reading the FP8 tensors."""
+        lin = node.args[0] if _is(node, *_CASTS) and isinstance(node.args[0], fx.Node) else node
+        if not _is(lin, aten.linear.default) or (len(lin.args) > 2 and lin.args[2] is not None):
+            return None
+        xa, wd = self._act_dequant(lin.args[0]), self._weight_dequant(lin.args[1])
+        if xa is None or wd is None:
+            return None
+        (xq, xs, group), (wq, ws, (br, bc)) = xa, wd
+        if group != bc:
+            self._unsupported(node, f"FP8 linear with activation groups of {group} but weight blocks of {bc} along K")
+        inputs = [self.view_of(xq), self.view_of(xs), self.view_of(wq), self.view_of(ws)]
+        return self._emit(node, "fp8_linear", inputs, attrs=(("block_n", br),))
+
+    def _dequant_view_chain(self, n):
+        """View ops (and at most one cast) over a :meth:`_weight_dequant` ->
+        (w, scale, block, view nodes in order, cast dtype or None) or None."""
+        chain, cast = [], None
+        while True:
+            wd = self._weight_dequant(n)
+            if wd is not None:
+                return (*wd, chain[::-1], cast)
+            if _is(n, *_VIEW_OPS) and n.target is not aten.expand.default:
+                chain.append(n)
+            elif _is(n, *_CASTS) and cast is None:
+                cast = _val(n).dtype
+            else:
+                return None
+            n = n.args[0]
+
+    def _einsum(self, node: fx.Node):
+        """A two-operand einsum with one batch, one contracted and one free letter per side
+        (``thd,hdc->thc``: MLA's absorption) -> ``bmm``; the right operand may be a view of a
+        block-scaled FP8 weight (read in place, dequantized in the tile)."""
+        if not _is(node, aten.einsum.default):
+            return None
+        eq, operands = node.args[0].replace(" ", ""), node.args[1]
+        if len(operands) != 2 or "->" not in eq or "." in eq:
+            self._unsupported(node, f"einsum {eq!r}: only two-operand batched matmuls are supported")
+        lhs, out = eq.split("->")
+        sa, sb = lhs.split(",")
+        batch = [c for c in out if c in sa and c in sb]
+        contract = [c for c in sa if c in sb and c not in out]
+        fa = [c for c in out if c in sa and c not in sb]
+        fb = [c for c in out if c in sb and c not in sa]
+        if any(len(set(x)) != len(x) for x in (sa, sb, out)) or not len(batch) == len(contract) == len(fa) == len(fb) == 1 \
+                or len(sa) != 3 or len(sb) != 3:
+            self._unsupported(node, f"einsum {eq!r} is not a batched matmul (one batch, one contracted and one free "
+                                    f"letter per operand)")
+
+        def permute(v: View, letters: str, order) -> View:
+            idx = [letters.index(c) for c in order]
+            return View(v.buffer, tuple(v.shape[i] for i in idx), tuple(v.strides[i] for i in idx), v.offset,
+                        v.pos_stride)
+
+        a = permute(self.view_of(operands[0]), sa, batch + fa + contract)
+        out_dtype = _val(node).dtype
+        attrs: tuple = ()
+        inputs = [a]
+        dq = self._dequant_view_chain(operands[1])
+        if dq is None:
+            inputs.append(permute(self.view_of(operands[1]), sb, batch + contract + fb))
+        else:
+            wq, ws, block, chain, cast = dq
+            w = self.view_of(wq)
+            for vn in chain:
+                w = self._apply_view(w, vn)
+            if cast not in (None, torch.float32, out_dtype):
+                self._unsupported(node, f"dequantized weight cast to {cast}, the einsum computes in {out_dtype}")
+            inputs += [permute(w, sb, batch + contract + fb), self.view_of(ws)]
+            attrs = (("block", block), ("round_w", cast not in (None, torch.float32)),
+                     ("row_len", self.buffers[w.buffer].shape[-1]))
+        sizes = {c: s for c, s in zip(out, _val(node).shape)}
+        buf = self._new_buffer(node.name, tuple(sizes[c] for c in out), out_dtype)
+        whole = View.whole(buf)
+        self.ops.append(Op(self._name(f"bmm_{node.name}"), "bmm", tuple(inputs),
+                           (permute(whole, out, batch + fa + fb),), attrs, self._prov(node)))
+        return whole
+
+    def _paged_cache_write(self, node: fx.Node):
+        """``cache.view(-1, D)[slot_mapping] = src`` (``index_put`` / ``index_copy`` along dim 0 at a
+        per-call slot tensor) -> ``paged_cache_write``, in place into the caller's cache."""
+        if not _is(node, *_INDEX_WRITES):
+            return None
+        if node.target in (aten.index_copy.default, aten.index_copy_.default):
+            dim, idx_n, src_n = node.args[1], node.args[2], node.args[3]
+        else:
+            indices, src_n = node.args[1], node.args[2]
+            if len(indices) != 1 or node.args[3:4] == (True,):
+                return None
+            dim, idx_n = 0, indices[0]
+        if not isinstance(idx_n, fx.Node) or self.cls[idx_n] != "runtime":
+            return None  # a write at the decode position: _index_write
+        src, idx = self.view_of(src_n), self.view_of(idx_n)
+        feat = tuple(_val(src_n).shape[1:])
+        base = node.args[0]  # the cache in its own shape: look through the flattening reshape
+        while _is(base, *_RESHAPES) and _val(base.args[0]).numel() == _val(base).numel() \
+                and tuple(_val(base.args[0]).shape[len(_val(base.args[0]).shape) - len(feat):]) == feat:
+            base = base.args[0]
+        dst = self.view_of(base)
+        if self.buffers[dst.buffer].kind is not BufferKind.STATE:
+            self._unsupported(node, "slot write into a tensor that is not a graph input updated in place (a cache)")
+        rows = _val(node.args[0]).shape[0]
+        if dim % _val(node.args[0]).dim() != 0 or len(feat) > 1 or len(idx.shape) != 1 or src.shape[0] != idx.shape[0] \
+                or rows != _val(base).numel() // max(1, math.prod(feat)) or len(dst.shape) - len(feat) > 3:
+            self._unsupported(node, f"slot write of {list(src.shape)} at {list(idx.shape)} slots into "
+                                    f"{list(_val(node.args[0]).shape)}: expected src [T, D] (or [T]) and slots [T] "
+                                    f"along dim 0")
+        if not feat:  # one value per slot: as [T, 1] into [*lead, 1]
+            dst = View(dst.buffer, dst.shape + (1,), dst.strides + (1,), dst.offset, dst.pos_stride)
+            src = View(src.buffer, src.shape + (1,), src.strides + (1,), src.offset, src.pos_stride)
+        self.ops.append(Op(self._name(f"paged_cache_write_{node.name}"), "paged_cache_write", (src, idx), (dst,), (),
+                           self._prov(node)))
+        self.state_writes.add(dst.buffer)
+        return self.view_of(node.args[0])
+
+    def _paged_gather(self, n):
+        """``cache[block_tables].flatten(1, 2)`` ([pages, page, ...] -> [R, P * page, ...]) -> (cache, block tables)."""
+        if not (_is(n, *_RESHAPES) and _is(n.args[0], aten.index.Tensor)):
+            return None
+        idx = n.args[0]
+        if len(idx.args[1]) != 1 or idx.args[1][0] is None:
+            return None
+        cache, bt = idx.args[0], idx.args[1][0]
+        cv, bv, nv = _val(cache), _val(bt), _val(n)
+        if bv.dim() != 2 or cv.dim() < 2 or tuple(nv.shape) != (bv.shape[0], bv.shape[1] * cv.shape[1],
+                                                                 *cv.shape[2:]):
+            return None
+        return cache, bt
+
+    def _position_mask(self, mask, kv: int):
+        """``arange(KV) > positions[..., None]`` (positions after each token's own) -> positions node."""
+        if _is(mask, aten.gt.Tensor):
+            ar, pu = mask.args
+        elif _is(mask, aten.lt.Tensor):
+            pu, ar = mask.args
+        else:
+            return None
+        if not (_is(pu, aten.unsqueeze.default) and pu.args[1] in (-1, len(_val(pu).shape) - 1)):
+            return None
+        val = self.value(ar) if isinstance(ar, fx.Node) and self.cls[ar] == "static" else None
+        if not (isinstance(val, Static) and torch.equal(val.value.flatten(), torch.arange(kv, dtype=val.value.dtype))):
+            return None
+        return pu.args[0]
+
+    def _paged_index_score(self, node: fx.Node):
+        """DSA's lightning-indexer score over paged keys (``paged_index_score`` of the example):
+        ``masked_fill(squeeze(matmul(w[..., None, :], relu(matmul(q, k^T) (* scale))) (* k_scale),
+        arange(KV) > pos, -inf)`` with k (and k_scale) gathered through block tables -> ``index_score``."""
+        if not (_is(node, aten.masked_fill.Scalar) and node.args[2] == float("-inf")):
+            return None
+        x, kv = node.args[0], _val(node).shape[-1]
+        pos = self._position_mask(node.args[1], kv)
+        if pos is None:
+            return None
+        kscale = None
+        if _is(x, aten.mul.Tensor):  # * k_scale[block_tables].flatten(1, 2).unsqueeze(1): an FP8 key cache
+            for y, ku in (x.args, x.args[::-1]):
+                if _is(ku, aten.unsqueeze.default) and ku.args[1] == 1 and _is(y, aten.squeeze.dim):
+                    kscale = self._paged_gather(self._upcast_src(ku.args[0]))
+                    if kscale is not None:
+                        x = y
+                        break
+            if kscale is None:
+                return None
+        if not (_is(x, aten.squeeze.dim) and x.args[1] in (-2, len(_val(x).shape) - 1) and _is(x.args[0],
+                                                                                             aten.matmul.default)):
+            return None
+        wu, rl = x.args[0].args
+        if not (_is(wu, aten.unsqueeze.default) and wu.args[1] in (-2, len(_val(wu).shape) - 2)
+                and _is(rl, aten.relu.default)):
+            return None
+        w, z, scale = self._upcast_src(wu.args[0]), rl.args[0], 1.0
+        if _is(z, aten.mul.Tensor) and not isinstance(z.args[1], fx.Node):
+            z, scale = z.args[0], float(z.args[1])
+        if not _is(z, aten.matmul.default):
+            return None
+        q, kt = self._upcast_src(z.args[0]), z.args[1]
+        if not (_is(kt, aten.transpose.int) and {d % 4 for d in kt.args[1:]} == {2, 3}
+                and _is(kt.args[0], aten.unsqueeze.default) and kt.args[0].args[1] == 1):
+            return None
+        gathered = self._paged_gather(self._upcast_src(kt.args[0].args[0]))
+        if gathered is None or (kscale is not None and kscale[1] is not gathered[1]):
+            return None
+        cache, bt = gathered
+        qs, ws, cs, ps = (tuple(_val(n).shape) for n in (q, w, cache, pos))
+        if len(qs) != 4 or ws != qs[:3] or len(cs) != 3 or cs[2] != qs[3] or ps != qs[:2] \
+                or tuple(_val(bt).shape)[0] != qs[0]:
+            self._unsupported(node, f"indexer score with q {list(qs)}, weights {list(ws)}, key cache {list(cs)}, "
+                                    f"positions {list(ps)}: expected [R, T, H, D], [R, T, H], [pages, page, D], [R, T]")
+        inputs = [self.view_of(q), self.view_of(w), self.view_of(cache)]
+        if kscale is not None:
+            inputs.append(self.view_of(kscale[0]))
+        inputs += [self.view_of(bt), self.view_of(pos)]
+        return self._emit(node, "index_score", inputs, out_dtype=torch.float32, attrs=(("scale", scale),))
+
+
+def find_unsupported(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 1
+                     ) -> list[tuple[str, str, str, str]]:
+    """Every node the lowering cannot handle: ``(node, target, source line, reason)``.
+
+    Runs the lowering in probe mode, where an unsupported node is recorded and replaced by
+    an input of its shape, so one pass finds them all (not just the first).
+    """
+    return _lower(gm, binding, max_positions, probe=True).unsupported
 
 
 def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 1) -> OpGraph:
@@ -678,7 +1065,29 @@ def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 
     Raises:
         UnsupportedNodeError: naming the FX node, its target and source line.
     """
-    low = Lowering(gm, binding, max_positions)
+    low = _lower(gm, binding, max_positions)
+    outputs = low.outputs
+    # outputs owned by the program become OUTPUT buffers
+    buffers = dict(low.buffers)
+    for v in outputs:
+        b = buffers[v.buffer]
+        if b.kind is BufferKind.TEMP:
+            buffers[v.buffer] = Buffer(b.name, b.shape, b.dtype, BufferKind.OUTPUT)
+    inputs = []
+    used = {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.users}
+    for name in binding.user_inputs:
+        if name in binding.positions:
+            inputs.append(POSITION if name in used else IGNORED)
+        elif name in buffers:
+            inputs.append(name)
+        else:
+            inputs.append(IGNORED)
+    updates = tuple((binding.user_inputs.index(name), table) for name, table in low.position_updates.items())
+    return OpGraph(tuple(low.ops), buffers, tuple(inputs), tuple(outputs), max_positions, low.constants, updates)
+
+
+def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe: bool = False) -> Lowering:
+    low = Lowering(gm, binding, max_positions, probe)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     results = out_node.args[0]
     results = list(results) if isinstance(results, (tuple, list)) else [results]
@@ -690,7 +1099,8 @@ def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 
             if isinstance(r, fx.Node) and r.name in binding.mutations:
                 target = binding.mutations[r.name]
                 if target in binding.positions:
-                    continue  # position counters are advanced by the caller
+                    low.position_update(r, target, r)
+                    continue
                 v = low.value(r)
                 if not (isinstance(v, View) and v.buffer == target and target in low.state_writes):
                     low._unsupported(r, f"in-place update of input {target} that is not a KV-cache write")
@@ -698,22 +1108,10 @@ def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 
             v = low.value(r)
             outputs.append(low.as_view(v, r) if not isinstance(v, View) else v)
         for n in gm.graph.nodes:  # side-effecting in-place writes nobody reads
-            if n.op == "call_function" and n.target in (aten.index_copy_.default, aten.index_put_.default):
+            if n.op == "call_function" and n.target in (aten.index_copy_.default, aten.index_put_.default,
+                                                        aten.copy_.default):
                 low.value(n)
     finally:
         sys.setrecursionlimit(old)
-    # outputs owned by the program become OUTPUT buffers
-    buffers = dict(low.buffers)
-    for v in outputs:
-        b = buffers[v.buffer]
-        if b.kind is BufferKind.TEMP:
-            buffers[v.buffer] = Buffer(b.name, b.shape, b.dtype, BufferKind.OUTPUT)
-    inputs = []
-    for name in binding.user_inputs:
-        if name in binding.positions:
-            inputs.append(POSITION)
-        elif name in buffers:
-            inputs.append(name)
-        else:
-            inputs.append(IGNORED)
-    return OpGraph(tuple(low.ops), buffers, tuple(inputs), tuple(outputs), max_positions, low.constants)
+    low.outputs = outputs
+    return low

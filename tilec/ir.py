@@ -47,6 +47,43 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name` (``"bfloat16"`` -> ``torch.bfloat16``); ``ValueError`` if unknown."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _attr_to_json(v):
+    """An op attribute as JSON: tuples, dtypes and non-finite floats are tagged so they round-trip."""
+    if isinstance(v, tuple):
+        return {"tuple": [_attr_to_json(x) for x in v]}
+    if isinstance(v, list):
+        return [_attr_to_json(x) for x in v]
+    if isinstance(v, torch.dtype):
+        return {"dtype": dtype_name(v)}
+    if isinstance(v, float) and not math.isfinite(v):
+        return {"float": repr(v)}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"op attribute value {v!r} of type {type(v).__name__} is not serializable")
+
+
+def _attr_from_json(v):
+    if isinstance(v, list):
+        return [_attr_from_json(x) for x in v]
+    if isinstance(v, dict):
+        if "tuple" in v:
+            return tuple(_attr_from_json(x) for x in v["tuple"])
+        if "dtype" in v:
+            return dtype_from_name(v["dtype"])
+        if "float" in v:
+            return float(v["float"])
+        raise ValueError(f"unknown tagged attribute value {v!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class Buffer:
     """A storage: ``shape`` is its canonical contiguous shape, ``dtype`` its element type."""
@@ -101,6 +138,14 @@ class View:
             for size, stride, want in zip(self.shape, self.strides, contiguous_strides(self.shape))
         )
 
+    def to_dict(self) -> dict:
+        return {"buffer": self.buffer, "shape": list(self.shape), "strides": list(self.strides),
+                "offset": self.offset, "pos_stride": self.pos_stride}
+
+    @staticmethod
+    def from_dict(d: dict) -> "View":
+        return View(d["buffer"], tuple(d["shape"]), tuple(d["strides"]), d["offset"], d["pos_stride"])
+
     def render(self) -> str:
         s = f"{self.buffer}[{'x'.join(map(str, self.shape)) or 'scalar'}]"
         if not self.is_contiguous() or self.offset:
@@ -143,6 +188,22 @@ class Op:
                 return v
         return default
 
+    def to_dict(self) -> dict:
+        prov = self.provenance
+        return {"name": self.name, "kind": self.kind, "inputs": [v.to_dict() for v in self.inputs],
+                "outputs": [v.to_dict() for v in self.outputs],
+                "attrs": [[k, _attr_to_json(v)] for k, v in self.attrs],
+                "provenance": None if prov is None else {"node": prov.node, "target": prov.target,
+                                                         "source": prov.source}}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Op":
+        prov = d.get("provenance")
+        return Op(d["name"], d["kind"], tuple(View.from_dict(v) for v in d["inputs"]),
+                  tuple(View.from_dict(v) for v in d["outputs"]),
+                  tuple((k, _attr_from_json(v)) for k, v in d["attrs"]),
+                  None if prov is None else Provenance(prov["node"], prov["target"], prov.get("source", "")))
+
     def render(self) -> str:
         ins = ", ".join(v.render() for v in self.inputs)
         outs = ", ".join(v.render() for v in self.outputs)
@@ -173,6 +234,9 @@ class OpGraph:
     outputs: tuple[View, ...]
     max_positions: int = 1
     constants: dict[str, torch.Tensor] = field(default_factory=dict, hash=False, compare=False)
+    # (user argument index, table [max_positions, ...]): position inputs the step updates in
+    # place, e.g. HF's cache counter; the program writes ``table[p]`` into them after a step
+    position_updates: tuple = field(default=(), hash=False, compare=False)
 
     def def_use(self) -> nx.DiGraph:
         """Bipartite def-use graph: op nodes ``("op", name)`` and buffer nodes ``("buf", name)``."""
@@ -191,6 +255,47 @@ class OpGraph:
             for v in op.outputs:
                 out.setdefault(v.buffer, []).append(op)
         return out
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict of the graph; its tensors (``constants`` and the ``position_updates``
+        tables) come from :meth:`tensors` and are stored separately (e.g. as safetensors).
+
+        ``OpGraph.from_dict(g.to_dict(), g.tensors()) == g``, renders identically, and has equal
+        constants and position updates.
+        """
+        return {
+            "buffers": [{"name": b.name, "shape": list(b.shape), "dtype": dtype_name(b.dtype), "kind": b.kind.value}
+                        for b in self.buffers.values()],
+            "ops": [op.to_dict() for op in self.ops],
+            "inputs": list(self.inputs),
+            "outputs": [v.to_dict() for v in self.outputs],
+            "max_positions": self.max_positions,
+            "constants": sorted(self.constants),
+            "position_updates": [idx for idx, _ in self.position_updates],
+        }
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """``constants`` by buffer name plus each position-update table as ``position_update.<arg index>``."""
+        return {**self.constants, **{f"position_update.{idx}": table for idx, table in self.position_updates}}
+
+    @staticmethod
+    def from_dict(d: dict, tensors: dict[str, torch.Tensor] | None = None) -> "OpGraph":
+        """Inverse of :meth:`to_dict` and :meth:`tensors`.
+
+        Raises:
+            ValueError: an unknown dtype or buffer kind, or a tensor named in ``d`` is missing.
+        """
+        tensors = dict(tensors or {})
+        names = [*d.get("constants", []), *(f"position_update.{i}" for i in d.get("position_updates", []))]
+        missing = [k for k in names if k not in tensors]
+        if missing:
+            raise ValueError(f"opgraph tensors missing: {missing}")
+        buffers = {b["name"]: Buffer(b["name"], tuple(b["shape"]), dtype_from_name(b["dtype"]), BufferKind(b["kind"]))
+                   for b in d["buffers"]}
+        return OpGraph(tuple(Op.from_dict(o) for o in d["ops"]), buffers, tuple(d["inputs"]),
+                       tuple(View.from_dict(v) for v in d["outputs"]), d["max_positions"],
+                       {k: tensors[k] for k in d.get("constants", [])},
+                       tuple((i, tensors[f"position_update.{i}"]) for i in d.get("position_updates", [])))
 
     def render(self) -> str:
         lines = ["opgraph {"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 
 SCHEDULERS = ("list", "round_robin")
@@ -27,6 +28,9 @@ class Options:
     arch: nvcc target architecture (``sm_90a`` = Hopper with wgmma/TMA).
     watchdog_ms: a device-side event wait longer than this aborts the step with an error.
     check: synchronize after every CUDA step and raise on a watchdog error (off for timing).
+    profile: record %globaltimer stamps per instruction on the GPU (for a measured trace).
+    dump_dir: write every stage's IR, stats and a predicted trace under this directory
+        (``tilec.dump``); None = off, or the ``TILEC_DUMP_DIR`` environment variable if set.
     """
 
     workers: int = 132
@@ -41,6 +45,8 @@ class Options:
     arch: str = "sm_90a"
     watchdog_ms: int = 2000
     check: bool = True
+    profile: bool = False
+    dump_dir: str | None = None
 
     def __post_init__(self):
         if not 1 <= self.workers <= 1024:
@@ -56,6 +62,10 @@ class Options:
             raise ValueError(f"tilec option watchdog_ms={self.watchdog_ms}: must be >= 1")
         if self.tile_cols is not None and self.tile_cols < 1:
             raise ValueError(f"tilec option tile_cols={self.tile_cols}: must be >= 1 or None")
+        if self.dump_dir is not None:
+            if not isinstance(self.dump_dir, (str, os.PathLike)) or not os.fspath(self.dump_dir):
+                raise ValueError(f"tilec option dump_dir={self.dump_dir!r}: must be a non-empty path or None")
+            object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))  # a str, so digest() can hash it
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "Options":

@@ -136,6 +136,40 @@ class KernelPlan:
                     delta.append(step)
         return table, torch.tensor(idx, dtype=torch.int64), torch.tensor(delta, dtype=torch.int64)
 
+    def to_tables(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The plan as ``(tensors, meta)``: ``queues``/``events``/``static_operands`` tensors and a
+        JSON-able dict of the operand bindings (per row: a view, or a scalar ``[base, pos_scale]``,
+        and the element size in bytes) and op names. The graph is stored separately
+        (:meth:`OpGraph.to_dict`); :meth:`from_tables` rebuilds the plan without re-tracing."""
+        rows = [[{"view": None if b.view is None else b.view.to_dict(),
+                  "scalar": None if b.scalar is None else [b.scalar.base, b.scalar.pos_scale],
+                  "elem_size": b.elem_size} for b in row] for row in self.operands]
+        tensors = {"queues": self.queues, "events": self.events, "static_operands": self.static_operands}
+        return tensors, {"operands": rows, "op_names": list(self.op_names)}
+
+    @classmethod
+    def from_tables(cls, graph: OpGraph, tensors: dict[str, torch.Tensor], meta: dict,
+                    stats: dict | None = None) -> "KernelPlan":
+        """Inverse of :meth:`to_tables`.
+
+        Raises:
+            TilecError: a table has the wrong dtype or shape for this layout.
+        """
+        want = {"queues": (torch.int32, 3), "events": (torch.int32, 2), "static_operands": (torch.int64, 3)}
+        for name, (dtype, ndim) in want.items():
+            t = tensors.get(name)
+            if t is None or t.dtype != dtype or t.dim() != ndim:
+                raise TilecError(f"plan table {name}: expected {ndim}-d {dtype}, got "
+                                 f"{'nothing' if t is None else f'{t.dim()}-d {t.dtype}'}")
+        if tensors["queues"].shape[2] != DESCRIPTOR_WORDS or tuple(tensors["static_operands"].shape[1:]) != (
+                MAX_OPERANDS, OPERAND_FIELDS):
+            raise TilecError("plan tables do not match this tilec's descriptor/operand layout")
+        rows = [[OperandBinding(None if b["view"] is None else View.from_dict(b["view"]),
+                                None if b["scalar"] is None else ScalarOperand(*b["scalar"]), b["elem_size"])
+                 for b in row] for row in meta["operands"]]
+        return cls(graph, tensors["queues"], tensors["events"], rows, list(meta["op_names"]),
+                   tensors["static_operands"], dict(stats or {}))
+
     def render(self) -> str:
         lines = [f"kernelplan workers={self.queues.shape[0]} length={self.queues.shape[1]} "
                  f"events={self.events.shape[0]} operand_rows={len(self.operands)} {{"]

@@ -18,13 +18,14 @@ class CompiledProgram:
     caches) are the caller's tensors, updated in place. Intermediates are owned by the program
     and poisoned with NaN before each reference run, so an unwritten element cannot pass a test.
     Returns the outputs as new tensors (a tuple, or one tensor when the module returns one).
+    ``library``: a prebuilt shared library of this plan for the CUDA executor (else built with nvcc).
 
     Raises:
         TilecError: an argument has the wrong shape/dtype/layout, or positions disagree.
     """
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
-                 progress=None, example_args=()):
+                 progress=None, example_args=(), library=None):
         self.opts = opts = opts or Options()
         self.compiled = compiled
         self.plan = compiled.plan
@@ -54,7 +55,7 @@ class CompiledProgram:
         if kind == "cuda":
             from .cuda import CudaExecutor
 
-            self.executor = CudaExecutor(self.plan, opts, self.device, progress)
+            self.executor = CudaExecutor(self.plan, opts, self.device, progress, library)
         else:
             self.executor = ReferenceExecutor(self.plan)
 
@@ -96,6 +97,9 @@ class CompiledProgram:
                     tensors[name].fill_(float("nan"))
         table = self.plan.bind(tensors, p)
         self.executor.run(tensors, table)
+        for idx, values in self.graph.position_updates:
+            if isinstance(args[idx], torch.Tensor):
+                args[idx].copy_(values[p].reshape(args[idx].shape))
         outs = []
         for v in self.graph.outputs:
             t = tensors[v.buffer].reshape(-1)

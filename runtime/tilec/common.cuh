@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 namespace tilec {
@@ -42,11 +43,14 @@ template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __h
 template <> __device__ __forceinline__ float to_f<long long>(long long v) { return (float)v; }
 template <> __device__ __forceinline__ float to_f<int>(int v) { return (float)v; }
 template <> __device__ __forceinline__ float to_f<bool>(bool v) { return v ? 1.f : 0.f; }
+template <> __device__ __forceinline__ float to_f<__nv_fp8_e4m3>(__nv_fp8_e4m3 v) { return float(v); }
 
 template <typename T> __device__ __forceinline__ T from_f(float v);
 template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
+// float8_e4m3fn: round to nearest even, saturating to +-448 (torch casts values it clamped first)
+template <> __device__ __forceinline__ __nv_fp8_e4m3 from_f<__nv_fp8_e4m3>(float v) { return __nv_fp8_e4m3(v); }
 
 template <typename T> __device__ __forceinline__ T* base(const Operand& o) { return reinterpret_cast<T*>(o.ptr); }
 

@@ -78,7 +78,7 @@ __device__ bool wait_event(unsigned long long* counters, int e, unsigned long lo
 template <void (*Dispatch)(TileCtx&, int, int)>
 __device__ void run_queue(const int* __restrict__ queues, int L, const long long* __restrict__ operands,
                           unsigned long long* counters, long long epoch, ErrorRecord* err, long long timeout_ns,
-                          int smem_floats) {
+                          int smem_floats, long long* stamps) {
   extern __shared__ float4 dyn_smem4[];
   __shared__ int desc[2][TILEC_DESCRIPTOR_WORDS];
   __shared__ Operand ops[TILEC_MAX_OPERANDS];
@@ -109,6 +109,9 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     }
     __syncthreads();
     if (!go) return;
+    // profiling: %globaltimer when the instruction starts running (its wait satisfied) and ends
+    long long* stamp = stamps ? stamps + ((size_t)worker * L + i) * 2 : nullptr;
+    if (stamp && threadIdx.x == 0) stamp[0] = (long long)global_timer();
     if (opcode != TILEC_OP_EMPTY) {
       TileCtx c{d, ops, reinterpret_cast<float*>(dyn_smem4), smem_floats};
       Dispatch(c, opcode, sig);
@@ -118,6 +121,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
       __threadfence();
       signal_release(counters + signal_e);
     }
+    if (stamp && threadIdx.x == 0) stamp[1] = (long long)global_timer();
   }
 }
 

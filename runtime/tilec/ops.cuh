@@ -13,6 +13,11 @@ template <typename T> __device__ __forceinline__ T ldc(const T* p) { return __ld
 template <> __device__ __forceinline__ bool ldc<bool>(const bool* p) {
   return __ldcg(reinterpret_cast<const unsigned char*>(p)) != 0;
 }
+template <> __device__ __forceinline__ __nv_fp8_e4m3 ldc<__nv_fp8_e4m3>(const __nv_fp8_e4m3* p) {
+  __nv_fp8_e4m3 v;
+  v.__x = __ldcg(reinterpret_cast<const unsigned char*>(p));
+  return v;
+}
 template <typename T> __device__ __forceinline__ float ldf(const Operand& o, long long off) {
   return to_f<T>(ldc<T>(base<T>(o) + off));
 }
@@ -462,3 +467,5 @@ __device__ void op_attention(TileCtx& c) {
 }
 
 }  // namespace tilec
+
+#include "ops_glm.cuh"  // the DSA prelude's ops (FP8, absorption, paged caches)

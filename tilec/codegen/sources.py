@@ -14,7 +14,7 @@ from ..ir import ScalarOperand
 from ..plan import (DESCRIPTOR, DESCRIPTOR_WORDS, MAX_DIMS, MAX_OPERANDS, OPERAND, OPERAND_FIELDS, SCALAR_OPERAND,
                     UNUSED_OPERAND, KernelPlan, dtype_signature)
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 C_TYPES = {
     torch.float32: "float",
     torch.bfloat16: "__nv_bfloat16",
@@ -22,6 +22,7 @@ C_TYPES = {
     torch.int64: "long long",
     torch.int32: "int",
     torch.bool: "bool",
+    torch.float8_e4m3fn: "__nv_fp8_e4m3",  # <cuda_fp8.h>
 }
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),

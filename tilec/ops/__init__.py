@@ -71,6 +71,11 @@ class OpDef:
     def run_tile(self, t: TileArgs) -> None:
         raise NotImplementedError
 
+    def smem_bytes(self, op: Op) -> int:
+        """Dynamic shared memory (bytes) the device tiles of ``op`` can use; the CUDA executor
+        sizes every CTA's for the largest over the plan (``tilec.cuda``). 0: no preference."""
+        return 0
+
     def cost(self, op: Op, tile: Tile) -> tuple[int, int]:
         """(bytes, flops) of one tile: bytes of every box read and written."""
         ops = self.operands(op)
@@ -173,13 +178,18 @@ def bcast_box(view_shape: Sequence[int], out_box: Box) -> Box:
 
 from . import (  # noqa: E402,F401  (registration side effects)
     attention,
+    bmm,
     cache_write,
     concat,
     copy,
     embedding,
     ewise,
+    fp8_linear,
+    fp8_quant,
+    index_score,
     layernorm,
     linear,
+    paged_cache_write,
     rmsnorm,
     rope,
     silu_mul,

@@ -1,10 +1,13 @@
-"""Concatenation along one dim into a new buffer. One tile per input (variant = input index).
+"""Concatenation along one dim into a new buffer. Tiles: per input (variant = input index);
+along the last dim, each input is split into row chunks (``tile_rows``) so a large input is
+copied by several workers.
 
-Operands: inputs..., out. Params: dim. Coords: the output box of the tile's input.
+Operands: inputs..., out. Params: dim. Coords: the output box of the tile (its ``dim`` range
+is the whole slab of its input).
 """
 from __future__ import annotations
 
-from . import OpDef, Tile, TileArgs, full_box, register, sub
+from . import OpDef, Tile, TileArgs, full_box, out_tiles, register, sub
 
 
 @register
@@ -16,15 +19,20 @@ class Concat(OpDef):
         (out,) = op.outputs
         tiles, start = [], 0
         for i, v in enumerate(op.inputs):
-            box = list(full_box(out.shape))
-            box[dim] = (start, start + v.shape[dim])
+            last = dim == len(out.shape) - 1
+            for box in out_tiles(v.shape, opts.tile_rows) if last else [full_box(v.shape)]:
+                obox = list(box)
+                obox[dim] = (start, start + v.shape[dim])
+                tiles.append(Tile(tuple(obox), reads=((i, box),), writes=((len(op.inputs), tuple(obox), "write"),),
+                                  variant=i))
             start += v.shape[dim]
-            tiles.append(Tile(tuple(box), reads=((i, full_box(v.shape)),), writes=((len(op.inputs), tuple(box), "write"),),
-                              variant=i))
         return tiles
 
     def params(self, op):
         return [op.attr("dim")]
 
     def run_tile(self, t: TileArgs):
-        sub(t.operands[-1], t.coords).copy_(t.operands[t.variant])
+        dim, x = t.params[0], t.operands[t.variant]
+        ibox = list(t.coords)
+        ibox[dim] = (0, x.shape[dim])
+        sub(t.operands[-1], t.coords).copy_(sub(x, tuple(ibox)))

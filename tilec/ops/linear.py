@@ -18,7 +18,7 @@ class Linear(OpDef):
     kind, opcode = "linear", 5
 
     def tiles(self, op, opts):
-        x, w = op.inputs[0], op.inputs[1]
+        x = op.inputs[0]
         has_bias = len(op.inputs) == 3
         out_idx = len(op.inputs)
         (out,) = op.outputs

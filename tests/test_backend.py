@@ -1,0 +1,156 @@
+"""torch.compile(model, backend="tilec"): entry point, options, fallback, recompiles."""
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tilec.backend as backend
+from _helpers import assert_close
+from tilec.errors import UnsupportedNodeError
+from tilec.zoo import eager_step, make_model, prefill
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_entry_point_in_fresh_process():
+    """After ``pip install``, ``backend="tilec"`` resolves without importing tilec first."""
+    code = textwrap.dedent("""
+        import copy, warnings, torch
+        warnings.simplefilter("ignore")
+        assert "tilec" not in __import__("sys").modules
+        from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+        torch.manual_seed(0)
+        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, vocab_size=500)
+        cfg._attn_implementation = "sdpa"
+        m = LlamaForCausalLM(cfg).eval()
+        cache = StaticCache(config=cfg, max_cache_len=12)
+        with torch.no_grad():
+            m(torch.randint(0, 500, (1, 4)), past_key_values=cache, cache_position=torch.arange(4), use_cache=True)
+        eager_cache = copy.deepcopy(cache)
+        f = torch.compile(m, backend="tilec")
+        tok = torch.tensor([[7]])
+        with torch.no_grad():
+            got = f(tok, past_key_values=cache, cache_position=torch.tensor([4]), use_cache=True).logits
+            want = m(tok, past_key_values=eager_cache, cache_position=torch.tensor([4]), use_cache=True).logits
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 1e-4, err
+        print("OK", err)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "OK" in res.stdout
+
+
+def test_decode_steps_match_eager_without_recompiling(monkeypatch):
+    compiles = []
+    real = backend._compile_region
+    monkeypatch.setattr(backend, "_compile_region", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    model = make_model("qwen3-tiny")
+    cache, tok = prefill(model, 2, 4, 16)
+    eager_cache = copy.deepcopy(cache)
+    f = torch.compile(model, backend="tilec", options={"workers": 16})
+    for i in range(3):
+        pos = 4 + i
+        with torch.no_grad():
+            got = f(tok, past_key_values=cache, cache_position=torch.tensor([pos]), use_cache=True).logits
+        want = eager_step(model, eager_cache, tok, pos)
+        assert_close(got, want, 1e-4, f"logits at position {pos}")
+        for a, b in zip(cache.layers, eager_cache.layers):
+            assert_close(a.keys, b.keys, 1e-4, "key cache")
+            assert_close(a.values, b.values, 1e-4, "value cache")
+        tok = want.argmax(-1)
+    assert len(compiles) == 1  # a new decode position changes data, not code
+
+
+def test_shape_change_recompiles(monkeypatch):
+    compiles = []
+    real = backend._compile_region
+    monkeypatch.setattr(backend, "_compile_region", lambda *a, **k: compiles.append(1) or real(*a, **k))
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.up(x)))
+
+    m = MLP().eval()
+    f = torch.compile(m, backend="tilec", dynamic=False)
+    with torch.no_grad():
+        for rows in (2, 2, 5):
+            x = torch.randn(rows, 32)
+            assert_close(f(x), m(x))
+    assert len(compiles) == 2
+
+
+class WithCumsum(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h = torch.cumsum(h, -1)  # not a tilec op
+        return self.b(h) * 2
+
+
+def test_fallback_runs_unsupported_node_eagerly(caplog):
+    m = WithCumsum().eval()
+    x = torch.randn(3, 64)
+    with caplog.at_level(logging.WARNING, logger="tilec"), torch.no_grad():
+        got = torch.compile(m, backend="tilec")(x)
+    assert_close(got, m(x))
+    lines = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
+    assert len(lines) == 1
+    assert "cumsum" in lines[0] and "aten.cumsum.default" in lines[0]
+    assert "test_backend.py" in lines[0] and "torch.cumsum(h, -1)" in lines[0]
+
+
+def test_fallback_off_lists_every_unsupported_node():
+    m = WithCumsum().eval()
+    with pytest.raises(Exception) as info, torch.no_grad():
+        torch.compile(m, backend="tilec", options={"fallback": False})(torch.randn(3, 64))
+    err = info.value
+    while err is not None and not isinstance(err, UnsupportedNodeError):
+        err = err.__cause__ or err.__context__
+    assert isinstance(err, UnsupportedNodeError)
+    assert [n[0] for n in err.nodes] == ["cumsum"]
+    assert "test_backend.py" in str(err) and "torch.cumsum(h, -1)" in str(err)
+
+
+def test_unknown_option_lists_valid_keys():
+    with pytest.raises(Exception, match="valid options: .*fallback"), torch.no_grad():
+        torch.compile(torch.nn.Linear(4, 4), backend="tilec", options={"wrokers": 3})(torch.randn(2, 4))
+
+
+def test_cpu_warning_once(monkeypatch, recwarn):
+    monkeypatch.setattr(backend, "_warned_cpu", False)
+    lin = torch.nn.Linear(8, 8)
+    with torch.no_grad():
+        torch.compile(lin, backend="tilec")(torch.randn(2, 8))
+        torch._dynamo.reset()
+        torch.compile(lin, backend="tilec")(torch.randn(3, 8))
+    msgs = [str(w.message) for w in recwarn if "reference executor" in str(w.message)]
+    assert len(msgs) == 1
+
+
+def test_dump_dir_option_writes_stages(tmp_path):
+    lin = torch.nn.Linear(8, 8)
+    with torch.no_grad():
+        torch.compile(lin, backend="tilec", options={"dump_dir": str(tmp_path)})(torch.randn(2, 8))
+    (sub,) = list(tmp_path.iterdir())
+    names = sorted(p.name for p in sub.iterdir())
+    assert "01-opgraph.txt" in names and "07-plan.txt" in names and "trace.json" in names

@@ -1,0 +1,512 @@
+"""The ``tilec`` command line and its artifact format (issue 4, item 2).
+
+One tiny HF Llama decode step (``examples/factories.py:tiny_llama_step``, 8 workers) is
+compiled once into an artifact; then ``inspect`` (golden FileCheck-style checks of every
+stage's text, JSON and DOT), ``run --check`` and ``bench`` run on it, and the plan is
+reloaded without tracing. Every bad input (missing module or factory, a factory returning the
+wrong thing, a compile or nvcc error, a corrupt, tampered or incomplete artifact, another
+tilec version or GPU arch) is checked for its message and exit code, and the compile failures
+for leaving nothing behind in the output's parent directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import tilec
+from test_golden_ir import filecheck, parse_events, parse_tasks
+from tilec import artifact, cli
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORY = f"{ROOT / 'examples' / 'factories.py'}:tiny_llama_step_cpu"
+STAGE_FILES = ["01-opgraph", "02-tasks", "03-fused", "04-normalized", "05-linearized", "06-schedule", "07-plan"]
+
+FACTORIES = '''
+import torch
+
+class Sorter(torch.nn.Module):
+    def forward(self, x):
+        return torch.sort(x, dim=-1).values * 2   # UNSUPPORTED_LINE
+
+def linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(32, 16), (torch.randn(2, 32),)
+
+def unsupported():
+    return Sorter(), (torch.randn(2, 8),)
+
+def returns_none():
+    return None
+
+def returns_one():
+    return (torch.nn.Linear(4, 4),)
+
+def returns_not_a_module():
+    return "model", (torch.randn(2, 4),)
+
+def returns_bare_tensor():
+    return torch.nn.Linear(4, 4), torch.randn(2, 4)
+
+def returns_bad_arg():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4), object())
+
+def returns_bad_extra():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4),), {"position": [0]}
+
+def returns_bad_position():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4),), {"positions": [3]}
+
+def raises():
+    raise RuntimeError("boom in the factory")
+
+not_callable = 42
+'''
+
+
+def invoke(*args, env=None):
+    """Runs ``tilec -q ARGS`` in-process; returns click's Result (stdout, stderr, exit_code)."""
+    return CliRunner(env=env).invoke(cli.main, ["-q", *map(str, args)])
+
+
+def rehash(path: Path) -> None:
+    """Re-signs an artifact after an edit (what a buggy compiler writing a self-consistent artifact does)."""
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"] = {rel: artifact._sha256(path / rel) for rel in m["files"]}
+    m["digest"] = artifact._digest(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "llama"
+    r = invoke("compile", FACTORY, "-o", out, "-O", "workers=8")
+    assert r.exit_code == 0, r.output
+    assert re.search(r"wrote .*llama: 37 ops, 114 tasks, 40 events on 8 workers", r.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def facts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("facts") / "facts.py"
+    path.write_text(FACTORIES)
+    return path
+
+
+@pytest.fixture
+def copy(art, tmp_path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(art, dst)
+    return dst
+
+
+# ---- compile --------------------------------------------------------------------------------
+
+def test_compile_writes_a_complete_self_contained_artifact(art):
+    files = sorted(p.relative_to(art).as_posix() for p in art.rglob("*") if p.is_file())
+    want = {"manifest.json", "params.safetensors", "constants.safetensors", "inputs.safetensors", "trace.json",
+            "plan/plan.safetensors", "plan/graph.json", "plan/operands.json", "cuda/program.cu",
+            "cuda/tilec_layout.h", *(f"ir/{s}.{ext}" for s in STAGE_FILES for ext in ("txt", "json"))}
+    nvcc = artifact._nvcc_version() is not None
+    if nvcc:
+        want.add("cuda/libtilec.so")
+    assert set(files) == want
+    assert os.listdir(art.parent) == ["llama"]  # the temporary directory was renamed, nothing else left
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["format"] == "tilec-artifact" and m["tilec"] == tilec.__version__ and m["torch"] == torch.__version__
+    assert m["transformers"] and m["arch"] == "sm_90a" and (m["nvcc"] is not None) == nvcc
+    assert m["options"]["workers"] == 8 and m["options"]["scheduler"] == "list"
+    assert m["factory"]["spec"] == FACTORY and m["factory"]["name"] == "tiny_llama_step_cpu"
+    assert m["call"]["positions"] == [1, 4, 7] and m["call"]["max_positions"] == 16
+    assert m["stats"]["ops"] == 37 and m["stats"]["tasks"] == 114
+    assert m["cuda"]["library"] == ("cuda/libtilec.so" if nvcc else None)
+    assert m["param_sources"]["p_model_lm_head_weight"] == "model.lm_head.weight"
+    assert set(m["files"]) == want - {"manifest.json"}
+    for rel, digest in m["files"].items():
+        assert artifact._sha256(art / rel) == digest, rel
+    trace = json.loads((art / "trace.json").read_text())
+    assert {e["ph"] for e in trace["traceEvents"]} >= {"M", "X"}
+
+
+def test_plan_reloads_and_runs_without_tracing(art, monkeypatch):
+    def no_tracing(*a, **k):
+        raise AssertionError("loading an artifact must not trace the module")
+
+    monkeypatch.setattr(torch.export, "export", no_tracing)
+    a = artifact.load(art)
+    graph = a.graph()
+    assert graph.render() + "\n" == a.stage_text("opgraph")
+    assert graph.to_dict() == json.loads((art / "ir" / "01-opgraph.json").read_text())
+    plan = a.plan(graph)
+    assert plan.render() + "\n" == a.stage_text("plan")
+    program = a.program("reference")
+    args = a.inputs()
+    logits = program(*args)
+    assert logits.shape == (1, 1, 1000) and torch.isfinite(logits).all()
+    # the step wrote this position's keys into the cache (stored inputs are unchanged: a fresh copy each time)
+    assert not torch.equal(args[2][:, :, 4], a.inputs()[2][:, :, 4])
+    assert torch.equal(program(*a.inputs()), logits)
+
+
+def test_opgraph_and_plan_serialization_round_trip(art):
+    from tilec.api import compile_module
+    from tilec.ir import Op, OpGraph, _attr_from_json, _attr_to_json
+    from tilec.plan import KernelPlan
+
+    for value in [(1, (2, 3)), torch.bfloat16, float("inf"), float("-inf"), None, True, 3, 0.5, "add", [1, (2,)]]:
+        back = _attr_from_json(json.loads(json.dumps(_attr_to_json(value))))
+        assert back == value and type(back) is type(value)
+    a = artifact.load(art)
+    g = a.graph()
+    assert OpGraph.from_dict(json.loads(json.dumps(g.to_dict())), g.tensors()) == g
+    assert [i for i, _ in g.position_updates] == [4, 7]  # HF's per-layer length counters
+    torch.manual_seed(0)
+    prog = compile_module(torch.nn.Linear(8, 4), (torch.randn(2, 8),), options={"workers": 2})
+    tables, meta = prog.plan.to_tables()
+    g2 = OpGraph.from_dict(json.loads(json.dumps(prog.graph.to_dict())), prog.graph.tensors())
+    assert g2 == prog.graph and g2.render() == prog.graph.render()
+    assert all(isinstance(op, Op) and op.provenance for op in g2.ops)
+    plan = KernelPlan.from_tables(g2, tables, json.loads(json.dumps(meta)))
+    assert plan.operands == prog.plan.operands and plan.render() == prog.plan.render()
+
+
+# ---- inspect --------------------------------------------------------------------------------
+
+GOLDEN = {
+    "opgraph": [
+        r"^opgraph \{$",
+        r"^  buffer state_0: float32\[1x2x16x32\] state$",
+        r"^  buffer (?P<emb>p_model_model_embed_tokens_weight): float32\[1000x256\] param$",
+        r"^  buffer input_ids: int64\[1x1\] input$",
+        # cache_position is used by some transformers versions only (others read the cache's counter)
+        r"^  inputs \(input_ids, <(position|ignored)>, state_0, state_1, <position>, state_3, state_4, <position>\)$",
+        r"^  \w+ = embedding\([[emb]]\[1000x256\], input_ids\[1x1\]\) -> (?P<h>\w+)\[1x1x256\]$",
+        r"^  \w+ = rmsnorm\([[h]]\[1x1x256\], \w+input_layernorm_weight\[256\]\) -> (?P<x>\w+)\[1x1x256\] eps=1e-06$",
+        r"^  \w+ = linear\([[x]]\[1x1x256\], \w+layers_0_self_attn_k_proj_weight\[64x256\]\) -> (?P<k>\w+)\[1x1x64\]$",
+        r"^  \w+ = rope\([[k]]\[1x2x1x32\], table_\w+\[1x2x1x32\]@0/32,0,32,1\+p\*32, table_\w+\[1x2x1x32\]@0/32,0,32,"
+        r"1\+p\*32\) -> (?P<kr>\w+)\[1x2x1x32\] style=0$",
+        r"^  \w+ = cache_write\([[kr]]\[1x2x1x32\]\) -> state_0\[1x2x1x32\]@0/1024,512,32,1\+p\*32$",
+        r"^  \w+ = attention\(\w+\[1x8x1x32\], state_0\[1x2x16x32\], state_1\[1x2x16x32\]\) -> \w+\[1x8x1x32\] "
+        r"causal=True scale=0\.1767766",
+        r"^  \w+ = silu_mul\(\w+\[1x1x512\], \w+\[1x1x512\]\) -> \w+\[1x1x512\]$",
+        r"^  \w+ = binary\(\w+\[1x1x256\], \w+\[1x1x256\]\) -> \w+\[1x1x256\] fn='add'$",
+        r"^  \w+ = attention\(\w+\[1x8x1x32\], state_3\[1x2x16x32\], state_4\[1x2x16x32\]\)",
+        r"^  \w+ = linear\(\w+\[1x1x256\], p_model_lm_head_weight\[1000x256\]\) -> (?P<logits>\w+)\[1x1x1000\]$",
+        r"^  return \([[logits]]\[1x1x1000\]\)$",
+        r"^\}$",
+    ],
+    "tasks": [
+        r"^taskgraph \{$",
+        r"^  0: t0 embedding_\w+\[0:1,0:1,0:256\]$",
+        r"^  1: t1 rmsnorm_\w+\[0:1,0:1,0:256\]$",
+        r"^  \d+: t\d+ attention_\w+\[0:1,1:2\]$",  # one tile per KV head
+        r"^  \d+: t\d+ linear_\w+\[0:1,0:1,960:1000,0:256\]$",  # the last, partial lm_head tile
+        r"^  e0 tile: \{t0\} -> \{t1\}$",
+        r"^\}$",
+    ],
+    "fused": [r"^taskgraph \{$", r"^  e\d+ tile: \{t1\} -> \{t2,t5,t7,t8,t9,t10\}$", r"^\}$"],  # q/k/v after rmsnorm
+    "normalized": [r"^taskgraph \{$", r"^  \d+: t\d+ empty$", r"^  e\d+ \w+: \{t\d+\} -> \{[t\d,]+\}$", r"^\}$"],
+    "linearized": [r"^taskgraph \{$", r"^  0: t0 embedding_\w+\[", r"^  e0 tile: \{t\d+\} -> \{t1\} range=\[3,3\]$",
+                   r"^\}$"],
+    "schedule": [r"^schedule policy=list workers=8 makespan_us=67\.\d+ \{$",
+                 r"^  w0: #0 t0 embedding_\w+\[0:1,0:1,0:256\]; ", r"^  w7: ", r"^\}$"],
+    "plan": [r"^kernelplan workers=8 length=\d+ events=40 operand_rows=37 \{$",
+             r"^  w0: #0 embedding_\w+ signal e\d+; ", r"^  w7: ", r"^  e0: count=1 tasks=\[3,3\]$", r"^\}$"],
+}
+
+
+def test_inspect_prints_every_stage_in_order(art):
+    r = invoke("inspect", art)
+    assert r.exit_code == 0, r.output
+    filecheck(r.stdout, [r"^artifact .*llama$", r"^  built by  tilec 0\.1\.0, torch ",
+                         r"^  factory   .*tiny_llama_step_cpu$", r"^  target    sm_90a, library ",
+                         *(f"^=== {s} ===$" for s in STAGE_FILES)])
+    for name, fname in zip(artifact.STAGES, STAGE_FILES):
+        assert (art / "ir" / f"{fname}.txt").read_text() in r.stdout, name
+
+
+@pytest.mark.parametrize("stage", list(GOLDEN))
+def test_inspect_stage_golden(art, stage):
+    r = invoke("inspect", art, "--stage", stage)
+    assert r.exit_code == 0, r.output
+    filecheck(r.stdout, GOLDEN[stage])
+    assert r.stdout == (art / "ir" / f"{STAGE_FILES[artifact.STAGES.index(stage)]}.txt").read_text()
+
+
+def test_inspect_stage_counts_match_the_stats(art):
+    stats = json.loads((art / "manifest.json").read_text())["stats"]
+    text = {s: invoke("inspect", art, "-s", s).stdout for s in ("tasks", "fused", "normalized", "linearized")}
+    assert len(parse_tasks(text["tasks"])) == stats["tasks"] - stats["empty_tasks_added"]
+    assert len(parse_events(text["tasks"])) == stats["events_before_fusion"]
+    assert len(parse_events(text["fused"])) == stats["events_after_fusion"]
+    events = parse_events(text["normalized"])
+    assert len(events) == stats["events"] and len(parse_tasks(text["normalized"])) == stats["tasks"]
+    waits = [s for _, _, _, succs, _ in events for s in succs]
+    assert len(waits) == len(set(waits))  # normalized: at most one wait per task
+    for _, _, _, succs, rng in parse_events(text["linearized"]):  # linearized: each event's waiters contiguous
+        assert rng[1] - rng[0] + 1 == len(succs)
+
+
+def test_inspect_matches_a_fresh_compile(art):
+    """The artifact's text of every stage is what the compiler produces for the same factory."""
+    from tilec.api import compile_module
+    from tilec.dump import render_schedule
+
+    fn, _ = cli.load_factory(FACTORY)
+    module, args, positions, max_positions = cli.call_factory(fn, FACTORY)
+    prog = compile_module(module, args, positions=positions, max_positions=max_positions, options={"workers": 8})
+    st = prog.compiled.stages
+    for name in artifact.STAGES:
+        want = render_schedule(st[name], st["linearized"]) if name == "schedule" else st[name].render()
+        assert invoke("inspect", art, "-s", name).stdout == want + "\n", name
+
+
+def test_inspect_json(art):
+    r = invoke("inspect", art, "--format", "json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["manifest"]["tilec"] == tilec.__version__ and list(data["stages"]) == list(artifact.STAGES)
+    g = data["stages"]["opgraph"]
+    assert [op["kind"] for op in g["ops"]][:3] == ["embedding", "rmsnorm", "linear"]
+    assert g["ops"][0]["provenance"]["target"].startswith("aten.embedding")
+    assert len(data["stages"]["tasks"]["events"]) == 115
+    plan = json.loads(invoke("inspect", art, "-s", "07", "-f", "json").stdout)
+    assert plan["workers"] == 8 and len(plan["queues"]) == 8 and len(plan["events"]) == 40
+    first = plan["queues"][0][0]
+    assert first["op_name"] == "embedding_embedding" and first["task"] == 0 and first["coords"] == [[0, 1], [0, 1],
+                                                                                                    [0, 256]]
+    sched = json.loads(invoke("inspect", art, "-s", "schedule", "-f", "json").stdout)
+    assert sched["workers"] == 8 and sched["queues"][0][0] == {"index": 0, "task": 0}
+
+
+@pytest.mark.parametrize("stage", ["plan", "fused", "opgraph"])
+def test_inspect_dot(art, stage):
+    r = invoke("inspect", art, "-s", stage, "-f", "dot")
+    assert r.exit_code == 0, r.output
+    text = r.stdout
+    assert text.startswith(f'digraph "tilec {stage}" {{') and text.rstrip().endswith("}")
+    assert text.count("{") == text.count("}")
+    declared = set(re.findall(r'^\s+("[^"]+"|\w+) \[', text, re.M))
+    edges = re.findall(r'^\s+("[^"]+"|\w+) -> ("[^"]+"|\w+);$', text, re.M)
+    assert edges and all(a in declared and b in declared for a, b in edges)
+    if stage == "plan":
+        assert len(re.findall(r"subgraph cluster_w\d+", text)) == 8 and 'label="worker 0"' in text
+        assert len([e for e in edges if e[0].startswith("e")]) > 0
+    if stage == "opgraph":
+        assert '"op:embedding_embedding" -> "buf:embedding";' in text
+
+
+# ---- run and bench --------------------------------------------------------------------------
+
+def test_run_check_matches_eager(art):
+    r = invoke("run", art, "--check", "--executor", "reference")
+    assert r.exit_code == 0, r.output
+    filecheck(r.stdout, [r"^ran .*llama on the reference executor \(cpu\)",
+                         r"^  output 0: float32\[1, 1, 1000\] mean ",
+                         r"^check against eager \(relative L2, tolerance 1e-04\):$",
+                         r"^  output 0 +float32\[1, 1, 1000\]  \d\.\d+e-0[5-9]  ok$",
+                         r"^  state arg 2 \(state_0\) +float32\[1, 2, 16, 32\]  \S+  ok$",
+                         r"^  state arg 6 \(state_4\) ",
+                         r"^PASS: worst relative L2 "])
+
+
+def test_run_check_reports_a_mismatch(copy):
+    """A self-consistent but wrong artifact (RoPE tables scaled) fails the check with exit code 1."""
+    from safetensors.torch import load_file, save_file
+
+    consts = load_file(str(copy / "constants.safetensors"))
+    consts = {k: v * 1.5 if k.startswith("table_") else v for k, v in consts.items()}
+    save_file(consts, str(copy / "constants.safetensors"))
+    rehash(copy)
+    r = invoke("run", copy, "--check", "--executor", "reference")
+    assert r.exit_code == 1, r.output
+    assert re.search(r"^  output 0 .* MISMATCH$", r.stdout, re.M)
+    assert "FAIL: worst relative L2" in r.stdout
+
+
+def test_bench_on_cpu_labels_the_reference_executor(art):
+    r = invoke("bench", art, "--iters", 2, "--warmup", 0, "--executor", "reference")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert re.search(r"eager PyTorch \(cpu\) +│ +\d+\.\d+ │", out)
+    assert re.search(r"eager PyTorch under a CUDA graph +│ +n/a │ .*n/a: (no CUDA|the model is on the CPU)", out)
+    assert re.search(r"tilec \(CPU reference executor\) +│ +\d+\.\d+ │ .*validation executor, not a speed", out)
+
+
+def test_compile_run_a_factory_without_positions(facts, tmp_path):
+    out = tmp_path / "linear"
+    r = invoke("compile", f"{facts}:linear", "-o", out, "-O", "workers=4", "-O", "tile_cols=none", "--no-build")
+    assert r.exit_code == 0, r.output
+    assert not (out / "cuda" / "libtilec.so").exists()
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["options"]["tile_cols"] is None and m["cuda"]["library"] is None
+    r = invoke("run", out, "--check", "--executor", "reference")
+    assert r.exit_code == 0 and "PASS" in r.stdout, r.output
+
+
+def test_compile_a_dotted_module_from_the_current_directory(facts, tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(facts.read_text())
+    monkeypatch.chdir(tmp_path)
+    r = invoke("compile", "mymodels:linear", "-o", "out", "--no-build", "-O", "workers=2")
+    assert r.exit_code == 0, r.output
+    f = json.loads((tmp_path / "out" / "manifest.json").read_text())["factory"]
+    assert f == {"spec": "mymodels:linear", "module": "mymodels", "file": None, "name": "linear", "cwd": str(tmp_path)}
+
+
+def test_compile_force_replaces_an_artifact(facts, tmp_path):
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3")
+    assert r.exit_code == 2 and "not empty; pass --force" in r.stderr
+    assert json.loads((out / "manifest.json").read_text())["options"]["workers"] == 2
+    assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3", "--force").exit_code == 0
+    assert json.loads((out / "manifest.json").read_text())["options"]["workers"] == 3
+    assert os.listdir(tmp_path) == ["a"]
+
+
+# ---- bad inputs: message, exit code, and nothing left behind ---------------------------------
+
+BAD_COMPILES = [
+    ("no_such_module_xyz:make", [], 2, "cannot import factory module 'no_such_module_xyz': no module named"),
+    ("missing/dir/model.py:make", [], 2, "no such file"),
+    ("examples/factories.py", [], 2, "expected MODULE:FACTORY"),
+    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: linear, raises, returns_bad_arg"),
+    ("{facts}:not_callable", [], 2, "not_callable is a int, not a callable factory"),
+    ("{facts}:returns_none", [], 2, "returned None; expected (module, example_args) or (module, example_args, dict("),
+    ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),
+    ("{facts}:returns_not_a_module", [], 2, "returned a str as the module"),
+    ("{facts}:returns_bare_tensor", [], 2, "returned a Tensor float32[2, 4] as example_args; expected (module, "),
+    ("{facts}:returns_bad_arg", [], 2, "example argument 1 is a object; arguments must be tensors or plain numbers"),
+    ("{facts}:returns_bad_extra", [], 2, "unknown key(s) ['position'] in its third element"),
+    ("{facts}:returns_bad_position", [], 2, "positions entry 3 must index an int64 tensor argument"),
+    ("{facts}:raises", [], 2, "raised RuntimeError: boom in the factory"),
+    ("{facts}:linear", ["-O", "bogus=1"], 2, "unknown tilec option(s) ['bogus']; valid options: ['workers'"),
+    ("{facts}:linear", ["-O", "workers=0"], 2, "workers=0: must be in 1..1024"),
+    ("{facts}:linear", ["-O", "workers"], 2, "--option 'workers': expected KEY=VALUE"),
+    ("{facts}:unsupported", [], 3, "compile failed: tilec cannot lower"),
+]
+
+
+@pytest.mark.parametrize("spec,extra,code,message", BAD_COMPILES, ids=[b[0].split(":")[-1] + str(b[1]) for b in
+                                                                       BAD_COMPILES])
+def test_bad_compile_inputs(facts, tmp_path, spec, extra, code, message):
+    parent = tmp_path / "out"
+    parent.mkdir()
+    r = invoke("compile", spec.format(facts=facts), "-o", parent / "art", *extra, "--no-build")
+    assert r.exit_code == code, r.output
+    assert message in r.stderr, r.stderr
+    assert r.stderr.count("tilec: error:") == 1
+    assert os.listdir(parent) == []
+
+
+def test_compile_error_names_the_node_and_source_line(facts, tmp_path):
+    r = invoke("compile", f"{facts}:unsupported", "-o", tmp_path / "art")
+    assert r.exit_code == 3
+    line = FACTORIES.splitlines().index(next(ln for ln in FACTORIES.splitlines() if "UNSUPPORTED_LINE" in ln)) + 1
+    assert re.search(r"^  sort \(aten\.sort\.default\) at .*facts\.py\", line (\d+), in forward: .*UNSUPPORTED_LINE$",
+                     r.stderr, re.M), r.stderr
+    assert f'facts.py", line {line},' in r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_nvcc_failure_leaves_nothing_behind(facts, tmp_path):
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Cuda compilation tools, fake'; exit 0; }\n"
+                    "echo 'program.cu(1): error: this nvcc always fails' >&2\nexit 1\n")
+    nvcc.chmod(0o755)
+    parent = tmp_path / "out"
+    parent.mkdir()
+    r = invoke("compile", f"{facts}:linear", "-o", parent / "art", "-O", "workers=2",
+               env={"TILEC_NVCC": str(nvcc), "TILEC_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.exit_code == 3, r.output
+    assert "compile failed: nvcc failed (1)" in r.stderr and "this nvcc always fails" in r.stderr
+    assert os.listdir(parent) == []
+
+
+def test_failure_while_writing_leaves_nothing_behind(facts, tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(artifact, "predicted_trace", broken)
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "new" / "art", "--no-build")
+    assert r.exit_code == 4 and "disk full" in r.stderr, r.output
+    assert os.listdir(tmp_path) == []  # no .art.partial-* directory, and the parent it created is gone too
+
+
+def corrupt_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("edit,command,message", [
+    (lambda p: corrupt_byte(p / "params.safetensors"), "run",
+     "is corrupt or was tampered with: params.safetensors has sha256"),
+    (lambda p: (p / "ir" / "07-plan.txt").write_text("kernelplan workers=1 {}\n"), "inspect",
+     "is corrupt or was tampered with: ir/07-plan.txt has sha256"),
+    (lambda p: corrupt_byte(p / "plan" / "plan.safetensors"), "bench", "plan/plan.safetensors has sha256"),
+    (lambda p: (p / "plan" / "graph.json").unlink(), "run", "is incomplete: plan/graph.json (listed in the manifest) "
+                                                           "is missing"),
+    (lambda p: (p / "manifest.json").write_text((p / "manifest.json").read_text().replace('"sm_90a"', '"sm_80"')),
+     "run", "manifest.json is corrupt or was modified: its digest does not match"),
+    (lambda p: (p / "manifest.json").write_text("{not json"), "inspect", "manifest.json is corrupt"),
+    (lambda p: (p / "manifest.json").unlink(), "run", "is not a tilec artifact: manifest.json is missing"),
+    (lambda p: shutil.rmtree(p), "inspect", "no artifact at"),
+], ids=["params", "ir-text", "plan-tables", "missing-file", "manifest-edited", "manifest-garbage", "no-manifest",
+        "no-dir"])
+def test_bad_artifacts(copy, edit, command, message):
+    edit(copy)
+    r = invoke(command, copy)
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr, r.stderr
+
+
+def test_another_tilec_version_is_refused(art, monkeypatch):
+    monkeypatch.setattr(tilec, "__version__", "9.9.9")
+    r = invoke("run", art)
+    assert r.exit_code == 2
+    assert f"was built by tilec 0.1.0; this is tilec 9.9.9. Recompile it: tilec compile {FACTORY} -o" in r.stderr
+    r = invoke("inspect", art, "-s", "plan")  # inspecting still works, with a warning
+    assert r.exit_code == 0 and "kernelplan" in r.stdout
+    r = CliRunner().invoke(cli.main, ["inspect", str(art), "-s", "plan"])
+    assert "warning:" in r.stderr and "built by tilec 0.1.0 (this is 9.9.9)" in r.stderr
+
+
+def test_another_gpu_arch_is_refused(art, monkeypatch):
+    monkeypatch.setattr(artifact, "gpu_arch", lambda: "sm_80")
+    r = invoke("run", art, "--executor", "cuda")
+    assert r.exit_code == 2
+    assert "was built for sm_90a; this GPU is sm_80. Recompile it with --option arch=sm_80" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cuda_executor_without_a_gpu(art):
+    r = invoke("run", art, "--executor", "cuda")
+    assert r.exit_code == 2 and "executor 'cuda' needs a CUDA GPU" in r.stderr, r.output
+
+
+def test_usage_errors_exit_2(art):
+    assert invoke("inspect", art, "--stage", "bogus").exit_code == 2
+    assert "unknown stage 'bogus'; stages: 01-opgraph, 02-tasks" in invoke("inspect", art, "-s", "bogus").stderr
+    assert invoke("run", art, "--executor", "tpu").exit_code == 2
+    assert invoke("compile", "x:y").exit_code == 2  # -o is required
+
+
+def test_module_entry_point_and_console_script(copy):
+    corrupt_byte(copy / "inputs.safetensors")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "tilec", "run", str(copy)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120, check=False)
+    assert p.returncode == 2 and "inputs.safetensors has sha256" in p.stderr, p.stderr
+    assert 'tilec = "tilec.cli:main"' in (ROOT / "pyproject.toml").read_text()

@@ -1,0 +1,244 @@
+"""IR dumps (``tilec.dump``) and schedule traces (``tilec.trace``).
+
+The module is RMSNorm -> gate/up linears -> SiLU-mul -> down linear, compiled through
+``tilec.api.compile_module``. The dump directory must hold exactly the stable file names,
+whether enabled by the option or by ``TILEC_DUMP_DIR``; the trace must parse as Chrome
+trace format with one track per busy worker and one slice per instruction, consistent with
+the plan's events and the cost model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _helpers import StageRecorder
+from tilec.api import compile_module
+from tilec.cost import HOP_US
+from tilec.dump import ENV_VAR, render_schedule
+from tilec.errors import TilecError
+from tilec.ops import NOOP
+from tilec.options import Options
+from tilec.plan import F
+from tilec.stats import render_stats
+from tilec.trace import measured_trace, predicted_trace, write_trace
+
+FILES = ["01-opgraph.txt", "02-tasks.txt", "03-fused.txt", "04-normalized.txt", "05-linearized.txt",
+         "06-schedule.txt", "07-plan.txt", "stats.txt", "trace.json"]
+STAGES = ["opgraph", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
+BASE = dict(workers=4, tile_n=32, tile_rows=1)
+
+
+class NormMLP(torch.nn.Module):
+    def __init__(self, hidden=64, inter=96, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden))
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+        self.eps = eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        normed = self.weight * (x * torch.rsqrt(variance + self.eps))
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(normed)) * self.up_proj(normed))
+
+
+def compile_mlp(options):
+    torch.manual_seed(0)
+    rec = StageRecorder()
+    prog = compile_module(NormMLP().eval(), (torch.randn(2, 64),), options=options, hook=rec)
+    return prog, rec
+
+
+def only_subdir(root: Path) -> Path:
+    subdirs = list(root.iterdir())
+    assert len(subdirs) == 1 and subdirs[0].is_dir(), f"expected one compile directory in {root}: {subdirs}"
+    return subdirs[0]
+
+
+# ---- dumps -------------------------------------------------------------------------------
+
+def test_dump_dir_option_writes_the_stable_files(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    prog, rec = compile_mlp(Options(**BASE, dump_dir=str(tmp_path)))  # the user hook still runs
+    d = only_subdir(tmp_path)
+    assert sorted(p.name for p in d.iterdir()) == FILES  # and no leftover temporary files
+    for i, stage in enumerate(STAGES):
+        text = (d / FILES[i]).read_text()
+        if stage == "schedule":
+            assert text == render_schedule(rec.stages["schedule"], rec.stages["linearized"]) + "\n"
+        else:
+            assert text == rec.render(stage) + "\n"
+    assert (d / "stats.txt").read_text() == render_stats(prog.stats) + "\n"
+    json.loads((d / "trace.json").read_text())
+
+    # recompiling the same graph with the same options rewrites the same files, identically
+    before = {name: (d / name).read_text() for name in FILES}
+    compile_mlp(Options(**BASE, dump_dir=str(tmp_path)))
+    assert only_subdir(tmp_path) == d
+    assert {name: (d / name).read_text() for name in FILES} == before
+
+    # other options: another directory
+    compile_mlp(Options(**{**BASE, "workers": 3}, dump_dir=str(tmp_path)))
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_dump_env_var_and_option_precedence(tmp_path, monkeypatch):
+    env_dir, opt_dir = tmp_path / "env", tmp_path / "opt"
+    monkeypatch.setenv(ENV_VAR, str(env_dir))
+    compile_mlp(dict(BASE))
+    assert sorted(p.name for p in only_subdir(env_dir).iterdir()) == FILES
+
+    # the option wins over the environment variable, and names the same subdirectory
+    compile_mlp({**BASE, "dump_dir": str(opt_dir)})
+    assert only_subdir(opt_dir).name == only_subdir(env_dir).name
+    assert len(list(env_dir.iterdir())) == 1
+
+    # an empty variable means off
+    monkeypatch.setenv(ENV_VAR, "")
+    monkeypatch.chdir(tmp_path)
+    compile_mlp(dict(BASE))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["env", "opt"]
+
+
+def test_dump_dir_option_validation():
+    assert Options(dump_dir=Path("/tmp/x")).dump_dir == "/tmp/x"
+    Options(dump_dir=Path("/tmp/x")).digest()  # hashable as JSON
+    with pytest.raises(ValueError, match="dump_dir"):
+        Options(dump_dir="")
+    with pytest.raises(ValueError, match="dump_dir"):
+        Options.from_dict({"dump_dir": 3})
+
+
+def test_schedule_render_lists_every_task_once(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    _, rec = compile_mlp(Options(**BASE))
+    sched, tg = rec.stages["schedule"], rec.stages["linearized"]
+    text = render_schedule(sched, tg)
+    lines = text.splitlines()
+    assert lines[0] == f"schedule policy=list workers=4 makespan_us={sched.makespan_us:.3f} {{"
+    assert lines[-1] == "}"
+    ids = [int(item.split()[1][1:]) for line in lines[1:-1] for item in line.split(": ", 1)[1].split("; ")]
+    assert sorted(ids) == sorted(t.id for t in tg.tasks)
+
+
+# ---- predicted trace ---------------------------------------------------------------------
+
+def instructions(plan):
+    """(worker, instruction index, descriptor) of every non-NoOp instruction."""
+    return [(w, j, d) for w, q in enumerate(plan.queues.tolist()) for j, d in enumerate(q) if d[0] != NOOP]
+
+
+def check_chrome_trace(trace: dict, plan, tg=None):
+    """Checks the Chrome trace format and the slices against the plan; returns the slices."""
+    trace = json.loads(json.dumps(trace))
+    assert trace["displayTimeUnit"] == "ns" and isinstance(trace["traceEvents"], list)
+    events = trace["traceEvents"]
+    assert all(e["ph"] in ("M", "X") and isinstance(e["pid"], int) and isinstance(e["tid"], int) for e in events)
+    meta = [e for e in events if e["ph"] == "M"]
+    assert [e["args"]["name"] for e in meta if e["name"] == "process_name"] == ["tilec plan"]
+    instrs = instructions(plan)
+    busy = sorted({w for w, _, _ in instrs})
+    threads = {e["tid"]: e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    assert threads == {w: f"worker {w}" for w in busy}
+
+    slices = [e for e in events if e["ph"] == "X"]
+    assert len(slices) == len(instrs)
+    ops = plan.graph.ops
+    for s, (w, j, d) in zip(slices, instrs):
+        assert (s["tid"], s["args"]["worker"], s["args"]["instruction"]) == (w, w, j)
+        assert s["args"]["task"] == d[F["task"][0]]
+        assert s["args"]["wait_event"] == d[F["wait_event"][0]]
+        assert s["args"]["signal_event"] == d[F["signal_event"][0]]
+        if d[F["op"][0]] < 0:
+            assert s["name"] == "empty" and s["args"]["op"] is None
+        else:
+            op = ops[d[F["op"][0]]]
+            assert op.kind in s["name"] and op.provenance.node in s["name"], s["name"]
+            assert s["args"]["op"] == op.name
+            assert s["args"]["coords"] and all(0 <= lo <= hi for lo, hi in s["args"]["coords"])
+        if tg is not None:
+            assert s["args"]["bytes"] >= 0 and s["args"]["flops"] >= 0
+        assert s["ts"] >= 0 and s["dur"] >= 0
+
+    for w in busy:  # slices on a track are in queue order and do not overlap
+        track = [s for s in slices if s["tid"] == w]
+        for a, b in zip(track, track[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-6, (a, b)
+    return slices
+
+
+@pytest.mark.parametrize("opts", [
+    dict(BASE),
+    dict(BASE, scheduler="round_robin", workers=3),
+    dict(BASE, workers=64, split_k=2),  # idle workers; split-K partials (tile_reduce)
+])
+def test_predicted_trace_is_a_chrome_trace_consistent_with_the_plan(tmp_path, monkeypatch, opts):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    prog, rec = compile_mlp(Options(**opts))
+    plan, tg, sched = rec.stages["plan"], rec.stages["linearized"], rec.stages["schedule"]
+    trace = predicted_trace(plan, tg)
+    write_trace(tmp_path / "t.json", trace)
+    parsed = json.loads((tmp_path / "t.json").read_text())
+    assert parsed == json.loads(json.dumps(trace))
+    slices = check_chrome_trace(parsed, plan, tg)
+
+    end = {}
+    for s in slices:
+        end.setdefault(s["args"]["signal_event"], []).append(s["ts"] + s["dur"])
+    waited = 0
+    for s in slices:  # a slice never starts before its wait event's predecessors end (+ one hop)
+        e = s["args"]["wait_event"]
+        if e >= 0:
+            assert len(end[e]) == plan.events[e, 0]
+            assert s["ts"] >= max(end[e]) + HOP_US - 1e-3, (s, max(end[e]))
+            waited += 1
+    assert waited > 0
+    makespan = max(s["ts"] + s["dur"] for s in slices)
+    assert parsed["otherData"]["makespan_us"] == pytest.approx(makespan, abs=1e-3)
+    assert makespan == pytest.approx(sched.makespan_us, abs=1e-3)  # the scheduler's own model
+
+
+def test_predicted_trace_needs_the_linearized_taskgraph(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    _, rec = compile_mlp(Options(**BASE))
+    with pytest.raises(TilecError, match="not linearized"):
+        predicted_trace(rec.stages["plan"], rec.stages["tasks"])
+
+
+# ---- measured trace ----------------------------------------------------------------------
+
+def test_measured_trace_from_synthetic_stamps(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    _, rec = compile_mlp(Options(**{**BASE, "workers": 5, "scheduler": "round_robin"}))
+    plan, tg = rec.stages["plan"], rec.stages["linearized"]
+    w_n, l_n = plan.queues.shape[:2]
+    instrs = instructions(plan)
+    assert len(instrs) < w_n * l_n, "the test wants NoOp padding"
+    t0 = 1_700_000_000_000_000_000  # %globaltimer-like absolute ns
+    stamps = torch.full((w_n, l_n, 2), -1, dtype=torch.int64)  # NoOps' stamps are garbage
+    expect = {}
+    for w, j, _ in instrs:
+        start = t0 + 5_000 + 1_000 * j + 100 * w
+        stamps[w, j] = torch.tensor([start, start + 250 + 10 * w])
+        expect[(w, j)] = ((start - t0 - 5_000) / 1000, (250 + 10 * w) / 1000)
+
+    trace = measured_trace(plan, stamps)
+    slices = check_chrome_trace(trace, plan)
+    assert {(s["tid"], s["args"]["instruction"]): (s["ts"], s["dur"]) for s in slices} == expect
+    assert all("bytes" not in s["args"] for s in slices)
+    assert trace["otherData"]["clock"] == "measured"
+    # the same names as the predicted trace; with the task graph, bytes and flops too
+    assert [s["name"] for s in slices] == [e["name"] for e in predicted_trace(plan, tg)["traceEvents"]
+                                           if e["ph"] == "X"]
+    check_chrome_trace(measured_trace(plan, stamps.numpy(), tg), plan, tg)
+
+    with pytest.raises(TilecError, match="shape"):
+        measured_trace(plan, stamps[:, :-1])
+    w, j, _ = instrs[0]
+    stamps[w, j, 1] = stamps[w, j, 0] - 1
+    with pytest.raises(TilecError, match="end before they start"):
+        measured_trace(plan, stamps)

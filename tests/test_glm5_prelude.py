@@ -1,0 +1,310 @@
+"""The seed's workload (issue 5): the GLM-5 DSA attention prelude of ``examples/glm5_dsa_prelude.py``
+on its reduced configuration (same structure, small dims, KV 256, 2 requests x 8 tokens, paged
+caches), compiled whole by :func:`tilec.api.compile_module` and run on the CPU reference
+executor against the example's independent plain-torch oracle.
+
+* bf16 structure run in float32: residual, q_mla, scores and both caches within 1e-4 relative
+  L2 of the oracle, with the -inf (causal) entries of the scores in the same places;
+* FP8 variant: 1e-3 in float32 activations (the module's quantization is mirrored op for op;
+  the tolerance leaves room for a value that lands on the other side of an FP8 rounding
+  boundary because a float32 sum was ordered differently), 2e-2 in bf16 (the GPU acceptance
+  tolerance);
+* the predicted schedule runs QKV-A, head-gate and indexer-K tasks concurrently on different
+  workers; the generated CUDA of the bf16 and FP8 plans compiles with nvcc.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _helpers import StageRecorder, assert_close
+from tilec import codegen
+from tilec.api import compile_module
+from tilec.capture import export_graph
+from tilec.frontend import find_unsupported
+from tilec.trace import predicted_trace
+
+_PATH = Path(__file__).resolve().parents[1] / "examples" / "glm5_dsa_prelude.py"
+_spec = importlib.util.spec_from_file_location("glm5_dsa_prelude", _PATH)
+glm = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("glm5_dsa_prelude", glm)
+_spec.loader.exec_module(glm)
+
+CFG = glm.REDUCED
+WORKERS = 16
+NEW_KINDS = {"fp8_quant", "fp8_linear", "bmm", "paged_cache_write", "index_score"}
+OUTPUTS = ("residual", "q_mla", "scores", "kv_cache", "index_k_cache", "index_k_scale_cache")
+
+
+class Case:
+    """One compiled variant: the module, its example inputs and the program (compiled once)."""
+
+    def __init__(self, fp8: bool, dtype: torch.dtype, pow2: bool = False):
+        self.fp8, self.dtype = fp8, dtype
+        self.module = glm.make_prelude(CFG, fp8, dtype, pow2_scales=pow2)
+        self.inputs = glm.make_inputs(CFG, fp8, dtype)
+        self.rec = StageRecorder()
+        self.program = compile_module(self.module, self.inputs, options=dict(workers=WORKERS), hook=self.rec)
+
+    def fresh_inputs(self, **kw):
+        return glm.make_inputs(CFG, self.fp8, self.dtype, **kw)
+
+
+_CASES: dict = {}
+
+
+def case(fp8: bool, dtype=torch.float32, pow2: bool = False) -> Case:
+    key = (fp8, dtype, pow2)
+    if key not in _CASES:
+        _CASES[key] = Case(fp8, dtype, pow2)
+    return _CASES[key]
+
+
+def compare(got: tuple, want: tuple, tol: float) -> None:
+    """Outputs and caches against the oracle; scores: same -inf entries, finite ones within tol."""
+    assert len(got) == len(want)
+    for name, g, w in zip(OUTPUTS, got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        g, w = g.double(), w.double()
+        finite = torch.isfinite(w)
+        assert torch.equal(finite, torch.isfinite(g)), f"{name}: -inf entries differ"
+        if name == "scores":
+            assert bool((w[~finite] == float("-inf")).all())
+        assert_close(g[finite], w[finite], tol, name)
+
+
+def run(c: Case, inputs) -> tuple:
+    """(oracle results, compiled results): outputs followed by the updated caches."""
+    want = glm.oracle(c.module, *inputs)
+    outs = c.program(*inputs)  # updates the caches in `inputs` in place
+    return want, tuple(outs) + tuple(inputs[5:])
+
+
+# ---- the module itself ---------------------------------------------------------------------
+
+def test_module_matches_oracle_and_transformers_shapes():
+    """The eager module agrees with the oracle; its parameters have the shapes of transformers'
+    GlmMoeDsaAttention / GlmMoeDsaIndexer (q_a_proj and kv_a_proj_with_mqa fused), and its
+    RoPE is transformers' apply_rotary_pos_emb_interleave."""
+    for fp8 in (False, True):
+        mod = glm.make_prelude(CFG, fp8)
+        inputs = glm.make_inputs(CFG, fp8)
+        want = glm.oracle(mod, *inputs)
+        with torch.no_grad():
+            got = tuple(mod(*inputs)) + tuple(inputs[5:])
+        compare(got, want, 1e-5)
+    hf = pytest.importorskip("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
+    from transformers import GlmMoeDsaConfig
+
+    c = CFG
+    hcfg = GlmMoeDsaConfig(hidden_size=c.hidden_size, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                           qk_rope_head_dim=c.qk_rope_head_dim, qk_nope_head_dim=c.qk_nope_head_dim,
+                           v_head_dim=c.v_head_dim, num_attention_heads=c.num_heads, num_key_value_heads=c.num_heads,
+                           index_n_heads=c.index_n_heads, index_head_dim=c.index_head_dim, num_hidden_layers=1)
+    attn = hf.GlmMoeDsaAttention(hcfg, 0)
+    theirs = {k: tuple(v.shape) for k, v in attn.state_dict().items() if not k.startswith("o_proj")}
+    mod = glm.make_prelude(CFG)
+    ours = {k: tuple(v.shape) for k, v in mod.state_dict().items() if k != "input_layernorm.weight"}
+    fused = ours.pop("qkv_a_proj.weight")
+    assert fused == (theirs.pop("q_a_proj.weight")[0] + theirs.pop("kv_a_proj_with_mqa.weight")[0], c.hidden_size)
+    assert ours == theirs
+    glm.load_from_hf(mod, attn)  # the loader covers every parameter
+    assert torch.equal(mod.q_b_proj.weight, attn.q_b_proj.weight)
+    q, k = torch.randn(3, 4, c.qk_rope_head_dim), torch.randn(3, 1, c.qk_rope_head_dim)
+    cos, sin = torch.randn(3, c.qk_rope_head_dim), torch.randn(3, c.qk_rope_head_dim)
+    want = hf.apply_rotary_pos_emb_interleave(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(glm.apply_rotary_pos_emb_interleave(q, k, cos, sin), want))
+    assert torch.equal(glm.rope_interleave(q, cos, sin), want[0])
+
+
+# ---- compiled whole, on the CPU reference executor ------------------------------------------
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-structure", "fp8"])
+def test_compiles_whole_with_no_fallback(fp8):
+    c = case(fp8)
+    gm, binding = export_graph(c.module, c.inputs)
+    assert find_unsupported(gm, binding) == []
+    kinds = {op.kind for op in c.program.graph.ops}
+    want = {"bmm", "paged_cache_write", "index_score"} | ({"fp8_quant", "fp8_linear"} if fp8 else set())
+    assert want <= kinds and not (NEW_KINDS - want) & kinds
+    rendered = c.rec.render("opgraph")
+    assert "opaque_" not in rendered
+    writes = [op for op in c.program.graph.ops if op.kind == "paged_cache_write"]
+    assert {op.outputs[0].buffer for op in writes} == {"kv_cache", "index_k_cache"} | (
+        {"index_k_scale_cache"} if fp8 else set())
+    if fp8:  # the GEMMs read FP8 weights in place; only the head gate stays a plain linear
+        lins = {op.inputs[2].buffer: op for op in c.program.graph.ops if op.kind == "fp8_linear"}
+        assert set(lins) == {f"p_{n}_weight" for n in ("qkv_a_proj", "q_b_proj", "indexer_wq_b", "indexer_wk")}
+        (plain,) = [op for op in c.program.graph.ops if op.kind == "linear"]
+        assert plain.inputs[1].buffer == "p_indexer_weights_proj_weight"
+        (absorb,) = [op for op in c.program.graph.ops if op.kind == "bmm"]
+        assert absorb.inputs[1].buffer == "p_kv_b_proj_weight" and len(absorb.inputs) == 3
+
+
+@pytest.mark.parametrize("lengths", [None, (70, 200)], ids=["full-context", "shorter-contexts"])
+def test_bf16_structure_in_float32_matches_oracle(lengths):
+    """1e-4 on all three outputs and both caches; new positions and slots are data, not code
+    (the same program serves shorter contexts, whose later positions score -inf)."""
+    c = case(False)
+    want, got = run(c, c.fresh_inputs(lengths=lengths))
+    compare(got, want, 1e-4)
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
+def test_fp8_in_float32_matches_fp8_oracle(pow2):
+    c = case(True, pow2=pow2)
+    want, got = run(c, c.fresh_inputs(lengths=(CFG.context, 100)))
+    compare(got, want, 1e-3)
+
+
+def test_fp8_in_bf16_matches_fp8_oracle():
+    c = case(True, torch.bfloat16)
+    want, got = run(c, c.fresh_inputs())
+    compare(got, want, 2e-2)
+
+
+# ---- schedule ------------------------------------------------------------------------------
+
+def _intervals(c: Case, pick):
+    """(worker, start, end) of the predicted slices of the ops ``pick(op)`` selects."""
+    plan = c.program.plan
+    trace = predicted_trace(plan, c.rec.stages["linearized"])
+    names = {op.name for op in plan.graph.ops if pick(op)}
+    out = [(e["tid"], e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
+           if e["ph"] == "X" and e["args"]["op"] in names]
+    assert out, f"no slices for {names}"
+    return out
+
+
+def _gemm_reading(weight: str):
+    return lambda op: op.kind in ("linear", "fp8_linear") and any(v.buffer == weight for v in op.inputs)
+
+
+def _overlap(a, b) -> bool:
+    """Some slice of ``a`` and some slice of ``b`` run at the same time on different workers."""
+    return any(wa != wb and sa < eb and sb < ea for wa, sa, ea in a for wb, sb, eb in b)
+
+
+def test_three_branches_run_concurrently():
+    """QKV-A, head-gate and indexer-K tasks overlap in time on different workers (the schedule
+    predicted by the cost model, as in the dumped trace.json)."""
+    c = case(False)
+    qkv_a, gate, index_k = (_intervals(c, _gemm_reading(w)) for w in (
+        "p_qkv_a_proj_weight", "p_indexer_weights_proj_weight", "p_indexer_wk_weight"))
+    assert _overlap(qkv_a, gate) and _overlap(qkv_a, index_k) and _overlap(gate, index_k)
+
+
+def test_three_branches_run_concurrently_fp8():
+    """With FP8, QKV-A and indexer-K read the quantized x, the head gate reads x itself: it runs
+    while x is quantized and the FP8 GEMMs stream (in the reduced configuration its one small
+    tile is done before the FP8 GEMMs start; in the full one all three overlap)."""
+    c = case(True)
+    qkv_a, gate, index_k = (_intervals(c, _gemm_reading(w)) for w in (
+        "p_qkv_a_proj_weight", "p_indexer_weights_proj_weight", "p_indexer_wk_weight"))
+    (qkv_op,) = [op for op in c.program.graph.ops if _gemm_reading("p_qkv_a_proj_weight")(op)]
+    x_quant = _intervals(c, lambda op: op.kind == "fp8_quant" and op.outputs[0].buffer == qkv_op.inputs[0].buffer)
+    assert _overlap(qkv_a, index_k)
+    assert _overlap(gate, x_quant + qkv_a + index_k)
+
+
+# ---- the new patterns one at a time ---------------------------------------------------------
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn, **params):
+        super().__init__()
+        self.fn = fn
+        for k, v in params.items():
+            setattr(self, k, torch.nn.Parameter(v, requires_grad=False))
+
+    def forward(self, *args):
+        return self.fn(self, *args)
+
+
+@pytest.mark.parametrize("eq", ["thd,hdc->thc", "bmk,bkn->bmn", "hdc,thd->htc"])
+def test_einsum_batched_matmul_is_one_bmm(eq):
+    sizes = dict(t=3, h=4, d=5, c=6, b=2, m=3, k=5, n=7)
+    lhs = eq.split("->")[0].split(",")
+    a, w = (torch.randn(*(sizes[ch] for ch in part)) for part in lhs)
+    mod = _Fn(lambda m, a: torch.einsum(eq, a, m.w) * 2.0, w=w)
+    prog = compile_module(mod, (a,), options=dict(workers=3, tile_n=4))
+    assert [op.kind for op in prog.graph.ops] == ["bmm", "unary"]
+    assert_close(prog(a), mod(a), 1e-5)
+
+
+def test_fp8_scales_used_before_their_values_and_pow2():
+    """The scale output lowers the quantization when it is demanded first; power-of-two scales."""
+    def f(m, x):
+        q, s = glm.act_quant(x, 32, pow2=True)
+        return s * 3.0, q.float()
+
+    x = torch.randn(5, 96) * 4
+    mod = _Fn(f)
+    prog = compile_module(mod, (x,), options=dict(workers=2))
+    assert [op.kind for op in prog.graph.ops].count("fp8_quant") == 1
+    for g, w in zip(prog(x), mod(x)):
+        assert torch.equal(g, w)
+    assert torch.equal(torch.log2(mod(x)[0] / 3.0), torch.log2(mod(x)[0] / 3.0).round())
+
+
+def test_paged_cache_writes_index_copy_and_negative_slots():
+    """index_copy_ and index_put_ (a negative slot counts from the end, as in torch), into a 3-D
+    cache through its flattened view and into a per-slot scalar cache."""
+    def f(m, src, slot, neg, cache, scales):
+        cache.view(-1, 8).index_copy_(0, slot, src)
+        scales.view(-1)[neg] = src[:, 0]
+        return src * 2.0
+
+    src, slot, neg = torch.randn(3, 8), torch.tensor([5, 0, 17]), torch.tensor([-1, 2, -7])
+    cache, scales = torch.randn(6, 4, 8), torch.randn(6, 4)
+    mod = _Fn(f)
+    prog = compile_module(mod, (src, slot, neg, cache.clone(), scales.clone()), options=dict(workers=2))
+    assert [op.kind for op in prog.graph.ops].count("paged_cache_write") == 2
+    c1, s1, c2, s2 = cache.clone(), scales.clone(), cache.clone(), scales.clone()
+    mod(src, slot, neg, c1, s1)
+    prog(src, slot, neg, c2, s2)
+    assert torch.equal(c1, c2) and torch.equal(s1, s2)
+
+
+# ---- CUDA codegen ----------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_generated_cuda_compiles(fp8, tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
+    c = case(fp8, torch.bfloat16)
+    src = codegen.render(c.program.plan)
+    used = {op.kind for op in c.program.graph.ops}
+    for kind in used & NEW_KINDS:
+        assert f"tilec::op_{kind}<" in src["program.cu"]
+    if fp8:
+        assert "__nv_fp8_e4m3" in src["program.cu"]
+    lib = codegen.build(src)
+    assert lib.exists() and lib.stat().st_size > 0
+
+
+def test_benchmark_script_imports():
+    """benchmarks/glm5_prelude.py (GPU only) imports without CUDA and knows the step's bytes."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "glm5_prelude.py"
+    spec = importlib.util.spec_from_file_location("glm5_prelude_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for name in ("time_cuda", "read_bandwidth", "graph_of", "multistream_step", "main"):
+        assert callable(getattr(bench, name))
+    full = glm.FULL
+    w_uk = full.num_heads * full.qk_nope_head_dim * full.kv_lora_rank
+    gemm = full.hidden_size * (full.q_lora_rank + full.latent_dim + full.index_head_dim) + full.q_lora_rank * (
+        full.num_heads * (full.qk_nope_head_dim + full.qk_rope_head_dim) + full.index_n_heads * full.index_head_dim)
+    mod = glm.GlmDsaPrelude(glm.REDUCED)  # float32 parameters; the formula scales with the element size
+    c = glm.REDUCED
+    gemm_r = c.hidden_size * (c.q_lora_rank + c.latent_dim + c.index_head_dim) + c.q_lora_rank * (
+        c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) + c.index_n_heads * c.index_head_dim)
+    small = c.hidden_size * c.index_n_heads + c.hidden_size + c.q_lora_rank + c.kv_lora_rank + 2 * c.index_head_dim
+    w_uk_r = c.num_heads * c.qk_nope_head_dim * c.kv_lora_rank
+    assert bench.step_bytes(mod) == 4 * (gemm_r + w_uk_r + small) + c.requests * c.context * c.index_head_dim * 2
+    assert gemm + w_uk > 60e6  # the full prelude streams ~0.13 GB of bf16 weights

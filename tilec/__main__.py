@@ -1,0 +1,4 @@
+"""``python -m tilec``: the ``tilec`` command line (:mod:`tilec.cli`)."""
+from .cli import main
+
+main(prog_name="tilec")

@@ -1,0 +1,475 @@
+"""Compiled programs as self-contained artifact directories (``tilec compile`` / ``tilec run``).
+
+Layout of an artifact (every file except the manifest has its sha256 in ``manifest.json``)::
+
+    manifest.json            format, versions (tilec, torch, transformers, nvcc, python), target
+                             arch, options, the factory that built it, the call signature,
+                             compile stats, the hash of every other file, and its own digest
+    params.safetensors       the parameters (weights) the plan reads, by buffer name
+    constants.safetensors    folded constants and position tables (OpGraph.tensors)
+    inputs.safetensors       the example inputs: ``arg<i>`` for tensor argument i
+    ir/01-opgraph.txt .. ir/07-plan.txt      every stage's stable text (file names of tilec.dump)
+    ir/01-opgraph.json .. ir/07-plan.json    every stage as structured JSON (tilec inspect)
+    trace.json               the schedule timeline predicted by the cost model (Chrome trace)
+    plan/plan.safetensors    queues int32 [W, L, 32], events int32 [E, 4], static_operands int64
+    plan/graph.json          the OpGraph (OpGraph.to_dict)
+    plan/operands.json       operand bindings and op names (KernelPlan.to_tables)
+    cuda/program.cu, cuda/tilec_layout.h     generated sources (tilec.codegen.render)
+    cuda/libtilec.so         the built library (when nvcc was present at compile time)
+
+An artifact is written into a temporary directory beside the target and renamed into place
+only when complete, so a failure leaves nothing behind. :func:`load` verifies the manifest
+and every hash; :meth:`Artifact.program` rebuilds a runnable
+:class:`~tilec.program.CompiledProgram` from ``plan/`` and the tensor files, without
+re-tracing the module.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import tilec
+
+from . import codegen
+from .dump import STAGE_FILES, render_schedule
+from .errors import TilecError
+from .frontend import GraphBinding
+from .ir import OpGraph
+from .options import Options
+from .passes.schedule import Schedule
+from .pipeline import Compiled
+from .plan import DESCRIPTOR, KernelPlan
+from .program import CompiledProgram
+from .taskgraph import TaskGraph
+from .trace import predicted_trace
+
+FORMAT, FORMAT_VERSION = "tilec-artifact", 1
+MANIFEST = "manifest.json"
+STAGES = tuple(STAGE_FILES)  # opgraph, tasks, fused, normalized, linearized, schedule, plan
+LIBRARY = "cuda/libtilec.so"
+
+
+class ArtifactError(TilecError):
+    """The directory is not a usable artifact: missing, corrupt, tampered with, or incompatible."""
+
+
+class ArtifactVersionError(ArtifactError):
+    """The artifact was built by another tilec version (or artifact format)."""
+
+
+class ArtifactArchError(ArtifactError):
+    """The artifact targets another GPU architecture than the one present."""
+
+
+# ---- writing -----------------------------------------------------------------------------
+
+def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: dict | None = None,
+         positions=(), max_positions: int = 1, param_sources: dict[str, str] | None = None,
+         build: bool = True, force: bool = False, progress=None) -> Path:
+    """Writes ``program`` as an artifact directory at ``path`` (atomically).
+
+    Args:
+        program: a program from :func:`tilec.api.compile_module` (all seven stages present).
+        inputs: the example arguments it was compiled with (tensors, or plain numbers).
+        factory: how to rebuild the eager module (``{"spec", "module", "file", "name", "cwd"}``),
+            recorded for ``tilec run --check`` and ``tilec bench``.
+        positions, max_positions: as given to ``compile_module``.
+        param_sources: parameter buffer name -> the module's ``state_dict`` key it came from.
+        build: build ``cuda/libtilec.so`` with nvcc when nvcc is present.
+        force: replace an existing artifact (or non-empty directory) at ``path``.
+        progress: called with a message before slow steps (nvcc).
+
+    Returns: the artifact's path.
+    Raises:
+        ArtifactError: ``path`` exists and is not empty (without ``force``), or an example
+            argument is neither a tensor nor a plain number.
+        TilecError: nvcc failed (nothing is written).
+    """
+    final = Path(path)
+    check_target(final, force)
+    missing = [s for s in STAGES if s not in program.compiled.stages]
+    if missing:
+        raise ArtifactError(f"the program lacks pipeline stage(s) {missing}; compile it with tilec.api.compile_module")
+    call_args, input_tensors = _describe_inputs(inputs)
+    plan, opts = program.plan, program.opts
+    try:
+        sources, cuda_note = codegen.render(plan), None
+    except TilecError as e:  # e.g. a dtype without a CUDA implementation: still runs on the reference executor
+        sources, cuda_note = {}, str(e)
+    lib = None
+    if build and sources:
+        if _nvcc_version() is None:
+            cuda_note = "nvcc not found at compile time: no library built"
+        else:
+            lib = codegen.build(sources, opts.arch, progress)
+
+    created = [d for d in (final.parent, *final.parent.parents) if not d.exists()]  # removed again on failure
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    done = False
+    try:
+        _write_contents(tmp, program, input_tensors, sources, lib)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "tilec": tilec.__version__,
+            "torch": torch.__version__,
+            "transformers": _dist_version("transformers"),
+            "nvcc": _nvcc_version(),
+            "python": platform.python_version(),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "arch": opts.arch,
+            "device": program.device.type,
+            "options": dataclasses.asdict(opts),
+            "factory": factory,
+            "call": {"args": call_args, "positions": list(positions), "max_positions": max_positions,
+                     "single_output": program.single_output},
+            "param_sources": dict(param_sources or {}),
+            "stats": program.stats,
+            "cuda": {"sources": sorted(f"cuda/{n}" for n in sources), "library": LIBRARY if lib else None,
+                     "note": cuda_note},
+            "files": {rel: _sha256(tmp / rel) for rel in _list_files(tmp)},
+        }
+        manifest["digest"] = _digest(manifest)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _set_modes(tmp)
+        if final.exists():  # force: swap the old one out only once the new one is complete
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, old / "artifact")
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                os.replace(old / "artifact", final)
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        done = True
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            for d in created:  # innermost first
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+    return final
+
+
+def check_target(final: Path, force: bool) -> None:
+    """Raises :class:`ArtifactError` unless an artifact may be written at ``final``."""
+    if final.exists() and not force:
+        if not final.is_dir():
+            raise ArtifactError(f"{final} exists and is not a directory")
+        if any(final.iterdir()):
+            raise ArtifactError(f"{final} exists and is not empty; pass --force (force=True) to replace it")
+    if final.exists() and force and not final.is_dir():
+        raise ArtifactError(f"{final} exists and is not a directory")
+
+
+def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources: dict, lib: Path | None) -> None:
+    from .ir import BufferKind
+
+    graph, plan, stages = program.graph, program.plan, program.compiled.stages
+    params = {n: program.tensors[n] for n, b in graph.buffers.items() if b.kind is BufferKind.PARAM}
+    _save_tensors(root / "params.safetensors", params)
+    _save_tensors(root / "constants.safetensors", graph.tensors())
+    _save_tensors(root / "inputs.safetensors", inputs)
+    (root / "ir").mkdir()
+    linearized = stages["linearized"]
+    for name, fname in STAGE_FILES.items():
+        ir = stages[name]
+        text = render_schedule(ir, linearized) if name == "schedule" else ir.render()
+        (root / "ir" / fname).write_text(text + "\n")
+        _write_json(root / "ir" / fname.replace(".txt", ".json"), stage_json(name, ir, linearized))
+    _write_json(root / "trace.json", predicted_trace(plan, linearized))
+    (root / "plan").mkdir()
+    tables, meta = plan.to_tables()
+    _save_tensors(root / "plan" / "plan.safetensors", tables)
+    _write_json(root / "plan" / "graph.json", graph.to_dict())
+    _write_json(root / "plan" / "operands.json", meta)
+    if sources:
+        (root / "cuda").mkdir()
+        for name, text in sources.items():
+            (root / "cuda" / name).write_text(text)
+        if lib is not None:
+            shutil.copyfile(lib, root / LIBRARY)
+
+
+def _describe_inputs(inputs) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    args, tensors = [], {}
+    for i, a in enumerate(inputs):
+        if isinstance(a, torch.Tensor):
+            tensors[f"arg{i}"] = a
+            args.append({"tensor": f"arg{i}", "dtype": str(a.dtype).removeprefix("torch."), "shape": list(a.shape)})
+        elif a is None or isinstance(a, (bool, int, float, str)):
+            args.append({"value": a})
+        else:
+            raise ArtifactError(f"example argument {i} is a {type(a).__name__}: an artifact stores tensors and "
+                                f"plain numbers/strings only")
+    return args, tensors
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """safetensors wants contiguous tensors that own their storage: copy only those that do not."""
+    out, seen = {}, set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu")
+        storage = t.untyped_storage()
+        whole = t.is_contiguous() and t.storage_offset() == 0 and t.nbytes == storage.nbytes()
+        if not whole or storage.data_ptr() in seen:
+            t = t.contiguous().clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    save_file(out, str(path))
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, separators=(",", ":")) + "\n")
+
+
+# ---- structured stage dumps --------------------------------------------------------------
+
+def stage_json(name: str, ir, linearized: TaskGraph | None = None):
+    """A stage's IR as JSON-able data (what ``tilec inspect --format json`` prints)."""
+    if isinstance(ir, OpGraph):
+        return ir.to_dict()
+    if isinstance(ir, TaskGraph):
+        return {
+            "tasks": [{"id": t.id, "label": t.label(), "op": t.op, "kind": t.kind,
+                       "coords": [list(c) for c in t.tile.coords] if t.tile else None,
+                       "variant": t.tile.variant if t.tile else 0, "exact": t.exact, "bytes": t.nbytes,
+                       "flops": t.flops, "reads": [[b, [list(r) for r in box]] for b, box in t.reads],
+                       "writes": [[b, [list(r) for r in box], acc] for b, box, acc in t.writes]} for t in ir.tasks],
+            "events": [{"id": e.id, "strategy": e.strategy, "preds": sorted(e.preds), "succs": sorted(e.succs),
+                        "first": e.first, "last": e.last} for e in sorted(ir.events, key=lambda e: e.id)],
+            "order": list(ir.order),
+            "stats": dict(ir.stats),
+        }
+    if isinstance(ir, Schedule):
+        index = {tid: i for i, tid in enumerate(linearized.order)} if linearized else {}
+        return {"policy": ir.policy, "workers": len(ir.queues), "makespan_us": ir.makespan_us,
+                "queues": [[{"index": index.get(tid), "task": tid} for tid in q] for q in ir.queues]}
+    if isinstance(ir, KernelPlan):
+        return plan_json(ir)
+    raise TypeError(f"stage {name}: no JSON form for {type(ir).__name__}")
+
+
+def plan_json(plan: KernelPlan) -> dict:
+    """The encoded plan with every non-NoOp descriptor decoded into named fields."""
+    from .ops import EMPTY, NOOP
+
+    queues = []
+    for q in plan.queues.tolist():
+        instrs = []
+        for d in q:
+            if d[0] == NOOP:
+                continue
+            fields = {name: d[start] if n == 1 else d[start:start + n] for name, start, n in DESCRIPTOR}
+            fields["coords"] = [fields["coords"][2 * k:2 * k + 2] for k in range(fields["ncoords"])]
+            fields["op_name"] = None if d[0] == EMPTY else plan.op_names[fields["op"]]
+            instrs.append(fields)
+        queues.append(instrs)
+    events = [{"id": e, "count": c, "first": f, "last": last} for e, (c, f, last, _) in enumerate(plan.events.tolist())]
+    return {"workers": plan.queues.shape[0], "length": plan.queues.shape[1], "queues": queues, "events": events,
+            "op_names": list(plan.op_names)}
+
+
+# ---- reading -----------------------------------------------------------------------------
+
+class Artifact:
+    """A verified artifact directory (use :func:`load`)."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path, self.manifest = path, manifest
+
+    @property
+    def factory(self) -> dict | None:
+        return self.manifest.get("factory")
+
+    def stage_text(self, stage: str) -> str:
+        return (self.path / "ir" / STAGE_FILES[resolve_stage(stage)]).read_text()
+
+    def stage_json(self, stage: str):
+        return json.loads((self.path / "ir" / STAGE_FILES[resolve_stage(stage)].replace(".txt", ".json")).read_text())
+
+    def graph(self) -> OpGraph:
+        """The OpGraph, rebuilt from ``plan/graph.json`` and ``constants.safetensors``."""
+        d = json.loads((self.path / "plan" / "graph.json").read_text())
+        try:
+            return OpGraph.from_dict(d, load_file(str(self.path / "constants.safetensors")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(f"{self.path}: plan/graph.json does not describe an OpGraph: {e}") from e
+
+    def plan(self, graph: OpGraph | None = None) -> KernelPlan:
+        """The KernelPlan, rebuilt from ``plan/`` (no tracing, no recompilation)."""
+        graph = graph or self.graph()
+        tables = load_file(str(self.path / "plan" / "plan.safetensors"))
+        meta = json.loads((self.path / "plan" / "operands.json").read_text())
+        return KernelPlan.from_tables(graph, tables, meta, self.manifest.get("stats"))
+
+    def inputs(self, device: str | torch.device = "cpu") -> list:
+        """A fresh copy of the example arguments (tensors on ``device``), in call order."""
+        tensors = load_file(str(self.path / "inputs.safetensors"), device=str(device))
+        return [tensors[a["tensor"]] if "tensor" in a else a["value"] for a in self.manifest["call"]["args"]]
+
+    def params(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        return load_file(str(self.path / "params.safetensors"), device=str(device))
+
+    def program(self, executor: str | None = None, progress=None) -> CompiledProgram:
+        """A runnable program: ``program(*artifact.inputs(program.device))``.
+
+        Args:
+            executor: ``"cuda"``, ``"reference"``, or None: CUDA when a GPU is available.
+        Raises:
+            ArtifactArchError: executor ``cuda`` on a GPU of another architecture than the artifact's.
+            TilecError: executor ``cuda`` without a GPU.
+        """
+        kind = executor or ("cuda" if torch.cuda.is_available() else "reference")
+        if kind not in ("cuda", "reference"):
+            raise TilecError(f"executor {kind!r}: must be 'cuda' or 'reference'")
+        device = torch.device("cpu")
+        if kind == "cuda":
+            gpu = gpu_arch()
+            if gpu is None:
+                raise TilecError("executor 'cuda' needs a CUDA GPU, and torch sees none "
+                                 f"(torch {torch.__version__}); use --executor reference")
+            check_arch(self, gpu)
+            device = torch.device("cuda", torch.cuda.current_device())
+        graph = self.graph()
+        plan = self.plan(graph)
+        try:
+            opts = Options.from_dict({**self.manifest["options"], "executor": kind, "dump_dir": None})
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"{self.path}: its options are not understood by this tilec ({e}); recompile it"
+                                f"{_recompile_hint(self.manifest, self.path)}") from e
+        lib = self.path / LIBRARY if kind == "cuda" and (self.path / LIBRARY).exists() else None
+        compiled = Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(plan.stats))
+        return CompiledProgram(compiled, GraphBinding(params=self.params(device)),
+                               single_output=self.manifest["call"]["single_output"], opts=opts, progress=progress,
+                               example_args=tuple(a for a in self.inputs(device) if isinstance(a, torch.Tensor)),
+                               library=lib)
+
+
+def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
+    """Opens an artifact and verifies it: format, manifest digest, every file's sha256, and
+    (with ``check_version``) that this tilec version built it.
+
+    Raises:
+        ArtifactError: not an artifact, a file missing, corrupt or modified (names the file).
+        ArtifactVersionError: built by another tilec version or artifact format.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ArtifactError(f"no artifact at {root}: not a directory")
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(f"{root} is not a tilec artifact: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{mpath} is corrupt: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{root} is not a tilec artifact ({MANIFEST} has no format {FORMAT!r})")
+    if manifest.get("digest") != _digest(manifest):
+        raise ArtifactError(f"{mpath} is corrupt or was modified: its digest does not match its content")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ArtifactVersionError(f"{root}: artifact format version {manifest.get('format_version')}, this tilec "
+                                   f"reads version {FORMAT_VERSION}; recompile it{_recompile_hint(manifest, root)}")
+    for rel, want in sorted(manifest["files"].items()):
+        f = root / rel
+        if not f.is_file():
+            raise ArtifactError(f"{root} is incomplete: {rel} (listed in the manifest) is missing")
+        got = _sha256(f)
+        if got != want:
+            raise ArtifactError(f"{root} is corrupt or was tampered with: {rel} has sha256 {got[:16]}..., "
+                                f"the manifest records {want[:16]}...")
+    if check_version and manifest["tilec"] != tilec.__version__:
+        raise ArtifactVersionError(f"{root} was built by tilec {manifest['tilec']}; this is tilec {tilec.__version__}. "
+                                   f"Recompile it{_recompile_hint(manifest, root)}")
+    return Artifact(root, manifest)
+
+
+def resolve_stage(stage: str) -> str:
+    """``"plan"``, ``"07"``, ``"7"`` or ``"07-plan"`` -> ``"plan"``; ``ValueError`` listing the stages."""
+    s = stage.strip().removesuffix(".txt").removesuffix(".json")
+    for i, name in enumerate(STAGES, 1):
+        if s in (name, str(i), f"{i:02d}", f"{i:02d}-{name}"):
+            return name
+    raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(f'{i:02d}-{n}' for i, n in enumerate(STAGES, 1))}")
+
+
+def gpu_arch() -> str | None:
+    """``sm_<major><minor>`` of the current CUDA device, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def check_arch(artifact: Artifact, gpu: str) -> None:
+    """Raises :class:`ArtifactArchError` unless the artifact's arch (``sm_90a``) runs on ``gpu`` (``sm_90``)."""
+    want = artifact.manifest["arch"]
+    if want.removeprefix("sm_").rstrip("af") != gpu.removeprefix("sm_"):
+        raise ArtifactArchError(f"{artifact.path} was built for {want}; this GPU is {gpu}. Recompile it with "
+                                f"--option arch={gpu}{'a' if gpu in ('sm_90', 'sm_100') else ''}"
+                                f"{_recompile_hint(artifact.manifest, artifact.path, ' ')}")
+
+
+def _recompile_hint(manifest: dict, root: Path, lead: str = ": ") -> str:
+    spec = (manifest.get("factory") or {}).get("spec")
+    return f"{lead}tilec compile {spec} -o {root} --force" if spec else ""
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+def _list_files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _set_modes(root: Path) -> None:
+    """Ordinary permissions (``mkdtemp`` makes the directory private, safetensors the files)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in (root, *root.rglob("*")):
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _nvcc_version() -> str | None:
+    try:
+        return codegen.nvcc_version()
+    except (TilecError, OSError, subprocess.SubprocessError, IndexError):  # nvcc absent or unusable
+        return None

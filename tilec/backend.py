@@ -1,0 +1,258 @@
+"""``torch.compile(model, backend="tilec", options={...})``.
+
+Registered through the ``torch_dynamo_backends`` entry point, so it works in a fresh
+process after ``pip install`` without importing tilec. Dynamo's graph goes through
+AOTAutograd (inference, input mutations kept in the graph as ``copy_``) to the same aten
+lowering as the offline path. Placeholders are classified from Dynamo's sources: module
+parameters are bound by reference, module buffers (e.g. RoPE ``inv_freq``) are constants,
+integer inputs with at most one element (``cache_position``, HF's ``cumulative_length``)
+hold the decode position, everything else is a per-call input.
+
+Unsupported nodes are partitioned out and run eagerly, with one log line each naming the
+node and its source line; with ``fallback=False`` one error lists them all. Plans are
+cached in memory by graph hash, options, tilec version and target arch (the built CUDA
+libraries are cached on disk by the nvcc build cache). Without CUDA the reference executor
+runs, with a one-time warning.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import warnings
+
+import torch
+import torch.fx as fx
+
+from . import __version__
+from .dump import with_dump
+from .errors import UnsupportedNodeError
+from .frontend import GraphBinding, find_unsupported, lower_graph
+from .options import Options
+from .pipeline import compile_opgraph
+from .program import CompiledProgram
+
+log = logging.getLogger("tilec")
+
+BACKEND_KEYS = ("fallback", "max_positions")
+_PLAN_CACHE: dict[str, object] = {}
+_warned_cpu = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """Backend options: every :class:`tilec.options.Options` field plus
+
+    fallback: run unsupported nodes eagerly (True, default) or raise one error listing them.
+    max_positions: decode positions to plan for; default: the static KV-cache length found
+        in the graph (the size of the dim the cache writes index), or 1 without a cache.
+    """
+
+    compile: Options
+    fallback: bool = True
+    max_positions: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "BackendOptions":
+        d = dict(d or {})
+        extra = {k: d.pop(k) for k in BACKEND_KEYS if k in d}
+        try:
+            opts = Options.from_dict(d)
+        except ValueError as e:
+            if "unknown tilec option" in str(e):
+                valid = [f.name for f in dataclasses.fields(Options)] + list(BACKEND_KEYS)
+                raise ValueError(f"unknown tilec option(s) {sorted(set(d) - set(valid))}; valid options: {valid}") \
+                    from None
+            raise
+        return cls(opts, **extra)
+
+
+def _source_name(node: fx.Node) -> str:
+    ga = node.meta.get("grapharg")
+    src = getattr(ga, "source", None)
+    return src.name() if callable(getattr(src, "name", None)) else str(getattr(src, "name", "") or "")
+
+
+def _classify(dynamo_gm: fx.GraphModule, example_inputs) -> list[str]:
+    """'param' | 'const' | 'position' | 'input' for each Dynamo input."""
+    kinds = []
+    placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
+    for node, t in zip(placeholders, example_inputs):
+        src = _source_name(node)
+        if not isinstance(t, torch.Tensor):
+            kinds.append("input")
+        elif "_parameters[" in src or isinstance(t, torch.nn.Parameter):
+            kinds.append("param")
+        elif "_buffers[" in src:
+            kinds.append("const")
+        elif not t.dtype.is_floating_point and t.dtype != torch.bool and t.numel() <= 1:
+            kinds.append("position")  # cache_position, HF's cumulative_length (token ids are re-checked later)
+        else:
+            kinds.append("input")
+    return kinds
+
+
+def _cache_length(gm: fx.GraphModule) -> int:
+    aten = torch.ops.aten
+    best = 1
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in (aten.index_copy.default, aten.index_copy_.default):
+            best = max(best, int(n.args[0].meta["val"].shape[n.args[1]]))
+    return best
+
+
+def _graph_key(gm: fx.GraphModule, kinds, opts: BackendOptions) -> str:
+    h = hashlib.sha256(gm.code.encode())
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            h.update(f"{n.name}:{tuple(v.shape)}:{v.dtype}:{v.device.type}".encode())
+    h.update(repr((kinds, opts, __version__)).encode())
+    return h.hexdigest()
+
+
+def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions):
+    """Compiles one aten graph whose placeholders bind to ``flat_args`` (classified by ``kinds``)."""
+    global _warned_cpu
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    binding = GraphBinding()
+    for node, t, kind in zip(placeholders, flat_args, kinds):
+        if kind == "param":
+            binding.params[node.name] = t.detach()
+        elif kind == "const":
+            binding.consts[node.name] = t.detach()
+        else:
+            binding.user_inputs.append(node.name)
+            if kind == "position":
+                binding.positions.add(node.name)
+    max_positions = opts.max_positions or _cache_length(gm)
+    key = _graph_key(gm, kinds, opts) + f":{max_positions}:{opts.compile.arch}"
+    compiled = _PLAN_CACHE.get(key)
+    if compiled is None:
+        graph = lower_graph(gm, binding, max_positions)
+        compiled = _PLAN_CACHE[key] = compile_opgraph(graph, opts.compile, with_dump(None, opts.compile))
+    user_args = [t for t, k in zip(flat_args, kinds) if k not in ("param", "const")]
+    program = CompiledProgram(compiled, binding, single_output=False, opts=opts.compile, example_args=user_args)
+    if program.executor_kind == "reference" and not _warned_cpu:
+        _warned_cpu = True
+        warnings.warn("tilec: no CUDA device; running the CPU reference executor (for validation, not speed)",
+                      stacklevel=3)
+    user_idx = [i for i, k in enumerate(kinds) if k not in ("param", "const")]
+    return program, user_idx
+
+
+def _runner(program: CompiledProgram, user_idx: list[int], n_out: int, single: bool):
+    def run(*args):
+        outs = program(*(args[i] for i in user_idx))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        assert len(outs) == n_out
+        return outs[0] if single else outs
+
+    return run
+
+
+def _outputs(gm: fx.GraphModule):
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return (list(out), False) if isinstance(out, (tuple, list)) else ([out], True)
+
+
+def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    """The Dynamo backend entry point. Raises ``ValueError`` for unknown options and
+    :class:`UnsupportedNodeError` (listing every unsupported node) when ``fallback=False``."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    opts = BackendOptions.from_dict({**(options or {}), **kwargs})
+    kinds = [*("param" for _ in gm.parameters()), *("const" for _ in gm.buffers()), *_classify(gm, example_inputs)]
+
+    def fw_compiler(aot_gm: fx.GraphModule, aot_inputs):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # tabulation and planning use real tensors
+            return _compile_aot(aot_gm)
+
+    def _compile_aot(aot_gm: fx.GraphModule):
+        flat = [*gm.parameters(), *gm.buffers(), *example_inputs]
+        if len(flat) != len([n for n in aot_gm.graph.nodes if n.op == "placeholder"]):
+            raise RuntimeError("tilec: AOTAutograd graph inputs do not line up with Dynamo's inputs")
+        placeholders = [n for n in aot_gm.graph.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders):  # token ids of batch 1 look like a position: they index an embedding
+            if kinds[i] == "position" and any(u.target is torch.ops.aten.embedding.default for u in node.users):
+                kinds[i] = "input"
+        binding = GraphBinding(user_inputs=[n.name for n in placeholders])
+        for node, kind, t in zip(placeholders, kinds, flat):
+            if kind == "position":
+                binding.positions.add(node.name)
+            elif kind == "const":
+                binding.consts[node.name] = t
+        max_positions = opts.max_positions or _cache_length(aot_gm)
+        bad = find_unsupported(aot_gm, binding, max_positions)
+        if not bad:
+            program, user_idx = _compile_region(aot_gm, flat, kinds, opts)
+            outs, single = _outputs(aot_gm)
+            return _runner(program, user_idx, len(outs), False)
+        if not opts.fallback:
+            raise UnsupportedNodeError([b[:3] for b in bad], "fallback is off (options={'fallback': False})")
+        for name, target, src, reason in bad:
+            log.warning("tilec: running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "",
+                        f": {reason}" if reason else "")
+        return _partitioned(aot_gm, flat, kinds, opts, {b[0] for b in bad})
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, keep_inference_input_mutations=True)
+
+
+def _partitioned(aot_gm: fx.GraphModule, flat, kinds, opts: BackendOptions, bad: set[str]):
+    """Splits the graph: supported regions become tilec programs, the rest runs eagerly."""
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import OperatorSupportBase
+
+    class Support(OperatorSupportBase):
+        def is_node_supported(self, submodules, node: fx.Node) -> bool:
+            return node.op == "call_function" and node.name not in bad
+
+    part = CapabilityBasedPartitioner(aot_gm, Support(), allows_single_node_partition=True)
+    fused = part.fuse_partitions(part.propose_partitions())
+    outer_ph = [n for n in fused.graph.nodes if n.op == "placeholder"]
+    kind_of = {n.name: k for n, k in zip(outer_ph, kinds)}
+    value_of = {n.name: t for n, t in zip(outer_ph, flat)}
+    # run the split graph once on (copies of) the example inputs to learn each region's arguments
+    recorded: dict[str, list] = {}
+
+    class Recorder(fx.Interpreter):
+        def call_module(self, target, args, kwargs):
+            recorded[target] = list(args)
+            return super().call_module(target, args, kwargs)
+
+    with torch.no_grad():
+        Recorder(fused).run(*[t.clone() if isinstance(t, torch.Tensor) and kind_of[n.name] not in ("param", "const")
+                              else t for n, t in zip(outer_ph, flat)])
+    for node in fused.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = getattr(fused, node.target)
+        sub_kinds = []
+        for a in node.args:
+            if isinstance(a, fx.Node) and a.op == "placeholder":
+                sub_kinds.append(kind_of[a.name])
+            else:
+                sub_kinds.append("input")
+        args = [value_of.get(a.name) if isinstance(a, fx.Node) and a.op == "placeholder" else r
+                for a, r in zip(node.args, recorded.get(node.target, []))]
+        try:
+            program, user_idx = _compile_region(sub, args, sub_kinds, opts)
+        except UnsupportedNodeError as e:
+            log.warning("tilec: region %s runs eagerly: %s", node.target, str(e).splitlines()[0])
+            continue
+        outs, single = _outputs(sub)
+        runner = _runner(program, user_idx, len(outs), single)
+        setattr(fused, node.target, _Callable(runner))
+    fused.recompile()
+    return fused.forward
+
+
+class _Callable(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)

@@ -1,0 +1,133 @@
+"""IR dumps: a pipeline hook that writes every stage as stable text into a dump directory.
+
+Enabled by ``Options(dump_dir=...)`` or the ``TILEC_DUMP_DIR`` environment variable (the
+option wins; an empty variable means off). Each compile writes into its own subdirectory,
+named by a short hash of the OpGraph's text and the options (``dump_dir`` itself excluded),
+so recompiling the same graph with the same options overwrites the same files and two
+different compiles never mix::
+
+    <dump_dir>/<12 hex digits>/
+        01-opgraph.txt      OpGraph.render()
+        02-tasks.txt        TaskGraph.render() after build_taskgraph
+        03-fused.txt        ... after event fusion
+        04-normalized.txt   ... after normalization (empty tasks inserted)
+        05-linearized.txt   ... after linearization
+        06-schedule.txt     per worker: linearized index and label of each task; predicted makespan
+        07-plan.txt         KernelPlan.render()
+        stats.txt           tilec.stats.render_stats (the same numbers as ``program.stats``)
+        trace.json          predicted schedule timeline, Chrome/Perfetto trace (tilec.trace)
+
+Files are written as their stage completes (before its verifier runs), so a compile that
+fails verification leaves the stages up to the failing one for inspection. Every file is
+written atomically (temporary file + ``os.replace``). Use :func:`with_dump` to add the dump
+hook to a user hook.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from .ir import OpGraph
+from .options import Options
+from .passes.schedule import Schedule
+from .pipeline import Hook
+from .stats import compile_stats, render_stats
+from .taskgraph import TaskGraph
+from .trace import predicted_trace, write_atomic, write_trace
+
+ENV_VAR = "TILEC_DUMP_DIR"
+STAGE_FILES = {
+    "opgraph": "01-opgraph.txt",
+    "tasks": "02-tasks.txt",
+    "fused": "03-fused.txt",
+    "normalized": "04-normalized.txt",
+    "linearized": "05-linearized.txt",
+    "schedule": "06-schedule.txt",
+    "plan": "07-plan.txt",
+}
+STATS_FILE, TRACE_FILE = "stats.txt", "trace.json"
+ALL_FILES = (*STAGE_FILES.values(), STATS_FILE, TRACE_FILE)
+
+
+def dump_root(opts: Options) -> Path | None:
+    """The dump directory: ``opts.dump_dir``, else ``$TILEC_DUMP_DIR``, else None (off)."""
+    root = opts.dump_dir or os.environ.get(ENV_VAR) or None
+    return Path(root).expanduser() if root else None
+
+
+def with_dump(hook: Hook | None, opts: Options) -> Hook | None:
+    """``hook`` with a :class:`DumpHook` run before it when dumping is enabled; else ``hook``."""
+    root = dump_root(opts)
+    if root is None:
+        return hook
+    dump = DumpHook(root, opts)
+    if hook is None:
+        return dump
+
+    def both(stage: str, ir, seconds: float) -> None:
+        dump(stage, ir, seconds)
+        hook(stage, ir, seconds)
+
+    return both
+
+
+def compile_key(graph: OpGraph, opts: Options) -> str:
+    """12 hex digits hashing the OpGraph's text and the options other than ``dump_dir``."""
+    fields = {k: v for k, v in dataclasses.asdict(opts).items() if k != "dump_dir"}
+    h = hashlib.sha256(graph.render().encode())
+    h.update(json.dumps(fields, sort_keys=True).encode())
+    return h.hexdigest()[:12]
+
+
+class DumpHook:
+    """A pipeline hook (``hook(stage, ir, seconds)``) writing :data:`ALL_FILES` under
+    ``root/<compile_key>/``; ``directory`` is that subdirectory once the OpGraph is seen.
+
+    Raises:
+        OSError: the directory cannot be created or written.
+    """
+
+    def __init__(self, root: str | os.PathLike, opts: Options):
+        self.root = Path(root)
+        self.opts = opts
+        self.directory: Path | None = None
+        self._graph: OpGraph | None = None
+        self._tg: TaskGraph | None = None
+        self._sched: Schedule | None = None
+
+    def __call__(self, stage: str, ir, seconds: float) -> None:
+        if stage == "opgraph":
+            self._graph = ir
+            self.directory = self.root / compile_key(ir, self.opts)
+            self.directory.mkdir(parents=True, exist_ok=True)
+        if self.directory is None or stage not in STAGE_FILES:
+            return
+        if isinstance(ir, TaskGraph):
+            self._tg = ir
+        if stage == "schedule":
+            self._sched = ir
+            text = render_schedule(ir, self._tg)
+        else:
+            text = ir.render()
+        write_atomic(self.directory / STAGE_FILES[stage], text + "\n")
+        if stage == "plan":
+            stats = compile_stats(self._graph, self._tg, self._sched)
+            write_atomic(self.directory / STATS_FILE, render_stats(stats) + "\n")
+            write_trace(self.directory / TRACE_FILE, predicted_trace(ir, self._tg))
+
+
+def render_schedule(sched: Schedule, tg: TaskGraph) -> str:
+    """Stable text of a :class:`Schedule`: per worker ``#<linearized index> <task label>``
+    in queue order (workers without tasks omitted), and the predicted makespan in us."""
+    index = {tid: i for i, tid in enumerate(tg.order)}
+    by_id = {t.id: t for t in tg.tasks}
+    lines = [f"schedule policy={sched.policy} workers={len(sched.queues)} "
+             f"makespan_us={sched.makespan_us:.3f} {{"]
+    for w, q in enumerate(sched.queues):
+        if q:
+            lines.append(f"  w{w}: " + "; ".join(f"#{index[tid]} {by_id[tid].label()}" for tid in q))
+    lines.append("}")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""Schedule timelines as Chrome / Perfetto trace JSON (the "Trace Event Format").
+
+A trace is a dict ``{"traceEvents": [...], "displayTimeUnit": "ns", "otherData": {...}}``
+that ``chrome://tracing`` and https://ui.perfetto.dev open as is:
+
+* metadata events (``"ph": "M"``): the process is named ``"tilec plan"``, and each worker
+  that has instructions is a thread (track) named ``"worker N"`` with ``tid = N``;
+* one complete event (``"ph": "X"``) per instruction that is not a NoOp, with ``ts`` and
+  ``dur`` in microseconds, named ``"<op kind> <FX node>"`` (``"empty"`` for normalization's
+  empty tasks) and ``args``: ``worker``, ``instruction`` (index in the queue), ``task``
+  (linearized task index), ``op`` (OpGraph op name, or None), ``coords`` (the tile's
+  ``[lo, hi]`` ranges), ``bytes``, ``flops``, ``wait_event`` and ``signal_event`` (-1: none),
+  and ``source`` (the user's source line, when known).
+
+Two ways to get the times:
+
+* :func:`predicted_trace` simulates the queues with the cost model (``tilec.cost``): an
+  instruction starts at ``max(end of the previous instruction on its worker, last trigger
+  of its wait event + HOP_US)`` and lasts ``task_time_us(bytes, flops)``. This is the model
+  the list scheduler optimizes, so the last slice ends at ``Schedule.makespan_us``.
+* :func:`measured_trace` takes per-instruction ``(start_ns, end_ns)`` stamps from a GPU run
+  (``%globaltimer``) and shifts them so the earliest start is at 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .cost import HOP_US, task_time_us
+from .errors import TilecError
+from .ops import EMPTY, NOOP
+from .plan import F, KernelPlan, decode_coords
+from .taskgraph import TaskGraph
+
+PROCESS_NAME = "tilec plan"
+_W = {name: F[name][0] for name in ("opcode", "wait_event", "wait_count", "signal_event", "task", "op")}
+
+
+def predicted_trace(plan: KernelPlan, taskgraph: TaskGraph) -> dict:
+    """The plan's timeline as predicted by the cost model (times in microseconds).
+
+    Args:
+        plan: the encoded plan.
+        taskgraph: the linearized TaskGraph the plan was encoded from (its ``order`` maps the
+            descriptors' task indices to tasks, which carry bytes and flops).
+    Raises:
+        TilecError: the task graph does not match the plan, or the queues cannot progress
+            (a deadlock the plan verifier should have caught).
+    """
+    tasks = _tasks_by_index(plan, taskgraph)
+    queues = plan.queues.tolist()
+    counts = [0] * plan.events.shape[0]
+    last_trigger = [0.0] * plan.events.shape[0]
+    free = [0.0] * len(queues)
+    pos = [0] * len(queues)
+    times: dict[tuple[int, int], tuple[float, float]] = {}
+    pending = sum(1 for q in queues for d in q if d[_W["opcode"]] != NOOP)
+    while pending:
+        progressed = False
+        for w, q in enumerate(queues):
+            while pos[w] < len(q):
+                d = q[pos[w]]
+                if d[_W["opcode"]] == NOOP:
+                    pos[w] += 1
+                    continue
+                e = d[_W["wait_event"]]
+                if e >= 0 and counts[e] < d[_W["wait_count"]]:
+                    break
+                start = max(free[w], last_trigger[e] + HOP_US if e >= 0 else 0.0)
+                t = tasks[d[_W["task"]]]
+                end = start + task_time_us(t.nbytes, t.flops)
+                times[(w, pos[w])] = (start, end)
+                free[w] = end
+                s = d[_W["signal_event"]]
+                if s >= 0:
+                    counts[s] += 1
+                    last_trigger[s] = max(last_trigger[s], end)
+                pos[w] += 1
+                pending -= 1
+                progressed = True
+        if not progressed:
+            stuck = [(w, pos[w], queues[w][pos[w]][_W["wait_event"]]) for w in range(len(queues))
+                     if pos[w] < len(queues[w])]
+            raise TilecError(f"cannot predict the timeline: the queues make no progress at (worker, instruction, "
+                             f"event) {stuck}")
+    makespan = max(free, default=0.0)
+    return _build(plan, times, tasks, {"clock": "predicted by tilec.cost", "makespan_us": round(makespan, 3)})
+
+
+def measured_trace(plan: KernelPlan, stamps: torch.Tensor, taskgraph: TaskGraph | None = None) -> dict:
+    """The plan's timeline from measured per-instruction stamps.
+
+    Args:
+        plan: the encoded plan that ran.
+        stamps: int64 ``[W, L, 2]`` (the plan's queue shape): ``(start_ns, end_ns)`` of each
+            instruction, e.g. from ``%globaltimer``; entries of NoOps are ignored. Times are
+            shifted so the earliest start is 0.
+        taskgraph: optional; when given, slices also carry the tasks' bytes and flops.
+    Raises:
+        TilecError: ``stamps`` has the wrong shape, or an instruction ends before it starts.
+    """
+    stamps = torch.as_tensor(stamps)
+    w_n, l_n = plan.queues.shape[:2]
+    if tuple(stamps.shape) != (w_n, l_n, 2):
+        raise TilecError(f"stamps must have shape [W, L, 2] = [{w_n}, {l_n}, 2], got {list(stamps.shape)}")
+    tasks = _tasks_by_index(plan, taskgraph) if taskgraph is not None else None
+    live = (plan.queues[:, :, _W["opcode"]] != NOOP).nonzero().tolist()
+    st = stamps.to(torch.int64).tolist()
+    bad = [(w, j) for w, j in live if st[w][j][1] < st[w][j][0]]
+    if bad:
+        raise TilecError(f"measured stamps end before they start at (worker, instruction) {bad[:8]}")
+    t0 = min((st[w][j][0] for w, j in live), default=0)
+    times = {(w, j): ((st[w][j][0] - t0) / 1000.0, (st[w][j][1] - t0) / 1000.0) for w, j in live}
+    makespan = max((end for _, end in times.values()), default=0.0)
+    return _build(plan, times, tasks, {"clock": "measured", "makespan_us": round(makespan, 3)})
+
+
+def write_trace(path: str | os.PathLike, trace: dict) -> None:
+    """Writes ``trace`` as JSON to ``path`` atomically, one event per line (diffable)."""
+    events = ",\n".join(json.dumps(e, sort_keys=True) for e in trace["traceEvents"])
+    rest = {k: v for k, v in trace.items() if k != "traceEvents"}
+    head = json.dumps(rest, sort_keys=True)[1:-1]
+    write_atomic(path, "{" + head + (", " if head else "") + '"traceEvents": [\n' + events + "\n]}\n")
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file in the same directory and
+    ``os.replace``, so a reader never sees a partial file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+def _tasks_by_index(plan: KernelPlan, tg: TaskGraph) -> list:
+    """Tasks by linearized index (the descriptors' ``task`` field)."""
+    if not tg.order:
+        raise TilecError("the task graph is not linearized: pass the one the plan was encoded from")
+    by_id = {t.id: t for t in tg.tasks}
+    tasks = [by_id[tid] for tid in tg.order]
+    idx = plan.queues[:, :, _W["task"]][plan.queues[:, :, _W["opcode"]] != NOOP]
+    if idx.numel() and int(idx.max()) >= len(tasks):
+        raise TilecError(f"the plan refers to task index {int(idx.max())} but the task graph has {len(tasks)} tasks")
+    return tasks
+
+
+def _slice_name(plan: KernelPlan, d: list[int]) -> tuple[str, str | None, str]:
+    """(slice name, op name, source line) of one descriptor."""
+    if d[_W["opcode"]] == EMPTY:
+        return "empty", None, ""
+    op = plan.graph.ops[d[_W["op"]]]
+    prov = op.provenance
+    return f"{op.kind} {prov.node if prov else op.name}", op.name, prov.source if prov else ""
+
+
+def _build(plan: KernelPlan, times: dict, tasks: list | None, other: dict) -> dict:
+    queues = plan.queues.tolist()
+    events: list[dict] = [{"ph": "M", "pid": 0, "tid": 0, "name": "process_name", "args": {"name": PROCESS_NAME}}]
+    slices: list[dict] = []
+    for w, q in enumerate(queues):
+        mine = [(j, d) for j, d in enumerate(q) if d[_W["opcode"]] != NOOP]
+        if not mine:
+            continue
+        events.append({"ph": "M", "pid": 0, "tid": w, "name": "thread_name", "args": {"name": f"worker {w}"}})
+        events.append({"ph": "M", "pid": 0, "tid": w, "name": "thread_sort_index", "args": {"sort_index": w}})
+        for j, d in mine:
+            start, end = (round(x * 1000) for x in times[(w, j)])  # whole ns: ts + dur == next ts
+            name, op_name, source = _slice_name(plan, d)
+            args = {"worker": w, "instruction": j, "task": d[_W["task"]], "op": op_name,
+                    "coords": [list(c) for c in decode_coords(d)],
+                    "wait_event": d[_W["wait_event"]], "signal_event": d[_W["signal_event"]]}
+            if tasks is not None:
+                t = tasks[d[_W["task"]]]
+                args["bytes"], args["flops"] = t.nbytes, t.flops
+            if source:
+                args["source"] = source
+            slices.append({"ph": "X", "pid": 0, "tid": w, "name": name, "cat": name.split(" ")[0],
+                           "ts": start / 1000, "dur": (end - start) / 1000, "args": args})
+    return {"traceEvents": events + slices, "displayTimeUnit": "ns", "otherData": other}
