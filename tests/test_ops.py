@@ -217,7 +217,7 @@ def test_rmsnorm_hf_module():
 
 
 def test_hf_mlp_is_silu_mul_between_linears():
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=80, hidden_act="silu", mlp_bias=False)
