@@ -154,3 +154,23 @@ def test_dump_dir_option_writes_stages(tmp_path):
     (sub,) = list(tmp_path.iterdir())
     names = sorted(p.name for p in sub.iterdir())
     assert "01-opgraph.txt" in names and "07-plan.txt" in names and "trace.json" in names
+
+
+class SortThenLinear(torch.nn.Module):
+    """An unsupported node with a tuple value (sort) feeding tilec ops through a transpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        v = torch.sort(x, -1).values.t()  # non-contiguous input of the next region
+        return self.lin(v) * 2
+
+
+def test_fallback_with_tuple_valued_unsupported_node():
+    m = SortThenLinear().eval()
+    x = torch.randn(6, 5)
+    with torch.no_grad():
+        got = torch.compile(m, backend="tilec")(x)
+    assert_close(got, m(x))

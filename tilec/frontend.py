@@ -80,6 +80,10 @@ def target_name(node: fx.Node) -> str:
     return getattr(t, "__name__", None) or str(t) if not isinstance(t, torch._ops.OpOverload) else str(t)
 
 
+class _OperandError(TypeError):
+    """An operand that is not a tensor value (e.g. the output of a node probe mode skipped)."""
+
+
 @dataclass(frozen=True)
 class Static:
     """A folded constant value."""
@@ -272,7 +276,8 @@ class Lowering:
             self.constants[buf.name] = t
             row = tuple(t.shape[1:])
             return View(buf.name, row, contiguous_strides(row), 0, int(t[0].numel()))
-        raise TypeError(f"not a tensor value: {value!r}")
+        raise _OperandError(f"an operand ({node.name if node is not None else value!r}) is not a tensor tilec "
+                            f"produced")
 
     # ---- demand-driven lowering ------------------------------------------------------
     def value(self, node):
@@ -287,9 +292,12 @@ class Lowering:
         elif self.probe:
             try:
                 out = self._lower(node)
-            except UnsupportedNodeError as e:
+            except (UnsupportedNodeError, _OperandError) as e:
                 # probe mode: note the node, stand in an input of its shape, keep going
-                self.unsupported.append(e.nodes[0] + (e.reason,))
+                if isinstance(e, UnsupportedNodeError):
+                    self.unsupported.append(e.nodes[0] + (e.reason,))
+                else:
+                    self.unsupported.append((node.name, target_name(node), source_of(node), str(e)))
                 val = _val(node)
                 out = None if val is None else View.whole(self._new_buffer(f"opaque_{node.name}", tuple(val.shape),
                                                                            val.dtype, BufferKind.INPUT))
@@ -321,6 +329,8 @@ class Lowering:
             return None
         if t is operator.getitem:
             src = self.value(node.args[0])
+            if not isinstance(src, (tuple, list)):
+                raise _OperandError(f"{node.args[0].name} has no lowered tuple value")
             return src[node.args[1]]
         for pattern in (self._rmsnorm, self._silu_mul, self._rope_rotate_half, self._rope_interleaved,
                         self._fp8_quant, self._fp8_quant_scale, self._fp8_linear, self._einsum,

@@ -81,7 +81,9 @@ class CompiledProgram:
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
                 raise TilecError(f"argument {i} ({name}): expected {b.dtype}{list(b.shape)}, got {got}")
             if not a.is_contiguous():
-                raise TilecError(f"argument {i} ({name}) must be contiguous")
+                if b.kind is BufferKind.STATE:
+                    raise TilecError(f"argument {i} ({name}) is updated in place and must be contiguous")
+                a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             if a.device != self.device:
                 raise TilecError(f"argument {i} ({name}) is on {a.device}, the compiled step runs on {self.device}")
             tensors[name] = a
