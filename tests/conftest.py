@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ def pytest_configure(config):
 
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# builds and plan caches of the test session go to a fresh directory, not ~/.cache/tilec
+os.environ.setdefault("TILEC_CACHE_DIR", tempfile.mkdtemp(prefix="tilec-test-cache-"))
 
 
 @pytest.fixture(autouse=True)

@@ -174,3 +174,26 @@ def test_fallback_with_tuple_valued_unsupported_node():
     with torch.no_grad():
         got = torch.compile(m, backend="tilec")(x)
     assert_close(got, m(x))
+
+
+def test_plan_cache_on_disk_across_processes(tmp_path):
+    """A second process compiling the same graph loads the plan from the on-disk cache."""
+    code = textwrap.dedent("""
+        import torch, tilec.backend as b
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 8)).eval()
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            got = torch.compile(m, backend="tilec")(x)
+            assert ((got - m(x)).norm() / m(x).norm()).item() < 1e-4
+        print(b.CACHE_STATS["compiles"], b.CACHE_STATS["disk_hits"])
+    """)
+    env = dict(__import__("os").environ, TILEC_CACHE_DIR=str(tmp_path))
+    env.pop("TILEC_DUMP_DIR", None)
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert runs[0].stdout.split() == ["1", "0"]  # compiled, stored
+    assert runs[1].stdout.split() == ["0", "1"]  # loaded from disk
+    assert len(list((tmp_path / "plans").iterdir())) == 1

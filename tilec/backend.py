@@ -10,8 +10,8 @@ hold the decode position, everything else is a per-call input.
 
 Unsupported nodes are partitioned out and run eagerly, with one log line each naming the
 node and its source line; with ``fallback=False`` one error lists them all. Plans are
-cached in memory by graph hash, options, tilec version and target arch (the built CUDA
-libraries are cached on disk by the nvcc build cache). Without CUDA the reference executor
+cached in memory and on disk (``tilec.plancache``) by graph hash, options, tilec version
+and target arch; the built CUDA libraries are cached on disk by the nvcc build cache. Without CUDA the reference executor
 runs, with a one-time warning.
 """
 from __future__ import annotations
@@ -19,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import warnings
 
 import torch
 import torch.fx as fx
 
-from . import __version__
+from . import __version__, plancache
 from .dump import with_dump
 from .errors import UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
@@ -36,6 +37,7 @@ log = logging.getLogger("tilec")
 
 BACKEND_KEYS = ("fallback", "max_positions")
 _PLAN_CACHE: dict[str, object] = {}
+CACHE_STATS = {"memory_hits": 0, "disk_hits": 0, "compiles": 0}
 _warned_cpu = False
 
 
@@ -127,10 +129,20 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions):
                 binding.positions.add(node.name)
     max_positions = opts.max_positions or _cache_length(gm)
     key = _graph_key(gm, kinds, opts) + f":{max_positions}:{opts.compile.arch}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:32]
     compiled = _PLAN_CACHE.get(key)
-    if compiled is None:
-        graph = lower_graph(gm, binding, max_positions)
-        compiled = _PLAN_CACHE[key] = compile_opgraph(graph, opts.compile, with_dump(None, opts.compile))
+    if compiled is not None:
+        CACHE_STATS["memory_hits"] += 1
+    else:
+        compiled = plancache.load(key) if not opts.compile.dump_dir and not os.environ.get("TILEC_DUMP_DIR") else None
+        if compiled is not None:
+            CACHE_STATS["disk_hits"] += 1
+        else:
+            CACHE_STATS["compiles"] += 1
+            graph = lower_graph(gm, binding, max_positions)
+            compiled = compile_opgraph(graph, opts.compile, with_dump(None, opts.compile))
+            plancache.store(key, compiled)
+        _PLAN_CACHE[key] = compiled
     user_args = [t for t, k in zip(flat_args, kinds) if k not in ("param", "const")]
     program = CompiledProgram(compiled, binding, single_output=False, opts=opts.compile, example_args=user_args)
     if program.executor_kind == "reference" and not _warned_cpu:

@@ -1,0 +1,71 @@
+"""On-disk cache of compiled plans (the ``torch.compile`` path's second-level cache).
+
+A plan is stored under ``$TILEC_CACHE_DIR/plans/<key>/`` (default ``~/.cache/tilec``) as
+``graph.json`` + ``plan.json`` (the OpGraph and operand bindings) and ``tensors.safetensors``
+(plan tables, constants, position tables). The key hashes the aten graph, its input
+shapes/dtypes, the options, tilec's version and the target arch. Entries are written to a
+temporary directory and renamed into place, so a crash never leaves a partial entry; an
+entry that fails to load is ignored (and recompiled).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from .codegen.build import cache_root
+from .ir import OpGraph
+from .pipeline import Compiled
+from .plan import KernelPlan
+
+log = logging.getLogger("tilec")
+
+
+def _dir(key: str) -> Path:
+    return cache_root() / "plans" / key
+
+
+def load(key: str) -> Compiled | None:
+    """The cached plan for ``key``, or None (missing or unreadable)."""
+    root = _dir(key)
+    if not (root / "plan.json").exists():
+        return None
+    try:
+        tensors = load_file(str(root / "tensors.safetensors"))
+        graph_tensors = {k.removeprefix("graph."): v for k, v in tensors.items() if k.startswith("graph.")}
+        plan_tensors = {k.removeprefix("plan."): v for k, v in tensors.items() if k.startswith("plan.")}
+        graph = OpGraph.from_dict(json.loads((root / "graph.json").read_text()), graph_tensors)
+        meta = json.loads((root / "plan.json").read_text())
+        plan = KernelPlan.from_tables(graph, plan_tensors, meta["plan"], meta["stats"])
+    except Exception as e:  # a corrupt entry is a cache miss, never an error
+        log.warning("tilec: ignoring unreadable plan cache entry %s: %s", root, e)
+        return None
+    return Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(meta["stats"]))
+
+
+def store(key: str, compiled: Compiled) -> None:
+    """Writes ``compiled`` under ``key`` atomically (best effort: failures are logged)."""
+    final = _dir(key)
+    if final.exists():
+        return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=final.parent))
+    try:
+        plan = compiled.plan
+        tables, meta = plan.to_tables()
+        tensors = {f"plan.{k}": v.contiguous() for k, v in tables.items()}
+        tensors.update({f"graph.{k}": v.contiguous() for k, v in plan.graph.tensors().items()})
+        save_file(tensors, str(tmp / "tensors.safetensors"))
+        (tmp / "graph.json").write_text(json.dumps(plan.graph.to_dict()))
+        (tmp / "plan.json").write_text(json.dumps({"plan": meta, "stats": compiled.stats}))
+        os.replace(tmp, final)
+    except OSError as e:
+        log.warning("tilec: could not write the plan cache entry %s: %s", final, e)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
