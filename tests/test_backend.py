@@ -197,3 +197,60 @@ def test_plan_cache_on_disk_across_processes(tmp_path):
     assert runs[0].stdout.split() == ["1", "0"]  # compiled, stored
     assert runs[1].stdout.split() == ["0", "1"]  # loaded from disk
     assert len(list((tmp_path / "plans").iterdir())) == 1
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_second_module_of_same_class_uses_its_own_weights():
+    """Dynamo reuses the graph for another instance; its weights arrive as inputs per call."""
+    a, b = TwoLinears().eval(), TwoLinears().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert_close(torch.compile(a, backend="tilec")(x), a(x))
+        assert_close(torch.compile(b, backend="tilec")(x), b(x))
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, scale):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.tensor([scale]))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_folded_buffer_values_are_part_of_the_plan_key():
+    x = torch.randn(2, 8)
+    for scale in (1.0, 5.0):
+        m = Scaled(scale).eval()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            assert_close(torch.compile(m, backend="tilec")(x), m(x))
+
+
+def test_grad_mode_compiles_an_inference_graph():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    got = torch.compile(lin, backend="tilec")(x)  # grad mode on, parameters require grad
+    assert_close(got.detach(), lin(x).detach())
+
+
+def test_fallback_reports_unsupported_ancestors():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.cumsum(x, -1).clamp(min=0.1) * 2
+
+    with pytest.raises(Exception) as info, torch.no_grad():
+        torch.compile(M(), backend="tilec", options={"fallback": False})(torch.randn(2, 8))
+    err = info.value
+    while err is not None and not isinstance(err, UnsupportedNodeError):
+        err = err.__cause__ or err.__context__
+    assert sorted(n[1] for n in err.nodes) == ["aten.clamp.default", "aten.cumsum.default"]

@@ -113,22 +113,29 @@ def _graph_key(gm: fx.GraphModule, kinds, opts: BackendOptions) -> str:
     return h.hexdigest()
 
 
+def _consts_digest(flat_args, kinds) -> str:
+    """Hash of the values of the module buffers folded as constants (RoPE inv_freq, ...)."""
+    h = hashlib.sha256()
+    for t, k in zip(flat_args, kinds):
+        if k == "const" and isinstance(t, torch.Tensor):
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions):
     """Compiles one aten graph whose placeholders bind to ``flat_args`` (classified by ``kinds``)."""
     global _warned_cpu
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     binding = GraphBinding()
     for node, t, kind in zip(placeholders, flat_args, kinds):
-        if kind == "param":
-            binding.params[node.name] = t.detach()
-        elif kind == "const":
+        if kind == "const":
             binding.consts[node.name] = t.detach()
         else:
             binding.user_inputs.append(node.name)
             if kind == "position":
                 binding.positions.add(node.name)
     max_positions = opts.max_positions or _cache_length(gm)
-    key = _graph_key(gm, kinds, opts) + f":{max_positions}:{opts.compile.arch}"
+    key = _graph_key(gm, kinds, opts) + f":{max_positions}:{opts.compile.arch}:{_consts_digest(flat_args, kinds)}"
     key = hashlib.sha256(key.encode()).hexdigest()[:32]
     compiled = _PLAN_CACHE.get(key)
     if compiled is not None:
@@ -143,13 +150,15 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions):
             compiled = compile_opgraph(graph, opts.compile, with_dump(None, opts.compile))
             plancache.store(key, compiled)
         _PLAN_CACHE[key] = compiled
-    user_args = [t for t, k in zip(flat_args, kinds) if k not in ("param", "const")]
+    user_args = [t for t, k in zip(flat_args, kinds) if k != "const"]
     program = CompiledProgram(compiled, binding, single_output=False, opts=opts.compile, example_args=user_args)
     if program.executor_kind == "reference" and not _warned_cpu:
         _warned_cpu = True
         warnings.warn("tilec: no CUDA device; running the CPU reference executor (for validation, not speed)",
                       stacklevel=3)
-    user_idx = [i for i, k in enumerate(kinds) if k not in ("param", "const")]
+    # parameters are per-call inputs: Dynamo reuses a graph for another module of the same
+    # class and passes that module's weights, so they must never be bound at compile time
+    user_idx = [i for i, k in enumerate(kinds) if k != "const"]
     return program, user_idx
 
 
@@ -205,11 +214,15 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         if not opts.fallback:
             raise UnsupportedNodeError([b[:3] for b in bad], "fallback is off (options={'fallback': False})")
         for name, target, src, reason in bad:
-            log.warning("tilec: running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "",
+            log.warning("running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "",
                         f": {reason}" if reason else "")
         return _partitioned(aot_gm, flat, kinds, opts, {b[0] for b in bad})
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler, keep_inference_input_mutations=True)
+    # tilec compiles inference: trace under no_grad so AOTAutograd makes an inference graph
+    # (outputs carry no autograd history, also when called with grad mode on)
+    with torch.no_grad():
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
+                                     keep_inference_input_mutations=True)
 
 
 def _partitioned(aot_gm: fx.GraphModule, flat, kinds, opts: BackendOptions, bad: set[str]):
@@ -252,7 +265,7 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, opts: BackendOptions, bad:
         try:
             program, user_idx = _compile_region(sub, args, sub_kinds, opts)
         except UnsupportedNodeError as e:
-            log.warning("tilec: region %s runs eagerly: %s", node.target, str(e).splitlines()[0])
+            log.warning("region %s runs eagerly: %s", node.target, " ".join(str(e).split()))
             continue
         outs, single = _outputs(sub)
         runner = _runner(program, user_idx, len(outs), single)

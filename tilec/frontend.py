@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from .errors import UnsupportedNodeError
-from .ir import Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides
+from .ir import DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides
 from .ops.ewise import BINARY_FNS
 from .ops.rope import INTERLEAVED, ROTATE_HALF
 
@@ -113,7 +113,7 @@ _SKIP = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten
 _UNARY = {
     aten.neg.default: "neg", aten.silu.default: "silu", aten.relu.default: "relu", aten.sigmoid.default: "sigmoid",
     aten.tanh.default: "tanh", aten.exp.default: "exp", aten.rsqrt.default: "rsqrt", aten.sqrt.default: "sqrt",
-    aten.cos.default: "cos", aten.sin.default: "sin",
+    aten.cos.default: "cos", aten.sin.default: "sin", aten.abs.default: "abs",
 }
 _BINARY = {
     aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
@@ -233,6 +233,9 @@ class Lowering:
         raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason)
 
     def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP) -> Buffer:
+        if dtype not in DTYPE_CODES:
+            raise UnsupportedNodeError([(name, "dtype", "")], f"dtype {dtype} is not supported by tilec "
+                                                              f"(supported: {sorted(map(str, DTYPE_CODES))})")
         buf = Buffer(self._name(name), tuple(int(s) for s in shape), dtype, kind)
         self.buffers[buf.name] = buf
         return buf
@@ -298,6 +301,8 @@ class Lowering:
                     self.unsupported.append(e.nodes[0] + (e.reason,))
                 else:
                     self.unsupported.append((node.name, target_name(node), source_of(node), str(e)))
+                for inp in node.all_input_nodes:  # find unsupported ancestors too
+                    self.value(inp)
                 val = _val(node)
                 out = None if val is None else View.whole(self._new_buffer(f"opaque_{node.name}", tuple(val.shape),
                                                                            val.dtype, BufferKind.INPUT))

@@ -185,6 +185,7 @@ __device__ __forceinline__ float unary_fn(int fn, float x, float a) {
     case 15: return a - x;
     case 16: return x / a;
     case 17: return powf(x, a);
+    case 18: return fabsf(x);
   }
   return x;
 }

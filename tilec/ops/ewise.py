@@ -29,6 +29,7 @@ UNARY_FNS = {
     "rsub_scalar": lambda x, a: a - x,
     "div_scalar": lambda x, a: x / a,
     "pow_scalar": lambda x, a: x.pow(a),
+    "abs": lambda x, a: x.abs(),
 }
 BINARY_FNS = {
     "add": torch.add,
