@@ -20,12 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.hf import compile_decode_step  # noqa: E402
 from tilec.stats import render_stats  # noqa: E402
-from tilec.zoo import eager_step, make_model, prefill  # noqa: E402
+from tilec.zoo import CONFIGS, eager_step, make_model, prefill  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-tiny")
+    ap.add_argument("--model", default="llama-tiny", choices=sorted(CONFIGS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)

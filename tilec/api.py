@@ -5,7 +5,8 @@ import torch
 
 from .capture import export_graph
 from .dump import with_dump
-from .frontend import lower_graph
+from .errors import UnsupportedNodeError
+from .frontend import find_unsupported, lower_graph
 from .options import Options
 from .pipeline import Hook, compile_opgraph
 from .program import CompiledProgram
@@ -29,10 +30,32 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         VerificationError: a stage broke an invariant (a tilec bug: please report it).
     """
     opts = options if isinstance(options, Options) else Options.from_dict(options)
+    check_positions(args, positions, max_positions)
     gm, binding = export_graph(module, args, set(positions))
-    graph = lower_graph(gm, binding, max_positions)
+    try:
+        graph = lower_graph(gm, binding, max_positions)
+    except UnsupportedNodeError as first:
+        every = find_unsupported(gm, binding, max_positions)  # report all of them, not just the first
+        if len(every) > 1:
+            raise UnsupportedNodeError([n[:3] for n in every]) from first
+        raise
     compiled = compile_opgraph(graph, opts, with_dump(hook, opts))
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     n_user = sum(1 for r in out_node.args[0] if getattr(r, "name", None) not in binding.mutations)
     return CompiledProgram(compiled, binding, single_output=n_user == 1, opts=opts,
                            example_args=args)
+
+
+def check_positions(args: tuple, positions, max_positions: int) -> None:
+    """Raises ``ValueError`` unless every index in ``positions`` names an integer tensor argument
+    and ``max_positions >= 1``."""
+    if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 1:
+        raise ValueError(f"max_positions={max_positions!r}: must be an int >= 1")
+    for i in positions:
+        if not isinstance(i, int) or not 0 <= i < len(args):
+            raise ValueError(f"positions: {i!r} is not an argument index (the module takes {len(args)} arguments)")
+        a = args[i]
+        if not isinstance(a, torch.Tensor) or a.dtype.is_floating_point or a.dtype.is_complex or a.dtype == torch.bool:
+            got = f"{a.dtype} tensor" if isinstance(a, torch.Tensor) else type(a).__name__
+            raise ValueError(f"positions: argument {i} must be an integer tensor holding the decode position, "
+                             f"got a {got}")

@@ -171,6 +171,11 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
 
 def check_target(final: Path, force: bool) -> None:
     """Raises :class:`ArtifactError` unless an artifact may be written at ``final``."""
+    for parent in final.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ArtifactError(f"{parent} is not a directory: cannot write the artifact {final}")
+            break
     if final.exists() and not force:
         if not final.is_dir():
             raise ArtifactError(f"{final} exists and is not a directory")

@@ -66,6 +66,11 @@ class BackendOptions:
                 raise ValueError(f"unknown tilec option(s) {sorted(set(d) - set(valid))}; valid options: {valid}") \
                     from None
             raise
+        if not isinstance(extra.get("fallback", True), bool):
+            raise ValueError(f"tilec option fallback={extra['fallback']!r}: must be True or False")
+        mp = extra.get("max_positions")
+        if mp is not None and (not isinstance(mp, int) or isinstance(mp, bool) or mp < 1):
+            raise ValueError(f"tilec option max_positions={mp!r}: must be an int >= 1 or None")
         return cls(opts, **extra)
 
 

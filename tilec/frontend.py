@@ -233,6 +233,9 @@ class Lowering:
         raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason)
 
     def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP) -> Buffer:
+        if 0 in tuple(shape):
+            raise UnsupportedNodeError([(name, "shape", "")], f"zero-size tensor of shape {list(shape)}: "
+                                                              f"tilec plans need at least one element per dim")
         if dtype not in DTYPE_CODES:
             raise UnsupportedNodeError([(name, "dtype", "")], f"dtype {dtype} is not supported by tilec "
                                                               f"(supported: {sorted(map(str, DTYPE_CODES))})")
@@ -299,7 +302,7 @@ class Lowering:
                 # probe mode: note the node, stand in an input of its shape, keep going
                 if isinstance(e, UnsupportedNodeError):
                     self.unsupported.append(e.nodes[0] + (e.reason,))
-                else:
+                elif node.target is not operator.getitem:  # an element of an unsupported tuple is not news
                     self.unsupported.append((node.name, target_name(node), source_of(node), str(e)))
                 for inp in node.all_input_nodes:  # find unsupported ancestors too
                     self.value(inp)
@@ -324,6 +327,9 @@ class Lowering:
             kind = BufferKind.STATE
         else:
             kind = BufferKind.INPUT
+        if 0 in tuple(val.shape) or val.dtype not in DTYPE_CODES:
+            what = f"zero-size input of shape {list(val.shape)}" if 0 in tuple(val.shape) else f"dtype {val.dtype}"
+            self._unsupported(node, f"{what} is not supported")
         buf = Buffer(node.name, tuple(val.shape), val.dtype, kind)
         self.buffers[buf.name] = buf
         return View.whole(buf)

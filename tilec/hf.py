@@ -6,6 +6,7 @@ import warnings
 import torch
 
 from .api import compile_module
+from .errors import TilecError
 from .options import Options
 
 
@@ -77,6 +78,17 @@ class HFDecodeStep:
                                       max_positions=self.max_len, options=options, hook=hook)
 
     def __call__(self, input_ids: torch.Tensor, position: int) -> torch.Tensor:
+        """Raises ``ValueError`` if ``position`` is not an int, or does not equal the number of
+        tokens the cache holds (on transformers versions whose cache counts them)."""
+        if not isinstance(position, int) or isinstance(position, bool):
+            raise ValueError(f"position must be an int, got {position!r}")
+        if not 0 <= position < self.max_len:
+            raise TilecError(f"decode position {position} outside the planned range [0, {self.max_len}) "
+                             f"(the static cache holds {self.max_len} positions)")
+        for layer, counter in zip(_layers(self.cache), self.module.has_counter):
+            if counter and int(layer.cumulative_length) != position:
+                raise ValueError(f"position {position}, but the cache holds {int(layer.cumulative_length)} tokens: "
+                                 f"decode steps must write consecutive positions")
         pos = torch.tensor([position], dtype=torch.int64)
         state = [torch.tensor(position) if t.dim() == 0 else t for t in self.module.state()]
         logits = self.program(input_ids, pos, *state)

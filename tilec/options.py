@@ -49,6 +49,19 @@ class Options:
     dump_dir: str | None = None
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            optional = isinstance(f.type, str) and "None" in f.type
+            if optional and v is None:
+                continue
+            base = f.type.split("|")[0].strip() if isinstance(f.type, str) else ""
+            want = {"int": int, "bool": bool, "str": str}.get(base)
+            if want is int and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"tilec option {f.name}={v!r}: must be an int")
+            if want is bool and not isinstance(v, bool):
+                raise ValueError(f"tilec option {f.name}={v!r}: must be True or False")
+            if want is str and not isinstance(v, (str, os.PathLike)):
+                raise ValueError(f"tilec option {f.name}={v!r}: must be a string")
         if not 1 <= self.workers <= 1024:
             raise ValueError(f"tilec option workers={self.workers}: must be in 1..1024")
         if self.scheduler not in SCHEDULERS:

@@ -74,7 +74,12 @@ class CompiledProgram:
             if name == IGNORED:
                 continue
             if name == POSITION:
-                positions.add(int(torch.as_tensor(a).reshape(-1)[0]))
+                p = int(torch.as_tensor(a).reshape(-1)[0])
+                if not 0 <= p < self.graph.max_positions:
+                    raise TilecError(f"argument {i} holds decode position {p}, outside the planned range "
+                                     f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
+                                     f"as the decode position; recompile with a larger max_positions)")
+                positions.add(p)
                 continue
             b = self.graph.buffers[name]
             if not isinstance(a, torch.Tensor) or tuple(a.shape) != b.shape or a.dtype != b.dtype:

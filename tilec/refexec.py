@@ -140,7 +140,12 @@ class ReferenceExecutor:
             sizes = entry[OF["sizes"][0]:OF["sizes"][0] + n]
             strides = entry[OF["strides"][0]:OF["strides"][0] + n]
             operands.append(mem.view(entry[OF["addr"][0]], CODE_DTYPES[code], sizes, strides))
-        od.run_tile(TileArgs(decode_coords(d), decode_params(d), d[_W["variant"]], operands))
+        try:
+            od.run_tile(TileArgs(decode_coords(d), decode_params(d), d[_W["variant"]], operands))
+        except (IndexError, RuntimeError) as e:
+            op = self.plan.graph.ops[d[F["op"][0]]]
+            where = f" from {op.provenance.render()}" if op.provenance else ""
+            raise TilecError(f"task {d[_W['task']]} (op {op.name}{where}) failed: {e}") from e
 
     def _deadlock(self, q, pcs, ends, events) -> DeadlockError:
         """Explains why no worker can progress.

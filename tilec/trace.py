@@ -148,7 +148,7 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
 
 def _tasks_by_index(plan: KernelPlan, tg: TaskGraph) -> list:
     """Tasks by linearized index (the descriptors' ``task`` field)."""
-    if not tg.order:
+    if not tg.order and tg.tasks:
         raise TilecError("the task graph is not linearized: pass the one the plan was encoded from")
     by_id = {t.id: t for t in tg.tasks}
     tasks = [by_id[tid] for tid in tg.order]

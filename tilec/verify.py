@@ -37,6 +37,8 @@ def verify_opgraph(g: OpGraph) -> None:
                 raise VerificationError(f"op {op.name} reads {v.buffer} before any op writes it")
         for v in (*op.inputs, *op.outputs):
             buf = g.buffers[v.buffer]
+            if v.numel == 0:
+                continue
             for p in {0, g.max_positions - 1}:
                 if v.offset < 0 or _max_offset(v, p) >= buf.numel or any(st < 0 for st in v.strides):
                     raise VerificationError(f"op {op.name}: view {v.render()} overruns buffer {buf.name} "
@@ -71,6 +73,8 @@ def _check_writes(tg: TaskGraph, opts) -> None:
                     accum.append((buf.name, bbox))
     for name, c in counts.items():
         buf = g.buffers[name]
+        if c.numel() == 0:
+            continue
         if int(c.max()) > 1:
             raise VerificationError(f"buffer {name}: {int((c > 1).sum())} elements written more than once per step")
         if buf.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and int(c.min()) < 1:
