@@ -295,3 +295,12 @@ def test_gqa_attention_without_mask():
     assert kinds(prog) == ["attention"]
     att = prog.graph.ops[0]
     assert att.inputs[1].shape == (2, 2, 6, 16) and att.attr("scale") == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_torch_rms_norm_module(affine):
+    norm = torch.nn.RMSNorm(24, eps=1e-5, elementwise_affine=affine)
+    if affine:
+        torch.nn.init.normal_(norm.weight, 1.0, 0.2)
+    prog, _ = run(norm, (torch.randn(3, 24),), tile_rows=1)
+    assert kinds(prog) == ["rmsnorm"]

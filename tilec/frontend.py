@@ -384,6 +384,8 @@ class Lowering:
             return self._emit(node, "softmax", [self.view_of(node.args[0])])
         if t in (aten.layer_norm.default, aten.native_layer_norm.default):
             return self._layernorm(node)
+        if t is aten.rms_norm.default:
+            return self._rms_norm_op(node)
         if t is aten.cat.default:
             return self._cat(node)
         if t in _UNARY:
@@ -494,6 +496,19 @@ class Lowering:
             inputs.append(self.view_of(b))
         out = self._emit(node, "layernorm", inputs, out_shape=val.shape, out_dtype=val.dtype, attrs=(("eps", float(eps)),))
         return out if node.target is aten.layer_norm.default else (out, None, None)
+
+    def _rms_norm_op(self, node: fx.Node):
+        """``torch.nn.functional.rms_norm`` / ``nn.RMSNorm`` (aten.rms_norm) over the last dim."""
+        args = list(node.args) + [None] * (4 - len(node.args))
+        x, shape, w = args[0], args[1], args[2]
+        eps = args[3] if args[3] is not None else node.kwargs.get("eps")
+        val = _val(node)
+        if len(shape) != 1:
+            self._unsupported(node, "rms_norm over more than the last dim")
+        if eps is None:
+            eps = torch.finfo(val.dtype).eps
+        wv = self.view_of(w) if w is not None else self.as_view(Static(torch.ones(shape[0], dtype=val.dtype)), node)
+        return self._emit(node, "rmsnorm", [self.view_of(x), wv], attrs=(("eps", float(eps)),))
 
     def _cat(self, node: fx.Node):
         parts = [self.view_of(a) for a in node.args[0]]
