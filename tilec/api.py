@@ -1,6 +1,8 @@
 """Public entry points of the offline path."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .capture import export_graph
@@ -31,6 +33,7 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     """
     opts = options if isinstance(options, Options) else Options.from_dict(options)
     check_positions(args, positions, max_positions)
+    t0 = time.perf_counter()
     gm, binding = export_graph(module, args, set(positions))
     try:
         graph = lower_graph(gm, binding, max_positions)
@@ -39,7 +42,7 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         if len(every) > 1:
             raise UnsupportedNodeError([n[:3] for n in every]) from first
         raise
-    compiled = compile_opgraph(graph, opts, with_dump(hook, opts))
+    compiled = compile_opgraph(graph, opts, with_dump(hook, opts), opgraph_seconds=time.perf_counter() - t0)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     n_user = sum(1 for r in out_node.args[0] if getattr(r, "name", None) not in binding.mutations)
     return CompiledProgram(compiled, binding, single_output=n_user == 1, opts=opts,

@@ -37,8 +37,12 @@ class Compiled:
     stats: dict = field(default_factory=dict)
 
 
-def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | None = None) -> Compiled:
+def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | None = None,
+                    opgraph_seconds: float = 0.0) -> Compiled:
     """Runs the pipeline from an OpGraph to a verified KernelPlan.
+
+    ``opgraph_seconds`` (capture + lowering time, measured by the caller) is reported to the
+    hook with the ``opgraph`` stage.
 
     Raises:
         VerificationError: a stage broke an invariant (a compiler bug).
@@ -59,7 +63,7 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
         verify_opgraph(graph)
     out.stages["opgraph"] = graph
     if hook:
-        hook("opgraph", graph, 0.0)
+        hook("opgraph", graph, opgraph_seconds)
     tg = stage("tasks", build_taskgraph, graph, opts)
     if opts.verify:
         verify_taskgraph(tg, "tasks", opts)
