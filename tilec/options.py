@@ -91,4 +91,7 @@ class Options:
         return cls(**d)
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        """A hash of the options that change the compiled program (``dump_dir`` does not)."""
+        d = dataclasses.asdict(self)
+        d.pop("dump_dir", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
