@@ -212,3 +212,14 @@ def test_decode_position_outside_the_plan_names_the_argument():
     prog = compile_module(AddPos(), (torch.randn(2, 4), torch.tensor([1])), positions=[1], max_positions=3)
     with pytest.raises(TilecError, match=r"argument 1 holds decode position 7, outside the planned range \[0, 3\)"):
         prog(torch.randn(2, 4), torch.tensor([7]))
+
+
+def test_hf_dynamic_cache_is_rejected_clearly():
+    import transformers
+
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import make_model
+
+    model = make_model("llama-tiny")
+    with pytest.raises(ValueError, match="StaticCache; got DynamicCache"):
+        compile_decode_step(model, transformers.DynamicCache(config=model.config), 1)

@@ -304,3 +304,13 @@ def test_torch_rms_norm_module(affine):
         torch.nn.init.normal_(norm.weight, 1.0, 0.2)
     prog, _ = run(norm, (torch.randn(3, 24),), tile_rows=1)
     assert kinds(prog) == ["rmsnorm"]
+
+
+def test_type_as_is_a_cast():
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            return (x * 2).type_as(y) + y  # float32 -> bfloat16
+
+    prog, _ = run(M(), (torch.randn(2, 8), torch.randn(2, 8, dtype=torch.bfloat16)))
+    casts = [op for op in prog.graph.ops if op.kind == "unary" and op.attr("fn") == "cast"]
+    assert len(casts) == 1

@@ -360,9 +360,9 @@ class Lowering:
             if isinstance(src, View) and src.is_contiguous():
                 return src
             return self._emit(node, "copy", [self.as_view(src, node.args[0])])
-        if t in _CASTS:
+        if t in _CASTS or t is aten.type_as.default:
             src = self.view_of(node.args[0])
-            want = node.kwargs.get("dtype") or _val(node).dtype
+            want = _val(node).dtype if t is aten.type_as.default else (node.kwargs.get("dtype") or _val(node).dtype)
             if self.buffers[src.buffer].dtype == want:
                 return src
             return self._emit(node, "unary", [src], attrs=(("fn", "cast"), ("scalar", 0.0)))

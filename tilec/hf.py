@@ -64,6 +64,12 @@ class HFDecodeStep:
     """
 
     def __init__(self, model, cache, batch_size: int, options=None, hook=None):
+        layers = _layers(cache)
+        if layers is None or not all(hasattr(layer, "keys") and hasattr(layer, "is_initialized") for layer in layers) \
+                or type(cache).__name__ != "StaticCache" and not all(
+                    type(layer).__name__.startswith("Static") for layer in layers):
+            raise ValueError(f"tilec compiles decode steps over a transformers StaticCache; got {type(cache).__name__} "
+                             f"(create one with StaticCache(config=model.config, max_cache_len=...))")
         if not all(l.is_initialized for l in _layers(cache)):
             raise ValueError("the StaticCache is not initialized: run a prefill step eagerly first")
         self.cache = cache
