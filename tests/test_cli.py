@@ -116,7 +116,7 @@ def test_compile_writes_a_complete_self_contained_artifact(art):
     files = sorted(p.relative_to(art).as_posix() for p in art.rglob("*") if p.is_file())
     want = {"manifest.json", "params.safetensors", "constants.safetensors", "inputs.safetensors", "trace.json",
             "plan/plan.safetensors", "plan/graph.json", "plan/operands.json", "cuda/program.cu",
-            "cuda/tilec_layout.h", *(f"ir/{s}.{ext}" for s in STAGE_FILES for ext in ("txt", "json"))}
+            "cuda/tilec_layout.h", "cuda/tables.h", *(f"ir/{s}.{ext}" for s in STAGE_FILES for ext in ("txt", "json"))}
     nvcc = artifact._nvcc_version() is not None
     if nvcc:
         want.add("cuda/libtilec.so")

@@ -4,6 +4,7 @@ with the machine's nvcc (they are not run here)."""
 from __future__ import annotations
 
 import re
+import subprocess
 import shutil
 
 import pytest
@@ -78,3 +79,20 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch, llama_plan):
     with pytest.raises(TilecError, match="nvcc failed"):
         codegen.build(srcs)
     assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+@needs_nvcc
+def test_tables_header_holds_the_plan_and_compiles(llama_plan, tmp_path):
+    tables = codegen.render_tables(llama_plan)
+    (tmp_path / "tables.h").write_text(tables)
+    (tmp_path / "tilec_layout.h").write_text(codegen.render(llama_plan)["tilec_layout.h"])
+    w, length = llama_plan.queues.shape[:2]
+    (tmp_path / "check.cu").write_text(
+        '#include "tables.h"\n'
+        f"static_assert(tilec_plan::kWorkers == {w} && tilec_plan::kLength == {length}, \"shape\");\n"
+        "int first_opcode() { return tilec_plan::kQueues[TILEC_W_OPCODE]; }\n")
+    res = subprocess.run(["nvcc", "-std=c++17", "-c", str(tmp_path / "check.cu"), "-o", str(tmp_path / "check.o")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    first = ", ".join(map(str, llama_plan.queues[0, 0].tolist()))
+    assert first in tables

@@ -15,6 +15,7 @@ Layout of an artifact (every file except the manifest has its sha256 in ``manife
     plan/graph.json          the OpGraph (OpGraph.to_dict)
     plan/operands.json       operand bindings and op names (KernelPlan.to_tables)
     cuda/program.cu, cuda/tilec_layout.h     generated sources (tilec.codegen.render)
+    cuda/tables.h                            the plan's tables as C++ arrays (tilec.codegen.render_tables)
     cuda/libtilec.so         the built library (when nvcc was present at compile time)
 
 An artifact is written into a temporary directory beside the target and renamed into place
@@ -210,6 +211,7 @@ def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources:
         (root / "cuda").mkdir()
         for name, text in sources.items():
             (root / "cuda" / name).write_text(text)
+        (root / "cuda" / "tables.h").write_text(codegen.render_tables(program.plan))
         if lib is not None:
             shutil.copyfile(lib, root / LIBRARY)
 

@@ -94,3 +94,11 @@ def render(plan: KernelPlan) -> dict[str, str]:
     )
     program = _render("program.cu.j2", version=__version__, variants=variants(plan), abi_version=ABI_VERSION)
     return {"tilec_layout.h": layout, "program.cu": program}
+
+
+def render_tables(plan: KernelPlan) -> str:
+    """``tables.h``: the plan's instruction queues, event table and operand-table template as
+    C++ constant arrays (readable, and buildable on their own with ``tilec_layout.h``)."""
+    return _render("tables.h.j2", version=__version__, workers=plan.queues.shape[0], length=plan.queues.shape[1],
+                   queues=plan.queues.tolist(), events=plan.events.tolist(), rows=len(plan.operands),
+                   operands=plan.static_operands.tolist(), op_names=plan.op_names)
