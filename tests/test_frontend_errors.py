@@ -223,3 +223,13 @@ def test_hf_dynamic_cache_is_rejected_clearly():
     model = make_model("llama-tiny")
     with pytest.raises(ValueError, match="StaticCache; got DynamicCache"):
         compile_decode_step(model, transformers.DynamicCache(config=model.config), 1)
+
+
+def test_hf_batch_size_must_match_the_cache():
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import make_model, prefill
+
+    model = make_model("llama-tiny")
+    cache, _ = prefill(model, 2, 4, 12)
+    with pytest.raises(ValueError, match="batch_size=1, but the StaticCache holds 2 sequences"):
+        compile_decode_step(model, cache, 1)

@@ -72,6 +72,9 @@ class HFDecodeStep:
                              f"(create one with StaticCache(config=model.config, max_cache_len=...))")
         if not all(l.is_initialized for l in _layers(cache)):
             raise ValueError("the StaticCache is not initialized: run a prefill step eagerly first")
+        cache_batch = int(_layers(cache)[0].keys.shape[0])
+        if batch_size != cache_batch:
+            raise ValueError(f"batch_size={batch_size}, but the StaticCache holds {cache_batch} sequences")
         self.cache = cache
         self.module = StaticCacheStep(model, cache)
         self.max_len = int(_layers(cache)[0].keys.shape[2])
