@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.timing import median_ms  # noqa: E402
+from tilec.timing import cuda_graph, median_ms  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
 
@@ -76,15 +76,7 @@ def main():
     rows.append(("eager", time_cuda(eager_fixed, args.iters)))
 
     # one CUDA graph of the eager step (the counter reset is captured too)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            eager_fixed()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        eager_fixed()
+    g = cuda_graph(eager_fixed)
     rows.append(("CUDA graph (eager)", time_cuda(g.replay, args.iters)))
 
     if not args.skip_inductor:

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 import glm5_dsa_prelude as glm  # noqa: E402
 from tilec.api import compile_module  # noqa: E402
+from tilec.timing import cuda_graph  # noqa: E402
 
 TOPK = 2048
 
@@ -77,20 +78,6 @@ def read_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.float32, device="cuda").uniform_()
     ms = time_cuda(lambda: x.sum(), 20, flush=False)
     return x.numel() * 4 / (ms * 1e-3)
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in one CUDA graph (after warm-up on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 # ---- the workload --------------------------------------------------------------------------------
@@ -195,7 +182,7 @@ def main():
             return mod(*inp)
 
     timed("eager bf16", eager)
-    timed("CUDA graph (eager bf16)", graph_of(eager).replay)
+    timed("CUDA graph (eager bf16)", cuda_graph(eager).replay)
     streams = (torch.cuda.Stream(), torch.cuda.Stream())
     ms_step = multistream_step(mod, streams)
 
@@ -203,7 +190,7 @@ def main():
         with torch.no_grad():
             return ms_step(*inp)
 
-    timed("CUDA graph, 3 branches on 3 streams (bf16)", graph_of(multistream).replay)
+    timed("CUDA graph, 3 branches on 3 streams (bf16)", cuda_graph(multistream).replay)
     for fp8 in (False, True) if not args.skip_inductor else ():
         label = "Inductor in a CUDA graph (" + ("FP8 as dequantize+matmul" if fp8 else "bf16") + ")"
         t0 = time.time()
@@ -214,7 +201,7 @@ def main():
                 return compiled(*inputs[fp8])
 
         try:
-            g = graph_of(inductor)
+            g = cuda_graph(inductor)
         except Exception as e:  # noqa: BLE001 - report and keep the other rows
             print(f"{label}: not captured ({type(e).__name__}: {e})", flush=True)
             continue

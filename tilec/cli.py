@@ -38,7 +38,7 @@ import tilec
 
 from . import artifact as art_mod
 from .artifact import STAGES, ArtifactError, resolve_stage
-from .timing import step_times
+from .timing import cuda_graph, step_times
 from .errors import TilecError
 from .ir import BufferKind
 from .options import Options
@@ -564,7 +564,7 @@ def bench(progress: Progress, artifact_dir: Path, executor: str | None, iters: i
         if device.type == "cuda":
             with progress.step("capturing and timing a CUDA graph"):
                 try:
-                    replay = _cuda_graph(eager_step)
+                    replay = cuda_graph(eager_step).replay
                 except Exception as e:  # capture fails for modules that sync or allocate on the host
                     rows.append(("eager PyTorch under a CUDA graph", None, f"n/a: capture failed: {e}"))
                 else:
@@ -613,20 +613,6 @@ def _try_time(fn, iters: int, warmup: int, device: torch.device) -> tuple[list[f
         return None, f"n/a: {e.format_message()}"
     except Exception as e:
         return None, f"n/a: failed: {type(e).__name__}: {e}"
-
-
-def _cuda_graph(step):
-    """Captures ``step()`` (after warm-up on a side stream) in one CUDA graph; returns its replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 if __name__ == "__main__":

@@ -34,3 +34,17 @@ def step_times(fn, iters: int, warmup: int = 5, device: torch.device | str = "cu
 def median_ms(fn, iters: int, warmup: int = 5, device: torch.device | str = "cuda") -> float:
     """Median milliseconds per call (see :func:`step_times`)."""
     return statistics.median(step_times(fn, iters, warmup, device)) * 1e3
+
+
+def cuda_graph(fn, warmup: int = 3) -> "torch.cuda.CUDAGraph":
+    """``fn()`` captured in one CUDA graph, after ``warmup`` calls on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
