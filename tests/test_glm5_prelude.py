@@ -294,7 +294,7 @@ def test_benchmark_script_imports():
     spec = importlib.util.spec_from_file_location("glm5_prelude_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    for name in ("time_cuda", "read_bandwidth", "graph_of", "multistream_step", "main"):
+    for name in ("time_cuda", "read_bandwidth", "cuda_graph", "multistream_step", "main"):
         assert callable(getattr(bench, name))
     full = glm.FULL
     w_uk = full.num_heads * full.qk_nope_head_dim * full.kv_lora_rank
