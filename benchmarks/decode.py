@@ -1,10 +1,15 @@
-"""Decode-step benchmark on a CUDA GPU: prints one table per model.
+"""Decode-step benchmark on a CUDA GPU: prints one table per model, and a GEMV table.
 
 Rows: eager HF; the same under one CUDA graph; torch.compile (Inductor) under CUDA graphs
-(mode="reduce-overhead"); tilec; the HBM roofline (bytes that must move / measured read
-bandwidth). Each row is the median of many CUDA-event-timed steps after warm-up.
+(mode="reduce-overhead"); tilec called from Python (one step = operand binding + one kernel
+launch + output copy); the tilec step replayed from a CUDA graph; the HBM roofline (bytes that
+must move / measured read bandwidth). Each row is the median of many CUDA-event-timed steps
+after warm-up, and is also given as a multiple of the roofline.
 
-    python benchmarks/decode.py --model llama-3.2-1b --context 1024 [--batch 1] [--skip-inductor]
+GEMV microbenchmark (``--gemv``): a compiled plan of 8 independent GEMVs (M = 1, bf16, the
+weights larger than L2 together) run by the persistent executor, as TB/s of weight bytes.
+
+    python benchmarks/decode.py --model llama-3.2-1b --context 1024 [--batch 1] [--skip-inductor] [--gemv]
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--skip-inductor", action="store_true")
+    ap.add_argument("--gemv", action="store_true", help="also run the GEMV streaming microbenchmark")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     dev = "cuda"
@@ -96,9 +102,20 @@ def main():
     t0 = time.time()
     step = compile_decode_step(model, cache, B, options=dict(check=False))
     print(f"tilec compile {time.time() - t0:.1f}s; stats {step.program.stats}", flush=True)
-    step(tok, ctx)
+
+    def tilec_step():
+        step.seek(ctx)  # re-decode position ctx every time
+        return step(tok, ctx)
+
+    tilec_step()
     step.program.executor.check()
-    rows.append(("tilec", time_cuda(lambda: step(tok, ctx), args.iters)))
+    rows.append(("tilec (Python call)", time_cuda(tilec_step, args.iters)))
+    try:
+        tg = cuda_graph(tilec_step)
+        rows.append(("tilec (CUDA graph replay)", time_cuda(tg.replay, args.iters)))
+    except RuntimeError as e:  # report, do not hide the other rows
+        print(f"tilec under a CUDA graph failed: {e}")
+    step.program.executor.check()
 
     bw = read_bandwidth()
     nbytes = step_bytes(model, B, ctx)
@@ -109,6 +126,40 @@ def main():
     print(f"{'variant':<48} {'ms':>9} {'x roofline':>11}")
     for label, ms in rows:
         print(f"{label:<48} {ms:>9.3f} {ms / roof:>11.2f}")
+    if args.gemv:
+        gemv_table(bw, args.iters)
+
+
+def gemv_table(bw: float, iters: int, count: int = 8) -> None:
+    """Prints TB/s of weight bytes for ``count`` independent M = 1 GEMVs per plan, run by the
+    persistent executor (kernel only: the operand table is bound once)."""
+    from tilec.api import compile_module
+
+    class Gemvs(torch.nn.Module):
+        def __init__(self, n, k):
+            super().__init__()
+            self.ws = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=False) for _ in range(count))
+
+        def forward(self, x):
+            return tuple(w(x) for w in self.ws)
+
+    print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = 1, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
+    print(f"{'weight [N, K]':<20} {'MB':>8} {'us':>9} {'TB/s':>7}")
+    for n, k in ((2048, 8192), (4096, 14336), (128256, 2048)):
+        mod = Gemvs(n, k).to("cuda", torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            prog = compile_module(mod, (x,), options=dict(check=False))
+            got = prog(x)
+            want = mod(x)
+        err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))
+        tensors, p = prog.bind_args((x,))
+        table = prog.plan.bind_base(tensors)
+        ms = time_cuda(lambda: prog.executor.run(tensors, table, position=p), iters)
+        nbytes = count * n * k * 2
+        print(f"{f'{n} x {k}':<20} {nbytes / 1e6:>8.1f} {ms * 1e3:>9.1f} {nbytes / ms / 1e9:>7.2f}"
+              f"   (rel. L2 vs torch {err:.1e})")
+        del mod, prog
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run, in one go (results under $OUT when set).
-# usage: bash benchmarks/run_gpu.sh [smoke|models|bench|all]
+# usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|glm5|example|sanitize|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TILEC_CACHE_DIR=${TILEC_CACHE_DIR:-/tmp/tilec-cache}
@@ -19,6 +19,18 @@ if [[ $what == noise || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 2>&1 | tee "$OUT/bench.log" | tail -12
+fi
+if [[ $what == perf || $what == all ]]; then
+  python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --skip-inductor --gemv 2>&1 | tee "$OUT/perf.log" | tail -16
+  python3 benchmarks/profile_step.py --model llama-3.2-1b --context 1024 --out "$OUT/trace.json" 2>&1 | tee "$OUT/profile.log" | tail -16
+fi
+if [[ $what == glm5 || $what == all ]]; then
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_glm5_prelude.py 2>&1 | tee "$OUT/glm5_test.log" | tail -15
+  python3 benchmarks/glm5_prelude.py 2>&1 | tee "$OUT/glm5_bench.log" | tail -16
+fi
+if [[ $what == example || $what == all ]]; then
+  python3 examples/llama_decode.py 2>&1 | tee "$OUT/example.log" | tail -8
+  python3 examples/llama_decode.py --model llama-3.2-1b --context 1024 2>&1 | tee -a "$OUT/example.log" | tail -8
 fi
 if [[ $what == sanitize || $what == all ]]; then
   python3 tests/gpu/sanitize_step.py >/dev/null 2>&1  # warm the build cache outside the sanitizer

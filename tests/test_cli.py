@@ -30,7 +30,8 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = f"{ROOT / 'examples' / 'factories.py'}:tiny_llama_step_cpu"
-STAGE_FILES = ["01-opgraph", "02-tasks", "03-fused", "04-normalized", "05-linearized", "06-schedule", "07-plan"]
+STAGE_FILES = ["01-opgraph", "02-split_kv", "03-fuse_gemv", "04-tasks", "05-fused", "06-normalized", "07-linearized",
+               "08-schedule", "09-plan"]
 
 FACTORIES = '''
 import torch
@@ -90,7 +91,8 @@ def rehash(path: Path) -> None:
 @pytest.fixture(scope="module")
 def art(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "llama"
-    r = invoke("compile", FACTORY, "-o", out, "-O", "workers=8")
+    # the goldens below pin the unfused plan with 64-column GEMV tiles
+    r = invoke("compile", FACTORY, "-o", out, "-O", "workers=8", "-O", "tile_n=64", "-O", "fuse_gemv=false")
     assert r.exit_code == 0, r.output
     assert re.search(r"wrote .*llama: 37 ops, 114 tasks, 40 events on 8 workers", r.stdout)
     return out
@@ -205,6 +207,8 @@ GOLDEN = {
         r"^  return \([[logits]]\[1x1x1000\]\)$",
         r"^\}$",
     ],
+    # a 16-position cache gives fewer than 2 split-KV splits: attention stays one op
+    "split_kv": [r"^opgraph \{$", r"^  \w+ = attention\(\w+\[1x8x1x32\], state_0\[1x2x16x32\]", r"^\}$"],
     "tasks": [
         r"^taskgraph \{$",
         r"^  0: t0 embedding_\w+\[0:1,0:1,0:256\]$",
@@ -264,7 +268,7 @@ def test_inspect_matches_a_fresh_compile(art):
 
     fn, _ = cli.load_factory(FACTORY)
     module, args, positions, max_positions = cli.call_factory(fn, FACTORY)
-    prog = compile_module(module, args, positions=positions, max_positions=max_positions, options={"workers": 8})
+    prog = compile_module(module, args, positions=positions, max_positions=max_positions, options={"workers": 8, "tile_n": 64, "fuse_gemv": False})
     st = prog.compiled.stages
     for name in artifact.STAGES:
         want = render_schedule(st[name], st["linearized"]) if name == "schedule" else st[name].render()
@@ -280,7 +284,7 @@ def test_inspect_json(art):
     assert [op["kind"] for op in g["ops"]][:3] == ["embedding", "rmsnorm", "linear"]
     assert g["ops"][0]["provenance"]["target"].startswith("aten.embedding")
     assert len(data["stages"]["tasks"]["events"]) == 115
-    plan = json.loads(invoke("inspect", art, "-s", "07", "-f", "json").stdout)
+    plan = json.loads(invoke("inspect", art, "-s", "09", "-f", "json").stdout)
     assert plan["workers"] == 8 and len(plan["queues"]) == 8 and len(plan["events"]) == 40
     first = plan["queues"][0][0]
     assert first["op_name"] == "embedding_embedding" and first["task"] == 0 and first["coords"] == [[0, 1], [0, 1],
@@ -289,7 +293,7 @@ def test_inspect_json(art):
     assert sched["workers"] == 8 and sched["queues"][0][0] == {"index": 0, "task": 0}
 
 
-@pytest.mark.parametrize("stage", ["plan", "fused", "opgraph"])
+@pytest.mark.parametrize("stage", ["plan", "fused", "opgraph", "split_kv", "fuse_gemv"])
 def test_inspect_dot(art, stage):
     r = invoke("inspect", art, "-s", stage, "-f", "dot")
     assert r.exit_code == 0, r.output
@@ -302,7 +306,7 @@ def test_inspect_dot(art, stage):
     if stage == "plan":
         assert len(re.findall(r"subgraph cluster_w\d+", text)) == 8 and 'label="worker 0"' in text
         assert len([e for e in edges if e[0].startswith("e")]) > 0
-    if stage == "opgraph":
+    if stage in ("opgraph", "split_kv", "fuse_gemv"):
         assert '"op:embedding_embedding" -> "buf:embedding";' in text
 
 
@@ -453,8 +457,8 @@ def corrupt_byte(path: Path) -> None:
 @pytest.mark.parametrize("edit,command,message", [
     (lambda p: corrupt_byte(p / "params.safetensors"), "run",
      "is corrupt or was tampered with: params.safetensors has sha256"),
-    (lambda p: (p / "ir" / "07-plan.txt").write_text("kernelplan workers=1 {}\n"), "inspect",
-     "is corrupt or was tampered with: ir/07-plan.txt has sha256"),
+    (lambda p: (p / "ir" / "09-plan.txt").write_text("kernelplan workers=1 {}\n"), "inspect",
+     "is corrupt or was tampered with: ir/09-plan.txt has sha256"),
     (lambda p: corrupt_byte(p / "plan" / "plan.safetensors"), "bench", "plan/plan.safetensors has sha256"),
     (lambda p: (p / "plan" / "graph.json").unlink(), "run", "is incomplete: plan/graph.json (listed in the manifest) "
                                                            "is missing"),
@@ -498,7 +502,7 @@ def test_cuda_executor_without_a_gpu(art):
 
 def test_usage_errors_exit_2(art):
     assert invoke("inspect", art, "--stage", "bogus").exit_code == 2
-    assert "unknown stage 'bogus'; stages: 01-opgraph, 02-tasks" in invoke("inspect", art, "-s", "bogus").stderr
+    assert "unknown stage 'bogus'; stages: 01-opgraph, 02-split_kv, 03-fuse_gemv, 04-tasks" in invoke("inspect", art, "-s", "bogus").stderr
     assert invoke("run", art, "--executor", "tpu").exit_code == 2
     assert invoke("compile", "x:y").exit_code == 2  # -o is required
 

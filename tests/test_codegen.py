@@ -46,7 +46,7 @@ def test_program_instantiates_exactly_the_used_variants(llama_plan):
     used = {op.kind for op in llama_plan.graph.ops}
     instantiated = set(re.findall(r"tilec::op_(\w+)<", src))
     assert instantiated == used
-    assert "tilec::op_linear<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(c)" in src
+    assert "run_op<tilec::op_linear_fused<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>>(c)" in src
     assert "torch" not in src.lower()  # plain C ABI, no torch headers
 
 
@@ -69,6 +69,23 @@ def test_generated_step_compiles(name, dtype, batch, tmp_path, monkeypatch):
     # a second build of the same sources is a cache hit: same path, nothing rebuilt
     mtime = lib.stat().st_mtime_ns
     assert codegen.build(codegen.render(plan)) == lib and lib.stat().st_mtime_ns == mtime
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_generated_step_with_split_kv_attention_compiles(tmp_path, monkeypatch):
+    """A longer cache with attn_kv_chunk=32: the plan runs attention as split-KV partials + combine."""
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
+    model = make_model("llama-tiny", torch.bfloat16)
+    cache, _ = prefill(model, 1, 40, 128)
+    plan = compile_decode_step(model, cache, 1, options=dict(workers=8, attn_kv_chunk=32)).program.plan
+    kinds = {op.kind for op in plan.graph.ops}
+    assert {"attention_partial", "attention_combine"} <= kinds and "attention" not in kinds
+    src = codegen.render(plan)["program.cu"]
+    assert "run_op<tilec::op_attention_partial<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, float>>(c)" in src
+    assert "run_op<tilec::op_attention_combine<float, float, __nv_bfloat16>>(c)" in src
+    lib = codegen.build(codegen.render(plan))
+    assert lib.exists() and lib.stat().st_size > 0
 
 
 @needs_nvcc

@@ -16,8 +16,9 @@ from _helpers import StageRecorder, assert_close
 from tilec.api import compile_module
 from tilec.options import Options
 
-STAGES = ["opgraph", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
-OPTS = Options(workers=4, tile_n=32, tile_rows=1, scheduler="list")
+STAGES = ["opgraph", "split_kv", "fuse_gemv", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
+# the task-graph goldens below pin the unfused op graph; GEMV fusion has its own golden
+OPTS = Options(workers=4, tile_n=32, tile_rows=1, scheduler="list", fuse_gemv=False)
 
 
 class MLPBlock(torch.nn.Module):
@@ -267,7 +268,7 @@ def test_render_is_stable_across_compiles():
 
 
 def test_round_robin_plan_render():
-    _, _, prog, rec = compile_block(Options(workers=3, tile_n=32, tile_rows=1, scheduler="round_robin"))
+    _, _, prog, rec = compile_block(Options(workers=3, tile_n=32, tile_rows=1, scheduler="round_robin", fuse_gemv=False))
     sched = rec.stages["schedule"]
     order = rec.stages["linearized"].order
     assert sched.queues == tuple(tuple(order[i] for i in range(w, len(order), 3)) for w in range(3))
@@ -277,3 +278,22 @@ def test_round_robin_plan_render():
         r"^  w1: #1 ",
         r"^  w2: #2 empty wait e7>=1 signal e0; ",
     ])
+
+
+def test_fuse_gemv_golden():
+    """RMSNorm -> gate/up becomes two prologue-fused GEMVs, SiLU-mul -> down -> + residual one
+    fused GEMV with both; the norm and SiLU-mul ops and the add disappear."""
+    m, args, prog, rec = compile_block(Options(workers=4, tile_n=32, tile_rows=1))
+    text = rec.render("fuse_gemv")
+    filecheck(text, [
+        r"^opgraph \{$",
+        r"^  \w+ = binary\(residual\[2x64\], x\[2x64\]\) -> (?P<h>\w+)\[2x64\] fn='add'$",
+        r"^  \w+ = linear_fused\([[h]]\[2x64\], p_weight\[64\], p_gate_proj_weight\[96x64\]\) -> (?P<g>\w+)\[2x96\] "
+        r"epilogue='none' eps=1e-06 prologue='rmsnorm'$",
+        r"^  \w+ = linear_fused\([[h]]\[2x64\], p_weight\[64\], p_up_proj_weight\[96x64\]\) -> (?P<u>\w+)\[2x96\]",
+        r"^  \w+ = linear_fused\([[g]]\[2x96\], [[u]]\[2x96\], p_down_proj_weight\[64x96\], [[h]]\[2x64\]\) -> "
+        r"\w+\[2x64\] epilogue='add' prologue='silu_mul'$",
+        r"^\}$",
+    ])
+    assert "= rmsnorm(" not in text and "= silu_mul(" not in text and text.count("binary(") == 1
+    assert_close(prog(*args), m(*args), 1e-5)

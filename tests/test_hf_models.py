@@ -92,10 +92,10 @@ def test_llama_decode_steps_match_eager(batch):
     stats = step.program.stats
     assert stats["deps_after_fusion"] < stats["deps_before_fusion"], stats
     assert stats["events_after_fusion"] < stats["events_before_fusion"], stats
-    kinds = {op.kind for op in step.program.graph.ops}
+    kinds = {op.kind for op in step.program.compiled.stages['opgraph'].ops}
     assert {"embedding", "rmsnorm", "linear", "rope", "cache_write", "attention", "silu_mul"} <= kinds
     # GQA: the attention op reads the 2 KV heads directly (no repeat_kv copy)
-    att = next(op for op in step.program.graph.ops if op.kind == "attention")
+    att = next(op for op in step.program.compiled.stages['opgraph'].ops if op.kind == "attention")
     assert att.inputs[0].shape[1] == 8 and att.inputs[1].shape[1] == 2 and att.inputs[2].shape[1] == 2
 
 
@@ -103,7 +103,7 @@ def test_llama_decode_steps_match_eager(batch):
 def test_qwen3_decode_steps_match_eager(batch):
     step = run_and_compare("qwen3", batch, dict(workers=6, scheduler="round_robin" if batch == 2 else "list"))
     # q_norm / k_norm: per-head RMSNorms in front of RoPE, two more per layer than Llama
-    n_rms = sum(op.kind == "rmsnorm" for op in step.program.graph.ops)
+    n_rms = sum(op.kind == "rmsnorm" for op in step.program.compiled.stages['opgraph'].ops)
     assert n_rms == 2 * 4 + 1
 
 

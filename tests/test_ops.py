@@ -37,7 +37,7 @@ def run(module, args, **opts):
 
 
 def kinds(prog) -> list[str]:
-    return [op.kind for op in prog.graph.ops]
+    return [op.kind for op in prog.compiled.stages['opgraph'].ops]
 
 
 class Fn(torch.nn.Module):
@@ -72,7 +72,7 @@ def test_interleaved_rope(tile_rows):
     cos, sin = rotary_tables((b, 1, s), d // 2)  # broadcast over the heads, last dim D/2
     prog, stages = run(Fn(lambda m, x, c, s_: rope_interleave(x, c, s_)), (x, cos, sin), tile_rows=tile_rows, workers=3)
     assert kinds(prog) == ["rope"]
-    rope = prog.graph.ops[0]
+    rope = prog.compiled.stages['opgraph'].ops[0]
     assert rope.attr("style") == INTERLEAVED
     assert "rope(" in stages["opgraph"].render() and "style=1" in stages["opgraph"].render()
 
@@ -92,7 +92,7 @@ def test_interleaved_rope_of_projection_with_hf_function():
     x = torch.randn(b, s, 32)
     cos, sin = rotary_tables((b, s), d)  # HF passes cat(freqs, freqs); the function halves them
     prog, _ = run(Fn(f, wq=torch.randn(h * d, 32) / 6, wk=torch.randn(d, 32) / 6), (x, cos, sin), workers=4, tile_n=8)
-    ropes = [op for op in prog.graph.ops if op.kind == "rope"]
+    ropes = [op for op in prog.compiled.stages['opgraph'].ops if op.kind == "rope"]
     assert len(ropes) == 2 and all(op.attr("style") == INTERLEAVED for op in ropes)
     assert kinds(prog).count("concat") == 0
 
@@ -106,7 +106,7 @@ def test_rotate_half_rope_hf_layout():
     cos, sin = rotary_tables((b, s), d)
     prog, _ = run(Fn(lambda m, q, k, c, s_: apply_rotary_pos_emb(q, k, c, s_)), (q, k, cos, sin), workers=2)
     assert kinds(prog) == ["rope", "rope"]
-    assert all(op.attr("style") == ROTATE_HALF for op in prog.graph.ops)
+    assert all(op.attr("style") == ROTATE_HALF for op in prog.compiled.stages['opgraph'].ops)
 
 
 # ---- linear ------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def test_layernorm(affine, bias):
         torch.nn.init.normal_(ln.bias)
     prog, _ = run(ln, (3.0 + 2.0 * torch.randn(2, 3, d),), tile_rows=2, workers=3)
     assert kinds(prog) == ["layernorm"]
-    assert len(prog.graph.ops[0].inputs) == (3 if bias else 2)
+    assert len(prog.compiled.stages['opgraph'].ops[0].inputs) == (3 if bias else 2)
 
 
 def test_layernorm_functional_with_bias_only():
@@ -213,7 +213,7 @@ def test_rmsnorm_hf_module():
     torch.nn.init.normal_(norm.weight, 1.0, 0.2)
     prog, _ = run(norm, (torch.randn(2, 1, 32),), tile_rows=1)
     assert kinds(prog) == ["rmsnorm"]
-    assert prog.graph.ops[0].attr("eps") == 1e-6
+    assert prog.compiled.stages['opgraph'].ops[0].attr("eps") == 1e-6
 
 
 def test_hf_mlp_is_silu_mul_between_linears():
@@ -273,7 +273,7 @@ def test_fused_gate_up_projection_chunk():
     prog, _ = run(Fn(f, gate_up=torch.randn(64, 16) / 4, down=torch.randn(16, 32) / 6), (torch.randn(2, 16),),
                   tile_n=16, workers=4)
     assert kinds(prog) == ["linear", "silu_mul", "linear"]
-    gate_view, up_view = prog.graph.ops[1].inputs
+    gate_view, up_view = prog.compiled.stages['opgraph'].ops[1].inputs
     assert gate_view.buffer == up_view.buffer and up_view.offset == 32  # zero-copy views of one buffer
 
 
@@ -293,7 +293,7 @@ def test_gqa_attention_without_mask():
     q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16)
     prog, _ = run(Fn(f), (q, k, v), attn_heads_per_tile=2, workers=3)
     assert kinds(prog) == ["attention"]
-    att = prog.graph.ops[0]
+    att = prog.compiled.stages['opgraph'].ops[0]
     assert att.inputs[1].shape == (2, 2, 6, 16) and att.attr("scale") == pytest.approx(0.3)
 
 
@@ -312,5 +312,5 @@ def test_type_as_is_a_cast():
             return (x * 2).type_as(y) + y  # float32 -> bfloat16
 
     prog, _ = run(M(), (torch.randn(2, 8), torch.randn(2, 8, dtype=torch.bfloat16)))
-    casts = [op for op in prog.graph.ops if op.kind == "unary" and op.attr("fn") == "cast"]
+    casts = [op for op in prog.compiled.stages['opgraph'].ops if op.kind == "unary" and op.attr("fn") == "cast"]
     assert len(casts) == 1

@@ -359,11 +359,12 @@ def _q(s) -> str:
 
 
 def to_dot(art, stage: str) -> str:
-    """Graphviz DOT text: the op/buffer graph for ``opgraph``; otherwise the task/event graph of the
-    stage (for ``schedule`` and ``plan``: the linearized graph with one cluster per worker)."""
+    """Graphviz DOT text: the op/buffer graph for ``opgraph``, ``split_kv`` and ``fuse_gemv``; otherwise the
+    task/event graph of the stage (for ``schedule`` and ``plan``: the linearized graph with one
+    cluster per worker)."""
     lines = [f"digraph {_q('tilec ' + stage)} {{", "  rankdir=TB;", "  node [fontname=monospace, fontsize=10];"]
-    if stage == "opgraph":
-        g = art.stage_json("opgraph")
+    if stage in ("opgraph", "split_kv", "fuse_gemv"):
+        g = art.stage_json(stage)
         colors = {"input": "lightblue", "param": "lightyellow", "const": "lightgrey", "table": "lightgrey",
                   "state": "orange", "temp": "white", "output": "palegreen"}
         for b in g["buffers"]:

@@ -15,8 +15,12 @@ from . import codegen
 from . import ops as opreg
 from .errors import TilecError
 from .ops import attention as _attention  # noqa: F401
+from .ops.linear_fused import staged_bytes
 from .plan import KernelPlan
 
+# dynamic shared memory per CTA: 227 KiB on Hopper less the executor's static shared memory
+MAX_DYNAMIC_SMEM = 227 * 1024 - 2048
+GEMV_RING_BYTES = 6 * 32768 + 512  # bulk-copy weight stages of a GEMV tile (ops.cuh kTmaStageBytes)
 _ERR_INTS = 10  # ErrorRecord: 6 int32 + 2 int64
 
 
@@ -43,7 +47,7 @@ class CudaExecutor:
         lib.tilec_launch.restype = ctypes.c_int
         lib.tilec_launch.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                                     ctypes.c_void_p, ctypes.c_void_p]
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong]
         lib.tilec_last_error.restype = ctypes.c_char_p
         self.lib = lib
         self.queues = plan.queues.to(device)
@@ -59,7 +63,8 @@ class CudaExecutor:
 
     def _smem_bytes(self) -> int:
         """Dynamic shared memory per CTA: attention scores and P.V partials (runtime/tilec/ops.cuh,
-        ``op_attention``), and the staged x rows of a GEMV tile when they fit in 96 KiB."""
+        ``op_attention``), the staged x rows of a GEMV tile when they fit in 96 KiB and its ring
+        of weight stages, and what ops state themselves (``OpDef.smem_bytes``)."""
         need = 4096
         for op in self.plan.graph.ops:
             if op.kind == "attention":
@@ -67,18 +72,20 @@ class CudaExecutor:
                 if q.shape[3] > 256 or v.shape[3] > 256:
                     raise TilecError(f"op {op.name}: attention head dim {q.shape[3]}/{v.shape[3]} > 256")
                 need = max(need, 4 * (4 * 256 + 4 + 8 * 4 * 256 + 4 * k.shape[2]) + 256)
-            elif op.kind == "linear":
+            elif op.kind in ("linear", "linear_fused"):
                 rows = 1
                 for s in op.outputs[0].shape[:-1]:
                     rows *= s
-                staged = 4 * min(rows, 64) * op.inputs[0].shape[-1] + 2048
-                if staged <= 96 * 1024:
-                    need = max(need, staged)
+                # staged rows, plus a ring of up to 6 x 32 KiB bulk-copy stages for the weights
+                # (runtime/tilec/ops.cuh, gemv_bf16_tma; fewer stages when less is left)
+                staged = staged_bytes(rows, op.inputs[0].shape[-1])
+                if op.kind == "linear_fused" or staged <= 96 * 1024:
+                    need = max(need, min(staged + GEMV_RING_BYTES, MAX_DYNAMIC_SMEM))
         for op in self.plan.graph.ops:  # ops that state their own needs (tilec/ops/*.py smem_bytes)
             need = max(need, opreg.opdef(op.kind).smem_bytes(op))
-        if need > 227 * 1024:
+        if need > MAX_DYNAMIC_SMEM:
             raise TilecError(f"the plan needs {need} bytes of shared memory per CTA (max 227 KiB); "
-                             f"split-KV attention is not implemented yet")
+                             f"a smaller attn_kv_chunk splits long attention caches")
         return (need + 127) // 128 * 128
 
     def reset(self) -> None:
@@ -89,9 +96,14 @@ class CudaExecutor:
         self.epoch = 0
 
     def run(self, tensors: dict[str, torch.Tensor], operand_table: torch.Tensor, queues: torch.Tensor | None = None,
-            check: bool | None = None) -> None:
-        """Launches one step; with ``check`` synchronizes and raises :class:`WatchdogError` on a timeout."""
-        if self._last_table is None or not torch.equal(self._last_table, operand_table):
+            check: bool | None = None, position: int = 0) -> None:
+        """Launches one step at decode position ``position`` (the device adds ``position *
+        pos_step`` to each operand entry); with ``check`` synchronizes and raises
+        :class:`WatchdogError` on a timeout. The operand table is uploaded only when it is a
+        different table from the last call's (``KernelPlan.bind_base`` returns the same object
+        for the same tensors)."""
+        if self._last_table is not operand_table and (
+                self._last_table is None or not torch.equal(self._last_table, operand_table)):
             self.table.copy_(operand_table)
             self._last_table = operand_table
         q = self.queues if queues is None else queues.to(self.device)
@@ -100,7 +112,8 @@ class CudaExecutor:
         rc = self.lib.tilec_launch(q.data_ptr(), q.shape[0], q.shape[1], self.table.data_ptr(),
                                    self.counters.data_ptr(), self.epoch, self.err.data_ptr(),
                                    int(self.opts.watchdog_ms) * 1_000_000, self.smem_bytes, stream,
-                                   None if self.stamps is None or queues is not None else self.stamps.data_ptr())
+                                   None if self.stamps is None or queues is not None else self.stamps.data_ptr(),
+                                   int(position))
         if rc != 0:
             raise TilecError(f"tilec launch failed: {self.lib.tilec_last_error().decode()}")
         if self.opts.check if check is None else check:

@@ -7,13 +7,15 @@ so recompiling the same graph with the same options overwrites the same files an
 different compiles never mix::
 
     <dump_dir>/<12 hex digits>/
-        01-opgraph.txt      OpGraph.render()
-        02-tasks.txt        TaskGraph.render() after build_taskgraph
-        03-fused.txt        ... after event fusion
-        04-normalized.txt   ... after normalization (empty tasks inserted)
-        05-linearized.txt   ... after linearization
-        06-schedule.txt     per worker: linearized index and label of each task; predicted makespan
-        07-plan.txt         KernelPlan.render()
+        01-opgraph.txt      OpGraph.render() from the frontend
+        02-split_kv.txt     OpGraph.render() after the split-KV attention rewrite
+        03-fuse_gemv.txt    OpGraph.render() after GEMV prologue/epilogue fusion
+        04-tasks.txt        TaskGraph.render() after build_taskgraph
+        05-fused.txt        ... after event fusion
+        06-normalized.txt   ... after normalization (empty tasks inserted)
+        07-linearized.txt   ... after linearization
+        08-schedule.txt     per worker: linearized index and label of each task; predicted makespan
+        09-plan.txt         KernelPlan.render()
         stats.txt           tilec.stats.render_stats (the same numbers as ``program.stats``)
         trace.json          predicted schedule timeline, Chrome/Perfetto trace (tilec.trace)
 
@@ -41,12 +43,14 @@ from .trace import predicted_trace, write_atomic, write_trace
 ENV_VAR = "TILEC_DUMP_DIR"
 STAGE_FILES = {
     "opgraph": "01-opgraph.txt",
-    "tasks": "02-tasks.txt",
-    "fused": "03-fused.txt",
-    "normalized": "04-normalized.txt",
-    "linearized": "05-linearized.txt",
-    "schedule": "06-schedule.txt",
-    "plan": "07-plan.txt",
+    "split_kv": "02-split_kv.txt",
+    "fuse_gemv": "03-fuse_gemv.txt",
+    "tasks": "04-tasks.txt",
+    "fused": "05-fused.txt",
+    "normalized": "06-normalized.txt",
+    "linearized": "07-linearized.txt",
+    "schedule": "08-schedule.txt",
+    "plan": "09-plan.txt",
 }
 STATS_FILE, TRACE_FILE = "stats.txt", "trace.json"
 ALL_FILES = (*STAGE_FILES.values(), STATS_FILE, TRACE_FILE)
@@ -105,6 +109,8 @@ class DumpHook:
             self.directory.mkdir(parents=True, exist_ok=True)
         if self.directory is None or stage not in STAGE_FILES:
             return
+        if stage in ("split_kv", "fuse_gemv"):
+            self._graph = ir  # the graph the plan runs (stats count its ops)
         if isinstance(ir, TaskGraph):
             self._tg = ir
         if stage == "schedule":

@@ -83,6 +83,7 @@ class HFDecodeStep:
         pos = torch.zeros(1, dtype=torch.int64, device=device)
         state = [t.clone() if t.dim() == 0 else t for t in self.module.state()]
         positions = [1] + [2 + i for i, t in enumerate(state) if t.dim() == 0]
+        self._expected: int | None = None  # the cache's token count after our last step (host copy)
         self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
                                       max_positions=self.max_len, options=options, hook=hook)
 
@@ -94,17 +95,37 @@ class HFDecodeStep:
         if not 0 <= position < self.max_len:
             raise TilecError(f"decode position {position} outside the planned range [0, {self.max_len}) "
                              f"(the static cache holds {self.max_len} positions)")
-        for layer, counter in zip(_layers(self.cache), self.module.has_counter):
-            if counter and int(layer.cumulative_length) != position:
-                raise ValueError(f"position {position}, but the cache holds {int(layer.cumulative_length)} tokens: "
+        counters = self._counters()
+        if counters and position != self._expected:  # checked on the device only when in doubt
+            held = torch.stack([c.reshape(()) for c in counters]).tolist()
+            bad = [h for h in held if h != position]
+            if bad:
+                raise ValueError(f"position {position}, but the cache holds {bad[0]} tokens: "
                                  f"decode steps must write consecutive positions")
         pos = torch.tensor([position], dtype=torch.int64)
         state = [torch.tensor(position) if t.dim() == 0 else t for t in self.module.state()]
         logits = self.program(input_ids, pos, *state)
-        for layer, counter in zip(_layers(self.cache), self.module.has_counter):
-            if counter:
-                layer.cumulative_length.fill_(position + input_ids.shape[1])
+        if counters:  # advance the cache's own counters as eager HF would (two kernels, no sync)
+            torch._foreach_zero_(counters)
+            torch._foreach_add_(counters, position + input_ids.shape[1])
+        self._expected = position + input_ids.shape[1]
         return logits
+
+    def seek(self, position: int) -> None:
+        """Rewinds (or advances) the cache's own token counters to ``position`` without a host
+        sync, so the next step may write there (re-decoding a position, e.g. when a speculative
+        token is rejected, or timing the same step repeatedly). Cache contents are untouched."""
+        if not 0 <= position < self.max_len:
+            raise TilecError(f"decode position {position} outside the planned range [0, {self.max_len})")
+        counters = self._counters()
+        if counters:
+            torch._foreach_zero_(counters)
+            torch._foreach_add_(counters, position)
+        self._expected = position
+
+    def _counters(self) -> list[torch.Tensor]:
+        return [layer.cumulative_length for layer, counter in zip(_layers(self.cache), self.module.has_counter)
+                if counter]
 
 
 def compile_decode_step(model, cache, batch_size: int = 1, options: Options | dict | None = None,

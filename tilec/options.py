@@ -17,11 +17,18 @@ class Options:
 
     workers: number of worker queues W (one persistent CTA each on the GPU; 1..1024).
     scheduler: ``"list"`` (cost-aware list scheduling, default) or ``"round_robin"``.
-    tile_n: output columns per GEMV/GEMM tile.
+    tile_n: output columns per GEMV/GEMM tile; None (default) = per op, about N / workers
+        (``tilec.ops.gemv_tile_n``).
     split_k: K splits per GEMV tile (> 1 makes ``tile_reduce`` partial tiles).
     tile_rows: rows per tile of row-wise ops (norms, elementwise, softmax, RoPE).
     tile_cols: columns per tile of elementwise ops (None = whole rows).
     attn_heads_per_tile: KV heads per decode-attention tile.
+    attn_kv_chunk: cache positions per split of split-KV (flash-decoding) attention
+        (``tilec.passes.split_kv``); None (default) = per op, so that the (batch, KV head
+        group, split) tiles number about ``workers`` (a multiple of 32, 64..2048). An
+        attention op with fewer than 2 splits stays one ``attention`` op.
+    fuse_gemv: fuse RMSNorm / SiLU-mul producers and residual adds into the GEMVs around them
+        (``tilec.passes.fuse_gemv``; bitwise the same results, fewer dependent stages).
     verify: run the stage verifiers after every pass (always on in tests).
     executor: ``"cuda"`` (persistent kernel), ``"reference"`` (CPU reference executor), or
         ``"auto"``: CUDA when the model's tensors are on a CUDA device.
@@ -35,11 +42,13 @@ class Options:
 
     workers: int = 132
     scheduler: str = "list"
-    tile_n: int = 64
+    tile_n: int | None = None
     split_k: int = 1
     tile_rows: int = 4
     tile_cols: int | None = 1024
     attn_heads_per_tile: int = 1
+    attn_kv_chunk: int | None = None
+    fuse_gemv: bool = True
     verify: bool = True
     executor: str = "auto"
     arch: str = "sm_90a"
@@ -67,12 +76,14 @@ class Options:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"tilec option scheduler={self.scheduler!r}: must be one of {SCHEDULERS}")
         for name in ("tile_n", "split_k", "tile_rows", "attn_heads_per_tile"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"tilec option {name}={getattr(self, name)}: must be >= 1")
         if self.executor not in EXECUTORS:
             raise ValueError(f"tilec option executor={self.executor!r}: must be one of {EXECUTORS}")
         if self.watchdog_ms < 1:
             raise ValueError(f"tilec option watchdog_ms={self.watchdog_ms}: must be >= 1")
+        if self.attn_kv_chunk is not None and self.attn_kv_chunk < 1:
+            raise ValueError(f"tilec option attn_kv_chunk={self.attn_kv_chunk}: must be >= 1 or None")
         if self.tile_cols is not None and self.tile_cols < 1:
             raise ValueError(f"tilec option tile_cols={self.tile_cols}: must be >= 1 or None")
         if self.dump_dir is not None:

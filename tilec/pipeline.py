@@ -1,6 +1,10 @@
 """The compile pipeline, top to bottom, as one flat list of named stages.
 
     opgraph     OpGraph from the frontend                  (verify_opgraph)
+    split_kv    split_kv: attention -> partial + combine   (verify_opgraph)
+                (flash-decoding; the same graph when no op splits)
+    fuse_gemv   fuse_gemv_chains: RMSNorm / SiLU-mul        (verify_opgraph)
+                prologues and residual-add epilogues into GEMVs
     tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
     fused       fuse_events                                (verify_taskgraph "fused")
     normalized  normalize                                  (verify_taskgraph "normalized")
@@ -19,7 +23,7 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import fuse_events, linearize, normalize, schedule
+from .passes import fuse_events, fuse_gemv_chains, linearize, normalize, schedule, split_kv
 from .plan import KernelPlan, encode
 from .stats import compile_stats
 from .taskgraph import build_taskgraph
@@ -64,6 +68,12 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
     out.stages["opgraph"] = graph
     if hook:
         hook("opgraph", graph, opgraph_seconds)
+    graph = stage("split_kv", split_kv, graph, opts)
+    if opts.verify:
+        verify_opgraph(graph)
+    graph = stage("fuse_gemv", fuse_gemv_chains, graph, opts)
+    if opts.verify:
+        verify_opgraph(graph)
     tg = stage("tasks", build_taskgraph, graph, opts)
     if opts.verify:
         verify_taskgraph(tg, "tasks", opts)

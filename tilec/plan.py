@@ -8,11 +8,13 @@
   ``epoch * count``, so consecutive steps need no reset;
 * an operand table: int64 ``[R, MAX_OPERANDS, OPERAND_FIELDS]``, one row per op: for each
   operand its address (bytes; or the value of a scalar), dtype code, rank, sizes and
-  strides (elements). Addresses are recomputed per call by :meth:`KernelPlan.bind` from
-  the bound tensors and the decode position ``p`` - tables never change.
+  strides (elements), and how far it moves per decode position (``pos_step``). Addresses
+  come from the bound tensors (:meth:`KernelPlan.bind_base`, cached per tensor set); the
+  executors add ``p * pos_step`` for the call's position ``p`` - tables never change.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +29,8 @@ from .taskgraph import TaskGraph
 # ---- the single definition of the descriptor layout ------------------------------------
 DESCRIPTOR_WORDS = 32
 MAX_COORDS = 5
-MAX_PARAMS = 12
+MAX_PARAMS = 10
+PREFETCH_MAX_BYTES = 128 * 1024  # per instruction: 132 workers x 128 KiB stays well inside L2
 DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     # (field, first word, number of words)
     ("opcode", 0, 1),
@@ -42,6 +45,9 @@ DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     ("ncoords", 18, 1),  # number of coordinate ranges in use
     ("dtype_sig", 19, 1),  # operand dtype codes, 4 bits each (selects the device variant)
     ("params", 20, MAX_PARAMS),  # op parameters (int32; floats as float32 bits)
+    # L2 prefetch hint issued before the wait (0: none): word 0 = operand << 28 | bytes / 16,
+    # word 1 = byte offset / 16 from the operand's address (OpDef.prefetch)
+    ("prefetch", 30, 2),
 )
 F = {name: (start, n) for name, start, n in DESCRIPTOR}
 assert sum(n for _, _, n in DESCRIPTOR) == DESCRIPTOR_WORDS
@@ -54,11 +60,22 @@ OPERAND: tuple[tuple[str, int, int], ...] = (
     ("ndim", 2, 1),
     ("sizes", 3, MAX_DIMS),
     ("strides", 3 + MAX_DIMS, MAX_DIMS),  # in elements
-    ("reserved", 3 + 2 * MAX_DIMS, 1),
+    ("pos_step", 3 + 2 * MAX_DIMS, 1),  # addr (or scalar) change per decode position, applied on device
 )
 OPERAND_FIELDS = 12
 UNUSED_OPERAND, SCALAR_OPERAND = -2, -1  # dtype codes of an empty slot and of a scalar
 OF = {name: (start, n) for name, start, n in OPERAND}
+
+
+def apply_position(table: torch.Tensor, position: int) -> torch.Tensor:
+    """A copy of an operand table (int64 [R, MAX_OPERANDS, OPERAND_FIELDS]) with every entry's
+    address (or scalar) moved by ``position * pos_step`` and ``pos_step`` zeroed - what the
+    CUDA executor does on the device for the position it is launched with."""
+    out = table.clone()
+    a, ps = OF["addr"][0], OF["pos_step"][0]
+    out[..., a] += position * out[..., ps]
+    out[..., ps] = 0
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,20 +105,28 @@ class KernelPlan:
         return self.queues.shape[0]
 
     def bind(self, tensors: dict[str, torch.Tensor], position: int) -> torch.Tensor:
-        """The operand table for one call: ``static_operands`` with addresses filled in.
+        """The operand table for one call at decode position ``position``, with every
+        position-dependent entry already moved (``pos_step`` zeroed): see :meth:`bind_base`.
 
-        The per-tensor-set part is computed once and cached (keyed by the bound data
-        pointers); a new position only updates the entries that move with p.
-
-        Args:
-            tensors: buffer name -> tensor holding it (contiguous, matching dtype/shape).
-            position: the decode position p.
         Raises:
             TilecError: a buffer is missing, or p is outside [0, max_positions).
         """
         if not 0 <= position < self.graph.max_positions:
             raise TilecError(f"decode position {position} outside the planned range [0, {self.graph.max_positions})")
-        names = sorted({b.view.buffer for row in self.operands for b in row if b.view is not None})
+        return apply_position(self.bind_base(tensors), position)
+
+    def bind_base(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The position-independent operand table for a set of bound tensors: addresses for
+        p = 0 plus each entry's ``pos_step`` (bytes, or scalar units, per position), which the
+        executors apply for the call's position. Cached by the bound data pointers, so the same
+        tensors give the same table object (the CUDA executor then uploads nothing).
+
+        Args:
+            tensors: buffer name -> tensor holding it (contiguous, matching dtype/shape).
+        Raises:
+            TilecError: a buffer is missing.
+        """
+        names = self._bound_names
         missing = [n for n in names if n not in tensors]
         if missing:
             raise TilecError(f"no tensor bound for buffer(s) {missing}")
@@ -111,30 +136,24 @@ class KernelPlan:
             if len(self._bind_cache) > 8:
                 self._bind_cache.clear()
             cached = self._bind_cache[key] = self._bind_static(tensors)
-        base, idx, delta = cached
-        table = base.clone()
-        if idx.numel():
-            table.view(-1)[idx] += position * delta
-        return table
+        return cached
+
+    @functools.cached_property
+    def _bound_names(self) -> list[str]:
+        return sorted({b.view.buffer for row in self.operands for b in row if b.view is not None})
 
     def _bind_static(self, tensors):
         table = self.static_operands.clone()
-        a = OF["addr"][0]
-        idx, delta = [], []
-        width = self.static_operands.shape[1] * self.static_operands.shape[2]
+        a, ps = OF["addr"][0], OF["pos_step"][0]
         for r, row in enumerate(self.operands):
             for i, b in enumerate(row):
-                flat = r * width + i * self.static_operands.shape[2] + a
                 if b.scalar is not None:
                     table[r, i, a] = b.scalar.base
-                    step = b.scalar.pos_scale
+                    table[r, i, ps] = b.scalar.pos_scale
                 else:
                     table[r, i, a] = tensors[b.view.buffer].data_ptr() + b.view.offset * b.elem_size
-                    step = b.view.pos_stride * b.elem_size
-                if step:
-                    idx.append(flat)
-                    delta.append(step)
-        return table, torch.tensor(idx, dtype=torch.int64), torch.tensor(delta, dtype=torch.int64)
+                    table[r, i, ps] = b.view.pos_stride * b.elem_size
+        return table
 
     def to_tables(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The plan as ``(tensors, meta)``: ``queues``/``events``/``static_operands`` tensors and a
@@ -271,6 +290,13 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
             p0 = F["params"][0]
             for k, v in enumerate(params):
                 d[p0 + k] = v
+            pf = od.prefetch(op, t.tile, graph)
+            if pf is not None:
+                operand, offset, nbytes = pf
+                nbytes = min(nbytes, PREFETCH_MAX_BYTES)
+                if nbytes >= 16 and 0 <= operand < 8:
+                    d[F["prefetch"][0]] = (operand << 28) | (nbytes // 16)  # never past the range's end
+                    d[F["prefetch"][0] + 1] = offset // 16
     events = torch.zeros(len(tg.events), 4, dtype=torch.int32)
     for e in tg.events:
         events[e.id] = torch.tensor([len(e.preds), e.first, e.last, 0], dtype=torch.int32)

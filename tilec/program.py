@@ -11,6 +11,9 @@ from .pipeline import Compiled
 from .refexec import ReferenceExecutor
 
 
+STAGE_INPUT_BYTES = 64 * 1024  # read-only inputs up to this size are copied, larger ones bound in place
+
+
 class CompiledProgram:
     """Calls the compiled step: ``program(*args)`` with the same arguments as the captured module.
 
@@ -42,12 +45,17 @@ class CompiledProgram:
             raise TilecError("executor='cuda' needs the model on a CUDA device (its parameters are on the CPU)")
         self.executor_kind = kind
         self.tensors: dict[str, torch.Tensor] = {}
+        self._written = written = {v.buffer for op in self.graph.ops for v in op.outputs}
+        # small read-only inputs (token ids, ...) are copied into program-owned buffers, so new
+        # input tensors every step keep the same operand table (nothing to rebind or upload)
+        self.staged_inputs = {name for name, b in self.graph.buffers.items()
+                              if b.kind is BufferKind.INPUT and name not in written and b.nbytes <= STAGE_INPUT_BYTES}
         for name, b in self.graph.buffers.items():
             if b.kind is BufferKind.PARAM:
                 t = binding.params[name]
             elif b.kind in (BufferKind.CONST, BufferKind.TABLE):
                 t = self.graph.constants[name].to(self.device)
-            elif b.kind in (BufferKind.TEMP, BufferKind.OUTPUT):
+            elif b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) or name in self.staged_inputs:
                 t = torch.empty(b.shape, dtype=b.dtype, device=self.device)
             else:
                 continue
@@ -85,12 +93,15 @@ class CompiledProgram:
             if not isinstance(a, torch.Tensor) or tuple(a.shape) != b.shape or a.dtype != b.dtype:
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
                 raise TilecError(f"argument {i} ({name}): expected {b.dtype}{list(b.shape)}, got {got}")
-            if not a.is_contiguous():
-                if b.kind is BufferKind.STATE:
-                    raise TilecError(f"argument {i} ({name}) is updated in place and must be contiguous")
-                a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             if a.device != self.device:
                 raise TilecError(f"argument {i} ({name}) is on {a.device}, the compiled step runs on {self.device}")
+            if name in self.staged_inputs:
+                tensors[name].copy_(a)  # a small read-only input: into the program's own buffer
+                continue
+            if not a.is_contiguous():
+                if b.kind is BufferKind.STATE or name not in self.staged_inputs and name in self._written:
+                    raise TilecError(f"argument {i} ({name}) is updated in place and must be contiguous")
+                a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             tensors[name] = a
         if len(positions) > 1:
             raise TilecError(f"position arguments disagree: {sorted(positions)}")
@@ -102,8 +113,7 @@ class CompiledProgram:
             for name, b in self.graph.buffers.items():
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
                     tensors[name].fill_(float("nan"))
-        table = self.plan.bind(tensors, p)
-        self.executor.run(tensors, table)
+        self.executor.run(tensors, self.plan.bind_base(tensors), position=p)
         for idx, values in self.graph.position_updates:
             if isinstance(args[idx], torch.Tensor):
                 args[idx].copy_(values[p].reshape(args[idx].shape))

@@ -21,7 +21,7 @@ from . import ops as opreg
 from .errors import DeadlockError, TilecError
 from .ir import CODE_DTYPES
 from .ops import EMPTY, NOOP, TileArgs
-from .plan import OF, SCALAR_OPERAND, UNUSED_OPERAND, F, KernelPlan, decode_coords, decode_params
+from .plan import OF, SCALAR_OPERAND, UNUSED_OPERAND, F, KernelPlan, apply_position, decode_coords, decode_params
 
 _W = {name: F[name][0] for name in ("opcode", "variant", "wait_event", "wait_count", "signal_event", "operand_row",
                                     "task")}
@@ -65,8 +65,9 @@ class ReferenceExecutor:
         self.epoch = 0
 
     def run(self, tensors: dict[str, torch.Tensor], operand_table: torch.Tensor,
-            queues: torch.Tensor | None = None) -> None:
-        """One step. ``tensors`` maps buffer names to the tensors the operand table points into.
+            queues: torch.Tensor | None = None, position: int = 0) -> None:
+        """One step at decode position ``position``. ``tensors`` maps buffer names to the tensors
+        the operand table points into; entries move by ``position * pos_step`` (``apply_position``).
 
         A step that raises is rolled back (event counters and epoch), so the executor stays
         usable for the next call.
@@ -89,7 +90,7 @@ class ReferenceExecutor:
                         raise TilecError(f"(worker {w}, instruction {i}): {name} {e} is outside the event table "
                                          f"[0, {n_events})")
         mem = MemoryMap(tensors)
-        table = operand_table.tolist()
+        table = apply_position(operand_table, position).tolist()
         counters = self.counters
         snapshot = counters.clone()
         self.epoch += 1

@@ -36,16 +36,24 @@ __device__ __forceinline__ void signal_release(unsigned long long* p) {
   asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(p) : "memory");
 }
 
-__device__ __forceinline__ void decode_operand(const long long* e, Operand& o) {
+// Decodes one operand-table entry for decode position p (address or scalar + p * pos_step).
+__device__ __forceinline__ void decode_operand(const long long* e, Operand& o, long long position) {
   o.dtype = (int)e[TILEC_OF_DTYPE];
-  o.ptr = reinterpret_cast<char*>(e[TILEC_OF_ADDR]);
-  o.scalar = e[TILEC_OF_ADDR];
+  const long long addr = e[TILEC_OF_ADDR] + position * e[TILEC_OF_POS_STEP];
+  o.ptr = reinterpret_cast<char*>(addr);
+  o.scalar = addr;
   o.ndim = (int)e[TILEC_OF_NDIM];
 #pragma unroll
   for (int k = 0; k < TILEC_MAX_DIMS; ++k) {
     o.sizes[k] = (int)e[TILEC_OF_SIZES + k];
     o.strides[k] = e[TILEC_OF_STRIDES + k];
   }
+}
+
+// Starts pulling [p, p + bytes) from HBM into L2 (Hopper bulk prefetch; a hint, no completion).
+__device__ __forceinline__ void prefetch_l2(const char* p, unsigned bytes) {
+  const unsigned long long a = reinterpret_cast<unsigned long long>(p) & ~15ull;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
 }
 
 // Returns false if the wait was abandoned (watchdog or another CTA's abort).
@@ -71,14 +79,14 @@ __device__ bool wait_event(unsigned long long* counters, int e, unsigned long lo
       return false;
     }
     __nanosleep(ns);
-    if (ns < 1024) ns <<= 1;
+    if (ns < 256) ns <<= 1;
   }
 }
 
 template <void (*Dispatch)(TileCtx&, int, int)>
 __device__ void run_queue(const int* __restrict__ queues, int L, const long long* __restrict__ operands,
                           unsigned long long* counters, long long epoch, ErrorRecord* err, long long timeout_ns,
-                          int smem_floats, long long* stamps) {
+                          int smem_floats, long long* stamps, long long position) {
   extern __shared__ float4 dyn_smem4[];
   __shared__ int desc[2][TILEC_DESCRIPTOR_WORDS];
   __shared__ Operand ops[TILEC_MAX_OPERANDS];
@@ -97,7 +105,11 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
       desc[(i + 1) & 1][threadIdx.x] = q[(size_t)(i + 1) * TILEC_DESCRIPTOR_WORDS + threadIdx.x];
     if (opcode != TILEC_OP_EMPTY && threadIdx.x >= 32 && threadIdx.x < 32 + TILEC_MAX_OPERANDS) {
       const int k = threadIdx.x - 32;
-      decode_operand(operands + ((size_t)row * TILEC_MAX_OPERANDS + k) * TILEC_OPERAND_FIELDS, ops[k]);
+      decode_operand(operands + ((size_t)row * TILEC_MAX_OPERANDS + k) * TILEC_OPERAND_FIELDS, ops[k], position);
+      // the tile's weights start streaming into L2 while thread 0 waits for its producers
+      const unsigned pf = (unsigned)d[TILEC_W_PREFETCH];
+      if (pf != 0u && (int)(pf >> 28) == k)
+        prefetch_l2(ops[k].ptr + (long long)d[TILEC_W_PREFETCH + 1] * 16, (pf & 0x0fffffffu) * 16u);
     }
     if (threadIdx.x == 0) {
       go = 1;

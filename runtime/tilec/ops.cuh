@@ -3,6 +3,7 @@
 // Semantics mirror the CPU references in tilec/ops/*.py: storage in the operand dtype,
 // float32 math, rounding to the input dtype where HF rounds.
 #pragma once
+#include <type_traits>
 #include "common.cuh"
 
 namespace tilec {
@@ -59,23 +60,31 @@ __device__ __forceinline__ void for_rows(const TileCtx& c, int nd, F f) {
   }
 }
 
+// One warp per row (the tile's rows in parallel, not one round trip after another).
 template <typename TX, typename TW, typename TO>
 __device__ void op_rmsnorm(TileCtx& c) {
   const Operand &x = c.ops[0], &w = c.ops[1], &out = c.ops[2];
   const int nd = out.ndim, D = out.sizes[nd - 1];
   const float eps = c.fparam(0);
-  for_rows(c, nd, [&](int* idx) {
-    long long xo = offset4(x, idx), oo = offset4(out, idx);
-    long long xs = x.strides[nd - 1], os = out.strides[nd - 1];
+  int lo[4], hi[4];
+  box_of(c, nd, lo, hi);
+  int rows = 1;
+  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long xs = x.strides[nd - 1], os = out.strides[nd - 1];
+  for (int r = warp; r < rows; r += kWarps) {
+    int idx[4] = {0, 0, 0, 0};
+    row_index(r, nd, lo, hi, idx);
+    idx[nd - 1] = 0;
+    const long long xo = offset4(x, idx), oo = offset4(out, idx);
     float ss = 0.f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) { float v = ldf<TX>(x, xo + d * xs); ss += v * v; }
-    ss = block_sum(ss, c.smem);
-    float r = rsqrtf(ss / D + eps);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float v = round_to<TX>(ldf<TX>(x, xo + d * xs) * r);
+    for (int d = lane; d < D; d += 32) { const float v = ldf<TX>(x, xo + d * xs); ss += v * v; }
+    const float rs = rsqrtf(warp_sum(ss) / D + eps);
+    for (int d = lane; d < D; d += 32) {
+      const float v = round_to<TX>(ldf<TX>(x, xo + d * xs) * rs);
       stf<TO>(out, oo + d * os, v * to_f<TW>(base<TW>(w)[d * w.strides[0]]));
     }
-  });
+  }
 }
 
 template <typename TX, typename TW, typename TB, typename TO, bool kBias>
@@ -126,24 +135,32 @@ template <typename TX, typename TC, typename TS, typename TO>
 __device__ void op_rope(TileCtx& c) {
   const Operand &x = c.ops[0], &cs = c.ops[1], &sn = c.ops[2], &out = c.ops[3];
   const int nd = out.ndim, D = out.sizes[nd - 1], h = D / 2, style = c.param(0);
-  for_rows(c, nd, [&](int* idx) {
-    long long xo = offset4(x, idx), oo = offset4(out, idx), co = offset4(cs, idx), so = offset4(sn, idx);
-    long long xs = x.strides[nd - 1], os = out.strides[nd - 1], cst = cs.strides[nd - 1], sst = sn.strides[nd - 1];
-    for (int i = threadIdx.x; i < h; i += blockDim.x) {
-      float a, b, c0, s0, c1, s1;
-      if (style == 0) {
-        a = ldf<TX>(x, xo + i * xs); b = ldf<TX>(x, xo + (i + h) * xs);
-        c0 = ldf<TC>(cs, co + i * cst); s0 = ldf<TS>(sn, so + i * sst);
-        c1 = ldf<TC>(cs, co + (i + h) * cst); s1 = ldf<TS>(sn, so + (i + h) * sst);
-      } else {
-        a = ldf<TX>(x, xo + 2 * i * xs); b = ldf<TX>(x, xo + (2 * i + 1) * xs);
-        c0 = c1 = ldf<TC>(cs, co + i * cst); s0 = s1 = ldf<TS>(sn, so + i * sst);
-      }
-      // each product rounded to the storage type, as eager HF computes x*cos + rot(x)*sin
-      stf<TO>(out, oo + i * os, round_to<TX>(a * c0) - round_to<TX>(b * s0));
-      stf<TO>(out, oo + (i + h) * os, round_to<TX>(b * c1) + round_to<TX>(a * s1));
+  int lo[4], hi[4];
+  box_of(c, nd, lo, hi);
+  int rows = 1;
+  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  const long long xs = x.strides[nd - 1], os = out.strides[nd - 1], cst = cs.strides[nd - 1], sst = sn.strides[nd - 1];
+  // every (row, pair) of the tile at once: one round trip, not one per row
+  for (int e = threadIdx.x; e < rows * h; e += blockDim.x) {
+    const int r = e / h, i = e % h;
+    int idx[4] = {0, 0, 0, 0};
+    row_index(r, nd, lo, hi, idx);
+    idx[nd - 1] = 0;
+    const long long xo = offset4(x, idx), oo = offset4(out, idx), co = offset4(cs, idx), so = offset4(sn, idx);
+    float a, b, c0, s0, c1, s1;
+    if (style == 0) {
+      a = ldf<TX>(x, xo + i * xs); b = ldf<TX>(x, xo + (i + h) * xs);
+      c0 = ldf<TC>(cs, co + i * cst); s0 = ldf<TS>(sn, so + i * sst);
+      c1 = ldf<TC>(cs, co + (i + h) * cst); s1 = ldf<TS>(sn, so + (i + h) * sst);
+    } else {
+      a = ldf<TX>(x, xo + 2 * i * xs); b = ldf<TX>(x, xo + (2 * i + 1) * xs);
+      c0 = c1 = ldf<TC>(cs, co + i * cst); s0 = s1 = ldf<TS>(sn, so + i * sst);
     }
-  });
+    // each product rounded to the storage type, as eager HF computes x*cos + rot(x)*sin
+    // (interleaved inputs come out de-interleaved, as HF's apply_rotary_pos_emb_interleave does)
+    stf<TO>(out, oo + i * os, round_to<TX>(a * c0) - round_to<TX>(b * s0));
+    stf<TO>(out, oo + (i + h) * os, round_to<TX>(b * c1) + round_to<TX>(a * s1));
+  }
 }
 
 // ---- elementwise -----------------------------------------------------------------------
@@ -247,14 +264,384 @@ __device__ void op_concat(TileCtx& c) {
 
 // ---- linear / GEMV: out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) ------------------------
 // One warp per output column n; the tile's rows (<= kMaxRows, processed kRowsPerPass at a
-// time) accumulate in registers; lanes stride over K. bf16 weights with unit K-stride and
-// 16-byte alignment stream as 8-element vectors.
+// time) accumulate in registers; lanes stride over K. x rows are staged in shared memory as
+// float when they fit. Fast path (bf16 W with unit K-stride and 16-byte aligned rows, staged
+// x, <= kRowsPerPass rows): each warp streams two columns at once with kGemvLoads 16-byte
+// loads per column in flight per lane (L2 evict-first, no L1 allocation), so an SM keeps
+// ~64 KiB of weights in flight - what HBM latency x per-SM bandwidth needs (HOPPER.md).
 constexpr int kRowsPerPass = 8;
+constexpr int kGemvLoads = 8;
 
+// 16-byte load of streamed-once data: bypasses L1, marked evict-first in L2.
+__device__ __forceinline__ uint4 ld_stream16(const void* p, unsigned long long policy) {
+  uint4 r;
+  asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
+  return r;
+}
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+// dot of 8 bf16 (packed in a uint4) with 8 floats
+__device__ __forceinline__ float dot8_bf16(const uint4& w, const float* x) {
+  const float4 a = reinterpret_cast<const float4*>(x)[0], b = reinterpret_cast<const float4*>(x)[1];
+  return a.x * __uint_as_float(w.x << 16) + a.y * __uint_as_float(w.x & 0xffff0000u) +
+         a.z * __uint_as_float(w.y << 16) + a.w * __uint_as_float(w.y & 0xffff0000u) +
+         b.x * __uint_as_float(w.z << 16) + b.y * __uint_as_float(w.z & 0xffff0000u) +
+         b.z * __uint_as_float(w.w << 16) + b.w * __uint_as_float(w.w & 0xffff0000u);
+}
+
+// The output side of a GEMV tile: optional residual add (the fused epilogue), then store.
+// ooff/roff: per-row element offsets of out/resid; on/rn: their column strides.
+template <typename TO>
+struct GemvStore {
+  const Operand& out;
+  const Operand* resid;  // nullptr: plain store
+  const long long* ooff;
+  const long long* roff;
+  long long on, rn;
+  int variant;  // 0 write (callers add the bias), 2 split-K partial (atomic float32 add, no bias)
+  __device__ void operator()(int m, int n, float v) const {
+    if (variant == 2) {  // split-K partial: the init tile (variant 1) wrote the bias
+      atomicAdd(reinterpret_cast<float*>(out.ptr) + ooff[m] + (long long)n * on, v);
+      return;
+    }
+    if (resid) v = round_to<TO>(v) + ldf<TO>(*resid, roff[m] + (long long)n * rn);
+    stf<TO>(out, ooff[m] + (long long)n * on, v);
+  }
+};
+
+// Fast path: columns [n0, n1) of bf16 W [N, K] (row stride wn elements), K range [k0, k1)
+// (k1 - k0 a multiple of 8), against nr <= kR staged float rows xs [nr][k1 - k0]. kR (1, 4 or
+// 8 rows) keeps the accumulators of small batches out of the register budget.
+template <int kR, typename TB, typename TO, bool kBias>
+__device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloat16* w, long long wn, int n0, int n1,
+                                              int k0, int k1, const float* xs, int nr, const GemvStore<TO>& store) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kl = k1 - k0;
+  const unsigned long long policy = evict_first_policy();
+  for (int n = n0 + warp; n < n1; n += 2 * kWarps) {
+    const int nb = n + kWarps < n1 ? n + kWarps : n;  // second column (or a repeat, not stored)
+    const __nv_bfloat16* w0 = w + (long long)n * wn + k0;
+    const __nv_bfloat16* w1 = w + (long long)nb * wn + k0;
+    float acc0[kR], acc1[kR];
+#pragma unroll
+    for (int m = 0; m < kR; ++m) acc0[m] = acc1[m] = 0.f;
+    for (int kb = 0; kb < kl; kb += kGemvLoads * 256) {
+      uint4 r0[kGemvLoads], r1[kGemvLoads];
+#pragma unroll
+      for (int u = 0; u < kGemvLoads; ++u) {
+        const int k = kb + u * 256 + lane * 8;
+        if (k < kl) {
+          r0[u] = ld_stream16(w0 + k, policy);
+          r1[u] = ld_stream16(w1 + k, policy);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kGemvLoads; ++u) {
+        const int k = kb + u * 256 + lane * 8;
+        if (k < kl) {
+#pragma unroll
+          for (int m = 0; m < kR; ++m) {
+            if (m < nr) {
+              acc0[m] += dot8_bf16(r0[u], xs + m * kl + k);
+              acc1[m] += dot8_bf16(r1[u], xs + m * kl + k);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kR; ++m) {
+      if (m < nr) {
+        acc0[m] = warp_sum(acc0[m]);
+        acc1[m] = warp_sum(acc1[m]);
+      }
+    }
+    if (lane == 0) {
+      float b0 = 0.f, b1 = 0.f;
+      if (kBias && store.variant == 0) {
+        b0 = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+        b1 = to_f<TB>(base<TB>(c.ops[2])[(long long)nb * c.ops[2].strides[0]]);
+      }
+      for (int m = 0; m < nr; ++m) {
+        store(m, n, acc0[m] + b0);
+        if (nb != n) store(m, nb, acc1[m] + b1);
+      }
+    }
+  }
+}
+
+// ---- bulk-copy (TMA) weight streaming --------------------------------------------------
+// Hopper's copy engine moves global -> shared memory without occupying threads: one thread
+// issues cp.async.bulk copies into a ring of stages, each completing an mbarrier, while all
+// warps compute on earlier stages. Few warps then still keep ~100 KiB per SM in flight.
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar,
+                                          unsigned long long policy) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy) : "memory");
+}
+
+constexpr int kTmaRows = kWarps;                     // W rows (output columns) per stage: one per warp
+constexpr int kTmaK = 2048;                          // K elements per stage row (4 KiB of bf16)
+constexpr int kTmaStageBytes = kTmaRows * kTmaK * 2;  // 32 KiB
+
+// Columns [n0, n1) of bf16 W against nr <= kR staged float rows xs [nr][k1 - k0], streaming W
+// through `nstages` 32 KiB stages at `ring` with mbarriers `bars`. Work items are (group of 8
+// columns, K block of 2048): one bulk copy per column row segment; warp w owns column w.
+// Needs 16-byte aligned W rows and (k1 - k0) % 8 == 0 (the caller checks). Loops stay rolled:
+// a megakernel runs each op's code cold from L2, so code size is latency.
+template <int kR, typename TB, typename TO, bool kBias>
+__device__ __noinline__ void gemv_bf16_tma(const TileCtx& c, const __nv_bfloat16* w, long long wn, int n0, int n1,
+                                           int k0, int k1, const float* xs, int nr, const GemvStore<TO>& store,
+                                           char* ring, int nstages, unsigned long long* bars) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kl = k1 - k0;
+  const int kblocks = (kl + kTmaK - 1) / kTmaK;
+  const int groups = (n1 - n0 + kTmaRows - 1) / kTmaRows;
+  const int items = groups * kblocks;
+  const unsigned long long policy = evict_first_policy();
+  auto issue = [&](int i) {  // thread 0 only
+    const int g = i / kblocks, kb = i % kblocks;
+    const int c0 = n0 + g * kTmaRows, rows = min(kTmaRows, n1 - c0);
+    const int kk = kb * kTmaK, len = min(kTmaK, kl - kk);
+    char* stage = ring + (size_t)(i % nstages) * kTmaStageBytes;
+    unsigned long long* bar = bars + (i % nstages);
+    mbar_expect_tx(bar, (unsigned)(rows * len * 2));
+#pragma unroll 1
+    for (int r = 0; r < rows; ++r)
+      bulk_load(stage + r * kTmaK * 2, w + (long long)(c0 + r) * wn + k0 + kk, (unsigned)(len * 2), bar, policy);
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < nstages; ++s) mbar_init(bars + s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 0; i < min(nstages, items); ++i) issue(i);
+  float acc[kR];
+#pragma unroll
+  for (int m = 0; m < kR; ++m) acc[m] = 0.f;
+#pragma unroll 1
+  for (int i = 0; i < items; ++i) {
+    const int g = i / kblocks, kb = i % kblocks;
+    const int n = n0 + g * kTmaRows + warp;
+    const int kk = kb * kTmaK, len = min(kTmaK, kl - kk);
+    mbar_wait(bars + (i % nstages), (unsigned)((i / nstages) & 1));
+    if (n < n1) {
+      const uint4* row = reinterpret_cast<const uint4*>(ring + (size_t)(i % nstages) * kTmaStageBytes + warp * kTmaK * 2);
+#pragma unroll 2
+      for (int v = lane; v < len / 8; v += 32) {
+        const uint4 wv = row[v];
+#pragma unroll
+        for (int m = 0; m < kR; ++m)
+          if (m < nr) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
+      }
+    }
+    if (kb == kblocks - 1) {
+#pragma unroll
+      for (int m = 0; m < kR; ++m)
+        if (m < nr) acc[m] = warp_sum(acc[m]);
+      if (lane == 0 && n < n1) {
+        float b = 0.f;
+        if (kBias && store.variant == 0) b = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+#pragma unroll 1
+        for (int m = 0; m < nr; ++m) store(m, n, acc[m] + b);
+      }
+#pragma unroll
+      for (int m = 0; m < kR; ++m) acc[m] = 0.f;
+    }
+    __syncthreads();  // every warp is done with stage i % nstages
+    if (threadIdx.x == 0 && i + nstages < items) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before async writes
+      issue(i + nstages);
+    }
+  }
+}
+
+// Stages rows [nr][k1 - k0] of x (element offsets xoff[r], K stride xk) into xs as float.
+template <typename TX>
+__device__ void stage_rows(const Operand& x, const long long* xoff, long long xk, int nr, int k0, int k1, float* xs) {
+  const int kl = k1 - k0;
+  bool vec = sizeof(TX) == 2 && xk == 1 && kl % 8 == 0;
+  for (int r = 0; r < nr && vec; ++r) vec = ((reinterpret_cast<uintptr_t>(base<TX>(x) + xoff[r] + k0) & 15) == 0);
+  if constexpr (std::is_same<TX, __nv_bfloat16>::value) {
+    if (vec) {  // 16-byte loads of 8 bf16 (x is produced by other CTAs: L2-coherent loads)
+      const int nv = nr * (kl / 8);
+      for (int e0 = threadIdx.x; e0 < nv; e0 += 2 * blockDim.x) {  // 2 loads in flight per thread
+        uint4 raw[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int e = e0 + j * blockDim.x;
+          if (e < nv) {
+            const int r = e / (kl / 8), k = (e % (kl / 8)) * 8;
+            raw[j] = __ldcg(reinterpret_cast<const uint4*>(base<TX>(x) + xoff[r] + k0 + k));
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int e = e0 + j * blockDim.x;
+          if (e < nv) {
+            const int r = e / (kl / 8), k = (e % (kl / 8)) * 8;
+            const uint4 v = raw[j];
+            float4* dst = reinterpret_cast<float4*>(xs + r * kl + k);
+            dst[0] = make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u),
+                                 __uint_as_float(v.y << 16), __uint_as_float(v.y & 0xffff0000u));
+            dst[1] = make_float4(__uint_as_float(v.z << 16), __uint_as_float(v.z & 0xffff0000u),
+                                 __uint_as_float(v.w << 16), __uint_as_float(v.w & 0xffff0000u));
+          }
+        }
+      }
+      return;
+    }
+  }
+  for (int e = threadIdx.x; e < nr * kl; e += blockDim.x)
+    xs[e] = ldf<TX>(x, xoff[e / kl] + (long long)(k0 + e % kl) * xk);
+}
+
+// xs[e] = f(e, xs[e], side element) over nr staged rows of kl elements (e = r * kl + k): the
+// side operand is a vector (offset k0 + k; rowoff == nullptr) or rows at element offsets
+// rowoff[r]. bf16 with unit stride loads 8 elements per 16-byte load, 2 loads in flight.
+template <typename TX, typename F>
+__device__ __forceinline__ void apply_side(const Operand& side, const long long* rowoff, int nr, int k0, int kl,
+                                           float* xs, F f) {
+  const long long st = side.strides[side.ndim - 1];
+  bool vec = std::is_same<TX, __nv_bfloat16>::value && st == 1 && kl % 8 == 0;
+  for (int r = 0; r < (rowoff ? nr : 1) && vec; ++r)
+    vec = ((reinterpret_cast<uintptr_t>(base<TX>(side) + (rowoff ? rowoff[r] : 0) + k0) & 15) == 0);
+  if (vec) {
+    const int nv = nr * (kl / 8);
+    for (int v0 = threadIdx.x; v0 < nv; v0 += 2 * blockDim.x) {
+      uint4 raw[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int v = v0 + j * blockDim.x;
+        if (v < nv) {
+          const int r = v / (kl / 8), k = (v % (kl / 8)) * 8;
+          raw[j] = __ldcg(reinterpret_cast<const uint4*>(base<TX>(side) + (rowoff ? rowoff[r] : 0) + k0 + k));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int v = v0 + j * blockDim.x;
+        if (v < nv) {
+          const int e = v * 8;
+          const unsigned wd[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
+#pragma unroll
+          for (int t = 0; t < 8; ++t) {
+            const float sv = __uint_as_float(t & 1 ? (wd[t / 2] & 0xffff0000u) : (wd[t / 2] << 16));
+            xs[e + t] = f(e + t, xs[e + t], sv);
+          }
+        }
+      }
+    }
+    return;
+  }
+  for (int e = threadIdx.x; e < nr * kl; e += blockDim.x) {
+    const int r = e / kl, k = e % kl;
+    xs[e] = f(e, xs[e], ldf<TX>(side, (rowoff ? rowoff[r] : 0) + (long long)(k0 + k) * st));
+  }
+}
+
+// The fused prologues, each out of line (a megakernel runs each op's code cold: size is latency).
+template <typename TX>
+__device__ __noinline__ void gemv_rmsnorm_rows(const TileCtx& c, int nr, int k0, int kl, float* xs_smem, float* rscale,
+                                               float eps) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int m = warp; m < nr; m += kWarps) {
+    float ss = 0.f;
+    for (int k = lane; k < kl; k += 32) ss += xs_smem[m * kl + k] * xs_smem[m * kl + k];
+    ss = warp_sum(ss);
+    if (lane == 0) rscale[m] = rsqrtf(ss / kl + eps);
+  }
+  __syncthreads();
+  apply_side<TX>(c.ops[1], nullptr, nr, k0, kl, xs_smem, [&](int e, float x, float wv) {
+    return round_to<TX>(round_to<TX>(x * rscale[e / kl]) * wv);
+  });
+}
+template <typename TX>
+__device__ __noinline__ void gemv_silu_mul_rows(const TileCtx& c, const long long* soff, int nr, int k0, int kl,
+                                                float* xs_smem) {
+  apply_side<TX>(c.ops[1], soff, nr, k0, kl, xs_smem, [&](int, float g, float u) {
+    return round_to<TX>(round_to<TX>(g / (1.f + __expf(-g))) * u);
+  });
+}
+
+// Stages a GEMV tile's x rows as float in shared memory, then applies the fused prologue (pro 1:
+// RMSNorm with weight operand 1; pro 2: SiLU(x) * operand 1).
+template <typename TX>
+__device__ __noinline__ void gemv_stage_rows(const TileCtx& c, const Operand& x, const long long* xoff,
+                                             const long long* soff, long long xk, int nr, int k0, int k1,
+                                             float* xs_smem, float* rscale, int pro, float eps) {
+  stage_rows<TX>(x, xoff, xk, nr, k0, k1, xs_smem);
+  __syncthreads();
+  if (pro == 1) gemv_rmsnorm_rows<TX>(c, nr, k0, k1 - k0, xs_smem, rscale, eps);
+  else if (pro == 2) gemv_silu_mul_rows<TX>(c, soff, nr, k0, k1 - k0, xs_smem);
+  if (pro != 0) __syncthreads();
+}
+
+// The GEMV for any dtypes and strides (warp per column, lanes over K); out of line.
 template <typename TX, typename TW, typename TB, typename TO, bool kBias>
-__device__ void linear_impl(TileCtx& c) {
-  const Operand &x = c.ops[0], &w = c.ops[1];
-  const Operand &out = c.ops[kBias ? 3 : 2];
+__device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, const Operand& w, const Operand& out,
+                                          int n0, int n1, int k0, int k1, int nr, const long long* xoff,
+                                          const long long* ooff, long long xk, long long wn, long long wk, long long on,
+                                          bool staged, const float* xs_smem, int variant, const GemvStore<TO>& store) {
+  const int kl = k1 - k0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int n = n0 + warp; n < n1; n += kWarps) {
+    const TW* wrow = base<TW>(w) + (long long)n * wn;
+    float bias = 0.f;  // added by write tiles (0) and init tiles (1), never by split-K partials (2)
+    if (kBias && variant != 2) bias = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+    for (int m0 = 0; m0 < nr; m0 += kRowsPerPass) {
+      float acc[kRowsPerPass];
+#pragma unroll
+      for (int m = 0; m < kRowsPerPass; ++m) acc[m] = 0.f;
+      if (variant != 1) {
+        for (int k = k0 + lane; k < k1; k += 32) {
+          float wv = to_f<TW>(wrow[(long long)k * wk]);
+#pragma unroll
+          for (int m = 0; m < kRowsPerPass; ++m)
+            if (m0 + m < nr)
+              acc[m] += (staged ? xs_smem[(m0 + m) * kl + (k - k0)]
+                                : ldf<TX>(x, xoff[m0 + m] + (long long)k * xk)) * wv;
+        }
+#pragma unroll
+        for (int m = 0; m < kRowsPerPass; ++m) acc[m] = warp_sum(acc[m]);
+      }
+      if (lane == 0) {
+        for (int m = 0; m < kRowsPerPass && m0 + m < nr; ++m) {
+          if (variant == 1) stf<TO>(out, ooff[m0 + m] + (long long)n * on, bias);
+          else store(m0 + m, n, acc[m] + bias);
+        }
+      }
+    }
+  }
+}
+
+// GEMV tile. `wi`/`oi`: operand indices of W and out. Fused (linear_fused) tiles also apply
+// a prologue to the staged rows - pro 1: RMSNorm with weight operand 1 (eps), pro 2: SiLU(x)
+// times operand 1 - and an epilogue (epi 1: + resid, operand wi + 1), with the rounding
+// points of the unfused rmsnorm / silu_mul / binary-add ops (tilec/ops/linear_fused.py).
+template <typename TX, typename TW, typename TB, typename TO, bool kBias>
+__device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f) {
+  const Operand &x = c.ops[0], &w = c.ops[wi];
+  const Operand &out = c.ops[oi];
+  const Operand* resid = epi ? &c.ops[wi + 1] : nullptr;
   const int nd = out.ndim;
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
@@ -265,7 +652,12 @@ __device__ void linear_impl(TileCtx& c) {
   for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
   long long* xoff = reinterpret_cast<long long*>(c.smem);
   long long* ooff = xoff + kMaxRows;
+  long long* roff = ooff + kMaxRows;  // resid rows (epilogue), or the side operand's rows (SiLU-mul)
+  long long* soff = roff + kMaxRows;
+  float* rscale = reinterpret_cast<float*>(soff + kMaxRows);  // per-row RMSNorm factors
+  float* xs_smem = rscale + kMaxRows;                          // 16-byte aligned (2304 bytes in)
   const long long xk = x.strides[x.ndim - 1], wn = w.strides[0], wk = w.strides[1], on = out.strides[nd - 1];
+  const int kl = k1 - k0;
   for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
     const int nr = min(kMaxRows, rows - r0);
     __syncthreads();
@@ -275,79 +667,53 @@ __device__ void linear_impl(TileCtx& c) {
       idx[nd - 1] = 0;
       xoff[r] = offset4(x, idx);
       ooff[r] = offset4(out, idx);
+      if (resid) roff[r] = offset4(*resid, idx);
+      if (pro == 2) soff[r] = offset4(c.ops[1], idx);
     }
     __syncthreads();
-    // stage this chunk's x rows (K range) in shared memory as float when they fit
-    float* xs_smem = reinterpret_cast<float*>(ooff + kMaxRows);
-    const int kl = k1 - k0;
-    const bool staged = (long long)nr * kl + 4 * kMaxRows <= (long long)c.smem_floats - 64;
-    if (staged && variant != 1) {
-      for (int e = threadIdx.x; e < nr * kl; e += blockDim.x)
-        xs_smem[e] = ldf<TX>(x, xoff[e / kl] + (long long)(k0 + e % kl) * xk);
-      __syncthreads();
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int n = n0 + warp; n < n1; n += kWarps) {
-      const TW* wrow = base<TW>(w) + (long long)n * wn;
-      float bias = 0.f;
-      if constexpr (kBias) bias = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
-      for (int m0 = 0; m0 < nr; m0 += kRowsPerPass) {
-        float acc[kRowsPerPass];
-#pragma unroll
-        for (int m = 0; m < kRowsPerPass; ++m) acc[m] = 0.f;
-        if (variant != 1) {
-          bool vec = sizeof(TW) == 2 && wk == 1 && ((k1 - k0) % 8 == 0) &&
-                     ((reinterpret_cast<uintptr_t>(wrow + k0) & 15) == 0);
-          if (vec) {
-            for (int k = k0 + lane * 8; k < k1; k += 32 * 8) {
-              uint4 raw = __ldg(reinterpret_cast<const uint4*>(wrow + k));
-              const TW* wv = reinterpret_cast<const TW*>(&raw);
-#pragma unroll
-              for (int m = 0; m < kRowsPerPass; ++m) {
-                if (m0 + m < nr) {
-                  if (staged) {
-                    const float4* xr = reinterpret_cast<const float4*>(xs_smem + (m0 + m) * kl + (k - k0));
-                    float4 a = xr[0], b = xr[1];
-                    acc[m] += a.x * to_f<TW>(wv[0]) + a.y * to_f<TW>(wv[1]) + a.z * to_f<TW>(wv[2]) +
-                              a.w * to_f<TW>(wv[3]) + b.x * to_f<TW>(wv[4]) + b.y * to_f<TW>(wv[5]) +
-                              b.z * to_f<TW>(wv[6]) + b.w * to_f<TW>(wv[7]);
-                  } else {
-                    const long long xo = xoff[m0 + m];
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[m] += ldf<TX>(x, xo + (long long)(k + e) * xk) * to_f<TW>(wv[e]);
-                  }
-                }
-              }
-            }
-          } else {
-            for (int k = k0 + lane; k < k1; k += 32) {
-              float wv = to_f<TW>(wrow[(long long)k * wk]);
-#pragma unroll
-              for (int m = 0; m < kRowsPerPass; ++m)
-                if (m0 + m < nr)
-                  acc[m] += (staged ? xs_smem[(m0 + m) * kl + (k - k0)]
-                                    : ldf<TX>(x, xoff[m0 + m] + (long long)k * xk)) * wv;
-            }
-          }
-#pragma unroll
-          for (int m = 0; m < kRowsPerPass; ++m) acc[m] = warp_sum(acc[m]);
-        }
-        if (lane == 0) {
-          for (int m = 0; m < kRowsPerPass && m0 + m < nr; ++m) {
-            long long o = ooff[m0 + m] + (long long)n * on;
-            if (variant == 0) stf<TO>(out, o, acc[m] + bias);
-            else if (variant == 1) stf<TO>(out, o, bias);
-            else atomicAdd(reinterpret_cast<float*>(out.ptr) + o, acc[m]);  // split-K: float32 out only
-          }
-        }
+    // stage this chunk's x rows (K range) in shared memory as float when they fit (fused
+    // tiles always fit: the fusion pass checks)
+    const bool staged = (long long)nr * kl + 2304 / 4 <= (long long)c.smem_floats - 64;
+    if (staged && variant != 1) gemv_stage_rows<TX>(c, x, xoff, soff, xk, nr, k0, k1, xs_smem, rscale, pro, eps);
+    const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant};
+    if constexpr (std::is_same<TW, __nv_bfloat16>::value) {
+      const bool fast = variant != 1 && staged && nr <= kRowsPerPass && wk == 1 && kl % 8 == 0 &&
+                        (wn * 2) % 16 == 0 && ((reinterpret_cast<uintptr_t>(base<TW>(w) + k0) & 15) == 0);
+      // the ring of bulk-copy stages goes after the staged rows (128-byte aligned)
+      const long long used = (2304 + 4LL * nr * kl + 127) / 128 * 128;
+      const int nstages = (int)min(6LL, ((long long)c.smem_floats * 4 - used - 512) / kTmaStageBytes);
+      if (fast && nstages >= 2) {
+        char* ring = reinterpret_cast<char*>(c.smem) + used;
+        auto* bars = reinterpret_cast<unsigned long long*>(ring + (size_t)nstages * kTmaStageBytes);
+        const __nv_bfloat16* wp = base<TW>(w);
+        if (nr == 1) gemv_bf16_tma<1, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store, ring, nstages, bars);
+        else if (nr <= 4) gemv_bf16_tma<4, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store, ring, nstages, bars);
+        else gemv_bf16_tma<8, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store, ring, nstages, bars);
+        continue;
+      }
+      if (fast) {
+        const __nv_bfloat16* wp = base<TW>(w);
+        if (nr == 1) gemv_bf16_stream<1, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store);
+        else if (nr <= 4) gemv_bf16_stream<4, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store);
+        else gemv_bf16_stream<8, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store);
+        continue;
       }
     }
+    gemv_generic<TX, TW, TB, TO, kBias>(c, x, w, out, n0, n1, k0, k1, nr, xoff, ooff, xk, wn, wk, on, staged,
+                                        xs_smem, variant, store);
   }
 }
 template <typename TX, typename TW, typename TO>
-__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TW, TO, false>(c); }
+__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TW, TO, false>(c, 1, 2); }
 template <typename TX, typename TW, typename TB, typename TO>
-__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TB, TO, true>(c); }
+__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TB, TO, true>(c, 1, 3); }
+// linear_fused: operands (x | x, norm_w | g, u), W, (resid), out; params K, prologue, epilogue, eps
+template <typename TX, typename TW, typename TO>
+__device__ void op_linear_fused(TileCtx& c) {
+  const int pro = c.param(1), epi = c.param(2);
+  const int wi = pro ? 2 : 1;
+  linear_impl<TX, TW, TW, TO, false>(c, wi, wi + (epi ? 2 : 1), pro, epi, c.fparam(3));
+}
 
 // ---- decode attention over a static KV cache (GQA) -------------------------------------
 // Per (batch, KV head), queries (the G heads of the group x Sq tokens) in chunks of
@@ -470,3 +836,4 @@ __device__ void op_attention(TileCtx& c) {
 }  // namespace tilec
 
 #include "ops_glm.cuh"  // the DSA prelude's ops (FP8, absorption, paged caches)
+#include "ops_attention.cuh"  // split-KV decode attention (flash-decoding partials + combine)

@@ -14,7 +14,7 @@ from ..ir import ScalarOperand
 from ..plan import (DESCRIPTOR, DESCRIPTOR_WORDS, MAX_DIMS, MAX_OPERANDS, OPERAND, OPERAND_FIELDS, SCALAR_OPERAND,
                     UNUSED_OPERAND, KernelPlan, dtype_signature)
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 C_TYPES = {
     torch.float32: "float",
     torch.bfloat16: "__nv_bfloat16",
@@ -61,6 +61,7 @@ def variants(plan: KernelPlan) -> list[Variant]:
             if len(set(dtypes[:-1])) != 1:
                 raise TilecError(f"op {op.name}: concat inputs of mixed dtypes {dtypes[:-1]}")
             dtypes = [dtypes[0], dtypes[-1]]
+        dtypes = opreg.opdef(op.kind).device_dtypes(op, dtypes)
         key = (op.kind, dtype_signature(g, operands))
         if key not in seen:
             seen[key] = Variant(op.kind, key[1], f"op_{op.kind}", tuple(_ctype(d, op.name) for d in dtypes))

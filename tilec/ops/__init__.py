@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..ir import Op, ScalarOperand, View
+from ..ir import BufferKind, Op, ScalarOperand, View
 
 Box = tuple[tuple[int, int], ...]
 WRITE, ACCUMULATE = "write", "accumulate"
@@ -70,6 +70,18 @@ class OpDef:
 
     def run_tile(self, t: TileArgs) -> None:
         raise NotImplementedError
+
+    def prefetch(self, op: Op, tile: Tile, graph) -> tuple[int, int, int] | None:
+        """What the executor may start pulling into L2 before the tile's wait: ``(operand index,
+        byte offset from the operand's address, bytes)`` of data that no tile writes (weights),
+        or None. The CUDA executor issues one bulk L2 prefetch (``cp.async.bulk.prefetch``)
+        while the tile waits for its producers, so weight streaming overlaps the wait."""
+        return None
+
+    def device_dtypes(self, op: Op, dtypes: list) -> list:
+        """The dtypes (one per tensor operand, in operand order) that select the op's device
+        template ``tilec::op_<kind><types...>``; ops with roles decided at run time narrow them."""
+        return dtypes
 
     def smem_bytes(self, op: Op) -> int:
         """Dynamic shared memory (bytes) the device tiles of ``op`` can use; the CUDA executor
@@ -143,6 +155,38 @@ def chunks(n: int, size: int) -> Iterable[tuple[int, int]]:
         yield lo, min(n, lo + size)
 
 
+def weight_rows_prefetch(graph, w: View, operand: int, n0: int, n1: int, k0: int, k1: int):
+    """The prefetch range of rows [n0, n1) x columns [k0, k1) of a weight view W [N, K] (see
+    :meth:`OpDef.prefetch`): one contiguous byte range, or None when W is written by the
+    program or the range would be mostly gaps."""
+    buf = graph.buffers[w.buffer]
+    if buf.kind not in (BufferKind.PARAM, BufferKind.CONST) or w.strides[1] != 1:
+        return None
+    if n1 - n0 > 1 and w.strides[0] != k1 - k0:
+        return None
+    esize = buf.dtype.itemsize
+    first, last = n0 * w.strides[0] + k0, (n1 - 1) * w.strides[0] + k1
+    if (w.offset + first) * esize % 16:  # bulk copies need 16-byte aligned addresses
+        return None
+    return operand, first * esize, (last - first) * esize
+
+
+def gemv_tile_n(n: int, opts) -> int:
+    """Output columns per GEMV/GEMM tile for an op with ``n`` output columns.
+
+    ``opts.tile_n`` when set; otherwise (auto) the op's columns are spread over all
+    ``opts.workers`` so a lone GEMV keeps every SM streaming: about ``n / workers``
+    columns per tile, at most 128 (more, smaller tiles balance better), a multiple of 8
+    (16-byte aligned bf16 weight rows stay whole per warp).
+    """
+    if opts.tile_n:
+        return opts.tile_n
+    per = -(-n // opts.workers)
+    rounds = -(-per // 128)
+    per = -(-n // (opts.workers * rounds))
+    return max(8, -(-per // 8) * 8)
+
+
 def out_tiles(shape: Sequence[int], tile_rows: int, tile_cols: int | None = None) -> list[Box]:
     """Exact boxes tiling ``shape``: rows are split along the first leading dim of size > 1
     (about ``tile_rows`` rows per tile, inner leading dims whole), the last dim in chunks
@@ -178,6 +222,7 @@ def bcast_box(view_shape: Sequence[int], out_box: Box) -> Box:
 
 from . import (  # noqa: E402,F401  (registration side effects)
     attention,
+    attention_split,
     bmm,
     cache_write,
     concat,
@@ -189,6 +234,7 @@ from . import (  # noqa: E402,F401  (registration side effects)
     index_score,
     layernorm,
     linear,
+    linear_fused,
     paged_cache_write,
     rmsnorm,
     rope,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import OpDef, Tile, TileArgs, chunks, full_box, register
+from . import OpDef, Tile, TileArgs, chunks, full_box, gemv_tile_n, register
 
 
 def dequant_rows(w: torch.Tensor, ws: torch.Tensor, offset: int, row_len: int, br: int, bc: int) -> torch.Tensor:
@@ -41,7 +41,7 @@ class Bmm(OpDef):
         return [Tile(((b, b + 1), (n0, n1)),
                      reads=((0, ((b, b + 1), (0, m), (0, k))), (1, ((b, b + 1), (0, k), (n0, n1)))) + scale_read,
                      writes=((out_idx, ((b, b + 1), (0, m), (n0, n1)), "write"),))
-                for b in range(b_) for n0, n1 in chunks(n, opts.tile_n)]
+                for b in range(b_) for n0, n1 in chunks(n, gemv_tile_n(n, opts))]
 
     def params(self, op):
         if len(op.inputs) == 2:

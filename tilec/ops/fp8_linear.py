@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import OpDef, Tile, TileArgs, out_tiles, register, sub
+from . import OpDef, Tile, TileArgs, gemv_tile_n, out_tiles, register, sub
 
 
 @register
@@ -25,7 +25,7 @@ class Fp8Linear(OpDef):
         for s in out.shape[:-1]:
             rows *= s
         tiles = []
-        for box in out_tiles(out.shape, max(rows, 1), opts.tile_n):
+        for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts)):
             (n0, n1), lead = box[-1], box[:-1]
             tiles.append(Tile(box, reads=((0, lead + ((0, k),)), (1, lead + ((0, kb),)), (2, ((n0, n1), (0, k))),
                                           (3, ((n0 // bn, (n1 - 1) // bn + 1), (0, kb)))),

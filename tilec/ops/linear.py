@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, out_tiles, register, sub
+from . import ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, gemv_tile_n, out_tiles, register, sub, weight_rows_prefetch
 
 
 @register
@@ -27,7 +27,7 @@ class Linear(OpDef):
         for s in out.shape[:-1]:
             rows *= s
         tiles = []
-        for box in out_tiles(out.shape, max(rows, 1), opts.tile_n):
+        for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts)):
             n0, n1 = box[-1]
             lead = box[:-1]
             bias_read = ((2, ((n0, n1),)),) if has_bias else ()
@@ -40,6 +40,12 @@ class Linear(OpDef):
                 tiles.append(Tile(box + ((k0, k1),), reads=((0, lead + ((k0, k1),)), (1, ((n0, n1), (k0, k1)))),
                                   writes=((out_idx, box, ACCUMULATE),), variant=2))
         return tiles
+
+    def prefetch(self, op, tile, graph):
+        if tile.variant == 1:
+            return None
+        (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
+        return weight_rows_prefetch(graph, op.inputs[1], 1, n0, n1, k0, k1)
 
     def params(self, op):
         return [op.inputs[0].shape[-1], int(len(op.inputs) == 3)]

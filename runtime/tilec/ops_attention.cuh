@@ -1,0 +1,328 @@
+// tilec runtime: split-KV decode attention (flash-decoding; Dao, Haziza, Massa, Sizov 2023,
+// "Flash-Decoding for long-context inference"). Semantics mirror the CPU references in
+// tilec/ops/attention_split.py:
+//   op_attention_partial  per (batch, KV head, split of `chunk` cache positions) and every query
+//                         of the head group (G heads x Sq tokens): m = max score over the split,
+//                         l = sum exp(s - m), o = sum round_V(exp(s - m)) V  (float32, unnormalized);
+//   op_attention_combine  out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
+// o_part [B, Hq * Sq, NS, Dv] and ml [B, Hq * Sq, NS, 2] are float32 (row r = hq * Sq + i).
+// Shared memory is sized by OpDef.smem_bytes (the constants below are mirrored there).
+// Included by ops.cuh (needs its ldc / ldf / stf / round_to helpers).
+#pragma once
+#include "common.cuh"
+
+namespace tilec {
+
+constexpr int kAttnQ = 4;          // queries per pass over a split (ATTN_Q in attention_split.py)
+constexpr int kAttnSegMax = 2048;  // cache positions per shared-memory score segment (ATTN_SEG_MAX)
+
+// Lanes that share one cache row (8 elements each): the next power of two >= ceil(d / 8), so
+// a warp covers 32 / lanes rows per load and a row's dot product reduces within its lane group.
+__device__ __forceinline__ int attn_lanes(int d) {
+  const int n = (d + 7) / 8;
+  int g = 1;
+  while (g < n) g <<= 1;
+  return g;
+}
+
+// 16-byte loads need 2-byte elements, a unit last stride, 8 | row length and 16-byte aligned rows.
+__device__ __forceinline__ bool attn_vec_ok(const Operand& o) {
+  if (o.strides[3] != 1 || o.sizes[3] % 8 != 0 || (reinterpret_cast<uintptr_t>(o.ptr) & 15) != 0) return false;
+  for (int k = 0; k < 3; ++k)
+    if (o.sizes[k] > 1 && o.strides[k] % 8 != 0) return false;
+  return true;
+}
+
+// Elements d0 .. d0 + 7 of one cache row (zeros past the row's n elements, or when !ok). kVec:
+// held raw as one 16-byte L2 load (ld.global.cg: the row may have been written this step);
+// otherwise 8 strided scalar loads converted to float.
+// Element `hi` (0: low, 1: high half) of a 32-bit word holding two 2-byte values, as float
+// (bit operations, so the raw vector never needs an address and stays in registers).
+template <typename T> __device__ __forceinline__ float attn_half_of(unsigned int w, int hi);
+template <> __device__ __forceinline__ float attn_half_of<__nv_bfloat16>(unsigned int w, int hi) {
+  return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
+}
+template <> __device__ __forceinline__ float attn_half_of<__half>(unsigned int w, int hi) {
+  return __half2float(__ushort_as_half((unsigned short)(hi ? w >> 16 : w & 0xffffu)));
+}
+
+template <bool kVec, typename T> struct AttnRow8;
+template <typename T> struct AttnRow8<true, T> {
+  uint4 raw;
+  __device__ __forceinline__ void load(const Operand& o, long long off, long long, int d0, int n, bool ok) {
+    raw = ok && d0 < n ? __ldcg(reinterpret_cast<const uint4*>(base<T>(o) + off + d0)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  __device__ __forceinline__ float operator[](int e) const {  // e: a compile-time constant after unrolling
+    const unsigned int w = e < 2 ? raw.x : e < 4 ? raw.y : e < 6 ? raw.z : raw.w;
+    return attn_half_of<T>(w, e & 1);
+  }
+};
+template <typename T> struct AttnRow8<false, T> {
+  float v[8];
+  __device__ __forceinline__ void load(const Operand& o, long long off, long long stride, int d0, int n, bool ok) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = ok && d0 + e < n ? ldf<T>(o, off + (long long)(d0 + e) * stride) : 0.f;
+  }
+  __device__ __forceinline__ float operator[](int e) const { return v[e]; }
+};
+
+// ---- attention_partial ---------------------------------------------------------------------
+// Per (b, KV head h, split s) and pass of <= kAttnQ queries, over segments of <= kAttnSegMax
+// visible positions (online softmax between segments; one segment whenever chunk <= 2048):
+//  (0) the V rows of the segment's first step are loaded into registers;
+//  (1) scores: lane groups of LK = attn_lanes(D) lanes per K row, kUnroll rows per group in
+//      flight; a dot over the lane's 8 elements with the scaled queries (shared memory, float),
+//      then a shuffle reduction inside the group; masked scores go to shared memory;
+//  (2) one warp per query: segment max, running max m, p = exp(s - m) (stored rounded to V's
+//      dtype), l (unrounded sum), and the rescale factor alpha of the earlier segments;
+//  (3) P.V: lane groups of LV = attn_lanes(Dv) lanes per V row, float32 accumulators per lane
+//      (kAttnQ x 8); at the end of the split a shuffle reduction across the warp's groups and a
+//      deterministic sum over warps in shared memory; o, m, l are stored.
+template <bool kVec, typename TQ, typename TK, typename TV, typename TP, typename TM>
+__device__ void attention_partial_impl(TileCtx& c) {
+  constexpr int kUnroll = kVec ? 2 : 1;  // small: code size is latency in a megakernel (cold i-cache)
+  const Operand &q = c.ops[0], &k = c.ops[1], &v = c.ops[2], &op = c.ops[3], &ml = c.ops[4];
+  const long long valid = c.ops[5].scalar;
+  const float scale = c.fparam(0);
+  const int causal = c.param(1), chunk = c.param(2);
+  const int Hq = q.sizes[1], Sq = q.sizes[2], D = q.sizes[3], Hkv = k.sizes[1], S = k.sizes[2], Dv = v.sizes[3];
+  const int G = Hq / Hkv, nq = G * Sq;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int LK = attn_lanes(D), LV = attn_lanes(Dv), PK = 32 / LK, PV = 32 / LV, DVP = 8 * LV;
+  const int gk = lane / LK, ik = lane % LK, gv = lane / LV, iv = lane % LV;
+  const long long kj = k.strides[2], kd = k.strides[3], vj = v.strides[2], vd = v.strides[3];
+  float* qs = c.smem;             // [kAttnQ][256] scaled queries, zero past D
+  float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]
+  float* sc = st + 32;            // [kAttnQ][seg] scores -> p; at the end [kWarps][kAttnQ][DVP] P.V partials
+  const int seg = min(min(chunk, kAttnSegMax), (c.smem_floats - kAttnQ * 256 - 32) / kAttnQ);
+  for (int b = c.lo(0); b < c.hi(0); ++b)
+    for (int h = c.lo(1); h < c.hi(1); ++h)
+      for (int s = c.lo(2); s < c.hi(2); ++s) {
+        const int j0 = s * chunk, j1 = min(S, j0 + chunk);
+        // positions >= jend are seen by no query (query i sees positions < valid + i)
+        const int jend = causal ? (int)max((long long)j0, min((long long)j1, valid + Sq - 1)) : j1;
+        int hi0[4] = {b, h, 0, 0};
+        const long long kb = offset4(k, hi0), vb = offset4(v, hi0);
+        for (int q0 = 0; q0 < nq; q0 += kAttnQ) {
+          const int qc = min(kAttnQ, nq - q0);
+          __syncthreads();  // the previous pass is done with shared memory
+          for (int e = threadIdx.x; e < qc * 8 * LK; e += blockDim.x) {
+            const int qq = e / (8 * LK), d = e % (8 * LK);
+            float val = 0.f;
+            if (d < D) {
+              int qi[4] = {b, h * G + (q0 + qq) / Sq, (q0 + qq) % Sq, d};
+              val = ldf<TQ>(q, offset4(q, qi)) * scale;
+            }
+            qs[qq * 256 + d] = val;
+          }
+          if (threadIdx.x < kAttnQ) {
+            st[threadIdx.x] = -INFINITY;
+            st[kAttnQ + threadIdx.x] = 0.f;
+          }
+          float acc[kAttnQ][8];
+#pragma unroll
+          for (int qq = 0; qq < kAttnQ; ++qq)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[qq][e] = 0.f;
+          for (int p0 = j0; p0 < jend; p0 += seg) {
+            const int len = min(seg, jend - p0);
+            // (0) V rows of the first P.V step, in flight during the scores
+            AttnRow8<kVec, TV> vr[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const int jj = (u * kWarps + warp) * PV + gv;
+              vr[u].load(v, vb + (long long)(p0 + jj) * vj, vd, iv * 8, Dv, jj < len);
+            }
+            __syncthreads();  // queries staged; the previous segment's P.V is done with sc
+            // (1) scores
+            for (int t0 = 0; t0 < len; t0 += kWarps * PK * kUnroll) {
+              AttnRow8<kVec, TK> kr[kUnroll];
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u) {
+                const int jj = t0 + (u * kWarps + warp) * PK + gk;
+                kr[u].load(k, kb + (long long)(p0 + jj) * kj, kd, ik * 8, D, jj < len);
+              }
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u) {
+                const int jj = t0 + (u * kWarps + warp) * PK + gk;
+#pragma unroll
+                for (int qq = 0; qq < kAttnQ; ++qq) {
+                  if (qq < qc) {  // warp-uniform
+                    const float4 a = *reinterpret_cast<const float4*>(qs + qq * 256 + ik * 8);
+                    const float4 a2 = *reinterpret_cast<const float4*>(qs + qq * 256 + ik * 8 + 4);
+                    float dot = a.x * kr[u][0] + a.y * kr[u][1] + a.z * kr[u][2] + a.w * kr[u][3] +
+                                a2.x * kr[u][4] + a2.y * kr[u][5] + a2.z * kr[u][6] + a2.w * kr[u][7];
+                    for (int o = LK >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                    if (ik == 0 && jj < len) {
+                      const bool seen = !causal || p0 + jj < valid + (q0 + qq) % Sq;
+                      sc[qq * seg + jj] = seen ? dot : -INFINITY;
+                    }
+                  }
+                }
+              }
+            }
+            __syncthreads();
+            // (2) softmax statistics, one warp per query
+            for (int qq = warp; qq < qc; qq += kWarps) {
+              float* row = sc + qq * seg;
+              float mx = -INFINITY;
+              for (int j = lane; j < len; j += 32) mx = fmaxf(mx, row[j]);
+              mx = warp_max(mx);
+              const float m_old = st[qq], m_new = fmaxf(m_old, mx);
+              float sum = 0.f;
+              for (int j = lane; j < len; j += 32) {
+                const float x = row[j];
+                const float p = x == -INFINITY ? 0.f : __expf(x - m_new);
+                sum += p;
+                row[j] = round_to<TV>(p);
+              }
+              sum = warp_sum(sum);
+              if (lane == 0) {
+                const float alpha = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+                st[qq] = m_new;
+                st[kAttnQ + qq] = st[kAttnQ + qq] * alpha + sum;
+                st[2 * kAttnQ + qq] = alpha;
+              }
+            }
+            __syncthreads();
+            // (3) P.V
+#pragma unroll
+            for (int qq = 0; qq < kAttnQ; ++qq) {
+              if (qq < qc) {
+                const float alpha = st[2 * kAttnQ + qq];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[qq][e] *= alpha;
+              }
+            }
+            for (int t0 = 0; t0 < len; t0 += kWarps * PV * kUnroll) {
+              if (t0 > 0) {
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                  const int jj = t0 + (u * kWarps + warp) * PV + gv;
+                  vr[u].load(v, vb + (long long)(p0 + jj) * vj, vd, iv * 8, Dv, jj < len);
+                }
+              }
+#pragma unroll
+              for (int u = 0; u < kUnroll; ++u) {
+                const int jj = t0 + (u * kWarps + warp) * PV + gv;
+                if (jj < len) {
+#pragma unroll
+                  for (int qq = 0; qq < kAttnQ; ++qq) {
+                    if (qq < qc) {
+                      const float p = sc[qq * seg + jj];
+#pragma unroll
+                      for (int e = 0; e < 8; ++e) acc[qq][e] += p * vr[u][e];
+                    }
+                  }
+                }
+              }
+            }
+          }
+          // sum the warp's lane groups (lanes iv of every group hold elements iv*8 .. iv*8+7)
+          for (int o = LV; o < 32; o <<= 1) {
+#pragma unroll
+            for (int qq = 0; qq < kAttnQ; ++qq) {
+              if (qq < qc) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[qq][e] += __shfl_xor_sync(0xffffffffu, acc[qq][e], o);
+              }
+            }
+          }
+          __syncthreads();  // every warp is done reading sc: reuse it for the per-warp partials
+          float* part = sc;
+          if (gv == 0) {
+#pragma unroll
+            for (int qq = 0; qq < kAttnQ; ++qq) {
+              if (qq < qc) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) part[(warp * kAttnQ + qq) * DVP + iv * 8 + e] = acc[qq][e];
+              }
+            }
+          }
+          __syncthreads();
+          const int row0 = h * G * Sq + q0;  // o_part / ml row of query q0
+          for (int e = threadIdx.x; e < qc * Dv; e += blockDim.x) {
+            const int qq = e / Dv, d = e % Dv;
+            float o = 0.f;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) o += part[(w * kAttnQ + qq) * DVP + d];
+            int oi[4] = {b, row0 + qq, s, d};
+            stf<TP>(op, offset4(op, oi), o);
+          }
+          if (threadIdx.x < qc) {
+            int mi[4] = {b, row0 + (int)threadIdx.x, s, 0};
+            const long long mo = offset4(ml, mi);
+            stf<TM>(ml, mo, st[threadIdx.x]);
+            stf<TM>(ml, mo + ml.strides[3], st[kAttnQ + threadIdx.x]);
+          }
+        }
+      }
+}
+
+// The strided / any-dtype fallback is kept out of line so the 16-byte path, inlined into the
+// dispatch, keeps the registers to itself.
+template <typename TQ, typename TK, typename TV, typename TP, typename TM>
+__device__ __noinline__ void attention_partial_generic(TileCtx& c) {
+  attention_partial_impl<false, TQ, TK, TV, TP, TM>(c);
+}
+
+template <typename TQ, typename TK, typename TV, typename TP, typename TM>
+__device__ void op_attention_partial(TileCtx& c) {
+  if constexpr (sizeof(TK) == 2 && sizeof(TV) == 2) {
+    if (attn_vec_ok(c.ops[1]) && attn_vec_ok(c.ops[2])) {
+      attention_partial_impl<true, TQ, TK, TV, TP, TM>(c);
+      return;
+    }
+  }
+  attention_partial_generic<TQ, TK, TV, TP, TM>(c);
+}
+
+// ---- attention_combine -----------------------------------------------------------------------
+// Rows r = hq * Sq + i of the tile's query heads, kWarps at a time: one warp per row computes
+// M, the split weights exp(m_s - M) and their normalizer sum_s w_s l_s into shared memory; then
+// one thread per (row, d) sums the weighted o_s. A row no split saw (all m = -inf) gets 0.
+template <typename TP, typename TM, typename TO>
+__device__ void op_attention_combine(TileCtx& c) {
+  const Operand &op = c.ops[0], &ml = c.ops[1], &out = c.ops[2];
+  const int NS = op.sizes[2], Sq = out.sizes[2], Dv = out.sizes[3];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long ms = ml.strides[2], m1 = ml.strides[3], os = op.strides[2];
+  float* w = c.smem;  // [kWarps][NS]
+  for (int b = c.lo(0); b < c.hi(0); ++b) {
+    const int r0 = c.lo(1) * Sq, r1 = c.hi(1) * Sq;
+    for (int rb = r0; rb < r1; rb += kWarps) {
+      const int nr = min(kWarps, r1 - rb);
+      __syncthreads();  // the previous rows are done with w
+      if (warp < nr) {
+        int mi[4] = {b, rb + warp, 0, 0};
+        const long long mo = offset4(ml, mi);
+        float mx = -INFINITY;
+        for (int s = lane; s < NS; s += 32) mx = fmaxf(mx, ldf<TM>(ml, mo + s * ms));
+        mx = warp_max(mx);
+        float l = 0.f;
+        for (int s = lane; s < NS; s += 32) {
+          const float m = ldf<TM>(ml, mo + s * ms);
+          const float wt = m == -INFINITY ? 0.f : __expf(m - mx);
+          l += wt * ldf<TM>(ml, mo + s * ms + m1);
+          w[warp * NS + s] = wt;
+        }
+        l = warp_sum(l);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int s = lane; s < NS; s += 32) w[warp * NS + s] *= inv;
+      }
+      __syncthreads();
+      for (int e = threadIdx.x; e < nr * Dv; e += blockDim.x) {
+        const int rr = e / Dv, d = e % Dv, r = rb + rr;
+        int pi[4] = {b, r, 0, d};
+        const long long po = offset4(op, pi);
+        float o = 0.f;
+#pragma unroll 4
+        for (int s = 0; s < NS; ++s) o += w[rr * NS + s] * ldf<TP>(op, po + s * os);
+        int oi[4] = {b, r / Sq, r % Sq, d};
+        stf<TO>(out, offset4(out, oi), o);
+      }
+    }
+  }
+}
+
+}  // namespace tilec

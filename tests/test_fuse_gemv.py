@@ -1,0 +1,103 @@
+"""Op-level GEMV fusion (``tilec.passes.fuse_gemv``): RMSNorm / SiLU-mul prologues and
+residual-add epilogues keep every rounding point, so fused plans give bitwise the results
+of unfused plans (reference executor), and the pass refuses what it must not fuse."""
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+from _helpers import assert_close
+from tilec.api import compile_module
+from tilec.hf import compile_decode_step
+from tilec.zoo import make_model, prefill
+
+
+def kinds(prog) -> dict[str, int]:
+    return dict(collections.Counter(op.kind for op in prog.plan.graph.ops))
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_fused_equals_unfused(name, dtype):
+    model = make_model(name, dtype, "cpu")
+    cache, tok = prefill(model, 2, 6, 12, "cpu")
+    cache_u = copy.deepcopy(cache)
+    fused = compile_decode_step(model, cache, 2, options=dict(workers=6))
+    unfused = compile_decode_step(model, cache_u, 2, options=dict(workers=6, fuse_gemv=False))
+    k = kinds(fused.program)
+    layers = model.config.num_hidden_layers
+    # q, k, v, o, gate, up, down per layer and the LM head: every GEMV absorbed a neighbour
+    assert k["linear_fused"] == 7 * layers + 1 and "linear" not in k and "silu_mul" not in k
+    assert "binary" not in k  # both residual adds became epilogues
+    assert k.get("rmsnorm", 0) == (2 * layers if name.startswith("qwen3") else 0)  # q/k norms stay
+    for i in range(3):
+        a, b = fused(tok, 6 + i), unfused(tok, 6 + i)
+        assert torch.equal(a, b), f"step {i}: fused logits differ from unfused"
+        tok = a.argmax(-1)
+    for la, lb in zip(cache.layers, cache_u.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+class NormShared(torch.nn.Module):
+    """The RMSNorm output is also returned: the norm must stay, the GEMV still fuses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(64, eps=1e-5)
+        self.lin = torch.nn.Linear(64, 48, bias=False)
+        self.out = torch.nn.Linear(48, 64, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        y = self.lin(h)
+        return x + self.out(y), h, y
+
+
+def test_shared_producers_stay():
+    torch.manual_seed(0)
+    m = NormShared().eval()
+    with torch.no_grad():
+        m.norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 64)
+    prog = compile_module(m, (x,), options=dict(workers=4))
+    k = kinds(prog)
+    # the norm output is returned -> kept; y is returned -> lin has no epilogue, out has one
+    assert k == {"rmsnorm": 1, "linear_fused": 2}, k
+    got, want = prog(x), m(x)
+    for g, w in zip(got, want):
+        assert_close(g, w, 1e-5)
+
+
+def test_bias_and_large_rows_not_fused():
+    torch.manual_seed(0)
+    norm, lin = torch.nn.RMSNorm(64), torch.nn.Linear(64, 32)  # a bias: not fused
+
+    class Biased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = norm, lin
+
+        def forward(self, x):
+            return self.lin(self.norm(x))
+
+    x = torch.randn(2, 64)
+    prog = compile_module(Biased().eval(), (x,), options=dict(workers=3))
+    assert kinds(prog) == {"rmsnorm": 1, "linear": 1}
+    assert_close(prog(x), Biased().eval()(x), 1e-5)
+
+    class Wide(torch.nn.Module):  # 64 rows x 1024 floats = 256 KiB staged: over the limit
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = torch.nn.RMSNorm(1024), torch.nn.Linear(1024, 16, bias=False)
+
+        def forward(self, x):
+            return self.lin(self.norm(x))
+
+    w = Wide().eval()
+    xw = torch.randn(64, 1024)
+    prog = compile_module(w, (xw,), options=dict(workers=3))
+    assert kinds(prog) == {"rmsnorm": 1, "linear": 1}
+    assert_close(prog(xw), w(xw), 1e-5)

@@ -1,0 +1,182 @@
+"""Split-KV decode attention: flash-decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding
+for long-context inference"), as two ops that replace one ``attention`` op (``tilec.passes.split_kv``).
+
+The S cache positions of every (batch, KV head) are cut into ``NS = ceil(S / chunk)`` splits.
+``attention_partial`` computes, for every query of the head group and every split ``s``
+(positions ``J_s = [s * chunk, min(S, (s + 1) * chunk))``, of which query ``i`` sees those
+``< L_i``; see :mod:`tilec.ops.attention`)::
+
+    m_s = max_{j in J_s, j < L_i} score_j          score_j = q . K[j] * scale
+    p_j = exp(score_j - m_s)                       (0 for an unseen position)
+    o_s = sum_j round_V(p_j) V[j]                  (unnormalized; p rounded to V's dtype, as
+    l_s = sum_j p_j                                 the single-pass op rounds exp(s - max))
+
+and ``attention_combine`` merges the splits of each query::
+
+    M = max_s m_s,  out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s
+
+A split that no query position sees stores ``m = -inf, l = 0, o = 0`` and weighs nothing.
+
+The partial results live in two float32 intermediates whose second dim merges the query
+heads and query tokens (the descriptor holds at most 4 dims; row ``r = hq * Sq + i``):
+``o_part [B, Hq * Sq, NS, Dv]`` and ``ml [B, Hq * Sq, NS, 2]`` (``m`` then ``l``).
+
+``attention_partial``: operands q [B, Hq, Sq, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv],
+o_part, ml, valid (scalar: ``p + 1`` when causal, else S). Params: scale bits, causal,
+chunk. Tiles: (batch, ``attn_heads_per_tile`` KV heads, one split).
+
+``attention_combine``: operands o_part, ml, out [B, Hq, Sq, Dv] (the original attention
+output view and dtype). Tiles: (batch, the query heads of ``attn_heads_per_tile`` KV heads).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TilecError
+from ..ir import ScalarOperand
+from . import OpDef, Tile, TileArgs, bits_f32, chunks, f32_bits, register
+
+# device constants of runtime/tilec/ops_attention.cuh (shared-memory sizing)
+ATTN_Q = 4  # queries (G * Sq) per pass over a split
+ATTN_SEG_MAX = 2048  # cache positions per shared-memory score segment
+WARPS = 8
+
+
+def lanes_per_row(d: int) -> int:
+    """Lanes of the device's lane group per cache row: the next power of two >= ceil(d / 8)."""
+    n, g = -(-d // 8), 1
+    while g < n:
+        g *= 2
+    return g
+
+
+def num_splits(s: int, chunk: int) -> int:
+    return -(-s // chunk)
+
+
+@register
+class AttentionPartial(OpDef):
+    kind, opcode = "attention_partial", 15
+
+    def operands(self, op):
+        s = op.inputs[1].shape[2]
+        valid = ScalarOperand(1, 1) if op.attr("causal") else ScalarOperand(s, 0)
+        return [*op.inputs, *op.outputs, valid]
+
+    def tiles(self, op, opts):
+        q, k, v = op.inputs
+        o_part = op.outputs[0]
+        b_, hq, sq, d = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        dv = v.shape[3]
+        g = hq // hkv
+        chunk = op.attr("chunk")
+        tiles = []
+        for b in range(b_):
+            for h0, h1 in chunks(hkv, opts.attn_heads_per_tile):
+                rows = (h0 * g * sq, h1 * g * sq)
+                for sp in range(o_part.shape[2]):
+                    j0, j1 = sp * chunk, min(s, (sp + 1) * chunk)
+                    tiles.append(Tile(((b, b + 1), (h0, h1), (sp, sp + 1)),
+                                      reads=((0, ((b, b + 1), (h0 * g, h1 * g), (0, sq), (0, d))),
+                                             (1, ((b, b + 1), (h0, h1), (j0, j1), (0, d))),
+                                             (2, ((b, b + 1), (h0, h1), (j0, j1), (0, dv)))),
+                                      writes=((3, ((b, b + 1), rows, (sp, sp + 1), (0, dv)), "write"),
+                                              (4, ((b, b + 1), rows, (sp, sp + 1), (0, 2)), "write"))))
+        return tiles
+
+    def params(self, op):
+        return [f32_bits(op.attr("scale")), int(op.attr("causal")), int(op.attr("chunk"))]
+
+    def smem_bytes(self, op):
+        """runtime/tilec/ops_attention.cuh: ATTN_Q scaled queries (256 floats each), 32 floats of
+        softmax statistics, then one region holding either a segment of scores (ATTN_Q x
+        min(chunk, ATTN_SEG_MAX)) or the per-warp P.V partials (WARPS x ATTN_Q x padded Dv).
+
+        Raises:
+            TilecError: a head dim D or Dv above 256 (one warp's lanes hold at most 256 elements).
+        """
+        d, dv = op.inputs[0].shape[3], op.inputs[2].shape[3]
+        if d > 256 or dv > 256:
+            raise TilecError(f"op {op.name}: attention head dim {d}/{dv} > 256")
+        dvp = 8 * lanes_per_row(dv)
+        region = max(ATTN_Q * min(op.attr("chunk"), ATTN_SEG_MAX), WARPS * ATTN_Q * dvp)
+        return 4 * (ATTN_Q * 256 + 32 + region)
+
+    def run_tile(self, t: TileArgs):
+        q, k, v, o_part, ml, valid = t.operands
+        scale, causal, chunk = bits_f32(t.params[0]), t.params[1], t.params[2]
+        (b0, b1), (h0, h1), (s0, s1) = t.coords
+        g = q.shape[1] // k.shape[1]
+        sq, s = q.shape[2], k.shape[2]
+        dv = v.shape[3]
+        # query i sees positions < limit[i]
+        limit = (valid + torch.arange(sq) if causal else torch.full((sq,), s)).view(sq, 1)
+        for b in range(b0, b1):
+            for h in range(h0, h1):
+                qs = q[b, h * g:(h + 1) * g].float()  # [G, Sq, D]
+                rows = slice(h * g * sq, (h + 1) * g * sq)
+                for sp in range(s0, s1):
+                    j0, j1 = sp * chunk, min(s, (sp + 1) * chunk)
+                    scores = qs @ k[b, h, j0:j1].float().t() * scale  # [G, Sq, n]
+                    scores = scores.masked_fill(torch.arange(j0, j1).view(1, -1) >= limit, float("-inf"))
+                    m = scores.amax(-1, keepdim=True)  # -inf where the query sees none of the split
+                    e = torch.exp(scores - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+                    o = e.to(v.dtype).float() @ v[b, h, j0:j1].float()  # [G, Sq, Dv]
+                    o_part[b, rows, sp].copy_(o.reshape(g * sq, dv))
+                    ml[b, rows, sp, 0].copy_(m.reshape(g * sq))
+                    ml[b, rows, sp, 1].copy_(e.sum(-1).reshape(g * sq))
+
+    def cost(self, op, tile):
+        nbytes, _ = super().cost(op, tile)
+        q, k, v = op.inputs
+        (b0, b1), (h0, h1), (sp, _) = tile.coords
+        chunk = op.attr("chunk")
+        n = min(k.shape[2], (sp + 1) * chunk) - sp * chunk
+        g = q.shape[1] // k.shape[1]
+        return nbytes, 2 * (b1 - b0) * (h1 - h0) * g * q.shape[2] * n * (q.shape[3] + v.shape[3])
+
+
+@register
+class AttentionCombine(OpDef):
+    kind, opcode = "attention_combine", 16
+
+    def tiles(self, op, opts):
+        o_part = op.inputs[0]
+        (out,) = op.outputs
+        b_, hq, sq, dv = out.shape
+        g = hq // op.attr("kv_heads")
+        ns = o_part.shape[2]
+        tiles = []
+        for b in range(b_):
+            for r0, r1 in chunks(hq, g * opts.attn_heads_per_tile):
+                rows = (r0 * sq, r1 * sq)
+                tiles.append(Tile(((b, b + 1), (r0, r1)),
+                                  reads=((0, ((b, b + 1), rows, (0, ns), (0, dv))),
+                                         (1, ((b, b + 1), rows, (0, ns), (0, 2)))),
+                                  writes=((2, ((b, b + 1), (r0, r1), (0, sq), (0, dv)), "write"),)))
+        return tiles
+
+    def smem_bytes(self, op):
+        """runtime/tilec/ops_attention.cuh: the split weights of WARPS rows at a time."""
+        return 4 * WARPS * op.inputs[0].shape[2] + 64
+
+    def run_tile(self, t: TileArgs):
+        o_part, ml, out = t.operands
+        (b0, b1), (r0, r1) = t.coords
+        sq, dv = out.shape[2], out.shape[3]
+        rows = slice(r0 * sq, r1 * sq)
+        for b in range(b0, b1):
+            m, l = ml[b, rows, :, 0].float(), ml[b, rows, :, 1].float()  # [R, NS]
+            big = m.amax(-1, keepdim=True)
+            w = torch.exp(m - torch.where(torch.isfinite(big), big, torch.zeros_like(big)))  # 0 for empty splits
+            num = (w.unsqueeze(-1) * o_part[b, rows].float()).sum(1)  # [R, Dv]
+            den = (w * l).sum(-1, keepdim=True)
+            res = torch.where(den > 0, num / den, torch.zeros_like(num))
+            out[b, r0:r1].copy_(res.view(r1 - r0, sq, dv))
+
+    def cost(self, op, tile):
+        nbytes, _ = super().cost(op, tile)
+        (b0, b1), (r0, r1) = tile.coords
+        o_part = op.inputs[0]
+        return nbytes, 3 * (b1 - b0) * (r1 - r0) * op.outputs[0].shape[2] * o_part.shape[2] * o_part.shape[3]

@@ -1,0 +1,116 @@
+"""GEMV with a fused prologue and epilogue: one round trip instead of three.
+
+``out[..., n] = epi(sum_k pro(inputs)[..., k] * W[n, k])`` where the prologue is
+
+* ``none``: ``x`` itself;
+* ``rmsnorm``: ``(x * rsqrt(mean(x^2) + eps)).to(x.dtype) * norm_w`` rounded to x's dtype -
+  exactly the ``rmsnorm`` op (HF ``LlamaRMSNorm``), recomputed by every column tile from the
+  whole row (a row of a decode step is a few KiB, the weights it multiplies are MiBs);
+* ``silu_mul``: ``silu(g).to(g.dtype) * u`` rounded to g's dtype - the ``silu_mul`` op;
+
+and the epilogue ``none`` or ``add``: ``out = acc.to(out.dtype) + resid`` rounded - the
+``binary`` add of a residual connection. Made by :func:`tilec.passes.fuse_gemv_chains`
+(the DESIGN's "RMSNorm into the next GEMV, residual add into the epilogue, SiLU-mul into
+the down projection"; Mirage MPK and the Hazy megakernel fuse the same chains).
+
+Operands: the prologue's inputs (x; x, norm_w [K]; or g, u), W [N, K], resid [..., N] (with
+``add``), out [..., N]. Side operands (norm_w, u, resid) have the dtype of x (or out).
+Params: K, prologue code, epilogue code, eps bits. Tiles: all rows x ``gemv_tile_n`` columns;
+coords: the out box, then the K range (always whole: the prologue needs whole rows).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_tile_n, out_tiles, register, sub, weight_rows_prefetch
+
+PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
+EPILOGUES = {"none": 0, "add": 1}
+N_PROLOGUE_INPUTS = {"none": 1, "rmsnorm": 2, "silu_mul": 2}
+
+
+def staged_bytes(rows: int, k: int) -> int:
+    """Shared memory (bytes) a GEMV tile needs to stage its rows as float32: the rows, per-row
+    offsets and norm factors, and slack (device ``linear_impl`` in runtime/tilec/ops.cuh)."""
+    return 4 * min(rows, 64) * k + 2560
+
+
+@register
+class LinearFused(OpDef):
+    kind, opcode = "linear_fused", 17
+
+    @staticmethod
+    def layout(op):
+        """(prologue input count, index of W, index of resid or None) among the op's inputs."""
+        npro = N_PROLOGUE_INPUTS[op.attr("prologue")]
+        return npro, npro, (npro + 1 if op.attr("epilogue") == "add" else None)
+
+    def tiles(self, op, opts):
+        npro, wi, ri = self.layout(op)
+        x, w = op.inputs[0], op.inputs[wi]
+        (out,) = op.outputs
+        k = x.shape[-1]
+        rows = 1
+        for s in out.shape[:-1]:
+            rows *= s
+        out_idx = len(op.inputs)
+        tiles = []
+        for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts)):
+            n0, n1 = box[-1]
+            lead = box[:-1] + ((0, k),)
+            reads = [(i, lead) for i in range(npro)]
+            if op.attr("prologue") == "rmsnorm":
+                reads[1] = (1, ((0, k),))
+            reads.append((wi, ((n0, n1), (0, k))))
+            if ri is not None:
+                reads.append((ri, box))
+            tiles.append(Tile(box + ((0, k),), reads=tuple(reads), writes=((out_idx, box, "write"),)))
+        return tiles
+
+    def prefetch(self, op, tile, graph):
+        wi = self.layout(op)[1]
+        (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
+        return weight_rows_prefetch(graph, op.inputs[wi], wi, n0, n1, k0, k1)
+
+    def params(self, op):
+        return [op.inputs[0].shape[-1], PROLOGUES[op.attr("prologue")], EPILOGUES[op.attr("epilogue")],
+                f32_bits(op.attr("eps", 0.0))]
+
+    def device_dtypes(self, op, dtypes):
+        """``op_linear_fused<TX, TW, TO>``: side operands share x's (or out's) dtype."""
+        return [dtypes[0], dtypes[self.layout(op)[1]], dtypes[-1]]
+
+    def smem_bytes(self, op):
+        rows = 1
+        for s in op.outputs[0].shape[:-1]:
+            rows *= s
+        return staged_bytes(rows, op.inputs[0].shape[-1])
+
+    def run_tile(self, t: TileArgs):
+        k, pro, epi, eps = t.params[0], t.params[1], t.params[2], bits_f32(t.params[3])
+        npro = 1 if pro == 0 else 2
+        box = t.coords[:-1]
+        n0, n1 = box[-1]
+        lead = box[:-1] + ((0, k),)
+        x = t.operands[0]
+        xs = sub(x, lead).float()
+        if pro == 1:  # the rmsnorm op's rounding points
+            y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps)
+            xs = (y.to(x.dtype).float() * t.operands[1].float()).to(x.dtype).float()
+        elif pro == 2:  # the silu_mul op's rounding points
+            s = torch.nn.functional.silu(xs).to(x.dtype).float()
+            xs = (s * sub(t.operands[1], lead).float()).to(x.dtype).float()
+        w = t.operands[npro]
+        out = t.operands[-1]
+        acc = xs @ w[n0:n1].float().t()
+        if epi == 1:
+            acc = acc.to(out.dtype).float() + sub(t.operands[npro + 1], box).float()
+        sub(out, box).copy_(acc)
+
+    def cost(self, op, tile):
+        nbytes, _ = super().cost(op, tile)
+        rows = 1
+        for lo, hi in tile.coords[:-2]:
+            rows *= hi - lo
+        (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
+        return nbytes, 2 * rows * (n1 - n0) * (k1 - k0)

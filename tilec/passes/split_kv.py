@@ -1,0 +1,92 @@
+"""Split-KV attention: OpGraph -> OpGraph rewrite of decode attention into flash-decoding form
+(Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference").
+
+One ``attention`` op tiles by (batch, KV head) only, so a decode step with few KV heads runs
+its attention on a handful of workers. This pass replaces every ``attention`` op whose cache
+yields at least 2 splits by
+
+    <name>_partial = attention_partial(q, k, v) -> <name>_opart, <name>_ml
+    <name>_combine = attention_combine(<name>_opart, <name>_ml) -> the original output view
+
+with two new float32 TEMP buffers (``tilec.ops.attention_split`` has the shapes and the math),
+so the splits of all (batch, KV head) pairs spread over about all workers. Ops with fewer
+than 2 splits are kept; a graph without such ops is returned unchanged (the same object).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..errors import VerificationError
+from ..ir import Buffer, BufferKind, Op, OpGraph, View
+from ..ops.attention_split import num_splits
+
+CHUNK_ALIGN, CHUNK_MIN, CHUNK_MAX = 32, 64, 2048
+
+
+def kv_chunk(batch: int, kv_heads: int, s: int, opts) -> int:
+    """Cache positions per split of an attention op over ``s`` cached positions.
+
+    ``opts.attn_kv_chunk`` when set; otherwise (auto) ``ceil(s / n)`` with ``n = workers //
+    (batch * KV head groups)`` splits per group (at least 1), rounded up to a multiple of 32
+    and clamped to [64, 2048]: at most about ``workers`` tiles (one round of partials), whole
+    warps of positions, and a bounded score segment per tile (long caches always split).
+    """
+    if opts.attn_kv_chunk is not None:
+        return int(opts.attn_kv_chunk)
+    groups = batch * -(-kv_heads // opts.attn_heads_per_tile)
+    per_group = max(1, opts.workers // max(groups, 1))
+    chunk = -(-s // per_group)
+    chunk = -(-chunk // CHUNK_ALIGN) * CHUNK_ALIGN
+    return min(CHUNK_MAX, max(CHUNK_MIN, chunk))
+
+
+def split_kv(graph: OpGraph, opts) -> OpGraph:
+    """Rewrites each ``attention`` op of ``graph`` with >= 2 splits into partial + combine.
+
+    Raises:
+        VerificationError: a new buffer or op name collides with an existing one (a bug).
+    """
+    ops: list[Op] = []
+    buffers = dict(graph.buffers)
+    names = {op.name for op in graph.ops}
+    changed = False
+    for op in graph.ops:
+        if op.kind != "attention":
+            ops.append(op)
+            continue
+        q, k, v = op.inputs
+        (out,) = op.outputs
+        b_, hq, sq, _ = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        dv = v.shape[3]
+        chunk = kv_chunk(b_, hkv, s, opts)
+        ns = num_splits(s, chunk)
+        if ns < 2:
+            ops.append(op)
+            continue
+        changed = True
+        o_part = Buffer(f"{op.name}_opart", (b_, hq * sq, ns, dv), torch.float32, BufferKind.TEMP)
+        ml = Buffer(f"{op.name}_ml", (b_, hq * sq, ns, 2), torch.float32, BufferKind.TEMP)
+        new_ops = (f"{op.name}_partial", f"{op.name}_combine")
+        for name in (o_part.name, ml.name):
+            if name in buffers:
+                raise VerificationError(f"split_kv: buffer {name} already exists")
+        for name in new_ops:
+            if name in names:
+                raise VerificationError(f"split_kv: op {name} already exists")
+        buffers[o_part.name] = o_part
+        buffers[ml.name] = ml
+        names.update(new_ops)
+        ov, mv = View.whole(o_part), View.whole(ml)
+        ops.append(Op(new_ops[0], "attention_partial", op.inputs, (ov, mv),
+                      tuple(sorted((("scale", op.attr("scale")), ("causal", op.attr("causal")), ("chunk", chunk)))),
+                      op.provenance))
+        ops.append(Op(new_ops[1], "attention_combine", (ov, mv), (out,), (("kv_heads", hkv),), op.provenance))
+    if not changed:
+        return graph
+    return replace(graph, ops=tuple(ops), buffers=buffers)
+
+
+__all__ = ["CHUNK_MAX", "CHUNK_MIN", "kv_chunk", "split_kv"]
