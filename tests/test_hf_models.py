@@ -83,6 +83,8 @@ def run_and_compare(arch: str, batch: int, options: dict):
             if isinstance(getattr(want, "cumulative_length", None), torch.Tensor):
                 assert int(got.cumulative_length) == int(want.cumulative_length) == pos + 1
         pos += 1
+    # new token tensors every step: staged into the program's buffer, one operand table
+    assert len(step.program._tables) == 1
     return step
 
 
@@ -105,6 +107,29 @@ def test_qwen3_decode_steps_match_eager(batch):
     # q_norm / k_norm: per-head RMSNorms in front of RoPE, two more per layer than Llama
     n_rms = sum(op.kind == "rmsnorm" for op in step.program.compiled.stages['opgraph'].ops)
     assert n_rms == 2 * 4 + 1
+
+
+def test_seek_redecodes_a_position_and_skipping_one_is_an_error():
+    model, cache, vocab = build("llama", 1)
+    eager_cache = copy.deepcopy(cache)
+    step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    tok = torch.tensor([[7]])
+    first = step(tok, PREFILL)
+    if any(isinstance(getattr(l, "cumulative_length", None), torch.Tensor) for l in cache.layers):
+        with pytest.raises(ValueError, match=f"position {PREFILL}, but the cache holds {PREFILL + 1} tokens"):
+            step(tok, PREFILL)  # the same position again, without seek
+        with pytest.raises(ValueError, match="consecutive positions"):
+            step(tok, PREFILL + 2)  # a skipped position
+    step.seek(PREFILL)
+    again = step(tok, PREFILL)  # re-decoding gives the same logits
+    assert torch.equal(first, again)
+    with torch.no_grad():
+        ref = model(tok, past_key_values=eager_cache, cache_position=torch.tensor([PREFILL]), use_cache=True).logits
+    assert_close(again, ref, TOL, "logits after seek")
+    nxt = step(tok, PREFILL + 1)  # and decoding goes on from there
+    assert nxt.shape == (1, 1, vocab)
+    with pytest.raises(TilecError, match="outside the planned range"):
+        step.seek(MAX_CACHE_LEN)
 
 
 def test_decode_position_outside_planned_range_raises():

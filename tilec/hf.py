@@ -103,7 +103,8 @@ class HFDecodeStep:
                 raise ValueError(f"position {position}, but the cache holds {bad[0]} tokens: "
                                  f"decode steps must write consecutive positions")
         pos = torch.tensor([position], dtype=torch.int64)
-        state = [torch.tensor(position) if t.dim() == 0 else t for t in self.module.state()]
+        counter = torch.tensor(position)  # every layer's counter argument (a host scalar)
+        state = [counter if t.dim() == 0 else t for t in self.module.state()]
         logits = self.program(input_ids, pos, *state)
         if counters:  # advance the cache's own counters as eager HF would (two kernels, no sync)
             torch._foreach_zero_(counters)
