@@ -254,3 +254,17 @@ def test_fallback_reports_unsupported_ancestors():
     while err is not None and not isinstance(err, UnsupportedNodeError):
         err = err.__cause__ or err.__context__
     assert sorted(n[1] for n in err.nodes) == ["aten.clamp.default", "aten.cumsum.default"]
+
+
+def test_automatic_dynamic_shapes_run_eagerly_with_a_warning(caplog):
+    """A batch change makes Dynamo pass a shape-generic graph; tilec plans static shapes, so
+    that graph runs eagerly (correct, with one warning naming the remedy) instead of failing."""
+    model = make_model("llama-tiny")
+    f = torch.compile(model, backend="tilec", options={"workers": 8})
+    for batch in (1, 3):
+        cache, tok = prefill(model, batch, 4, 16)
+        eager_cache = copy.deepcopy(cache)
+        with torch.no_grad(), caplog.at_level("WARNING"):
+            got = f(tok, past_key_values=cache, cache_position=torch.tensor([4]), use_cache=True).logits
+        assert_close(got, eager_step(model, eager_cache, tok, 4), 1e-4, f"batch {batch}")
+    assert "dynamic=False" in caplog.text

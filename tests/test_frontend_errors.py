@@ -233,3 +233,62 @@ def test_hf_batch_size_must_match_the_cache():
     cache, _ = prefill(model, 2, 4, 12)
     with pytest.raises(ValueError, match="batch_size=1, but the StaticCache holds 2 sequences"):
         compile_decode_step(model, cache, 1)
+
+
+def test_state_read_before_in_place_write_sees_the_old_value():
+    """A read of a state row placed after the in-place write in the functional graph must not
+    see the new value (the frontend orders old-value readers before the write)."""
+
+    class ReadThenWrite(torch.nn.Module):
+        def forward(self, x, pos, st):
+            y = st[:, 0:1] * 2 + st[:, 1:2]
+            st.index_copy_(1, pos, x)
+            return y
+
+    torch.manual_seed(0)
+    st, x = torch.randn(2, 4, 8), torch.randn(2, 1, 8)
+    prog = compile_module(ReadThenWrite(), (x, torch.tensor([0]), st.clone()), positions=[1], max_positions=4)
+    for p in (0, 1, 3):
+        mine, ref = st.clone(), st.clone()
+        want = ReadThenWrite()(x, torch.tensor([p]), ref)
+        got = prog(x, torch.tensor([p]), mine)
+        assert torch.equal(got, want), f"position {p}: read the updated state"
+        assert torch.equal(mine, ref)
+
+
+def test_negative_token_id_is_an_error_not_a_wrapped_row():
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import make_model, prefill
+
+    model = make_model("llama-tiny")
+    cache, _ = prefill(model, 1, 4, 12)
+    step = compile_decode_step(model, cache, 1, options=dict(workers=4))
+    with pytest.raises(TilecError, match=r"token id -1 outside the embedding table \[0, "):
+        step(torch.full((1, 1), -1), 4)
+
+
+def test_seek_checks_its_position_before_changing_anything():
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import make_model, prefill
+
+    model = make_model("llama-tiny")
+    cache, _ = prefill(model, 1, 4, 12)
+    step = compile_decode_step(model, cache, 1, options=dict(workers=4))
+    before = [int(l.cumulative_length) for l in cache.layers if isinstance(getattr(l, "cumulative_length", None),
+                                                                            torch.Tensor)]
+    for bad in (8.0, True, "3"):
+        with pytest.raises(ValueError, match="position must be an int"):
+            step.seek(bad)
+    after = [int(l.cumulative_length) for l in cache.layers if isinstance(getattr(l, "cumulative_length", None),
+                                                                           torch.Tensor)]
+    assert before == after
+
+
+def test_hf_empty_dynamic_cache_is_rejected_clearly():
+    import transformers
+
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import make_model
+
+    with pytest.raises(ValueError, match="StaticCache"):
+        compile_decode_step(make_model("llama-tiny"), transformers.DynamicCache(), 1)

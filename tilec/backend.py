@@ -182,12 +182,27 @@ def _outputs(gm: fx.GraphModule):
     return (list(out), False) if isinstance(out, (tuple, list)) else ([out], True)
 
 
+def _has_symbolic_shapes(example_inputs) -> bool:
+    for t in example_inputs:
+        if isinstance(t, torch.SymInt):
+            return True
+        if isinstance(t, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in t.shape):
+            return True
+    return False
+
+
 def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
     """The Dynamo backend entry point. Raises ``ValueError`` for unknown options and
     :class:`UnsupportedNodeError` (listing every unsupported node) when ``fallback=False``."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     opts = BackendOptions.from_dict({**(options or {}), **kwargs})
+    if _has_symbolic_shapes(example_inputs):
+        # Dynamo made the graph shape-generic after a shape changed ("automatic dynamic");
+        # a tilec plan is static, so this graph runs eagerly rather than failing
+        log.warning("tilec: torch.compile passed symbolic (dynamic) shapes; tilec plans static shapes, so "
+                    "this graph runs eagerly. Use torch.compile(..., dynamic=False) to recompile per shape.")
+        return gm.forward
     kinds = [*("param" for _ in gm.parameters()), *("const" for _ in gm.buffers()), *_classify(gm, example_inputs)]
 
     def fw_compiler(aot_gm: fx.GraphModule, aot_inputs):

@@ -14,6 +14,7 @@ are checked against the causal / slot semantics and absorbed into the ops.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import operator
 import os
@@ -1119,7 +1120,82 @@ def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 
         else:
             inputs.append(IGNORED)
     updates = tuple((binding.user_inputs.index(name), table) for name, table in low.position_updates.items())
-    return OpGraph(tuple(low.ops), buffers, tuple(inputs), tuple(outputs), max_positions, low.constants, updates)
+    ops = _order_state_accesses(low.ops, buffers, low.nodes)
+    return OpGraph(tuple(ops), buffers, tuple(inputs), tuple(outputs), max_positions, low.constants, updates)
+
+
+def _order_state_accesses(ops: list[Op], buffers: dict[str, Buffer], nodes: dict[str, fx.Node]) -> list[Op]:
+    """Orders the ops so every read of a state buffer's *old* value precedes the op writing it
+    in place, and every read of the written value follows it.
+
+    The captured graph is functional: ``st2 = index_copy(st, ...)`` leaves readers of ``st``
+    and of ``st2`` unordered, but tilec updates ``st`` in place (KV caches), so a read of the
+    old value placed after the write would silently see the new one. A reader whose FX node
+    descends from the writer's node reads the new value; any other reader of the same buffer
+    reads the old one. Other ops keep their (demand-driven) order where the constraints allow.
+
+    Raises:
+        UnsupportedNodeError: one op would need both the old and the new value of a state buffer.
+    """
+    state = {name for name, b in buffers.items() if b.kind is BufferKind.STATE}
+    writer_of: dict[str, list[int]] = {}
+    for i, op in enumerate(ops):
+        for v in op.outputs:
+            writer_of.setdefault(v.buffer, []).append(i)
+    if not any(b in state for b in writer_of):
+        return ops
+    descendants: dict[int, set[str]] = {}
+    for b, ws in writer_of.items():
+        if b not in state:
+            continue
+        for i in ws:
+            prov = ops[i].provenance
+            seen: set[str] = set()
+            stack = [nodes[prov.node]] if prov is not None and prov.node in nodes else []
+            while stack:
+                for u in stack.pop().users:
+                    if u.name not in seen:
+                        seen.add(u.name)
+                        stack.append(u)
+            descendants[i] = seen
+    preds: list[set[int]] = [set() for _ in ops]
+    for j, op in enumerate(ops):
+        for v in op.inputs:
+            for i in writer_of.get(v.buffer, ()):
+                if i == j:
+                    continue
+                if v.buffer not in state:
+                    preds[j].add(i)
+                elif op.provenance is not None and op.provenance.node in descendants[i]:
+                    preds[j].add(i)  # reads the value the write produced
+                elif op.provenance is None:
+                    preds[max(i, j)].add(min(i, j))
+                else:
+                    preds[i].add(j)  # reads the old value: before the in-place write
+    for b, ws in writer_of.items():
+        for a, c in zip(ws, ws[1:]):
+            preds[c].add(a)
+    order, ready = [], [i for i in range(len(ops)) if not preds[i]]
+    heapq.heapify(ready)
+    succs: list[list[int]] = [[] for _ in ops]
+    for j, ps in enumerate(preds):
+        for i in ps:
+            succs[i].append(j)
+    missing = [len(ps) for ps in preds]
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in succs[i]:
+            missing[j] -= 1
+            if missing[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) != len(ops):
+        stuck = next(ops[i] for i in range(len(ops)) if missing[i] > 0)
+        prov = stuck.provenance
+        raise UnsupportedNodeError([(prov.node if prov else stuck.name, prov.target if prov else stuck.kind,
+                                     prov.source if prov else "")],
+                                   "it reads both the old and the updated value of an in-place state buffer")
+    return [ops[i] for i in order]
 
 
 def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe: bool = False) -> Lowering:

@@ -65,7 +65,7 @@ class HFDecodeStep:
 
     def __init__(self, model, cache, batch_size: int, options=None, hook=None):
         layers = _layers(cache)
-        if layers is None or not all(hasattr(layer, "keys") and hasattr(layer, "is_initialized") for layer in layers) \
+        if not layers or not all(hasattr(layer, "keys") and hasattr(layer, "is_initialized") for layer in layers) \
                 or type(cache).__name__ != "StaticCache" and not all(
                     type(layer).__name__.startswith("Static") for layer in layers):
             raise ValueError(f"tilec compiles decode steps over a transformers StaticCache; got {type(cache).__name__} "
@@ -116,6 +116,8 @@ class HFDecodeStep:
         """Rewinds (or advances) the cache's own token counters to ``position`` without a host
         sync, so the next step may write there (re-decoding a position, e.g. when a speculative
         token is rejected, or timing the same step repeatedly). Cache contents are untouched."""
+        if not isinstance(position, int) or isinstance(position, bool):
+            raise ValueError(f"position must be an int, got {position!r}")
         if not 0 <= position < self.max_len:
             raise TilecError(f"decode position {position} outside the planned range [0, {self.max_len})")
         counters = self._counters()

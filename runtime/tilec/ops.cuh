@@ -39,7 +39,9 @@ __device__ void op_embedding(TileCtx& c) {
   box_of(c, nd, lo, hi);
   for_box(nd, lo, hi, [&](const int* idx) {
     long long id = (long long)ldc<TI>(base<TI>(ids) + offset4(ids, idx));
-    float v = to_f<TW>(base<TW>(w)[id * w.strides[0] + (long long)idx[nd - 1] * w.strides[1]]);
+    // an id outside the table gives NaN rows (never an out-of-bounds read; eager would raise)
+    float v = id < 0 || id >= w.sizes[0] ? __int_as_float(0x7fc00000)
+                                         : to_f<TW>(base<TW>(w)[id * w.strides[0] + (long long)idx[nd - 1] * w.strides[1]]);
     stf<TO>(out, offset4(out, idx), v);
   });
 }

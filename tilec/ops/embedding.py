@@ -23,7 +23,11 @@ class Embedding(OpDef):
         weight, ids, out = t.operands
         box = t.coords
         c0, c1 = box[-1]
-        sub(out, box).copy_(weight[sub(ids, box[:-1])][..., c0:c1])
+        tok = sub(ids, box[:-1])
+        bad = tok[(tok < 0) | (tok >= weight.shape[0])]
+        if bad.numel():  # torch would wrap a negative id around; eager HF raises
+            raise IndexError(f"token id {int(bad.reshape(-1)[0])} outside the embedding table [0, {weight.shape[0]})")
+        sub(out, box).copy_(weight[tok][..., c0:c1])
 
     def cost(self, op, tile):
         rows = 1
