@@ -24,7 +24,7 @@ from tilec.zoo import CONFIGS, eager_step, make_model, prefill  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--model", default="llama-tiny", choices=sorted(CONFIGS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=8)

@@ -242,3 +242,10 @@ def test_measured_trace_from_synthetic_stamps(monkeypatch):
     stamps[w, j, 1] = stamps[w, j, 0] - 1
     with pytest.raises(TilecError, match="end before they start"):
         measured_trace(plan, stamps)
+
+
+def test_unwritable_dump_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(TilecError, match="tilec dump_dir .*cannot create"):
+        compile_module(torch.nn.Linear(4, 4), (torch.randn(2, 4),), options=dict(BASE, dump_dir=str(blocker / "d")))

@@ -1,6 +1,8 @@
 """Graph capture for the offline path: ``torch.export`` -> functional aten graph + binding."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .frontend import GraphBinding
@@ -20,7 +22,9 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     """
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch's own pytree deprecation notice (LeafSpec), raised inside export: not the user's
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         ep = torch.export.export(module, tuple(args), strict=False)
         ep = ep.run_decompositions({})
     sig = ep.graph_signature

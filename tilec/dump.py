@@ -32,6 +32,7 @@ import json
 import os
 from pathlib import Path
 
+from .errors import TilecError
 from .ir import OpGraph
 from .options import Options
 from .passes.schedule import Schedule
@@ -106,7 +107,10 @@ class DumpHook:
         if stage == "opgraph":
             self._graph = ir
             self.directory = self.root / compile_key(ir, self.opts)
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise TilecError(f"tilec dump_dir {self.root}: cannot create {self.directory}: {e.strerror or e}") from e
         if self.directory is None or stage not in STAGE_FILES:
             return
         if stage in ("split_kv", "fuse_gemv"):
