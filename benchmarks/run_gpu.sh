@@ -23,6 +23,7 @@ fi
 if [[ $what == perf || $what == all ]]; then
   python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --skip-inductor --gemv 2>&1 | tee "$OUT/perf.log" | tail -16
   python3 benchmarks/profile_step.py --model llama-3.2-1b --context 1024 --out "$OUT/trace.json" 2>&1 | tee "$OUT/profile.log" | tail -16
+  python3 benchmarks/fit_cost.py "$OUT/trace.json" 2>&1 | tee "$OUT/fit_cost.log"
 fi
 if [[ $what == glm5 || $what == all ]]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_glm5_prelude.py 2>&1 | tee "$OUT/glm5_test.log" | tail -15
