@@ -1,8 +1,11 @@
-"""Cost model: predicted time of a task on one worker, from bytes and flops.
+"""Cost model: predicted time of a task on one worker, from its op kind, bytes and flops.
 
 Planning figures measured on an H200 (``shared/DESIGN.md``): ~4.0 TB/s HBM read shared by
 132 workers, ~790 TFLOP/s bf16 tensor-core rate, ~0.76 us per dependency hop between CTAs.
-A task costs ``max(bytes / per-worker bandwidth, flops / per-worker rate) + overhead``.
+A task of a measured kind costs ``fixed + bytes / rate`` (:data:`MEASURED`, fitted by
+``benchmarks/fit_cost.py`` from the per-instruction trace of a Llama-3.2-1B decode step on
+an H200, context 1024, bf16); other kinds cost ``max(bytes / per-worker bandwidth, flops /
+per-worker rate) + overhead``.
 """
 from __future__ import annotations
 
@@ -12,7 +15,23 @@ SMS = 132
 TASK_OVERHEAD_US = 0.3  # descriptor fetch, barriers, signal
 HOP_US = 0.76  # one event hop between CTAs (release add -> acquire poll)
 
+# op kind -> (fixed µs per instruction, bytes per µs of one worker while it runs); fitted on
+# an H200 on 2026-11-29 (benchmarks/fit_cost.py; 0 = no size dependence in the data)
+MEASURED: dict[str, tuple[float, float]] = {
+    "linear_fused": (9.2, 18.2e3),
+    "attention_partial": (26.5, 52.0e3),
+    "attention_combine": (4.5, 0.0),
+    "rope": (3.4, 0.0),
+    "cache_write": (2.9, 0.0),
+    "embedding": (6.1, 0.0),
+    "empty": (0.6, 0.0),
+}
 
-def task_time_us(nbytes: int, flops: int) -> float:
-    """Predicted microseconds of one task on one worker (an SM's share of bandwidth/compute)."""
-    return max(nbytes / (HBM_BYTES_PER_US / SMS), flops / (FLOPS_PER_US / SMS)) + TASK_OVERHEAD_US
+
+def task_time_us(nbytes: int, flops: int, kind: str | None = None) -> float:
+    """Predicted microseconds of one task of op ``kind`` on one worker."""
+    roof = max(nbytes / (HBM_BYTES_PER_US / SMS), flops / (FLOPS_PER_US / SMS))
+    if kind in MEASURED:
+        fixed, rate = MEASURED[kind]
+        return max(roof, fixed + (nbytes / rate if rate else 0.0))
+    return roof + TASK_OVERHEAD_US

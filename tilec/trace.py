@@ -16,7 +16,7 @@ Two ways to get the times:
 
 * :func:`predicted_trace` simulates the queues with the cost model (``tilec.cost``): an
   instruction starts at ``max(end of the previous instruction on its worker, last trigger
-  of its wait event + HOP_US)`` and lasts ``task_time_us(bytes, flops)``. This is the model
+  of its wait event + HOP_US)`` and lasts ``task_time_us(bytes, flops, kind)``. This is the model
   the list scheduler optimizes, so the last slice ends at ``Schedule.makespan_us``.
 * :func:`measured_trace` takes per-instruction ``(start_ns, end_ns)`` stamps from a GPU run
   (``%globaltimer``) and shifts them so the earliest start is at 0.
@@ -72,7 +72,7 @@ def predicted_trace(plan: KernelPlan, taskgraph: TaskGraph) -> dict:
                     break
                 start = max(free[w], last_trigger[e] + HOP_US if e >= 0 else 0.0)
                 t = tasks[d[_W["task"]]]
-                end = start + task_time_us(t.nbytes, t.flops)
+                end = start + task_time_us(t.nbytes, t.flops, t.kind)
                 times[(w, pos[w])] = (start, end)
                 free[w] = end
                 s = d[_W["signal_event"]]

@@ -22,7 +22,7 @@ def bottom_levels(tg: TaskGraph) -> dict[int, float]:
     for e in tg.events:
         for p in e.preds:
             succ_tasks[p] |= e.succs
-    cost = {t.id: task_time_us(t.nbytes, t.flops) for t in tg.tasks}
+    cost = {t.id: task_time_us(t.nbytes, t.flops, t.kind) for t in tg.tasks}
     level: dict[int, float] = {}
     indeg = {t: len(s) for t, s in succ_tasks.items()}
     preds_of: dict[int, set[int]] = {t.id: set() for t in tg.tasks}

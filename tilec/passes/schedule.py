@@ -48,7 +48,7 @@ def schedule(tg: TaskGraph, workers: int, policy: str = "list") -> Schedule:
         else:
             w = min(range(workers), key=lambda w: (max(free[w], ready), load[w], w))
         start = max(free[w], ready)
-        finish[tid] = start + task_time_us(t.nbytes, t.flops)
+        finish[tid] = start + task_time_us(t.nbytes, t.flops, t.kind)
         free[w] = finish[tid]
         load[w] += t.nbytes
         queues[w].append(tid)
