@@ -100,8 +100,8 @@ class CudaExecutor:
         """Launches one step at decode position ``position`` (the device adds ``position *
         pos_step`` to each operand entry); with ``check`` synchronizes and raises
         :class:`WatchdogError` on a timeout. The operand table is uploaded only when it is a
-        different table from the last call's (``KernelPlan.bind_base`` returns the same object
-        for the same tensors)."""
+        different table from the last call's (a ``CompiledProgram`` passes the same table object
+        for the same argument tensors)."""
         if self._last_table is not operand_table and (
                 self._last_table is None or not torch.equal(self._last_table, operand_table)):
             self.table.copy_(operand_table)

@@ -90,11 +90,7 @@ class HFDecodeStep:
     def __call__(self, input_ids: torch.Tensor, position: int) -> torch.Tensor:
         """Raises ``ValueError`` if ``position`` is not an int, or does not equal the number of
         tokens the cache holds (on transformers versions whose cache counts them)."""
-        if not isinstance(position, int) or isinstance(position, bool):
-            raise ValueError(f"position must be an int, got {position!r}")
-        if not 0 <= position < self.max_len:
-            raise TilecError(f"decode position {position} outside the planned range [0, {self.max_len}) "
-                             f"(the static cache holds {self.max_len} positions)")
+        self._check_position(position)
         counters = self._counters()
         if counters and position != self._expected:  # checked on the device only when in doubt
             held = torch.stack([c.reshape(()) for c in counters]).tolist()
@@ -116,15 +112,19 @@ class HFDecodeStep:
         """Rewinds (or advances) the cache's own token counters to ``position`` without a host
         sync, so the next step may write there (re-decoding a position, e.g. when a speculative
         token is rejected, or timing the same step repeatedly). Cache contents are untouched."""
-        if not isinstance(position, int) or isinstance(position, bool):
-            raise ValueError(f"position must be an int, got {position!r}")
-        if not 0 <= position < self.max_len:
-            raise TilecError(f"decode position {position} outside the planned range [0, {self.max_len})")
+        self._check_position(position)
         counters = self._counters()
         if counters:
             torch._foreach_zero_(counters)
             torch._foreach_add_(counters, position)
         self._expected = position
+
+    def _check_position(self, position) -> None:
+        if not isinstance(position, int) or isinstance(position, bool):
+            raise ValueError(f"position must be an int, got {position!r}")
+        if not 0 <= position < self.max_len:
+            raise TilecError(f"decode position {position} outside the planned range [0, {self.max_len}) "
+                             f"(the static cache holds {self.max_len} positions)")
 
     def _counters(self) -> list[torch.Tensor]:
         return [layer.cumulative_length for layer, counter in zip(_layers(self.cache), self.module.has_counter)

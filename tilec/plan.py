@@ -9,12 +9,11 @@
 * an operand table: int64 ``[R, MAX_OPERANDS, OPERAND_FIELDS]``, one row per op: for each
   operand its address (bytes; or the value of a scalar), dtype code, rank, sizes and
   strides (elements), and how far it moves per decode position (``pos_step``). Addresses
-  come from the bound tensors (:meth:`KernelPlan.bind_base`, cached per tensor set); the
+  come from the bound tensors (:meth:`KernelPlan.bind_base`); the
   executors add ``p * pos_step`` for the call's position ``p`` - tables never change.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +97,6 @@ class KernelPlan:
     op_names: list[str]
     static_operands: torch.Tensor  # int64 [R, MAX_OPERANDS, OPERAND_FIELDS] (addr = 0)
     stats: dict = field(default_factory=dict)
-    _bind_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def workers(self) -> int:
@@ -118,31 +116,18 @@ class KernelPlan:
     def bind_base(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The position-independent operand table for a set of bound tensors: addresses for
         p = 0 plus each entry's ``pos_step`` (bytes, or scalar units, per position), which the
-        executors apply for the call's position. Cached by the bound data pointers, so the same
-        tensors give the same table object (the CUDA executor then uploads nothing).
+        executors apply for the call's position. Not cached: :class:`tilec.program.CompiledProgram`
+        keeps one table per set of argument tensors.
 
         Args:
             tensors: buffer name -> tensor holding it (contiguous, matching dtype/shape).
         Raises:
             TilecError: a buffer is missing.
         """
-        names = self._bound_names
-        missing = [n for n in names if n not in tensors]
+        missing = sorted({b.view.buffer for row in self.operands for b in row
+                          if b.view is not None and b.view.buffer not in tensors})
         if missing:
             raise TilecError(f"no tensor bound for buffer(s) {missing}")
-        key = tuple(tensors[n].data_ptr() for n in names)
-        cached = self._bind_cache.get(key)
-        if cached is None:
-            if len(self._bind_cache) > 8:
-                self._bind_cache.clear()
-            cached = self._bind_cache[key] = self._bind_static(tensors)
-        return cached
-
-    @functools.cached_property
-    def _bound_names(self) -> list[str]:
-        return sorted({b.view.buffer for row in self.operands for b in row if b.view is not None})
-
-    def _bind_static(self, tensors):
         table = self.static_operands.clone()
         a, ps = OF["addr"][0], OF["pos_step"][0]
         for r, row in enumerate(self.operands):

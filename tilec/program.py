@@ -102,7 +102,7 @@ class CompiledProgram:
                 tensors[name].copy_(a)  # a small read-only input: into the program's own buffer
                 continue
             if not a.is_contiguous():
-                if b.kind is BufferKind.STATE or name not in self.staged_inputs and name in self._written:
+                if b.kind is BufferKind.STATE or name in self._written:
                     raise TilecError(f"argument {i} ({name}) is updated in place and must be contiguous")
                 a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             tensors[name] = a

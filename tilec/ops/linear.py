@@ -70,9 +70,13 @@ class Linear(OpDef):
         o.copy_(acc)
 
     def cost(self, op, tile):
-        nbytes, _ = super().cost(op, tile)
-        rows = 1
-        for lo, hi in tile.coords[:-2]:
-            rows *= hi - lo
-        (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
-        return nbytes, 2 * rows * (n1 - n0) * (k1 - k0)
+        return super().cost(op, tile)[0], gemv_flops(tile)
+
+
+def gemv_flops(tile: Tile) -> int:
+    """Flops of a GEMV tile whose coords are the out box, then the K range."""
+    rows = 1
+    for lo, hi in tile.coords[:-2]:
+        rows *= hi - lo
+    (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
+    return 2 * rows * (n1 - n0) * (k1 - k0)

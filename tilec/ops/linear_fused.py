@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_tile_n, out_tiles, register, sub, weight_rows_prefetch
+from .linear import gemv_flops
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
 EPILOGUES = {"none": 0, "add": 1}
@@ -108,9 +109,4 @@ class LinearFused(OpDef):
         sub(out, box).copy_(acc)
 
     def cost(self, op, tile):
-        nbytes, _ = super().cost(op, tile)
-        rows = 1
-        for lo, hi in tile.coords[:-2]:
-            rows *= hi - lo
-        (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
-        return nbytes, 2 * rows * (n1 - n0) * (k1 - k0)
+        return super().cost(op, tile)[0], gemv_flops(tile)
