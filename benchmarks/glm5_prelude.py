@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import glm5_dsa_prelude as glm  # noqa: E402
 from tilec.api import compile_module  # noqa: E402
 from tilec.timing import cuda_graph  # noqa: E402
+from tilec.trace import kind_table, measured_trace, write_trace  # noqa: E402
 
 TOPK = 2048
 
@@ -153,6 +154,19 @@ def check(name, prog, mod, inputs, reference_scores=None) -> torch.Tensor:
 
 # ---- main ------------------------------------------------------------------------------------------
 
+def profile(prog, mod, inputs, args, out: Path) -> None:
+    """Runs the step once more compiled with per-instruction stamps; writes the timeline to
+    ``out`` and prints the time per op kind."""
+    prof = compile_module(mod, inputs, options=dict(workers=args.workers, check=False, profile=True))
+    for _ in range(3):
+        prof(*inputs)
+    tg = prof.compiled.stages["linearized"]
+    trace = measured_trace(prof.plan, prof.executor.stamps.cpu(), tg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_trace(out, trace)
+    print(f"{out.stem}: {kind_table(trace, tg)}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reduced", action="store_true", help="the CI configuration instead of GLM-5's sizes")
@@ -161,6 +175,8 @@ def main():
     ap.add_argument("--skip-inductor", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-flush", action="store_true", help="do not flush L2 between timed calls")
+    ap.add_argument("--profile", metavar="DIR", help="also write each tilec variant's measured timeline to DIR "
+                    "(Perfetto JSON) and print its time per op kind")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     cfg = glm.REDUCED if args.reduced else glm.FULL
@@ -224,6 +240,8 @@ def main():
         table = prog.plan.bind(tensors, p)
         timed(f"{name} (persistent kernel)", lambda prog=prog, t=tensors, tb=table: prog.executor.run(t, tb))
         print(f"{name}: predicted makespan {prog.stats.get('predicted_step_us')} us", flush=True)
+        if args.profile:
+            profile(prog, mods[fp8], inputs[fp8], args, Path(args.profile) / f"glm5_{'fp8' if fp8 else 'bf16'}.json")
 
     bw = read_bandwidth()
     for fp8 in (False, True):

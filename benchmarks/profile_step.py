@@ -9,7 +9,6 @@ tiles, and the achieved bandwidth while those instructions ran.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys
@@ -19,8 +18,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.trace import measured_trace, write_trace  # noqa: E402
+from tilec.trace import kind_table, measured_trace, write_trace  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
+
+
+def phase_table(trace: dict) -> str:
+    """Medians (µs) of the phases of ring-fed GEMV instructions, from the marks the device
+    records (runtime/tilec/ops.cuh gemv_bf16_ring): start -> x staged (mark 1) -> first weight
+    stage in (mark 2) -> end."""
+    rows = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["args"].get("mark2_us") is not None]
+    if not rows:
+        return "no ring-fed GEMV instructions recorded phase marks"
+    staged = statistics.median(e["args"]["mark1_us"] for e in rows)
+    first = statistics.median(e["args"]["mark2_us"] - e["args"]["mark1_us"] for e in rows)
+    rest = statistics.median(e["dur"] - e["args"]["mark2_us"] for e in rows)
+    return (f"ring-fed GEMV phases over {len(rows)} instructions (median us): start -> x staged {staged:.2f}, "
+            f"-> first weight stage {first:.2f}, -> end {rest:.2f}, whole {statistics.median(e['dur'] for e in rows):.2f}")
 
 
 def main():
@@ -40,23 +53,8 @@ def main():
     tg = step.program.compiled.stages["linearized"]
     trace = measured_trace(step.program.plan, stamps, tg)
     write_trace(args.out, trace)
-    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    span = max(e["ts"] + e["dur"] for e in slices) - min(e["ts"] for e in slices)
-    tasks = {t.id: t for t in tg.tasks}
-    per = collections.defaultdict(lambda: [0.0, 0, 0, []])
-    for e in slices:
-        t = tasks[tg.order[e["args"]["task"]]]
-        row = per[t.kind]
-        row[0] += e["dur"]
-        row[1] += t.nbytes
-        row[2] += 1
-        row[3].append(e["dur"])
-    print(f"{args.model} step span {span:.1f} us over {len(slices)} instructions; trace -> {args.out}")
-    print(f"{'op kind':<18} {'count':>6} {'sum us':>10} {'median us':>10} {'MB':>9} {'GB/s per instr':>15}")
-    for kind, (us, nbytes, n, durs) in sorted(per.items(), key=lambda kv: -kv[1][0]):
-        print(f"{kind:<18} {n:>6} {us:>10.1f} {statistics.median(durs):>10.2f} {nbytes / 1e6:>9.2f} "
-              f"{nbytes / max(us, 1e-9) / 1e3:>15.1f}")
-
+    print(f"{args.model}: {kind_table(trace, tg)}; trace -> {args.out}")
+    print(phase_table(trace))
 
 if __name__ == "__main__":
     main()

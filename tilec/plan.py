@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ops as opreg
+from . import smem
 from .errors import TilecError
 from .ir import DTYPE_CODES, OpGraph, ScalarOperand, View
 from .ops import EMPTY, NOOP
@@ -28,7 +29,7 @@ from .taskgraph import TaskGraph
 # ---- the single definition of the descriptor layout ------------------------------------
 DESCRIPTOR_WORDS = 32
 MAX_COORDS = 5
-MAX_PARAMS = 10
+MAX_PARAMS = 9
 PREFETCH_MAX_BYTES = 128 * 1024  # per instruction: 132 workers x 128 KiB stays well inside L2
 DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     # (field, first word, number of words)
@@ -44,6 +45,9 @@ DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     ("ncoords", 18, 1),  # number of coordinate ranges in use
     ("dtype_sig", 19, 1),  # operand dtype codes, 4 bits each (selects the device variant)
     ("params", 20, MAX_PARAMS),  # op parameters (int32; floats as float32 bits)
+    # GEMV weights the worker's loader warp streams through the shared-memory ring (0: none):
+    # operand + 1 | n-range coordinate index << 4 | k-range coordinate index << 8 (OpDef.stream)
+    ("stream", 29, 1),
     # L2 prefetch hint issued before the wait (0: none): word 0 = operand << 28 | bytes / 16,
     # word 1 = byte offset / 16 from the operand's address (OpDef.prefetch)
     ("prefetch", 30, 2),
@@ -97,6 +101,7 @@ class KernelPlan:
     op_names: list[str]
     static_operands: torch.Tensor  # int64 [R, MAX_OPERANDS, OPERAND_FIELDS] (addr = 0)
     stats: dict = field(default_factory=dict)
+    ring_stages: int = 0  # GEMV weight-ring stages per worker (tilec.smem); 0: nothing streamed
 
     @property
     def workers(self) -> int:
@@ -149,7 +154,7 @@ class KernelPlan:
                   "scalar": None if b.scalar is None else [b.scalar.base, b.scalar.pos_scale],
                   "elem_size": b.elem_size} for b in row] for row in self.operands]
         tensors = {"queues": self.queues, "events": self.events, "static_operands": self.static_operands}
-        return tensors, {"operands": rows, "op_names": list(self.op_names)}
+        return tensors, {"operands": rows, "op_names": list(self.op_names), "ring_stages": self.ring_stages}
 
     @classmethod
     def from_tables(cls, graph: OpGraph, tensors: dict[str, torch.Tensor], meta: dict,
@@ -172,7 +177,7 @@ class KernelPlan:
                                 None if b["scalar"] is None else ScalarOperand(*b["scalar"]), b["elem_size"])
                  for b in row] for row in meta["operands"]]
         return cls(graph, tensors["queues"], tensors["events"], rows, list(meta["op_names"]),
-                   tensors["static_operands"], dict(stats or {}))
+                   tensors["static_operands"], dict(stats or {}), int(meta.get("ring_stages", 0)))
 
     def render(self) -> str:
         lines = [f"kernelplan workers={self.queues.shape[0]} length={self.queues.shape[1]} "
@@ -201,6 +206,11 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
         TilecError: an op has more operands, dims, coords or params than the layout holds.
     """
     graph = tg.graph
+    try:  # the weight ring takes what the ops' scratch leaves (a plan too big for a CTA streams nothing)
+        scratch = smem.scratch_bytes(graph)
+        stages = smem.ring_stages(scratch)
+    except TilecError:
+        scratch, stages = 0, 0
     op_index = {op.name: i for i, op in enumerate(graph.ops)}
     index_of = {tid: i for i, tid in enumerate(tg.order)}
     wait_of, signal_of = {}, {}
@@ -275,7 +285,9 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
             p0 = F["params"][0]
             for k, v in enumerate(params):
                 d[p0 + k] = v
-            pf = od.prefetch(op, t.tile, graph)
+            stream = od.stream(op, t.tile, graph, scratch) if stages else 0
+            d[F["stream"][0]] = stream
+            pf = None if stream else od.prefetch(op, t.tile, graph)
             if pf is not None:
                 operand, offset, nbytes = pf
                 nbytes = min(nbytes, PREFETCH_MAX_BYTES)
@@ -285,7 +297,7 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
     events = torch.zeros(len(tg.events), 4, dtype=torch.int32)
     for e in tg.events:
         events[e.id] = torch.tensor([len(e.preds), e.first, e.last, 0], dtype=torch.int32)
-    return KernelPlan(graph, queues, events, rows, [op.name for op in graph.ops], static)
+    return KernelPlan(graph, queues, events, rows, [op.name for op in graph.ops], static, ring_stages=stages)
 
 
 def dtype_signature(graph: OpGraph, operands) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -96,17 +97,19 @@ def measured_trace(plan: KernelPlan, stamps: torch.Tensor, taskgraph: TaskGraph 
 
     Args:
         plan: the encoded plan that ran.
-        stamps: int64 ``[W, L, 2]`` (the plan's queue shape): ``(start_ns, end_ns)`` of each
-            instruction, e.g. from ``%globaltimer``; entries of NoOps are ignored. Times are
-            shifted so the earliest start is 0.
+        stamps: int64 ``[W, L, 2]`` or ``[W, L, 4]`` (the plan's queue shape): ``(start_ns,
+            end_ns)`` of each instruction, e.g. from ``%globaltimer``, then optionally two marks
+            an op recorded (ns, 0 for none; slices carry them as ``mark1_us``/``mark2_us`` after
+            the start); entries of NoOps are ignored. Times are shifted so the earliest start is 0.
         taskgraph: optional; when given, slices also carry the tasks' bytes and flops.
     Raises:
         TilecError: ``stamps`` has the wrong shape, or an instruction ends before it starts.
     """
     stamps = torch.as_tensor(stamps)
     w_n, l_n = plan.queues.shape[:2]
-    if tuple(stamps.shape) != (w_n, l_n, 2):
-        raise TilecError(f"stamps must have shape [W, L, 2] = [{w_n}, {l_n}, 2], got {list(stamps.shape)}")
+    if tuple(stamps.shape) not in ((w_n, l_n, 2), (w_n, l_n, 4)):
+        raise TilecError(f"stamps must have shape [W, L, 2] or [W, L, 4] = [{w_n}, {l_n}, 2 or 4], "
+                         f"got {list(stamps.shape)}")
     tasks = _tasks_by_index(plan, taskgraph) if taskgraph is not None else None
     live = (plan.queues[:, :, _W["opcode"]] != NOOP).nonzero().tolist()
     st = stamps.to(torch.int64).tolist()
@@ -115,8 +118,34 @@ def measured_trace(plan: KernelPlan, stamps: torch.Tensor, taskgraph: TaskGraph 
         raise TilecError(f"measured stamps end before they start at (worker, instruction) {bad[:8]}")
     t0 = min((st[w][j][0] for w, j in live), default=0)
     times = {(w, j): ((st[w][j][0] - t0) / 1000.0, (st[w][j][1] - t0) / 1000.0) for w, j in live}
+    marks = {(w, j): tuple(round((m - st[w][j][0]) / 1000.0, 3) if m else None for m in st[w][j][2:])
+             for w, j in live if any(st[w][j][2:])}
     makespan = max((end for _, end in times.values()), default=0.0)
-    return _build(plan, times, tasks, {"clock": "measured", "makespan_us": round(makespan, 3)})
+    return _build(plan, times, tasks, {"clock": "measured", "makespan_us": round(makespan, 3)}, marks)
+
+
+def kind_table(trace: dict, taskgraph: TaskGraph) -> str:
+    """A measured trace (:func:`measured_trace`) summed per op kind: instructions, summed and
+    median instruction time (µs), bytes their tiles move (MB) and the rate while they ran
+    (GB/s per instruction), most time first; the first line gives the step's span."""
+    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    if not slices:
+        return "no instructions ran"
+    span = max(e["ts"] + e["dur"] for e in slices) - min(e["ts"] for e in slices)
+    tasks = {t.id: t for t in taskgraph.tasks}
+    per: dict[str, list] = {}
+    for e in slices:
+        t = tasks[taskgraph.order[e["args"]["task"]]]
+        row = per.setdefault(t.kind, [0.0, 0, []])
+        row[0] += e["dur"]
+        row[1] += t.nbytes
+        row[2].append(e["dur"])
+    lines = [f"step span {span:.1f} us over {len(slices)} instructions",
+             f"{'op kind':<18} {'count':>6} {'sum us':>10} {'median us':>10} {'MB':>9} {'GB/s per instr':>15}"]
+    for kind, (us, nbytes, durs) in sorted(per.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"{kind:<18} {len(durs):>6} {us:>10.1f} {statistics.median(durs):>10.2f} {nbytes / 1e6:>9.2f} "
+                     f"{nbytes / max(us, 1e-9) / 1e3:>15.1f}")
+    return "\n".join(lines)
 
 
 def write_trace(path: str | os.PathLike, trace: dict) -> None:
@@ -167,7 +196,7 @@ def _slice_name(plan: KernelPlan, d: list[int]) -> tuple[str, str | None, str]:
     return f"{op.kind} {prov.node if prov else op.name}", op.name, prov.source if prov else ""
 
 
-def _build(plan: KernelPlan, times: dict, tasks: list | None, other: dict) -> dict:
+def _build(plan: KernelPlan, times: dict, tasks: list | None, other: dict, marks: dict | None = None) -> dict:
     queues = plan.queues.tolist()
     events: list[dict] = [{"ph": "M", "pid": 0, "tid": 0, "name": "process_name", "args": {"name": PROCESS_NAME}}]
     slices: list[dict] = []
@@ -183,6 +212,8 @@ def _build(plan: KernelPlan, times: dict, tasks: list | None, other: dict) -> di
             args = {"worker": w, "instruction": j, "task": d[_W["task"]], "op": op_name,
                     "coords": [list(c) for c in decode_coords(d)],
                     "wait_event": d[_W["wait_event"]], "signal_event": d[_W["signal_event"]]}
+            if marks and (w, j) in marks:
+                args["mark1_us"], args["mark2_us"] = marks[(w, j)]
             if tasks is not None:
                 t = tasks[d[_W["task"]]]
                 args["bytes"], args["flops"] = t.nbytes, t.flops

@@ -8,9 +8,16 @@
 
 namespace tilec {
 
+// A worker CTA is kThreads compute threads (kWarps warps, which run the tile ops) plus one
+// loader warp that streams GEMV weights ahead of them (executor.cuh). Ops synchronize the
+// compute threads only, with block_sync(): the loader warp never joins those barriers.
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kCtaThreads = kThreads + 32;
 constexpr int kMaxRows = 64;  // rows of one GEMV tile (flattened leading dims of the out box)
+
+// Barrier over the kThreads compute threads (named barrier 1; barrier 0 would need the loader).
+__device__ __forceinline__ void block_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
 
 // One operand of the current instruction, decoded from the operand table.
 struct Operand {
@@ -22,12 +29,17 @@ struct Operand {
   long long strides[TILEC_MAX_DIMS];  // elements
 };
 
+struct WeightRing;  // stream.cuh
+
 // What an op sees for one instruction.
 struct TileCtx {
   const int* d;         // the 32-word descriptor (shared memory)
   Operand* ops;         // decoded operands (shared memory)
-  float* smem;          // dynamic shared memory scratch
+  float* smem;          // dynamic shared memory scratch (after the weight ring)
   int smem_floats;
+  const WeightRing* ring;  // the worker's GEMV weight stream (stream.cuh)
+  long long* stamp;        // profiling (nullable): [start, end, mark 1, mark 2] of this instruction
+  __device__ void mark(int k) const;  // thread 0 records %globaltimer as mark k (1 or 2)
   __device__ int lo(int k) const { return d[TILEC_W_COORDS + 2 * k]; }
   __device__ int hi(int k) const { return d[TILEC_W_COORDS + 2 * k + 1]; }
   __device__ int ncoords() const { return d[TILEC_W_NCOORDS]; }
@@ -69,7 +81,7 @@ __device__ __forceinline__ void for_box(int nd, const int* lo, const int* hi, F 
   long long total = 1;
   int ext[TILEC_MAX_DIMS];
   for (int k = 0; k < nd; ++k) { ext[k] = hi[k] - lo[k]; total *= ext[k]; }
-  for (long long e = threadIdx.x; e < total; e += blockDim.x) {
+  for (long long e = threadIdx.x; e < total; e += kThreads) {
     long long r = e;
     int idx[TILEC_MAX_DIMS] = {0, 0, 0, 0};
     for (int k = nd - 1; k >= 0; --k) { idx[k] = lo[k] + (int)(r % ext[k]); r /= ext[k]; }
@@ -92,18 +104,18 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float block_sum(float v, float* red) {
   v = warp_sum(v);
   int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  __syncthreads();
+  block_sync();
   if (l == 0) red[w] = v;
-  __syncthreads();
+  block_sync();
   float t = l < kWarps ? red[l] : 0.f;
   return warp_sum(t);
 }
 __device__ __forceinline__ float block_max(float v, float* red) {
   v = warp_max(v);
   int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  __syncthreads();
+  block_sync();
   if (l == 0) red[w] = v;
-  __syncthreads();
+  block_sync();
   float t = l < kWarps ? red[l] : -INFINITY;
   return warp_max(t);
 }

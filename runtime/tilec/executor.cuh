@@ -1,18 +1,23 @@
 // tilec runtime: the persistent executor. One CTA per worker queue; all CTAs co-resident
-// (cooperative launch). Each CTA walks its queue of 32-int descriptors:
+// (cooperative launch). Each CTA is kWarps compute warps and one loader warp.
+// The loader warp streams the queue's GEMV weights into the shared-memory ring ahead of the
+// compute warps (stream.cuh). The compute warps walk the queue of 32-int descriptors:
 //   fetch descriptor i+1 (second instruction slot) -> decode operands -> wait on the event
-//   (one thread, ld.acquire.gpu + __nanosleep backoff, device watchdog) -> block barrier ->
-//   run the tile op -> block barrier -> one thread: fence + atom.add.release.gpu.
+//   (one thread, ld.acquire.gpu + __nanosleep backoff, device watchdog) -> barrier ->
+//   run the tile op -> barrier -> one thread: fence + red.release.gpu.
 // Event counters are monotonic: step `epoch` waits for epoch * count, so no reset between
-// steps. A wait past `timeout_ns` writes an ErrorRecord, raises the abort flag (which every
-// spinning CTA polls) and exits, so a bad plan never hangs the GPU.
+// steps. The epoch lives on the device (state[0] = steps completed), so a launch replayed from
+// a CUDA graph advances it too: every CTA reads it at start, and the last CTA to finish the
+// step (state[1] counts finished CTAs) publishes epoch + 1. A wait past `timeout_ns` writes an ErrorRecord, raises the abort flag (which every
+// spinning thread polls, the loader's too) and exits, so a bad plan never hangs the GPU.
 #pragma once
 #include "common.cuh"
+#include "stream.cuh"
 
 namespace tilec {
 
 struct ErrorRecord {
-  int flag;        // 0 = ok; 1 = watchdog timeout
+  int flag;        // 0 = ok; 1 = watchdog timeout on an event; 2 = the weight stream stalled
   int worker;
   int instruction;
   int event;
@@ -22,11 +27,6 @@ struct ErrorRecord {
   long long target;
 };
 
-__device__ __forceinline__ unsigned long long global_timer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -85,16 +85,36 @@ __device__ bool wait_event(unsigned long long* counters, int e, unsigned long lo
 
 template <void (*Dispatch)(TileCtx&, int, int)>
 __device__ void run_queue(const int* __restrict__ queues, int L, const long long* __restrict__ operands,
-                          unsigned long long* counters, long long epoch, ErrorRecord* err, long long timeout_ns,
-                          int smem_floats, long long* stamps, long long position) {
+                          unsigned long long* counters, unsigned long long* state, ErrorRecord* err, long long timeout_ns,
+                          int smem_bytes, int ring_stages, long long* stamps, long long position) {
   extern __shared__ float4 dyn_smem4[];
   __shared__ int desc[2][TILEC_DESCRIPTOR_WORDS];
   __shared__ Operand ops[TILEC_MAX_OPERANDS];
-  __shared__ int go;
+  __shared__ int go, ring_next;
+  __shared__ unsigned long long ring_full[kMaxStages], ring_empty[kMaxStages];
+  __shared__ WeightRing ring;
+  __shared__ unsigned long long epoch;
   const int worker = blockIdx.x;
   const int* q = queues + (size_t)worker * L * TILEC_DESCRIPTOR_WORDS;
   if (threadIdx.x < TILEC_DESCRIPTOR_WORDS) desc[0][threadIdx.x] = q[threadIdx.x];
-  __syncthreads();
+  if (threadIdx.x == 0) {
+    epoch = ld_acquire(state) + 1;
+    ring = WeightRing{reinterpret_cast<char*>(dyn_smem4), ring_full, ring_empty, ring_stages, &ring_next, &err->flag,
+                      timeout_ns};
+    ring_next = 0;
+    for (int s = 0; s < ring_stages; ++s) {
+      mbar_init(ring_full + s, 1);
+      mbar_init(ring_empty + s, kWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the only barrier the loader warp joins
+  if (threadIdx.x >= kThreads) {
+    if (ring_stages > 0) stream_weights(q, L, operands, position, ring);
+    return;
+  }
+  float* scratch = reinterpret_cast<float*>(reinterpret_cast<char*>(dyn_smem4) + (size_t)ring_stages * kStageBytes);
+  const int smem_floats = (smem_bytes - ring_stages * kStageBytes) / 4;
   for (int i = 0; i < L; ++i) {
     const int* d = desc[i & 1];
     const int opcode = d[TILEC_W_OPCODE], wait_e = d[TILEC_W_WAIT_EVENT], wait_c = d[TILEC_W_WAIT_COUNT];
@@ -114,26 +134,31 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     if (threadIdx.x == 0) {
       go = 1;
       if (wait_e >= 0) {
-        go = wait_event(counters, wait_e, (unsigned long long)epoch * (unsigned long long)wait_c, err, timeout_ns,
+        go = wait_event(counters, wait_e, epoch * (unsigned long long)wait_c, err, timeout_ns,
                         worker, i, d);
         __threadfence();
       }
     }
-    __syncthreads();
+    block_sync();
     if (!go) return;
     // profiling: %globaltimer when the instruction starts running (its wait satisfied) and ends
-    long long* stamp = stamps ? stamps + ((size_t)worker * L + i) * 2 : nullptr;
+    long long* stamp = stamps ? stamps + ((size_t)worker * L + i) * 4 : nullptr;
     if (stamp && threadIdx.x == 0) stamp[0] = (long long)global_timer();
     if (opcode != TILEC_OP_EMPTY) {
-      TileCtx c{d, ops, reinterpret_cast<float*>(dyn_smem4), smem_floats};
+      TileCtx c{d, ops, scratch, smem_floats, &ring, stamp};
       Dispatch(c, opcode, sig);
     }
-    __syncthreads();
+    block_sync();
     if (threadIdx.x == 0 && signal_e >= 0) {
       __threadfence();
       signal_release(counters + signal_e);
     }
     if (stamp && threadIdx.x == 0) stamp[1] = (long long)global_timer();
+  }
+  if (threadIdx.x == 0) {  // the step's last CTA to finish publishes the epoch (every CTA has read it)
+    __threadfence();
+    if (atomicAdd(state + 1, 1ull) + 1 == epoch * gridDim.x)
+      asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(state), "l"(epoch) : "memory");
   }
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 #include <type_traits>
 #include "common.cuh"
+#include "stream.cuh"
 
 namespace tilec {
 
@@ -58,7 +59,7 @@ __device__ __forceinline__ void for_rows(const TileCtx& c, int nd, F f) {
     row_index(r, nd, lo, hi, idx);
     idx[nd - 1] = 0;
     f(idx);
-    __syncthreads();
+    block_sync();
   }
 }
 
@@ -99,12 +100,12 @@ __device__ void layernorm_impl(TileCtx& c) {
     long long xo = offset4(x, idx), oo = offset4(out, idx);
     long long xs = x.strides[nd - 1], os = out.strides[nd - 1];
     float s = 0.f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) s += ldf<TX>(x, xo + d * xs);
+    for (int d = threadIdx.x; d < D; d += kThreads) s += ldf<TX>(x, xo + d * xs);
     float mean = block_sum(s, c.smem) / D;
     float v2 = 0.f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) { float t = ldf<TX>(x, xo + d * xs) - mean; v2 += t * t; }
+    for (int d = threadIdx.x; d < D; d += kThreads) { float t = ldf<TX>(x, xo + d * xs) - mean; v2 += t * t; }
     float r = rsqrtf(block_sum(v2, c.smem) / D + eps);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    for (int d = threadIdx.x; d < D; d += kThreads) {
       float y = (ldf<TX>(x, xo + d * xs) - mean) * r * to_f<TW>(base<TW>(w)[d * w.strides[0]]);
       if constexpr (kBias) y += to_f<TB>(base<TB>(c.ops[2])[d * c.ops[2].strides[0]]);
       stf<TO>(out, oo + d * os, y);
@@ -123,12 +124,12 @@ __device__ void op_softmax(TileCtx& c) {
   for_rows(c, nd, [&](int* idx) {
     long long xo = offset4(x, idx), oo = offset4(out, idx), xs = x.strides[nd - 1], os = out.strides[nd - 1];
     float m = -INFINITY;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) m = fmaxf(m, ldf<TX>(x, xo + d * xs));
+    for (int d = threadIdx.x; d < D; d += kThreads) m = fmaxf(m, ldf<TX>(x, xo + d * xs));
     m = block_max(m, c.smem);
     float s = 0.f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) s += __expf(ldf<TX>(x, xo + d * xs) - m);
+    for (int d = threadIdx.x; d < D; d += kThreads) s += __expf(ldf<TX>(x, xo + d * xs) - m);
     s = block_sum(s, c.smem);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) stf<TO>(out, oo + d * os, __expf(ldf<TX>(x, xo + d * xs) - m) / s);
+    for (int d = threadIdx.x; d < D; d += kThreads) stf<TO>(out, oo + d * os, __expf(ldf<TX>(x, xo + d * xs) - m) / s);
   });
 }
 
@@ -143,7 +144,7 @@ __device__ void op_rope(TileCtx& c) {
   for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
   const long long xs = x.strides[nd - 1], os = out.strides[nd - 1], cst = cs.strides[nd - 1], sst = sn.strides[nd - 1];
   // every (row, pair) of the tile at once: one round trip, not one per row
-  for (int e = threadIdx.x; e < rows * h; e += blockDim.x) {
+  for (int e = threadIdx.x; e < rows * h; e += kThreads) {
     const int r = e / h, i = e % h;
     int idx[4] = {0, 0, 0, 0};
     row_index(r, nd, lo, hi, idx);
@@ -281,11 +282,6 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p, unsigned long long p
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
   return r;
 }
-__device__ __forceinline__ unsigned long long evict_first_policy() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
 // dot of 8 bf16 (packed in a uint4) with 8 floats
 __device__ __forceinline__ float dot8_bf16(const uint4& w, const float* x) {
   const float4 a = reinterpret_cast<const float4*>(x)[0], b = reinterpret_cast<const float4*>(x)[1];
@@ -376,77 +372,32 @@ __device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloa
   }
 }
 
-// ---- bulk-copy (TMA) weight streaming --------------------------------------------------
-// Hopper's copy engine moves global -> shared memory without occupying threads: one thread
-// issues cp.async.bulk copies into a ring of stages, each completing an mbarrier, while all
-// warps compute on earlier stages. Few warps then still keep ~100 KiB per SM in flight.
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-  unsigned done = 0;
-  while (!done)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar,
-                                          unsigned long long policy) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy) : "memory");
-}
-
-constexpr int kTmaRows = kWarps;                     // W rows (output columns) per stage: one per warp
-constexpr int kTmaK = 2048;                          // K elements per stage row (4 KiB of bf16)
-constexpr int kTmaStageBytes = kTmaRows * kTmaK * 2;  // 32 KiB
-
-// Columns [n0, n1) of bf16 W against nr <= kR staged float rows xs [nr][k1 - k0], streaming W
-// through `nstages` 32 KiB stages at `ring` with mbarriers `bars`. Work items are (group of 8
-// columns, K block of 2048): one bulk copy per column row segment; warp w owns column w.
-// Needs 16-byte aligned W rows and (k1 - k0) % 8 == 0 (the caller checks). Loops stay rolled:
-// a megakernel runs each op's code cold from L2, so code size is latency.
+// ---- streamed weights: the ring the loader warp fills (stream.cuh) ---------------------
+// Columns [t.n0, t.n1) of the streamed tile against nr <= kR staged float rows xs [nr][k1 - k0]:
+// the compute warps consume the tile's stream items in order (warp w owns row w of a stage),
+// releasing each stage to the loader as soon as they have read it - no block barrier per stage.
+// Loops stay rolled: a megakernel runs each op's code cold from L2, so code size is latency.
 template <int kR, typename TB, typename TO, bool kBias>
-__device__ __noinline__ void gemv_bf16_tma(const TileCtx& c, const __nv_bfloat16* w, long long wn, int n0, int n1,
-                                           int k0, int k1, const float* xs, int nr, const GemvStore<TO>& store,
-                                           char* ring, int nstages, unsigned long long* bars) {
+__device__ __noinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& t, const float* xs, int nr,
+                                            const GemvStore<TO>& store) {
+  const WeightRing& r = *c.ring;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int kl = k1 - k0;
-  const int kblocks = (kl + kTmaK - 1) / kTmaK;
-  const int groups = (n1 - n0 + kTmaRows - 1) / kTmaRows;
-  const int items = groups * kblocks;
-  const unsigned long long policy = evict_first_policy();
-  auto issue = [&](int i) {  // thread 0 only
-    const int g = i / kblocks, kb = i % kblocks;
-    const int c0 = n0 + g * kTmaRows, rows = min(kTmaRows, n1 - c0);
-    const int kk = kb * kTmaK, len = min(kTmaK, kl - kk);
-    char* stage = ring + (size_t)(i % nstages) * kTmaStageBytes;
-    unsigned long long* bar = bars + (i % nstages);
-    mbar_expect_tx(bar, (unsigned)(rows * len * 2));
-#pragma unroll 1
-    for (int r = 0; r < rows; ++r)
-      bulk_load(stage + r * kTmaK * 2, w + (long long)(c0 + r) * wn + k0 + kk, (unsigned)(len * 2), bar, policy);
-  };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < nstages; ++s) mbar_init(bars + s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int i = 0; i < min(nstages, items); ++i) issue(i);
+  const int kl = t.k1 - t.k0, kblocks = t.kblocks(), items = t.items();
+  const long long first = *r.next;
+  c.mark(1);  // x staged (and its prologue applied)
   float acc[kR];
 #pragma unroll
   for (int m = 0; m < kR; ++m) acc[m] = 0.f;
 #pragma unroll 1
   for (int i = 0; i < items; ++i) {
+    const long long item = first + i;
     const int g = i / kblocks, kb = i % kblocks;
-    const int n = n0 + g * kTmaRows + warp;
-    const int kk = kb * kTmaK, len = min(kTmaK, kl - kk);
-    mbar_wait(bars + (i % nstages), (unsigned)((i / nstages) & 1));
-    if (n < n1) {
-      const uint4* row = reinterpret_cast<const uint4*>(ring + (size_t)(i % nstages) * kTmaStageBytes + warp * kTmaK * 2);
+    const int n = t.n0 + g * kWarps + warp;
+    const int kk = kb * kStreamK, len = min(kStreamK, kl - kk);
+    if (!mbar_wait(r.full + (int)(item % r.nstages), r.parity(item), r.abort, r.timeout_ns)) return;  // aborted
+    if (i == 0) c.mark(2);  // the first weight stage is in
+    if (n < t.n1) {
+      const uint4* row = reinterpret_cast<const uint4*>(r.stage(item) + warp * kStreamK * 2);
 #pragma unroll 2
       for (int v = lane; v < len / 8; v += 32) {
         const uint4 wv = row[v];
@@ -455,11 +406,13 @@ __device__ __noinline__ void gemv_bf16_tma(const TileCtx& c, const __nv_bfloat16
           if (m < nr) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
       }
     }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(r.empty + (int)(item % r.nstages));
     if (kb == kblocks - 1) {
 #pragma unroll
       for (int m = 0; m < kR; ++m)
         if (m < nr) acc[m] = warp_sum(acc[m]);
-      if (lane == 0 && n < n1) {
+      if (lane == 0 && n < t.n1) {
         float b = 0.f;
         if (kBias && store.variant == 0) b = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
 #pragma unroll 1
@@ -468,10 +421,78 @@ __device__ __noinline__ void gemv_bf16_tma(const TileCtx& c, const __nv_bfloat16
 #pragma unroll
       for (int m = 0; m < kR; ++m) acc[m] = 0.f;
     }
-    __syncthreads();  // every warp is done with stage i % nstages
-    if (threadIdx.x == 0 && i + nstages < items) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before async writes
-      issue(i + nstages);
+  }
+  block_sync();  // every compute thread has read r.next
+  if (threadIdx.x == 0) *r.next = (int)(first + items);
+}
+
+// ---- tensor-core GEMV for 9..64 rows: mma.sync m16n8k16 (bf16 in, float32 accumulate) ----
+__device__ __forceinline__ void mma_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+// Two m16n8k16 products over 32 consecutive k: lane (g = lane / 4, q = lane % 4) brings 8
+// consecutive k of A rows g and g + 8 (alo, ahi) and of B column g (b), and the k order inside
+// each product is permuted the same way for A and B (slot 2q + j <-> k 8q + j, slot 2q + 8 + j
+// <-> k 8q + 2 + j), so each operand is one 16-byte load per lane instead of four.
+__device__ __forceinline__ void mma_k32(float* acc, const uint4& alo, const uint4& ahi, const uint4& b) {
+  const unsigned a1[4] = {alo.x, ahi.x, alo.y, ahi.y}, a2[4] = {alo.z, ahi.z, alo.w, ahi.w};
+  mma_16816(acc, a1, b.x, b.y);
+  mma_16816(acc, a2, b.z, b.w);
+}
+
+// Rows [0, nr <= 16) x columns [n0, n1) of bf16 W [N, K] (unit K stride, 16-byte aligned rows,
+// (k1 - k0) % 32 == 0) with tensor cores: warp w owns column groups of 8, streaming its 8 rows of
+// W with kU 16-byte loads per lane in flight. A comes from the staged float rows xs [nr][kl]
+// (xs != nullptr) or straight from bf16 x rows at element offsets xrow[m] + k0.
+template <typename TB, typename TO, bool kBias>
+__device__ __noinline__ void gemv_bf16_mma(const TileCtx& c, const __nv_bfloat16* w, long long wn, int n0, int n1,
+                                           int k0, int k1, const float* xs, const __nv_bfloat16* x,
+                                           const long long* xrow, int nr, const GemvStore<TO>& store) {
+  constexpr int kU = 8;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3;
+  const int kl = k1 - k0, rlo = lane >> 2, rhi = rlo + 8;
+  const unsigned long long policy = evict_first_policy();
+  auto load_a = [&](int r, int k) -> uint4 {  // 8 bf16 of A row r at k (zeros past nr)
+    if (r >= nr) return make_uint4(0u, 0u, 0u, 0u);
+    if (xs) {
+      const float4 u = *reinterpret_cast<const float4*>(xs + r * kl + k);
+      const float4 v = *reinterpret_cast<const float4*>(xs + r * kl + k + 4);
+      return make_uint4(pack_bf16x2(u.x, u.y), pack_bf16x2(u.z, u.w), pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+    }
+    return __ldcg(reinterpret_cast<const uint4*>(x + xrow[r] + k0 + k));
+  };
+#pragma unroll 1
+  for (int g8 = warp; g8 * 8 < n1 - n0; g8 += kWarps) {
+    const int col = min(n0 + g8 * 8 + rlo, n1 - 1);  // past n1: a valid row, never stored
+    const __nv_bfloat16* wrow = w + (long long)col * wn + k0 + 8 * q;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+    for (int kb = 0; kb < kl; kb += 32 * kU) {
+      uint4 b[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (kb + 32 * u < kl) b[u] = ld_stream16(wrow + kb + 32 * u, policy);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int k = kb + 32 * u + 8 * q;
+        if (kb + 32 * u < kl) mma_k32(acc, load_a(rlo, k), load_a(rhi, k), b[u]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // accumulator i: row (i < 2 ? rlo : rhi), column 2q + (i & 1) of the group
+      const int m = i < 2 ? rlo : rhi, n = n0 + g8 * 8 + 2 * q + (i & 1);
+      if (m < nr && n < n1) {
+        float b0 = 0.f;
+        if (kBias && store.variant == 0) b0 = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+        store(m, n, acc[i] + b0);
+      }
     }
   }
 }
@@ -485,11 +506,11 @@ __device__ void stage_rows(const Operand& x, const long long* xoff, long long xk
   if constexpr (std::is_same<TX, __nv_bfloat16>::value) {
     if (vec) {  // 16-byte loads of 8 bf16 (x is produced by other CTAs: L2-coherent loads)
       const int nv = nr * (kl / 8);
-      for (int e0 = threadIdx.x; e0 < nv; e0 += 2 * blockDim.x) {  // 2 loads in flight per thread
+      for (int e0 = threadIdx.x; e0 < nv; e0 += 2 * kThreads) {  // 2 loads in flight per thread
         uint4 raw[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const int e = e0 + j * blockDim.x;
+          const int e = e0 + j * kThreads;
           if (e < nv) {
             const int r = e / (kl / 8), k = (e % (kl / 8)) * 8;
             raw[j] = __ldcg(reinterpret_cast<const uint4*>(base<TX>(x) + xoff[r] + k0 + k));
@@ -497,7 +518,7 @@ __device__ void stage_rows(const Operand& x, const long long* xoff, long long xk
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const int e = e0 + j * blockDim.x;
+          const int e = e0 + j * kThreads;
           if (e < nv) {
             const int r = e / (kl / 8), k = (e % (kl / 8)) * 8;
             const uint4 v = raw[j];
@@ -512,7 +533,7 @@ __device__ void stage_rows(const Operand& x, const long long* xoff, long long xk
       return;
     }
   }
-  for (int e = threadIdx.x; e < nr * kl; e += blockDim.x)
+  for (int e = threadIdx.x; e < nr * kl; e += kThreads)
     xs[e] = ldf<TX>(x, xoff[e / kl] + (long long)(k0 + e % kl) * xk);
 }
 
@@ -528,11 +549,11 @@ __device__ __forceinline__ void apply_side(const Operand& side, const long long*
     vec = ((reinterpret_cast<uintptr_t>(base<TX>(side) + (rowoff ? rowoff[r] : 0) + k0) & 15) == 0);
   if (vec) {
     const int nv = nr * (kl / 8);
-    for (int v0 = threadIdx.x; v0 < nv; v0 += 2 * blockDim.x) {
+    for (int v0 = threadIdx.x; v0 < nv; v0 += 2 * kThreads) {
       uint4 raw[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int v = v0 + j * blockDim.x;
+        const int v = v0 + j * kThreads;
         if (v < nv) {
           const int r = v / (kl / 8), k = (v % (kl / 8)) * 8;
           raw[j] = __ldcg(reinterpret_cast<const uint4*>(base<TX>(side) + (rowoff ? rowoff[r] : 0) + k0 + k));
@@ -540,7 +561,7 @@ __device__ __forceinline__ void apply_side(const Operand& side, const long long*
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int v = v0 + j * blockDim.x;
+        const int v = v0 + j * kThreads;
         if (v < nv) {
           const int e = v * 8;
           const unsigned wd[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
@@ -554,7 +575,7 @@ __device__ __forceinline__ void apply_side(const Operand& side, const long long*
     }
     return;
   }
-  for (int e = threadIdx.x; e < nr * kl; e += blockDim.x) {
+  for (int e = threadIdx.x; e < nr * kl; e += kThreads) {
     const int r = e / kl, k = e % kl;
     xs[e] = f(e, xs[e], ldf<TX>(side, (rowoff ? rowoff[r] : 0) + (long long)(k0 + k) * st));
   }
@@ -571,7 +592,7 @@ __device__ __noinline__ void gemv_rmsnorm_rows(const TileCtx& c, int nr, int k0,
     ss = warp_sum(ss);
     if (lane == 0) rscale[m] = rsqrtf(ss / kl + eps);
   }
-  __syncthreads();
+  block_sync();
   apply_side<TX>(c.ops[1], nullptr, nr, k0, kl, xs_smem, [&](int e, float x, float wv) {
     return round_to<TX>(round_to<TX>(x * rscale[e / kl]) * wv);
   });
@@ -591,10 +612,10 @@ __device__ __noinline__ void gemv_stage_rows(const TileCtx& c, const Operand& x,
                                              const long long* soff, long long xk, int nr, int k0, int k1,
                                              float* xs_smem, float* rscale, int pro, float eps) {
   stage_rows<TX>(x, xoff, xk, nr, k0, k1, xs_smem);
-  __syncthreads();
+  block_sync();
   if (pro == 1) gemv_rmsnorm_rows<TX>(c, nr, k0, k1 - k0, xs_smem, rscale, eps);
   else if (pro == 2) gemv_silu_mul_rows<TX>(c, soff, nr, k0, k1 - k0, xs_smem);
-  if (pro != 0) __syncthreads();
+  if (pro != 0) block_sync();
 }
 
 // The GEMV for any dtypes and strides (warp per column, lanes over K); out of line.
@@ -662,8 +683,8 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
   const int kl = k1 - k0;
   for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
     const int nr = min(kMaxRows, rows - r0);
-    __syncthreads();
-    for (int r = threadIdx.x; r < nr; r += blockDim.x) {
+    block_sync();
+    for (int r = threadIdx.x; r < nr; r += kThreads) {
       int idx[4] = {0, 0, 0, 0};
       row_index(r0 + r, nd, lo, hi, idx);
       idx[nd - 1] = 0;
@@ -672,27 +693,35 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       if (resid) roff[r] = offset4(*resid, idx);
       if (pro == 2) soff[r] = offset4(c.ops[1], idx);
     }
-    __syncthreads();
+    block_sync();
     // stage this chunk's x rows (K range) in shared memory as float when they fit (fused
     // tiles always fit: the fusion pass checks)
     const bool staged = (long long)nr * kl + 2304 / 4 <= (long long)c.smem_floats - 64;
     if (staged && variant != 1) gemv_stage_rows<TX>(c, x, xoff, soff, xk, nr, k0, k1, xs_smem, rscale, pro, eps);
     const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant};
     if constexpr (std::is_same<TW, __nv_bfloat16>::value) {
-      const bool fast = variant != 1 && staged && nr <= kRowsPerPass && wk == 1 && kl % 8 == 0 &&
-                        (wn * 2) % 16 == 0 && ((reinterpret_cast<uintptr_t>(base<TW>(w) + k0) & 15) == 0);
-      // the ring of bulk-copy stages goes after the staged rows (128-byte aligned)
-      const long long used = (2304 + 4LL * nr * kl + 127) / 128 * 128;
-      const int nstages = (int)min(6LL, ((long long)c.smem_floats * 4 - used - 512) / kTmaStageBytes);
-      if (fast && nstages >= 2) {
-        char* ring = reinterpret_cast<char*>(c.smem) + used;
-        auto* bars = reinterpret_cast<unsigned long long*>(ring + (size_t)nstages * kTmaStageBytes);
-        const __nv_bfloat16* wp = base<TW>(w);
-        if (nr == 1) gemv_bf16_tma<1, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store, ring, nstages, bars);
-        else if (nr <= 4) gemv_bf16_tma<4, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store, ring, nstages, bars);
-        else gemv_bf16_tma<8, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store, ring, nstages, bars);
+      StreamTile t;
+      if (stream_range(c.d, w.ptr, wn, t)) {  // the loader streams this tile's weights (plan.py checks nr, staging)
+        if (nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xs_smem, nr, store);
+        else if (nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xs_smem, nr, store);
+        else gemv_bf16_ring<8, TB, TO, kBias>(c, t, xs_smem, nr, store);
         continue;
       }
+      const bool wvec = variant != 1 && wk == 1 && (wn * 2) % 16 == 0 &&
+                        ((reinterpret_cast<uintptr_t>(base<TW>(w) + k0) & 15) == 0);
+      bool xvec = std::is_same<TX, __nv_bfloat16>::value && xk == 1;  // A straight from bf16 x rows
+      for (int r = 0; r < nr && xvec; ++r) xvec = ((reinterpret_cast<uintptr_t>(base<TX>(x) + xoff[r] + k0) & 15) == 0);
+      if (wvec && nr > kRowsPerPass && kl % 32 == 0 && (staged || xvec)) {
+        const __nv_bfloat16* wp = base<TW>(w);
+        for (int m0 = 0; m0 < nr; m0 += 16) {  // 16 rows per pass of W
+          const GemvStore<TO> sub{out, resid, ooff + m0, roff + m0, on, store.rn, variant};
+          gemv_bf16_mma<TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, staged ? xs_smem + (long long)m0 * kl : nullptr,
+                                       reinterpret_cast<const __nv_bfloat16*>(base<TX>(x)), xoff + m0,
+                                       min(16, nr - m0), sub);
+        }
+        continue;
+      }
+      const bool fast = wvec && staged && nr <= kRowsPerPass && kl % 8 == 0;
       if (fast) {
         const __nv_bfloat16* wp = base<TW>(w);
         if (nr == 1) gemv_bf16_stream<1, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store);
@@ -745,8 +774,8 @@ __device__ void op_attention(TileCtx& c) {
     for (int h = c.lo(1); h < c.hi(1); ++h)
       for (int q0 = 0; q0 < nq; q0 += kQChunk) {
         const int qc = min(kQChunk, nq - q0);
-        __syncthreads();
-        for (int e = threadIdx.x; e < kQChunk * 256; e += blockDim.x) {
+        block_sync();
+        for (int e = threadIdx.x; e < kQChunk * 256; e += kThreads) {
           int qq = e / 256, d = e % 256;
           float val = 0.f;
           if (qq < qc && d < D) {
@@ -756,7 +785,7 @@ __device__ void op_attention(TileCtx& c) {
           }
           qs[e] = val;
         }
-        __syncthreads();
+        block_sync();
         // (1) scores
         for (int j = warp; j < n; j += kWarps) {
           int ki[4] = {b, h, j, 0};
@@ -780,7 +809,7 @@ __device__ void op_attention(TileCtx& c) {
             }
           }
         }
-        __syncthreads();
+        block_sync();
         // (2) softmax statistics, one warp per query
         for (int qq = warp; qq < qc; qq += kWarps) {
           float m = -INFINITY;
@@ -796,7 +825,7 @@ __device__ void op_attention(TileCtx& c) {
           sum = warp_sum(sum);
           if (lane == 0) sums[qq] = sum;
         }
-        __syncthreads();
+        block_sync();
         // (3) P.V
         float acc[kQChunk][8];
 #pragma unroll
@@ -823,8 +852,8 @@ __device__ void op_attention(TileCtx& c) {
         for (int qq = 0; qq < kQChunk; ++qq)
 #pragma unroll
           for (int t = 0; t < 8; ++t) part[(warp * kQChunk + qq) * 256 + lane + 32 * t] = acc[qq][t];
-        __syncthreads();
-        for (int e = threadIdx.x; e < qc * Dv; e += blockDim.x) {
+        block_sync();
+        for (int e = threadIdx.x; e < qc * Dv; e += kThreads) {
           const int qq = e / Dv, d = e % Dv;
           float o = 0.f;
           for (int w = 0; w < kWarps; ++w) o += part[(w * kQChunk + qq) * 256 + d];

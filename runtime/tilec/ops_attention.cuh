@@ -105,8 +105,8 @@ __device__ void attention_partial_impl(TileCtx& c) {
         const long long kb = offset4(k, hi0), vb = offset4(v, hi0);
         for (int q0 = 0; q0 < nq; q0 += kAttnQ) {
           const int qc = min(kAttnQ, nq - q0);
-          __syncthreads();  // the previous pass is done with shared memory
-          for (int e = threadIdx.x; e < qc * 8 * LK; e += blockDim.x) {
+          block_sync();  // the previous pass is done with shared memory
+          for (int e = threadIdx.x; e < qc * 8 * LK; e += kThreads) {
             const int qq = e / (8 * LK), d = e % (8 * LK);
             float val = 0.f;
             if (d < D) {
@@ -133,7 +133,7 @@ __device__ void attention_partial_impl(TileCtx& c) {
               const int jj = (u * kWarps + warp) * PV + gv;
               vr[u].load(v, vb + (long long)(p0 + jj) * vj, vd, iv * 8, Dv, jj < len);
             }
-            __syncthreads();  // queries staged; the previous segment's P.V is done with sc
+            block_sync();  // queries staged; the previous segment's P.V is done with sc
             // (1) scores
             for (int t0 = 0; t0 < len; t0 += kWarps * PK * kUnroll) {
               AttnRow8<kVec, TK> kr[kUnroll];
@@ -161,7 +161,7 @@ __device__ void attention_partial_impl(TileCtx& c) {
                 }
               }
             }
-            __syncthreads();
+            block_sync();
             // (2) softmax statistics, one warp per query
             for (int qq = warp; qq < qc; qq += kWarps) {
               float* row = sc + qq * seg;
@@ -184,7 +184,7 @@ __device__ void attention_partial_impl(TileCtx& c) {
                 st[2 * kAttnQ + qq] = alpha;
               }
             }
-            __syncthreads();
+            block_sync();
             // (3) P.V
 #pragma unroll
             for (int qq = 0; qq < kAttnQ; ++qq) {
@@ -228,7 +228,7 @@ __device__ void attention_partial_impl(TileCtx& c) {
               }
             }
           }
-          __syncthreads();  // every warp is done reading sc: reuse it for the per-warp partials
+          block_sync();  // every warp is done reading sc: reuse it for the per-warp partials
           float* part = sc;
           if (gv == 0) {
 #pragma unroll
@@ -239,9 +239,9 @@ __device__ void attention_partial_impl(TileCtx& c) {
               }
             }
           }
-          __syncthreads();
+          block_sync();
           const int row0 = h * G * Sq + q0;  // o_part / ml row of query q0
-          for (int e = threadIdx.x; e < qc * Dv; e += blockDim.x) {
+          for (int e = threadIdx.x; e < qc * Dv; e += kThreads) {
             const int qq = e / Dv, d = e % Dv;
             float o = 0.f;
 #pragma unroll
@@ -292,7 +292,7 @@ __device__ void op_attention_combine(TileCtx& c) {
     const int r0 = c.lo(1) * Sq, r1 = c.hi(1) * Sq;
     for (int rb = r0; rb < r1; rb += kWarps) {
       const int nr = min(kWarps, r1 - rb);
-      __syncthreads();  // the previous rows are done with w
+      block_sync();  // the previous rows are done with w
       if (warp < nr) {
         int mi[4] = {b, rb + warp, 0, 0};
         const long long mo = offset4(ml, mi);
@@ -310,8 +310,8 @@ __device__ void op_attention_combine(TileCtx& c) {
         const float inv = l > 0.f ? 1.f / l : 0.f;
         for (int s = lane; s < NS; s += 32) w[warp * NS + s] *= inv;
       }
-      __syncthreads();
-      for (int e = threadIdx.x; e < nr * Dv; e += blockDim.x) {
+      block_sync();
+      for (int e = threadIdx.x; e < nr * Dv; e += kThreads) {
         const int rr = e / Dv, d = e % Dv, r = rb + rr;
         int pi[4] = {b, r, 0, d};
         const long long po = offset4(op, pi);

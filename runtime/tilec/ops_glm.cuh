@@ -51,6 +51,78 @@ __device__ void op_fp8_quant(TileCtx& c) {
 // scales); one warp per output column n, lanes over K in 16-byte vectors of FP8 weights
 // (16 | G, so a vector never straddles a K block). Each vector's partial dot product is
 // scaled by xs * ws and accumulated in float32; one warp sum per (row, column).
+// 8 FP8 e4m3 bytes (packed in a uint2) as 4 bf16 pairs (exact: e4m3 has 3 mantissa bits).
+__device__ __forceinline__ uint4 fp8x8_to_bf16(uint2 raw) {
+  float f[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    __nv_fp8_e4m3 v;
+    v.__x = (unsigned char)(((i < 4 ? raw.x : raw.y) >> (8 * (i & 3))) & 0xffu);
+    f[i] = float(v);
+  }
+  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
+}
+
+// fp8_linear on tensor cores for nr <= 16 staged rows (xq_s [nr][K] FP8 bytes, xs_s [nr][KB]
+// scales): FP8 values are exact in bf16, so each K block of G (a multiple of 32) is one chain
+// of bf16 m16n8k16 products in float32, then scaled by xs[m, kb] * ws[n / BN, kb] and summed
+// (the DeepGEMM recipe). Warp w owns column groups of 8 and streams kU x 8 weight bytes per
+// lane at a time; lane (g, q) brings 8 consecutive k (see mma_k32).
+template <typename TWS, typename TO>
+__device__ __noinline__ void fp8_linear_mma(const TileCtx& c, const unsigned char* wq, long long wn, const Operand& ws,
+                                            int n0, int n1, int K, int G, int BN, const unsigned char* xq_s,
+                                            const float* xs_s, int nr, const Operand& out, const long long* ooff) {
+  constexpr int kU = 16;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3;
+  const int rlo = lane >> 2, rhi = rlo + 8, KB = K / G;
+  const long long on = out.strides[out.ndim - 1], wsn = ws.strides[0], wsk = ws.strides[1];
+  const unsigned long long policy = evict_first_policy();
+  auto load_a = [&](int r, int k) -> uint4 {
+    return r < nr ? fp8x8_to_bf16(*reinterpret_cast<const uint2*>(xq_s + (long long)r * K + k)) : make_uint4(0u, 0u, 0u, 0u);
+  };
+#pragma unroll 1
+  for (int g8 = warp; g8 * 8 < n1 - n0; g8 += kWarps) {
+    const int col = min(n0 + g8 * 8 + rlo, n1 - 1);  // past n1: a valid row, never stored
+    const unsigned char* wrow = wq + (long long)col * wn + 8 * q;
+    const int ca = min(n0 + g8 * 8 + 2 * q, n1 - 1), cb = min(ca + 1, n1 - 1);  // this lane's output columns
+    float tot[4] = {0.f, 0.f, 0.f, 0.f}, blk[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+    for (int kb0 = 0; kb0 < K; kb0 += 32 * kU) {
+      uint2 b[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (kb0 + 32 * u < K) {
+          uint4 v;
+          asm volatile("ld.global.cg.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+                       : "=r"(v.x), "=r"(v.y) : "l"(wrow + kb0 + 32 * u), "l"(policy));
+          b[u] = make_uint2(v.x, v.y);
+        }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int k = kb0 + 32 * u;
+        if (k >= K) break;
+        mma_k32(blk, load_a(rlo, k + 8 * q), load_a(rhi, k + 8 * q), fp8x8_to_bf16(b[u]));
+        if ((k + 32) % G == 0) {  // end of K block kb: scale and fold into the total
+          const int kb = k / G;
+          const float wa = to_f<TWS>(base<TWS>(ws)[(long long)(ca / BN) * wsn + kb * wsk]);
+          const float wb = to_f<TWS>(base<TWS>(ws)[(long long)(cb / BN) * wsn + kb * wsk]);
+          const float xl = rlo < nr ? xs_s[rlo * KB + kb] : 0.f, xh = rhi < nr ? xs_s[rhi * KB + kb] : 0.f;
+          tot[0] += blk[0] * xl * wa;
+          tot[1] += blk[1] * xl * wb;
+          tot[2] += blk[2] * xh * wa;
+          tot[3] += blk[3] * xh * wb;
+          blk[0] = blk[1] = blk[2] = blk[3] = 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = i < 2 ? rlo : rhi, n = n0 + g8 * 8 + 2 * q + (i & 1);
+      if (m < nr && n < n1) stf<TO>(out, ooff[m] + (long long)n * on, tot[i]);
+    }
+  }
+}
+
 template <typename TXQ, typename TXS, typename TWQ, typename TWS, typename TO>
 __device__ void op_fp8_linear(TileCtx& c) {
   const Operand &xq = c.ops[0], &xs = c.ops[1], &wq = c.ops[2], &ws = c.ops[3], &out = c.ops[4];
@@ -78,8 +150,8 @@ __device__ void op_fp8_linear(TileCtx& c) {
   for (int r0 = 0; r0 < rows; r0 += pass) {
     const int nr = min(pass, rows - r0);
     unsigned char* xq_s = reinterpret_cast<unsigned char*>(xs_s + (staged ? (nr * KB + 3) / 4 * 4 : 0));
-    __syncthreads();
-    for (int r = threadIdx.x; r < nr; r += blockDim.x) {
+    block_sync();
+    for (int r = threadIdx.x; r < nr; r += kThreads) {
       int idx[4] = {0, 0, 0, 0};
       row_index(r0 + r, nd, lo, hi, idx);
       idx[nd - 1] = 0;
@@ -87,14 +159,23 @@ __device__ void op_fp8_linear(TileCtx& c) {
       soff[r] = offset4(xs, idx);
       ooff[r] = offset4(out, idx);
     }
-    __syncthreads();
+    block_sync();
     if (staged) {
-      for (int e = threadIdx.x; e < nr * KB; e += blockDim.x) xs_s[e] = ldf<TXS>(xs, soff[e / KB] + (e % KB) * sk);
-      for (int e = threadIdx.x; e < nr * K; e += blockDim.x) {
+      for (int e = threadIdx.x; e < nr * KB; e += kThreads) xs_s[e] = ldf<TXS>(xs, soff[e / KB] + (e % KB) * sk);
+      for (int e = threadIdx.x; e < nr * K; e += kThreads) {
         const TXQ v = ldc<TXQ>(base<TXQ>(xq) + xoff[e / K] + (long long)(e % K) * xk);
         xq_s[e] = *reinterpret_cast<const unsigned char*>(&v);
       }
-      __syncthreads();
+      block_sync();
+    }
+    if constexpr (std::is_same<TXQ, __nv_fp8_e4m3>::value && std::is_same<TWQ, __nv_fp8_e4m3>::value) {
+      if (staged && wk == 1 && G % 32 == 0 && K % 32 == 0 && wn % 16 == 0 &&
+          (reinterpret_cast<uintptr_t>(wq.ptr) & 15) == 0) {
+        for (int m0 = 0; m0 < nr; m0 += 16)
+          fp8_linear_mma<TWS, TO>(c, reinterpret_cast<const unsigned char*>(wq.ptr), wn, ws, n0, n1, K, G, BN,
+                                  xq_s + (long long)m0 * K, xs_s + m0 * KB, min(16, nr - m0), out, ooff + m0);
+        continue;
+      }
     }
     auto xval = [&](int m, int k) -> float {
       if (staged) return to_f<TXQ>(*reinterpret_cast<const TXQ*>(xq_s + (long long)m * K + k));
@@ -163,21 +244,21 @@ __device__ void bmm_impl(TileCtx& c) {
   const int n0 = c.lo(1), n1 = c.hi(1), nc = n1 - n0;
   const long long row_len = c.param(1), w_offset = c.param(2);
   const int br = c.param(3), bc = c.param(4), round_w = c.param(5);
-  const int ncp = min(nc, (int)blockDim.x);
-  const int ks = max(1, min((int)blockDim.x / ncp, c.smem_floats / (kRowsPerPass * ncp)));
+  const int ncp = min(nc, (int)kThreads);
+  const int ks = max(1, min((int)kThreads / ncp, c.smem_floats / (kRowsPerPass * ncp)));
   const int col = threadIdx.x % ncp, slice = threadIdx.x / ncp;
   float* red = c.smem;                          // [ks][kRowsPerPass][ncp] (ks > 1)
   float* a_s = red + (ks > 1 ? ks * kRowsPerPass * ncp : 0);  // [M][K] when it fits
   const bool staged = (long long)(a_s - c.smem) + (long long)M * K <= c.smem_floats;
   const bool active = slice < ks;
   for (int b = c.lo(0); b < c.hi(0); ++b) {
-    __syncthreads();
+    block_sync();
     if (staged)
-      for (int e = threadIdx.x; e < M * K; e += blockDim.x) {
+      for (int e = threadIdx.x; e < M * K; e += kThreads) {
         int ai[4] = {b, e / K, e % K, 0};
         a_s[e] = ldf<TA>(a, offset4(a, ai));
       }
-    __syncthreads();
+    block_sync();
     auto aval = [&](int m, int k) -> float {
       if (staged) return a_s[m * K + k];
       int ai[4] = {b, m, k, 0};
@@ -214,12 +295,12 @@ __device__ void bmm_impl(TileCtx& c) {
             }
           continue;
         }
-        __syncthreads();
+        block_sync();
         if (mine)
 #pragma unroll
           for (int m = 0; m < kRowsPerPass; ++m) red[(slice * kRowsPerPass + m) * ncp + col] = acc[m];
-        __syncthreads();
-        for (int e = threadIdx.x; e < kRowsPerPass * ncp; e += blockDim.x) {
+        block_sync();
+        for (int e = threadIdx.x; e < kRowsPerPass * ncp; e += kThreads) {
           const int m = e / ncp, cc = e % ncp;
           if (m0 + m >= M || c0 + cc >= nc) continue;
           float sum = 0.f;
@@ -245,7 +326,7 @@ __device__ void op_paged_cache_write(TileCtx& c) {
   const int nd = dst.ndim;
   long long rows = 1;
   for (int k = 0; k < nd - 1; ++k) rows *= dst.sizes[k];
-  for (long long e = threadIdx.x; e < (long long)(t1 - t0) * nc; e += blockDim.x) {
+  for (long long e = threadIdx.x; e < (long long)(t1 - t0) * nc; e += kThreads) {
     const int t = t0 + (int)(e / nc), col = c0 + (int)(e % nc);
     long long s = (long long)ldc<TI>(base<TI>(slot) + (long long)t * slot.strides[0]);
     if (s < 0) s += rows;
@@ -259,6 +340,130 @@ __device__ void op_paged_cache_write(TileCtx& c) {
   }
 }
 
+// 8 consecutive elements at p (16-byte aligned for 2-byte types, 8-byte for FP8) as bf16 pairs.
+template <typename T>
+__device__ __forceinline__ uint4 load8_bf16(const T* p) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return __ldcg(reinterpret_cast<const uint4*>(p));
+  } else if constexpr (std::is_same<T, __nv_fp8_e4m3>::value) {
+    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
+    float f[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      __nv_fp8_e4m3 v;
+      v.__x = (unsigned char)(((i < 4 ? raw.x : raw.y) >> (8 * (i & 3))) & 0xffu);
+      f[i] = float(v);  // exact in bf16 (3 mantissa bits)
+    }
+    return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
+  } else {
+    float f[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = to_f<T>(ldc<T>(p + i));
+    return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
+  }
+}
+
+// index_score on tensor cores (bf16 or FP8 q and keys; the products are exact in bf16 and
+// accumulate in float32): per request, the tile's queries Q [T * H, D] are staged as bf16; warp
+// w takes 8 positions at a time, lane (g, q) holding key row g's D values in registers, and for
+// each token t multiplies Q[t] (H / 16 m16 tiles) by the 8 keys, applies ReLU(scale * .) and
+// the head weights, and sums the heads with shuffles. Returns false (nothing done) when the
+// shapes or strides do not fit (H % 16, D % 32, D <= 256, contiguous 8-element runs).
+template <typename TQ, typename TW, typename TK, typename TKS, typename TI, typename TP, typename TO, bool kKScale>
+__device__ __noinline__ bool index_score_mma(TileCtx& c) {
+  constexpr int kMaxDC = 8;  // D / 32 chunks held per lane
+  const Operand &q = c.ops[0], &w = c.ops[1], &kc = c.ops[2];
+  const Operand &bt = c.ops[kKScale ? 4 : 3], &pos = c.ops[kKScale ? 5 : 4], &out = c.ops[kKScale ? 6 : 5];
+  const int T = q.sizes[1], H = q.sizes[2], D = q.sizes[3];
+  const int rows = T * H, ldq = D + ((4 - (D / 8) % 8 + 8) % 8) * 8;  // row stride (elements): 16-byte loads conflict-free
+  const bool fits = H % 16 == 0 && D % 32 == 0 && D <= 32 * kMaxDC && q.strides[3] == 1 && kc.strides[2] == 1 &&
+                    q.strides[0] % 8 == 0 && q.strides[1] % 8 == 0 && q.strides[2] % 8 == 0 && kc.strides[0] % 8 == 0 &&
+                    kc.strides[1] % 8 == 0 && (reinterpret_cast<uintptr_t>(q.ptr) & 15) == 0 &&
+                    (reinterpret_cast<uintptr_t>(kc.ptr) & 15) == 0 &&
+                    (long long)rows * ldq / 2 + rows + 16 <= c.smem_floats;
+  if (!fits) return false;
+  const float scale = c.fparam(0);
+  const int page = c.param(1);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, qq = lane & 3;
+  const int j0 = c.lo(1), j1 = c.hi(1);
+  __nv_bfloat16* q16 = reinterpret_cast<__nv_bfloat16*>(c.smem);  // [rows][ldq]
+  float* w_s = c.smem + (rows * ldq + 1) / 2;                        // [rows]
+  for (int r = c.lo(0); r < c.hi(0); ++r) {
+    block_sync();
+    for (int e = threadIdx.x; e < rows * (D / 8); e += kThreads) {
+      const int row = e / (D / 8), k8 = (e % (D / 8)) * 8;
+      int qi[4] = {r, row / H, row % H, k8};
+      *reinterpret_cast<uint4*>(q16 + row * ldq + k8) = load8_bf16<TQ>(base<TQ>(q) + offset4(q, qi));
+    }
+    for (int e = threadIdx.x; e < rows; e += kThreads) {
+      int wi[4] = {r, e / H, e % H, 0};
+      w_s[e] = ldf<TW>(w, offset4(w, wi));
+    }
+    block_sync();
+    long long last = -1;  // the request's latest token position: later positions are all -inf
+    for (int t = 0; t < T; ++t)
+      last = max(last, (long long)ldc<TP>(base<TP>(pos) + (long long)r * pos.strides[0] + (long long)t * pos.strides[1]));
+#pragma unroll 1
+    for (int j8 = j0 + warp * 8; j8 < j1; j8 += kWarps * 8) {
+      const int j = j8 + g;  // this lane's key row (B column g)
+      uint4 b[kMaxDC];
+      if (j < j1 && j <= last) {  // later positions are never read (their pages may not exist yet)
+        const long long p = ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] + (long long)(j / page) * bt.strides[1]);
+        const TK* krow = base<TK>(kc) + p * kc.strides[0] + (long long)(j % page) * kc.strides[1] + 8 * qq;
+#pragma unroll
+        for (int d = 0; d < kMaxDC; ++d)
+          if (d * 32 < D) b[d] = load8_bf16<TK>(krow + d * 32);
+      } else {
+#pragma unroll
+        for (int d = 0; d < kMaxDC; ++d) b[d] = make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll 1
+      for (int t = 0; t < T; ++t) {
+        float sum0 = 0.f, sum1 = 0.f;  // columns 2qq and 2qq + 1 of the 8 positions
+#pragma unroll 1
+        for (int h0 = 0; h0 < H; h0 += 16) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+          const __nv_bfloat16* alo = q16 + (t * H + h0 + g) * ldq + 8 * qq;
+#pragma unroll
+          for (int d = 0; d < kMaxDC; ++d)
+            if (d * 32 < D)
+              mma_k32(acc, *reinterpret_cast<const uint4*>(alo + d * 32),
+                      *reinterpret_cast<const uint4*>(alo + 8 * ldq + d * 32), b[d]);
+          const float wlo = w_s[t * H + h0 + g], whi = w_s[t * H + h0 + g + 8];
+          sum0 += wlo * fmaxf(acc[0] * scale, 0.f) + whi * fmaxf(acc[2] * scale, 0.f);
+          sum1 += wlo * fmaxf(acc[1] * scale, 0.f) + whi * fmaxf(acc[3] * scale, 0.f);
+        }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {  // over the 8 row groups g
+          sum0 += __shfl_xor_sync(0xffffffffu, sum0, o);
+          sum1 += __shfl_xor_sync(0xffffffffu, sum1, o);
+        }
+        if (g == 0) {
+          const long long pt = (long long)ldc<TP>(base<TP>(pos) + (long long)r * pos.strides[0] +
+                                                  (long long)t * pos.strides[1]);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int jj = j8 + 2 * qq + i;
+            if (jj >= j1) continue;
+            float v = -INFINITY;
+            if (jj <= pt) {
+              v = i ? sum1 : sum0;
+              if constexpr (kKScale) {
+                const long long p = ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] + (long long)(jj / page) * bt.strides[1]);
+                const Operand& ks = c.ops[3];
+                v *= ldf<TKS>(ks, p * ks.strides[0] + (long long)(jj % page) * ks.strides[1]);
+              }
+            }
+            int oi[4] = {r, t, jj, 0};
+            stf<TO>(out, offset4(out, oi), v);
+          }
+        }
+      }
+    }
+  }
+  return true;
+}
+
 // ---- index_score: the lightning indexer over paged keys --------------------------------------
 // out[r, t, j] = ks[j] * sum_h w[r,t,h] * relu(scale * q[r,t,h] . k[j]), -inf for j > pos[r, t].
 // Tile: one request r, positions [j0, j1). q[r] (tokens x heads x D, padded rows) and w[r] are
@@ -267,6 +472,7 @@ __device__ void op_paged_cache_write(TileCtx& c) {
 // and one warp sum per (t, j) gives the score.
 template <typename TQ, typename TW, typename TK, typename TKS, typename TI, typename TP, typename TO, bool kKScale>
 __device__ void index_score_impl(TileCtx& c) {
+  if (index_score_mma<TQ, TW, TK, TKS, TI, TP, TO, kKScale>(c)) return;
   const Operand &q = c.ops[0], &w = c.ops[1], &kc = c.ops[2];
   const Operand &bt = c.ops[kKScale ? 4 : 3], &pos = c.ops[kKScale ? 5 : 4], &out = c.ops[kKScale ? 6 : 5];
   const float scale = c.fparam(0);
@@ -281,19 +487,19 @@ __device__ void index_score_impl(TileCtx& c) {
   const bool staged = (long long)kWarps * D + (long long)T * H * (1 + DP) + 16 <= c.smem_floats;
   const bool kbuf = (long long)kWarps * D <= c.smem_floats;
   for (int r = c.lo(0); r < c.hi(0); ++r) {
-    __syncthreads();
+    block_sync();
     if (staged) {
-      for (int e = threadIdx.x; e < T * H * D; e += blockDim.x) {
+      for (int e = threadIdx.x; e < T * H * D; e += kThreads) {
         const int t = e / (H * D), h = (e / D) % H, d = e % D;
         int qi[4] = {r, t, h, d};
         q_s[(t * H + h) * DP + d] = ldf<TQ>(q, offset4(q, qi));
       }
-      for (int e = threadIdx.x; e < T * H; e += blockDim.x) {
+      for (int e = threadIdx.x; e < T * H; e += kThreads) {
         int wi[4] = {r, e / H, e % H, 0};
         w_s[e] = ldf<TW>(w, offset4(w, wi));
       }
     }
-    __syncthreads();
+    block_sync();
     long long last = -1;  // the request's latest token position: later positions are all -inf
     for (int t = 0; t < T; ++t)
       last = max(last, (long long)ldc<TP>(base<TP>(pos) + (long long)r * pos.strides[0] + (long long)t * pos.strides[1]));

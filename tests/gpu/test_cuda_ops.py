@@ -49,6 +49,12 @@ def test_linear(dtype, m, k, n, bias, tile_n):
     check(Lin(k, n, bias, dtype), (torch.randn(m, k, dtype=dtype),), dtype, tile_n=tile_n)
 
 
+@pytest.mark.parametrize("m,k,n,bias", [(9, 512, 100, True), (16, 2048, 72, False), (40, 2048, 130, True)])
+def test_linear_tensor_core_rows(m, k, n, bias):
+    """9..64 rows: the mma.sync path, from staged rows (small K) or straight from x (large)."""
+    check(Lin(k, n, bias, torch.bfloat16), (torch.randn(m, k, dtype=torch.bfloat16),), torch.bfloat16)
+
+
 class LinScaled(Lin):
     def forward(self, x):
         return self.l(x) * 2.0
@@ -200,3 +206,38 @@ def test_split_kv_attention(b, hq, hkv, sq, s, p, d, dv, dtype, layout, chunk):
     assert rel(got, want) < (1e-4 if dtype == torch.float32 else 1e-2), rel(got, want)
     ref = _run_plan(plan, ReferenceExecutor(plan), q.cpu(), k.cpu(), v.cpu(), p)
     assert rel(got.cpu(), ref) < (1e-5 if dtype == torch.float32 else 5e-3), rel(got.cpu(), ref)
+
+
+class Chain(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a = torch.nn.Linear(d, 4 * d, bias=False, dtype=torch.bfloat16)
+        self.b = torch.nn.Linear(4 * d, d, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(F.silu(self.a(x))) + x
+
+
+def test_cuda_graph_replays_advance_the_epoch():
+    """A launch replayed from a CUDA graph must wait on its producers like a direct call: the
+    device advances the epoch itself (a host-side epoch frozen into the graph made every
+    replay after the first skip its waits)."""
+    from tilec.timing import cuda_graph
+
+    mod = Chain(512).to(DEV)
+    x = torch.randn(1, 512, dtype=torch.bfloat16, device=DEV)
+    prog = compile_module(mod, (x,), options=dict(executor="cuda"))
+    tensors, p = prog.bind_args((x,))
+    table = prog.plan.bind_base(tensors)
+    graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))
+    xin = tensors[prog.graph.inputs[0]]  # the buffer the captured launch reads
+    ov = prog.graph.outputs[0]
+    for _ in range(5):
+        xin.copy_(torch.randn_like(xin))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = tensors[ov.buffer].reshape(-1)[ov.offset:ov.offset + 512].view(1, 512)
+        with torch.no_grad():
+            want = mod(xin.view(1, 512))
+        assert rel(got, want) < 2e-2
+    prog.executor.check()

@@ -14,7 +14,7 @@ from ..ir import ScalarOperand
 from ..plan import (DESCRIPTOR, DESCRIPTOR_WORDS, MAX_DIMS, MAX_OPERANDS, OPERAND, OPERAND_FIELDS, SCALAR_OPERAND,
                     UNUSED_OPERAND, KernelPlan, dtype_signature)
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 C_TYPES = {
     torch.float32: "float",
     torch.bfloat16: "__nv_bfloat16",

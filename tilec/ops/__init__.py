@@ -78,6 +78,12 @@ class OpDef:
         while the tile waits for its producers, so weight streaming overlaps the wait."""
         return None
 
+    def stream(self, op: Op, tile: Tile, graph, scratch: int) -> int:
+        """The descriptor's ``stream`` word for a tile whose device code consumes its weights
+        from the worker's shared-memory ring (``runtime/tilec/stream.cuh``), or 0. ``scratch``:
+        the bytes of shared memory left to the tile beside the ring (``tilec.smem``)."""
+        return 0
+
     def device_dtypes(self, op: Op, dtypes: list) -> list:
         """The dtypes (one per tensor operand, in operand order) that select the op's device
         template ``tilec::op_<kind><types...>``; ops with roles decided at run time narrow them."""
@@ -169,6 +175,31 @@ def weight_rows_prefetch(graph, w: View, operand: int, n0: int, n1: int, k0: int
     if (w.offset + first) * esize % 16:  # bulk copies need 16-byte aligned addresses
         return None
     return operand, first * esize, (last - first) * esize
+
+
+GEMV_RING_ROWS = 8  # runtime/tilec/ops.cuh kRowsPerPass: x rows a ring-fed GEMV tile takes
+
+
+def gemv_stream_word(graph, w: View, operand: int, tile: Tile, scratch: int) -> int:
+    """The ``stream`` word (see :meth:`OpDef.stream`) of a GEMV tile whose coords are the out
+    box, then the K range: ``operand + 1 | n-range index << 4 | k-range index << 8``, or 0
+    unless the device can feed it from the weight ring - bf16 weights no op writes (the loader
+    reads them without waiting on events), unit K stride, K range a multiple of 8, at most
+    :data:`GEMV_RING_ROWS` x rows whose float32 staging fits in ``scratch`` bytes. The device
+    also checks 16-byte alignment of the rows, loader and compute warps alike."""
+    from .linear_fused import staged_bytes
+
+    buf = graph.buffers[w.buffer]
+    if buf.kind not in (BufferKind.PARAM, BufferKind.CONST) or buf.dtype != torch.bfloat16 or w.strides[1] != 1:
+        return 0
+    rows = 1
+    for lo, hi in tile.coords[:-2]:
+        rows *= hi - lo
+    (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
+    if rows > GEMV_RING_ROWS or (k1 - k0) % 8 or n1 <= n0 or staged_bytes(rows, k1 - k0) > scratch:
+        return 0
+    nd = len(tile.coords) - 1
+    return (operand + 1) | ((nd - 1) << 4) | (nd << 8)
 
 
 def gemv_tile_n(n: int, opts) -> int:

@@ -8,7 +8,8 @@ free letter per side: MLA's per-head absorption ``q_nope[t, h] @ W_UK[h]``).
 ``weight_dequant(...).to(dtype)`` does). float32 accumulation.
 Operands: a [B, M, K], w [B, K, N], ws [ceil(R/Br), ceil(C/Bc)] (FP8 only), out [B, M, N].
 Params: has_scale, C, w view offset (elements), Br, Bc, round_w. Tiles: one batch x
-``tile_n`` output columns.
+``tile_n`` output columns, sized over all batches' columns (``gemv_tile_n`` of B x N): per-head
+column slices of 8 made GLM-5's absorption 4096 tiles of ~20 µs fixed cost each on an H200.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class Bmm(OpDef):
         return [Tile(((b, b + 1), (n0, n1)),
                      reads=((0, ((b, b + 1), (0, m), (0, k))), (1, ((b, b + 1), (0, k), (n0, n1)))) + scale_read,
                      writes=((out_idx, ((b, b + 1), (0, m), (n0, n1)), "write"),))
-                for b in range(b_) for n0, n1 in chunks(n, gemv_tile_n(n, opts))]
+                for b in range(b_) for n0, n1 in chunks(n, min(n, gemv_tile_n(b_ * n, opts)))]
 
     def params(self, op):
         if len(op.inputs) == 2:

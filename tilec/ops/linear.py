@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from . import ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, gemv_tile_n, out_tiles, register, sub, weight_rows_prefetch
+from . import (ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
+               weight_rows_prefetch)
 
 
 @register
@@ -46,6 +47,9 @@ class Linear(OpDef):
             return None
         (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
         return weight_rows_prefetch(graph, op.inputs[1], 1, n0, n1, k0, k1)
+
+    def stream(self, op, tile, graph, scratch):
+        return 0 if tile.variant == 1 else gemv_stream_word(graph, op.inputs[1], 1, tile, scratch)
 
     def params(self, op):
         return [op.inputs[0].shape[-1], int(len(op.inputs) == 3)]

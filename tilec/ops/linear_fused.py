@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from . import OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_tile_n, out_tiles, register, sub, weight_rows_prefetch
+from . import (OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
+               weight_rows_prefetch)
 from .linear import gemv_flops
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
@@ -72,6 +73,10 @@ class LinearFused(OpDef):
         wi = self.layout(op)[1]
         (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
         return weight_rows_prefetch(graph, op.inputs[wi], wi, n0, n1, k0, k1)
+
+    def stream(self, op, tile, graph, scratch):
+        wi = self.layout(op)[1]
+        return gemv_stream_word(graph, op.inputs[wi], wi, tile, scratch)
 
     def params(self, op):
         return [op.inputs[0].shape[-1], PROLOGUES[op.attr("prologue")], EPILOGUES[op.attr("epilogue")],

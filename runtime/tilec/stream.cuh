@@ -1,0 +1,159 @@
+// tilec runtime: the GEMV weight stream. Each worker CTA has one loader warp besides its
+// compute warps. The loader walks the worker's whole instruction queue on its own and, for
+// every instruction whose descriptor names streamed weights (the `stream` word), copies the
+// tile's weight rows into a ring of shared-memory stages with Hopper bulk copies
+// (cp.async.bulk, completing on a "full" mbarrier per stage). The compute warps consume the
+// stages in the same order and release each one on its "empty" mbarrier. The loader waits on
+// nothing but free stages - never on events - so the next instructions' weights stream in
+// while the compute warps wait for their producers or finish the current tile.
+// (The producer/consumer ring follows the warp-specialized pipelines of CUTLASS and
+// ThunderKittens; the loader running ahead across instructions follows Hazy Research's
+// low-latency megakernel and Mirage MPK.)
+//
+// Item i of the stream is one stage: kWarps consecutive weight rows (output columns) x a
+// block of kStreamK elements of K, row r at byte r * kStreamK * 2 of the stage. A tile covers
+// columns [n0, n1) and K range [k0, k1): items (column group g, K block kb), kb fastest.
+#pragma once
+#include "common.cuh"
+
+namespace tilec {
+
+constexpr int kStreamK = 2048;                              // K elements per row per stage
+constexpr int kStageBytes = kWarps * kStreamK * 2;          // 32 KiB
+constexpr int kMaxStages = 8;
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ bool mbar_test(unsigned long long* bar, unsigned parity) {
+  unsigned done;
+  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+               : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ unsigned long long global_timer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void TileCtx::mark(int k) const {
+  if (stamp && threadIdx.x == 0) stamp[1 + k] = (long long)global_timer();
+}
+
+// Waits for the phase of `parity` of `bar` to complete. Gives up (false) once *abort is set,
+// or after timeout_ns, when it sets *abort to 2 (the host reports a stalled weight stream).
+__device__ __noinline__ bool mbar_wait(unsigned long long* bar, unsigned parity, int* abort, long long timeout_ns) {
+  if (mbar_test(bar, parity)) return true;
+  const unsigned long long start = global_timer();
+  while (!mbar_test(bar, parity)) {
+    if (*((volatile int*)abort)) return false;
+    if ((long long)(global_timer() - start) > timeout_ns) {
+      atomicCAS(abort, 0, 2);
+      return false;
+    }
+  }
+  return true;
+}
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar,
+                                          unsigned long long policy) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy) : "memory");
+}
+
+// The streamed weight range of one instruction: rows [n0, n1) x K range [k0, k1) of bf16 W
+// (row stride wn elements). Valid only when bulk copies can move it (16-byte aligned rows).
+struct StreamTile {
+  const char* w;
+  long long wn;
+  int n0, n1, k0, k1;
+  __device__ int kblocks() const { return (k1 - k0 + kStreamK - 1) / kStreamK; }
+  __device__ int items() const { return (n1 - n0 + kWarps - 1) / kWarps * kblocks(); }
+};
+
+// The streamed range of descriptor d given its weight operand's address w and row stride wn
+// (elements); false when d streams nothing or bulk copies cannot move the rows (16-byte
+// alignment). Loader and compute warps both decide through this, so they agree on the stream.
+__device__ __forceinline__ bool stream_range(const int* d, const char* w, long long wn, StreamTile& t) {
+  const int s = d[TILEC_W_STREAM];
+  const int nc = (s >> 4) & 15, kc = (s >> 8) & 15;
+  t.w = w;
+  t.wn = wn;
+  t.n0 = d[TILEC_W_COORDS + 2 * nc];
+  t.n1 = d[TILEC_W_COORDS + 2 * nc + 1];
+  t.k0 = d[TILEC_W_COORDS + 2 * kc];
+  t.k1 = d[TILEC_W_COORDS + 2 * kc + 1];
+  return s != 0 && (reinterpret_cast<unsigned long long>(w + 2LL * t.k0) & 15) == 0 && (wn * 2) % 16 == 0 &&
+         (t.k1 - t.k0) % 8 == 0 && t.n1 > t.n0;
+}
+
+// The loader's view: the weight operand decoded from the operand table at position p.
+__device__ __forceinline__ bool stream_tile(const int* d, const long long* operands, long long position,
+                                            StreamTile& t) {
+  const int s = d[TILEC_W_STREAM];
+  if (s == 0 || d[TILEC_W_OPCODE] == TILEC_OP_NOOP || d[TILEC_W_OPCODE] == TILEC_OP_EMPTY) return false;
+  const long long* e = operands + ((size_t)d[TILEC_W_OPERAND_ROW] * TILEC_MAX_OPERANDS + (s & 15) - 1) * TILEC_OPERAND_FIELDS;
+  return stream_range(d, reinterpret_cast<const char*>(e[TILEC_OF_ADDR] + position * e[TILEC_OF_POS_STEP]),
+                      e[TILEC_OF_STRIDES], t);
+}
+
+// The shared-memory ring: `nstages` stages of kStageBytes, a full and an empty mbarrier each.
+struct WeightRing {
+  char* stages;
+  unsigned long long* full;   // [nstages]: completes when a stage's bytes have landed
+  unsigned long long* empty;  // [nstages]: completes when all kWarps compute warps released it
+  int nstages;
+  int* next;                  // shared: the compute warps' next stream item
+  int* abort;                 // the error record's flag: set, every wait gives up
+  long long timeout_ns;       // the watchdog bound of one wait
+  __device__ char* stage(long long item) const { return stages + (size_t)(item % nstages) * kStageBytes; }
+  __device__ unsigned parity(long long item) const { return (unsigned)((item / nstages) & 1); }
+};
+
+// The loader warp's loop (lane 0 issues): all streamed weights of queue q, in queue order.
+// On an abort it waits for the copies in flight (they write this CTA's shared memory) and returns.
+__device__ __noinline__ void stream_weights(const int* q, int L, const long long* operands, long long position,
+                                            const WeightRing& r) {
+  if ((threadIdx.x & 31) != 0) return;
+  const unsigned long long policy = evict_first_policy();
+  long long item = 0;
+  bool ok = true;
+  for (int i = 0; i < L && ok; ++i) {
+    const int* d = q + (size_t)i * TILEC_DESCRIPTOR_WORDS;
+    if (d[TILEC_W_OPCODE] == TILEC_OP_NOOP) break;
+    StreamTile t;
+    if (!stream_tile(d, operands, position, t)) continue;
+    const int kblocks = t.kblocks(), items = t.items();
+#pragma unroll 1
+    for (int j = 0; j < items && ok; ++j, ++item) {
+      const int s = (int)(item % r.nstages);
+      if (item >= r.nstages && !(ok = mbar_wait(r.empty + s, r.parity(item) ^ 1u, r.abort, r.timeout_ns))) break;
+      const int c0 = t.n0 + (j / kblocks) * kWarps, rows = min(kWarps, t.n1 - c0);
+      const int kk = t.k0 + (j % kblocks) * kStreamK, len = min(kStreamK, t.k1 - kk);
+      char* stage = r.stage(item);
+      mbar_expect_tx(r.full + s, (unsigned)(rows * len * 2));
+#pragma unroll 1
+      for (int row = 0; row < rows; ++row)
+        bulk_load(stage + row * kStreamK * 2, t.w + ((long long)(c0 + row) * t.wn + kk) * 2, (unsigned)(len * 2),
+                  r.full + s, policy);
+    }
+  }
+  if (!ok) {  // drain: the copies of the last nstages items may still be landing
+    for (long long j = item > r.nstages ? item - r.nstages : 0; j < item; ++j)
+      while (!mbar_test(r.full + (int)(j % r.nstages), r.parity(j))) {
+      }
+  }
+}
+
+}  // namespace tilec

@@ -1,0 +1,56 @@
+"""Shared memory of a worker CTA: the GEMV weight ring, then the ops' scratch.
+
+The CUDA executor gives every worker one dynamic shared-memory block (at most
+:data:`MAX_DYNAMIC_SMEM` bytes on Hopper). Its front holds the weight ring that the loader
+warp fills (``runtime/tilec/stream.cuh``): ``ring_stages`` stages of :data:`STAGE_BYTES`.
+The rest is the scratch every op's tiles share, sized for the hungriest op of the plan.
+A plan with too little room left for two stages streams no weights through the ring.
+"""
+from __future__ import annotations
+
+from . import ops as opreg
+from .errors import TilecError
+from .ir import OpGraph
+from .ops.linear_fused import staged_bytes
+
+MAX_DYNAMIC_SMEM = 227 * 1024 - 2048  # Hopper's 227 KiB per CTA less the executor's static shared memory
+STAGE_BYTES = 8 * 2048 * 2  # stream.cuh: kWarps rows x kStreamK bf16 = 32 KiB
+MAX_STAGES = 6  # stream.cuh kMaxStages bounds it at 8; 6 x 32 KiB keeps ~190 KiB of weights in flight per SM
+
+
+def scratch_bytes(graph: OpGraph) -> int:
+    """Scratch (bytes, a multiple of 128) for the largest tile of ``graph``: attention scores and
+    P.V partials (``op_attention``), staged GEMV x rows (up to 96 KiB; fused GEMVs always stage),
+    and what ops state themselves (``OpDef.smem_bytes``).
+
+    Raises:
+        TilecError: an op needs more than a CTA has (naming the op), or an attention head dim
+            above 256.
+    """
+    need, who = 4096, None
+    for op in graph.ops:
+        own = opreg.opdef(op.kind).smem_bytes(op)
+        if op.kind == "attention":
+            q, k, v = op.inputs
+            if q.shape[3] > 256 or v.shape[3] > 256:
+                raise TilecError(f"op {op.name}: attention head dim {q.shape[3]}/{v.shape[3]} > 256")
+            own = max(own, 4 * (4 * 256 + 4 + 8 * 4 * 256 + 4 * k.shape[2]) + 256)
+        elif op.kind == "linear":
+            rows = 1
+            for s in op.outputs[0].shape[:-1]:
+                rows *= s
+            staged = staged_bytes(rows, op.inputs[0].shape[-1])
+            if staged <= 96 * 1024:
+                own = max(own, staged)
+        if own > need:
+            need, who = own, op.name
+    if need > MAX_DYNAMIC_SMEM:
+        raise TilecError(f"op {who} needs {need} bytes of shared memory per CTA (max {MAX_DYNAMIC_SMEM}); "
+                         f"a smaller attn_kv_chunk splits long attention caches")
+    return (need + 127) // 128 * 128
+
+
+def ring_stages(scratch: int) -> int:
+    """Weight-ring stages that fit beside ``scratch`` bytes (0 when fewer than 2 would)."""
+    n = min(MAX_STAGES, (MAX_DYNAMIC_SMEM - scratch) // STAGE_BYTES)
+    return n if n >= 2 else 0
