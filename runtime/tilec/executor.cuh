@@ -104,7 +104,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     ring_next = 0;
     for (int s = 0; s < ring_stages; ++s) {
       mbar_init(ring_full + s, 1);
-      mbar_init(ring_empty + s, kWarps);
+      mbar_init(ring_empty + s, kThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }

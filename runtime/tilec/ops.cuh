@@ -406,8 +406,7 @@ __device__ __noinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& 
           if (m < nr) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
       }
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(r.empty + (int)(item % r.nstages));
+    mbar_arrive(r.empty + (int)(item % r.nstages));  // every thread releases its own reads (PTX: arrive releases the caller's)
     if (kb == kblocks - 1) {
 #pragma unroll
       for (int m = 0; m < kR; ++m)
@@ -586,11 +585,20 @@ template <typename TX>
 __device__ __noinline__ void gemv_rmsnorm_rows(const TileCtx& c, int nr, int k0, int kl, float* xs_smem, float* rscale,
                                                float eps) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int m = warp; m < nr; m += kWarps) {
-    float ss = 0.f;
-    for (int k = lane; k < kl; k += 32) ss += xs_smem[m * kl + k] * xs_smem[m * kl + k];
-    ss = warp_sum(ss);
-    if (lane == 0) rscale[m] = rsqrtf(ss / kl + eps);
+  if (nr <= 2) {  // decode rows: all warps share each row's sum (a lone warp's pass is latency-bound)
+    for (int m = 0; m < nr; ++m) {
+      float ss = 0.f;
+      for (int k = threadIdx.x; k < kl; k += kThreads) ss += xs_smem[m * kl + k] * xs_smem[m * kl + k];
+      ss = block_sum(ss, rscale + 32);  // rscale[32..40) is free: at most 2 rows here
+      if (threadIdx.x == 0) rscale[m] = rsqrtf(ss / kl + eps);
+    }
+  } else {
+    for (int m = warp; m < nr; m += kWarps) {
+      float ss = 0.f;
+      for (int k = lane; k < kl; k += 32) ss += xs_smem[m * kl + k] * xs_smem[m * kl + k];
+      ss = warp_sum(ss);
+      if (lane == 0) rscale[m] = rsqrtf(ss / kl + eps);
+    }
   }
   block_sync();
   apply_side<TX>(c.ops[1], nullptr, nr, k0, kl, xs_smem, [&](int e, float x, float wv) {

@@ -3,7 +3,8 @@
 // every instruction whose descriptor names streamed weights (the `stream` word), copies the
 // tile's weight rows into a ring of shared-memory stages with Hopper bulk copies
 // (cp.async.bulk, completing on a "full" mbarrier per stage). The compute warps consume the
-// stages in the same order and release each one on its "empty" mbarrier. The loader waits on
+// stages in the same order and release each one on its "empty" mbarrier (every compute thread
+// arrives: an arrive releases only the arriving thread's own reads). The loader waits on
 // nothing but free stages - never on events - so the next instructions' weights stream in
 // while the compute warps wait for their producers or finish the current tile.
 // (The producer/consumer ring follows the warp-specialized pipelines of CUTLASS and
@@ -112,7 +113,7 @@ __device__ __forceinline__ bool stream_tile(const int* d, const long long* opera
 struct WeightRing {
   char* stages;
   unsigned long long* full;   // [nstages]: completes when a stage's bytes have landed
-  unsigned long long* empty;  // [nstages]: completes when all kWarps compute warps released it
+  unsigned long long* empty;  // [nstages]: completes when all kThreads compute threads released it
   int nstages;
   int* next;                  // shared: the compute warps' next stream item
   int* abort;                 // the error record's flag: set, every wait gives up

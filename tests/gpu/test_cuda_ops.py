@@ -229,7 +229,7 @@ def test_cuda_graph_replays_advance_the_epoch():
     prog = compile_module(mod, (x,), options=dict(executor="cuda"))
     tensors, p = prog.bind_args((x,))
     table = prog.plan.bind_base(tensors)
-    graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))
+    graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p, check=False))
     xin = tensors[prog.graph.inputs[0]]  # the buffer the captured launch reads
     ov = prog.graph.outputs[0]
     for _ in range(5):
