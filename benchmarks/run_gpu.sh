@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run, in one go (results under $OUT when set).
-# usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|glm5|example|sanitize|all]
+# usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TILEC_CACHE_DIR=${TILEC_CACHE_DIR:-/tmp/tilec-cache}
@@ -25,9 +25,13 @@ if [[ $what == perf || $what == all ]]; then
   python3 benchmarks/profile_step.py --model llama-3.2-1b --context 1024 --out "$OUT/trace.json" 2>&1 | tee "$OUT/profile.log" | tail -16
   python3 benchmarks/fit_cost.py "$OUT/trace.json" 2>&1 | tee "$OUT/fit_cost.log"
 fi
+if [[ $what == lab || $what == all ]]; then  # weight-streaming schemes outside the executor
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/gemv_stream_lab benchmarks/lab/gemv_stream_lab.cu &&
+    /tmp/gemv_stream_lab 2>&1 | tee "$OUT/lab.log" | tail -8
+fi
 if [[ $what == glm5 || $what == all ]]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_glm5_prelude.py 2>&1 | tee "$OUT/glm5_test.log" | tail -15
-  python3 benchmarks/glm5_prelude.py 2>&1 | tee "$OUT/glm5_bench.log" | tail -16
+  python3 benchmarks/glm5_prelude.py --profile "$OUT" 2>&1 | tee "$OUT/glm5_bench.log" | tail -16
 fi
 if [[ $what == example || $what == all ]]; then
   python3 examples/llama_decode.py 2>&1 | tee "$OUT/example.log" | tail -8

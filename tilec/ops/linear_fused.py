@@ -49,7 +49,7 @@ class LinearFused(OpDef):
 
     def tiles(self, op, opts):
         npro, wi, ri = self.layout(op)
-        x, w = op.inputs[0], op.inputs[wi]
+        x = op.inputs[0]
         (out,) = op.outputs
         k = x.shape[-1]
         rows = 1

@@ -1,0 +1,116 @@
+"""The plan side of the GEMV weight stream (runtime/tilec/stream.cuh): which tiles the loader
+warp streams (the descriptor's ``stream`` word), how the shared memory is split between the
+ring and the ops' scratch (tilec/smem.py), and the phase marks a measured trace carries."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilec import smem
+from tilec.api import compile_module
+from tilec.hf import compile_decode_step
+from tilec.ir import BufferKind
+from tilec.ops import EMPTY, NOOP, opdef
+from tilec.plan import F, KernelPlan, decode_coords
+from tilec.trace import measured_trace
+from tilec.zoo import make_model, prefill
+
+
+def decode_stream(d):
+    """(weight operand, n range, k range) of a descriptor's stream word, or None."""
+    s = d[F["stream"][0]]
+    if s == 0:
+        return None
+    coords = decode_coords(d)
+    return (s & 15) - 1, coords[(s >> 4) & 15], coords[(s >> 8) & 15]
+
+
+def step_plan(name, dtype, batch=1, **opts):
+    model = make_model(name, dtype)
+    cache, _ = prefill(model, batch, 4, 16)
+    return compile_decode_step(model, cache, batch, options=dict(workers=8, **opts)).program.plan
+
+
+@pytest.fixture(scope="module")
+def bf16_plan():
+    return step_plan("llama-tiny", torch.bfloat16)
+
+
+def test_every_bf16_decode_gemv_tile_is_streamed_with_its_own_ranges(bf16_plan):
+    plan = bf16_plan
+    assert 2 <= plan.ring_stages <= smem.MAX_STAGES
+    streamed = 0
+    for q in plan.queues.tolist():
+        for d in q:
+            if d[0] in (NOOP, EMPTY):
+                assert d[F["stream"][0]] == 0
+                continue
+            op = plan.graph.ops[d[F["op"][0]]]
+            got = decode_stream(d)
+            if op.kind not in ("linear", "linear_fused"):
+                assert got is None, op.name
+                continue
+            assert got is not None, f"{op.name}: a bf16 M = 1 GEMV tile is not streamed"
+            operand, (n0, n1), (k0, k1) = got
+            w = opdef(op.kind).operands(op)[operand]
+            assert plan.graph.buffers[w.buffer].kind in (BufferKind.PARAM, BufferKind.CONST)
+            assert tuple(w.shape) == (op.outputs[0].shape[-1], op.inputs[0].shape[-1])
+            assert 0 <= n0 < n1 <= w.shape[0] and (k0, k1) == (0, w.shape[1])
+            assert d[F["prefetch"][0]] == 0  # the loader streams it: no separate L2 prefetch
+            streamed += 1
+    assert streamed > 0
+
+
+def test_float32_weights_and_wide_batches_are_not_streamed():
+    plan = step_plan("llama-tiny", torch.float32)
+    assert not (plan.queues[..., F["stream"][0]] != 0).any()
+    plan = step_plan("llama-tiny", torch.bfloat16, batch=9)  # 9 rows: the tensor-core path instead
+    assert not (plan.queues[..., F["stream"][0]] != 0).any()
+
+
+def test_ring_and_scratch_fit_a_cta(bf16_plan):
+    scratch = smem.scratch_bytes(bf16_plan.graph)
+    assert scratch % 128 == 0
+    assert bf16_plan.ring_stages == smem.ring_stages(scratch)
+    assert bf16_plan.ring_stages * smem.STAGE_BYTES + scratch <= smem.MAX_DYNAMIC_SMEM
+    assert smem.ring_stages(smem.MAX_DYNAMIC_SMEM - smem.STAGE_BYTES) == 0  # one stage is no ring
+
+
+def test_ring_stages_survive_the_table_round_trip(bf16_plan):
+    tensors, meta = bf16_plan.to_tables()
+    back = KernelPlan.from_tables(bf16_plan.graph, tensors, meta)
+    assert back.ring_stages == bf16_plan.ring_stages
+    del meta["ring_stages"]  # tables written before the ring: nothing streamed
+    assert KernelPlan.from_tables(bf16_plan.graph, tensors, meta).ring_stages == 0
+
+
+class Absorb(torch.nn.Module):
+    def __init__(self, heads, k, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(heads, k, n))
+
+    def forward(self, q):
+        return torch.einsum("thd,hdc->thc", q, self.w)
+
+
+def test_bmm_tiles_spread_all_heads_over_the_workers():
+    """Per-head column slices sized from one head alone made GLM-5's absorption 4096 tiles."""
+    mod, q = Absorb(64, 24, 512), torch.randn(16, 64, 24)
+    prog = compile_module(mod, (q,), options=dict(workers=132))
+    tiles = [t for t in prog.compiled.stages["tasks"].tasks if t.kind == "bmm"]
+    assert 132 <= len(tiles) <= 2 * 2 * 132
+    torch.testing.assert_close(prog(q), mod(q), rtol=1e-4, atol=1e-4)
+
+
+def test_measured_trace_carries_op_marks(bf16_plan):
+    plan = bf16_plan
+    w_n, l_n = plan.queues.shape[:2]
+    stamps = torch.zeros(w_n, l_n, 4, dtype=torch.int64)
+    live = (plan.queues[:, :, 0] != NOOP).nonzero().tolist()
+    for i, (w, j) in enumerate(live):
+        start = 10_000 + 1_000 * i
+        stamps[w, j] = torch.tensor([start, start + 900, start + 300 if i % 2 else 0, start + 500 if i % 2 else 0])
+    slices = [e for e in measured_trace(plan, stamps)["traceEvents"] if e.get("ph") == "X"]
+    marked = [s for s in slices if "mark1_us" in s["args"]]
+    assert len(marked) == len(live) // 2
+    assert all((s["args"]["mark1_us"], s["args"]["mark2_us"]) == (0.3, 0.5) for s in marked)
