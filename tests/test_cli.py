@@ -367,6 +367,15 @@ def test_compile_a_dotted_module_from_the_current_directory(facts, tmp_path, mon
     assert f == {"spec": "mymodels:linear", "module": "mymodels", "file": None, "name": "linear", "cwd": str(tmp_path)}
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (a directory nobody can create in)")
+def test_compile_into_an_unwritable_place_is_bad_input_before_compiling(facts):
+    """Exit 2 with the path named, before the compile runs (not an internal error after it)."""
+    r = invoke("compile", f"{facts}:linear", "-o", "/proc/tilec-out/art", "--no-build", "-O", "workers=2")
+    assert r.exit_code == 2, r.output
+    assert "cannot write the artifact /proc/tilec-out/art: /proc is not writable" in r.stderr
+    assert "internal error" not in r.stderr and "calling" not in r.stderr
+
+
 def test_compile_force_replaces_an_artifact(facts, tmp_path):
     out = tmp_path / "a"
     assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0

@@ -118,8 +118,14 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
             lib = codegen.build(sources, opts.arch, progress)
 
     created = [d for d in (final.parent, *final.parent.parents) if not d.exists()]  # removed again on failure
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    except OSError as e:
+        for d in created:
+            if d.exists() and not any(d.iterdir()):
+                d.rmdir()
+        raise ArtifactError(f"cannot write the artifact {final}: {e.strerror} ({e.filename})") from e
     done = False
     try:
         _write_contents(tmp, program, input_tensors, sources, lib)
@@ -171,11 +177,17 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
 
 
 def check_target(final: Path, force: bool) -> None:
-    """Raises :class:`ArtifactError` unless an artifact may be written at ``final``."""
+    """Raises :class:`ArtifactError` unless an artifact may be written at ``final`` (checked up
+    front by creating and removing a probe directory in the nearest existing ancestor, so an
+    unwritable place fails before a long compile)."""
     for parent in final.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise ArtifactError(f"{parent} is not a directory: cannot write the artifact {final}")
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".tilec-probe-", dir=parent))
+            except OSError as e:
+                raise ArtifactError(f"cannot write the artifact {final}: {parent} is not writable ({e.strerror})") from e
             break
     if final.exists() and not force:
         if not final.is_dir():

@@ -90,7 +90,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
   extern __shared__ float4 dyn_smem4[];
   __shared__ int desc[2][TILEC_DESCRIPTOR_WORDS];
   __shared__ Operand ops[TILEC_MAX_OPERANDS];
-  __shared__ int go, ring_next;
+  __shared__ int go, ring_next, ring_gave_up, compute_done;
   __shared__ unsigned long long ring_full[kMaxStages], ring_empty[kMaxStages];
   __shared__ WeightRing ring;
   __shared__ unsigned long long epoch;
@@ -100,8 +100,10 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
   if (threadIdx.x == 0) {
     epoch = ld_acquire(state) + 1;
     ring = WeightRing{reinterpret_cast<char*>(dyn_smem4), ring_full, ring_empty, ring_stages, &ring_next, &err->flag,
-                      timeout_ns};
+                      timeout_ns, &compute_done, &ring_gave_up};
     ring_next = 0;
+    ring_gave_up = 0;
+    compute_done = 0;
     for (int s = 0; s < ring_stages; ++s) {
       mbar_init(ring_full + s, 1);
       mbar_init(ring_empty + s, kThreads);
@@ -115,6 +117,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
   }
   float* scratch = reinterpret_cast<float*>(reinterpret_cast<char*>(dyn_smem4) + (size_t)ring_stages * kStageBytes);
   const int smem_floats = (smem_bytes - ring_stages * kStageBytes) / 4;
+  bool ok = true;  // the same in every compute thread: each decision is read after a barrier
   for (int i = 0; i < L; ++i) {
     const int* d = desc[i & 1];
     const int opcode = d[TILEC_W_OPCODE], wait_e = d[TILEC_W_WAIT_EVENT], wait_c = d[TILEC_W_WAIT_COUNT];
@@ -140,7 +143,10 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
       }
     }
     block_sync();
-    if (!go) return;
+    if (!go) {
+      ok = false;
+      break;
+    }
     // profiling: %globaltimer when the instruction starts running (its wait satisfied) and ends
     long long* stamp = stamps ? stamps + ((size_t)worker * L + i) * 4 : nullptr;
     if (stamp && threadIdx.x == 0) stamp[0] = (long long)global_timer();
@@ -149,12 +155,18 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
       Dispatch(c, opcode, sig);
     }
     block_sync();
+    if (ring_gave_up) {  // a ring wait gave up (abort): leave the queue
+      ok = false;
+      break;
+    }
     if (threadIdx.x == 0 && signal_e >= 0) {
       __threadfence();
       signal_release(counters + signal_e);
     }
     if (stamp && threadIdx.x == 0) stamp[1] = (long long)global_timer();
   }
+  if (threadIdx.x == 0) compute_done = 1;  // a loader still waiting for a stage now gives up
+  if (!ok) return;
   if (threadIdx.x == 0) {  // the step's last CTA to finish publishes the epoch (every CTA has read it)
     __threadfence();
     if (atomicAdd(state + 1, 1ull) + 1 == epoch * gridDim.x)

@@ -394,7 +394,12 @@ __device__ __noinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& 
     const int g = i / kblocks, kb = i % kblocks;
     const int n = t.n0 + g * kWarps + warp;
     const int kk = kb * kStreamK, len = min(kStreamK, kl - kk);
-    if (!mbar_wait(r.full + (int)(item % r.nstages), r.parity(item), r.abort, r.timeout_ns)) return;  // aborted
+    // aborted (watchdog, or a stalled stream): leave the loop, still joining the closing barrier
+    const bool in = mbar_wait(r.full + (int)(item % r.nstages), r.parity(item), r.abort, r.timeout_ns);
+    if (!__all_sync(0xffffffffu, in)) {  // aborted: the whole warp leaves (warp_sum below needs all lanes)
+      *r.gave_up = 1;
+      break;
+    }
     if (i == 0) c.mark(2);  // the first weight stage is in
     if (n < t.n1) {
       const uint4* row = reinterpret_cast<const uint4*>(r.stage(item) + warp * kStreamK * 2);

@@ -117,13 +117,31 @@ struct WeightRing {
   int nstages;
   int* next;                  // shared: the compute warps' next stream item
   int* abort;                 // the error record's flag: set, every wait gives up
-  long long timeout_ns;       // the watchdog bound of one wait
+  long long timeout_ns;       // the watchdog bound of a compute warp's wait
+  const int* done;            // shared: set when the compute warps have left the queue
+  int* gave_up;               // shared: set by a compute thread whose wait gave up (the executor stops)
   __device__ char* stage(long long item) const { return stages + (size_t)(item % nstages) * kStageBytes; }
   __device__ unsigned parity(long long item) const { return (unsigned)((item / nstages) & 1); }
 };
 
+// The loader's wait for a free stage. It has no time bound of its own: the compute warps it
+// waits for are either working, waiting on an event (whose watchdog names the op), or waiting
+// on this loader. It gives up on an abort, or when the compute warps have left the queue while
+// a streamed item is still unconsumed - loader and compute warps disagree: flag 2.
+__device__ __forceinline__ bool loader_wait(unsigned long long* bar, unsigned parity, const WeightRing& r) {
+  while (!mbar_test(bar, parity)) {
+    if (*((volatile int*)r.abort)) return false;
+    if (*((volatile const int*)r.done)) {
+      atomicCAS(r.abort, 0, 2);
+      return false;
+    }
+  }
+  return true;
+}
+
 // The loader warp's loop (lane 0 issues): all streamed weights of queue q, in queue order.
-// On an abort it waits for the copies in flight (they write this CTA's shared memory) and returns.
+// Before it returns it waits for its last copies to land (they write this CTA's shared
+// memory, which must outlive them), also after an abort.
 __device__ __noinline__ void stream_weights(const int* q, int L, const long long* operands, long long position,
                                             const WeightRing& r) {
   if ((threadIdx.x & 31) != 0) return;
@@ -139,7 +157,7 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
 #pragma unroll 1
     for (int j = 0; j < items && ok; ++j, ++item) {
       const int s = (int)(item % r.nstages);
-      if (item >= r.nstages && !(ok = mbar_wait(r.empty + s, r.parity(item) ^ 1u, r.abort, r.timeout_ns))) break;
+      if (item >= r.nstages && !(ok = loader_wait(r.empty + s, r.parity(item) ^ 1u, r))) break;
       const int c0 = t.n0 + (j / kblocks) * kWarps, rows = min(kWarps, t.n1 - c0);
       const int kk = t.k0 + (j % kblocks) * kStreamK, len = min(kStreamK, t.k1 - kk);
       char* stage = r.stage(item);
@@ -150,11 +168,10 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
                   r.full + s, policy);
     }
   }
-  if (!ok) {  // drain: the copies of the last nstages items may still be landing
-    for (long long j = item > r.nstages ? item - r.nstages : 0; j < item; ++j)
-      while (!mbar_test(r.full + (int)(j % r.nstages), r.parity(j))) {
-      }
-  }
+  // drain: the copies of the last nstages items may still be landing (complete ones pass at once)
+  for (long long j = item > r.nstages ? item - r.nstages : 0; j < item; ++j)
+    while (!mbar_test(r.full + (int)(j % r.nstages), r.parity(j))) {
+    }
 }
 
 }  // namespace tilec
