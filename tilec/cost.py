@@ -15,16 +15,17 @@ SMS = 132
 TASK_OVERHEAD_US = 0.3  # descriptor fetch, barriers, signal
 HOP_US = 0.76  # one event hop between CTAs (release add -> acquire poll)
 
-# op kind -> (fixed µs per instruction, bytes per µs of one worker while it runs); fitted on
-# an H200 on 2026-11-29 (benchmarks/fit_cost.py; 0 = no size dependence in the data)
+# op kind -> (fixed µs per instruction, bytes per µs of one worker while it runs); refitted on
+# an H200 on 2026-11-29 for the loader-warp runtime (benchmarks/fit_cost.py on the trace of
+# the final Llama-3.2-1B profile of that session; 0 = no size dependence in the data)
 MEASURED: dict[str, tuple[float, float]] = {
-    "linear_fused": (9.2, 18.2e3),
-    "attention_partial": (26.5, 52.0e3),
-    "attention_combine": (4.5, 0.0),
-    "rope": (3.4, 0.0),
-    "cache_write": (2.9, 0.0),
-    "embedding": (6.1, 0.0),
-    "empty": (0.6, 0.0),
+    "linear_fused": (8.54, 17.3e3),
+    "attention_partial": (13.08, 21.5e3),
+    "attention_combine": (4.73, 0.0),
+    "rope": (3.70, 0.0),
+    "cache_write": (3.41, 0.0),
+    "embedding": (9.84, 0.0),
+    "empty": (0.71, 0.0),
 }
 
 
