@@ -64,3 +64,53 @@ def test_prelude_matches_oracle(size, fp8, dtype, tol):
     if fp8:
         k = min(2048, cfg.context // 8)
         assert overlap(got[2], want[2], k) >= 0.99
+
+
+# ---- the tensor-core paths of the GLM ops at several shapes (runtime/tilec/ops_glm.cuh) ----
+
+class Fp8Gemm(torch.nn.Module):
+    """act_quant then a block-scaled FP8 GEMM, as the prelude's FP8 linears."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.lin = glm.Linear(k, n, fp8=True)
+        self.lin.set_weight(torch.randn(n, k) * 0.05)
+
+    def forward(self, x):
+        return self.lin(glm.act_quant(x), out_dtype=x.dtype)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 512, 200), (16, 2048, 136), (40, 1024, 72)])
+def test_fp8_gemm_rows_and_ragged_columns(m, k, n):
+    """fp8_linear_mma (<= 16 rows per pass, column groups of 8 past N) against eager."""
+    mod = Fp8Gemm(k, n).to(DEV)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
+    prog = compile_module(mod, (x,), options=dict(executor="cuda"))
+    assert any(op.kind == "fp8_linear" for op in prog.graph.ops)
+    with torch.no_grad():
+        want = mod(x)
+    assert rel(prog(x), want) < 2e-2
+
+
+class Score(torch.nn.Module):
+    def forward(self, q, w, k_cache, block_tables, positions):
+        return glm.paged_index_score(q, w, k_cache, block_tables, positions, scale=q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("heads,dim,dtype", [(32, 128, torch.bfloat16), (16, 64, torch.bfloat16),
+                                             (8, 64, torch.bfloat16), (32, 128, torch.float8_e4m3fn)])
+def test_index_score_tensor_cores_and_fallback(heads, dim, dtype):
+    """index_score_mma (H % 16 == 0, D % 32 == 0) and the scalar fallback (H = 8), bf16 and FP8
+    queries and keys, two requests of 8 tokens over 4 shuffled pages of 64 positions."""
+    r_, t_, page, pages = 2, 8, 64, 4
+    q = (torch.randn(r_, t_, heads, dim) * 0.5).to(dtype)
+    w = torch.randn(r_, t_, heads)
+    k_cache = (torch.randn(r_ * pages + 1, page, dim) * 0.5).to(dtype)
+    block_tables = torch.randperm(r_ * pages + 1)[:r_ * pages].view(r_, pages)
+    positions = torch.tensor([[page * pages - t_ + i for i in range(t_)], [100 + i for i in range(t_)]])
+    args = tuple(a.to(DEV) for a in (q, w, k_cache, block_tables, positions))
+    prog = compile_module(Score(), args, options=dict(executor="cuda"))
+    assert any(op.kind == "index_score" for op in prog.graph.ops)
+    want = Score()(*args)
+    got = prog(*args)
+    assert rel(got, want) < 1e-2
