@@ -162,9 +162,29 @@ __device__ void op_fp8_linear(TileCtx& c) {
     block_sync();
     if (staged) {
       for (int e = threadIdx.x; e < nr * KB; e += kThreads) xs_s[e] = ldf<TXS>(xs, soff[e / KB] + (e % KB) * sk);
-      for (int e = threadIdx.x; e < nr * K; e += kThreads) {
-        const TXQ v = ldc<TXQ>(base<TXQ>(xq) + xoff[e / K] + (long long)(e % K) * xk);
-        xq_s[e] = *reinterpret_cast<const unsigned char*>(&v);
+      bool vec = sizeof(TXQ) == 1 && xk == 1 && K % 16 == 0;  // 16 FP8 bytes per load, 4 loads in flight
+      for (int r = 0; r < nr && vec; ++r) vec = ((reinterpret_cast<uintptr_t>(base<TXQ>(xq) + xoff[r]) & 15) == 0);
+      if (vec) {
+        const int nv = nr * (K / 16);
+        for (int v0 = threadIdx.x; v0 < nv; v0 += 4 * kThreads) {
+          uint4 raw[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int v = v0 + j * kThreads;
+            if (v < nv)
+              raw[j] = __ldcg(reinterpret_cast<const uint4*>(base<TXQ>(xq) + xoff[v / (K / 16)]) + v % (K / 16));
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int v = v0 + j * kThreads;
+            if (v < nv) *reinterpret_cast<uint4*>(xq_s + (long long)(v / (K / 16)) * K + (v % (K / 16)) * 16) = raw[j];
+          }
+        }
+      } else {
+        for (int e = threadIdx.x; e < nr * K; e += kThreads) {
+          const TXQ v = ldc<TXQ>(base<TXQ>(xq) + xoff[e / K] + (long long)(e % K) * xk);
+          xq_s[e] = *reinterpret_cast<const unsigned char*>(&v);
+        }
       }
       block_sync();
     }
@@ -235,8 +255,11 @@ __device__ void op_fp8_linear(TileCtx& c) {
 // ---- bmm: out[b] = a[b] @ w[b] (w optionally a view of a block-scaled FP8 [R, C] buffer) -----
 // Per batch b of the tile: a[b] is staged in shared memory as float (when it fits); columns go
 // in passes of ncp = min(nc, blockDim) and thread t owns column t % ncp and the K slice t / ncp
-// (ks slices, as many as the threads and the reduction buffer allow), accumulating
-// kRowsPerPass rows at a time; the slices are summed through shared memory.
+// (ks slices, as many as the threads and the reduction buffer allow), accumulating kBmmRows
+// rows at a time (each weight read once for up to 16 rows) with kBmmLoads weight loads in
+// flight; the slices are summed through shared memory.
+constexpr int kBmmRows = 16;
+constexpr int kBmmLoads = 8;
 template <typename TA, typename TW, typename TS, typename TO, bool kScale>
 __device__ void bmm_impl(TileCtx& c) {
   const Operand &a = c.ops[0], &w = c.ops[1], &out = c.ops[kScale ? 3 : 2];
@@ -245,10 +268,10 @@ __device__ void bmm_impl(TileCtx& c) {
   const long long row_len = c.param(1), w_offset = c.param(2);
   const int br = c.param(3), bc = c.param(4), round_w = c.param(5);
   const int ncp = min(nc, (int)kThreads);
-  const int ks = max(1, min((int)kThreads / ncp, c.smem_floats / (kRowsPerPass * ncp)));
+  const int ks = max(1, min((int)kThreads / ncp, c.smem_floats / (kBmmRows * ncp)));
   const int col = threadIdx.x % ncp, slice = threadIdx.x / ncp;
-  float* red = c.smem;                          // [ks][kRowsPerPass][ncp] (ks > 1)
-  float* a_s = red + (ks > 1 ? ks * kRowsPerPass * ncp : 0);  // [M][K] when it fits
+  float* red = c.smem;                          // [ks][kBmmRows][ncp] (ks > 1)
+  float* a_s = red + (ks > 1 ? ks * kBmmRows * ncp : 0);  // [M][K] when it fits
   const bool staged = (long long)(a_s - c.smem) + (long long)M * K <= c.smem_floats;
   const bool active = slice < ks;
   for (int b = c.lo(0); b < c.hi(0); ++b) {
@@ -264,32 +287,44 @@ __device__ void bmm_impl(TileCtx& c) {
       int ai[4] = {b, m, k, 0};
       return ldf<TA>(a, offset4(a, ai));
     };
+    auto weight = [&](int k, int n) -> float {
+      const long long e = (long long)b * w.strides[0] + (long long)k * w.strides[1] + (long long)n * w.strides[2];
+      float wv = ldf<TW>(w, e);
+      if constexpr (kScale) {
+        const long long abs_e = w_offset + e;
+        const long long row = abs_e / row_len, cl = abs_e % row_len;
+        const Operand& s = c.ops[2];
+        wv *= to_f<TS>(base<TS>(s)[(row / br) * s.strides[0] + (cl / bc) * s.strides[1]]);
+        if (round_w) wv = round_to<TO>(wv);
+      }
+      return wv;
+    };
     for (int c0 = 0; c0 < nc; c0 += ncp) {
       const int n = n0 + c0 + col;
       const bool mine = active && c0 + col < nc;
-      for (int m0 = 0; m0 < M; m0 += kRowsPerPass) {
-        float acc[kRowsPerPass];
+      for (int m0 = 0; m0 < M; m0 += kBmmRows) {
+        float acc[kBmmRows];
 #pragma unroll
-        for (int m = 0; m < kRowsPerPass; ++m) acc[m] = 0.f;
+        for (int m = 0; m < kBmmRows; ++m) acc[m] = 0.f;
         if (mine) {
-          for (int k = slice; k < K; k += ks) {
-            const long long e = (long long)b * w.strides[0] + (long long)k * w.strides[1] + (long long)n * w.strides[2];
-            float wv = ldf<TW>(w, e);
-            if constexpr (kScale) {
-              const long long abs_e = w_offset + e;
-              const long long row = abs_e / row_len, cl = abs_e % row_len;
-              const Operand& s = c.ops[2];
-              wv *= to_f<TS>(base<TS>(s)[(row / br) * s.strides[0] + (cl / bc) * s.strides[1]]);
-              if (round_w) wv = round_to<TO>(wv);
-            }
+          for (int k0 = slice; k0 < K; k0 += kBmmLoads * ks) {
+            float wv[kBmmLoads];
 #pragma unroll
-            for (int m = 0; m < kRowsPerPass; ++m)
-              if (m0 + m < M) acc[m] += aval(m0 + m, k) * wv;
+            for (int u = 0; u < kBmmLoads; ++u) wv[u] = k0 + u * ks < K ? weight(k0 + u * ks, n) : 0.f;
+#pragma unroll
+            for (int u = 0; u < kBmmLoads; ++u) {
+              const int k = k0 + u * ks;
+              if (k < K) {
+#pragma unroll
+                for (int m = 0; m < kBmmRows; ++m)
+                  if (m0 + m < M) acc[m] += aval(m0 + m, k) * wv[u];
+              }
+            }
           }
         }
         if (ks == 1) {
           if (mine)
-            for (int m = 0; m < kRowsPerPass && m0 + m < M; ++m) {
+            for (int m = 0; m < kBmmRows && m0 + m < M; ++m) {
               int oi[4] = {b, m0 + m, n, 0};
               stf<TO>(out, offset4(out, oi), acc[m]);
             }
@@ -298,13 +333,13 @@ __device__ void bmm_impl(TileCtx& c) {
         block_sync();
         if (mine)
 #pragma unroll
-          for (int m = 0; m < kRowsPerPass; ++m) red[(slice * kRowsPerPass + m) * ncp + col] = acc[m];
+          for (int m = 0; m < kBmmRows; ++m) red[(slice * kBmmRows + m) * ncp + col] = acc[m];
         block_sync();
-        for (int e = threadIdx.x; e < kRowsPerPass * ncp; e += kThreads) {
+        for (int e = threadIdx.x; e < kBmmRows * ncp; e += kThreads) {
           const int m = e / ncp, cc = e % ncp;
           if (m0 + m >= M || c0 + cc >= nc) continue;
           float sum = 0.f;
-          for (int s2 = 0; s2 < ks; ++s2) sum += red[(s2 * kRowsPerPass + m) * ncp + cc];
+          for (int s2 = 0; s2 < ks; ++s2) sum += red[(s2 * kBmmRows + m) * ncp + cc];
           int oi[4] = {b, m0 + m, n0 + c0 + cc, 0};
           stf<TO>(out, offset4(out, oi), sum);
         }
@@ -390,10 +425,19 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
   float* w_s = c.smem + (rows * ldq + 1) / 2;                        // [rows]
   for (int r = c.lo(0); r < c.hi(0); ++r) {
     block_sync();
-    for (int e = threadIdx.x; e < rows * (D / 8); e += kThreads) {
-      const int row = e / (D / 8), k8 = (e % (D / 8)) * 8;
-      int qi[4] = {r, row / H, row % H, k8};
-      *reinterpret_cast<uint4*>(q16 + row * ldq + k8) = load8_bf16<TQ>(base<TQ>(q) + offset4(q, qi));
+    for (int e0 = threadIdx.x; e0 < rows * (D / 8); e0 += 4 * kThreads) {  // 4 loads in flight per thread
+      uint4 v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int e = e0 + j * kThreads, row = e / (D / 8);
+        int qi[4] = {r, row / H, row % H, (e % (D / 8)) * 8};
+        if (e < rows * (D / 8)) v[j] = load8_bf16<TQ>(base<TQ>(q) + offset4(q, qi));
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int e = e0 + j * kThreads;
+        if (e < rows * (D / 8)) *reinterpret_cast<uint4*>(q16 + (e / (D / 8)) * ldq + (e % (D / 8)) * 8) = v[j];
+      }
     }
     for (int e = threadIdx.x; e < rows; e += kThreads) {
       int wi[4] = {r, e / H, e % H, 0};

@@ -52,10 +52,10 @@ class Bmm(OpDef):
         return [1, op.attr("row_len"), w.offset, br, bc, int(op.attr("round_w"))]
 
     def smem_bytes(self, op):
-        """Device staging (runtime/tilec/ops_glm.cuh): the K-slice reduction buffer (8 rows x
-        256 floats) and one batch of ``a`` as float."""
+        """Device staging (runtime/tilec/ops_glm.cuh): the K-slice reduction buffer (kBmmRows = 16
+        rows x 256 floats) and one batch of ``a`` as float."""
         a = op.inputs[0]
-        return 4 * (8 * 256 + a.shape[1] * a.shape[2]) + 64
+        return 4 * (16 * 256 + a.shape[1] * a.shape[2]) + 64
 
     def run_tile(self, t: TileArgs):
         has_scale, row_len, offset, br, bc, round_w = t.params[:6]
