@@ -714,7 +714,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant};
     if constexpr (std::is_same<TW, __nv_bfloat16>::value) {
       StreamTile t;
-      if (stream_range(c.d, w.ptr, wn, t)) {  // the loader streams this tile's weights (plan.py checks nr, staging)
+      if (c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t)) {  // the loader streams this tile's weights (plan.py checks nr, staging)
         if (nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xs_smem, nr, store);
         else if (nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xs_smem, nr, store);
         else gemv_bf16_ring<8, TB, TO, kBias>(c, t, xs_smem, nr, store);
