@@ -50,6 +50,17 @@ def unsupported():
 def returns_none():
     return None
 
+class Proj(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.l(x) * 2   # WRONG_SHAPE_LINE
+
+def wrong_shape():
+    return Proj(), (torch.randn(1, 32),)
+
 def returns_one():
     return (torch.nn.Linear(4, 4),)
 
@@ -374,6 +385,21 @@ def test_compile_into_an_unwritable_place_is_bad_input_before_compiling(facts):
     assert r.exit_code == 2, r.output
     assert "cannot write the artifact /proc/tilec-out/art: /proc is not writable" in r.stderr
     assert "internal error" not in r.stderr and "calling" not in r.stderr
+
+
+def test_example_arguments_the_module_rejects_are_bad_input(facts, tmp_path):
+    """Exit 2 naming the argument shapes and the user's line, without torch's fake-tensor log."""
+    r = invoke("compile", f"{facts}:wrong_shape", "-o", tmp_path / "a", "--no-build")
+    assert r.exit_code == 2, r.output
+    assert "fails on its example arguments [(1, 32) torch.float32]" in r.stderr
+    assert "WRONG_SHAPE_LINE" in r.stderr and "facts.py:" in r.stderr
+    assert "fake_tensor" not in r.output and not (tmp_path / "a").exists()
+
+
+def test_a_broken_tilec_nvcc_is_an_error_not_a_skipped_build(facts, tmp_path):
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "-O", "workers=2", env={"TILEC_NVCC": "/bin/false"})
+    assert r.exit_code != 0 and "TILEC_NVCC=/bin/false does not run as nvcc" in r.stderr, r.output
+    assert not (tmp_path / "a").exists()
 
 
 def test_compile_force_replaces_an_artifact(facts, tmp_path):

@@ -97,7 +97,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     Raises:
         ArtifactError: ``path`` exists and is not empty (without ``force``), or an example
             argument is neither a tensor nor a plain number.
-        TilecError: nvcc failed (nothing is written).
+        TilecError: nvcc failed, or ``TILEC_NVCC`` names a program that does not run as nvcc
+            (nothing is written).
     """
     final = Path(path)
     check_target(final, force)
@@ -113,6 +114,9 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     lib = None
     if build and sources:
         if _nvcc_version() is None:
+            if os.environ.get("TILEC_NVCC"):  # set on purpose but broken: say so rather than skip the build
+                raise TilecError(f"TILEC_NVCC={os.environ['TILEC_NVCC']} does not run as nvcc ('--version' failed); "
+                                 f"point it at nvcc, unset it, or pass --no-build")
             cuda_note = "nvcc not found at compile time: no library built"
         else:
             lib = codegen.build(sources, opts.arch, progress)

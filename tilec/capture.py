@@ -1,10 +1,14 @@
 """Graph capture for the offline path: ``torch.export`` -> functional aten graph + binding."""
 from __future__ import annotations
 
+import contextlib
+import logging
+import traceback
 import warnings
 
 import torch
 
+from .errors import ExampleInputError
 from .frontend import GraphBinding
 
 
@@ -22,10 +26,14 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     """
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), _quiet_fake_tensor_log():
         # torch's own pytree deprecation notice (LeafSpec), raised inside export: not the user's
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        ep = torch.export.export(module, tuple(args), strict=False)
+        try:
+            ep = torch.export.export(module, tuple(args), strict=False)
+        except Exception:
+            _check_runs_eagerly(module, args)  # the user's own error, named as such
+            raise
         ep = ep.run_decompositions({})
     sig = ep.graph_signature
     state = dict(module.state_dict(keep_vars=True))
@@ -55,3 +63,31 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
                                 if s.target == target or s.arg.name == target), target)
             binding.mutations[node_name] = placeholder
     return ep.graph_module, binding
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """Mutes torch's fake-tensor logger, which logs a full traceback at ERROR level for an
+    exception tilec then reports itself (once, with the user's source line)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _check_runs_eagerly(module: torch.nn.Module, args) -> None:
+    """Runs ``module(*args)`` eagerly (after a failed export) and raises
+    :class:`ExampleInputError` naming the argument shapes and the user's failing source line if
+    it fails there too; returns if it runs (the failure is then tilec's or export's)."""
+    try:
+        with torch.no_grad():
+            module(*args)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's module on its own inputs
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename.replace("\\", "/")]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else repr(a) for a in args)
+        raise ExampleInputError(f"the module fails on its example arguments [{shapes}]{where}: "
+                                f"{type(e).__name__}: {e}") from e

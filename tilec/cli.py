@@ -39,7 +39,7 @@ import tilec
 from . import artifact as art_mod
 from .artifact import STAGES, ArtifactError, resolve_stage
 from .timing import cuda_graph, step_times
-from .errors import TilecError
+from .errors import ExampleInputError, TilecError
 from .ir import BufferKind
 from .options import Options
 
@@ -153,6 +153,8 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
         try:
             program = compile_module(module, tuple(args), positions=positions, max_positions=max_positions,
                                      options=opts, hook=hook)
+        except ExampleInputError as e:  # the factory's module does not run on its own example arguments
+            raise Failure(f"bad example arguments from {factory}: {e}") from e
         except TilecError as e:
             raise Failure(f"compile failed: {e}", EXIT_COMPILE) from e
         except Exception as e:  # torch.export and friends

@@ -20,6 +20,11 @@ class UnsupportedNodeError(TilecError):
         super().__init__(head + "\n" + "\n".join(lines))
 
 
+class ExampleInputError(TilecError):
+    """The module fails when run eagerly on its own example arguments (wrong shapes or dtypes):
+    the message names the argument shapes and the user's source line that raised."""
+
+
 class VerificationError(TilecError):
     """A stage verifier found a broken invariant (a compiler bug, or a corrupted plan)."""
 

@@ -33,9 +33,17 @@ def nvcc_path() -> str:
     return nvcc
 
 
-@lru_cache(maxsize=None)
 def nvcc_version(nvcc: str | None = None) -> str:
-    out = subprocess.run([nvcc or nvcc_path(), "--version"], capture_output=True, text=True, check=True).stdout
+    """The last line of ``nvcc --version`` (``nvcc`` or :func:`nvcc_path`, cached per path).
+
+    Raises:
+        TilecError: no nvcc; OSError / subprocess.CalledProcessError: it does not run."""
+    return _version_of(nvcc or nvcc_path())
+
+
+@lru_cache(maxsize=None)
+def _version_of(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     return out.strip().splitlines()[-1]
 
 
