@@ -91,12 +91,9 @@ __device__ __noinline__ void fp8_linear_mma(const TileCtx& c, const unsigned cha
       uint2 b[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u)
-        if (kb0 + 32 * u < K) {
-          uint4 v;
+        if (kb0 + 32 * u < K)
           asm volatile("ld.global.cg.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
-                       : "=r"(v.x), "=r"(v.y) : "l"(wrow + kb0 + 32 * u), "l"(policy));
-          b[u] = make_uint2(v.x, v.y);
-        }
+                       : "=r"(b[u].x), "=r"(b[u].y) : "l"(wrow + kb0 + 32 * u), "l"(policy));
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int k = kb0 + 32 * u;
@@ -381,21 +378,30 @@ __device__ __forceinline__ uint4 load8_bf16(const T* p) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
     return __ldcg(reinterpret_cast<const uint4*>(p));
   } else if constexpr (std::is_same<T, __nv_fp8_e4m3>::value) {
-    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
-    float f[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      __nv_fp8_e4m3 v;
-      v.__x = (unsigned char)(((i < 4 ? raw.x : raw.y) >> (8 * (i & 3))) & 0xffu);
-      f[i] = float(v);  // exact in bf16 (3 mantissa bits)
-    }
-    return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
+    return fp8x8_to_bf16(__ldcg(reinterpret_cast<const uint2*>(p)));
   } else {
     float f[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = to_f<T>(ldc<T>(p + i));
     return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]), pack_bf16x2(f[6], f[7]));
   }
+}
+
+// index_score helpers shared by the tensor-core and scalar tiles: request r's head weights
+// w[r] as float into w_s [T * H], and its latest token position (later positions are -inf).
+template <typename TW>
+__device__ __forceinline__ void stage_head_weights(const Operand& w, int r, int T, int H, float* w_s) {
+  for (int e = threadIdx.x; e < T * H; e += kThreads) {
+    int wi[4] = {r, e / H, e % H, 0};
+    w_s[e] = ldf<TW>(w, offset4(w, wi));
+  }
+}
+template <typename TP>
+__device__ __forceinline__ long long latest_position(const Operand& pos, int r, int T) {
+  long long last = -1;
+  for (int t = 0; t < T; ++t)
+    last = max(last, (long long)ldc<TP>(base<TP>(pos) + (long long)r * pos.strides[0] + (long long)t * pos.strides[1]));
+  return last;
 }
 
 // index_score on tensor cores (bf16 or FP8 q and keys; the products are exact in bf16 and
@@ -439,14 +445,9 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
         if (e < rows * (D / 8)) *reinterpret_cast<uint4*>(q16 + (e / (D / 8)) * ldq + (e % (D / 8)) * 8) = v[j];
       }
     }
-    for (int e = threadIdx.x; e < rows; e += kThreads) {
-      int wi[4] = {r, e / H, e % H, 0};
-      w_s[e] = ldf<TW>(w, offset4(w, wi));
-    }
+    stage_head_weights<TW>(w, r, T, H, w_s);
     block_sync();
-    long long last = -1;  // the request's latest token position: later positions are all -inf
-    for (int t = 0; t < T; ++t)
-      last = max(last, (long long)ldc<TP>(base<TP>(pos) + (long long)r * pos.strides[0] + (long long)t * pos.strides[1]));
+    const long long last = latest_position<TP>(pos, r, T);
 #pragma unroll 1
     for (int j8 = j0 + warp * 8; j8 < j1; j8 += kWarps * 8) {
       const int j = j8 + g;  // this lane's key row (B column g)
@@ -538,15 +539,10 @@ __device__ void index_score_impl(TileCtx& c) {
         int qi[4] = {r, t, h, d};
         q_s[(t * H + h) * DP + d] = ldf<TQ>(q, offset4(q, qi));
       }
-      for (int e = threadIdx.x; e < T * H; e += kThreads) {
-        int wi[4] = {r, e / H, e % H, 0};
-        w_s[e] = ldf<TW>(w, offset4(w, wi));
-      }
+      stage_head_weights<TW>(w, r, T, H, w_s);
     }
     block_sync();
-    long long last = -1;  // the request's latest token position: later positions are all -inf
-    for (int t = 0; t < T; ++t)
-      last = max(last, (long long)ldc<TP>(base<TP>(pos) + (long long)r * pos.strides[0] + (long long)t * pos.strides[1]));
+    const long long last = latest_position<TP>(pos, r, T);
     for (int j = j0 + warp; j < j1; j += kWarps) {
       const long long p = j <= last ? (long long)ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] +
                                                         (long long)(j / page) * bt.strides[1]) : 0;
