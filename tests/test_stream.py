@@ -64,8 +64,10 @@ def test_every_bf16_decode_gemv_tile_is_streamed_with_its_own_ranges(bf16_plan):
 def test_float32_weights_and_wide_batches_are_not_streamed():
     plan = step_plan("llama-tiny", torch.float32)
     assert not (plan.queues[..., F["stream"][0]] != 0).any()
+    assert plan.ring_stages == 0  # nothing streams: no ring, the shared memory stays L1 cache
     plan = step_plan("llama-tiny", torch.bfloat16, batch=9)  # 9 rows: the tensor-core path instead
     assert not (plan.queues[..., F["stream"][0]] != 0).any()
+    assert plan.ring_stages == 0
 
 
 def test_ring_and_scratch_fit_a_cta(bf16_plan):

@@ -15,7 +15,10 @@ from .ops.linear_fused import staged_bytes
 
 MAX_DYNAMIC_SMEM = 227 * 1024 - 2048  # Hopper's 227 KiB per CTA less the executor's static shared memory
 STAGE_BYTES = 8 * 2048 * 2  # stream.cuh: kWarps rows x kStreamK bf16 = 32 KiB
-MAX_STAGES = 6  # stream.cuh kMaxStages bounds it at 8; 6 x 32 KiB keeps ~190 KiB of weights in flight per SM
+# Two stages (64 KiB in flight per SM) stream as fast as five in the executor, and the shared
+# memory they leave is the SM's L1 cache, which serves the ops' register spills and stack: on an
+# H200 a Llama-3.2-1B step took 2.24 ms with 2 stages and 2.56 ms with 5 (benchmarks/lab/ring_sweep.py).
+MAX_STAGES = 2
 
 
 def scratch_bytes(graph: OpGraph) -> int:

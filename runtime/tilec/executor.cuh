@@ -4,7 +4,7 @@
 // compute warps (stream.cuh). The compute warps walk the queue of 32-int descriptors:
 //   fetch descriptor i+1 (second instruction slot) -> decode operands -> wait on the event
 //   (one thread, ld.acquire.gpu + __nanosleep backoff, device watchdog) -> barrier ->
-//   run the tile op -> barrier -> one thread: fence + red.release.gpu.
+//   run the tile op -> barrier -> one thread: red.release.gpu.
 // Event counters are monotonic: step `epoch` waits for epoch * count, so no reset between
 // steps. The epoch lives on the device (state[0] = steps completed), so a launch replayed from
 // a CUDA graph advances it too: every CTA reads it at start, and the last CTA to finish the
@@ -159,10 +159,8 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
       ok = false;
       break;
     }
-    if (threadIdx.x == 0 && signal_e >= 0) {
-      __threadfence();
-      signal_release(counters + signal_e);
-    }
+    if (threadIdx.x == 0 && signal_e >= 0)  // release at gpu scope: cumulative over the CTA's writes ordered
+      signal_release(counters + signal_e);    // before it by the barrier (PTX memory model), so no extra fence
     if (stamp && threadIdx.x == 0) stamp[1] = (long long)global_timer();
   }
   if (threadIdx.x == 0) compute_done = 1;  // a loader still waiting for a stage now gives up

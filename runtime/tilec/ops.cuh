@@ -376,9 +376,13 @@ __device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloa
 // Columns [t.n0, t.n1) of the streamed tile against nr <= kR staged float rows xs [nr][k1 - k0]:
 // the compute warps consume the tile's stream items in order (warp w owns row w of a stage),
 // releasing each stage to the loader as soon as they have read it - no block barrier per stage.
-// Loops stay rolled: a megakernel runs each op's code cold from L2, so code size is latency.
+// Inlined into the op (as are the staging helpers below): with 9 warps per CTA the register
+// budget is 168 per thread, and every out-of-line call saves and restores registers through
+// local memory, which the small L1 left beside the shared-memory carve-out sends to L2 (each a
+// round trip on the instruction's critical path). Inlining them took a Llama-3.2-1B step from
+// 2.25 to 2.14 ms on an H200 (benchmarks/lab/ring_sweep.py, INLINE variant).
 template <int kR, typename TB, typename TO, bool kBias>
-__device__ __noinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& t, const float* xs, int nr,
+__device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& t, const float* xs, int nr,
                                             const GemvStore<TO>& store) {
   const WeightRing& r = *c.ring;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -585,9 +589,9 @@ __device__ __forceinline__ void apply_side(const Operand& side, const long long*
   }
 }
 
-// The fused prologues, each out of line (a megakernel runs each op's code cold: size is latency).
+// The fused prologues (inlined into the op: see gemv_bf16_ring).
 template <typename TX>
-__device__ __noinline__ void gemv_rmsnorm_rows(const TileCtx& c, int nr, int k0, int kl, float* xs_smem, float* rscale,
+__device__ __forceinline__ void gemv_rmsnorm_rows(const TileCtx& c, int nr, int k0, int kl, float* xs_smem, float* rscale,
                                                float eps) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (nr <= 2) {  // decode rows: all warps share each row's sum (a lone warp's pass is latency-bound)
@@ -611,7 +615,7 @@ __device__ __noinline__ void gemv_rmsnorm_rows(const TileCtx& c, int nr, int k0,
   });
 }
 template <typename TX>
-__device__ __noinline__ void gemv_silu_mul_rows(const TileCtx& c, const long long* soff, int nr, int k0, int kl,
+__device__ __forceinline__ void gemv_silu_mul_rows(const TileCtx& c, const long long* soff, int nr, int k0, int kl,
                                                 float* xs_smem) {
   apply_side<TX>(c.ops[1], soff, nr, k0, kl, xs_smem, [&](int, float g, float u) {
     return round_to<TX>(round_to<TX>(g / (1.f + __expf(-g))) * u);
@@ -621,7 +625,7 @@ __device__ __noinline__ void gemv_silu_mul_rows(const TileCtx& c, const long lon
 // Stages a GEMV tile's x rows as float in shared memory, then applies the fused prologue (pro 1:
 // RMSNorm with weight operand 1; pro 2: SiLU(x) * operand 1).
 template <typename TX>
-__device__ __noinline__ void gemv_stage_rows(const TileCtx& c, const Operand& x, const long long* xoff,
+__device__ __forceinline__ void gemv_stage_rows(const TileCtx& c, const Operand& x, const long long* xoff,
                                              const long long* soff, long long xk, int nr, int k0, int k1,
                                              float* xs_smem, float* rscale, int pro, float eps) {
   stage_rows<TX>(x, xoff, xk, nr, k0, k1, xs_smem);

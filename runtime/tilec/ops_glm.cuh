@@ -250,13 +250,15 @@ __device__ void op_fp8_linear(TileCtx& c) {
 }
 
 // ---- bmm: out[b] = a[b] @ w[b] (w optionally a view of a block-scaled FP8 [R, C] buffer) -----
-// Per batch b of the tile: a[b] is staged in shared memory as float (when it fits); columns go
-// in passes of ncp = min(nc, blockDim) and thread t owns column t % ncp and the K slice t / ncp
-// (ks slices, as many as the threads and the reduction buffer allow), accumulating kBmmRows
-// rows at a time (each weight read once for up to 16 rows) with kBmmLoads weight loads in
-// flight; the slices are summed through shared memory.
-constexpr int kBmmRows = 16;
-constexpr int kBmmLoads = 8;
+// Per batch b of the tile: a[b] is staged in shared memory as float, then the tile's columns go
+// in passes of ncp = min(nc, 128): each pass stages K chunks of its weight columns as float
+// (dequantized) with every load of the chunk in flight at once (16-byte loads along n when the
+// columns are contiguous), and thread t accumulates column t % ncp for up to kBmmRows rows
+// (rows t / ncp, t / ncp + kThreads / ncp, ...). So a GLM-5 absorption tile (16 x 192 x 128)
+// costs two round trips to memory instead of one per few k.
+constexpr int kBmmRows = 8;    // accumulator rows per thread
+constexpr int kBmmVecs = 4;    // 16-byte weight loads per thread in flight
+constexpr int kBmmScalar = 8;  // scalar loads per thread in flight
 template <typename TA, typename TW, typename TS, typename TO, bool kScale>
 __device__ void bmm_impl(TileCtx& c) {
   const Operand &a = c.ops[0], &w = c.ops[1], &out = c.ops[kScale ? 3 : 2];
@@ -264,81 +266,107 @@ __device__ void bmm_impl(TileCtx& c) {
   const int n0 = c.lo(1), n1 = c.hi(1), nc = n1 - n0;
   const long long row_len = c.param(1), w_offset = c.param(2);
   const int br = c.param(3), bc = c.param(4), round_w = c.param(5);
-  const int ncp = min(nc, (int)kThreads);
-  const int ks = max(1, min((int)kThreads / ncp, c.smem_floats / (kBmmRows * ncp)));
-  const int col = threadIdx.x % ncp, slice = threadIdx.x / ncp;
-  float* red = c.smem;                          // [ks][kBmmRows][ncp] (ks > 1)
-  float* a_s = red + (ks > 1 ? ks * kBmmRows * ncp : 0);  // [M][K] when it fits
-  const bool staged = (long long)(a_s - c.smem) + (long long)M * K <= c.smem_floats;
-  const bool active = slice < ks;
+  const long long as0 = a.strides[0], as1 = a.strides[1], as2 = a.strides[2];
+  const long long ws0 = w.strides[0], ws1 = w.strides[1], ws2 = w.strides[2];
+  const int ncp = min(nc, 128), groups = kThreads / ncp;
+  const int col = threadIdx.x % ncp, rg = threadIdx.x / ncp;
+  float* a_s = c.smem;             // [M][K]
+  float* w_s = c.smem + M * K;     // [kc][ncp]
+  const int kc = max(1, min(K, (c.smem_floats - M * K - 16) / ncp));
+  // 16-byte weight loads along n: unit n stride, aligned, ncp a multiple of the vector
+  constexpr int V = 16 / sizeof(TW);
+  auto scale_of = [&](long long e) -> float {  // e: element offset in the [R, C] buffer
+    const Operand& sc = c.ops[2];
+    return to_f<TS>(base<TS>(sc)[((e / row_len) / br) * sc.strides[0] + ((e % row_len) / bc) * sc.strides[1]]);
+  };
+  auto dequant = [&](float v, long long e) -> float {
+    if constexpr (kScale) {
+      v *= scale_of(w_offset + e);
+      if (round_w) v = round_to<TO>(v);
+    }
+    return v;
+  };
   for (int b = c.lo(0); b < c.hi(0); ++b) {
     block_sync();
-    if (staged)
-      for (int e = threadIdx.x; e < M * K; e += kThreads) {
-        int ai[4] = {b, e / K, e % K, 0};
-        a_s[e] = ldf<TA>(a, offset4(a, ai));
+    for (int e0 = threadIdx.x; e0 < M * K; e0 += kBmmScalar * kThreads) {  // a[b] as float
+      float v[kBmmScalar];
+#pragma unroll
+      for (int j = 0; j < kBmmScalar; ++j) {
+        const int e = e0 + j * kThreads;
+        if (e < M * K) v[j] = ldf<TA>(a, (long long)b * as0 + (e / K) * as1 + (long long)(e % K) * as2);
       }
-    block_sync();
-    auto aval = [&](int m, int k) -> float {
-      if (staged) return a_s[m * K + k];
-      int ai[4] = {b, m, k, 0};
-      return ldf<TA>(a, offset4(a, ai));
-    };
-    auto weight = [&](int k, int n) -> float {
-      const long long e = (long long)b * w.strides[0] + (long long)k * w.strides[1] + (long long)n * w.strides[2];
-      float wv = ldf<TW>(w, e);
-      if constexpr (kScale) {
-        const long long abs_e = w_offset + e;
-        const long long row = abs_e / row_len, cl = abs_e % row_len;
-        const Operand& s = c.ops[2];
-        wv *= to_f<TS>(base<TS>(s)[(row / br) * s.strides[0] + (cl / bc) * s.strides[1]]);
-        if (round_w) wv = round_to<TO>(wv);
-      }
-      return wv;
-    };
+#pragma unroll
+      for (int j = 0; j < kBmmScalar; ++j)
+        if (e0 + j * kThreads < M * K) a_s[e0 + j * kThreads] = v[j];
+    }
     for (int c0 = 0; c0 < nc; c0 += ncp) {
-      const int n = n0 + c0 + col;
-      const bool mine = active && c0 + col < nc;
-      for (int m0 = 0; m0 < M; m0 += kBmmRows) {
+      const int np = min(ncp, nc - c0);  // columns of this pass
+      const long long wb = (long long)b * ws0 + (long long)(n0 + c0) * ws2;
+      const bool vec = ws2 == 1 && np % V == 0 && (reinterpret_cast<uintptr_t>(base<TW>(w) + wb) & 15) == 0 &&
+                       (ws1 * sizeof(TW)) % 16 == 0;
+      for (int mb = 0; mb < M; mb += groups * kBmmRows) {  // row blocks (one for M <= 16 * groups)
         float acc[kBmmRows];
 #pragma unroll
-        for (int m = 0; m < kBmmRows; ++m) acc[m] = 0.f;
-        if (mine) {
-          for (int k0 = slice; k0 < K; k0 += kBmmLoads * ks) {
-            float wv[kBmmLoads];
+        for (int r = 0; r < kBmmRows; ++r) acc[r] = 0.f;
+        for (int k0 = 0; k0 < K; k0 += kc) {
+          const int kn = min(kc, K - k0), total = kn * np;
+          block_sync();  // the previous chunk's readers are done with w_s (and a_s is written)
+          if (vec) {
+            for (int v0 = threadIdx.x; v0 * V < total; v0 += kBmmVecs * kThreads) {
+              uint4 raw[kBmmVecs];
 #pragma unroll
-            for (int u = 0; u < kBmmLoads; ++u) wv[u] = k0 + u * ks < K ? weight(k0 + u * ks, n) : 0.f;
+              for (int j = 0; j < kBmmVecs; ++j) {
+                const int e = (v0 + j * kThreads) * V;
+                if (e < total) raw[j] = __ldcg(reinterpret_cast<const uint4*>(base<TW>(w) + wb + (long long)(k0 + e / np) * ws1 + e % np));
+              }
 #pragma unroll
-            for (int u = 0; u < kBmmLoads; ++u) {
-              const int k = k0 + u * ks;
-              if (k < K) {
+              for (int j = 0; j < kBmmVecs; ++j) {
+                const int e = (v0 + j * kThreads) * V;
+                if (e >= total) continue;
+                const TW* t = reinterpret_cast<const TW*>(&raw[j]);
+                const long long eb = wb + (long long)(k0 + e / np) * ws1 + e % np;
 #pragma unroll
-                for (int m = 0; m < kBmmRows; ++m)
-                  if (m0 + m < M) acc[m] += aval(m0 + m, k) * wv[u];
+                for (int u = 0; u < V; ++u) w_s[(e / np) * ncp + e % np + u] = dequant(to_f<TW>(t[u]), eb + u);
+              }
+            }
+          } else {
+            for (int e0 = threadIdx.x; e0 < total; e0 += kBmmScalar * kThreads) {
+              float v[kBmmScalar];
+#pragma unroll
+              for (int j = 0; j < kBmmScalar; ++j) {
+                const int e = e0 + j * kThreads;
+                if (e < total) v[j] = ldf<TW>(w, wb + (long long)(k0 + e / np) * ws1 + (long long)(e % np) * ws2);
+              }
+#pragma unroll
+              for (int j = 0; j < kBmmScalar; ++j) {
+                const int e = e0 + j * kThreads;
+                if (e < total)
+                  w_s[(e / np) * ncp + e % np] = dequant(v[j], wb + (long long)(k0 + e / np) * ws1 + (long long)(e % np) * ws2);
+              }
+            }
+          }
+          block_sync();
+          if (col < np) {
+#pragma unroll 4
+            for (int k = 0; k < kn; ++k) {
+              const float wv = w_s[k * ncp + col];
+#pragma unroll
+              for (int r = 0; r < kBmmRows; ++r) {
+                const int m = mb + rg + r * groups;
+                if (m < M) acc[r] += a_s[m * K + k0 + k] * wv;
               }
             }
           }
         }
-        if (ks == 1) {
-          if (mine)
-            for (int m = 0; m < kBmmRows && m0 + m < M; ++m) {
-              int oi[4] = {b, m0 + m, n, 0};
-              stf<TO>(out, offset4(out, oi), acc[m]);
-            }
-          continue;
-        }
-        block_sync();
-        if (mine)
+        if (col < np) {
 #pragma unroll
-          for (int m = 0; m < kBmmRows; ++m) red[(slice * kBmmRows + m) * ncp + col] = acc[m];
-        block_sync();
-        for (int e = threadIdx.x; e < kBmmRows * ncp; e += kThreads) {
-          const int m = e / ncp, cc = e % ncp;
-          if (m0 + m >= M || c0 + cc >= nc) continue;
-          float sum = 0.f;
-          for (int s2 = 0; s2 < ks; ++s2) sum += red[(s2 * kBmmRows + m) * ncp + cc];
-          int oi[4] = {b, m0 + m, n0 + c0 + cc, 0};
-          stf<TO>(out, offset4(out, oi), sum);
+          for (int r = 0; r < kBmmRows; ++r) {
+            const int m = mb + rg + r * groups;
+            if (m < M) {
+              int oi[4] = {b, m, n0 + c0 + col, 0};
+              stf<TO>(out, offset4(out, oi), acc[r]);
+            }
+          }
         }
       }
     }

@@ -50,7 +50,7 @@ __device__ __forceinline__ void TileCtx::mark(int k) const {
 
 // Waits for the phase of `parity` of `bar` to complete. Gives up (false) once *abort is set,
 // or after timeout_ns, when it sets *abort to 2 (the host reports a stalled weight stream).
-__device__ __noinline__ bool mbar_wait(unsigned long long* bar, unsigned parity, int* abort, long long timeout_ns) {
+__device__ __forceinline__ bool mbar_wait(unsigned long long* bar, unsigned parity, int* abort, long long timeout_ns) {
   if (mbar_test(bar, parity)) return true;
   const unsigned long long start = global_timer();
   while (!mbar_test(bar, parity)) {

@@ -241,3 +241,31 @@ def test_cuda_graph_replays_advance_the_epoch():
             want = mod(xin.view(1, 512))
         assert rel(got, want) < 2e-2
     prog.executor.check()
+
+
+class Einsum(torch.nn.Module):
+    """out = einsum(eq, a, W): one bmm op (tilec/ops/bmm.py) with W a parameter."""
+
+    def __init__(self, eq, w):
+        super().__init__()
+        self.eq = eq
+        self.w = torch.nn.Parameter(w, requires_grad=False)
+
+    def forward(self, a):
+        return torch.einsum(self.eq, a, self.w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eq,b,m,k,n,tile_n", [
+    ("bmk,bkn->bmn", 4, 16, 192, 512, 128),  # GLM-5 absorption shape: 16-byte weight loads
+    ("bmk,bkn->bmn", 3, 20, 300, 128, 128),  # two row blocks, K not a multiple of anything
+    ("bmk,bnk->bmn", 2, 5, 72, 40, 16),      # weight n stride != 1: scalar weight loads
+    ("thd,hdc->htc", 3, 7, 24, 36, 8),       # a with strided batch and rows (MLA's q_nope[t, h])
+])
+def test_bmm(dtype, eq, b, m, k, n, tile_n):
+    lhs = eq.split("->")[0].split(",")
+    size = dict(b=b, h=b, m=m, t=m, k=k, d=k, n=n, c=n)
+    a = torch.randn(*(size[ch] for ch in lhs[0]), dtype=dtype)
+    w = torch.randn(*(size[ch] for ch in lhs[1]), dtype=dtype) / k ** 0.5
+    prog = check(Einsum(eq, w), (a,), dtype, tile_n=tile_n)
+    assert [op.kind for op in prog.graph.ops] == ["bmm"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -52,9 +53,11 @@ def cache_root() -> Path:
 
 
 def flags(arch: str) -> list[str]:
+    """nvcc flags for ``arch``, then any in ``TILEC_NVCC_FLAGS`` (shell-split; e.g. ``-DNAME`` for
+    a runtime experiment). All of them are part of the build cache key."""
     num = arch.removeprefix("sm_")
     return ["-O3", "-std=c++17", f"-gencode=arch=compute_{num},code=sm_{num}", "-shared", "-Xcompiler", "-fPIC",
-            "-lineinfo"]
+            "-lineinfo", *shlex.split(os.environ.get("TILEC_NVCC_FLAGS", ""))]
 
 
 def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:

@@ -52,10 +52,10 @@ class Bmm(OpDef):
         return [1, op.attr("row_len"), w.offset, br, bc, int(op.attr("round_w"))]
 
     def smem_bytes(self, op):
-        """Device staging (runtime/tilec/ops_glm.cuh): the K-slice reduction buffer (kBmmRows = 16
-        rows x 256 floats) and one batch of ``a`` as float."""
+        """Device staging (runtime/tilec/ops_glm.cuh): one batch of ``a`` as float and a chunk of up
+        to 128 k x 128 weight columns as float (all of K for K <= 128)."""
         a = op.inputs[0]
-        return 4 * (16 * 256 + a.shape[1] * a.shape[2]) + 64
+        return 4 * (a.shape[1] * a.shape[2] + 128 * min(a.shape[2], 128)) + 128
 
     def run_tile(self, t: TileArgs):
         has_scale, row_len, offset, br, bc, round_w = t.params[:6]
