@@ -290,6 +290,19 @@ __device__ __forceinline__ float dot8_bf16(const uint4& w, const float* x) {
          b.x * __uint_as_float(w.z << 16) + b.y * __uint_as_float(w.z & 0xffff0000u) +
          b.z * __uint_as_float(w.w << 16) + b.w * __uint_as_float(w.w & 0xffff0000u);
 }
+// the same with the 8 x values as bf16 (one conflict-free 16-byte shared-memory load instead of two
+// float4 loads at a 32-byte lane stride); the same products in the same order
+__device__ __forceinline__ float dot8_bf16(const uint4& w, const __nv_bfloat16* x) {
+  const uint4 a = *reinterpret_cast<const uint4*>(x);
+  return __uint_as_float(a.x << 16) * __uint_as_float(w.x << 16) +
+         __uint_as_float(a.x & 0xffff0000u) * __uint_as_float(w.x & 0xffff0000u) +
+         __uint_as_float(a.y << 16) * __uint_as_float(w.y << 16) +
+         __uint_as_float(a.y & 0xffff0000u) * __uint_as_float(w.y & 0xffff0000u) +
+         __uint_as_float(a.z << 16) * __uint_as_float(w.z << 16) +
+         __uint_as_float(a.z & 0xffff0000u) * __uint_as_float(w.z & 0xffff0000u) +
+         __uint_as_float(a.w << 16) * __uint_as_float(w.w << 16) +
+         __uint_as_float(a.w & 0xffff0000u) * __uint_as_float(w.w & 0xffff0000u);
+}
 
 // The output side of a GEMV tile: optional residual add (the fused epilogue), then store.
 // ooff/roff: per-row element offsets of out/resid; on/rn: their column strides.
@@ -381,32 +394,33 @@ __device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloa
 // local memory, which the small L1 left beside the shared-memory carve-out sends to L2 (each a
 // round trip on the instruction's critical path). Inlining them took a Llama-3.2-1B step from
 // 2.25 to 2.14 ms on an H200 (benchmarks/lab/ring_sweep.py, INLINE variant).
-template <int kR, typename TB, typename TO, bool kBias>
-__device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& t, const float* xs, int nr,
-                                            const GemvStore<TO>& store) {
+template <int kR, typename TB, typename TO, bool kBias, typename TXS>
+__device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& t, const TXS* xs, int nr,
+                                               const GemvStore<TO>& store) {
   const WeightRing& r = *c.ring;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kl = t.k1 - t.k0, kblocks = t.kblocks(), items = t.items();
-  const long long first = *r.next;
+  const int first = *r.next;
+  int s = first % r.nstages;                      // the ring slot of the tile's first item
+  unsigned ph = (unsigned)(first / r.nstages) & 1u;  // and the phase its full barrier completes
   c.mark(1);  // x staged (and its prologue applied)
   float acc[kR];
 #pragma unroll
   for (int m = 0; m < kR; ++m) acc[m] = 0.f;
+  int g = 0, kb = 0;  // item i = (column group g, K block kb), kb fastest
 #pragma unroll 1
   for (int i = 0; i < items; ++i) {
-    const long long item = first + i;
-    const int g = i / kblocks, kb = i % kblocks;
     const int n = t.n0 + g * kWarps + warp;
     const int kk = kb * kStreamK, len = min(kStreamK, kl - kk);
     // aborted (watchdog, or a stalled stream): leave the loop, still joining the closing barrier
-    const bool in = mbar_wait(r.full + (int)(item % r.nstages), r.parity(item), r.abort, r.timeout_ns);
+    const bool in = mbar_wait(r.full + s, ph, r.abort, r.timeout_ns);
     if (!__all_sync(0xffffffffu, in)) {  // aborted: the whole warp leaves (warp_sum below needs all lanes)
       *r.gave_up = 1;
       break;
     }
     if (i == 0) c.mark(2);  // the first weight stage is in
     if (n < t.n1) {
-      const uint4* row = reinterpret_cast<const uint4*>(r.stage(item) + warp * kStreamK * 2);
+      const uint4* row = reinterpret_cast<const uint4*>(r.stages + s * kStageBytes + warp * kStreamK * 2);
 #pragma unroll 2
       for (int v = lane; v < len / 8; v += 32) {
         const uint4 wv = row[v];
@@ -415,7 +429,8 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
           if (m < nr) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
       }
     }
-    mbar_arrive(r.empty + (int)(item % r.nstages));  // every thread releases its own reads (PTX: arrive releases the caller's)
+    mbar_arrive(r.empty + s);  // every thread releases its own reads (PTX: arrive releases the caller's)
+    if (++s == r.nstages) s = 0, ph ^= 1u;
     if (kb == kblocks - 1) {
 #pragma unroll
       for (int m = 0; m < kR; ++m)
@@ -428,10 +443,13 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
       }
 #pragma unroll
       for (int m = 0; m < kR; ++m) acc[m] = 0.f;
+      kb = 0, ++g;
+    } else {
+      ++kb;
     }
   }
   block_sync();  // every compute thread has read r.next
-  if (threadIdx.x == 0) *r.next = (int)(first + items);
+  if (threadIdx.x == 0) *r.next = first + items;
 }
 
 // ---- tensor-core GEMV for 9..64 rows: mma.sync m16n8k16 (bf16 in, float32 accumulate) ----
@@ -719,9 +737,25 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     if constexpr (std::is_same<TW, __nv_bfloat16>::value) {
       StreamTile t;
       if (c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t)) {  // the loader streams this tile's weights (plan.py checks nr, staging)
-        if (nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xs_smem, nr, store);
-        else if (nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xs_smem, nr, store);
-        else gemv_bf16_ring<8, TB, TO, kBias>(c, t, xs_smem, nr, store);
+        // bf16 rows (their staged floats are bf16 values) go to the consumer as bf16: half the
+        // shared-memory reads per weight (tilec/ops/linear_fused.py staged_bytes reserves them)
+        if (std::is_same<TX, __nv_bfloat16>::value && 576 + nr * kl + nr * kl / 2 <= c.smem_floats - 64) {
+          __nv_bfloat16* xb = reinterpret_cast<__nv_bfloat16*>(xs_smem + nr * kl);
+          for (int e = threadIdx.x * 8; e < nr * kl; e += kThreads * 8) {
+            const float4 a = *reinterpret_cast<const float4*>(xs_smem + e), b = *reinterpret_cast<const float4*>(xs_smem + e + 4);
+            *reinterpret_cast<uint4*>(xb + e) = make_uint4(
+                (__float_as_uint(a.x) >> 16) | (__float_as_uint(a.y) & 0xffff0000u),
+                (__float_as_uint(a.z) >> 16) | (__float_as_uint(a.w) & 0xffff0000u),
+                (__float_as_uint(b.x) >> 16) | (__float_as_uint(b.y) & 0xffff0000u),
+                (__float_as_uint(b.z) >> 16) | (__float_as_uint(b.w) & 0xffff0000u));
+          }
+          block_sync();
+          if (nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xb, nr, store);
+          else if (nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xb, nr, store);
+          else gemv_bf16_ring<8, TB, TO, kBias>(c, t, xb, nr, store);
+        } else {  // float32 rows (or a plan that did not reserve the copy): one general instance
+          gemv_bf16_ring<8, TB, TO, kBias>(c, t, xs_smem, nr, store);
+        }
         continue;
       }
       const bool wvec = variant != 1 && wk == 1 && (wn * 2) % 16 == 0 &&

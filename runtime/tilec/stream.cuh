@@ -120,8 +120,7 @@ struct WeightRing {
   long long timeout_ns;       // the watchdog bound of a compute warp's wait
   const int* done;            // shared: set when the compute warps have left the queue
   int* gave_up;               // shared: set by a compute thread whose wait gave up (the executor stops)
-  __device__ char* stage(long long item) const { return stages + (size_t)(item % nstages) * kStageBytes; }
-  __device__ unsigned parity(long long item) const { return (unsigned)((item / nstages) & 1); }
+  __device__ unsigned parity(int item) const { return (unsigned)(item / nstages) & 1u; }  // of item's full phase
 };
 
 // The loader's wait for a free stage. It has no time bound of its own: the compute warps it
@@ -146,7 +145,8 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
                                             const WeightRing& r) {
   if ((threadIdx.x & 31) != 0) return;
   const unsigned long long policy = evict_first_policy();
-  long long item = 0;
+  int item = 0, s = 0;  // the next item and its slot (item % nstages)
+  unsigned ph = 0;      // its full barrier's phase parity (item / nstages & 1)
   bool ok = true;
   for (int i = 0; i < L && ok; ++i) {
     const int* d = q + (size_t)i * TILEC_DESCRIPTOR_WORDS;
@@ -156,21 +156,22 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
     const int kblocks = t.kblocks(), items = t.items();
 #pragma unroll 1
     for (int j = 0; j < items && ok; ++j, ++item) {
-      const int s = (int)(item % r.nstages);
-      if (item >= r.nstages && !(ok = loader_wait(r.empty + s, r.parity(item) ^ 1u, r))) break;
+      // slot s was last filled with item - nstages: wait for the compute warps to release it
+      if (item >= r.nstages && !(ok = loader_wait(r.empty + s, ph ^ 1u, r))) break;
       const int c0 = t.n0 + (j / kblocks) * kWarps, rows = min(kWarps, t.n1 - c0);
       const int kk = t.k0 + (j % kblocks) * kStreamK, len = min(kStreamK, t.k1 - kk);
-      char* stage = r.stage(item);
+      char* stage = r.stages + s * kStageBytes;
       mbar_expect_tx(r.full + s, (unsigned)(rows * len * 2));
 #pragma unroll 1
       for (int row = 0; row < rows; ++row)
         bulk_load(stage + row * kStreamK * 2, t.w + ((long long)(c0 + row) * t.wn + kk) * 2, (unsigned)(len * 2),
                   r.full + s, policy);
+      if (++s == r.nstages) s = 0, ph ^= 1u;
     }
   }
   // drain: the copies of the last nstages items may still be landing (complete ones pass at once)
-  for (long long j = item > r.nstages ? item - r.nstages : 0; j < item; ++j)
-    while (!mbar_test(r.full + (int)(j % r.nstages), r.parity(j))) {
+  for (int j = item > r.nstages ? item - r.nstages : 0; j < item; ++j)
+    while (!mbar_test(r.full + j % r.nstages, r.parity(j))) {
     }
 }
 

@@ -33,8 +33,10 @@ N_PROLOGUE_INPUTS = {"none": 1, "rmsnorm": 2, "silu_mul": 2}
 
 def staged_bytes(rows: int, k: int) -> int:
     """Shared memory (bytes) a GEMV tile needs to stage its rows as float32: the rows, per-row
-    offsets and norm factors, and slack (device ``linear_impl`` in runtime/tilec/ops.cuh)."""
-    return 4 * min(rows, 64) * k + 2560
+    offsets and norm factors, and slack (device ``linear_impl`` in runtime/tilec/ops.cuh); for
+    at most 8 rows (weight-ring tiles) also their bf16 copy, which the ring consumer reads."""
+    rows = min(rows, 64)
+    return 4 * rows * k + (2 * rows * k if rows <= 8 else 0) + 2560
 
 
 @register
