@@ -38,8 +38,11 @@ if [[ $what == example || $what == all ]]; then
   python3 examples/llama_decode.py --model llama-3.2-1b --context 1024 2>&1 | tee -a "$OUT/example.log" | tail -8
 fi
 if [[ $what == sanitize || $what == all ]]; then
-  python3 tests/gpu/sanitize_step.py >/dev/null 2>&1  # warm the build cache outside the sanitizer
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool python3 tests/gpu/sanitize_step.py 2>&1 | tee "$OUT/sanitize_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize step|Error|Race" | head -8
+  python3 tests/gpu/sanitize_step.py >/dev/null 2>&1  # warm the build caches outside the sanitizer
+  python3 tests/gpu/sanitize_glm.py >/dev/null 2>&1
+  for script in sanitize_step sanitize_glm; do
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool $tool python3 tests/gpu/$script.py 2>&1 | tee "$OUT/${script}_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize (step|glm)|Error|Race" | head -8
+    done
   done
 fi
