@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import ops as opreg
 from .errors import TilecError
 from .ir import OpGraph
-from .ops.linear_fused import staged_bytes
+from .ops.linear_fused import ring_staged_bytes, staged_bytes
 
 MAX_DYNAMIC_SMEM = 227 * 1024 - 2048  # Hopper's 227 KiB per CTA less the executor's static shared memory
 STAGE_BYTES = 8 * 2048 * 2  # stream.cuh: kWarps rows x kStreamK bf16 = 32 KiB
@@ -42,9 +42,11 @@ def scratch_bytes(graph: OpGraph) -> int:
             rows = 1
             for s in op.outputs[0].shape[:-1]:
                 rows *= s
-            staged = staged_bytes(rows, op.inputs[0].shape[-1])
-            if staged <= 96 * 1024:
-                own = max(own, staged)
+            k = op.inputs[0].shape[-1]
+            for staged in (ring_staged_bytes(rows, k), staged_bytes(rows, k)):  # with the bf16 copy if it fits
+                if staged <= 96 * 1024:
+                    own = max(own, staged)
+                    break
         if own > need:
             need, who = own, op.name
     if need > MAX_DYNAMIC_SMEM:

@@ -386,7 +386,8 @@ __device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloa
 }
 
 // ---- streamed weights: the ring the loader warp fills (stream.cuh) ---------------------
-// Columns [t.n0, t.n1) of the streamed tile against nr <= kR staged float rows xs [nr][k1 - k0]:
+// Columns [t.n0, t.n1) of the streamed tile against nr <= kR staged rows xs [nr][k1 - k0] (float,
+// or bf16 when the rows are bf16):
 // the compute warps consume the tile's stream items in order (warp w owns row w of a stage),
 // releasing each stage to the loader as soon as they have read it - no block barrier per stage.
 // Inlined into the op (as are the staging helpers below): with 9 warps per CTA the register
@@ -736,7 +737,12 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant};
     if constexpr (std::is_same<TW, __nv_bfloat16>::value) {
       StreamTile t;
-      if (c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t)) {  // the loader streams this tile's weights (plan.py checks nr, staging)
+      if (c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t)) {  // the loader streams this tile's weights
+        if (nr > 8 || !staged || variant == 1) {  // plan.py rules this out; were it wrong, fail loudly:
+          if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);  // the host raises "weight stream" WatchdogError
+          *c.ring->gave_up = 1;                                   // and this worker leaves its queue
+          continue;
+        }
         // bf16 rows (their staged floats are bf16 values) go to the consumer as bf16: half the
         // shared-memory reads per weight (tilec/ops/linear_fused.py staged_bytes reserves them)
         if (std::is_same<TX, __nv_bfloat16>::value && 576 + nr * kl + nr * kl / 2 <= c.smem_floats - 64) {

@@ -270,6 +270,7 @@ __device__ void bmm_impl(TileCtx& c) {
   const long long ws0 = w.strides[0], ws1 = w.strides[1], ws2 = w.strides[2];
   const int ncp = min(nc, 128), groups = kThreads / ncp;
   const int col = threadIdx.x % ncp, rg = threadIdx.x / ncp;
+  const bool mine = rg < groups;  // the threads past groups * ncp only help load
   float* a_s = c.smem;             // [M][K]
   float* w_s = c.smem + M * K;     // [kc][ncp]
   const int kc = max(1, min(K, (c.smem_floats - M * K - 16) / ncp));
@@ -304,7 +305,7 @@ __device__ void bmm_impl(TileCtx& c) {
       const long long wb = (long long)b * ws0 + (long long)(n0 + c0) * ws2;
       const bool vec = ws2 == 1 && np % V == 0 && (reinterpret_cast<uintptr_t>(base<TW>(w) + wb) & 15) == 0 &&
                        (ws1 * sizeof(TW)) % 16 == 0;
-      for (int mb = 0; mb < M; mb += groups * kBmmRows) {  // row blocks (one for M <= 16 * groups)
+      for (int mb = 0; mb < M; mb += groups * kBmmRows) {  // row blocks (one for M <= kBmmRows * groups)
         float acc[kBmmRows];
 #pragma unroll
         for (int r = 0; r < kBmmRows; ++r) acc[r] = 0.f;
@@ -346,7 +347,7 @@ __device__ void bmm_impl(TileCtx& c) {
             }
           }
           block_sync();
-          if (col < np) {
+          if (mine && col < np) {
 #pragma unroll 4
             for (int k = 0; k < kn; ++k) {
               const float wv = w_s[k * ncp + col];
@@ -358,7 +359,7 @@ __device__ void bmm_impl(TileCtx& c) {
             }
           }
         }
-        if (col < np) {
+        if (mine && col < np) {
 #pragma unroll
           for (int r = 0; r < kBmmRows; ++r) {
             const int m = mb + rg + r * groups;

@@ -33,10 +33,14 @@ N_PROLOGUE_INPUTS = {"none": 1, "rmsnorm": 2, "silu_mul": 2}
 
 def staged_bytes(rows: int, k: int) -> int:
     """Shared memory (bytes) a GEMV tile needs to stage its rows as float32: the rows, per-row
-    offsets and norm factors, and slack (device ``linear_impl`` in runtime/tilec/ops.cuh); for
-    at most 8 rows (weight-ring tiles) also their bf16 copy, which the ring consumer reads."""
-    rows = min(rows, 64)
-    return 4 * rows * k + (2 * rows * k if rows <= 8 else 0) + 2560
+    offsets and norm factors, and slack (device ``linear_impl`` in runtime/tilec/ops.cuh)."""
+    return 4 * min(rows, 64) * k + 2560
+
+
+def ring_staged_bytes(rows: int, k: int) -> int:
+    """:func:`staged_bytes` plus, for at most 8 rows (a weight-ring tile), their bf16 copy, which
+    the ring consumer reads when it fits (else it reads the float rows)."""
+    return staged_bytes(rows, k) + (2 * rows * k if rows <= 8 else 0)
 
 
 @register
@@ -92,7 +96,7 @@ class LinearFused(OpDef):
         rows = 1
         for s in op.outputs[0].shape[:-1]:
             rows *= s
-        return staged_bytes(rows, op.inputs[0].shape[-1])
+        return ring_staged_bytes(rows, op.inputs[0].shape[-1])
 
     def run_tile(self, t: TileArgs):
         k, pro, epi, eps = t.params[0], t.params[1], t.params[2], bits_f32(t.params[3])
