@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.timing import cuda_graph, median_ms  # noqa: E402
+from tilec.timing import cuda_graph, median_ms, need_gpu  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
 
@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--skip-inductor", action="store_true")
     ap.add_argument("--gemv", action="store_true", help="also run the GEMV streaming microbenchmark")
     args = ap.parse_args()
+    need_gpu("decode.py")
     warnings.simplefilter("ignore")
     dev = "cuda"
     model = make_model(args.model, torch.bfloat16, dev)

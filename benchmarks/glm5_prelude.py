@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 import glm5_dsa_prelude as glm  # noqa: E402
 from tilec.api import compile_module  # noqa: E402
-from tilec.timing import cuda_graph  # noqa: E402
+from tilec.timing import cuda_graph, need_gpu  # noqa: E402
 from tilec.trace import kind_table, measured_trace, write_trace  # noqa: E402
 
 TOPK = 2048
@@ -178,6 +178,7 @@ def main():
     ap.add_argument("--profile", metavar="DIR", help="also write each tilec variant's measured timeline to DIR "
                     "(Perfetto JSON) and print its time per op kind")
     args = ap.parse_args()
+    need_gpu("glm5_prelude.py")
     warnings.simplefilter("ignore")
     cfg = glm.REDUCED if args.reduced else glm.FULL
     dev, bf16 = "cuda", torch.bfloat16

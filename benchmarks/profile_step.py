@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.hf import compile_decode_step  # noqa: E402
 from tilec.trace import kind_table, measured_trace, write_trace  # noqa: E402
+from tilec.timing import need_gpu  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
 
@@ -44,6 +45,7 @@ def main():
     ap.add_argument("--out", default="trace.json")
     ap.add_argument("--options", default="{}", help='extra compile options as JSON, e.g. \'{"attn_kv_chunk": 64}\'')
     args = ap.parse_args()
+    need_gpu("profile_step.py")
     model = make_model(args.model, torch.bfloat16, "cuda", layers=args.layers)
     cache, tok = prefill(model, 1, args.context, args.context + 8, "cuda")
     step = compile_decode_step(model, cache, 1, options=dict(json.loads(args.options), profile=True))

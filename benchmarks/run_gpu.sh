@@ -6,7 +6,14 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TILEC_CACHE_DIR=${TILEC_CACHE_DIR:-/tmp/tilec-cache}
 OUT=${OUT:-/tmp/tilec-out}; mkdir -p "$OUT"
 what=${1:-all}
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+case $what in
+  smoke|models|noise|bench|perf|lab|glm5|example|sanitize|all) ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|all]" >&2; exit 2 ;;
+esac
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || {
+  echo "run_gpu.sh: needs torch with a CUDA GPU" >&2; exit 2; }
+failed=()  # parts whose command failed; the script exits 1 if any did
+trap '[[ $? -ne 0 ]] && failed+=("line $LINENO")' ERR
 if [[ $what == smoke || $what == all ]]; then
   python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tee "$OUT/ops.log" | tail -15
   python3 -m pytest -x -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py -k "tiny or watchdog" 2>&1 | tee "$OUT/tiny.log" | tail -15
@@ -45,4 +52,8 @@ if [[ $what == sanitize || $what == all ]]; then
       compute-sanitizer --tool $tool python3 tests/gpu/$script.py 2>&1 | tee "$OUT/${script}_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize (step|glm)|Error|Race" | head -8
     done
   done
+fi
+if ((${#failed[@]})); then
+  echo "run_gpu.sh: ${#failed[@]} command(s) failed: ${failed[*]}" >&2
+  exit 1
 fi

@@ -23,12 +23,20 @@ from tilec.stats import render_stats  # noqa: E402
 from tilec.zoo import CONFIGS, eager_step, make_model, prefill  # noqa: E402
 
 
+def positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--model", default="llama-tiny", choices=sorted(CONFIGS))
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=positive, default=1)
+    ap.add_argument("--context", type=positive, default=8, help="prefilled positions before the decode steps")
+    ap.add_argument("--steps", type=positive, default=4)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     cuda = torch.cuda.is_available()

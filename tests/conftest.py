@@ -1,8 +1,10 @@
 """Test configuration: deterministic seeds, hypothesis profiles, quiet third-party warnings."""
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import tempfile
 
 import pytest
@@ -24,8 +26,11 @@ def pytest_configure(config):
 
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
-# builds and plan caches of the test session go to a fresh directory, not ~/.cache/tilec
-os.environ.setdefault("TILEC_CACHE_DIR", tempfile.mkdtemp(prefix="tilec-test-cache-"))
+# builds and plan caches of the test session go to a fresh directory, not ~/.cache/tilec,
+# removed when the session ends
+if "TILEC_CACHE_DIR" not in os.environ:
+    os.environ["TILEC_CACHE_DIR"] = _session_cache = tempfile.mkdtemp(prefix="tilec-test-cache-")
+    atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -406,11 +406,20 @@ def test_compile_force_replaces_an_artifact(facts, tmp_path):
     out = tmp_path / "a"
     assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
     r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3")
-    assert r.exit_code == 2 and "not empty; pass --force" in r.stderr
+    assert r.exit_code == 2 and "holds an artifact; pass --force" in r.stderr
     assert json.loads((out / "manifest.json").read_text())["options"]["workers"] == 2
     assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3", "--force").exit_code == 0
     assert json.loads((out / "manifest.json").read_text())["options"]["workers"] == 3
     assert os.listdir(tmp_path) == ["a"]
+
+
+def test_compile_force_never_replaces_a_folder_that_is_not_an_artifact(facts, tmp_path):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("important")
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2", "--force")
+    assert r.exit_code == 2 and "is not a tilec artifact" in r.stderr, r.output
+    assert (out / "notes.txt").read_text() == "important" and os.listdir(out) == ["notes.txt"]
 
 
 # ---- bad inputs: message, exit code, and nothing left behind ---------------------------------
@@ -473,6 +482,31 @@ def test_nvcc_failure_leaves_nothing_behind(facts, tmp_path):
     assert os.listdir(parent) == []
 
 
+def _fake_nvcc(tmp_path) -> Path:
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir(exist_ok=True)
+    nvcc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Cuda compilation tools, fake'; exit 0; }\nexit 1\n")
+    nvcc.chmod(0o755)
+    return nvcc
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"TILEC_NVCC_FLAGS": '-DX="a b'}, "TILEC_NVCC_FLAGS='-DX=\"a b': No closing quotation"),
+    ({"TILEC_CACHE_DIR": "/dev/null/cache"}, "TILEC_CACHE_DIR=/dev/null/cache: not a writable directory"),
+])
+def test_a_bad_build_environment_is_bad_input_named_before_compiling(facts, tmp_path, env, message):
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "-O", "workers=2",
+               env={"TILEC_NVCC": str(_fake_nvcc(tmp_path)), **env})
+    assert r.exit_code == 2 and message in r.stderr, r.output
+    assert "compiling" not in r.stderr and not (tmp_path / "a").exists()
+
+
+def test_an_old_or_unknown_arch_is_a_bad_option(facts, tmp_path):
+    for arch in ("sm_75", "bogus"):
+        r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "-O", f"arch={arch}")
+        assert r.exit_code == 2 and f"arch='{arch}': must be sm_90a or a newer" in r.stderr, r.output
+
+
 def test_failure_while_writing_leaves_nothing_behind(facts, tmp_path, monkeypatch):
     def broken(*a, **k):
         raise OSError("disk full")
@@ -523,10 +557,13 @@ def test_another_tilec_version_is_refused(art, monkeypatch):
 
 
 def test_another_gpu_arch_is_refused(art, monkeypatch):
-    monkeypatch.setattr(artifact, "gpu_arch", lambda: "sm_80")
+    monkeypatch.setattr(artifact, "gpu_arch", lambda: "sm_100")
     r = invoke("run", art, "--executor", "cuda")
     assert r.exit_code == 2
-    assert "was built for sm_90a; this GPU is sm_80. Recompile it with --option arch=sm_80" in r.stderr
+    assert "was built for sm_90a; this GPU is sm_100. Recompile it with --option arch=sm_100a" in r.stderr
+    monkeypatch.setattr(artifact, "gpu_arch", lambda: "sm_80")
+    r = invoke("run", art, "--executor", "cuda")
+    assert r.exit_code == 2 and "needs sm_90 (Hopper) or newer: run it with --executor reference" in r.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")

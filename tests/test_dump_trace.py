@@ -247,5 +247,5 @@ def test_measured_trace_from_synthetic_stamps(monkeypatch):
 def test_unwritable_dump_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(TilecError, match="tilec dump_dir .*cannot create"):
+    with pytest.raises(TilecError, match="tilec option dump_dir=.*cannot create"):
         compile_module(torch.nn.Linear(4, 4), (torch.randn(2, 4),), options=dict(BASE, dump_dir=str(blocker / "d")))

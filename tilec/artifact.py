@@ -193,13 +193,16 @@ def check_target(final: Path, force: bool) -> None:
             except OSError as e:
                 raise ArtifactError(f"cannot write the artifact {final}: {parent} is not writable ({e.strerror})") from e
             break
-    if final.exists() and not force:
-        if not final.is_dir():
-            raise ArtifactError(f"{final} exists and is not a directory")
-        if any(final.iterdir()):
-            raise ArtifactError(f"{final} exists and is not empty; pass --force (force=True) to replace it")
-    if final.exists() and force and not final.is_dir():
+    if not final.exists():
+        return
+    if not final.is_dir():
         raise ArtifactError(f"{final} exists and is not a directory")
+    if any(final.iterdir()):
+        if not (final / MANIFEST).is_file():  # --force replaces artifacts, never other folders
+            raise ArtifactError(f"{final} exists and is not a tilec artifact (no {MANIFEST}); "
+                                f"choose another output directory")
+        if not force:
+            raise ArtifactError(f"{final} holds an artifact; pass --force to replace it")
 
 
 def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources: dict, lib: Path | None) -> None:
@@ -447,6 +450,9 @@ def check_arch(artifact: Artifact, gpu: str) -> None:
     """Raises :class:`ArtifactArchError` unless the artifact's arch (``sm_90a``) runs on ``gpu`` (``sm_90``)."""
     want = artifact.manifest["arch"]
     if want.removeprefix("sm_").rstrip("af") != gpu.removeprefix("sm_"):
+        if int(gpu.removeprefix("sm_")) < 90:
+            raise ArtifactArchError(f"{artifact.path} was built for {want}; this GPU is {gpu}, and tilec's executor "
+                                    f"needs sm_90 (Hopper) or newer: run it with --executor reference")
         raise ArtifactArchError(f"{artifact.path} was built for {want}; this GPU is {gpu}. Recompile it with "
                                 f"--option arch={gpu}{'a' if gpu in ('sm_90', 'sm_100') else ''}"
                                 f"{_recompile_hint(artifact.manifest, artifact.path, ' ')}")

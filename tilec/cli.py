@@ -37,6 +37,7 @@ import torch
 import tilec
 
 from . import artifact as art_mod
+from .codegen.build import cache_root, extra_flags
 from .artifact import STAGES, ArtifactError, resolve_stage
 from .timing import cuda_graph, step_times
 from .errors import ExampleInputError, TilecError
@@ -135,10 +136,15 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
     from .api import compile_module
 
     opts = parse_options(option_pairs)
-    try:
+    try:  # a bad output path or build environment fails before a long compile
         art_mod.check_target(output, force)
-    except ArtifactError as e:
+        if not no_build and art_mod._nvcc_version() is not None:
+            extra_flags()
+            cache_root()
+    except (ArtifactError, TilecError) as e:
         raise Failure(str(e)) from e
+    if opts.executor == "cuda" and not torch.cuda.is_available():
+        raise Failure("option executor=cuda needs a CUDA GPU, and torch sees none")
     with progress.step(f"importing {factory}"):
         fn, info = load_factory(factory)
     with progress.step(f"calling {info['name']}()"):

@@ -110,7 +110,8 @@ class DumpHook:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise TilecError(f"tilec dump_dir {self.root}: cannot create {self.directory}: {e.strerror or e}") from e
+                origin = "option dump_dir" if self.opts.dump_dir else f"${ENV_VAR}"
+                raise TilecError(f"tilec {origin}={self.root}: cannot create {self.directory}: {e.strerror or e}") from e
         if self.directory is None or stage not in STAGE_FILES:
             return
         if stage in ("split_kv", "fuse_gemv"):

@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 
 SCHEDULERS = ("list", "round_robin")
@@ -80,6 +81,10 @@ class Options:
                 raise ValueError(f"tilec option {name}={getattr(self, name)}: must be >= 1")
         if self.executor not in EXECUTORS:
             raise ValueError(f"tilec option executor={self.executor!r}: must be one of {EXECUTORS}")
+        m = re.fullmatch(r"sm_(\d+)a?", self.arch)
+        if m is None or int(m.group(1)) < 90:
+            raise ValueError(f"tilec option arch={self.arch!r}: must be sm_90a or a newer sm_XX[a] (the executor "
+                             f"uses Hopper's bulk copies and transaction mbarriers)")
         if self.watchdog_ms < 1:
             raise ValueError(f"tilec option watchdog_ms={self.watchdog_ms}: must be >= 1")
         if self.attn_kv_chunk is not None and self.attn_kv_chunk < 1:
@@ -94,6 +99,8 @@ class Options:
     @classmethod
     def from_dict(cls, d: dict | None) -> "Options":
         """Build from a user dict; an unknown key raises ``ValueError`` listing the valid keys."""
+        if d is not None and not isinstance(d, dict) and not hasattr(d, "keys"):
+            raise ValueError(f"tilec options must be a dict such as {{'workers': 8}}, not {type(d).__name__} {d!r}")
         d = dict(d or {})
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(valid))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from .codegen.build import cache_root
+from .codegen.build import cache_path
 from .ir import OpGraph
 from .pipeline import Compiled
 from .plan import KernelPlan
@@ -27,7 +27,7 @@ log = logging.getLogger("tilec")
 
 
 def _dir(key: str) -> Path:
-    return cache_root() / "plans" / key
+    return cache_path() / "plans" / key
 
 
 def load(key: str) -> Compiled | None:
@@ -53,8 +53,12 @@ def store(key: str, compiled: Compiled) -> None:
     final = _dir(key)
     if final.exists():
         return
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=final.parent))
+    except OSError as e:
+        log.warning("tilec: could not write the plan cache entry %s: %s", final, e)
+        return
     try:
         plan = compiled.plan
         tables, meta = plan.to_tables()

@@ -48,3 +48,9 @@ def cuda_graph(fn, warmup: int = 3) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph):
         fn()
     return graph
+
+
+def need_gpu(script: str) -> None:
+    """Exits with a one-line message (status 2) when torch sees no CUDA GPU: for GPU-only scripts."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA GPU, and torch sees none")

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tilec import codegen  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.timing import cuda_graph, median_ms  # noqa: E402
+from tilec.timing import cuda_graph, median_ms, need_gpu  # noqa: E402
 from tilec.trace import measured_trace  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--gemv", nargs="*", default=["2048x8192", "128256x2048"])
     args = ap.parse_args()
+    need_gpu("ring_sweep.py")
     runs = []  # (flags, ring stages)
     for v in args.variants:
         name, _, st = v.partition("@")

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():
+    sys.exit(f"{Path(__file__).name}: needs a CUDA GPU (run it under compute-sanitizer on one)")
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tilec.api import compile_module  # noqa: E402

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():
+    sys.exit(f"{Path(__file__).name}: needs a CUDA GPU (run it under compute-sanitizer on one)")
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import StaticCache  # noqa: E402
 

@@ -48,8 +48,25 @@ def _version_of(nvcc: str) -> str:
     return out.strip().splitlines()[-1]
 
 
-def cache_root() -> Path:
+def cache_path() -> Path:
+    """The build and plan cache directory: ``$TILEC_CACHE_DIR``, default ``~/.cache/tilec``."""
     return Path(os.environ.get("TILEC_CACHE_DIR") or Path.home() / ".cache" / "tilec")
+
+
+def cache_root() -> Path:
+    """:func:`cache_path`, created and checked writable (the build cache needs it).
+
+    Raises:
+        TilecError: it cannot be created or written, naming where the path came from."""
+    env = os.environ.get("TILEC_CACHE_DIR")
+    root = cache_path()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=root))
+    except OSError as e:
+        origin = f"TILEC_CACHE_DIR={env}" if env else f"the build cache {root}"
+        raise TilecError(f"{origin}: not a writable directory ({e.strerror or e})") from e
+    return root
 
 
 def flags(arch: str) -> list[str]:
@@ -57,7 +74,16 @@ def flags(arch: str) -> list[str]:
     a runtime experiment). All of them are part of the build cache key."""
     num = arch.removeprefix("sm_")
     return ["-O3", "-std=c++17", f"-gencode=arch=compute_{num},code=sm_{num}", "-shared", "-Xcompiler", "-fPIC",
-            "-lineinfo", *shlex.split(os.environ.get("TILEC_NVCC_FLAGS", ""))]
+            "-lineinfo", *extra_flags()]
+
+
+def extra_flags() -> list[str]:
+    """``$TILEC_NVCC_FLAGS`` split as a shell would. Raises TilecError naming it when it does not parse."""
+    text = os.environ.get("TILEC_NVCC_FLAGS", "")
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise TilecError(f"TILEC_NVCC_FLAGS={text!r}: {e}") from e
 
 
 def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
@@ -81,7 +107,6 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
     h.update(" ".join(flags(arch)).encode() + nvcc_version(nvcc).encode() + __version__.encode())
     key = h.hexdigest()[:24]
     root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
     final = root / key
     lib = final / "libtilec.so"
     if lib.exists():
@@ -99,7 +124,9 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
                 progress(f"nvcc {arch}: building {key}")
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
-                raise TilecError(f"nvcc failed ({res.returncode}):\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
+                extra = extra_flags()
+                note = f" (with TILEC_NVCC_FLAGS={' '.join(extra)})" if extra else ""
+                raise TilecError(f"nvcc failed ({res.returncode}){note}:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
             os.replace(tmp, final)
         finally:
             if tmp.exists():
