@@ -90,12 +90,13 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         positions, max_positions: as given to ``compile_module``.
         param_sources: parameter buffer name -> the module's ``state_dict`` key it came from.
         build: build ``cuda/libtilec.so`` with nvcc when nvcc is present.
-        force: replace an existing artifact (or non-empty directory) at ``path``.
+        force: replace an existing artifact at ``path`` (a non-empty folder without a
+            ``manifest.json`` is never replaced).
         progress: called with a message before slow steps (nvcc).
 
     Returns: the artifact's path.
     Raises:
-        ArtifactError: ``path`` exists and is not empty (without ``force``), or an example
+        ArtifactError: ``path`` holds an artifact (without ``force``) or other files, or an example
             argument is neither a tensor nor a plain number.
         TilecError: nvcc failed, or ``TILEC_NVCC`` names a program that does not run as nvcc
             (nothing is written).
@@ -181,9 +182,10 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
 
 
 def check_target(final: Path, force: bool) -> None:
-    """Raises :class:`ArtifactError` unless an artifact may be written at ``final`` (checked up
-    front by creating and removing a probe directory in the nearest existing ancestor, so an
-    unwritable place fails before a long compile)."""
+    """Raises :class:`ArtifactError` unless an artifact may be written at ``final``: a missing or
+    empty directory, or (with ``force``) an existing artifact. Writability is checked up front by
+    creating and removing a probe directory in the nearest existing ancestor, so an unwritable
+    place fails before a long compile."""
     for parent in final.parents:
         if parent.exists():
             if not parent.is_dir():
