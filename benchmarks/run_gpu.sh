@@ -49,7 +49,7 @@ if [[ $what == sanitize || $what == all ]]; then
   python3 tests/gpu/sanitize_glm.py >/dev/null 2>&1
   for script in sanitize_step sanitize_glm; do
     for tool in memcheck racecheck; do
-      compute-sanitizer --tool $tool python3 tests/gpu/$script.py 2>&1 | tee "$OUT/${script}_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize (step|glm)|Error|Race" | head -8
+      compute-sanitizer --tool $tool python3 tests/gpu/$script.py 2>&1 | tee "$OUT/${script}_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize (step|glm)|Error|Race"
     done
   done
 fi
