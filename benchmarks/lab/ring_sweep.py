@@ -5,9 +5,13 @@ Prints, per (variant, ring stages): the Llama decode step under a CUDA graph (ms
 microbenchmark (TB/s of weight bytes, 8 independent M = 1 GEMVs per plan) and the median
 phases of ring-fed GEMV instructions.
 
-    python benchmarks/lab/ring_sweep.py --variants base WARP_ARRIVE WARP_ARRIVE+XREG --stages 5 3 2
+    python benchmarks/lab/ring_sweep.py --variants base FOO FOO+BAR@2 --stages 2 1
 
-A variant is ``base`` or '+'-joined macro names, each built as ``-DTILEC_EXP_<NAME>``.
+A variant is ``base`` or '+'-joined macro names, each built as ``-DTILEC_EXP_<NAME>``, with
+``@S[,S...]`` for its own ring stage counts (else ``--stages``; at most the plan's). The runtime
+has no ``TILEC_EXP_*`` code of its own: an experiment adds ``#ifdef TILEC_EXP_<NAME>`` blocks,
+measures them here, and keeps or deletes them (the ones measured on 2026-11-29 - INLINE,
+NO_FENCE, WARP_ARRIVE, XREG, PRELOAD, MARKS - are in README.md's numbers, and gone).
 """
 from __future__ import annotations
 
