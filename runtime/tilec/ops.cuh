@@ -744,7 +744,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
           continue;
         }
         // bf16 rows (their staged floats are bf16 values) go to the consumer as bf16: half the
-        // shared-memory reads per weight (tilec/ops/linear_fused.py staged_bytes reserves them)
+        // shared-memory reads per weight (tilec/ops/linear_fused.py ring_staged_bytes reserves them)
         if (std::is_same<TX, __nv_bfloat16>::value && 576 + nr * kl + nr * kl / 2 <= c.smem_floats - 64) {
           __nv_bfloat16* xb = reinterpret_cast<__nv_bfloat16*>(xs_smem + nr * kl);
           for (int e = threadIdx.x * 8; e < nr * kl; e += kThreads * 8) {
