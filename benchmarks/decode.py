@@ -131,24 +131,27 @@ def main():
         gemv_table(bw, args.iters)
 
 
+class Gemvs(torch.nn.Module):
+    """``count`` independent bias-free linears [n, k] of one input (the GEMV microbenchmark)."""
+
+    def __init__(self, n: int, k: int, count: int = 8):
+        super().__init__()
+        self.ws = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=False) for _ in range(count))
+
+    def forward(self, x):
+        return tuple(w(x) for w in self.ws)
+
+
 def gemv_table(bw: float, iters: int, count: int = 8) -> None:
     """Prints TB/s of weight bytes for ``count`` independent M = 1 GEMVs per plan, run by the
     persistent executor (kernel only: the operand table is bound once, the launch replayed
     from a CUDA graph)."""
     from tilec.api import compile_module
 
-    class Gemvs(torch.nn.Module):
-        def __init__(self, n, k):
-            super().__init__()
-            self.ws = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=False) for _ in range(count))
-
-        def forward(self, x):
-            return tuple(w(x) for w in self.ws)
-
     print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = 1, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
     print(f"{'weight [N, K]':<20} {'MB':>8} {'us':>9} {'TB/s':>7}")
     for n, k in ((2048, 8192), (4096, 14336), (128256, 2048)):
-        mod = Gemvs(n, k).to("cuda", torch.bfloat16)
+        mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             prog = compile_module(mod, (x,), options=dict(check=False))

@@ -211,7 +211,6 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
         stages = smem.ring_stages(scratch)
     except TilecError:
         scratch, stages = 0, 0
-    streams = False  # does any tile stream its weights through the ring?
     op_index = {op.name: i for i, op in enumerate(graph.ops)}
     index_of = {tid: i for i, tid in enumerate(tg.order)}
     wait_of, signal_of = {}, {}
@@ -288,7 +287,6 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
                 d[p0 + k] = v
             stream = od.stream(op, t.tile, graph, scratch) if stages else 0
             d[F["stream"][0]] = stream
-            streams = streams or stream != 0
             pf = None if stream else od.prefetch(op, t.tile, graph)
             if pf is not None:
                 operand, offset, nbytes = pf
@@ -301,7 +299,7 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
         events[e.id] = torch.tensor([len(e.preds), e.first, e.last, 0], dtype=torch.int32)
     # no ring when nothing streams: the shared memory it would take is the SM's L1 cache instead
     return KernelPlan(graph, queues, events, rows, [op.name for op in graph.ops], static,
-                      ring_stages=stages if streams else 0)
+                      ring_stages=stages if bool((queues[..., F["stream"][0]] != 0).any()) else 0)
 
 
 def dtype_signature(graph: OpGraph, operands) -> int:

@@ -33,6 +33,7 @@ from tilec.trace import measured_trace  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from decode import Gemvs  # noqa: E402
 from profile_step import phase_table  # noqa: E402
 
 
@@ -78,14 +79,6 @@ def main():
     step = compile_decode_step(model, cache, 1, options=dict(check=False, profile=True))
     ref = None
     from tilec.api import compile_module
-
-    class Gemvs(torch.nn.Module):
-        def __init__(self, n, k):
-            super().__init__()
-            self.ws = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=False) for _ in range(8))
-
-        def forward(self, x):
-            return tuple(w(x) for w in self.ws)
 
     gemvs = []
     for shape in args.gemv:

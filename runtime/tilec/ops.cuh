@@ -275,13 +275,6 @@ __device__ void op_concat(TileCtx& c) {
 constexpr int kRowsPerPass = 8;
 constexpr int kGemvLoads = 8;
 
-// 16-byte load of streamed-once data: bypasses L1, marked evict-first in L2.
-__device__ __forceinline__ uint4 ld_stream16(const void* p, unsigned long long policy) {
-  uint4 r;
-  asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
-  return r;
-}
 // dot of 8 bf16 (packed in a uint4) with 8 floats
 __device__ __forceinline__ float dot8_bf16(const uint4& w, const float* x) {
   const float4 a = reinterpret_cast<const float4*>(x)[0], b = reinterpret_cast<const float4*>(x)[1];

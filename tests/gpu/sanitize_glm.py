@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    sys.exit(f"{Path(__file__).name}: needs a CUDA GPU (run it under compute-sanitizer on one)")
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from tilec.timing import need_gpu  # noqa: E402
+
+need_gpu(Path(__file__).name)
 from tilec.api import compile_module  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("glm5_dsa_prelude", ROOT / "examples" / "glm5_dsa_prelude.py")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    sys.exit(f"{Path(__file__).name}: needs a CUDA GPU (run it under compute-sanitizer on one)")
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tilec.timing import need_gpu  # noqa: E402
+
+need_gpu(Path(__file__).name)
 from transformers import StaticCache  # noqa: E402
 
 from tilec.hf import compile_decode_step  # noqa: E402
