@@ -42,20 +42,21 @@ def main():
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default="trace.json")
     ap.add_argument("--options", default="{}", help='extra compile options as JSON, e.g. \'{"attn_kv_chunk": 64}\'')
     args = ap.parse_args()
     need_gpu("profile_step.py")
     model = make_model(args.model, torch.bfloat16, "cuda", layers=args.layers)
-    cache, tok = prefill(model, 1, args.context, args.context + 8, "cuda")
-    step = compile_decode_step(model, cache, 1, options=dict(json.loads(args.options), profile=True))
+    cache, tok = prefill(model, args.batch, args.context, args.context + 8, "cuda")
+    step = compile_decode_step(model, cache, args.batch, options=dict(json.loads(args.options), profile=True))
     for i in range(3):
         step(tok, args.context + i)  # warm-up; the last run's stamps are kept
     stamps = step.program.executor.stamps.cpu()
     tg = step.program.compiled.stages["linearized"]
     trace = measured_trace(step.program.plan, stamps, tg)
     write_trace(args.out, trace)
-    print(f"{args.model}: {kind_table(trace, tg)}; trace -> {args.out}")
+    print(f"{args.model} batch {args.batch}: {kind_table(trace, tg)}; trace -> {args.out}")
     print(phase_table(trace))
 
 if __name__ == "__main__":

@@ -163,7 +163,8 @@ def test_auto_chunk():
     assert kv_chunk(1, 8, 1024, o) == 64  # 16 splits, 128 tiles
     assert kv_chunk(1, 8, 4096, o) == 256
     assert kv_chunk(1, 2, 16, Options(workers=8)) == 64  # short caches: no split
-    assert kv_chunk(64, 8, 1 << 16, o) == 2048  # more groups than workers: the cap still splits
+    assert kv_chunk(64, 8, 1 << 16, o) == 256  # more groups than workers: the cap still splits
+    assert kv_chunk(16, 8, 1032, o) == 256  # Llama-3.2-1B at batch 16: 5 splits of each of 128 pairs
     assert kv_chunk(1, 8, 4096, Options(attn_heads_per_tile=2)) == 128  # 4 groups of 2 heads: 33 splits each
     assert kv_chunk(1, 8, 1024, Options(attn_kv_chunk=100)) == 100
 

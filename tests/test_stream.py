@@ -65,9 +65,22 @@ def test_float32_weights_and_wide_batches_are_not_streamed():
     plan = step_plan("llama-tiny", torch.float32)
     assert not (plan.queues[..., F["stream"][0]] != 0).any()
     assert plan.ring_stages == 0  # nothing streams: no ring, the shared memory stays L1 cache
-    plan = step_plan("llama-tiny", torch.bfloat16, batch=9)  # 9 rows: the tensor-core path instead
+    plan = step_plan("llama-tiny", torch.bfloat16, batch=17)  # 17 rows: the unstreamed tensor-core path
     assert not (plan.queues[..., F["stream"][0]] != 0).any()
     assert plan.ring_stages == 0
+
+
+def test_bf16_batches_up_to_16_rows_stream_to_the_tensor_core_consumer():
+    plan = step_plan("llama-tiny", torch.bfloat16, batch=9)
+    words = plan.queues[..., F["stream"][0]]
+    assert plan.ring_stages >= 2 and (words != 0).any()
+    for q in plan.queues.tolist():
+        for d in q:
+            if d[F["stream"][0]]:
+                rows = 1
+                for lo, hi in decode_coords(d)[:-2]:
+                    rows *= hi - lo
+                assert 9 <= rows <= 16
 
 
 def test_ring_and_scratch_fit_a_cta(bf16_plan):
@@ -135,7 +148,8 @@ def test_bf16_copy_of_ring_rows_is_reserved_but_does_not_limit_fusion():
     from tilec.passes.fuse_gemv import SMEM_LIMIT
 
     assert staged_bytes(8, 4096) <= SMEM_LIMIT < ring_staged_bytes(8, 4096)
-    assert ring_staged_bytes(9, 4096) == staged_bytes(9, 4096)  # 9 rows: no ring, no copy
+    assert ring_staged_bytes(9, 4096) == staged_bytes(9, 4096) + 4096  # 9..16 rows: the cross-warp sums
+    assert ring_staged_bytes(17, 4096) == staged_bytes(17, 4096)  # no ring
     x = torch.randn(8, 4096, dtype=torch.bfloat16)
     prog = compile_module(_NormLinear(4096, 64), (x,), options=dict(workers=8))
     assert [op.kind for op in prog.plan.graph.ops] == ["linear_fused"]
@@ -143,3 +157,56 @@ def test_bf16_copy_of_ring_rows_is_reserved_but_does_not_limit_fusion():
     plan = compile_module(_NormLinear(2048, 64), (x,), options=dict(workers=8)).plan
     assert smem.scratch_bytes(plan.graph) >= ring_staged_bytes(1, 2048)
     assert (plan.queues[..., F["stream"][0]] != 0).any()
+
+
+class _Proj(torch.nn.Module):
+    """x [rows, K] -> linear(K -> n) (optionally after an RMSNorm, which fuses as a prologue)."""
+
+    def __init__(self, k, n, norm):
+        super().__init__()
+        self.lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+        self.norm_w = torch.nn.Parameter(torch.randn(k, dtype=torch.bfloat16)) if norm else None
+
+    def forward(self, x):
+        if self.norm_w is not None:  # HF's Llama RMSNorm
+            h = x.float()
+            x = self.norm_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("rows,k,n,norm,kouter", [
+    (16, 6144, 96, False, True),   # GLM-5's QKV-A shape class: 16 rows, K 6144, <= 32 columns a tile
+    (12, 5000, 40, False, True),   # a ragged last K block
+    (12, 1024, 96, False, False),  # K fits whole: the ordinary tensor-core ring consumer
+    (16, 6144, 384, False, None),  # 64 columns a tile (tile_n 64): not streamed
+    (4, 4096, 96, False, False),   # <= 8 rows: the CUDA-core consumer, x staged whole
+])
+def test_long_k_batches_stream_k_block_outer(rows, k, n, norm, kouter):
+    """9..16 bf16 rows over K > 4096: the stream word's K-outer flag, and scratch for one K block."""
+    from tilec.ops import STREAM_KOUTER, kouter_bytes
+
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    opts = dict(workers=8, executor="reference", check=False) | ({"tile_n": 64} if n == 384 else {})
+    plan = compile_module(_Proj(k, n, norm), (x,), options=opts).plan
+    words = [d[F["stream"][0]] for q in plan.queues.tolist() for d in q if d[F["opcode"][0]] not in (NOOP, EMPTY)]
+    if kouter is None:
+        assert not any(words)
+        return
+    assert words and all(words), "every GEMV tile streams"
+    assert all(bool(w & STREAM_KOUTER) == kouter for w in words)
+    if kouter:
+        assert smem.scratch_bytes(plan.graph) >= kouter_bytes(rows)
+
+
+def test_long_k_with_a_fused_prologue_is_not_streamed():
+    """A prologue needs whole rows (the RMSNorm of x): K-outer tiles take none."""
+    from tilec.ops import Tile, gemv_stream_word
+
+    x = torch.randn(9, 4200, dtype=torch.bfloat16)  # 9 float rows of 4200 fit the fusion limit
+    plan = compile_module(_Proj(4200, 64, True), (x,), options=dict(workers=8, executor="reference",
+                                                                    check=False)).plan
+    (op,) = [o for o in plan.graph.ops if o.kind == "linear_fused"]
+    assert not (plan.queues[..., F["stream"][0]] != 0).any()
+    tile = Tile(((0, 9), (0, 8), (0, 4200)), reads=(), writes=())
+    assert gemv_stream_word(plan.graph, op.inputs[0], op.inputs[2], 2, tile, 200_000, prologue=True) == 0
+    assert gemv_stream_word(plan.graph, op.inputs[0], op.inputs[2], 2, tile, 200_000) != 0

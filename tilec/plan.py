@@ -46,7 +46,8 @@ DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     ("dtype_sig", 19, 1),  # operand dtype codes, 4 bits each (selects the device variant)
     ("params", 20, MAX_PARAMS),  # op parameters (int32; floats as float32 bits)
     # GEMV weights the worker's loader warp streams through the shared-memory ring (0: none):
-    # operand + 1 | n-range coordinate index << 4 | k-range coordinate index << 8 (OpDef.stream)
+    # operand + 1 | n-range coordinate index << 4 | k-range coordinate index << 8, | 1 << 12 when the
+    # items go K block outer (OpDef.stream, tilec.ops.gemv_stream_word)
     ("stream", 29, 1),
     # L2 prefetch hint issued before the wait (0: none): word 0 = operand << 28 | bytes / 16,
     # word 1 = byte offset / 16 from the operand's address (OpDef.prefetch)

@@ -11,10 +11,11 @@ from __future__ import annotations
 from . import ops as opreg
 from .errors import TilecError
 from .ir import OpGraph
+from .ops import GEMV_RING_MMA_K, GEMV_RING_MMA_ROWS, GEMV_RING_ROWS, kouter_bytes
 from .ops.linear_fused import ring_staged_bytes, staged_bytes
 
 MAX_DYNAMIC_SMEM = 227 * 1024 - 2048  # Hopper's 227 KiB per CTA less the executor's static shared memory
-STAGE_BYTES = 8 * 2048 * 2  # stream.cuh: kWarps rows x kStreamK bf16 = 32 KiB
+STAGE_BYTES = 8 * (2048 * 2 + 64)  # stream.cuh: kWarps rows of kStreamK bf16, 64 bytes of padding each
 # Two stages (64 KiB in flight per SM) stream as fast as five in the executor, and the shared
 # memory they leave is the SM's L1 cache, which serves the ops' register spills and stack: on an
 # H200 a Llama-3.2-1B step took 2.24 ms with 2 stages and 2.56 ms with 5 (benchmarks/lab/ring_sweep.py).
@@ -23,8 +24,8 @@ MAX_STAGES = 2
 
 def scratch_bytes(graph: OpGraph) -> int:
     """Scratch (bytes, a multiple of 128) for the largest tile of ``graph``: attention scores and
-    P.V partials (``op_attention``), staged GEMV x rows (up to 96 KiB; fused GEMVs always stage),
-    and what ops state themselves (``OpDef.smem_bytes``).
+    P.V partials (``op_attention``), staged GEMV x rows (up to 96 KiB; fused GEMVs always stage;
+    9..16 rows over a long K: one K block of them), and what ops state themselves (``OpDef.smem_bytes``).
 
     Raises:
         TilecError: an op needs more than a CTA has (naming the op), or an attention head dim
@@ -47,6 +48,9 @@ def scratch_bytes(graph: OpGraph) -> int:
                 if staged <= 96 * 1024:
                     own = max(own, staged)
                     break
+            else:
+                if GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and k > GEMV_RING_MMA_K:  # streamed K block by K block
+                    own = max(own, kouter_bytes(rows))
         if own > need:
             need, who = own, op.name
     if need > MAX_DYNAMIC_SMEM:

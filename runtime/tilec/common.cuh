@@ -6,6 +6,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace tilec {
 
 // A worker CTA is kThreads compute threads (kWarps warps, which run the tile ops) plus one
@@ -14,6 +16,7 @@ namespace tilec {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kCtaThreads = kThreads + 32;
+static_assert(TILEC_MAX_DIMS == 4, "the index helpers and ops hold 4-dim boxes");
 constexpr int kMaxRows = 64;  // rows of one GEMV tile (flattened leading dims of the out box)
 
 // Barrier over the kThreads compute threads (named barrier 1; barrier 0 would need the loader).
@@ -78,14 +81,55 @@ __device__ __forceinline__ long long offset4(const Operand& o, const int* idx) {
 // Iterates the elements of a box (given as per-dim lo/hi over `nd` dims): calls f(idx).
 template <typename F>
 __device__ __forceinline__ void for_box(int nd, const int* lo, const int* hi, F f) {
-  long long total = 1;
-  int ext[TILEC_MAX_DIMS];
-  for (int k = 0; k < nd; ++k) { ext[k] = hi[k] - lo[k]; total *= ext[k]; }
-  for (long long e = threadIdx.x; e < total; e += kThreads) {
-    long long r = e;
+  int total = 1;  // a tile's box: fewer than 2^31 elements
+  int ext[TILEC_MAX_DIMS] = {1, 1, 1, 1};
+#pragma unroll
+  for (int k = 0; k < TILEC_MAX_DIMS; ++k)
+    if (k < nd) { ext[k] = hi[k] - lo[k]; total *= ext[k]; }
+  for (int e = threadIdx.x; e < total; e += kThreads) {
+    int r = e;
     int idx[TILEC_MAX_DIMS] = {0, 0, 0, 0};
-    for (int k = nd - 1; k >= 0; --k) { idx[k] = lo[k] + (int)(r % ext[k]); r /= ext[k]; }
+#pragma unroll
+    for (int k = TILEC_MAX_DIMS - 1; k >= 0; --k)
+      if (k < nd) { idx[k] = lo[k] + r % ext[k]; r /= ext[k]; }
     f(idx);
+  }
+}
+
+// Iterates the elements of a box like for_box, kBoxBatch elements per thread at a time: first
+// v = load(idx) for every element of the batch, then store(idx, v) for each - so a thread keeps
+// kBoxBatch loads in flight instead of one round trip to memory per element (the compiler cannot
+// move a load above an earlier store that may alias it). Index arrays stay in registers.
+// With kVec > 1 an element is kVec consecutive positions of the last dim (whose extent and lo
+// the caller has checked are multiples of kVec); load and store get kVec as an
+// std::integral_constant and the index of the first position.
+constexpr int kBoxBatch = 4;
+template <int kVec = 1, typename L, typename S>
+__device__ __forceinline__ void for_box_batched(int nd, const int* lo, const int* hi, L load, S store) {
+  int total = 1;  // a tile's box: fewer than 2^31 elements
+  int ext[TILEC_MAX_DIMS] = {1, 1, 1, 1}, lo4[TILEC_MAX_DIMS] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 0; k < TILEC_MAX_DIMS; ++k)
+    if (k < nd) { ext[k] = (hi[k] - lo[k]) / (k == nd - 1 ? kVec : 1); lo4[k] = lo[k]; total *= ext[k]; }
+  const std::integral_constant<int, kVec> vec;
+  using V = decltype(load(vec, (const int*)nullptr));
+  for (int e0 = threadIdx.x; e0 < total; e0 += kBoxBatch * kThreads) {
+    int idx[kBoxBatch][TILEC_MAX_DIMS];
+    V v[kBoxBatch];
+#pragma unroll
+    for (int u = 0; u < kBoxBatch; ++u) {
+      int r = e0 + u * kThreads;
+      if (r >= total) break;
+#pragma unroll
+      for (int k = TILEC_MAX_DIMS - 1; k >= 0; --k) {
+        idx[u][k] = 0;
+        if (k < nd) { idx[u][k] = lo4[k] + (k == nd - 1 ? kVec : 1) * (r % ext[k]); r /= ext[k]; }
+      }
+      v[u] = load(vec, idx[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kBoxBatch; ++u)
+      if (e0 + u * kThreads < total) store(vec, idx[u], v[u]);
   }
 }
 
@@ -120,13 +164,28 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   return warp_max(t);
 }
 
-// Row offsets of the leading dims of a box: the `r`-th row (row-major over dims 0..nd-2).
+// Index of the `r`-th row of a box (row-major over its leading dims 0..nd-2; dims nd-1 and up
+// are 0). Loops run over all TILEC_MAX_DIMS dims with constant indices, so after inlining the
+// arrays stay in registers (a run-time index would put them in local memory).
 __device__ __forceinline__ void row_index(int r, int nd, const int* lo, const int* hi, int* idx) {
-  for (int k = nd - 2; k >= 0; --k) {
-    int ext = hi[k] - lo[k];
-    idx[k] = lo[k] + r % ext;
-    r /= ext;
+#pragma unroll
+  for (int k = TILEC_MAX_DIMS - 1; k >= 0; --k) {
+    idx[k] = 0;
+    if (k < nd - 1) {
+      const int ext = hi[k] - lo[k];
+      idx[k] = lo[k] + r % ext;
+      r /= ext;
+    }
   }
+}
+
+// Rows of a box: the product of its leading dims' extents.
+__device__ __forceinline__ int box_rows(int nd, const int* lo, const int* hi) {
+  int rows = 1;
+#pragma unroll
+  for (int k = 0; k < TILEC_MAX_DIMS; ++k)
+    if (k < nd - 1) rows *= hi[k] - lo[k];
+  return rows;
 }
 
 }  // namespace tilec

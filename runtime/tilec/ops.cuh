@@ -29,7 +29,11 @@ template <typename T> __device__ __forceinline__ void stf(const Operand& o, long
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f<T>(from_f<T>(v)); }
 
 __device__ __forceinline__ void box_of(const TileCtx& c, int nd, int* lo, int* hi) {
-  for (int k = 0; k < nd; ++k) { lo[k] = c.lo(k); hi[k] = c.hi(k); }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // constant indices: lo / hi stay in registers
+    lo[k] = k < nd ? c.lo(k) : 0;
+    hi[k] = k < nd ? c.hi(k) : 1;
+  }
 }
 
 // ---- embedding: out[..., c] = W[ids[...], c] ----------------------------------------
@@ -52,18 +56,81 @@ template <typename F>
 __device__ __forceinline__ void for_rows(const TileCtx& c, int nd, F f) {
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
-  int rows = 1;
-  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  const int rows = box_rows(nd, lo, hi);
   for (int r = 0; r < rows; ++r) {
     int idx[4] = {0, 0, 0, 0};
     row_index(r, nd, lo, hi, idx);
-    idx[nd - 1] = 0;
     f(idx);
     block_sync();
   }
 }
 
-// One warp per row (the tile's rows in parallel, not one round trip after another).
+// bf16 rows of unit stride, 16-byte aligned, D % 8 == 0, D <= 8 * kRmsVecs * kThreads: one row
+// at a time over the whole block, every x and weight load of the row in flight at once (a row
+// of 6144 is one round trip to memory instead of 192 per lane). Returns false when not so.
+constexpr int kRmsVecs = 4;
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+__device__ __forceinline__ unsigned bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+__device__ __forceinline__ bool rmsnorm_rows_bf16(const TileCtx& c, int nd, const int* lo, const int* hi, int rows, int D,
+                                               float eps) {
+  const Operand &x = c.ops[0], &w = c.ops[1], &out = c.ops[2];
+  if (x.strides[nd - 1] != 1 || out.strides[nd - 1] != 1 || w.strides[0] != 1 || D % 8 != 0 ||
+      D > 8 * kRmsVecs * kThreads || !aligned16(w.ptr))
+    return false;
+  for (int r = 0; r < rows; ++r) {  // every row 16-byte aligned, or none is done this way
+    int idx[4] = {0, 0, 0, 0};
+    row_index(r, nd, lo, hi, idx);
+    if (!aligned16(base<__nv_bfloat16>(x) + offset4(x, idx)) || !aligned16(base<__nv_bfloat16>(out) + offset4(out, idx)))
+      return false;
+  }
+  const int nv = D / 8;
+  for (int r = 0; r < rows; ++r) {
+    int idx[4] = {0, 0, 0, 0};
+    row_index(r, nd, lo, hi, idx);
+    const uint4* xp = reinterpret_cast<const uint4*>(base<__nv_bfloat16>(x) + offset4(x, idx));
+    uint4* op = reinterpret_cast<uint4*>(base<__nv_bfloat16>(out) + offset4(out, idx));
+    const uint4* wp = reinterpret_cast<const uint4*>(w.ptr);
+    uint4 xv[kRmsVecs], wv[kRmsVecs];
+#pragma unroll
+    for (int j = 0; j < kRmsVecs; ++j) {
+      const int e = threadIdx.x + j * kThreads;
+      if (e < nv) xv[j] = __ldcg(xp + e), wv[j] = __ldcg(wp + e);
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < kRmsVecs; ++j) {
+      if (threadIdx.x + j * kThreads >= nv) continue;
+      const unsigned u[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const float a = __uint_as_float(u[t] << 16), b = __uint_as_float(u[t] & 0xffff0000u);
+        ss += a * a + b * b;
+      }
+    }
+    const float rs = rsqrtf(block_sum(ss, c.smem) / D + eps);
+#pragma unroll
+    for (int j = 0; j < kRmsVecs; ++j) {
+      const int e = threadIdx.x + j * kThreads;
+      if (e >= nv) continue;
+      const unsigned u[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w}, g[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
+      unsigned o[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {  // round_to<bf16>(x * rs) * w, stored as bf16 (as op_rmsnorm's row loop)
+        const float a = round_to<__nv_bfloat16>(__uint_as_float(u[t] << 16) * rs) * __uint_as_float(g[t] << 16);
+        const float b = round_to<__nv_bfloat16>(__uint_as_float(u[t] & 0xffff0000u) * rs) * __uint_as_float(g[t] & 0xffff0000u);
+        o[t] = bf16x2_bits(a, b);
+      }
+      op[e] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  return true;
+}
+
+// One warp per row (the tile's rows in parallel, not one round trip after another); a tile of
+// fewer bf16 rows than warps takes its rows one at a time over the whole block instead.
 template <typename TX, typename TW, typename TO>
 __device__ void op_rmsnorm(TileCtx& c) {
   const Operand &x = c.ops[0], &w = c.ops[1], &out = c.ops[2];
@@ -71,14 +138,16 @@ __device__ void op_rmsnorm(TileCtx& c) {
   const float eps = c.fparam(0);
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
-  int rows = 1;
-  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  const int rows = box_rows(nd, lo, hi);
+  if constexpr (std::is_same<TX, __nv_bfloat16>::value && std::is_same<TW, __nv_bfloat16>::value &&
+                std::is_same<TO, __nv_bfloat16>::value) {
+    if (rows < kWarps && rmsnorm_rows_bf16(c, nd, lo, hi, rows, D, eps)) return;
+  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long xs = x.strides[nd - 1], os = out.strides[nd - 1];
   for (int r = warp; r < rows; r += kWarps) {
     int idx[4] = {0, 0, 0, 0};
     row_index(r, nd, lo, hi, idx);
-    idx[nd - 1] = 0;
     const long long xo = offset4(x, idx), oo = offset4(out, idx);
     float ss = 0.f;
     for (int d = lane; d < D; d += 32) { const float v = ldf<TX>(x, xo + d * xs); ss += v * v; }
@@ -140,15 +209,13 @@ __device__ void op_rope(TileCtx& c) {
   const int nd = out.ndim, D = out.sizes[nd - 1], h = D / 2, style = c.param(0);
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
-  int rows = 1;
-  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  const int rows = box_rows(nd, lo, hi);
   const long long xs = x.strides[nd - 1], os = out.strides[nd - 1], cst = cs.strides[nd - 1], sst = sn.strides[nd - 1];
   // every (row, pair) of the tile at once: one round trip, not one per row
   for (int e = threadIdx.x; e < rows * h; e += kThreads) {
     const int r = e / h, i = e % h;
     int idx[4] = {0, 0, 0, 0};
     row_index(r, nd, lo, hi, idx);
-    idx[nd - 1] = 0;
     const long long xo = offset4(x, idx), oo = offset4(out, idx), co = offset4(cs, idx), so = offset4(sn, idx);
     float a, b, c0, s0, c1, s1;
     if (style == 0) {
@@ -167,29 +234,95 @@ __device__ void op_rope(TileCtx& c) {
 }
 
 // ---- elementwise -----------------------------------------------------------------------
-template <typename F>
-__device__ __forceinline__ void for_out_box(const TileCtx& c, const Operand& out, F f) {
-  int lo[4], hi[4];
-  box_of(c, out.ndim, lo, hi);
-  for_box(out.ndim, lo, hi, f);
+// The out box's elements in batches (for_box_batched): v = load(idx), then store(idx, v). When
+// every operand is laid out for it (vec_ok), an element is 8 consecutive positions of the last dim
+// moved with 16-byte loads and stores: a tile of a few thousand bf16 values is one round trip.
+// load/store are generic lambdas taking the vector width K (an integral_constant: 1 or 8).
+constexpr int kEwVec = 8;
+template <int K> struct Vals { float v[K]; };
+template <int K> struct Vals2 { float a[K], b[K]; };
+// K values at element offset off (K == 8 from 16-byte aligned bf16/half/float32 rows: one or two
+// 16-byte loads, all in flight)
+template <int K, typename T> __device__ __forceinline__ void ldv(const Operand& o, long long off, float* v) {
+  if constexpr (K == 8 && (std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value)) {
+    const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(base<T>(o) + off));
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = to_f<T>(e[i]);
+  } else if constexpr (K == 8 && std::is_same<T, float>::value) {
+    const float4 p = __ldcg(reinterpret_cast<const float4*>(base<T>(o) + off));
+    const float4 q = __ldcg(reinterpret_cast<const float4*>(base<T>(o) + off + 4));
+    v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w, v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < K; ++i) v[i] = ldf<T>(o, off + i);
+  }
 }
+template <int K, typename T> __device__ __forceinline__ void stv(const Operand& o, long long off, const float* v) {
+  if constexpr (K == 8 && (std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value)) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = from_f<T>(v[i]);
+    *reinterpret_cast<uint4*>(base<T>(o) + off) = raw;
+  } else if constexpr (K == 8 && std::is_same<T, float>::value) {
+    *reinterpret_cast<float4*>(base<T>(o) + off) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(base<T>(o) + off + 4) = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < K; ++i) stf<T>(o, off + i, v[i]);
+  }
+}
+// Whether operand o (nd dims, like the out box) can be accessed kEwVec positions of the last dim
+// at a time from last-dim index lo: unit last stride, 16-byte aligned rows.
+template <typename T> __device__ __forceinline__ bool vec_ok(const Operand& o, int nd, int lo) {
+  constexpr long long es = sizeof(T);
+  if (o.ndim != nd || o.strides[nd - 1] != 1 || !aligned16(o.ptr) || (lo * es) % 16) return false;
+#pragma unroll
+  for (int k = 0; k < TILEC_MAX_DIMS - 1; ++k)
+    if (k < nd - 1 && (o.strides[k] * es) % 16) return false;
+  return true;
+}
+template <typename L, typename S>
+__device__ __forceinline__ void for_out_box(const TileCtx& c, const Operand& out, bool vec, L load, S store) {
+  int lo[4], hi[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) { lo[k] = k < out.ndim ? c.lo(k) : 0; hi[k] = k < out.ndim ? c.hi(k) : 1; }
+  const int nd = out.ndim;
+  if (vec && nd > 0 && (hi[nd - 1] - lo[nd - 1]) % kEwVec == 0) for_box_batched<kEwVec>(nd, lo, hi, load, store);
+  else for_box_batched<1>(nd, lo, hi, load, store);
+}
+// last-dim lo of the out box (the vec_ok argument of operands indexed like out)
+__device__ __forceinline__ int last_lo(const TileCtx& c, const Operand& out) { return out.ndim ? c.lo(out.ndim - 1) : 0; }
+#define TILEC_EW_K constexpr int K = decltype(kv)::value
 
 template <typename TG, typename TU, typename TO>
 __device__ void op_silu_mul(TileCtx& c) {
   const Operand &g = c.ops[0], &u = c.ops[1], &out = c.ops[2];
-  for_out_box(c, out, [&](const int* idx) {
-    float gv = ldf<TG>(g, offset4(g, idx));
-    float s = round_to<TG>(gv / (1.f + __expf(-gv)));
-    stf<TO>(out, offset4(out, idx), s * ldf<TU>(u, offset4(u, idx)));
-  });
+  const int nd = out.ndim, l = last_lo(c, out);
+  for_out_box(c, out, vec_ok<TG>(g, nd, l) && vec_ok<TU>(u, nd, l) && vec_ok<TO>(out, nd, l),
+              [&](auto kv, const int* idx) {
+                TILEC_EW_K;
+                Vals2<K> p;
+                ldv<K, TG>(g, offset4(g, idx), p.a);
+                ldv<K, TU>(u, offset4(u, idx), p.b);
+                return p;
+              },
+              [&](auto kv, const int* idx, const auto& p) {
+                TILEC_EW_K;
+                float r[K];
+#pragma unroll
+                for (int i = 0; i < K; ++i) r[i] = round_to<TG>(p.a[i] / (1.f + __expf(-p.a[i]))) * p.b[i];
+                stv<K, TO>(out, offset4(out, idx), r);
+              });
 }
 
-__device__ __forceinline__ float unary_fn(int fn, float x, float a) {
-  // codes follow tilec/ops/ewise.py UNARY_FNS order
+// codes follow tilec/ops/ewise.py UNARY_FNS order. The transcendental and division cases are out
+// of line: the elementwise loops are unrolled (kBoxBatch x kEwVec elements), and code that size
+// would crowd the instruction cache the whole persistent kernel shares.
+__device__ __noinline__ float unary_slow(int fn, float x, float a) {
   switch (fn) {
-    case 0: return -x;
     case 1: return x / (1.f + __expf(-x));
-    case 2: return fmaxf(x, 0.f);
     case 3: return 0.5f * x * (1.f + erff(x * 0.70710678118f));
     case 4: return 0.5f * x * (1.f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
     case 5: return 1.f / (1.f + __expf(-x));
@@ -199,55 +332,91 @@ __device__ __forceinline__ float unary_fn(int fn, float x, float a) {
     case 9: return sqrtf(x);
     case 10: return cosf(x);
     case 11: return sinf(x);
+    case 16: return x / a;
+    case 17: return powf(x, a);
+  }
+  return x;
+}
+__device__ __forceinline__ float unary_fn(int fn, float x, float a) {
+  switch (fn) {
+    case 0: return -x;
+    case 2: return fmaxf(x, 0.f);
     case 12: return x;
     case 13: return x * a;
     case 14: return x + a;
     case 15: return a - x;
-    case 16: return x / a;
-    case 17: return powf(x, a);
     case 18: return fabsf(x);
   }
-  return x;
+  return unary_slow(fn, x, a);
+}
+__device__ __noinline__ float divide(float x, float y) { return x / y; }
+
+// out = f(x) for one input read like out (unary: fn(x, a); copies and cache writes: x)
+template <typename TX, typename TO, typename F>
+__device__ __forceinline__ void map1(const TileCtx& c, const Operand& x, const Operand& out, F f) {
+  const int nd = out.ndim, l = last_lo(c, out);
+  for_out_box(c, out, vec_ok<TX>(x, nd, l) && vec_ok<TO>(out, nd, l),
+              [&](auto kv, const int* idx) {
+                TILEC_EW_K;
+                Vals<K> p;
+                ldv<K, TX>(x, offset4(x, idx), p.v);
+                return p;
+              },
+              [&](auto kv, const int* idx, const auto& p) {
+                TILEC_EW_K;
+                float r[K];
+#pragma unroll
+                for (int i = 0; i < K; ++i) r[i] = f(p.v[i]);
+                stv<K, TO>(out, offset4(out, idx), r);
+              });
 }
 
 template <typename TX, typename TO>
 __device__ void op_unary(TileCtx& c) {
-  const Operand &x = c.ops[0], &out = c.ops[1];
   const int fn = c.param(0);
   const float a = c.fparam(1);
-  for_out_box(c, out, [&](const int* idx) {
-    stf<TO>(out, offset4(out, idx), unary_fn(fn, ldf<TX>(x, offset4(x, idx)), a));
-  });
+  map1<TX, TO>(c, c.ops[0], c.ops[1], [&](float v) { return unary_fn(fn, v, a); });
 }
 
 template <typename TA, typename TB, typename TO>
 __device__ void op_binary(TileCtx& c) {
   const Operand &a = c.ops[0], &b = c.ops[1], &out = c.ops[2];
-  const int fn = c.param(0);
-  for_out_box(c, out, [&](const int* idx) {
-    float x = ldf<TA>(a, offset4(a, idx)), y = ldf<TB>(b, offset4(b, idx)), r;
-    switch (fn) {  // tilec/ops/ewise.py BINARY_FNS order
-      case 0: r = x + y; break;
-      case 1: r = x - y; break;
-      case 2: r = x * y; break;
-      case 3: r = x / y; break;
-      case 4: r = fmaxf(x, y); break;
-      default: r = fminf(x, y); break;
-    }
-    stf<TO>(out, offset4(out, idx), r);
-  });
+  const int fn = c.param(0), nd = out.ndim, l = last_lo(c, out);
+  for_out_box(c, out, vec_ok<TA>(a, nd, l) && vec_ok<TB>(b, nd, l) && vec_ok<TO>(out, nd, l),
+              [&](auto kv, const int* idx) {
+                TILEC_EW_K;
+                Vals2<K> p;
+                ldv<K, TA>(a, offset4(a, idx), p.a);
+                ldv<K, TB>(b, offset4(b, idx), p.b);
+                return p;
+              },
+              [&](auto kv, const int* idx, const auto& p) {
+                TILEC_EW_K;
+                float r[K];
+#pragma unroll
+                for (int i = 0; i < K; ++i) {
+                  const float x = p.a[i], y = p.b[i];
+                  switch (fn) {  // tilec/ops/ewise.py BINARY_FNS order
+                    case 0: r[i] = x + y; break;
+                    case 1: r[i] = x - y; break;
+                    case 2: r[i] = x * y; break;
+                    case 3: r[i] = divide(x, y); break;
+                    case 4: r[i] = fmaxf(x, y); break;
+                    default: r[i] = fminf(x, y); break;
+                  }
+                }
+                stv<K, TO>(out, offset4(out, idx), r);
+              });
 }
 
 template <typename TX, typename TO>
 __device__ void op_copy(TileCtx& c) {
-  const Operand &x = c.ops[0], &out = c.ops[1];
-  for_out_box(c, out, [&](const int* idx) { stf<TO>(out, offset4(out, idx), ldf<TX>(x, offset4(x, idx))); });
+  map1<TX, TO>(c, c.ops[0], c.ops[1], [](float v) { return v; });
 }
 
 template <typename TS, typename TD>
 __device__ void op_cache_write(TileCtx& c) {
-  const Operand &s = c.ops[0], &d = c.ops[1];
-  for_out_box(c, d, [&](const int* idx) { stf<TD>(d, offset4(d, idx), ldf<TS>(s, offset4(s, idx))); });
+  map1<TS, TD>(c, c.ops[0], c.ops[1], [](float v) { return v; });
 }
 
 // concat: variant i copies input i into its slab [lo, hi) of the out dim
@@ -257,13 +426,23 @@ __device__ void op_concat(TileCtx& c) {
   int n_in = 0;
   while (n_in < TILEC_MAX_OPERANDS && c.ops[n_in].dtype != TILEC_UNUSED_OPERAND) ++n_in;
   const Operand &x = c.ops[i], &out = c.ops[n_in - 1];
-  const int start = c.lo(dim);
-  for_out_box(c, out, [&](const int* idx) {
-    int j[4] = {idx[0], idx[1], idx[2], idx[3]};
-    j[dim] -= start;
-    stf<TO>(out, offset4(out, idx), ldf<TI>(x, offset4(x, j)));
-  });
+  const int start = c.lo(dim), nd = out.ndim, l = last_lo(c, out);
+  for_out_box(c, out, vec_ok<TI>(x, nd, dim == nd - 1 ? l - start : l) && vec_ok<TO>(out, nd, l),
+              [&](auto kv, const int* idx) {
+                TILEC_EW_K;
+                int j[4] = {idx[0], idx[1], idx[2], idx[3]};
+#pragma unroll
+                for (int k = 0; k < 4; ++k) j[k] -= k == dim ? start : 0;
+                Vals<K> p;
+                ldv<K, TI>(x, offset4(x, j), p.v);
+                return p;
+              },
+              [&](auto kv, const int* idx, const auto& p) {
+                TILEC_EW_K;
+                stv<K, TO>(out, offset4(out, idx), p.v);
+              });
 }
+#undef TILEC_EW_K
 
 // ---- linear / GEMV: out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) ------------------------
 // One warp per output column n; the tile's rows (<= kMaxRows, processed kRowsPerPass at a
@@ -414,7 +593,7 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
     }
     if (i == 0) c.mark(2);  // the first weight stage is in
     if (n < t.n1) {
-      const uint4* row = reinterpret_cast<const uint4*>(r.stages + s * kStageBytes + warp * kStreamK * 2);
+      const uint4* row = reinterpret_cast<const uint4*>(r.stages + s * kStageBytes + warp * kRowPitch);
 #pragma unroll 2
       for (int v = lane; v < len / 8; v += 32) {
         const uint4 wv = row[v];
@@ -515,6 +694,78 @@ __device__ __noinline__ void gemv_bf16_mma(const TileCtx& c, const __nv_bfloat16
       }
     }
   }
+}
+
+// ---- streamed weights on tensor cores: 9..16 x rows ---------------------------------------
+// The ring's stages (8 weight rows = 8 output columns x a K block) feed mma.sync m16n8k16: warp w
+// takes K slice [w * kStreamK / kWarps, ...) of every stage - B is stage row g at k + 8q, one
+// 16-byte load per lane (rows kRowPitch apart: conflict-free, see stream.cuh), A the bf16 x rows
+// xb at pitch xpitch (kl + 32: likewise) - accumulating a 16 x 8 partial product; at a column group's
+// last K block the warps' partials are summed through shared memory (red: kWarps x 128 floats).
+// A warp whose stream wait gave up keeps iterating without waiting (every later wait fails at
+// once), so all warps reach the same block barriers.
+template <typename TB, typename TO, bool kBias>
+__device__ __forceinline__ void gemv_bf16_ring_mma(const TileCtx& c, const StreamTile& t, const __nv_bfloat16* xb,
+                                                   int xpitch, int nr, float* red, const GemvStore<TO>& store) {
+  static_assert(kWarps == 8 && kStreamK % (32 * kWarps) == 0, "a column group is the mma's n = 8");
+  const WeightRing& r = *c.ring;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int kl = t.k1 - t.k0, kblocks = t.kblocks(), items = t.items();
+  const int first = *r.next;
+  int s = first % r.nstages;
+  unsigned ph = (unsigned)(first / r.nstages) & 1u;
+  c.mark(1);  // x staged (and its prologue applied)
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  bool live = true;
+  int gi = 0, kb = 0;  // item i = (column group gi, K block kb), kb fastest
+#pragma unroll 1
+  for (int i = 0; i < items; ++i) {
+    const int kk = kb * kStreamK, len = min(kStreamK, kl - kk);
+    if (live && !__all_sync(0xffffffffu, mbar_wait(r.full + s, ph, r.abort, r.timeout_ns))) {
+      *r.gave_up = 1;  // aborted: the executor leaves the queue after this op
+      live = false;
+    }
+    if (i == 0) c.mark(2);  // the first weight stage is in
+    if (live) {
+      const char* stage = r.stages + s * kStageBytes;
+#pragma unroll 2
+      for (int j = 0; j < kStreamK / (32 * kWarps); ++j) {
+        const int k = warp * (kStreamK / kWarps) + 32 * j, kq = k + 8 * q;  // k within the stage
+        if (k >= len) break;  // the same for the whole warp
+        const bool in = kq < len;  // kl % 8 == 0: a lane's 8 k are all in or all out
+        const uint4 b = in ? *reinterpret_cast<const uint4*>(stage + g * kRowPitch + kq * 2) : zero;
+        const uint4 alo = in && g < nr ? *reinterpret_cast<const uint4*>(xb + g * xpitch + kk + kq) : zero;
+        const uint4 ahi = in && g + 8 < nr ? *reinterpret_cast<const uint4*>(xb + (g + 8) * xpitch + kk + kq) : zero;
+        mma_k32(acc, alo, ahi, b);
+      }
+      mbar_arrive(r.empty + s);  // every thread releases its own reads
+    }
+    if (++s == r.nstages) s = 0, ph ^= 1u;
+    if (kb == kblocks - 1) {  // the column group: sum the warps' K slices
+      reinterpret_cast<float4*>(red)[warp * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      block_sync();
+      if (live && threadIdx.x < 128) {
+        const int l = threadIdx.x >> 2, a = threadIdx.x & 3;  // lane l's accumulator a
+        float v = 0.f;
+        for (int w = 0; w < kWarps; ++w) v += red[(w * 32 + l) * 4 + a];
+        // accumulator a of lane l: row l / 4 (+ 8 for a >= 2), column 2 (l % 4) + a % 2 of the group
+        const int m = (l >> 2) + (a < 2 ? 0 : 8), n = t.n0 + gi * kWarps + 2 * (l & 3) + (a & 1);
+        if (m < nr && n < t.n1) {
+          float bias = 0.f;
+          if (kBias && store.variant == 0) bias = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+          store(m, n, v + bias);
+        }
+      }
+      block_sync();  // red is free again
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+      kb = 0, ++gi;
+    } else {
+      ++kb;
+    }
+  }
+  block_sync();  // every compute thread has read r.next
+  if (threadIdx.x == 0) *r.next = first + items;
 }
 
 // Stages rows [nr][k1 - k0] of x (element offsets xoff[r], K stride xk) into xs as float.
@@ -634,6 +885,172 @@ __device__ __forceinline__ void gemv_silu_mul_rows(const TileCtx& c, const long 
   });
 }
 
+// A ring-fed GEMV tile's bf16 x rows, staged as bf16 rows xb [nr][pitch] with the fused prologue
+// applied (pro 1: RMSNorm with weight operand 1; pro 2: SiLU(x) * operand 1 rows at soff). The rows
+// (and the RMSNorm weight, or the SiLU-mul side rows, into side_s: kl, or nr x kl elements) come
+// in with 16-byte cp.async copies issued by a rolled loop - every copy in flight at once, in a few
+// instructions - and the prologue is applied in shared memory. The executor is one kernel that
+// holds every op, so a tile's code is often not in the instruction cache: unrolled staging code
+// cost more in instruction fetches than its loads did (a 16 x 2048 staging took ~24 us on an
+// H200). The RMSNorm row sums are taken in a fixed order. Same rounding points as
+// gemv_stage_rows. Returns false (nothing staged) unless x and the side operand allow it: unit K
+// stride, 16-byte aligned rows, kl % 8 == 0.
+__device__ __forceinline__ float bf16_lo(unsigned u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long long* xoff, const long long* soff, long long xk,
+                                                int nr, int k0, int kl, int pro, float eps, __nv_bfloat16* xb, int pitch,
+                                                __nv_bfloat16* side_s, float* rscale) {
+  const Operand &x = c.ops[0], &side = c.ops[1];
+  const int vpr = kl / 8, nv = nr * vpr;  // 16-byte vectors per row, in all
+  if (xk != 1 || kl % 8 || pitch % 8) return false;
+  if (pro != 0 && (side.strides[side.ndim - 1] != 1 || !aligned16(side.ptr))) return false;
+  for (int r = 0; r < nr; ++r) {
+    if (!aligned16(base<__nv_bfloat16>(x) + xoff[r] + k0)) return false;
+    if (pro == 2 && !aligned16(base<__nv_bfloat16>(side) + soff[r] + k0)) return false;
+  }
+  if (pro == 1 && !aligned16(base<__nv_bfloat16>(side) + k0)) return false;
+  const __nv_bfloat16* xp = base<__nv_bfloat16>(x);
+  const __nv_bfloat16* sp = base<__nv_bfloat16>(side);
+#pragma unroll 1
+  for (int v = threadIdx.x; v < nv; v += kThreads) {
+    const int r = v / vpr, k = (v - r * vpr) * 8;
+    cp_async16(xb + r * pitch + k, xp + xoff[r] + k0 + k);
+    if (pro == 2) cp_async16(side_s + r * kl + k, sp + soff[r] + k0 + k);
+  }
+  if (pro == 1)
+#pragma unroll 1
+    for (int v = threadIdx.x; v < vpr; v += kThreads) cp_async16(side_s + v * 8, sp + k0 + v * 8);
+  cp_async_wait_all();
+  block_sync();
+  if (pro == 0) return true;
+  if (pro == 1) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll 1
+    for (int r = warp; r < nr; r += kWarps) {  // each row's sum of squares in a fixed order
+      float q = 0.f;
+#pragma unroll 1
+      for (int v = lane; v < vpr; v += 32) {
+        const uint4 a = *reinterpret_cast<const uint4*>(xb + r * pitch + v * 8);
+        const unsigned w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
+      }
+      q = warp_sum(q);
+      if (lane == 0) rscale[r] = rsqrtf(q / kl + eps);
+    }
+    block_sync();
+  }
+#pragma unroll 1
+  for (int v = threadIdx.x; v < nv; v += kThreads) {
+    const int r = v / vpr, k = (v - r * vpr) * 8;
+    uint4* p = reinterpret_cast<uint4*>(xb + r * pitch + k);
+    const uint4 a = *p, g = *reinterpret_cast<const uint4*>(side_s + (pro == 1 ? k : r * kl + k));
+    const unsigned xw[4] = {a.x, a.y, a.z, a.w}, sw[4] = {g.x, g.y, g.z, g.w};
+    unsigned res[4];
+    if (pro == 1) {
+      const float rs = rscale[r];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)  // round_to<bf16>(x * rs) * w, as gemv_rmsnorm_rows
+        res[i] = bf16x2_bits(round_to<__nv_bfloat16>(bf16_lo(xw[i]) * rs) * bf16_lo(sw[i]),
+                             round_to<__nv_bfloat16>(bf16_hi(xw[i]) * rs) * bf16_hi(sw[i]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // round_to<bf16>(silu(g)) * u, as gemv_silu_mul_rows
+        const float gl = bf16_lo(xw[i]), gh = bf16_hi(xw[i]);
+        res[i] = bf16x2_bits(round_to<__nv_bfloat16>(gl / (1.f + __expf(-gl))) * bf16_lo(sw[i]),
+                             round_to<__nv_bfloat16>(gh / (1.f + __expf(-gh))) * bf16_hi(sw[i]));
+      }
+    }
+    *p = make_uint4(res[0], res[1], res[2], res[3]);
+  }
+  block_sync();
+  return true;
+}
+// Shared-memory floats stage_bf16_rows' side_s needs for prologue pro (kl elements of the RMSNorm
+// weight; nr x kl side rows for SiLU-mul), a multiple of 4.
+__device__ __forceinline__ int stage_side_floats(int pro, int nr, int kl) {
+  return pro == 1 ? (kl / 2 + 3) / 4 * 4 : pro == 2 ? (nr * kl / 2 + 3) / 4 * 4 : 0;
+}
+
+// ---- streamed weights on tensor cores, K blocks outer: 9..16 x rows over a long K ----------
+// For K ranges whose bf16 x rows do not fit in shared memory beside the ring (GLM-5's 16 x 6144
+// QKV-A projection): the stream is ordered K block outer (stream.cuh), x is staged one K block at
+// a time (xb [nr][kStreamK + 32], stage_bf16_rows) and every warp keeps the 16 x 8 partial
+// products of all (at most kKouterGroups) column groups of the tile in registers across K blocks;
+// the warps' partials are summed through shared memory (red: kWarps x 128 floats) at the end.
+// No prologue. A warp whose stream wait gave up keeps iterating without waiting (see
+// gemv_bf16_ring_mma), so all warps reach the same block barriers.
+constexpr int kKouterGroups = 4;
+template <typename TB, typename TO, bool kBias>
+__device__ __forceinline__ void gemv_bf16_ring_kouter(const TileCtx& c, const StreamTile& t, const long long* xoff,
+                                                      int nr, __nv_bfloat16* xb, float* red, const GemvStore<TO>& store) {
+  constexpr int pitch = kStreamK + 32;
+  const WeightRing& r = *c.ring;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int kl = t.k1 - t.k0, kblocks = t.kblocks(), ng = t.groups(), items = t.items();
+  const int first = *r.next;
+  int s = first % r.nstages;
+  unsigned ph = (unsigned)(first / r.nstages) & 1u;
+  float acc[kKouterGroups][4] = {};
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  bool live = true;
+#pragma unroll 1
+  for (int kb = 0; kb < kblocks; ++kb) {
+    const int kk = kb * kStreamK, len = min(kStreamK, kl - kk);
+    block_sync();  // the previous K block's rows are read
+    if (!stage_bf16_rows(c, xoff, nullptr, 1, nr, t.k0 + kk, len, 0, 0.f, xb, pitch, nullptr, nullptr) && live) {
+      if (threadIdx.x == 0) atomicCAS(r.abort, 0, 2);  // x rows not 16-byte aligned: plan.py cannot see it
+      *r.gave_up = 1;
+      live = false;
+    }
+    if (kb == 0) c.mark(1);
+#pragma unroll
+    for (int gi = 0; gi < kKouterGroups; ++gi) {
+      if (gi >= ng) break;
+      if (live && !__all_sync(0xffffffffu, mbar_wait(r.full + s, ph, r.abort, r.timeout_ns))) {
+        *r.gave_up = 1;
+        live = false;
+      }
+      if (kb == 0 && gi == 0) c.mark(2);
+      if (live) {
+        const char* stage = r.stages + s * kStageBytes;
+#pragma unroll 2
+        for (int j = 0; j < kStreamK / (32 * kWarps); ++j) {
+          const int k = warp * (kStreamK / kWarps) + 32 * j, kq = k + 8 * q;  // k within the K block
+          if (k >= len) break;  // the same for the whole warp
+          const bool in = kq < len;
+          const uint4 b = in ? *reinterpret_cast<const uint4*>(stage + g * kRowPitch + kq * 2) : zero;
+          const uint4 alo = in && g < nr ? *reinterpret_cast<const uint4*>(xb + g * pitch + kq) : zero;
+          const uint4 ahi = in && g + 8 < nr ? *reinterpret_cast<const uint4*>(xb + (g + 8) * pitch + kq) : zero;
+          mma_k32(acc[gi], alo, ahi, b);
+        }
+        mbar_arrive(r.empty + s);
+      }
+      if (++s == r.nstages) s = 0, ph ^= 1u;
+    }
+  }
+#pragma unroll
+  for (int gi = 0; gi < kKouterGroups; ++gi) {
+    if (gi >= ng) break;
+    block_sync();  // red is free
+    reinterpret_cast<float4*>(red)[warp * 32 + lane] = make_float4(acc[gi][0], acc[gi][1], acc[gi][2], acc[gi][3]);
+    block_sync();
+    if (live && threadIdx.x < 128) {
+      const int l = threadIdx.x >> 2, a = threadIdx.x & 3;  // lane l's accumulator a (see gemv_bf16_ring_mma)
+      float v = 0.f;
+      for (int w = 0; w < kWarps; ++w) v += red[(w * 32 + l) * 4 + a];
+      const int m = (l >> 2) + (a < 2 ? 0 : 8), n = t.n0 + gi * kWarps + 2 * (l & 3) + (a & 1);
+      if (m < nr && n < t.n1) {
+        float bias = 0.f;
+        if (kBias && store.variant == 0) bias = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+        store(m, n, v + bias);
+      }
+    }
+  }
+  block_sync();  // every compute thread has read r.next and red
+  if (threadIdx.x == 0) *r.next = first + items;
+}
+
 // Stages a GEMV tile's x rows as float in shared memory, then applies the fused prologue (pro 1:
 // RMSNorm with weight operand 1; pro 2: SiLU(x) * operand 1).
 template <typename TX>
@@ -697,11 +1114,10 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
   const int nd = out.ndim;
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
-  const int n0 = lo[nd - 1], n1 = hi[nd - 1];
+  const int n0 = c.lo(nd - 1), n1 = c.hi(nd - 1);
   const int k0 = c.lo(nd), k1 = c.hi(nd);
   const int variant = c.variant();
-  int rows = 1;
-  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  const int rows = box_rows(nd, lo, hi);
   long long* xoff = reinterpret_cast<long long*>(c.smem);
   long long* ooff = xoff + kMaxRows;
   long long* roff = ooff + kMaxRows;  // resid rows (epilogue), or the side operand's rows (SiLU-mul)
@@ -716,7 +1132,6 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     for (int r = threadIdx.x; r < nr; r += kThreads) {
       int idx[4] = {0, 0, 0, 0};
       row_index(r0 + r, nd, lo, hi, idx);
-      idx[nd - 1] = 0;
       xoff[r] = offset4(x, idx);
       ooff[r] = offset4(out, idx);
       if (resid) roff[r] = offset4(*resid, idx);
@@ -726,37 +1141,87 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     // stage this chunk's x rows (K range) in shared memory as float when they fit (fused
     // tiles always fit: the fusion pass checks)
     const bool staged = (long long)nr * kl + 2304 / 4 <= (long long)c.smem_floats - 64;
-    if (staged && variant != 1) gemv_stage_rows<TX>(c, x, xoff, soff, xk, nr, k0, k1, xs_smem, rscale, pro, eps);
     const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant};
-    if constexpr (std::is_same<TW, __nv_bfloat16>::value) {
-      StreamTile t;
-      if (c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t)) {  // the loader streams this tile's weights
-        if (nr > 8 || !staged || variant == 1) {  // plan.py rules this out; were it wrong, fail loudly:
-          if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);  // the host raises "weight stream" WatchdogError
-          *c.ring->gave_up = 1;                                   // and this worker leaves its queue
-          continue;
-        }
+    // Streamed weights (the loader fills the ring): x as bf16 rows xb [nr][pitch] - pitch kl, or for
+    // the tensor-core consumer (9..16 rows) kl + 32, rows 64 mod 128 bytes apart for conflict-free A
+    // loads, with room after them for its cross-warp sums (red).
+    StreamTile t;
+    const bool ring = std::is_same<TW, __nv_bfloat16>::value && c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t);
+    const bool mma = nr > 8;
+    if (ring && t.kouter) {  // 9..16 bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
+      constexpr int kPitch = kStreamK + 32;
+      if (std::is_same<TX, __nv_bfloat16>::value && mma && nr <= 16 && pro == 0 && variant != 1 &&
+          t.n1 - t.n0 <= kWarps * kKouterGroups && 576 + nr * kPitch / 2 + kWarps * 128 <= c.smem_floats - 64) {
+        gemv_bf16_ring_kouter<TB, TO, kBias>(c, t, xoff, nr, reinterpret_cast<__nv_bfloat16*>(xs_smem),
+                                             xs_smem + nr * kPitch / 2, store);
+      } else {  // plan.py rules this out; fail loudly
+        if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);
+        *c.ring->gave_up = 1;
+      }
+      continue;
+    }
+    if (ring && (!staged || variant == 1 ||
+                 (mma && (!std::is_same<TX, __nv_bfloat16>::value || nr > 16 || kl > 4096 || kl < 32 ||
+                          576 + nr * kl + kWarps * 128 > c.smem_floats - 64)))) {  // plan.py rules these out; fail loudly:
+      if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);  // the host raises "weight stream" WatchdogError
+      *c.ring->gave_up = 1;                                   // and this worker leaves its queue
+      continue;
+    }
+    const int pitch = mma ? kl + 32 : kl;
+    __nv_bfloat16* xb = reinterpret_cast<__nv_bfloat16*>(xs_smem);
+    float* side_s = xs_smem + nr * pitch / 2;                // the prologue's other operand (stage_bf16_rows)
+    float* red = side_s + stage_side_floats(pro, nr, kl);  // the mma's cross-warp sums
+    bool ready = false;                                      // xb staged
+    if constexpr (std::is_same<TX, __nv_bfloat16>::value)  // bf16 x straight to bf16 rows
+      ready = ring && 576 + (red - xs_smem) + kWarps * 128 <= c.smem_floats - 64 &&
+              stage_bf16_rows(c, xoff, soff, xk, nr, k0, kl, pro, eps, xb, pitch,
+                              reinterpret_cast<__nv_bfloat16*>(side_s), rscale);
+    if (!ready && staged && variant != 1) gemv_stage_rows<TX>(c, x, xoff, soff, xk, nr, k0, k1, xs_smem, rscale, pro, eps);
+    if (ring) {
+      if (!ready && !mma) {
         // bf16 rows (their staged floats are bf16 values) go to the consumer as bf16: half the
         // shared-memory reads per weight (tilec/ops/linear_fused.py ring_staged_bytes reserves them)
-        if (std::is_same<TX, __nv_bfloat16>::value && 576 + nr * kl + nr * kl / 2 <= c.smem_floats - 64) {
-          __nv_bfloat16* xb = reinterpret_cast<__nv_bfloat16*>(xs_smem + nr * kl);
-          for (int e = threadIdx.x * 8; e < nr * kl; e += kThreads * 8) {
-            const float4 a = *reinterpret_cast<const float4*>(xs_smem + e), b = *reinterpret_cast<const float4*>(xs_smem + e + 4);
-            *reinterpret_cast<uint4*>(xb + e) = make_uint4(
-                (__float_as_uint(a.x) >> 16) | (__float_as_uint(a.y) & 0xffff0000u),
-                (__float_as_uint(a.z) >> 16) | (__float_as_uint(a.w) & 0xffff0000u),
-                (__float_as_uint(b.x) >> 16) | (__float_as_uint(b.y) & 0xffff0000u),
-                (__float_as_uint(b.z) >> 16) | (__float_as_uint(b.w) & 0xffff0000u));
+        if (!std::is_same<TX, __nv_bfloat16>::value || 576 + nr * kl + nr * kl / 2 > c.smem_floats - 64) {
+          gemv_bf16_ring<8, TB, TO, kBias>(c, t, xs_smem, nr, store);  // float32 rows: one general instance
+          continue;
+        }
+        xb = reinterpret_cast<__nv_bfloat16*>(xs_smem + nr * kl);
+        for (int e = threadIdx.x * 8; e < nr * kl; e += kThreads * 8) {
+          const float4 a = *reinterpret_cast<const float4*>(xs_smem + e), b = *reinterpret_cast<const float4*>(xs_smem + e + 4);
+          *reinterpret_cast<uint4*>(xb + e) = make_uint4(
+              (__float_as_uint(a.x) >> 16) | (__float_as_uint(a.y) & 0xffff0000u),
+              (__float_as_uint(a.z) >> 16) | (__float_as_uint(a.w) & 0xffff0000u),
+              (__float_as_uint(b.x) >> 16) | (__float_as_uint(b.y) & 0xffff0000u),
+              (__float_as_uint(b.z) >> 16) | (__float_as_uint(b.w) & 0xffff0000u));
+        }
+        block_sync();
+      } else if (!ready) {
+        // the staged float rows become bf16 rows at the pitch in place, one row at a time (for
+        // kl >= 32 bf16 row m ends before float row m + 1 starts: no unread row is overwritten)
+        red = xs_smem + nr * kl;
+        for (int m = 0; m < nr; ++m) {
+          float v[4096 / kThreads];
+#pragma unroll
+          for (int j = 0; j < 4096 / kThreads; ++j) {
+            const int k = threadIdx.x + j * kThreads;
+            if (k < kl) v[j] = xs_smem[m * kl + k];
           }
           block_sync();
-          if (nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xb, nr, store);
-          else if (nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xb, nr, store);
-          else gemv_bf16_ring<8, TB, TO, kBias>(c, t, xb, nr, store);
-        } else {  // float32 rows (or a plan that did not reserve the copy): one general instance
-          gemv_bf16_ring<8, TB, TO, kBias>(c, t, xs_smem, nr, store);
+#pragma unroll
+          for (int j = 0; j < 4096 / kThreads; ++j) {
+            const int k = threadIdx.x + j * kThreads;
+            if (k < kl) xb[m * pitch + k] = __float2bfloat16_rn(v[j]);  // exact: the rows are bf16 values
+          }
         }
-        continue;
+        block_sync();
       }
+      if (mma) gemv_bf16_ring_mma<TB, TO, kBias>(c, t, xb, pitch, nr, red, store);
+      else if (nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xb, nr, store);
+      else if (nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xb, nr, store);
+      else gemv_bf16_ring<8, TB, TO, kBias>(c, t, xb, nr, store);
+      continue;
+    }
+    if constexpr (std::is_same<TW, __nv_bfloat16>::value) {
       const bool wvec = variant != 1 && wk == 1 && (wn * 2) % 16 == 0 &&
                         ((reinterpret_cast<uintptr_t>(base<TW>(w) + k0) & 15) == 0);
       bool xvec = std::is_same<TX, __nv_bfloat16>::value && xk == 1;  // A straight from bf16 x rows

@@ -80,7 +80,9 @@ template <typename T> struct AttnRow8<false, T> {
 //      deterministic sum over warps in shared memory; o, m, l are stored.
 template <bool kVec, typename TQ, typename TK, typename TV, typename TP, typename TM>
 __device__ void attention_partial_impl(TileCtx& c) {
-  constexpr int kUnroll = kVec ? 2 : 1;  // small: code size is latency in a megakernel (cold i-cache)
+  // rows of K (and V) in flight per lane group: 4 covers a 128-position split of a 64-dim head
+  // in one round trip to memory (the split-KV tiles are latency-bound)
+  constexpr int kUnroll = kVec ? 4 : 1;
   const Operand &q = c.ops[0], &k = c.ops[1], &v = c.ops[2], &op = c.ops[3], &ml = c.ops[4];
   const long long valid = c.ops[5].scalar;
   const float scale = c.fparam(0);

@@ -22,8 +22,7 @@ __device__ void op_fp8_quant(TileCtx& c) {
   const float amin = c.fparam(2), fmax = c.fparam(3);
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
-  int rows = 1;
-  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  const int rows = box_rows(nd, lo, hi);
   const int ngroups = K / G;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long xk = x.strides[nd - 1], qk = q.strides[nd - 1], sk = s.strides[nd - 1];
@@ -31,7 +30,6 @@ __device__ void op_fp8_quant(TileCtx& c) {
     const int r = u / ngroups, g = u % ngroups;
     int idx[4] = {0, 0, 0, 0};
     row_index(r, nd, lo, hi, idx);
-    idx[nd - 1] = 0;
     const long long xo = offset4(x, idx) + (long long)g * G * xk, qo = offset4(q, idx) + (long long)g * G * qk;
     float amax = 0.f;
     for (int e = lane; e < G; e += 32) amax = fmaxf(amax, fabsf(ldf<TX>(x, xo + e * xk)));
@@ -120,6 +118,98 @@ __device__ __noinline__ void fp8_linear_mma(const TileCtx& c, const unsigned cha
   }
 }
 
+// The same product with the K blocks spread over the warps (warp w takes blocks w, w + kWarps, ...)
+// so every warp streams weights however few columns the tile has (GLM-5's QKV-A tiles have 24),
+// two column groups at a time with kFp8Steps 16-byte loads per lane in flight per group (16 FP8
+// of one weight row; lane (g, q) holds k 16q..16q+15 of each 64-k step, fed to two mma_k32 as
+// its halves - the same permutation for A and B). Rows of xq_s are xp bytes apart (K + 64: the
+// eight rows of a 16-byte load land in distinct banks); the tile's weight scales are staged in
+// ws_s [rows n0 / BN .. (n1 - 1) / BN][KB]. The warps' block-scaled partials of a column group are
+// summed in a fixed order through red (kWarps x 128 floats), so results do not depend on timing.
+// Needs G % 64 == 0.
+constexpr int kFp8Steps = 8;
+template <typename TO>
+__device__ __noinline__ void fp8_linear_mma_ksplit(const TileCtx& c, const unsigned char* wq, long long wn, int n0,
+                                                   int n1, int K, int G, int BN, const unsigned char* xq_s, int xp,
+                                                   const float* xs_s, const float* ws_s, int nr, const Operand& out,
+                                                   const long long* ooff, float* red) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3;
+  const int rlo = lane >> 2, rhi = rlo + 8, KB = K / G, spb = G / 64;  // 64-k steps per K block
+  const int mine = (KB - warp + kWarps - 1) / kWarps * spb;            // this warp's steps
+  const long long on = out.strides[out.ndim - 1];
+  const int ng = (n1 - n0 + 7) / 8, b0 = n0 / BN;
+  const unsigned long long policy = evict_first_policy();
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll 1
+  for (int g0 = 0; g0 < ng; g0 += 2) {
+    float tot[2][4] = {}, blk[2][4] = {};
+    const unsigned char* wrow[2];
+    int ca[2], cb[2];
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int base_col = n0 + min(g0 + p, ng - 1) * 8;
+      wrow[p] = wq + (long long)min(base_col + rlo, n1 - 1) * wn + 16 * q;  // past n1: a valid row, never stored
+      ca[p] = min(base_col + 2 * q, n1 - 1) / BN - b0;
+      cb[p] = min(base_col + 2 * q + 1, n1 - 1) / BN - b0;
+    }
+#pragma unroll 1
+    for (int t0 = 0; t0 < mine; t0 += kFp8Steps) {
+      uint4 b[2][kFp8Steps];
+#pragma unroll
+      for (int u = 0; u < kFp8Steps; ++u) {
+        const int t = t0 + u, k = ((t / spb) * kWarps + warp) * G + (t % spb) * 64;
+#pragma unroll
+        for (int p = 0; p < 2; ++p)
+          if (t < mine && g0 + p < ng)
+            asm volatile("ld.global.cg.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                         : "=r"(b[p][u].x), "=r"(b[p][u].y), "=r"(b[p][u].z), "=r"(b[p][u].w)
+                         : "l"(wrow[p] + k), "l"(policy));
+      }
+#pragma unroll
+      for (int u = 0; u < kFp8Steps; ++u) {
+        const int t = t0 + u;
+        if (t >= mine) break;
+        const int kb = (t / spb) * kWarps + warp, k = kb * G + (t % spb) * 64 + 16 * q;
+        const uint4 alo = rlo < nr ? *reinterpret_cast<const uint4*>(xq_s + rlo * xp + k) : zero;
+        const uint4 ahi = rhi < nr ? *reinterpret_cast<const uint4*>(xq_s + rhi * xp + k) : zero;
+        const uint4 a0 = fp8x8_to_bf16(make_uint2(alo.x, alo.y)), a1 = fp8x8_to_bf16(make_uint2(alo.z, alo.w));
+        const uint4 h0 = fp8x8_to_bf16(make_uint2(ahi.x, ahi.y)), h1 = fp8x8_to_bf16(make_uint2(ahi.z, ahi.w));
+        const bool last = t % spb == spb - 1;  // the end of K block kb: scale and fold into the totals
+        const float xl = rlo < nr ? xs_s[rlo * KB + kb] : 0.f, xh = rhi < nr ? xs_s[rhi * KB + kb] : 0.f;
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          if (g0 + p >= ng) break;
+          mma_k32(blk[p], a0, h0, fp8x8_to_bf16(make_uint2(b[p][u].x, b[p][u].y)));
+          mma_k32(blk[p], a1, h1, fp8x8_to_bf16(make_uint2(b[p][u].z, b[p][u].w)));
+          if (last) {
+            const float wa = ws_s[ca[p] * KB + kb], wb = ws_s[cb[p] * KB + kb];
+            tot[p][0] += blk[p][0] * xl * wa;
+            tot[p][1] += blk[p][1] * xl * wb;
+            tot[p][2] += blk[p][2] * xh * wa;
+            tot[p][3] += blk[p][3] * xh * wb;
+            blk[p][0] = blk[p][1] = blk[p][2] = blk[p][3] = 0.f;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      if (g0 + p >= ng) break;
+      block_sync();  // red is free
+      reinterpret_cast<float4*>(red)[warp * 32 + lane] = make_float4(tot[p][0], tot[p][1], tot[p][2], tot[p][3]);
+      block_sync();
+      if (threadIdx.x < 128) {
+        const int l = threadIdx.x >> 2, a = threadIdx.x & 3;  // lane l's accumulator a (see gemv_bf16_ring_mma)
+        float v = 0.f;
+        for (int w = 0; w < kWarps; ++w) v += red[(w * 32 + l) * 4 + a];
+        const int m = (l >> 2) + (a < 2 ? 0 : 8), n = n0 + (g0 + p) * 8 + 2 * (l & 3) + (a & 1);
+        if (m < nr && n < n1) stf<TO>(out, ooff[m] + (long long)n * on, v);
+      }
+    }
+  }
+  block_sync();  // red and the staged rows are free
+}
+
 template <typename TXQ, typename TXS, typename TWQ, typename TWS, typename TO>
 __device__ void op_fp8_linear(TileCtx& c) {
   const Operand &xq = c.ops[0], &xs = c.ops[1], &wq = c.ops[2], &ws = c.ops[3], &out = c.ops[4];
@@ -127,19 +217,29 @@ __device__ void op_fp8_linear(TileCtx& c) {
   const int nd = out.ndim;
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
-  const int n0 = lo[nd - 1], n1 = hi[nd - 1];
-  int rows = 1;
-  for (int k = 0; k < nd - 1; ++k) rows *= hi[k] - lo[k];
+  const int n0 = c.lo(nd - 1), n1 = c.hi(nd - 1);
+  const int rows = box_rows(nd, lo, hi);
   const int xsd = xq.ndim - 1, ssd = xs.ndim - 1;
   const long long xk = xq.strides[xsd], sk = xs.strides[ssd], on = out.strides[nd - 1];
   const long long wn = wq.strides[0], wk = wq.strides[1], wsn = ws.strides[0], wsk = ws.strides[1];
-  // shared memory: x, scale and out row offsets, then per staged row KB scales and K bytes
+  // The K-split tensor-core path (fp8_linear_mma_ksplit) takes tiles of <= 16 rows whose blocks
+  // are whole 64-k steps; it stages rows xp = K + 64 bytes apart, the tile's weight scales and its
+  // cross-warp sums as well.
+  constexpr bool kFp8 = std::is_same<TXQ, __nv_fp8_e4m3>::value && std::is_same<TWQ, __nv_fp8_e4m3>::value;
+  const int nb = (n1 - 1) / BN - n0 / BN + 1;  // weight-scale rows of the tile
+  const bool wvec = wk == 1 && wn % 16 == 0 && (reinterpret_cast<uintptr_t>(wq.ptr) & 15) == 0;
+  bool ks = kFp8 && wvec && rows <= 16 && G % 64 == 0 && K % G == 0;
+  // shared memory: x, scale and out row offsets, then per staged row KB scales and xp bytes
   long long* xoff = reinterpret_cast<long long*>(c.smem);
   long long* soff = xoff + kMaxRows;
   long long* ooff = soff + kMaxRows;
   float* xs_s = reinterpret_cast<float*>(ooff + kMaxRows);
-  const long long fixed = 3LL * kMaxRows * 8, per_row = 4LL * KB + K;
-  const long long avail = 4LL * c.smem_floats - fixed - 80;  // 16 bytes: aligning the FP8 rows
+  const long long fixed = 3LL * kMaxRows * 8 + 80;  // 16 bytes: aligning the FP8 rows
+  const long long ks_extra = 4LL * (nb * KB + 4) + 4LL * kWarps * 128 + 16;
+  if (ks && 4LL * c.smem_floats - fixed - ks_extra < (long long)rows * (4LL * KB + K + 64)) ks = false;
+  const int xp = ks ? K + 64 : K;
+  const long long per_row = 4LL * KB + xp;
+  const long long avail = 4LL * c.smem_floats - fixed - (ks ? ks_extra : 0);
   const int chunk = (int)min((long long)kMaxRows, avail > 0 ? avail / per_row : 0LL);
   const bool staged = chunk > 0;
   const int pass = staged ? chunk : kMaxRows;
@@ -147,11 +247,12 @@ __device__ void op_fp8_linear(TileCtx& c) {
   for (int r0 = 0; r0 < rows; r0 += pass) {
     const int nr = min(pass, rows - r0);
     unsigned char* xq_s = reinterpret_cast<unsigned char*>(xs_s + (staged ? (nr * KB + 3) / 4 * 4 : 0));
+    float* ws_s = reinterpret_cast<float*>(xq_s + (long long)nr * xp);  // (ks) 16-byte aligned: xp % 16 == 0
+    float* red = ws_s + (nb * KB + 3) / 4 * 4;
     block_sync();
     for (int r = threadIdx.x; r < nr; r += kThreads) {
       int idx[4] = {0, 0, 0, 0};
       row_index(r0 + r, nd, lo, hi, idx);
-      idx[nd - 1] = 0;
       xoff[r] = offset4(xq, idx);
       soff[r] = offset4(xs, idx);
       ooff[r] = offset4(out, idx);
@@ -159,35 +260,42 @@ __device__ void op_fp8_linear(TileCtx& c) {
     block_sync();
     if (staged) {
       for (int e = threadIdx.x; e < nr * KB; e += kThreads) xs_s[e] = ldf<TXS>(xs, soff[e / KB] + (e % KB) * sk);
-      bool vec = sizeof(TXQ) == 1 && xk == 1 && K % 16 == 0;  // 16 FP8 bytes per load, 4 loads in flight
+      if (ks)
+        for (int e = threadIdx.x; e < nb * KB; e += kThreads)
+          ws_s[e] = ldf<TWS>(ws, (long long)(n0 / BN + e / KB) * wsn + (e % KB) * wsk);
+      bool vec = sizeof(TXQ) == 1 && xk == 1 && K % 16 == 0;  // 16 FP8 bytes per load, 8 loads in flight
       for (int r = 0; r < nr && vec; ++r) vec = ((reinterpret_cast<uintptr_t>(base<TXQ>(xq) + xoff[r]) & 15) == 0);
       if (vec) {
         const int nv = nr * (K / 16);
-        for (int v0 = threadIdx.x; v0 < nv; v0 += 4 * kThreads) {
-          uint4 raw[4];
+        for (int v0 = threadIdx.x; v0 < nv; v0 += 8 * kThreads) {
+          uint4 raw[8];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
+          for (int j = 0; j < 8; ++j) {
             const int v = v0 + j * kThreads;
             if (v < nv)
               raw[j] = __ldcg(reinterpret_cast<const uint4*>(base<TXQ>(xq) + xoff[v / (K / 16)]) + v % (K / 16));
           }
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
+          for (int j = 0; j < 8; ++j) {
             const int v = v0 + j * kThreads;
-            if (v < nv) *reinterpret_cast<uint4*>(xq_s + (long long)(v / (K / 16)) * K + (v % (K / 16)) * 16) = raw[j];
+            if (v < nv) *reinterpret_cast<uint4*>(xq_s + (long long)(v / (K / 16)) * xp + (v % (K / 16)) * 16) = raw[j];
           }
         }
       } else {
         for (int e = threadIdx.x; e < nr * K; e += kThreads) {
           const TXQ v = ldc<TXQ>(base<TXQ>(xq) + xoff[e / K] + (long long)(e % K) * xk);
-          xq_s[e] = *reinterpret_cast<const unsigned char*>(&v);
+          xq_s[(long long)(e / K) * xp + e % K] = *reinterpret_cast<const unsigned char*>(&v);
         }
       }
       block_sync();
     }
-    if constexpr (std::is_same<TXQ, __nv_fp8_e4m3>::value && std::is_same<TWQ, __nv_fp8_e4m3>::value) {
-      if (staged && wk == 1 && G % 32 == 0 && K % 32 == 0 && wn % 16 == 0 &&
-          (reinterpret_cast<uintptr_t>(wq.ptr) & 15) == 0) {
+    if constexpr (kFp8) {
+      if (ks) {  // staged: ks implies the rows fit in one pass
+        fp8_linear_mma_ksplit<TO>(c, reinterpret_cast<const unsigned char*>(wq.ptr), wn, n0, n1, K, G, BN, xq_s, xp,
+                                  xs_s, ws_s, nr, out, ooff, red);
+        continue;
+      }
+      if (staged && wvec && G % 32 == 0 && K % 32 == 0) {
         for (int m0 = 0; m0 < nr; m0 += 16)
           fp8_linear_mma<TWS, TO>(c, reinterpret_cast<const unsigned char*>(wq.ptr), wn, ws, n0, n1, K, G, BN,
                                   xq_s + (long long)m0 * K, xs_s + m0 * KB, min(16, nr - m0), out, ooff + m0);
@@ -195,7 +303,7 @@ __device__ void op_fp8_linear(TileCtx& c) {
       }
     }
     auto xval = [&](int m, int k) -> float {
-      if (staged) return to_f<TXQ>(*reinterpret_cast<const TXQ*>(xq_s + (long long)m * K + k));
+      if (staged) return to_f<TXQ>(*reinterpret_cast<const TXQ*>(xq_s + (long long)m * xp + k));
       return ldf<TXQ>(xq, xoff[m] + (long long)k * xk);
     };
     auto xscale = [&](int m, int kb) -> float {
@@ -222,7 +330,7 @@ __device__ void op_fp8_linear(TileCtx& c) {
 #pragma unroll
             for (int m = 0; m < kRowsPerPass; ++m) {
               if (m0 + m < nr) {
-                const uint4 xr = *reinterpret_cast<const uint4*>(xq_s + (long long)(m0 + m) * K + k);
+                const uint4 xr = *reinterpret_cast<const uint4*>(xq_s + (long long)(m0 + m) * xp + k);
                 const TXQ* xv = reinterpret_cast<const TXQ*>(&xr);
                 float p = 0.f;
 #pragma unroll

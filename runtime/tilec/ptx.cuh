@@ -47,5 +47,12 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p, unsigned long long p
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
   return r;
 }
+// 16-byte asynchronous copy global -> shared, L2 only (cp.async.cg: data other CTAs wrote, read
+// after an acquire); a rolled loop of them keeps every copy in flight. cp_async_wait_all waits
+// for the calling thread's copies.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 }  // namespace tilec

@@ -12,8 +12,10 @@
 // low-latency megakernel and Mirage MPK.)
 //
 // Item i of the stream is one stage: kWarps consecutive weight rows (output columns) x a
-// block of kStreamK elements of K, row r at byte r * kStreamK * 2 of the stage. A tile covers
-// columns [n0, n1) and K range [k0, k1): items (column group g, K block kb), kb fastest.
+// block of kStreamK elements of K, row r at byte r * kRowPitch of the stage. A tile covers
+// columns [n0, n1) and K range [k0, k1): items (column group g, K block kb), kb fastest - or,
+// with the stream word's K-outer flag (bit 12), g fastest (a consumer that stages x one K block
+// at a time: gemv_bf16_ring_kouter in ops.cuh).
 #pragma once
 #include "common.cuh"
 #include "ptx.cuh"
@@ -21,7 +23,11 @@
 namespace tilec {
 
 constexpr int kStreamK = 2048;                              // K elements per row per stage
-constexpr int kStageBytes = kWarps * kStreamK * 2;          // 32 KiB
+// Rows sit kRowPitch bytes apart, 64 bytes of padding each: a 16-byte shared-memory load is
+// served a quarter-warp at a time, and the tensor-core consumer's quarter-warp reads 64 bytes
+// of each of two consecutive rows at one k - half a bank line apart, so conflict-free.
+constexpr int kRowPitch = kStreamK * 2 + 64;
+constexpr int kStageBytes = kWarps * kRowPitch;             // 32 KiB + 512 bytes
 constexpr int kMaxStages = 8;
 
 __device__ __forceinline__ void TileCtx::mark(int k) const {
@@ -48,8 +54,10 @@ struct StreamTile {
   const char* w;
   long long wn;
   int n0, n1, k0, k1;
+  bool kouter;  // items K block outer, column group inner
   __device__ int kblocks() const { return (k1 - k0 + kStreamK - 1) / kStreamK; }
-  __device__ int items() const { return (n1 - n0 + kWarps - 1) / kWarps * kblocks(); }
+  __device__ int groups() const { return (n1 - n0 + kWarps - 1) / kWarps; }
+  __device__ int items() const { return groups() * kblocks(); }
 };
 
 // The streamed range of descriptor d given its weight operand's address w and row stride wn
@@ -64,6 +72,7 @@ __device__ __forceinline__ bool stream_range(const int* d, const char* w, long l
   t.n1 = d[TILEC_W_COORDS + 2 * nc + 1];
   t.k0 = d[TILEC_W_COORDS + 2 * kc];
   t.k1 = d[TILEC_W_COORDS + 2 * kc + 1];
+  t.kouter = (s >> 12) & 1;
   return s != 0 && (reinterpret_cast<unsigned long long>(w + 2LL * t.k0) & 15) == 0 && (wn * 2) % 16 == 0 &&
          (t.k1 - t.k0) % 8 == 0 && t.n1 > t.n0;
 }
@@ -122,18 +131,19 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
     if (d[TILEC_W_OPCODE] == TILEC_OP_NOOP) break;
     StreamTile t;
     if (!stream_tile(d, operands, position, t)) continue;
-    const int kblocks = t.kblocks(), items = t.items();
+    const int kblocks = t.kblocks(), groups = t.groups(), items = t.items();
 #pragma unroll 1
     for (int j = 0; j < items && ok; ++j, ++item) {
       // slot s was last filled with item - nstages: wait for the compute warps to release it
       if (item >= r.nstages && !(ok = loader_wait(r.empty + s, ph ^ 1u, r))) break;
-      const int c0 = t.n0 + (j / kblocks) * kWarps, rows = min(kWarps, t.n1 - c0);
-      const int kk = t.k0 + (j % kblocks) * kStreamK, len = min(kStreamK, t.k1 - kk);
+      const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
+      const int c0 = t.n0 + g * kWarps, rows = min(kWarps, t.n1 - c0);
+      const int kk = t.k0 + kb * kStreamK, len = min(kStreamK, t.k1 - kk);
       char* stage = r.stages + s * kStageBytes;
       mbar_expect_tx(r.full + s, (unsigned)(rows * len * 2));
 #pragma unroll 1
       for (int row = 0; row < rows; ++row)
-        bulk_load(stage + row * kStreamK * 2, t.w + ((long long)(c0 + row) * t.wn + kk) * 2, (unsigned)(len * 2),
+        bulk_load(stage + row * kRowPitch, t.w + ((long long)(c0 + row) * t.wn + kk) * 2, (unsigned)(len * 2),
                   r.full + s, policy);
       if (++s == r.nstages) s = 0, ph ^= 1u;
     }

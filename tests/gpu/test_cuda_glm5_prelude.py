@@ -80,12 +80,15 @@ class Fp8Gemm(torch.nn.Module):
         return self.lin(glm.act_quant(x), out_dtype=x.dtype)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 512, 200), (16, 2048, 136), (40, 1024, 72)])
-def test_fp8_gemm_rows_and_ragged_columns(m, k, n):
-    """fp8_linear_mma (<= 16 rows per pass, column groups of 8 past N) against eager."""
+@pytest.mark.parametrize("m,k,n,tile_n", [(1, 512, 200, None), (16, 2048, 136, None), (40, 1024, 72, None),
+                                           (16, 6144, 24, None), (9, 1536, 300, 48)])
+def test_fp8_gemm_rows_and_ragged_columns(m, k, n, tile_n):
+    """fp8_linear_mma_ksplit (<= 16 rows: K blocks over the warps, an uneven share with 12 blocks,
+    tiles across a weight-scale block with tile_n 48) and fp8_linear_mma (40 rows: passes of 16),
+    column groups of 8 past N, against eager."""
     mod = Fp8Gemm(k, n).to(DEV)
     x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
-    prog = compile_module(mod, (x,), options=dict(executor="cuda"))
+    prog = compile_module(mod, (x,), options=dict(executor="cuda", tile_n=tile_n))
     assert any(op.kind == "fp8_linear" for op in prog.graph.ops)
     with torch.no_grad():
         want = mod(x)

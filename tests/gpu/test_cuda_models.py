@@ -25,6 +25,7 @@ def cache_rel(c1, c2):
 CASES = [
     ("llama-tiny", 1, 32, 8),
     ("qwen3-tiny", 2, 32, 8),
+    ("llama-tiny", 12, 32, 8),  # 12 rows: every GEMV tile streams to the tensor-core ring consumer
     pytest.param("llama-3.2-1b", 1, 1024, 100, marks=pytest.mark.slow),
     pytest.param("qwen3-0.6b", 1, 1024, 100, marks=pytest.mark.slow),
     pytest.param("qwen3-0.6b", 4, 1024, 100, marks=pytest.mark.slow),

@@ -49,9 +49,11 @@ def test_linear(dtype, m, k, n, bias, tile_n):
     check(Lin(k, n, bias, dtype), (torch.randn(m, k, dtype=dtype),), dtype, tile_n=tile_n)
 
 
-@pytest.mark.parametrize("m,k,n,bias", [(9, 512, 100, True), (16, 2048, 72, False), (40, 2048, 130, True)])
+@pytest.mark.parametrize("m,k,n,bias", [(9, 512, 100, True), (16, 2048, 72, False), (40, 2048, 130, True),
+                                         (16, 6144, 24, False), (12, 5000, 40, True)])
 def test_linear_tensor_core_rows(m, k, n, bias):
-    """9..64 rows: the mma.sync path, from staged rows (small K) or straight from x (large)."""
+    """9..64 rows: the mma.sync path, from staged rows (small K) or straight from x (large); 9..16
+    rows over K > 4096 stream their weights K block outer (x staged one K block at a time)."""
     check(Lin(k, n, bias, torch.bfloat16), (torch.randn(m, k, dtype=torch.bfloat16),), torch.bfloat16)
 
 
@@ -113,11 +115,25 @@ class Ewise(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [1000, 4096])
-def test_elementwise(dtype, n):
+@pytest.mark.parametrize("n,tile_cols", [(1000, 333), (4096, 333), (4096, 256), (1000, None)])
+def test_elementwise(dtype, n, tile_cols):
+    """tile_cols 256 (and 1000 whole) tiles move 8 elements per 16-byte access; 333 one at a time."""
     g, u = torch.randn(2, n, dtype=dtype), torch.randn(2, n, dtype=dtype)
     b = torch.randn(1, n, dtype=dtype)
-    check(Ewise(), (g, u, b), dtype, tile_cols=333)
+    check(Ewise(), (g, u, b), dtype, tile_cols=tile_cols)
+
+
+class CatMixed(torch.nn.Module):
+    def forward(self, a, b, c):
+        return torch.cat([a, b * 2, c.float().to(a.dtype)], -1), torch.cat([a, b], 1).to(torch.float32) + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_concat_vectors(dtype):
+    """Concat along the last dim in 8-element slabs (16-byte moves), along a middle dim, and with dtype casts."""
+    a, b = torch.randn(3, 4, 64, dtype=dtype), torch.randn(3, 4, 64, dtype=dtype)
+    c = torch.randn(3, 4, 24, dtype=torch.bfloat16)
+    check(CatMixed(), (a, b, c), dtype, tile_cols=32)
 
 
 class Emb(torch.nn.Module):

@@ -177,17 +177,37 @@ def weight_rows_prefetch(graph, w: View, operand: int, n0: int, n1: int, k0: int
     return operand, first * esize, (last - first) * esize
 
 
-GEMV_RING_ROWS = 8  # runtime/tilec/ops.cuh kRowsPerPass: x rows a ring-fed GEMV tile takes
+GEMV_RING_ROWS = 8  # runtime/tilec/ops.cuh kRowsPerPass: x rows of a CUDA-core ring-fed GEMV tile
+GEMV_RING_MMA_ROWS = 16  # x rows of a tensor-core ring-fed tile (ops.cuh gemv_bf16_ring_mma)
+GEMV_RING_MMA_K = 4096  # its K range at most with x staged whole (longer: K blocks outer, below)
+GEMV_KOUTER_COLS = 32  # output columns at most of a K-outer tile (ops.cuh gemv_bf16_ring_kouter: 4 groups of 8)
+STREAM_K = 2048  # runtime/tilec/stream.cuh kStreamK: K elements per stage row
+STREAM_KOUTER = 1 << 12  # stream word flag: items K block outer, column group inner
 
 
-def gemv_stream_word(graph, w: View, operand: int, tile: Tile, scratch: int) -> int:
+def kouter_bytes(rows: int) -> int:
+    """Shared memory (bytes) a K-outer ring-fed tile of ``rows`` x rows needs: row offsets and
+    factors (2304), one K block of bf16 x rows at a padded pitch, the cross-warp sums (4096) and
+    the device's margin (ops.cuh gemv_bf16_ring_kouter)."""
+    return 2304 + 2 * rows * (STREAM_K + 32) + 4096 + 256
+
+
+def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch: int, prologue: bool = False) -> int:
     """The ``stream`` word (see :meth:`OpDef.stream`) of a GEMV tile whose coords are the out
-    box, then the K range: ``operand + 1 | n-range index << 4 | k-range index << 8``, or 0
-    unless the device can feed it from the weight ring - bf16 weights no op writes (the loader
-    reads them without waiting on events), unit K stride, K range a multiple of 8, at most
-    :data:`GEMV_RING_ROWS` x rows whose float32 staging fits in ``scratch`` bytes. The device
-    also checks 16-byte alignment of the rows, loader and compute warps alike."""
-    from .linear_fused import staged_bytes
+    box, then the K range: ``operand + 1 | n-range index << 4 | k-range index << 8``
+    (``| STREAM_KOUTER``: K blocks outer), or 0 unless the device can feed it from the weight ring -
+    bf16 weights no op writes (the loader reads them without waiting on events), unit K stride, K
+    range a multiple of 8, and x rows that fit in ``scratch`` bytes:
+
+    * at most :data:`GEMV_RING_ROWS` rows, staged whole (CUDA cores);
+    * up to :data:`GEMV_RING_MMA_ROWS` bf16 rows over a K range of 32 to :data:`GEMV_RING_MMA_K`,
+      staged whole, with room for the cross-warp sums (tensor cores);
+    * up to :data:`GEMV_RING_MMA_ROWS` bf16 rows over a longer K range, at most
+      :data:`GEMV_KOUTER_COLS` columns and no prologue (``prologue``: the op applies one): one K
+      block of x staged at a time, the stream ordered K block outer (tensor cores).
+
+    The device also checks 16-byte alignment of the rows, loader and compute warps alike."""
+    from .linear_fused import ring_staged_bytes, staged_bytes
 
     buf = graph.buffers[w.buffer]
     if buf.kind not in (BufferKind.PARAM, BufferKind.CONST) or buf.dtype != torch.bfloat16 or w.strides[1] != 1:
@@ -196,10 +216,21 @@ def gemv_stream_word(graph, w: View, operand: int, tile: Tile, scratch: int) -> 
     for lo, hi in tile.coords[:-2]:
         rows *= hi - lo
     (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
-    if rows > GEMV_RING_ROWS or (k1 - k0) % 8 or n1 <= n0 or staged_bytes(rows, k1 - k0) > scratch:
+    if (k1 - k0) % 8 or n1 <= n0:
         return 0
     nd = len(tile.coords) - 1
-    return (operand + 1) | ((nd - 1) << 4) | (nd << 8)
+    word = (operand + 1) | ((nd - 1) << 4) | (nd << 8)
+    mma_rows = GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and graph.buffers[x.buffer].dtype == torch.bfloat16
+    if mma_rows and k1 - k0 > GEMV_RING_MMA_K:
+        fits = n1 - n0 <= GEMV_KOUTER_COLS and not prologue and kouter_bytes(rows) <= scratch
+        return word | STREAM_KOUTER if fits else 0
+    if staged_bytes(rows, k1 - k0) > scratch:
+        return 0
+    if rows > GEMV_RING_ROWS:
+        mma = mma_rows and 32 <= k1 - k0 and ring_staged_bytes(rows, k1 - k0) <= scratch
+        if not mma:
+            return 0
+    return word
 
 
 def gemv_tile_n(n: int, opts) -> int:

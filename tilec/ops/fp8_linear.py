@@ -38,12 +38,14 @@ class Fp8Linear(OpDef):
 
     def smem_bytes(self, op):
         """Device staging (runtime/tilec/ops_glm.cuh): 3 x 64 row offsets, then per row (<= 64)
-        its K/G scales (float) and K FP8 bytes."""
-        xq, xs = op.inputs[0], op.inputs[1]
+        its K/G scales (float) and K + 64 FP8 bytes, and for the K-split path the weight scales
+        (at most all of them) and the cross-warp sums (4096)."""
+        xq, xs, _, ws = op.inputs
         rows = 1
         for s in op.outputs[0].shape[:-1]:
             rows *= s
-        return 3 * 64 * 8 + min(rows, 64) * (4 * xs.shape[-1] + xq.shape[-1]) + 96
+        kb = xs.shape[-1]
+        return 3 * 64 * 8 + 80 + min(rows, 64) * (4 * kb + xq.shape[-1] + 64) + 4 * (ws.shape[0] * kb + 4) + 4096 + 96
 
     def run_tile(self, t: TileArgs):
         xq, xs, wq, ws, out = t.operands

@@ -49,7 +49,7 @@ class Linear(OpDef):
         return weight_rows_prefetch(graph, op.inputs[1], 1, n0, n1, k0, k1)
 
     def stream(self, op, tile, graph, scratch):
-        return 0 if tile.variant == 1 else gemv_stream_word(graph, op.inputs[1], 1, tile, scratch)
+        return 0 if tile.variant == 1 else gemv_stream_word(graph, op.inputs[0], op.inputs[1], 1, tile, scratch)
 
     def params(self, op):
         return [op.inputs[0].shape[-1], int(len(op.inputs) == 3)]

@@ -38,9 +38,12 @@ def staged_bytes(rows: int, k: int) -> int:
 
 
 def ring_staged_bytes(rows: int, k: int) -> int:
-    """:func:`staged_bytes` plus, for at most 8 rows (a weight-ring tile), their bf16 copy, which
-    the ring consumer reads when it fits (else it reads the float rows)."""
-    return staged_bytes(rows, k) + (2 * rows * k if rows <= 8 else 0)
+    """:func:`staged_bytes` plus what a weight-ring tile adds: for at most 8 rows their bf16 copy,
+    which the CUDA-core consumer reads when it fits (else it reads the float rows); for 9..16
+    rows the tensor-core consumer's cross-warp sums (8 warps x 128 floats)."""
+    if rows <= 8:
+        return staged_bytes(rows, k) + 2 * rows * k
+    return staged_bytes(rows, k) + (4096 if rows <= 16 else 0)
 
 
 @register
@@ -82,7 +85,8 @@ class LinearFused(OpDef):
 
     def stream(self, op, tile, graph, scratch):
         wi = self.layout(op)[1]
-        return gemv_stream_word(graph, op.inputs[wi], wi, tile, scratch)
+        return gemv_stream_word(graph, op.inputs[0], op.inputs[wi], wi, tile, scratch,
+                                prologue=op.attr("prologue") != "none")
 
     def params(self, op):
         return [op.inputs[0].shape[-1], PROLOGUES[op.attr("prologue")], EPILOGUES[op.attr("epilogue")],

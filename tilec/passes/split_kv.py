@@ -22,7 +22,10 @@ from ..errors import VerificationError
 from ..ir import Buffer, BufferKind, Op, OpGraph, View
 from ..ops.attention_split import num_splits
 
-CHUNK_ALIGN, CHUNK_MIN, CHUNK_MAX = 32, 64, 2048
+# At most 256 positions per split: a split is one tile, and the partial kernel keeps 128 positions in
+# flight per round trip, so longer splits serialize round trips (Llama-3.2-1B at batch 16: 128
+# (batch, KV head) pairs, one unsplit 1024-position tile each, took 424 us per tile on an H200).
+CHUNK_ALIGN, CHUNK_MIN, CHUNK_MAX = 32, 64, 256
 
 
 def kv_chunk(batch: int, kv_heads: int, s: int, opts) -> int:
@@ -30,8 +33,9 @@ def kv_chunk(batch: int, kv_heads: int, s: int, opts) -> int:
 
     ``opts.attn_kv_chunk`` when set; otherwise (auto) ``ceil(s / n)`` with ``n = workers //
     (batch * KV head groups)`` splits per group (at least 1), rounded up to a multiple of 32
-    and clamped to [64, 2048]: at most about ``workers`` tiles (one round of partials), whole
-    warps of positions, and a bounded score segment per tile (long caches always split).
+    and clamped to [64, 256]: about ``workers`` tiles (one round of partials) when the groups are
+    few, whole warps of positions, and a bounded round-trip count per tile (caches longer than
+    256 positions always split).
     """
     if opts.attn_kv_chunk is not None:
         return int(opts.attn_kv_chunk)
