@@ -8,6 +8,8 @@ A plan with too little room left for two stages streams no weights through the r
 """
 from __future__ import annotations
 
+import torch
+
 from . import ops as opreg
 from .errors import TilecError
 from .ir import OpGraph
@@ -49,7 +51,8 @@ def scratch_bytes(graph: OpGraph) -> int:
                     own = max(own, staged)
                     break
             else:
-                if GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and k > GEMV_RING_MMA_K:  # streamed K block by K block
+                if (GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and k > GEMV_RING_MMA_K  # streamed K block by K block
+                        and graph.buffers[op.inputs[0].buffer].dtype == torch.bfloat16):
                     own = max(own, kouter_bytes(rows))
         if own > need:
             need, who = own, op.name

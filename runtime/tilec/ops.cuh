@@ -277,7 +277,7 @@ template <int K, typename T> __device__ __forceinline__ void stv(const Operand& 
 // at a time from last-dim index lo: unit last stride, 16-byte aligned rows.
 template <typename T> __device__ __forceinline__ bool vec_ok(const Operand& o, int nd, int lo) {
   constexpr long long es = sizeof(T);
-  if (o.ndim != nd || o.strides[nd - 1] != 1 || !aligned16(o.ptr) || (lo * es) % 16) return false;
+  if (nd == 0 || o.ndim != nd || o.strides[nd - 1] != 1 || !aligned16(o.ptr) || (lo * es) % 16) return false;
 #pragma unroll
   for (int k = 0; k < TILEC_MAX_DIMS - 1; ++k)
     if (k < nd - 1 && (o.strides[k] * es) % 16) return false;
@@ -983,7 +983,8 @@ __device__ __forceinline__ int stage_side_floats(int pro, int nr, int kl) {
 constexpr int kKouterGroups = 4;
 template <typename TB, typename TO, bool kBias>
 __device__ __forceinline__ void gemv_bf16_ring_kouter(const TileCtx& c, const StreamTile& t, const long long* xoff,
-                                                      int nr, __nv_bfloat16* xb, float* red, const GemvStore<TO>& store) {
+                                                      long long xk, int nr, __nv_bfloat16* xb, float* red,
+                                                      const GemvStore<TO>& store) {
   constexpr int pitch = kStreamK + 32;
   const WeightRing& r = *c.ring;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -998,10 +999,15 @@ __device__ __forceinline__ void gemv_bf16_ring_kouter(const TileCtx& c, const St
   for (int kb = 0; kb < kblocks; ++kb) {
     const int kk = kb * kStreamK, len = min(kStreamK, kl - kk);
     block_sync();  // the previous K block's rows are read
-    if (!stage_bf16_rows(c, xoff, nullptr, 1, nr, t.k0 + kk, len, 0, 0.f, xb, pitch, nullptr, nullptr) && live) {
-      if (threadIdx.x == 0) atomicCAS(r.abort, 0, 2);  // x rows not 16-byte aligned: plan.py cannot see it
-      *r.gave_up = 1;
-      live = false;
+    if (!stage_bf16_rows(c, xoff, nullptr, xk, nr, t.k0 + kk, len, 0, 0.f, xb, pitch, nullptr, nullptr)) {
+      // x rows not 16-byte aligned or strided along K (a user's view): one element at a time
+      const __nv_bfloat16* xp = base<__nv_bfloat16>(c.ops[0]);
+#pragma unroll 1
+      for (int e = threadIdx.x; e < nr * len; e += kThreads) {
+        const int m = e / len, k = e - m * len;
+        xb[m * pitch + k] = ldc<__nv_bfloat16>(xp + xoff[m] + (long long)(t.k0 + kk + k) * xk);
+      }
+      block_sync();
     }
     if (kb == 0) c.mark(1);
 #pragma unroll
@@ -1152,7 +1158,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       constexpr int kPitch = kStreamK + 32;
       if (std::is_same<TX, __nv_bfloat16>::value && mma && nr <= 16 && pro == 0 && variant != 1 &&
           t.n1 - t.n0 <= kWarps * kKouterGroups && 576 + nr * kPitch / 2 + kWarps * 128 <= c.smem_floats - 64) {
-        gemv_bf16_ring_kouter<TB, TO, kBias>(c, t, xoff, nr, reinterpret_cast<__nv_bfloat16*>(xs_smem),
+        gemv_bf16_ring_kouter<TB, TO, kBias>(c, t, xoff, xk, nr, reinterpret_cast<__nv_bfloat16*>(xs_smem),
                                              xs_smem + nr * kPitch / 2, store);
       } else {  // plan.py rules this out; fail loudly
         if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);
@@ -1173,7 +1179,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     float* red = side_s + stage_side_floats(pro, nr, kl);  // the mma's cross-warp sums
     bool ready = false;                                      // xb staged
     if constexpr (std::is_same<TX, __nv_bfloat16>::value)  // bf16 x straight to bf16 rows
-      ready = ring && 576 + (red - xs_smem) + kWarps * 128 <= c.smem_floats - 64 &&
+      ready = ring && 576 + (red - xs_smem) + (mma ? kWarps * 128 : 0) <= c.smem_floats - 64 &&
               stage_bf16_rows(c, xoff, soff, xk, nr, k0, kl, pro, eps, xb, pitch,
                               reinterpret_cast<__nv_bfloat16*>(side_s), rscale);
     if (!ready && staged && variant != 1) gemv_stage_rows<TX>(c, x, xoff, soff, xk, nr, k0, k1, xs_smem, rscale, pro, eps);

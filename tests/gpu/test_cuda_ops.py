@@ -57,6 +57,25 @@ def test_linear_tensor_core_rows(m, k, n, bias):
     check(Lin(k, n, bias, torch.bfloat16), (torch.randn(m, k, dtype=torch.bfloat16),), torch.bfloat16)
 
 
+class LinOfView(Lin):
+    """The linear of a view of the input: transposed (K stride 16) or offset by one element
+    (rows 2 bytes past 16-byte alignment) - the K-outer stream stages such rows one element at a
+    time."""
+
+    def __init__(self, k, n, how):
+        super().__init__(k, n, False, torch.bfloat16)
+        self.how = how
+
+    def forward(self, y):
+        return self.l(y.transpose(0, 1) if self.how == "transposed" else y[:, 1:])
+
+
+@pytest.mark.parametrize("how", ["transposed", "offset"])
+def test_linear_long_k_of_strided_or_misaligned_rows(how):
+    y = torch.randn(6144, 16, dtype=torch.bfloat16) if how == "transposed" else torch.randn(16, 6145, dtype=torch.bfloat16)
+    check(LinOfView(6144, 24, how), (y,), torch.bfloat16)
+
+
 class LinScaled(Lin):
     def forward(self, x):
         return self.l(x) * 2.0

@@ -38,14 +38,19 @@ class Fp8Linear(OpDef):
 
     def smem_bytes(self, op):
         """Device staging (runtime/tilec/ops_glm.cuh): 3 x 64 row offsets, then per row (<= 64)
-        its K/G scales (float) and K + 64 FP8 bytes, and for the K-split path the weight scales
-        (at most all of them) and the cross-warp sums (4096)."""
+        its K/G scales (float) and K FP8 bytes; for the K-split path (<= 16 rows) 64 more bytes a
+        row, the weight scales of a tile up to 128 columns wide and the cross-warp sums (4096).
+        A wider tile whose scales do not fit takes the other path (the device checks)."""
         xq, xs, _, ws = op.inputs
         rows = 1
         for s in op.outputs[0].shape[:-1]:
             rows *= s
-        kb = xs.shape[-1]
-        return 3 * 64 * 8 + 80 + min(rows, 64) * (4 * kb + xq.shape[-1] + 64) + 4 * (ws.shape[0] * kb + 4) + 4096 + 96
+        kb, k = xs.shape[-1], xq.shape[-1]
+        need = 3 * 64 * 8 + 80 + min(rows, 64) * (4 * kb + k) + 96
+        if rows <= 16:
+            scale_rows = min(ws.shape[0], 128 // op.attr("block_n") + 2)
+            need += rows * 64 + 4 * (scale_rows * kb + 4) + 4096 + 16
+        return need
 
     def run_tile(self, t: TileArgs):
         xq, xs, wq, ws, out = t.operands
