@@ -1149,8 +1149,8 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     const bool staged = (long long)nr * kl + 2304 / 4 <= (long long)c.smem_floats - 64;
     const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant};
     // Streamed weights (the loader fills the ring): x as bf16 rows xb [nr][pitch] - pitch kl, or for
-    // the tensor-core consumer (9..16 rows) kl + 32, rows 64 mod 128 bytes apart for conflict-free A
-    // loads, with room after them for its cross-warp sums (red).
+    // the tensor-core consumer (9..16 rows) kl + 32, which puts rows 64 mod 128 bytes apart (for
+    // kl % 64 == 0: conflict-free A loads), with room after them for its cross-warp sums (red).
     StreamTile t;
     const bool ring = std::is_same<TW, __nv_bfloat16>::value && c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t);
     const bool mma = nr > 8;

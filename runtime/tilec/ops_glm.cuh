@@ -122,8 +122,8 @@ __device__ __noinline__ void fp8_linear_mma(const TileCtx& c, const unsigned cha
 // so every warp streams weights however few columns the tile has (GLM-5's QKV-A tiles have 24),
 // two column groups at a time with kFp8Steps 16-byte loads per lane in flight per group (16 FP8
 // of one weight row; lane (g, q) holds k 16q..16q+15 of each 64-k step, fed to two mma_k32 as
-// its halves - the same permutation for A and B). Rows of xq_s are xp bytes apart (K + 64: the
-// eight rows of a 16-byte load land in distinct banks); the tile's weight scales are staged in
+// its halves - the same permutation for A and B). Rows of xq_s are xp bytes apart (K + 64: for
+// K % 128 == 0 the eight rows of a 16-byte load land in distinct banks); the tile's weight scales are staged in
 // ws_s [rows n0 / BN .. (n1 - 1) / BN][KB]. The warps' block-scaled partials of a column group are
 // summed in a fixed order through red (kWarps x 128 floats), so results do not depend on timing.
 // Needs G % 64 == 0.
