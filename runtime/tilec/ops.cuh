@@ -566,7 +566,7 @@ __device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloa
 // budget is 168 per thread, and every out-of-line call saves and restores registers through
 // local memory, which the small L1 left beside the shared-memory carve-out sends to L2 (each a
 // round trip on the instruction's critical path). Inlining them took a Llama-3.2-1B step from
-// 2.25 to 2.14 ms on an H200 (benchmarks/lab/ring_sweep.py, INLINE variant).
+// 2.236 to 2.138 ms on an H200 (benchmarks/lab/ring_sweep.py, INLINE variant, 2 ring stages).
 template <int kR, typename TB, typename TO, bool kBias, typename TXS>
 __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& t, const TXS* xs, int nr,
                                                const GemvStore<TO>& store) {
