@@ -398,7 +398,32 @@ def test_example_arguments_the_module_rejects_are_bad_input(facts, tmp_path):
 
 def test_a_broken_tilec_nvcc_is_an_error_not_a_skipped_build(facts, tmp_path):
     r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "-O", "workers=2", env={"TILEC_NVCC": "/bin/false"})
-    assert r.exit_code != 0 and "TILEC_NVCC=/bin/false does not run as nvcc" in r.stderr, r.output
+    assert r.exit_code == 2 and "TILEC_NVCC=/bin/false does not run as nvcc" in r.stderr, r.output
+    assert "compiling" not in r.stderr and not (tmp_path / "a").exists()  # named before the compile
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "b", "-O", "workers=2", "--no-build",
+               env={"TILEC_NVCC": "/bin/false"})
+    assert r.exit_code == 0, r.output  # no build: nvcc is not needed
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_a_bad_dump_directory_is_bad_input_before_compiling(facts, tmp_path, how):
+    (tmp_path / "file").write_text("")
+    bad = tmp_path / "file" / "dumps"  # below a regular file: cannot be created
+    opt = ("-O", f"dump_dir={bad}") if how == "option" else ()
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "-O", "workers=2", "--no-build", *opt,
+               env={"TILEC_DUMP_DIR": str(bad)} if how == "env" else None)
+    source = "option dump_dir" if how == "option" else "$TILEC_DUMP_DIR"
+    assert r.exit_code == 2 and f"{source}={bad}: cannot create the dump directory" in r.stderr, r.output
+    assert "compiling" not in r.stderr and not (tmp_path / "a").exists()
+
+
+def test_ctrl_c_exits_130(facts, tmp_path, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_factory", interrupted)
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build")
+    assert r.exit_code == 130 and "tilec: interrupted" in r.stderr, r.output
     assert not (tmp_path / "a").exists()
 
 
@@ -577,6 +602,9 @@ def test_usage_errors_exit_2(art):
     assert "unknown stage 'bogus'; stages: 01-opgraph, 02-split_kv, 03-fuse_gemv, 04-tasks" in invoke("inspect", art, "-s", "bogus").stderr
     assert invoke("run", art, "--executor", "tpu").exit_code == 2
     assert invoke("compile", "x:y").exit_code == 2  # -o is required
+    for tol in ("-1", "0"):
+        r = invoke("run", art, "--check", "--tol", tol)
+        assert r.exit_code == 2 and "--tol" in r.stderr, r.output
 
 
 def test_module_entry_point_and_console_script(copy):

@@ -47,11 +47,19 @@ class LibraryModule(torch.nn.Module):
         return self.norm(x)  # MARK-groupnorm
 
 
+class Fft(torch.nn.Module):
+    """An op whose value has a dtype tilec has no storage for (complex64)."""
+
+    def forward(self, x):
+        return torch.fft.fft(x).real  # MARK-fft
+
+
 @pytest.mark.parametrize("module, node, target, marker, code", [
     (Cumsum(), "cumsum", "aten.cumsum.default", "MARK-cumsum", "return torch.cumsum(y, dim=-1)"),
+    (Fft(), "fft_fft", "aten.fft_fft.default", "MARK-fft", "return torch.fft.fft(x).real"),
     (Sort(), "sort", "aten.sort.default", "MARK-sort", "values, _ = torch.sort(x * 2.0, dim=-1)"),
     (LibraryModule(), "group_norm", "aten.group_norm.default", "MARK-groupnorm", "return self.norm(x)"),
-], ids=["cumsum", "sort", "nn.GroupNorm"])
+], ids=["cumsum", "complex-dtype", "sort", "nn.GroupNorm"])
 def test_unsupported_op_names_node_target_and_source_line(module, node, target, marker, code):
     with pytest.raises(UnsupportedNodeError) as info:
         compile_module(module, (torch.randn(2, 8),))

@@ -38,6 +38,7 @@ import tilec
 
 from . import artifact as art_mod
 from .codegen.build import cache_root, extra_flags
+from .dump import check_dump_root
 from .artifact import STAGES, ArtifactError, resolve_stage
 from .timing import cuda_graph, step_times
 from .errors import ExampleInputError, TilecError
@@ -45,6 +46,7 @@ from .ir import BufferKind
 from .options import Options
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_COMPILE, EXIT_ERROR = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
 EXPECTED_RETURN = ("expected (module, example_args) or (module, example_args, dict(positions=..., "
                    "max_positions=...)) with a torch.nn.Module and a tuple of example arguments")
 
@@ -86,8 +88,11 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt):
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except KeyboardInterrupt:  # Ctrl-C: the shell's convention (128 + SIGINT), not 1 (a --check mismatch)
+            click.echo("tilec: interrupted", err=True)
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
         except BrokenPipeError:  # `tilec inspect DIR | head`: stop quietly
             with contextlib.suppress(AttributeError, OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -136,8 +141,12 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
     from .api import compile_module
 
     opts = parse_options(option_pairs)
-    try:  # a bad output path or build environment fails before a long compile
+    try:  # a bad output path, dump directory or build environment fails before a long compile
         art_mod.check_target(output, force)
+        check_dump_root(opts)
+        nvcc = os.environ.get("TILEC_NVCC")
+        if not no_build and nvcc and art_mod._nvcc_version() is None:
+            raise TilecError(f"TILEC_NVCC={nvcc} does not run as nvcc (unset it, or use --no-build)")
         if not no_build and art_mod._nvcc_version() is not None:
             extra_flags()
             cache_root()
@@ -416,8 +425,8 @@ def to_dot(art, stage: str) -> str:
               help="Default: cuda when a GPU is available, else the CPU reference executor.")
 @click.option("--check", is_flag=True, help="Compare outputs and updated state with eager PyTorch (re-runs the "
                                             "factory recorded in the manifest, with the artifact's weights).")
-@click.option("--tol", type=float, default=None,
-              help="Relative L2 tolerance of --check (default 1e-4 for float32 results, 2e-2 otherwise).")
+@click.option("--tol", type=click.FloatRange(min=0.0, min_open=True), default=None,
+              help="Relative L2 tolerance of --check, > 0 (default 1e-4 for float32 results, 2e-2 otherwise).")
 @click.pass_obj
 def run(progress: Progress, artifact_dir: Path, executor: str | None, check: bool, tol: float | None) -> None:
     """Run an artifact once on its stored example inputs."""

@@ -63,6 +63,25 @@ def dump_root(opts: Options) -> Path | None:
     return Path(root).expanduser() if root else None
 
 
+def check_dump_root(opts: Options) -> None:
+    """Creates the dump directory (when dumping is enabled) so that a bad one fails before a
+    compile rather than after it.
+
+    Raises:
+        TilecError: it cannot be created or written, naming where the path came from.
+    """
+    root = dump_root(opts)
+    if root is None:
+        return
+    source = "option dump_dir" if opts.dump_dir else f"${ENV_VAR}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TilecError(f"{source}={root}: cannot create the dump directory ({e.strerror or e})") from e
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise TilecError(f"{source}={root}: the dump directory is not writable")
+
+
 def with_dump(hook: Hook | None, opts: Options) -> Hook | None:
     """``hook`` with a :class:`DumpHook` run before it when dumping is enabled; else ``hook``."""
     root = dump_root(opts)

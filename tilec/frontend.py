@@ -233,13 +233,15 @@ class Lowering:
     def _unsupported(self, node: fx.Node, reason: str = ""):
         raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason)
 
-    def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP) -> Buffer:
+    def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP, node: fx.Node | None = None) -> Buffer:
+        """A new buffer for ``node``'s value (errors name the node, its target and source line)."""
+        who = [(node.name, target_name(node), source_of(node))] if node is not None else [(name, "buffer", "")]
         if 0 in tuple(shape):
-            raise UnsupportedNodeError([(name, "shape", "")], f"zero-size tensor of shape {list(shape)}: "
-                                                              f"tilec plans need at least one element per dim")
+            raise UnsupportedNodeError(who, f"zero-size tensor of shape {list(shape)}: "
+                                            f"tilec plans need at least one element per dim")
         if dtype not in DTYPE_CODES:
-            raise UnsupportedNodeError([(name, "dtype", "")], f"dtype {dtype} is not supported by tilec "
-                                                              f"(supported: {sorted(map(str, DTYPE_CODES))})")
+            raise UnsupportedNodeError(who, f"dtype {dtype} is not supported by tilec "
+                                            f"(supported: {sorted(map(str, DTYPE_CODES))})")
         buf = Buffer(self._name(name), tuple(int(s) for s in shape), dtype, kind)
         self.buffers[buf.name] = buf
         return buf
@@ -253,7 +255,7 @@ class Lowering:
                 self._unsupported(node, f"operand {v.render()} has more than 4 dims")
         if len(shape) > 4:
             self._unsupported(node, f"output of shape {list(shape)} has more than 4 dims")
-        buf = self._new_buffer(name or node.name, shape, dtype)
+        buf = self._new_buffer(name or node.name, shape, dtype, node=node)
         out = View.whole(buf)
         self.ops.append(Op(self._name(f"{kind}_{node.name}" if name is None else name), kind, tuple(inputs), (out,),
                            tuple(sorted(attrs)), self._prov(node)))
@@ -309,7 +311,7 @@ class Lowering:
                     self.value(inp)
                 val = _val(node)
                 out = None if val is None else View.whole(self._new_buffer(f"opaque_{node.name}", tuple(val.shape),
-                                                                           val.dtype, BufferKind.INPUT))
+                                                                           val.dtype, BufferKind.INPUT, node=node))
         else:
             out = self._lower(node)
         self.env[node] = out
@@ -816,8 +818,8 @@ class Lowering:
         x_n, s_n, group, pow2, amin = m
         x = self.view_of(x_n)
         lead, k = x.shape[:-1], x.shape[-1]
-        qbuf = self._new_buffer(f"{node.name}_q", lead + (k,), torch.float8_e4m3fn)
-        sbuf = self._new_buffer(f"{node.name}_scale", lead + (k // group,), torch.float32)
+        qbuf = self._new_buffer(f"{node.name}_q", lead + (k,), torch.float8_e4m3fn, node=node)
+        sbuf = self._new_buffer(f"{node.name}_scale", lead + (k // group,), torch.float32, node=node)
         self.ops.append(Op(self._name(f"fp8_quant_{node.name}"), "fp8_quant", (x,), (View.whole(qbuf), View.whole(sbuf)),
                            (("amin", amin), ("group", group), ("pow2", pow2)), self._prov(node)))
         sshape = tuple(_val(s_n).shape)
@@ -956,7 +958,7 @@ class Lowering:
             attrs = (("block", block), ("round_w", cast not in (None, torch.float32)),
                      ("row_len", self.buffers[w.buffer].shape[-1]))
         sizes = {c: s for c, s in zip(out, _val(node).shape)}
-        buf = self._new_buffer(node.name, tuple(sizes[c] for c in out), out_dtype)
+        buf = self._new_buffer(node.name, tuple(sizes[c] for c in out), out_dtype, node=node)
         whole = View.whole(buf)
         self.ops.append(Op(self._name(f"bmm_{node.name}"), "bmm", tuple(inputs),
                            (permute(whole, out, batch + fa + fb),), attrs, self._prov(node)))
