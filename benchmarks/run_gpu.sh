@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run, in one go (results under $OUT when set).
-# usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|all]
+# usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|all]
+# quick: one ~9-minute pass for a device call - op and FP8 GEMM tests, the tiny steps, the GLM-5 and
+# Llama-3.2-1B (batch 1 and 16) benchmarks without Inductor, each under a time limit. Build the
+# GLM-5 libraries beforehand with benchmarks/prebuild.py and carry .tilec-cache
+# (TILEC_CACHE_DIR=$PWD/.tilec-cache) to save their nvcc time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TILEC_CACHE_DIR=${TILEC_CACHE_DIR:-/tmp/tilec-cache}
 OUT=${OUT:-/tmp/tilec-out}; mkdir -p "$OUT"
 what=${1:-all}
 case $what in
-  smoke|models|noise|bench|perf|lab|glm5|example|sanitize|all) ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|all]" >&2; exit 2 ;;
+  smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|all) ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|all]" >&2; exit 2 ;;
 esac
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || {
   echo "run_gpu.sh: needs torch with a CUDA GPU" >&2; exit 2; }
@@ -52,6 +56,14 @@ if [[ $what == sanitize || $what == all ]]; then
       compute-sanitizer --tool $tool python3 tests/gpu/$script.py 2>&1 | tee "$OUT/${script}_$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize (step|glm)|Error|Race"
     done
   done
+fi
+if [[ $what == quick ]]; then  # not part of all: all runs each of these in full
+  timeout 170 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tee "$OUT/ops.log" | tail -15
+  timeout 60 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_cuda_glm5_prelude.py -k fp8_gemm 2>&1 | tee "$OUT/fp8_gemm.log" | tail -8
+  timeout 80 python3 -m pytest -x -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py -k "tiny or watchdog" 2>&1 | tee "$OUT/tiny.log" | tail -10
+  timeout 120 python3 benchmarks/glm5_prelude.py --iters 30 --skip-inductor --profile "$OUT" 2>&1 | tee "$OUT/glm5_bench.log" | tail -14
+  timeout 95 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --gemv --skip-inductor --iters 50 2>&1 | tee "$OUT/bench.log" | tail -12
+  timeout 70 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --skip-inductor --batch 16 --iters 20 2>&1 | tee "$OUT/bench_b16.log" | tail -8
 fi
 if ((${#failed[@]})); then
   echo "run_gpu.sh: ${#failed[@]} command(s) failed: ${failed[*]}" >&2
