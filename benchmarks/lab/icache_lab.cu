@@ -84,8 +84,8 @@ int main() {
   };
   for (int nfns : {kFns, 4}) {
     for (int flushed = 1; flushed >= 0; --flushed) {
-      // all functions first: the first ones leave the instruction caches (only the last ~128 KiB
-      // can stay) while all stay in L2; then optionally flush L2
+      // all functions first (~480 KiB: the first ones leave the SM's instruction caches, assumed to
+      // hold far less; all stay in L2), then optionally flush L2
       run<<<sms, 256>>>(stamps, sink, kFns);
       CK(cudaDeviceSynchronize());
       if (flushed) CK(cudaMemset(flush, flushed, flush_bytes));
