@@ -8,12 +8,10 @@ A plan with too little room left for two stages streams no weights through the r
 """
 from __future__ import annotations
 
-import torch
-
 from . import ops as opreg
 from .errors import TilecError
 from .ir import OpGraph
-from .ops import GEMV_RING_MMA_K, GEMV_RING_MMA_ROWS, GEMV_RING_ROWS, kouter_bytes
+from .ops import GEMV_RING_MMA_K, kouter_bytes, mma_ring_rows
 from .ops.linear_fused import ring_staged_bytes, staged_bytes
 
 MAX_DYNAMIC_SMEM = 227 * 1024 - 2048  # Hopper's 227 KiB per CTA less the executor's static shared memory
@@ -51,8 +49,7 @@ def scratch_bytes(graph: OpGraph) -> int:
                     own = max(own, staged)
                     break
             else:
-                if (GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and k > GEMV_RING_MMA_K  # streamed K block by K block
-                        and graph.buffers[op.inputs[0].buffer].dtype == torch.bfloat16):
+                if mma_ring_rows(graph, op.inputs[0], rows) and k > GEMV_RING_MMA_K:  # streamed K block by K block
                     own = max(own, kouter_bytes(rows))
         if own > need:
             need, who = own, op.name

@@ -296,27 +296,6 @@ __device__ __forceinline__ void for_out_box(const TileCtx& c, const Operand& out
 __device__ __forceinline__ int last_lo(const TileCtx& c, const Operand& out) { return out.ndim ? c.lo(out.ndim - 1) : 0; }
 #define TILEC_EW_K constexpr int K = decltype(kv)::value
 
-template <typename TG, typename TU, typename TO>
-__device__ void op_silu_mul(TileCtx& c) {
-  const Operand &g = c.ops[0], &u = c.ops[1], &out = c.ops[2];
-  const int nd = out.ndim, l = last_lo(c, out);
-  for_out_box(c, out, vec_ok<TG>(g, nd, l) && vec_ok<TU>(u, nd, l) && vec_ok<TO>(out, nd, l),
-              [&](auto kv, const int* idx) {
-                TILEC_EW_K;
-                Vals2<K> p;
-                ldv<K, TG>(g, offset4(g, idx), p.a);
-                ldv<K, TU>(u, offset4(u, idx), p.b);
-                return p;
-              },
-              [&](auto kv, const int* idx, const auto& p) {
-                TILEC_EW_K;
-                float r[K];
-#pragma unroll
-                for (int i = 0; i < K; ++i) r[i] = round_to<TG>(p.a[i] / (1.f + __expf(-p.a[i]))) * p.b[i];
-                stv<K, TO>(out, offset4(out, idx), r);
-              });
-}
-
 // codes follow tilec/ops/ewise.py UNARY_FNS order. The transcendental and division cases are out
 // of line: the elementwise loops are unrolled (kBoxBatch x kEwVec elements), and code that size
 // would crowd the instruction cache the whole persistent kernel shares.
@@ -371,17 +350,10 @@ __device__ __forceinline__ void map1(const TileCtx& c, const Operand& x, const O
               });
 }
 
-template <typename TX, typename TO>
-__device__ void op_unary(TileCtx& c) {
-  const int fn = c.param(0);
-  const float a = c.fparam(1);
-  map1<TX, TO>(c, c.ops[0], c.ops[1], [&](float v) { return unary_fn(fn, v, a); });
-}
-
-template <typename TA, typename TB, typename TO>
-__device__ void op_binary(TileCtx& c) {
-  const Operand &a = c.ops[0], &b = c.ops[1], &out = c.ops[2];
-  const int fn = c.param(0), nd = out.ndim, l = last_lo(c, out);
+// out = f(a, b) for two inputs read like out (binary ops, SiLU-mul)
+template <typename TA, typename TB, typename TO, typename F>
+__device__ __forceinline__ void map2(const TileCtx& c, const Operand& a, const Operand& b, const Operand& out, F f) {
+  const int nd = out.ndim, l = last_lo(c, out);
   for_out_box(c, out, vec_ok<TA>(a, nd, l) && vec_ok<TB>(b, nd, l) && vec_ok<TO>(out, nd, l),
               [&](auto kv, const int* idx) {
                 TILEC_EW_K;
@@ -394,19 +366,37 @@ __device__ void op_binary(TileCtx& c) {
                 TILEC_EW_K;
                 float r[K];
 #pragma unroll
-                for (int i = 0; i < K; ++i) {
-                  const float x = p.a[i], y = p.b[i];
-                  switch (fn) {  // tilec/ops/ewise.py BINARY_FNS order
-                    case 0: r[i] = x + y; break;
-                    case 1: r[i] = x - y; break;
-                    case 2: r[i] = x * y; break;
-                    case 3: r[i] = divide(x, y); break;
-                    case 4: r[i] = fmaxf(x, y); break;
-                    default: r[i] = fminf(x, y); break;
-                  }
-                }
+                for (int i = 0; i < K; ++i) r[i] = f(p.a[i], p.b[i]);
                 stv<K, TO>(out, offset4(out, idx), r);
               });
+}
+
+template <typename TG, typename TU, typename TO>
+__device__ void op_silu_mul(TileCtx& c) {
+  map2<TG, TU, TO>(c, c.ops[0], c.ops[1], c.ops[2],
+                   [](float g, float u) { return round_to<TG>(g / (1.f + __expf(-g))) * u; });
+}
+
+template <typename TX, typename TO>
+__device__ void op_unary(TileCtx& c) {
+  const int fn = c.param(0);
+  const float a = c.fparam(1);
+  map1<TX, TO>(c, c.ops[0], c.ops[1], [&](float v) { return unary_fn(fn, v, a); });
+}
+
+template <typename TA, typename TB, typename TO>
+__device__ void op_binary(TileCtx& c) {
+  const int fn = c.param(0);
+  map2<TA, TB, TO>(c, c.ops[0], c.ops[1], c.ops[2], [&](float x, float y) {
+    switch (fn) {  // tilec/ops/ewise.py BINARY_FNS order
+      case 0: return x + y;
+      case 1: return x - y;
+      case 2: return x * y;
+      case 3: return divide(x, y);
+      case 4: return fmaxf(x, y);
+      default: return fminf(x, y);
+    }
+  });
 }
 
 template <typename TX, typename TO>

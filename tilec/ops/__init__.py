@@ -192,6 +192,12 @@ def kouter_bytes(rows: int) -> int:
     return 2304 + 2 * rows * (STREAM_K + 32) + 4096 + 256
 
 
+def mma_ring_rows(graph, x: View, rows: int) -> bool:
+    """Whether a GEMV tile of ``rows`` rows of x goes to a tensor-core ring consumer (9..16 bf16 rows);
+    over a K range longer than :data:`GEMV_RING_MMA_K` it streams K block outer."""
+    return GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and graph.buffers[x.buffer].dtype == torch.bfloat16
+
+
 def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch: int, prologue: bool = False) -> int:
     """The ``stream`` word (see :meth:`OpDef.stream`) of a GEMV tile whose coords are the out
     box, then the K range: ``operand + 1 | n-range index << 4 | k-range index << 8``
@@ -220,7 +226,7 @@ def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch:
         return 0
     nd = len(tile.coords) - 1
     word = (operand + 1) | ((nd - 1) << 4) | (nd << 8)
-    mma_rows = GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and graph.buffers[x.buffer].dtype == torch.bfloat16
+    mma_rows = mma_ring_rows(graph, x, rows)
     if mma_rows and k1 - k0 > GEMV_RING_MMA_K:
         fits = n1 - n0 <= GEMV_KOUTER_COLS and not prologue and kouter_bytes(rows) <= scratch
         return word | STREAM_KOUTER if fits else 0
