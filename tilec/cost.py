@@ -26,6 +26,15 @@ MEASURED: dict[str, tuple[float, float]] = {
     "cache_write": (3.41, 0.0),
     "embedding": (9.84, 0.0),
     "empty": (0.71, 0.0),
+    # the GLM-5 prelude's kinds (the bf16 and FP8 traces of benchmarks/glm5_prelude.py --profile,
+    # 2026-11-29, main 629a4b3's runtime; FP8 bmm measured 73.6 us, bf16's is kept)
+    "bmm": (33.68, 0.0),
+    "index_score": (47.56, 0.0),
+    "fp8_linear": (1.56, 3.3e3),
+    "fp8_quant": (4.55, 1.6e3),
+    "layernorm": (8.51, 0.0),
+    "concat": (3.13, 8.9e3),
+    "paged_cache_write": (1.25, 1.1e3),
 }
 
 
