@@ -14,6 +14,7 @@ weights larger than L2 together) run by the persistent executor, as TB/s of weig
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tilec.errors import TilecError  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
 from tilec.timing import cuda_graph, median_ms, need_gpu  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
@@ -56,6 +58,9 @@ def main():
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--skip-inductor", action="store_true")
     ap.add_argument("--gemv", action="store_true", help="also run the GEMV streaming microbenchmark")
+    ap.add_argument("--ring-stages", default="", metavar="N,N,...",
+                    help="also time the tilec step (CUDA graph replay) with each of these weight-ring depths")
+    ap.add_argument("--options", default="{}", help='extra tilec compile options as JSON, e.g. \'{"fold_cache_writes": false}\'')
     args = ap.parse_args()
     need_gpu("decode.py")
     warnings.simplefilter("ignore")
@@ -101,7 +106,7 @@ def main():
         rows.append(("torch.compile (Inductor, CUDA graphs)", time_cuda(inductor, args.iters)))
 
     t0 = time.time()
-    step = compile_decode_step(model, cache, B, options=dict(check=False))
+    step = compile_decode_step(model, cache, B, options=dict(json.loads(args.options), check=False))
     print(f"tilec compile {time.time() - t0:.1f}s; stats {step.program.stats}", flush=True)
 
     def tilec_step():
@@ -117,6 +122,18 @@ def main():
     except RuntimeError as e:  # report, do not hide the other rows
         print(f"tilec under a CUDA graph failed: {e}")
     step.program.executor.check()
+    ex = step.program.executor
+    plan_stages = ex.ring_stages
+    for n in [int(v) for v in args.ring_stages.split(",") if v.strip()]:
+        try:
+            ex.use_ring_stages(n)
+        except TilecError as e:
+            print(f"ring stages {n}: {e}")
+            continue
+        rows.append((f"tilec (CUDA graph replay, {n} ring stages)", time_cuda(cuda_graph(tilec_step).replay, args.iters)))
+        ex.check()
+    if args.ring_stages.strip():
+        ex.use_ring_stages(plan_stages)
 
     bw = read_bandwidth()
     nbytes = step_bytes(model, B, ctx)
@@ -128,7 +145,7 @@ def main():
     for label, ms in rows:
         print(f"{label:<48} {ms:>9.3f} {ms / roof:>11.2f}")
     if args.gemv:
-        gemv_table(bw, args.iters)
+        gemv_table(bw, args.iters, stages=tuple(int(v) for v in args.ring_stages.split(",") if v.strip()))
 
 
 class Gemvs(torch.nn.Module):
@@ -142,14 +159,14 @@ class Gemvs(torch.nn.Module):
         return tuple(w(x) for w in self.ws)
 
 
-def gemv_table(bw: float, iters: int, count: int = 8) -> None:
+def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = ()) -> None:
     """Prints TB/s of weight bytes for ``count`` independent M = 1 GEMVs per plan, run by the
     persistent executor (kernel only: the operand table is bound once, the launch replayed
-    from a CUDA graph)."""
+    from a CUDA graph); also with each weight-ring depth in ``stages``."""
     from tilec.api import compile_module
 
     print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = 1, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
-    print(f"{'weight [N, K]':<20} {'MB':>8} {'us':>9} {'TB/s':>7}")
+    print(f"{'weight [N, K]':<20} {'ring':>5} {'MB':>8} {'us':>9} {'TB/s':>7}")
     for n, k in ((2048, 8192), (4096, 14336), (128256, 2048)):
         mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -160,11 +177,19 @@ def gemv_table(bw: float, iters: int, count: int = 8) -> None:
         err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))
         tensors, p = prog.bind_args((x,))
         table = prog.plan.bind_base(tensors)
-        graph = cuda_graph(lambda pr=prog, t=tensors, tb=table, p=p: pr.executor.run(t, tb, position=p))  # no host time
-        ms = time_cuda(graph.replay, iters)
+        ex = prog.executor
         nbytes = count * n * k * 2
-        print(f"{f'{n} x {k}':<20} {nbytes / 1e6:>8.1f} {ms * 1e3:>9.1f} {nbytes / ms / 1e9:>7.2f}"
-              f"   (rel. L2 vs torch {err:.1e})")
+        for depth in (ex.ring_stages, *stages):
+            try:
+                ex.use_ring_stages(depth)
+            except TilecError as e:
+                print(f"ring stages {depth}: {e}")
+                continue
+            graph = cuda_graph(lambda pr=prog, t=tensors, tb=table, p=p: pr.executor.run(t, tb, position=p))  # no host time
+            ms = time_cuda(graph.replay, iters)
+            ex.check()
+            print(f"{f'{n} x {k}':<20} {depth:>5} {nbytes / 1e6:>8.1f} {ms * 1e3:>9.1f} {nbytes / ms / 1e9:>7.2f}"
+                  f"   (rel. L2 vs torch {err:.1e})")
         del mod, prog
 
 

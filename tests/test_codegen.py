@@ -46,7 +46,10 @@ def test_program_instantiates_exactly_the_used_variants(llama_plan):
     used = {op.kind for op in llama_plan.graph.ops}
     instantiated = set(re.findall(r"tilec::op_(\w+)<", src))
     assert instantiated == used
-    assert "run_op<tilec::op_linear_fused<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>>(c)" in src
+    # one token per step: GEMV instances specialized for 1 row (kRowCap), the class in the signature
+    assert "run_op<tilec::op_linear_fused<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1>>(c)" in src
+    for sig in re.findall(r"if \(sig == (-?\d+)\) \{ run_op<tilec::op_linear_fused<", src):
+        assert (int(sig) >> 24) & 127 == 1
     assert "torch" not in src.lower()  # plain C ABI, no torch headers
 
 

@@ -25,9 +25,9 @@ from tilec.plan import F
 from tilec.stats import render_stats
 from tilec.trace import measured_trace, predicted_trace, write_trace
 
-FILES = ["01-opgraph.txt", "02-split_kv.txt", "03-fuse_gemv.txt", "04-tasks.txt", "05-fused.txt",
-         "06-normalized.txt", "07-linearized.txt", "08-schedule.txt", "09-plan.txt", "stats.txt", "trace.json"]
-STAGES = ["opgraph", "split_kv", "fuse_gemv", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
+FILES = ["01-opgraph.txt", "02-split_kv.txt", "03-fuse_gemv.txt", "04-fold_cache.txt", "05-tasks.txt", "06-fused.txt",
+         "07-normalized.txt", "08-linearized.txt", "09-schedule.txt", "10-plan.txt", "stats.txt", "trace.json"]
+STAGES = ["opgraph", "split_kv", "fuse_gemv", "fold_cache", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
 BASE = dict(workers=4, tile_n=32, tile_rows=1)
 
 

@@ -8,11 +8,11 @@ Layout of an artifact (every file except the manifest has its sha256 in ``manife
     params.safetensors       the parameters (weights) the plan reads, by buffer name
     constants.safetensors    folded constants and position tables (OpGraph.tensors)
     inputs.safetensors       the example inputs: ``arg<i>`` for tensor argument i
-    ir/01-opgraph.txt .. ir/09-plan.txt      every stage's stable text (file names of tilec.dump)
-    ir/01-opgraph.json .. ir/09-plan.json    every stage as structured JSON (tilec inspect)
+    ir/01-opgraph.txt .. ir/10-plan.txt      every stage's stable text (file names of tilec.dump)
+    ir/01-opgraph.json .. ir/10-plan.json    every stage as structured JSON (tilec inspect)
     trace.json               the schedule timeline predicted by the cost model (Chrome trace)
     plan/plan.safetensors    queues int32 [W, L, 32], events int32 [E, 4], static_operands int64
-    plan/graph.json          the OpGraph the plan runs (OpGraph.to_dict, after split_kv and fuse_gemv)
+    plan/graph.json          the OpGraph the plan runs (OpGraph.to_dict, after the OpGraph passes)
     plan/operands.json       operand bindings and op names (KernelPlan.to_tables)
     cuda/program.cu, cuda/tilec_layout.h     generated sources (tilec.codegen.render)
     cuda/tables.h                            the plan's tables as C++ arrays (tilec.codegen.render_tables)
@@ -57,9 +57,10 @@ from .program import CompiledProgram
 from .taskgraph import TaskGraph
 from .trace import predicted_trace
 
-FORMAT, FORMAT_VERSION = "tilec-artifact", 2  # 2: the split_kv and fuse_gemv stages (ir/02, ir/03)
+# format 2: the split_kv and fuse_gemv stages (ir/02, ir/03); 3: the fold_cache stage (ir/04)
+FORMAT, FORMAT_VERSION = "tilec-artifact", 3
 MANIFEST = "manifest.json"
-STAGES = tuple(STAGE_FILES)  # opgraph, split_kv, fuse_gemv, tasks, fused, normalized, linearized, schedule, plan
+STAGES = tuple(STAGE_FILES)  # opgraph, split_kv, fuse_gemv, fold_cache, tasks, ..., schedule, plan
 LIBRARY = "cuda/libtilec.so"
 
 
@@ -432,7 +433,8 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
 
 
 def resolve_stage(stage: str) -> str:
-    """``"plan"``, ``"09"``, ``"9"`` or ``"09-plan"`` -> ``"plan"``; ``ValueError`` listing the stages."""
+    """``"linearized"``, ``"08"``, ``"8"`` or ``"08-linearized"`` -> ``"linearized"``; ``ValueError`` listing
+    the stages."""
     s = stage.strip().removesuffix(".txt").removesuffix(".json")
     for i, name in enumerate(STAGES, 1):
         if s in (name, str(i), f"{i:02d}", f"{i:02d}-{name}"):

@@ -376,11 +376,11 @@ def _q(s) -> str:
 
 
 def to_dot(art, stage: str) -> str:
-    """Graphviz DOT text: the op/buffer graph for ``opgraph``, ``split_kv`` and ``fuse_gemv``; otherwise the
+    """Graphviz DOT text: the op/buffer graph for the OpGraph stages (``opgraph`` .. ``fold_cache``); otherwise the
     task/event graph of the stage (for ``schedule`` and ``plan``: the linearized graph with one
     cluster per worker)."""
     lines = [f"digraph {_q('tilec ' + stage)} {{", "  rankdir=TB;", "  node [fontname=monospace, fontsize=10];"]
-    if stage in ("opgraph", "split_kv", "fuse_gemv"):
+    if stage in ("opgraph", "split_kv", "fuse_gemv", "fold_cache"):
         g = art.stage_json(stage)
         colors = {"input": "lightblue", "param": "lightyellow", "const": "lightgrey", "table": "lightgrey",
                   "state": "orange", "temp": "white", "output": "palegreen"}

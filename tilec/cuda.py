@@ -53,6 +53,7 @@ class CudaExecutor:
         self.table = torch.zeros_like(plan.static_operands, device=device)
         self._last_table: torch.Tensor | None = None
         # dynamic shared memory per CTA: the GEMV weight ring, then the ops' scratch (tilec.smem)
+        self.ring_stages = plan.ring_stages
         self.smem_bytes = plan.ring_stages * smem.STAGE_BYTES + smem.scratch_bytes(plan.graph)
         if self.smem_bytes > smem.MAX_DYNAMIC_SMEM:
             raise TilecError(f"the plan's weight ring ({plan.ring_stages} stages) and scratch need {self.smem_bytes} "
@@ -61,6 +62,22 @@ class CudaExecutor:
         # wait satisfied), end, and two op-defined marks (0 where the op sets none)
         self.stamps = (torch.zeros(*plan.queues.shape[:2], 4, dtype=torch.int64, device=device)
                        if getattr(opts, "profile", False) else None)
+
+    def use_ring_stages(self, n: int) -> None:
+        """Launches from now on with an ``n``-stage weight ring (2..8; the plan's stream words and
+        scratch do not depend on it): for measuring the ring depth without recompiling.
+
+        Raises:
+            TilecError: ``n`` is outside 2..8, the plan streams nothing, or the ring and the
+                scratch would not fit a CTA's shared memory.
+        """
+        if self.plan.ring_stages == 0 or not 2 <= n <= 8:
+            raise TilecError(f"ring stages {n}: must be 2..8, for a plan that streams weights")
+        nbytes = n * smem.STAGE_BYTES + smem.scratch_bytes(self.plan.graph)
+        if nbytes > smem.MAX_DYNAMIC_SMEM:
+            raise TilecError(f"{n} ring stages and scratch need {nbytes} bytes of shared memory per CTA "
+                             f"(max {smem.MAX_DYNAMIC_SMEM})")
+        self.ring_stages, self.smem_bytes = n, nbytes
 
     def reset(self) -> None:
         """Zeroes the event counters and the error record (after an aborted step)."""
@@ -84,7 +101,7 @@ class CudaExecutor:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         rc = self.lib.tilec_launch(q.data_ptr(), q.shape[0], q.shape[1], self.table.data_ptr(),
                                    self.counters.data_ptr(), self.state.data_ptr(), self.err.data_ptr(),
-                                   int(self.opts.watchdog_ms) * 1_000_000, self.smem_bytes, self.plan.ring_stages,
+                                   int(self.opts.watchdog_ms) * 1_000_000, self.smem_bytes, self.ring_stages,
                                    stream,
                                    None if self.stamps is None or queues is not None else self.stamps.data_ptr(),
                                    int(position))

@@ -10,12 +10,13 @@ different compiles never mix::
         01-opgraph.txt      OpGraph.render() from the frontend
         02-split_kv.txt     OpGraph.render() after the split-KV attention rewrite
         03-fuse_gemv.txt    OpGraph.render() after GEMV prologue/epilogue fusion
-        04-tasks.txt        TaskGraph.render() after build_taskgraph
-        05-fused.txt        ... after event fusion
-        06-normalized.txt   ... after normalization (empty tasks inserted)
-        07-linearized.txt   ... after linearization
-        08-schedule.txt     per worker: linearized index and label of each task; predicted makespan
-        09-plan.txt         KernelPlan.render()
+        04-fold_cache.txt   OpGraph.render() after folding cache writes into RoPE ops
+        05-tasks.txt        TaskGraph.render() after build_taskgraph
+        06-fused.txt        ... after event fusion
+        07-normalized.txt   ... after normalization (empty tasks inserted)
+        08-linearized.txt   ... after linearization
+        09-schedule.txt     per worker: linearized index and label of each task; predicted makespan
+        10-plan.txt         KernelPlan.render()
         stats.txt           tilec.stats.render_stats (the same numbers as ``program.stats``)
         trace.json          predicted schedule timeline, Chrome/Perfetto trace (tilec.trace)
 
@@ -46,12 +47,13 @@ STAGE_FILES = {
     "opgraph": "01-opgraph.txt",
     "split_kv": "02-split_kv.txt",
     "fuse_gemv": "03-fuse_gemv.txt",
-    "tasks": "04-tasks.txt",
-    "fused": "05-fused.txt",
-    "normalized": "06-normalized.txt",
-    "linearized": "07-linearized.txt",
-    "schedule": "08-schedule.txt",
-    "plan": "09-plan.txt",
+    "fold_cache": "04-fold_cache.txt",
+    "tasks": "05-tasks.txt",
+    "fused": "06-fused.txt",
+    "normalized": "07-normalized.txt",
+    "linearized": "08-linearized.txt",
+    "schedule": "09-schedule.txt",
+    "plan": "10-plan.txt",
 }
 STATS_FILE, TRACE_FILE = "stats.txt", "trace.json"
 ALL_FILES = (*STAGE_FILES.values(), STATS_FILE, TRACE_FILE)
@@ -133,7 +135,7 @@ class DumpHook:
                 raise TilecError(f"tilec {origin}={self.root}: cannot create {self.directory}: {e.strerror or e}") from e
         if self.directory is None or stage not in STAGE_FILES:
             return
-        if stage in ("split_kv", "fuse_gemv"):
+        if stage in ("split_kv", "fuse_gemv", "fold_cache"):
             self._graph = ir  # the graph the plan runs (stats count its ops)
         if isinstance(ir, TaskGraph):
             self._tg = ir

@@ -30,6 +30,9 @@ class Options:
         attention op with fewer than 2 splits stays one ``attention`` op.
     fuse_gemv: fuse RMSNorm / SiLU-mul producers and residual adds into the GEMVs around them
         (``tilec.passes.fuse_gemv``; bitwise the same results, fewer dependent stages).
+    fold_cache_writes: let a RoPE op write the KV-cache slot directly instead of a following
+        ``cache_write`` copying its output there (``tilec.passes.fold_cache_write``; bitwise the
+        same results, one dependent stage fewer per layer).
     verify: run the stage verifiers after every pass (always on in tests).
     executor: ``"cuda"`` (persistent kernel), ``"reference"`` (CPU reference executor), or
         ``"auto"``: CUDA when the model's tensors are on a CUDA device.
@@ -50,6 +53,7 @@ class Options:
     attn_heads_per_tile: int = 1
     attn_kv_chunk: int | None = None
     fuse_gemv: bool = True
+    fold_cache_writes: bool = True
     verify: bool = True
     executor: str = "auto"
     arch: str = "sm_90a"

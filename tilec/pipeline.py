@@ -5,6 +5,8 @@
                 (flash-decoding; the same graph when no op splits)
     fuse_gemv   fuse_gemv_chains: RMSNorm / SiLU-mul        (verify_opgraph)
                 prologues and residual-add epilogues into GEMVs
+    fold_cache  fold_cache_writes: rope -> cache_write      (verify_opgraph)
+                becomes one rope writing the cache slot
     tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
     fused       fuse_events                                (verify_taskgraph "fused")
     normalized  normalize                                  (verify_taskgraph "normalized")
@@ -23,7 +25,7 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import fuse_events, fuse_gemv_chains, linearize, normalize, schedule, split_kv
+from .passes import fold_cache_writes, fuse_events, fuse_gemv_chains, linearize, normalize, schedule, split_kv
 from .plan import KernelPlan, encode
 from .stats import compile_stats
 from .taskgraph import build_taskgraph
@@ -72,6 +74,9 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
     if opts.verify:
         verify_opgraph(graph)
     graph = stage("fuse_gemv", fuse_gemv_chains, graph, opts)
+    if opts.verify:
+        verify_opgraph(graph)
+    graph = stage("fold_cache", fold_cache_writes, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
     tg = stage("tasks", build_taskgraph, graph, opts)

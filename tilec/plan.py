@@ -43,7 +43,7 @@ DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     ("op", 7, 1),  # op index in the OpGraph (-1 for empty tasks)
     ("coords", 8, 2 * MAX_COORDS),  # (lo, hi) pairs of the tile in the op's iteration space
     ("ncoords", 18, 1),  # number of coordinate ranges in use
-    ("dtype_sig", 19, 1),  # operand dtype codes, 4 bits each (selects the device variant)
+    ("dtype_sig", 19, 1),  # operand dtype codes, 4 bits each, and a shape class (variant_signature; selects the device variant)
     ("params", 20, MAX_PARAMS),  # op parameters (int32; floats as float32 bits)
     # GEMV weights the worker's loader warp streams through the shared-memory ring (0: none):
     # operand + 1 | n-range coordinate index << 4 | k-range coordinate index << 8, | 1 << 12 when the
@@ -269,7 +269,7 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
             op = graph.ops[op_index[t.op]]
             od = opreg.opdef(op.kind)
             d[F["opcode"][0]] = od.opcode
-            d[F["dtype_sig"][0]] = dtype_signature(graph, od.operands(op))
+            d[F["dtype_sig"][0]] = variant_signature(graph, op)
             d[F["variant"][0]] = t.tile.variant
             d[F["operand_row"][0]] = op_index[t.op]
             d[F["op"][0]] = op_index[t.op]
@@ -301,6 +301,24 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
     # no ring when nothing streams: the shared memory it would take is the SM's L1 cache instead
     return KernelPlan(graph, queues, events, rows, [op.name for op in graph.ops], static,
                       ring_stages=stages if bool((queues[..., F["stream"][0]] != 0).any()) else 0)
+
+
+def variant_signature(graph: OpGraph, op) -> int:
+    """The dispatch signature of ``op``'s device instance: its operands' dtype signature, and its
+    OpDef's shape class (``OpDef.shape_class``, 0..127) in bits 24..30.
+
+    Raises:
+        TilecError: the op has more than 6 operands and a shape class (their bits would overlap).
+    """
+    od = opreg.opdef(op.kind)
+    operands = od.operands(op)
+    sig = dtype_signature(graph, operands)
+    cls = od.shape_class(op)
+    if cls:
+        if len(operands) > 6 or not 0 < cls < 128:
+            raise TilecError(f"op {op.name}: shape class {cls} with {len(operands)} operands does not fit the signature")
+        sig |= cls << 24
+    return sig
 
 
 def dtype_signature(graph: OpGraph, operands) -> int:

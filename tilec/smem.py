@@ -16,10 +16,13 @@ from .ops.linear_fused import ring_staged_bytes, staged_bytes
 
 MAX_DYNAMIC_SMEM = 227 * 1024 - 2048  # Hopper's 227 KiB per CTA less the executor's static shared memory
 STAGE_BYTES = 8 * (2048 * 2 + 64)  # stream.cuh: kWarps rows of kStreamK bf16, 64 bytes of padding each
-# Two stages (64 KiB in flight per SM) stream as fast as five in the executor, and the shared
-# memory they leave is the SM's L1 cache, which serves the ops' register spills and stack: on an
-# H200 a Llama-3.2-1B step took 2.24 ms with 2 stages and 2.56 ms with 5 (benchmarks/lab/ring_sweep.py).
-MAX_STAGES = 2
+# Three stages (96 KiB in flight per SM). Measured on an H200 on 2026-11-29 (session 6, call 3,
+# benchmarks/decode.py --ring-stages): a Llama-3.2-1B step (batch 1, context 1024) took 1.769 /
+# 1.721 / 1.728 / 1.879 ms with 2 / 3 / 4 / 5 stages, and 8 independent M = 1 GEMVs streamed
+# 2.44 / 2.77 / 2.81 / 2.53 TB/s (2048 x 8192), 3.31 / 3.61 / 3.53 (4096 x 14336) and
+# 3.39 / 3.66 / 3.73 / 3.74 (128256 x 2048). Deeper rings leave less of the SM's 256 KiB to the
+# L1 cache, which serves the ops' register spills and stack (5 stages lost).
+MAX_STAGES = 3
 
 
 def scratch_bytes(graph: OpGraph) -> int:

@@ -1102,8 +1102,16 @@ __device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, co
 // a prologue to the staged rows - pro 1: RMSNorm with weight operand 1 (eps), pro 2: SiLU(x)
 // times operand 1 - and an epilogue (epi 1: + resid, operand wi + 1), with the rounding
 // points of the unfused rmsnorm / silu_mul / binary-add ops (tilec/ops/linear_fused.py).
-template <typename TX, typename TW, typename TB, typename TO, bool kBias>
+// kRowCap: a bound on the op's rows that the plan guarantees (1, 4, 8 or 16; 0 = any,
+// tilec.ops.row_cap); the instance keeps only the paths its rows can take. Llama-3.2-1B's
+// linear_fused instance went from 185 to 82 KB of SASS, and 8 independent M = 1 GEMVs from
+// 2.13 / 3.01 / 3.04 to 2.44 / 3.31 / 3.39 TB/s on an H200 (2048 x 8192, 4096 x 14336,
+// 128256 x 2048; same run, 2 ring stages). A tile with more rows than promised is a plan bug:
+// the worker aborts the step (the host raises a WatchdogError).
+template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap>
 __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f) {
+  constexpr bool kMmaRows = kRowCap == 0 || kRowCap > kRowsPerPass;  // 9..16 rows may occur
+  constexpr int kR = kRowCap == 1 ? 1 : kRowCap == 4 ? 4 : 8;         // the widest row-register instance
   const Operand &x = c.ops[0], &w = c.ops[wi];
   const Operand &out = c.ops[oi];
   const Operand* resid = epi ? &c.ops[wi + 1] : nullptr;
@@ -1122,6 +1130,11 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
   float* xs_smem = rscale + kMaxRows;                          // 16-byte aligned (2304 bytes in)
   const long long xk = x.strides[x.ndim - 1], wn = w.strides[0], wk = w.strides[1], on = out.strides[nd - 1];
   const int kl = k1 - k0;
+  if (kRowCap != 0 && rows > kRowCap) {  // the plan promised fewer rows: fail loudly
+    if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);
+    *c.ring->gave_up = 1;
+    return;
+  }
   for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
     const int nr = min(kMaxRows, rows - r0);
     block_sync();
@@ -1143,8 +1156,8 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     // kl % 64 == 0: conflict-free A loads), with room after them for its cross-warp sums (red).
     StreamTile t;
     const bool ring = std::is_same<TW, __nv_bfloat16>::value && c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t);
-    const bool mma = nr > 8;
-    if (ring && t.kouter) {  // 9..16 bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
+    const bool mma = kMmaRows && nr > 8;
+    if (kMmaRows && ring && t.kouter) {  // 9..16 bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
       constexpr int kPitch = kStreamK + 32;
       if (std::is_same<TX, __nv_bfloat16>::value && mma && nr <= 16 && pro == 0 && variant != 1 &&
           t.n1 - t.n0 <= kWarps * kKouterGroups && 576 + nr * kPitch / 2 + kWarps * 128 <= c.smem_floats - 64) {
@@ -1178,7 +1191,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
         // bf16 rows (their staged floats are bf16 values) go to the consumer as bf16: half the
         // shared-memory reads per weight (tilec/ops/linear_fused.py ring_staged_bytes reserves them)
         if (!std::is_same<TX, __nv_bfloat16>::value || 576 + nr * kl + nr * kl / 2 > c.smem_floats - 64) {
-          gemv_bf16_ring<8, TB, TO, kBias>(c, t, xs_smem, nr, store);  // float32 rows: one general instance
+          gemv_bf16_ring<kR, TB, TO, kBias>(c, t, xs_smem, nr, store);  // float32 rows: one general instance
           continue;
         }
         xb = reinterpret_cast<__nv_bfloat16*>(xs_smem + nr * kl);
@@ -1212,8 +1225,8 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
         block_sync();
       }
       if (mma) gemv_bf16_ring_mma<TB, TO, kBias>(c, t, xb, pitch, nr, red, store);
-      else if (nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xb, nr, store);
-      else if (nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xb, nr, store);
+      else if (kR == 1 || nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xb, nr, store);
+      else if (kR == 4 || nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xb, nr, store);
       else gemv_bf16_ring<8, TB, TO, kBias>(c, t, xb, nr, store);
       continue;
     }
@@ -1222,7 +1235,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
                         ((reinterpret_cast<uintptr_t>(base<TW>(w) + k0) & 15) == 0);
       bool xvec = std::is_same<TX, __nv_bfloat16>::value && xk == 1;  // A straight from bf16 x rows
       for (int r = 0; r < nr && xvec; ++r) xvec = ((reinterpret_cast<uintptr_t>(base<TX>(x) + xoff[r] + k0) & 15) == 0);
-      if (wvec && nr > kRowsPerPass && kl % 32 == 0 && (staged || xvec)) {
+      if (kMmaRows && wvec && nr > kRowsPerPass && kl % 32 == 0 && (staged || xvec)) {
         const __nv_bfloat16* wp = base<TW>(w);
         for (int m0 = 0; m0 < nr; m0 += 16) {  // 16 rows per pass of W
           const GemvStore<TO> sub{out, resid, ooff + m0, roff + m0, on, store.rn, variant};
@@ -1235,8 +1248,8 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       const bool fast = wvec && staged && nr <= kRowsPerPass && kl % 8 == 0;
       if (fast) {
         const __nv_bfloat16* wp = base<TW>(w);
-        if (nr == 1) gemv_bf16_stream<1, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store);
-        else if (nr <= 4) gemv_bf16_stream<4, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store);
+        if (kR == 1 || nr == 1) gemv_bf16_stream<1, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store);
+        else if (kR == 4 || nr <= 4) gemv_bf16_stream<4, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store);
         else gemv_bf16_stream<8, TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, xs_smem, nr, store);
         continue;
       }
@@ -1245,16 +1258,16 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
                                         xs_smem, variant, store);
   }
 }
-template <typename TX, typename TW, typename TO>
-__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TW, TO, false>(c, 1, 2); }
-template <typename TX, typename TW, typename TB, typename TO>
-__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TB, TO, true>(c, 1, 3); }
+template <typename TX, typename TW, typename TO, int kRowCap>
+__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TW, TO, false, kRowCap>(c, 1, 2); }
+template <typename TX, typename TW, typename TB, typename TO, int kRowCap>
+__device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TB, TO, true, kRowCap>(c, 1, 3); }
 // linear_fused: operands (x | x, norm_w | g, u), W, (resid), out; params K, prologue, epilogue, eps
-template <typename TX, typename TW, typename TO>
+template <typename TX, typename TW, typename TO, int kRowCap>
 __device__ void op_linear_fused(TileCtx& c) {
   const int pro = c.param(1), epi = c.param(2);
   const int wi = pro ? 2 : 1;
-  linear_impl<TX, TW, TW, TO, false>(c, wi, wi + (epi ? 2 : 1), pro, epi, c.fparam(3));
+  linear_impl<TX, TW, TW, TO, false, kRowCap>(c, wi, wi + (epi ? 2 : 1), pro, epi, c.fparam(3));
 }
 
 // ---- decode attention over a static KV cache (GQA) -------------------------------------

@@ -12,7 +12,7 @@ from .. import ops as opreg
 from ..errors import TilecError
 from ..ir import ScalarOperand
 from ..plan import (DESCRIPTOR, DESCRIPTOR_WORDS, MAX_DIMS, MAX_OPERANDS, OPERAND, OPERAND_FIELDS, SCALAR_OPERAND,
-                    UNUSED_OPERAND, KernelPlan, dtype_signature)
+                    UNUSED_OPERAND, KernelPlan, variant_signature)
 
 ABI_VERSION = 4
 C_TYPES = {
@@ -35,7 +35,8 @@ _ENV = jinja2.Environment(
 
 @dataclass(frozen=True)
 class Variant:
-    """One device instantiation: ``tilec::{function}<{types}>`` for ops of ``kind`` with dtype signature ``sig``."""
+    """One device instantiation: ``tilec::{function}<{types}>`` (template arguments: dtypes, then a
+    shape class for shape-classed ops) for ops of ``kind`` with dispatch signature ``sig``."""
 
     kind: str
     sig: int
@@ -50,7 +51,8 @@ def _ctype(dtype: torch.dtype, op_name: str) -> str:
 
 
 def variants(plan: KernelPlan) -> list[Variant]:
-    """The (op kind, dtype signature) variants used by ``plan``, in a stable order."""
+    """The (op kind, dispatch signature) variants used by ``plan``, in a stable order (the
+    signature is the operands' dtypes and the op's shape class: ``tilec.plan.variant_signature``)."""
     g = plan.graph
     seen: dict[tuple[str, int], Variant] = {}
     for op in g.ops:
@@ -61,10 +63,12 @@ def variants(plan: KernelPlan) -> list[Variant]:
             if len(set(dtypes[:-1])) != 1:
                 raise TilecError(f"op {op.name}: concat inputs of mixed dtypes {dtypes[:-1]}")
             dtypes = [dtypes[0], dtypes[-1]]
-        dtypes = opreg.opdef(op.kind).device_dtypes(op, dtypes)
-        key = (op.kind, dtype_signature(g, operands))
+        od = opreg.opdef(op.kind)
+        dtypes = od.device_dtypes(op, dtypes)
+        key = (op.kind, variant_signature(g, op))
         if key not in seen:
-            seen[key] = Variant(op.kind, key[1], f"op_{op.kind}", tuple(_ctype(d, op.name) for d in dtypes))
+            args = tuple(_ctype(d, op.name) for d in dtypes) + ((str(od.shape_class(op)),) if od.shape_classed else ())
+            seen[key] = Variant(op.kind, key[1], f"op_{op.kind}", args)
     return sorted(seen.values(), key=lambda v: (opreg.opdef(v.kind).opcode, v.sig))
 
 

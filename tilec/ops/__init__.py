@@ -89,6 +89,15 @@ class OpDef:
         template ``tilec::op_<kind><types...>``; ops with roles decided at run time narrow them."""
         return dtypes
 
+    def shape_class(self, op: Op) -> int:
+        """A small number (0..127) naming a shape property the device template is specialized on,
+        passed as its last template argument (``tilec::op_<kind><types..., code>``) and part of
+        the variant's dispatch signature; 0 for ops without one (and then no extra argument is
+        passed unless :attr:`shape_classed`)."""
+        return 0
+
+    shape_classed = False  # the device template takes shape_class(op) as its last argument
+
     def smem_bytes(self, op: Op) -> int:
         """Dynamic shared memory (bytes) the device tiles of ``op`` can use; the CUDA executor
         sizes every CTA's for the largest over the plan (``tilec.cuda``). 0: no preference."""
@@ -286,6 +295,20 @@ def bcast_box(view_shape: Sequence[int], out_box: Box) -> Box:
     """The box an input of shape ``view_shape`` (broadcast to the output, right-aligned) reads."""
     k = len(out_box) - len(view_shape)
     return tuple((0, 1) if s == 1 else (lo, hi) for s, (lo, hi) in zip(view_shape, out_box[k:]))
+
+
+ROW_CAPS = (1, 4, 8, 16)  # the row bounds GEMV device instances are specialized for
+
+
+def row_cap(op: Op) -> int:
+    """The smallest of :data:`ROW_CAPS` holding ``op``'s rows (the product of its output's leading
+    dims), or 0 when none does: the ``kRowCap`` template argument of ``op_linear`` /
+    ``op_linear_fused`` (``runtime/tilec/ops.cuh`` linear_impl), which drops the code paths of
+    wider tiles from the instance."""
+    rows = 1
+    for s in op.outputs[0].shape[:-1]:
+        rows *= s
+    return next((c for c in ROW_CAPS if rows <= c), 0)
 
 
 from . import (  # noqa: E402,F401  (registration side effects)

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from . import (ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
+from . import (row_cap, ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
                weight_rows_prefetch)
 
 
 @register
 class Linear(OpDef):
     kind, opcode = "linear", 5
+    shape_classed = True  # op_<kind><types..., kRowCap>
+
+    def shape_class(self, op):
+        """``kRowCap``: the row bound of the device instance (:func:`tilec.ops.row_cap`)."""
+        return row_cap(op)
 
     def tiles(self, op, opts):
         x = op.inputs[0]

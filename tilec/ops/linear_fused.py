@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import (OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
+from . import (row_cap, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
                weight_rows_prefetch)
 from .linear import gemv_flops
 
@@ -49,6 +49,11 @@ def ring_staged_bytes(rows: int, k: int) -> int:
 @register
 class LinearFused(OpDef):
     kind, opcode = "linear_fused", 17
+    shape_classed = True  # op_<kind><types..., kRowCap>
+
+    def shape_class(self, op):
+        """``kRowCap``: the row bound of the device instance (:func:`tilec.ops.row_cap`)."""
+        return row_cap(op)
 
     @staticmethod
     def layout(op):

@@ -1,12 +1,15 @@
-"""Compiler passes. ``split_kv`` (split-KV / flash-decoding attention) and ``fuse_gemv_chains``
-(RMSNorm / SiLU-mul / residual-add fusion into GEMVs) rewrite the OpGraph;
+"""Compiler passes. ``split_kv`` (split-KV / flash-decoding attention), ``fuse_gemv_chains``
+(RMSNorm / SiLU-mul / residual-add fusion into GEMVs) and ``fold_cache_writes`` (RoPE writing
+the KV-cache slot directly) rewrite the OpGraph;
 the rest are MPK-style passes over the TaskGraph (Mirage Persistent Kernel, arXiv 2512.22219,
 section 4).
 
 The pipeline (``tilec.pipeline``) runs, in order:
-  split_kv -> fuse_gemv_chains -> (build_taskgraph) -> fuse_events -> normalize -> linearize -> schedule
+  split_kv -> fuse_gemv_chains -> fold_cache_writes -> (build_taskgraph) -> fuse_events -> normalize
+  -> linearize -> schedule
 and runs the stage verifier (``tilec.verify``) after each one when ``Options.verify`` is on.
 """
+from .fold_cache_write import fold_cache_writes
 from .fuse_gemv import fuse_gemv_chains
 from .fusion import fuse_events
 from .linearize import linearize
@@ -14,4 +17,5 @@ from .normalize import normalize
 from .schedule import Schedule, schedule
 from .split_kv import split_kv
 
-__all__ = ["split_kv", "fuse_gemv_chains", "fuse_events", "normalize", "linearize", "schedule", "Schedule"]
+__all__ = ["split_kv", "fuse_gemv_chains", "fold_cache_writes", "fuse_events", "normalize", "linearize", "schedule",
+           "Schedule"]
