@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.errors import TilecError  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
+from tilec.options import Options  # noqa: E402
 from tilec.timing import cuda_graph, median_ms, need_gpu  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
@@ -62,6 +63,12 @@ def main():
                     help="also time the tilec step (CUDA graph replay) with each of these weight-ring depths")
     ap.add_argument("--options", default="{}", help='extra tilec compile options as JSON, e.g. \'{"fold_cache_writes": false}\'')
     args = ap.parse_args()
+    try:  # bad flags fail here, before any timing
+        depths = [int(v) for v in args.ring_stages.split(",") if v.strip()]
+        extra = json.loads(args.options)
+        Options.from_dict(extra)
+    except ValueError as e:
+        ap.error(f"--ring-stages / --options: {e}")
     need_gpu("decode.py")
     warnings.simplefilter("ignore")
     dev = "cuda"
@@ -106,7 +113,7 @@ def main():
         rows.append(("torch.compile (Inductor, CUDA graphs)", time_cuda(inductor, args.iters)))
 
     t0 = time.time()
-    step = compile_decode_step(model, cache, B, options=dict(json.loads(args.options), check=False))
+    step = compile_decode_step(model, cache, B, options=dict(extra, check=False))
     print(f"tilec compile {time.time() - t0:.1f}s; stats {step.program.stats}", flush=True)
 
     def tilec_step():
@@ -124,7 +131,7 @@ def main():
     step.program.executor.check()
     ex = step.program.executor
     plan_stages = ex.ring_stages
-    for n in [int(v) for v in args.ring_stages.split(",") if v.strip()]:
+    for n in depths:
         try:
             ex.use_ring_stages(n)
         except TilecError as e:
@@ -132,7 +139,7 @@ def main():
             continue
         rows.append((f"tilec (CUDA graph replay, {n} ring stages)", time_cuda(cuda_graph(tilec_step).replay, args.iters)))
         ex.check()
-    if args.ring_stages.strip():
+    if depths and plan_stages:
         ex.use_ring_stages(plan_stages)
 
     bw = read_bandwidth()
@@ -145,7 +152,7 @@ def main():
     for label, ms in rows:
         print(f"{label:<48} {ms:>9.3f} {ms / roof:>11.2f}")
     if args.gemv:
-        gemv_table(bw, args.iters, stages=tuple(int(v) for v in args.ring_stages.split(",") if v.strip()))
+        gemv_table(bw, args.iters, stages=tuple(depths))
 
 
 class Gemvs(torch.nn.Module):
@@ -181,7 +188,8 @@ def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = 
         nbytes = count * n * k * 2
         for depth in (ex.ring_stages, *stages):
             try:
-                ex.use_ring_stages(depth)
+                if depth != ex.ring_stages:
+                    ex.use_ring_stages(depth)
             except TilecError as e:
                 print(f"ring stages {depth}: {e}")
                 continue

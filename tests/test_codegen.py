@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tilec import codegen
+from tilec.api import compile_module
 from tilec.errors import TilecError
 from tilec.hf import compile_decode_step
 from tilec.plan import DESCRIPTOR, OPERAND
@@ -116,3 +117,15 @@ def test_tables_header_holds_the_plan_and_compiles(llama_plan, tmp_path):
     assert res.returncode == 0, res.stderr
     first = ", ".join(map(str, llama_plan.queues[0, 0].tolist()))
     assert first in tables
+
+
+def test_ops_differing_only_in_operand_count_get_their_own_instances():
+    """float32's dtype code is 0: a bias-free and a biased float32 linear once packed to the same
+    dispatch signature, so one instance (without bias) ran both (a review finding)."""
+    mod = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(128, 32, bias=True))
+    x = torch.randn(1, 64)
+    prog = compile_module(mod, (x,), options=dict(workers=4, executor="reference"))
+    lin = [v for v in codegen.variants(prog.plan) if v.kind == "linear"]
+    assert sorted(v.types for v in lin) == [("float", "float", "float", "1"), ("float", "float", "float", "float", "1")]
+    assert len({v.sig for v in lin}) == 2
+    torch.testing.assert_close(prog(x), mod(x), rtol=1e-5, atol=1e-5)

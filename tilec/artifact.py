@@ -58,7 +58,7 @@ from .taskgraph import TaskGraph
 from .trace import predicted_trace
 
 # format 2: the split_kv and fuse_gemv stages (ir/02, ir/03); 3: the fold_cache stage (ir/04)
-FORMAT, FORMAT_VERSION = "tilec-artifact", 3
+FORMAT, FORMAT_VERSION = "tilec-artifact", 4
 MANIFEST = "manifest.json"
 STAGES = tuple(STAGE_FILES)  # opgraph, split_kv, fuse_gemv, fold_cache, tasks, ..., schedule, plan
 LIBRARY = "cuda/libtilec.so"
@@ -84,7 +84,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     """Writes ``program`` as an artifact directory at ``path`` (atomically).
 
     Args:
-        program: a program from :func:`tilec.api.compile_module` (all nine stages present).
+        program: a program from :func:`tilec.api.compile_module` (all ten stages present).
         inputs: the example arguments it was compiled with (tensors, or plain numbers).
         factory: how to rebuild the eager module (``{"spec", "module", "file", "name", "cwd"}``),
             recorded for ``tilec run --check`` and ``tilec bench``.

@@ -31,6 +31,7 @@ from .errors import UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
 from .options import Options
 from .pipeline import compile_opgraph
+from .plan import PLAN_FORMAT
 from .program import CompiledProgram
 
 log = logging.getLogger("tilec")
@@ -114,7 +115,7 @@ def _graph_key(gm: fx.GraphModule, kinds, opts: BackendOptions) -> str:
         v = n.meta.get("val")
         if n.op == "placeholder" and isinstance(v, torch.Tensor):
             h.update(f"{n.name}:{tuple(v.shape)}:{v.dtype}:{v.device.type}".encode())
-    h.update(repr((kinds, opts, __version__)).encode())
+    h.update(repr((kinds, opts, __version__, PLAN_FORMAT)).encode())
     return h.hexdigest()
 
 

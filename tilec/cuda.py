@@ -115,6 +115,10 @@ class CudaExecutor:
         rec = self.err.cpu()
         if int(rec[0]) == 0:
             return
+        if int(rec[0]) == 3:
+            self.reset()
+            raise TilecError("a worker met an instruction whose op variant this library does not hold (plan and "
+                             "library from different tilec versions: recompile)")
         if int(rec[0]) == 2:
             self.reset()
             raise WatchdogError(f"watchdog: a worker's GEMV weight stream stalled for over {self.opts.watchdog_ms} ms "

@@ -31,7 +31,7 @@ class Options:
     fuse_gemv: fuse RMSNorm / SiLU-mul producers and residual adds into the GEMVs around them
         (``tilec.passes.fuse_gemv``; bitwise the same results, fewer dependent stages).
     fold_cache_writes: let a RoPE op write the KV-cache slot directly instead of a following
-        ``cache_write`` copying its output there (``tilec.passes.fold_cache_write``; bitwise the
+        ``cache_write`` copying its output there (``tilec.passes.fold_cache_write``; with split_k 1, bitwise the
         same results, one dependent stage fewer per layer).
     verify: run the stage verifiers after every pass (always on in tests).
     executor: ``"cuda"`` (persistent kernel), ``"reference"`` (CPU reference executor), or

@@ -31,6 +31,9 @@ DESCRIPTOR_WORDS = 32
 MAX_COORDS = 5
 MAX_PARAMS = 9
 PREFETCH_MAX_BYTES = 128 * 1024  # per instruction: 132 workers x 128 KiB stays well inside L2
+# Version of the descriptor encoding (the dispatch signature's packing above all): part of the
+# keys of the on-disk plan cache (tilec.backend), so a plan stored by another encoding is not reused.
+PLAN_FORMAT = 2
 DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     # (field, first word, number of words)
     ("opcode", 0, 1),
@@ -322,10 +325,12 @@ def variant_signature(graph: OpGraph, op) -> int:
 
 
 def dtype_signature(graph: OpGraph, operands) -> int:
-    """Operand dtype codes packed 4 bits each (scalars as 0xF), operand 0 in the low bits."""
+    """Operand dtype codes + 1 packed 4 bits each (scalars as 0xF), operand 0 in the low bits: no
+    operand packs as 0, so ops of the same dtypes but different operand counts (a linear with and
+    without bias, all float32) get different signatures."""
     sig = 0
     for i, v in enumerate(operands):
-        code = 0xF if isinstance(v, ScalarOperand) else DTYPE_CODES[graph.buffers[v.buffer].dtype]
+        code = 0xF if isinstance(v, ScalarOperand) else DTYPE_CODES[graph.buffers[v.buffer].dtype] + 1
         sig |= code << (4 * i)
     return sig if sig < 2 ** 31 else sig - 2 ** 32
 

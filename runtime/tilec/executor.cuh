@@ -17,7 +17,8 @@
 namespace tilec {
 
 struct ErrorRecord {
-  int flag;        // 0 = ok; 1 = watchdog timeout on an event; 2 = the weight stream stalled
+  int flag;        // 0 = ok; 1 = watchdog timeout on an event; 2 = the weight stream stalled;
+                   // 3 = no instance for an instruction's (opcode, signature) (program.cu dispatch)
   int worker;
   int instruction;
   int event;

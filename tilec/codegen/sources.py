@@ -66,9 +66,12 @@ def variants(plan: KernelPlan) -> list[Variant]:
         od = opreg.opdef(op.kind)
         dtypes = od.device_dtypes(op, dtypes)
         key = (op.kind, variant_signature(g, op))
+        args = tuple(_ctype(d, op.name) for d in dtypes) + ((str(od.shape_class(op)),) if od.shape_classed else ())
         if key not in seen:
-            args = tuple(_ctype(d, op.name) for d in dtypes) + ((str(od.shape_class(op)),) if od.shape_classed else ())
             seen[key] = Variant(op.kind, key[1], f"op_{op.kind}", args)
+        elif seen[key].types != args:  # two instances behind one dispatch signature: a tilec bug
+            raise TilecError(f"op {op.name}: dispatch signature {key[1]} of {op.kind} already selects "
+                             f"<{', '.join(seen[key].types)}>, not <{', '.join(args)}>")
     return sorted(seen.values(), key=lambda v: (opreg.opdef(v.kind).opcode, v.sig))
 
 

@@ -297,7 +297,9 @@ def bcast_box(view_shape: Sequence[int], out_box: Box) -> Box:
     return tuple((0, 1) if s == 1 else (lo, hi) for s, (lo, hi) in zip(view_shape, out_box[k:]))
 
 
-ROW_CAPS = (1, 4, 8, 16)  # the row bounds GEMV device instances are specialized for
+# the row bounds GEMV device instances are specialized for: ops.cuh's gemv_bf16_ring<1 | 4 | 8>
+# instances, and the tensor-core consumer's 16 rows
+ROW_CAPS = (1, 4, GEMV_RING_ROWS, GEMV_RING_MMA_ROWS)
 
 
 def row_cap(op: Op) -> int:

@@ -19,7 +19,9 @@ keeping R's name and provenance; C and buffer T are dropped. The rewrite applies
     cache slot is written earlier, so nothing may observe or overwrite it in between);
 (d) T and S have the same dtype: rope rounds its result to T's dtype, so C is an exact copy.
 
-Results are bitwise those of the unfolded plan: the same values reach the same cache slot.
+Results are bitwise those of the unfolded plan when ``split_k`` is 1: the same values reach the
+same cache slot. (Split-K partial sums are added in the order the schedule runs them, and the
+plan without the cache_write may be scheduled differently.)
 A graph with nothing to fold (or ``opts.fold_cache_writes`` off) is returned unchanged (the
 same object).
 """
