@@ -44,7 +44,7 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         raise
     compiled = compile_opgraph(graph, opts, with_dump(hook, opts), opgraph_seconds=time.perf_counter() - t0)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    n_user = sum(1 for r in out_node.args[0] if getattr(r, "name", None) not in binding.mutations)
+    n_user = len(out_node.args[0]) - binding.mutation_outputs
     return CompiledProgram(compiled, binding, single_output=n_user == 1, opts=opts,
                            example_args=args)
 

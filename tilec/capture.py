@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from .errors import ExampleInputError
+from .errors import ExampleInputError, TilecError
 from .frontend import GraphBinding
 
 
@@ -30,11 +30,11 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
         # torch's own pytree deprecation notice (LeafSpec), raised inside export: not the user's
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         try:
-            ep = torch.export.export(module, tuple(args), strict=False)
-        except Exception:
+            ep = torch.export.export(module, tuple(args), strict=False).run_decompositions({})
+        except Exception as e:
             _check_runs_eagerly(module, args)  # the user's own error, named as such
+            _check_not_aliased(args, e)
             raise
-        ep = ep.run_decompositions({})
     sig = ep.graph_signature
     state = dict(module.state_dict(keep_vars=True))
     state.update(dict(module.named_buffers(remove_duplicate=False)))
@@ -56,12 +56,16 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
                 binding.positions.add(name)
             user_idx += 1
     out_names = [n.name for n in next(n for n in ep.graph.nodes if n.op == "output").args[0]]
-    for spec, node_name in zip(sig.output_specs, out_names):
+    for i, (spec, node_name) in enumerate(zip(sig.output_specs, out_names)):
         if spec.kind in (OutputKind.USER_INPUT_MUTATION, OutputKind.BUFFER_MUTATION):
+            if binding.mutation_outputs != i:  # torch.export lists in-place updates first
+                raise TilecError(f"torch.export listed the in-place update of {spec.target} after a user output; "
+                                 f"tilec expects them first (torch {torch.__version__})")
             target = spec.target
             placeholder = next((s.arg.name for s in sig.input_specs
                                 if s.target == target or s.arg.name == target), target)
             binding.mutations[node_name] = placeholder
+            binding.mutation_outputs += 1
     return ep.graph_module, binding
 
 
@@ -76,6 +80,20 @@ def _quiet_fake_tensor_log():
         yield
     finally:
         log.setLevel(level)
+
+
+def _check_not_aliased(args, cause: Exception) -> None:
+    """Raises :class:`TilecError` naming the first two tensor arguments that share memory (after a
+    failed export: ``torch.export`` cannot capture aliased inputs and says so only obscurely)."""
+    seen: dict[int, int] = {}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            ptr = a.untyped_storage().data_ptr()
+            if ptr in seen:
+                raise TilecError(f"arguments {seen[ptr]} and {i} share memory (one tensor, or views of one): "
+                                 f"torch.export cannot capture aliased inputs; pass distinct tensors "
+                                 f"(e.g. a clone)") from cause
+            seen[ptr] = i
 
 
 def _check_runs_eagerly(module: torch.nn.Module, args) -> None:

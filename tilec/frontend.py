@@ -43,6 +43,9 @@ class GraphBinding:
     user_inputs: placeholder names of the user's arguments, in call order.
     positions: the subset of user_inputs that hold the decode position (int tensors).
     mutations: output node name -> placeholder name it updates in place.
+    mutation_outputs: how many of the graph's outputs, first in order, are those in-place updates
+        (``torch.export`` lists them before the user's outputs); the rest are the user's outputs,
+        which may be the very same nodes (a module that returns the cache it updated).
     """
 
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -50,6 +53,7 @@ class GraphBinding:
     user_inputs: list[str] = field(default_factory=list)
     positions: set[str] = field(default_factory=set)
     mutations: dict[str, str] = field(default_factory=dict)
+    mutation_outputs: int = 0
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -1209,8 +1213,8 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
     sys.setrecursionlimit(max(old, 20000))
     try:
         outputs = []
-        for r in results:
-            if isinstance(r, fx.Node) and r.name in binding.mutations:
+        for i, r in enumerate(results):
+            if i < binding.mutation_outputs:
                 target = binding.mutations[r.name]
                 if target in binding.positions:
                     low.position_update(r, target, r)

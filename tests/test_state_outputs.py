@@ -1,0 +1,67 @@
+"""A module may return the cache it updates in place. torch.export lists that output twice - as
+the in-place update and as a user output of the same node - and tilec once dropped the user
+output, returning ``()`` where eager returned the cache (a review finding)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilec.api import compile_module
+
+H, D, S = 2, 16, 8
+
+
+class CacheStep(torch.nn.Module):
+    """k = x W; cache[:, :, pos] = k (in place); returns the cache, or (cache, 2k), or 2k."""
+
+    def __init__(self, returns: str):
+        super().__init__()
+        self.returns = returns
+        self.k_proj = torch.nn.Linear(H * D, H * D, bias=False)
+
+    def forward(self, x, pos, cache):
+        k = self.k_proj(x).view(x.shape[0], 1, H, D).transpose(1, 2)
+        cache.index_copy_(2, pos, k)
+        if self.returns == "cache":
+            return cache
+        if self.returns == "both":
+            return cache, k * 2
+        return k * 2
+
+
+@pytest.mark.parametrize("returns", ["cache", "both", "k"])
+def test_returned_cache_matches_eager(returns):
+    torch.manual_seed(0)
+    m = CacheStep(returns).eval()
+    x, cache = torch.randn(2, 1, H * D), torch.randn(2, H, S, D)
+    prog = compile_module(m, (x, torch.tensor([0]), cache.clone()), positions=[1], max_positions=S,
+                          options=dict(workers=3, executor="reference"))
+    for p in (0, 5):
+        mine, ref = cache.clone(), cache.clone()
+        with torch.no_grad():
+            want = m(x, torch.tensor([p]), ref)
+        got = prog(x, torch.tensor([p]), mine)
+        assert torch.equal(mine, ref)  # the cache updated in place
+        if returns == "both":
+            assert isinstance(got, tuple) and len(got) == 2
+            assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+        else:
+            assert isinstance(got, torch.Tensor), f"returned {got!r}"
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class TwoCaches(torch.nn.Module):
+    def forward(self, x, pos, cache, other):
+        cache.index_copy_(2, pos, x)
+        return other.sum(-1)
+
+
+def test_aliased_arguments_are_named():
+    """The same tensor passed as two arguments, one updated in place: torch.export fails with an
+    opaque AssertionError; tilec names the arguments."""
+    from tilec.errors import TilecError
+
+    cache = torch.randn(1, H, S, D)
+    with pytest.raises(TilecError, match="arguments 2 and 3 share memory"):
+        compile_module(TwoCaches(), (torch.randn(1, H, 1, D), torch.tensor([0]), cache, cache), positions=[1],
+                       max_positions=S, options=dict(executor="reference"))
