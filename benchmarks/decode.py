@@ -66,6 +66,8 @@ def main():
     try:  # bad flags fail here, before any timing
         depths = [int(v) for v in args.ring_stages.split(",") if v.strip()]
         extra = json.loads(args.options)
+        if not isinstance(extra, dict):
+            raise ValueError(f"expected a JSON object, got {args.options}")
         Options.from_dict(extra)
     except ValueError as e:
         ap.error(f"--ring-stages / --options: {e}")

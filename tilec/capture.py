@@ -33,7 +33,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             ep = torch.export.export(module, tuple(args), strict=False).run_decompositions({})
         except Exception as e:
             _check_runs_eagerly(module, args)  # the user's own error, named as such
-            _check_not_aliased(args, e)
+            _check_not_aliased(module, args, e)
             raise
     sig = ep.graph_signature
     state = dict(module.state_dict(keep_vars=True))
@@ -82,18 +82,30 @@ def _quiet_fake_tensor_log():
         log.setLevel(level)
 
 
-def _check_not_aliased(args, cause: Exception) -> None:
-    """Raises :class:`TilecError` naming the first two tensor arguments that share memory (after a
-    failed export: ``torch.export`` cannot capture aliased inputs and says so only obscurely)."""
-    seen: dict[int, int] = {}
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            ptr = a.untyped_storage().data_ptr()
-            if ptr in seen:
-                raise TilecError(f"arguments {seen[ptr]} and {i} share memory (one tensor, or views of one): "
-                                 f"torch.export cannot capture aliased inputs; pass distinct tensors "
-                                 f"(e.g. a clone)") from cause
-            seen[ptr] = i
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes a non-empty tensor's elements span in its storage."""
+    span = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
+    """After a failed export: raises :class:`TilecError` naming two tensor arguments whose memory
+    overlaps when the export succeeds with the second one cloned (``torch.export`` cannot capture
+    an input updated in place that aliases another, and says so only obscurely); returns when
+    no arguments overlap or the overlap is not the cause."""
+    ranges = [(i, _byte_range(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.numel() > 0]
+    for x, (i, (lo_i, hi_i)) in enumerate(ranges):
+        for j, (lo_j, hi_j) in ranges[x + 1:]:
+            if lo_i < hi_j and lo_j < hi_i:
+                trial = list(args)
+                trial[j] = args[j].clone()
+                try:
+                    torch.export.export(module, tuple(trial), strict=False).run_decompositions({})
+                except Exception:  # noqa: BLE001 - fails without the overlap too: not the cause
+                    return
+                raise TilecError(f"arguments {i} and {j} share memory (one tensor, or overlapping views of one): "
+                                 f"torch.export cannot capture them when one is updated in place; pass distinct "
+                                 f"tensors (e.g. a clone)") from cause
 
 
 def _check_runs_eagerly(module: torch.nn.Module, args) -> None:

@@ -116,9 +116,11 @@ class CudaExecutor:
         if int(rec[0]) == 0:
             return
         if int(rec[0]) == 3:
+            worker, op = int(rec[1]), int(rec[5])
             self.reset()
-            raise TilecError("a worker met an instruction whose op variant this library does not hold (plan and "
-                             "library from different tilec versions: recompile)")
+            name = self.plan.op_names[op] if 0 <= op < len(self.plan.op_names) else f"#{op}"
+            raise TilecError(f"worker {worker} met an instruction of op {name} whose dispatch signature this "
+                             f"library holds no instance for (a tilec bug: plan and generated code disagree)")
         if int(rec[0]) == 2:
             self.reset()
             raise WatchdogError(f"watchdog: a worker's GEMV weight stream stalled for over {self.opts.watchdog_ms} ms "

@@ -46,7 +46,7 @@ DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     ("op", 7, 1),  # op index in the OpGraph (-1 for empty tasks)
     ("coords", 8, 2 * MAX_COORDS),  # (lo, hi) pairs of the tile in the op's iteration space
     ("ncoords", 18, 1),  # number of coordinate ranges in use
-    ("dtype_sig", 19, 1),  # operand dtype codes, 4 bits each, and a shape class (variant_signature; selects the device variant)
+    ("dtype_sig", 19, 1),  # operand dtype codes + 1, 4 bits each, and a shape class (variant_signature; selects the device variant)
     ("params", 20, MAX_PARAMS),  # op parameters (int32; floats as float32 bits)
     # GEMV weights the worker's loader warp streams through the shared-memory ring (0: none):
     # operand + 1 | n-range coordinate index << 4 | k-range coordinate index << 8, | 1 << 12 when the
@@ -322,6 +322,9 @@ def variant_signature(graph: OpGraph, op) -> int:
             raise TilecError(f"op {op.name}: shape class {cls} with {len(operands)} operands does not fit the signature")
         sig |= cls << 24
     return sig
+
+
+assert max(DTYPE_CODES.values()) + 1 < 0xF, "dtype codes + 1 must stay below the scalar nibble 0xF"
 
 
 def dtype_signature(graph: OpGraph, operands) -> int:

@@ -133,6 +133,15 @@ class CompiledProgram:
                 args[idx].copy_(values[p].reshape(args[idx].shape))
         outs = []
         for v in self.graph.outputs:
-            t = tensors[v.buffer].reshape(-1)
+            whole = tensors[v.buffer]
+            if self.graph.buffers[v.buffer].kind is BufferKind.STATE:
+                # an argument updated in place (a KV cache): return it (or a view of it), as eager does
+                if v.shape == tuple(whole.shape) and v.strides == whole.stride() and v.offset == 0 \
+                        and v.pos_stride == 0:
+                    outs.append(whole)
+                else:
+                    outs.append(whole.as_strided(v.shape, v.strides, whole.storage_offset() + v.offset + p * v.pos_stride))
+                continue
+            t = whole.reshape(-1)
             outs.append(t.as_strided(v.shape, v.strides, t.storage_offset() + v.offset + p * v.pos_stride).clone())
         return outs[0] if self.single_output and len(outs) == 1 else tuple(outs)
