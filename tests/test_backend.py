@@ -268,3 +268,32 @@ def test_automatic_dynamic_shapes_run_eagerly_with_a_warning(caplog):
             got = f(tok, past_key_values=cache, cache_position=torch.tensor([4]), use_cache=True).logits
         assert_close(got, eager_step(model, eager_cache, tok, 4), 1e-4, f"batch {batch}")
     assert "dynamic=False" in caplog.text
+
+
+class SlotWrite(torch.nn.Module):
+    """``cache[:, :, pos] = k`` (aten.index_put_ on a [B, H, S, D] cache); returns the cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x, pos, cache):
+        cache[:, :, pos] = self.proj(x).view(x.shape[0], 1, 2, 16).transpose(1, 2)
+        return cache
+
+
+def test_index_put_cache_plans_every_position():
+    """The backend sized plans only from index_copy writes: a cache written with index_put got
+    max_positions 1, and position 5 failed (a review finding)."""
+    torch.manual_seed(0)
+    m = SlotWrite().eval()
+    cache = torch.randn(2, 2, 8, 16)
+    mine, ref = cache.clone(), cache.clone()
+    f = torch.compile(m, backend="tilec", options={"workers": 4, "fallback": False})
+    x = torch.randn(2, 1, 32)
+    for p in (0, 5, 7):
+        with torch.no_grad():
+            got = f(x, torch.tensor([p]), mine)
+            want = m(x, torch.tensor([p]), ref)
+        assert_close(got, want, 1e-5, f"output at position {p}")
+        assert torch.equal(mine, ref)

@@ -82,3 +82,14 @@ def test_aliasing_is_not_blamed_for_other_export_failures():
     with pytest.raises(Exception) as info:
         compile_module(ReadsTwice(), (x, x), options=dict(executor="reference"))
     assert "share memory" not in str(info.value)
+
+
+class OneTuple(torch.nn.Module):
+    def forward(self, x):
+        return (x * 2,)
+
+
+def test_a_tuple_of_one_stays_a_tuple():
+    x = torch.randn(4, 8)
+    got = compile_module(OneTuple(), (x,), options=dict(executor="reference"))(x)
+    assert isinstance(got, tuple) and len(got) == 1 and torch.equal(got[0], x * 2)

@@ -45,7 +45,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     compiled = compile_opgraph(graph, opts, with_dump(hook, opts), opgraph_seconds=time.perf_counter() - t0)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     n_user = len(out_node.args[0]) - binding.mutation_outputs
-    return CompiledProgram(compiled, binding, single_output=n_user == 1, opts=opts,
+    single = n_user == 1 if binding.single_output is None else binding.single_output and n_user == 1
+    return CompiledProgram(compiled, binding, single_output=single, opts=opts,
                            example_args=args)
 
 

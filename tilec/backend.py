@@ -101,11 +101,19 @@ def _classify(dynamo_gm: fx.GraphModule, example_inputs) -> list[str]:
 
 
 def _cache_length(gm: fx.GraphModule) -> int:
+    """The longest cache an ``index_copy`` / ``index_put`` (one index tensor) writes along its
+    indexed dim: the decode positions to plan for (1 when there is none)."""
     aten = torch.ops.aten
     best = 1
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in (aten.index_copy.default, aten.index_copy_.default):
+        if n.op != "call_function":
+            continue
+        if n.target in (aten.index_copy.default, aten.index_copy_.default):
             best = max(best, int(n.args[0].meta["val"].shape[n.args[1]]))
+        elif n.target in (aten.index_put.default, aten.index_put_.default):
+            dims = [i for i, ix in enumerate(n.args[1]) if ix is not None]
+            if len(dims) == 1:
+                best = max(best, int(n.args[0].meta["val"].shape[dims[0]]))
     return best
 
 

@@ -66,6 +66,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
                                 if s.target == target or s.arg.name == target), target)
             binding.mutations[node_name] = placeholder
             binding.mutation_outputs += 1
+    binding.single_output = ep.call_spec.out_spec.is_leaf()
     return ep.graph_module, binding
 
 
@@ -111,10 +112,12 @@ def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
 def _check_runs_eagerly(module: torch.nn.Module, args) -> None:
     """Runs ``module(*args)`` eagerly (after a failed export) and raises
     :class:`ExampleInputError` naming the argument shapes and the user's failing source line if
-    it fails there too; returns if it runs (the failure is then tilec's or export's)."""
+    it fails there too; returns if it runs (the failure is then tilec's or export's). It runs on
+    copies of the tensor arguments, so a module that updates a cache in place leaves the
+    caller's untouched."""
     try:
         with torch.no_grad():
-            module(*args)
+            module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     except Exception as e:  # noqa: BLE001 - any failure of the user's module on its own inputs
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename.replace("\\", "/")]
         where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""

@@ -46,6 +46,8 @@ class GraphBinding:
     mutation_outputs: how many of the graph's outputs, first in order, are those in-place updates
         (``torch.export`` lists them before the user's outputs); the rest are the user's outputs,
         which may be the very same nodes (a module that returns the cache it updated).
+    single_output: whether the module returns one tensor rather than a tuple (from the export's
+        output spec: ``(y,)`` is a tuple of one); None when the capture does not say.
     """
 
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -54,6 +56,7 @@ class GraphBinding:
     positions: set[str] = field(default_factory=set)
     mutations: dict[str, str] = field(default_factory=dict)
     mutation_outputs: int = 0
+    single_output: bool | None = None
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
