@@ -55,3 +55,32 @@ class StageRecorder:
 
     def render(self, name: str) -> str:
         return self.stages[name].render()
+
+
+def step_pair(name: str, dtype: torch.dtype, off: dict):
+    """A tiny zoo model's decode step (2 sequences, context 6) compiled twice on the CPU (6 workers):
+    with the default options and with the options ``off``. Returns ``(model, token, on, off)``, each
+    step a ``(compiled step, its own copy of the cache)`` pair."""
+    import copy
+
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import make_model, prefill
+
+    model = make_model(name, dtype, "cpu")
+    cache, tok = prefill(model, 2, 6, 12, "cpu")
+    cache_off = copy.deepcopy(cache)
+    on = compile_decode_step(model, cache, 2, options=dict(workers=6))
+    other = compile_decode_step(model, cache_off, 2, options=dict(workers=6, **off))
+    return model, tok, (on, cache), (other, cache_off)
+
+
+def assert_steps_bitwise_equal(a, b, tok: torch.Tensor, what: str, steps: int = 3, position: int = 6) -> None:
+    """Runs the ``(step, cache)`` pairs ``a`` and ``b`` (from :func:`step_pair`) ``steps`` greedy steps
+    from ``position``; their logits and caches must be bitwise equal."""
+    (sa, ca), (sb, cb) = a, b
+    for i in range(steps):
+        x, y = sa(tok, position + i), sb(tok, position + i)
+        assert torch.equal(x, y), f"step {i}: {what} logits differ"
+        tok = x.argmax(-1)
+    for la, lb in zip(ca.layers, cb.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)

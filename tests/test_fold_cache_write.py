@@ -4,13 +4,12 @@ refuses what it must not fold."""
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 
 import pytest
 import torch
 
-from _helpers import StageRecorder
+from _helpers import StageRecorder, assert_steps_bitwise_equal, step_pair
 from tilec.api import compile_module
 from tilec.hf import compile_decode_step
 from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
@@ -31,12 +30,8 @@ def cache_ropes(graph: OpGraph) -> list[Op]:
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decoder_folded_equals_unfolded(name, dtype):
-    model = make_model(name, dtype, "cpu")
-    cache, tok = prefill(model, 2, 6, 12, "cpu")
-    cache_u = copy.deepcopy(cache)
-    folded = compile_decode_step(model, cache, 2, options=dict(workers=6))
-    unfolded = compile_decode_step(model, cache_u, 2, options=dict(workers=6, fold_cache_writes=False))
-    g, gu = folded.program.plan.graph, unfolded.program.plan.graph
+    model, tok, folded, unfolded = step_pair(name, dtype, dict(fold_cache_writes=False))
+    g, gu = folded[0].program.plan.graph, unfolded[0].program.plan.graph
     layers = model.config.num_hidden_layers
     # per layer: the K cache_write became the k rope's output; the V one (after a linear) stays
     assert kinds(gu)["cache_write"] == 2 * layers and not cache_ropes(gu)
@@ -44,12 +39,7 @@ def test_decoder_folded_equals_unfolded(name, dtype):
     assert len(cache_ropes(g)) == layers and len(g.ops) == len(gu.ops) - layers
     ropes_out = {op.outputs[0].buffer for op in g.ops if op.kind == "rope"}
     assert not any(op.inputs[0].buffer in ropes_out for op in g.ops if op.kind == "cache_write")
-    for i in range(3):
-        a, b = folded(tok, 6 + i), unfolded(tok, 6 + i)
-        assert torch.equal(a, b), f"step {i}: folded logits differ from unfolded"
-        tok = a.argmax(-1)
-    for la, lb in zip(cache.layers, cache_u.layers):
-        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    assert_steps_bitwise_equal(folded, unfolded, tok, "folded and unfolded")
 
 
 def rotate_half(x):

@@ -4,15 +4,12 @@ of unfused plans (reference executor), and the pass refuses what it must not fus
 from __future__ import annotations
 
 import collections
-import copy
 
 import pytest
 import torch
 
-from _helpers import assert_close
+from _helpers import assert_close, assert_steps_bitwise_equal, step_pair
 from tilec.api import compile_module
-from tilec.hf import compile_decode_step
-from tilec.zoo import make_model, prefill
 
 
 def kinds(prog) -> dict[str, int]:
@@ -22,23 +19,14 @@ def kinds(prog) -> dict[str, int]:
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decoder_fused_equals_unfused(name, dtype):
-    model = make_model(name, dtype, "cpu")
-    cache, tok = prefill(model, 2, 6, 12, "cpu")
-    cache_u = copy.deepcopy(cache)
-    fused = compile_decode_step(model, cache, 2, options=dict(workers=6))
-    unfused = compile_decode_step(model, cache_u, 2, options=dict(workers=6, fuse_gemv=False))
-    k = kinds(fused.program)
+    model, tok, fused, unfused = step_pair(name, dtype, dict(fuse_gemv=False))
+    k = kinds(fused[0].program)
     layers = model.config.num_hidden_layers
     # q, k, v, o, gate, up, down per layer and the LM head: every GEMV absorbed a neighbour
     assert k["linear_fused"] == 7 * layers + 1 and "linear" not in k and "silu_mul" not in k
     assert "binary" not in k  # both residual adds became epilogues
     assert k.get("rmsnorm", 0) == (2 * layers if name.startswith("qwen3") else 0)  # q/k norms stay
-    for i in range(3):
-        a, b = fused(tok, 6 + i), unfused(tok, 6 + i)
-        assert torch.equal(a, b), f"step {i}: fused logits differ from unfused"
-        tok = a.argmax(-1)
-    for la, lb in zip(cache.layers, cache_u.layers):
-        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    assert_steps_bitwise_equal(fused, unfused, tok, "fused and unfused")
 
 
 class NormShared(torch.nn.Module):

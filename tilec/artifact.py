@@ -57,7 +57,8 @@ from .program import CompiledProgram
 from .taskgraph import TaskGraph
 from .trace import predicted_trace
 
-# format 2: the split_kv and fuse_gemv stages (ir/02, ir/03); 3: the fold_cache stage (ir/04)
+# format 2: the split_kv and fuse_gemv stages (ir/02, ir/03); 3: the fold_cache stage (ir/04);
+# 4: dispatch signatures pack dtype code + 1 (tilec.plan.dtype_signature)
 FORMAT, FORMAT_VERSION = "tilec-artifact", 4
 MANIFEST = "manifest.json"
 STAGES = tuple(STAGE_FILES)  # opgraph, split_kv, fuse_gemv, fold_cache, tasks, ..., schedule, plan

@@ -38,7 +38,7 @@ import tilec
 
 from . import artifact as art_mod
 from .codegen.build import cache_root, extra_flags
-from .dump import check_dump_root
+from .dump import OPGRAPH_STAGES, check_dump_root
 from .artifact import STAGES, ArtifactError, resolve_stage
 from .timing import cuda_graph, step_times
 from .errors import ExampleInputError, TilecError
@@ -380,7 +380,7 @@ def to_dot(art, stage: str) -> str:
     task/event graph of the stage (for ``schedule`` and ``plan``: the linearized graph with one
     cluster per worker)."""
     lines = [f"digraph {_q('tilec ' + stage)} {{", "  rankdir=TB;", "  node [fontname=monospace, fontsize=10];"]
-    if stage in ("opgraph", "split_kv", "fuse_gemv", "fold_cache"):
+    if stage in OPGRAPH_STAGES:
         g = art.stage_json(stage)
         colors = {"input": "lightblue", "param": "lightyellow", "const": "lightgrey", "table": "lightgrey",
                   "state": "orange", "temp": "white", "output": "palegreen"}

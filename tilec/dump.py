@@ -55,6 +55,7 @@ STAGE_FILES = {
     "schedule": "09-schedule.txt",
     "plan": "10-plan.txt",
 }
+OPGRAPH_STAGES = ("opgraph", "split_kv", "fuse_gemv", "fold_cache")  # the stages whose IR is an OpGraph
 STATS_FILE, TRACE_FILE = "stats.txt", "trace.json"
 ALL_FILES = (*STAGE_FILES.values(), STATS_FILE, TRACE_FILE)
 
@@ -135,8 +136,8 @@ class DumpHook:
                 raise TilecError(f"tilec {origin}={self.root}: cannot create {self.directory}: {e.strerror or e}") from e
         if self.directory is None or stage not in STAGE_FILES:
             return
-        if stage in ("split_kv", "fuse_gemv", "fold_cache"):
-            self._graph = ir  # the graph the plan runs (stats count its ops)
+        if isinstance(ir, OpGraph):
+            self._graph = ir  # the last one is the graph the plan runs (stats count its ops)
         if isinstance(ir, TaskGraph):
             self._tg = ir
         if stage == "schedule":
