@@ -227,6 +227,27 @@ class _Fn(torch.nn.Module):
         return self.fn(self, *args)
 
 
+def test_fp8_gemm_tiles_prefetch_their_weight_rows():
+    """Each FP8 GEMM tile names its weight rows [n0, n1) x K (operand 2, clamped to
+    PREFETCH_MAX_BYTES) for the L2 prefetch the executor issues before the tile's wait."""
+    from tilec.plan import F, PREFETCH_MAX_BYTES, decode_coords
+    plan = case(True).program.plan
+    seen = 0
+    for q in plan.queues.tolist():
+        for d in q:
+            if d[F["op"][0]] < 0 or plan.graph.ops[d[F["op"][0]]].kind != "fp8_linear":
+                continue
+            wq = plan.graph.ops[d[F["op"][0]]].inputs[2]
+            n0, n1 = decode_coords(d)[-1]
+            k = wq.shape[1]
+            w0 = d[F["prefetch"][0]] & 0xFFFFFFFF
+            assert (w0 >> 28, (w0 >> 24) & 15) == (2, 0)
+            assert ((w0 & 0xFFFFFF) * 16, d[F["prefetch"][0] + 1] * 16) == (
+                min((n1 - n0) * k, PREFETCH_MAX_BYTES), n0 * k)
+            seen += 1
+    assert seen > 0
+
+
 @pytest.mark.parametrize("eq", ["thd,hdc->thc", "bmk,bkn->bmn", "hdc,thd->htc"])
 def test_einsum_batched_matmul_is_one_bmm(eq):
     sizes = dict(t=3, h=4, d=5, c=6, b=2, m=3, k=5, n=7)

@@ -9,8 +9,9 @@ import torch
 from tilec import smem
 from tilec.api import compile_module
 from tilec.hf import compile_decode_step
+from tilec.options import Options
 from tilec.ir import BufferKind
-from tilec.ops import EMPTY, NOOP, opdef
+from tilec.ops import EMPTY, GEMV_TILE_N_MAX, NOOP, gemv_tile_n, opdef
 from tilec.plan import F, KernelPlan, decode_coords
 from tilec.trace import measured_trace
 from tilec.zoo import make_model, prefill
@@ -210,3 +211,38 @@ def test_long_k_with_a_fused_prologue_is_not_streamed():
     tile = Tile(((0, 9), (0, 8), (0, 4200)), reads=(), writes=())
     assert gemv_stream_word(plan.graph, op.inputs[0], op.inputs[2], 2, tile, 200_000, prologue=True) == 0
     assert gemv_stream_word(plan.graph, op.inputs[0], op.inputs[2], 2, tile, 200_000) != 0
+
+
+def test_a_tile_reuses_the_x_rows_its_predecessor_staged(bf16_plan):
+    """The plan flags (linear_fused param 4) a streamed tile whose worker's previous instruction
+    staged the same x rows - same x and prologue inputs, prologue, rows and K range (Q / K / V of
+    one layer, gate then up) - and no other."""
+    p4 = F["params"][0] + 4
+    flagged = 0
+    for q in bf16_plan.queues.tolist():
+        prev = None
+        for d in q:
+            op = bf16_plan.graph.ops[d[F["op"][0]]] if d[0] not in (NOOP, EMPTY) else None
+            if op is not None and op.kind == "linear_fused" and d[p4]:
+                assert prev is not None, op.name
+                pop, pd = prev
+                npro = 2 if op.attr("prologue") != "none" else 1
+                assert pop.kind == "linear_fused" and decode_stream(pd) and decode_stream(d)
+                assert pop.inputs[:npro] == op.inputs[:npro] and pop.attr("prologue") == op.attr("prologue")
+                assert decode_coords(pd)[:-2] == decode_coords(d)[:-2] and decode_coords(pd)[-1] == decode_coords(d)[-1]
+                flagged += 1
+            elif op is not None and op.kind == "linear_fused":
+                assert not (prev and prev[0].kind == "linear_fused" and prev[0].inputs[:2] == op.inputs[:2]
+                            and prev[0].attr("prologue") == op.attr("prologue") == "rmsnorm"
+                            and decode_stream(prev[1]) and decode_stream(d)), f"{op.name}: reuse missed"
+            prev = (op, d) if op is not None else None
+    assert flagged > 0
+
+
+def test_linears_take_one_tile_per_worker_up_to_the_cap():
+    opts = Options(workers=132)
+    assert gemv_tile_n(128256, opts, GEMV_TILE_N_MAX) == 976  # a Llama LM head: 132 tiles
+    assert gemv_tile_n(128256, opts) == 128  # ops sizing shared memory by the tile keep 128
+    assert gemv_tile_n(8192, opts, GEMV_TILE_N_MAX) == 64
+    assert gemv_tile_n(304128, opts, GEMV_TILE_N_MAX) == 768  # 2304 a worker: three rounds of 768
+    assert gemv_tile_n(100, Options(workers=132, tile_n=32), GEMV_TILE_N_MAX) == 32

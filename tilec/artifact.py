@@ -58,8 +58,9 @@ from .taskgraph import TaskGraph
 from .trace import predicted_trace
 
 # format 2: the split_kv and fuse_gemv stages (ir/02, ir/03); 3: the fold_cache stage (ir/04);
-# 4: dispatch signatures pack dtype code + 1 (tilec.plan.dtype_signature)
-FORMAT, FORMAT_VERSION = "tilec-artifact", 4
+# 4: dispatch signatures pack dtype code + 1 (tilec.plan.dtype_signature); 5: plan format 3
+# (linear_fused's staged-x flag)
+FORMAT, FORMAT_VERSION = "tilec-artifact", 5
 MANIFEST = "manifest.json"
 STAGES = tuple(STAGE_FILES)  # opgraph, split_kv, fuse_gemv, fold_cache, tasks, ..., schedule, plan
 LIBRARY = "cuda/libtilec.so"

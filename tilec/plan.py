@@ -33,7 +33,8 @@ MAX_PARAMS = 9
 PREFETCH_MAX_BYTES = 128 * 1024  # per instruction: 132 workers x 128 KiB stays well inside L2
 # Version of the descriptor encoding (the dispatch signature's packing above all): part of the
 # keys of the on-disk plan cache (tilec.backend), so a plan stored by another encoding is not reused.
-PLAN_FORMAT = 2
+# 3: linear_fused's staged-x flag (param 4).
+PLAN_FORMAT = 3
 DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     # (field, first word, number of words)
     ("opcode", 0, 1),
@@ -257,6 +258,7 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
     queues[:, :, F["op"][0]] = -1
     by_id = {t.id: t for t in tg.tasks}
     for w, q in enumerate(sched.queues):
+        staged = None  # what the previous instruction left staged in shared memory (OpDef.staged_x)
         for j, tid in enumerate(q):
             t = by_id[tid]
             d = queues[w, j]
@@ -268,6 +270,7 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
                 d[F["signal_event"][0]] = signal_of[tid].id
             if t.op is None:
                 d[F["opcode"][0]] = EMPTY
+                staged = None
                 continue
             op = graph.ops[op_index[t.op]]
             od = opreg.opdef(op.kind)
@@ -291,11 +294,16 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
                 d[p0 + k] = v
             stream = od.stream(op, t.tile, graph, scratch) if stages else 0
             d[F["stream"][0]] = stream
+            x = od.staged_x(op, t.tile) if stream and not stream & opreg.STREAM_KOUTER else None
+            key = (od.kind, x) if x is not None else None
+            if key is not None and key == staged:
+                d[p0 + od.staged_x_param] = 1
+            staged = key
             pf = None if stream else od.prefetch(op, t.tile, graph)
             if pf is not None:
                 operand, offset, nbytes = pf
                 nbytes = min(nbytes, PREFETCH_MAX_BYTES)
-                if nbytes >= 16 and 0 <= operand < 8:
+                if nbytes >= 16 and 0 <= operand < 8 and 0 <= offset // 16 < 2 ** 31:
                     d[F["prefetch"][0]] = (operand << 28) | (nbytes // 16)  # never past the range's end
                     d[F["prefetch"][0] + 1] = offset // 16
     events = torch.zeros(len(tg.events), 4, dtype=torch.int32)

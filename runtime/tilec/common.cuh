@@ -42,6 +42,8 @@ struct TileCtx {
   int smem_floats;
   const WeightRing* ring;  // the worker's GEMV weight stream (stream.cuh)
   long long* stamp;        // profiling (nullable): [start, end, mark 1, mark 2] of this instruction
+  bool x_staged_in;        // the previous instruction left bf16 GEMV x rows in smem (linear_impl)
+  bool x_staged_out;       // set by an op that leaves them (the executor passes it on)
   __device__ void mark(int k) const;  // thread 0 records %globaltimer as mark k (1 or 2)
   __device__ int lo(int k) const { return d[TILEC_W_COORDS + 2 * k]; }
   __device__ int hi(int k) const { return d[TILEC_W_COORDS + 2 * k + 1]; }

@@ -95,6 +95,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
   __shared__ unsigned long long ring_full[kMaxStages], ring_empty[kMaxStages];
   __shared__ WeightRing ring;
   __shared__ unsigned long long epoch;
+  __shared__ int x_staged;  // 1: the last instruction left a GEMV's bf16 x rows in the scratch
   const int worker = blockIdx.x;
   const int* q = queues + (size_t)worker * L * TILEC_DESCRIPTOR_WORDS;
   if (threadIdx.x < TILEC_DESCRIPTOR_WORDS) desc[0][threadIdx.x] = q[threadIdx.x];
@@ -104,6 +105,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
                       timeout_ns, &compute_done, &ring_gave_up};
     ring_next = 0;
     ring_gave_up = 0;
+    x_staged = 0;
     compute_done = 0;
     for (int s = 0; s < ring_stages; ++s) {
       mbar_init(ring_full + s, 1);
@@ -151,11 +153,14 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     // profiling: %globaltimer when the instruction starts running (its wait satisfied) and ends
     long long* stamp = stamps ? stamps + ((size_t)worker * L + i) * 4 : nullptr;
     if (stamp && threadIdx.x == 0) stamp[0] = (long long)global_timer();
+    bool staged_out = false;
     if (opcode != TILEC_OP_EMPTY) {
-      TileCtx c{d, ops, scratch, smem_floats, &ring, stamp};
+      TileCtx c{d, ops, scratch, smem_floats, &ring, stamp, x_staged != 0, false};
       Dispatch(c, opcode, sig);
+      staged_out = c.x_staged_out;
     }
     block_sync();
+    if (threadIdx.x == 0) x_staged = staged_out;  // read by every thread after the next wait's barrier
     if (ring_gave_up) {  // a ring wait gave up (abort): leave the queue
       ok = false;
       break;

@@ -887,18 +887,24 @@ __device__ __forceinline__ void gemv_silu_mul_rows(const TileCtx& c, const long 
 // stride, 16-byte aligned rows, kl % 8 == 0.
 __device__ __forceinline__ float bf16_lo(unsigned u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
-__device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long long* xoff, const long long* soff, long long xk,
-                                                int nr, int k0, int kl, int pro, float eps, __nv_bfloat16* xb, int pitch,
-                                                __nv_bfloat16* side_s, float* rscale) {
+// Whether stage_bf16_rows can stage these rows (it stages nothing otherwise).
+__device__ __forceinline__ bool bf16_rows_stageable(const TileCtx& c, const long long* xoff, const long long* soff,
+                                                    long long xk, int nr, int k0, int kl, int pro, int pitch) {
   const Operand &x = c.ops[0], &side = c.ops[1];
-  const int vpr = kl / 8, nv = nr * vpr;  // 16-byte vectors per row, in all
   if (xk != 1 || kl % 8 || pitch % 8) return false;
   if (pro != 0 && (side.strides[side.ndim - 1] != 1 || !aligned16(side.ptr))) return false;
   for (int r = 0; r < nr; ++r) {
     if (!aligned16(base<__nv_bfloat16>(x) + xoff[r] + k0)) return false;
     if (pro == 2 && !aligned16(base<__nv_bfloat16>(side) + soff[r] + k0)) return false;
   }
-  if (pro == 1 && !aligned16(base<__nv_bfloat16>(side) + k0)) return false;
+  return pro != 1 || aligned16(base<__nv_bfloat16>(side) + k0);
+}
+__device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long long* xoff, const long long* soff, long long xk,
+                                                int nr, int k0, int kl, int pro, float eps, __nv_bfloat16* xb, int pitch,
+                                                __nv_bfloat16* side_s, float* rscale) {
+  const Operand &x = c.ops[0], &side = c.ops[1];
+  const int vpr = kl / 8, nv = nr * vpr;  // 16-byte vectors per row, in all
+  if (!bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch)) return false;
   const __nv_bfloat16* xp = base<__nv_bfloat16>(x);
   const __nv_bfloat16* sp = base<__nv_bfloat16>(side);
 #pragma unroll 1
@@ -1108,8 +1114,11 @@ __device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, co
 // 2.13 / 3.01 / 3.04 to 2.44 / 3.31 / 3.39 TB/s on an H200 (2048 x 8192, 4096 x 14336,
 // 128256 x 2048; same run, 2 ring stages). A tile with more rows than promised is a plan bug:
 // the worker aborts the step (the host raises a WatchdogError).
+// reuse_x: the worker's previous instruction staged the same bf16 x rows (tilec/plan.py sets it
+// from OpDef.staged_x; same x, prologue, rows and K range): when the executor confirms they are
+// still in shared memory (c.x_staged_in), they are not staged again.
 template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap>
-__device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f) {
+__device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f, bool reuse_x = false) {
   constexpr bool kMmaRows = kRowCap == 0 || kRowCap > kRowsPerPass;  // 9..16 rows may occur
   constexpr int kR = kRowCap == 1 ? 1 : kRowCap == 4 ? 4 : 8;         // the widest row-register instance
   const Operand &x = c.ops[0], &w = c.ops[wi];
@@ -1183,8 +1192,11 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     bool ready = false;                                      // xb staged
     if constexpr (std::is_same<TX, __nv_bfloat16>::value)  // bf16 x straight to bf16 rows
       ready = ring && 576 + (red - xs_smem) + (mma ? kWarps * 128 : 0) <= c.smem_floats - 64 &&
-              stage_bf16_rows(c, xoff, soff, xk, nr, k0, kl, pro, eps, xb, pitch,
-                              reinterpret_cast<__nv_bfloat16*>(side_s), rscale);
+              (reuse_x && c.x_staged_in && rows <= kMaxRows
+                   ? bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch)
+                   : stage_bf16_rows(c, xoff, soff, xk, nr, k0, kl, pro, eps, xb, pitch,
+                                     reinterpret_cast<__nv_bfloat16*>(side_s), rscale));
+    c.x_staged_out = ready && rows <= kMaxRows;  // the bf16 rows stay at xs_smem for the next instruction
     if (!ready && staged && variant != 1) gemv_stage_rows<TX>(c, x, xoff, soff, xk, nr, k0, k1, xs_smem, rscale, pro, eps);
     if (ring) {
       if (!ready && !mma) {
@@ -1267,7 +1279,7 @@ template <typename TX, typename TW, typename TO, int kRowCap>
 __device__ void op_linear_fused(TileCtx& c) {
   const int pro = c.param(1), epi = c.param(2);
   const int wi = pro ? 2 : 1;
-  linear_impl<TX, TW, TW, TO, false, kRowCap>(c, wi, wi + (epi ? 2 : 1), pro, epi, c.fparam(3));
+  linear_impl<TX, TW, TW, TO, false, kRowCap>(c, wi, wi + (epi ? 2 : 1), pro, epi, c.fparam(3), c.param(4) != 0);
 }
 
 // ---- decode attention over a static KV cache (GQA) -------------------------------------

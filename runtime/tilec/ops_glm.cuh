@@ -622,7 +622,7 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
                     q.strides[0] % 8 == 0 && q.strides[1] % 8 == 0 && q.strides[2] % 8 == 0 && kc.strides[0] % 8 == 0 &&
                     kc.strides[1] % 8 == 0 && (reinterpret_cast<uintptr_t>(q.ptr) & 15) == 0 &&
                     (reinterpret_cast<uintptr_t>(kc.ptr) & 15) == 0 &&
-                    (long long)rows * ldq / 2 + rows + 16 <= c.smem_floats;
+                    (long long)rows * ldq / 2 + rows + T + 16 <= c.smem_floats;
   if (!fits) return false;
   const float scale = c.fparam(0);
   const int page = c.param(1);
@@ -630,6 +630,7 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
   const int j0 = c.lo(1), j1 = c.hi(1);
   __nv_bfloat16* q16 = reinterpret_cast<__nv_bfloat16*>(c.smem);  // [rows][ldq]
   float* w_s = c.smem + (rows * ldq + 1) / 2;                        // [rows]
+  int* pos_s = reinterpret_cast<int*>(w_s + rows);                   // [T]: each token's position
   for (int r = c.lo(0); r < c.hi(0); ++r) {
     block_sync();
     if constexpr (std::is_same<TQ, __nv_bfloat16>::value) {  // every row's copies in flight at once
@@ -657,12 +658,30 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
       }
     }
     stage_head_weights<TW>(w, r, T, H, w_s);
+    for (int t = threadIdx.x; t < T; t += kThreads)
+      pos_s[t] = (int)ldc<TP>(base<TP>(pos) + (long long)r * pos.strides[0] + (long long)t * pos.strides[1]);
     block_sync();
-    const long long last = latest_position<TP>(pos, r, T);
+    int last = -1;
+    for (int t = 0; t < T; ++t) last = max(last, pos_s[t]);
 #pragma unroll 1
     for (int j8 = j0 + warp * 8; j8 < j1; j8 += kWarps * 8) {
       const int j = j8 + g;  // this lane's key row (B column g)
       uint4 b[kMaxDC];
+      // the key scales of the two positions this lane stores, loaded with the keys (not per token)
+      float ksc[2] = {1.f, 1.f};
+      if constexpr (kKScale) {
+        if (g == 0) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int jj = j8 + 2 * qq + i;
+            if (jj < j1 && jj <= last) {
+              const long long p = ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] + (long long)(jj / page) * bt.strides[1]);
+              const Operand& ks = c.ops[3];
+              ksc[i] = ldf<TKS>(ks, p * ks.strides[0] + (long long)(jj % page) * ks.strides[1]);
+            }
+          }
+        }
+      }
       if (j < j1 && j <= last) {  // later positions are never read (their pages may not exist yet)
         const long long p = ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] + (long long)(j / page) * bt.strides[1]);
         const TK* krow = base<TK>(kc) + p * kc.strides[0] + (long long)(j % page) * kc.strides[1] + 8 * qq;
@@ -695,8 +714,7 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
           sum1 += __shfl_xor_sync(0xffffffffu, sum1, o);
         }
         if (g == 0) {
-          const long long pt = (long long)ldc<TP>(base<TP>(pos) + (long long)r * pos.strides[0] +
-                                                  (long long)t * pos.strides[1]);
+          const int pt = pos_s[t];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const int jj = j8 + 2 * qq + i;
@@ -704,11 +722,7 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
             float v = -INFINITY;
             if (jj <= pt) {
               v = i ? sum1 : sum0;
-              if constexpr (kKScale) {
-                const long long p = ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] + (long long)(jj / page) * bt.strides[1]);
-                const Operand& ks = c.ops[3];
-                v *= ldf<TKS>(ks, p * ks.strides[0] + (long long)(jj % page) * ks.strides[1]);
-              }
+              if constexpr (kKScale) v *= ksc[i];
             }
             int oi[4] = {r, t, jj, 0};
             stf<TO>(out, offset4(out, oi), v);

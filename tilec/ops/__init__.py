@@ -78,6 +78,16 @@ class OpDef:
         while the tile waits for its producers, so weight streaming overlaps the wait."""
         return None
 
+    staged_x_param: int | None = None  # the param index the plan sets to 1 when x is already staged
+
+    def staged_x(self, op: Op, tile: Tile) -> tuple | None:
+        """What a streamed tile stages in shared memory before it consumes its weights (its x rows
+        with the prologue applied), as a hashable key, or None. When a worker's instruction follows
+        one of the same key, the plan sets param :attr:`staged_x_param` and the device reuses the
+        rows the previous instruction left in shared memory instead of staging them again (Q / K /
+        V tiles of one layer on one worker, gate then up)."""
+        return None
+
     def stream(self, op: Op, tile: Tile, graph, scratch: int) -> int:
         """The descriptor's ``stream`` word for a tile whose device code consumes its weights
         from the worker's shared-memory ring (``runtime/tilec/stream.cuh``), or 0. ``scratch``:
@@ -248,18 +258,26 @@ def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch:
     return word
 
 
-def gemv_tile_n(n: int, opts) -> int:
+GEMV_TILE_N_MAX = 1024  # columns of a linear / linear_fused tile (no device path sizes memory by them)
+
+
+def gemv_tile_n(n: int, opts, max_cols: int = 128) -> int:
     """Output columns per GEMV/GEMM tile for an op with ``n`` output columns.
 
     ``opts.tile_n`` when set; otherwise (auto) the op's columns are spread over all
     ``opts.workers`` so a lone GEMV keeps every SM streaming: about ``n / workers``
-    columns per tile, at most 128 (more, smaller tiles balance better), a multiple of 8
+    columns per tile, at most ``max_cols`` (ops whose device code sizes shared memory by the
+    tile keep the default 128; linear and linear_fused take :data:`GEMV_TILE_N_MAX`), a multiple of 8
     (16-byte aligned bf16 weight rows stay whole per warp).
+
+    One tile per worker where it fits: a Llama-3.2-1B LM head (128256 columns) as 1002 tiles of
+    128 columns left 78 of 132 workers one tile (~20 µs) more than the rest, and restaged x
+    per tile (H200 trace, 2026-12-01).
     """
     if opts.tile_n:
         return opts.tile_n
     per = -(-n // opts.workers)
-    rounds = -(-per // 128)
+    rounds = -(-per // max_cols)
     per = -(-n // (opts.workers * rounds))
     return max(8, -(-per // 8) * 8)
 

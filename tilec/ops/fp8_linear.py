@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import OpDef, Tile, TileArgs, gemv_tile_n, out_tiles, register, sub
+from . import OpDef, Tile, TileArgs, gemv_tile_n, out_tiles, register, sub, weight_rows_prefetch
 
 
 @register
@@ -31,6 +31,13 @@ class Fp8Linear(OpDef):
                                           (3, ((n0 // bn, (n1 - 1) // bn + 1), (0, kb)))),
                               writes=((4, box, "write"),)))
         return tiles
+
+    def prefetch(self, op, tile, graph):
+        """The tile's FP8 weight rows (one contiguous range, clamped by the plan to
+        ``PREFETCH_MAX_BYTES``): pulled into L2 while the tile waits for its quantized
+        activations, so its weight loads (not streamed through the ring) wait on L2."""
+        n0, n1 = tile.coords[-1]
+        return weight_rows_prefetch(graph, op.inputs[2], 2, n0, n1, 0, op.inputs[2].shape[1])
 
     def params(self, op):
         xq, xs = op.inputs[0], op.inputs[1]

@@ -15,14 +15,15 @@ the down projection"; Mirage MPK and the Hazy megakernel fuse the same chains).
 
 Operands: the prologue's inputs (x; x, norm_w [K]; or g, u), W [N, K], resid [..., N] (with
 ``add``), out [..., N]. Side operands (norm_w, u, resid) have the dtype of x (or out).
-Params: K, prologue code, epilogue code, eps bits. Tiles: all rows x ``gemv_tile_n`` columns;
+Params: K, prologue code, epilogue code, eps bits, and (set per tile by the plan) 1 when the
+worker's previous instruction left this tile's staged x rows in shared memory. Tiles: all rows x ``gemv_tile_n`` columns;
 coords: the out box, then the K range (always whole: the prologue needs whole rows).
 """
 from __future__ import annotations
 
 import torch
 
-from . import (row_cap, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
+from . import (GEMV_TILE_N_MAX, row_cap, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
                weight_rows_prefetch)
 from .linear import gemv_flops
 
@@ -71,7 +72,7 @@ class LinearFused(OpDef):
             rows *= s
         out_idx = len(op.inputs)
         tiles = []
-        for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts)):
+        for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts, GEMV_TILE_N_MAX)):
             n0, n1 = box[-1]
             lead = box[:-1] + ((0, k),)
             reads = [(i, lead) for i in range(npro)]
@@ -92,6 +93,15 @@ class LinearFused(OpDef):
         wi = self.layout(op)[1]
         return gemv_stream_word(graph, op.inputs[0], op.inputs[wi], wi, tile, scratch,
                                 prologue=op.attr("prologue") != "none")
+
+    staged_x_param = 4
+
+    def staged_x(self, op, tile):
+        """x (and the prologue's side input: the RMSNorm weight, or SiLU-mul's u), the
+        prologue, and the tile's rows and K range: what ``stage_bf16_rows`` leaves in shared
+        memory (ops.cuh). Tiles of different output columns and epilogues share it."""
+        npro = self.layout(op)[0]
+        return (op.inputs[:npro], op.attr("prologue"), op.attr("eps", 0.0), tile.coords[:-2], tile.coords[-1])
 
     def params(self, op):
         return [op.inputs[0].shape[-1], PROLOGUES[op.attr("prologue")], EPILOGUES[op.attr("epilogue")],
