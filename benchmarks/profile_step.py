@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.trace import kind_table, measured_trace, write_trace  # noqa: E402
+from tilec.trace import kind_table, measured_trace, op_table, wait_table, write_trace  # noqa: E402
 from tilec.timing import need_gpu  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
@@ -44,8 +44,16 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default="trace.json")
+    ap.add_argument("--window", default="", metavar="LO,HI",
+                    help="print the per-op table for ops starting in [LO, HI] us (default: the middle tenth of the step)")
     ap.add_argument("--options", default="{}", help='extra compile options as JSON, e.g. \'{"attn_kv_chunk": 64}\'')
     args = ap.parse_args()
+    try:
+        window = tuple(float(v) for v in args.window.split(",")) if args.window else None
+        if window is not None and len(window) != 2:
+            raise ValueError(args.window)
+    except ValueError:
+        ap.error(f"--window: expected LO,HI in microseconds, got {args.window!r}")
     need_gpu("profile_step.py")
     model = make_model(args.model, torch.bfloat16, "cuda", layers=args.layers)
     cache, tok = prefill(model, args.batch, args.context, args.context + 8, "cuda")
@@ -58,6 +66,11 @@ def main():
     write_trace(args.out, trace)
     print(f"{args.model} batch {args.batch}: {kind_table(trace, tg)}; trace -> {args.out}")
     print(phase_table(trace))
+    print(wait_table(trace))
+    span = trace["otherData"]["makespan_us"]
+    lo, hi = window or (0.45 * span, 0.55 * span)
+    print(f"ops starting in [{lo:.0f}, {hi:.0f}] us (median start; times in us from the step's start):")
+    print(op_table(trace, lo, hi))
 
 if __name__ == "__main__":
     main()

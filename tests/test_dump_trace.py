@@ -9,6 +9,7 @@ the plan's events and the cost model.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from tilec.ops import NOOP
 from tilec.options import Options
 from tilec.plan import F
 from tilec.stats import render_stats
-from tilec.trace import measured_trace, predicted_trace, write_trace
+from tilec.trace import measured_trace, op_table, predicted_trace, wait_table, write_trace
 
 FILES = ["01-opgraph.txt", "02-split_kv.txt", "03-fuse_gemv.txt", "04-fold_cache.txt", "05-tasks.txt", "06-fused.txt",
          "07-normalized.txt", "08-linearized.txt", "09-schedule.txt", "10-plan.txt", "stats.txt", "trace.json"]
@@ -242,6 +243,34 @@ def test_measured_trace_from_synthetic_stamps(monkeypatch):
     stamps[w, j, 1] = stamps[w, j, 0] - 1
     with pytest.raises(TilecError, match="end before they start"):
         measured_trace(plan, stamps)
+
+
+def test_op_and_wait_tables_of_a_measured_trace(monkeypatch):
+    """Per-op rows (tiles, starts, ends, tile time) in order of median start within a window,
+    and per-kind waits (the gaps between a worker's consecutive instructions)."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    _, rec = compile_mlp(Options(**{**BASE, "workers": 5, "scheduler": "round_robin"}))
+    plan = rec.stages["plan"]
+    w_n, l_n = plan.queues.shape[:2]
+    stamps = torch.zeros(w_n, l_n, 2, dtype=torch.int64)
+    for w, j, _ in instructions(plan):  # instruction j of every worker: starts at 10 j us, runs 2 us
+        stamps[w, j] = torch.tensor([10_000 * j, 10_000 * j + 2_000])
+    trace = measured_trace(plan, stamps)
+    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["args"]["op"]]
+    ops = {e["args"]["op"] for e in slices}
+    rows = op_table(trace).splitlines()
+    assert rows[0].split()[:3] == ["op", "tiles", "start"] and len(rows) == 1 + len(ops)
+    starts = [float(r.split()[3]) for r in rows[1:]]
+    assert starts == sorted(starts)  # ordered by median start
+    for r in rows[1:]:
+        op, tiles, tile_us = r.split()[0], int(r.split()[1]), float(r.split()[7])
+        assert tiles == sum(e["args"]["op"] == op for e in slices) and tile_us == 2.0
+    in_window = [op for op in ops if 5.0 <= statistics.median(e["ts"] for e in slices if e["args"]["op"] == op) <= 15.0]
+    assert in_window and len(op_table(trace, 5.0, 15.0).splitlines()) == 1 + len(in_window)
+    waits = {r.split()[0]: r.split()[1:] for r in wait_table(trace).splitlines()[1:]}
+    assert all(float(v[1]) == 8.0 and float(v[2]) == 8.0 for v in waits.values())  # every gap is 10 - 2 us
+    assert sum(int(v[0]) for v in waits.values()) == sum(
+        max(0, sum(1 for ww, _, _ in instructions(plan) if ww == w) - 1) for w in range(w_n))
 
 
 def test_unwritable_dump_dir_is_a_clear_error(tmp_path):

@@ -148,6 +148,66 @@ def kind_table(trace: dict, taskgraph: TaskGraph) -> str:
     return "\n".join(lines)
 
 
+def op_table(trace: dict, t_lo: float = 0.0, t_hi: float = float("inf")) -> str:
+    """A measured trace's instructions grouped by OpGraph op, in order of their median start,
+    for the ops whose median start lies in ``[t_lo, t_hi]`` (µs from the step's start; one
+    decoder layer, say): tiles, first / median / last start, median / last end, the median
+    tile time, the median time from a tile's start to its first mark (a GEMV's x staged) and
+    from there to its second (the first weight stage in), and the median bytes per tile - the
+    step's critical path, op by op (Empty tasks are left out)."""
+    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["args"].get("op")]
+    if not slices:
+        return "no instructions ran"
+    per: dict[str, list] = {}
+    for e in slices:
+        per.setdefault(e["args"]["op"], []).append(e)
+    rows = sorted(((statistics.median(e["ts"] for e in es), op, es) for op, es in per.items()), key=lambda r: r[0])
+    med = statistics.median
+    lines = [f"{'op':<40} {'tiles':>5} {'start':>8} {'median':>8} {'last':>8} {'end med':>8} {'end max':>8} "
+             f"{'tile us':>8} {'->mark1':>8} {'->mark2':>8} {'KB':>7}"]
+    for start, op, es in rows:
+        if not t_lo <= start <= t_hi:
+            continue
+        m1 = [e["args"]["mark1_us"] for e in es if e["args"].get("mark1_us") is not None]
+        m2 = [e["args"]["mark2_us"] - e["args"]["mark1_us"] for e in es
+              if e["args"].get("mark2_us") is not None and e["args"].get("mark1_us") is not None]
+        ends = [e["ts"] + e["dur"] for e in es]
+        kb = med(e["args"].get("bytes", 0) for e in es) / 1024
+        name = op if len(op) <= 40 else "..." + op[-37:]  # the end tells partial from combine
+        lines.append(f"{name:<40} {len(es):>5} {min(e['ts'] for e in es):>8.1f} {start:>8.1f} "
+                     f"{max(e['ts'] for e in es):>8.1f} {med(ends):>8.1f} {max(ends):>8.1f} "
+                     f"{med(e['dur'] for e in es):>8.2f} {_cell(m1)} {_cell(m2)} {kb:>7.0f}")
+    return "\n".join(lines)
+
+
+def _cell(values: list) -> str:
+    return f"{statistics.median(values):>8.2f}" if values else f"{'-':>8}"
+
+
+def wait_table(trace: dict) -> str:
+    """How long workers wait for producers in a measured trace: the gap between an
+    instruction's end and the next one's start on the same worker, by the kind of the
+    instruction that waits - count, mean, median and 90th percentile (µs) and the total per
+    worker, most first."""
+    by_worker: dict[int, list] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            by_worker.setdefault(e["args"]["worker"], []).append(e)
+    gaps: dict[str, list] = {}
+    for es in by_worker.values():
+        es.sort(key=lambda e: e["args"]["instruction"])
+        for a, b in zip(es, es[1:]):
+            gaps.setdefault(b["cat"], []).append(b["ts"] - (a["ts"] + a["dur"]))
+    if not gaps:
+        return "no waits: no worker ran two instructions"
+    lines = [f"{'waiting kind':<18} {'count':>6} {'mean us':>8} {'median':>8} {'p90':>8} {'us/worker':>10}"]
+    for kind, g in sorted(gaps.items(), key=lambda kv: -sum(kv[1])):
+        g = sorted(g)
+        lines.append(f"{kind:<18} {len(g):>6} {statistics.mean(g):>8.2f} {statistics.median(g):>8.2f} "
+                     f"{g[min(len(g) - 1, int(0.9 * len(g)))]:>8.2f} {sum(g) / len(by_worker):>10.1f}")
+    return "\n".join(lines)
+
+
 def write_trace(path: str | os.PathLike, trace: dict) -> None:
     """Writes ``trace`` as JSON to ``path`` atomically, one event per line (diffable)."""
     events = ",\n".join(json.dumps(e, sort_keys=True) for e in trace["traceEvents"])
