@@ -283,76 +283,43 @@ __device__ void op_attention_partial(TileCtx& c) {
 // Rows r = hq * Sq + i of the tile's query heads, kWarps at a time: one warp per row computes
 // M, the split weights exp(m_s - M) and their normalizer sum_s w_s l_s into shared memory; then
 // one thread per (row, d) sums the weighted o_s. A row no split saw (all m = -inf) gets 0.
-// The tile is latency-bound, so a pass makes one round trip to memory where it can: the pass's
-// o_s rows go to shared memory with cp.async (float32, 16-byte aligned rows, when they fit
-// beside w) while each lane loads its split's m and l (at most 32 splits); the same sums in the
-// same order either way.
 template <typename TP, typename TM, typename TO>
 __device__ void op_attention_combine(TileCtx& c) {
   const Operand &op = c.ops[0], &ml = c.ops[1], &out = c.ops[2];
   const int NS = op.sizes[2], Sq = out.sizes[2], Dv = out.sizes[3];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long ms = ml.strides[2], m1 = ml.strides[3], os = op.strides[2];
-  float* w = c.smem;                               // [kWarps][NS]
-  float* o_s = w + (kWarps * NS + 3) / 4 * 4;     // [rows of the pass][NS][Dv] (staged path)
-  const bool vec = std::is_same<TP, float>::value && op.strides[3] == 1 && Dv % 4 == 0 && os % 4 == 0 &&
-                   op.strides[1] % 4 == 0 && op.strides[0] % 4 == 0 && aligned16(op.ptr) &&
-                   (kWarps * NS + 3) / 4 * 4 + kWarps * NS * Dv <= c.smem_floats;
+  float* w = c.smem;  // [kWarps][NS]
   for (int b = c.lo(0); b < c.hi(0); ++b) {
     const int r0 = c.lo(1) * Sq, r1 = c.hi(1) * Sq;
     for (int rb = r0; rb < r1; rb += kWarps) {
       const int nr = min(kWarps, r1 - rb);
-      block_sync();  // the previous rows are done with w and o_s
-      if (vec) {
-        const int per_row = NS * Dv / 4;  // 16-byte copies
-#pragma unroll 1
-        for (int v = threadIdx.x; v < nr * per_row; v += kThreads) {
-          const int rr = v / per_row, e = (v - rr * per_row) * 4;
-          int pi[4] = {b, rb + rr, e / Dv, e % Dv};
-          cp_async16(o_s + (long long)v * 4, base<float>(op) + offset4(op, pi));
-        }
-      }
+      block_sync();  // the previous rows are done with w
       if (warp < nr) {
         int mi[4] = {b, rb + warp, 0, 0};
         const long long mo = offset4(ml, mi);
         float mx = -INFINITY;
-        if (NS <= 32) {
-          const float m = lane < NS ? ldf<TM>(ml, mo + lane * ms) : -INFINITY;
-          const float lv = lane < NS ? ldf<TM>(ml, mo + lane * ms + m1) : 0.f;
-          mx = warp_max(m);
+        for (int s = lane; s < NS; s += 32) mx = fmaxf(mx, ldf<TM>(ml, mo + s * ms));
+        mx = warp_max(mx);
+        float l = 0.f;
+        for (int s = lane; s < NS; s += 32) {
+          const float m = ldf<TM>(ml, mo + s * ms);
           const float wt = m == -INFINITY ? 0.f : __expf(m - mx);
-          const float l = warp_sum(wt * lv);
-          if (lane < NS) w[warp * NS + lane] = wt * (l > 0.f ? 1.f / l : 0.f);
-        } else {
-          for (int s = lane; s < NS; s += 32) mx = fmaxf(mx, ldf<TM>(ml, mo + s * ms));
-          mx = warp_max(mx);
-          float l = 0.f;
-          for (int s = lane; s < NS; s += 32) {
-            const float m = ldf<TM>(ml, mo + s * ms);
-            const float wt = m == -INFINITY ? 0.f : __expf(m - mx);
-            l += wt * ldf<TM>(ml, mo + s * ms + m1);
-            w[warp * NS + s] = wt;
-          }
-          l = warp_sum(l);
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          for (int s = lane; s < NS; s += 32) w[warp * NS + s] *= inv;
+          l += wt * ldf<TM>(ml, mo + s * ms + m1);
+          w[warp * NS + s] = wt;
         }
+        l = warp_sum(l);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int s = lane; s < NS; s += 32) w[warp * NS + s] *= inv;
       }
-      if (vec) cp_async_wait_all();
       block_sync();
       for (int e = threadIdx.x; e < nr * Dv; e += kThreads) {
         const int rr = e / Dv, d = e % Dv, r = rb + rr;
+        int pi[4] = {b, r, 0, d};
+        const long long po = offset4(op, pi);
         float o = 0.f;
-        if (vec) {
-          const float* src = o_s + (long long)rr * NS * Dv + d;
 #pragma unroll 4
-          for (int s = 0; s < NS; ++s) o += w[rr * NS + s] * src[s * Dv];
-        } else {
-          int pi[4] = {b, r, 0, d};
-          const long long po = offset4(op, pi);
-#pragma unroll 4
-          for (int s = 0; s < NS; ++s) o += w[rr * NS + s] * ldf<TP>(op, po + s * os);
-        }
+        for (int s = 0; s < NS; ++s) o += w[rr * NS + s] * ldf<TP>(op, po + s * os);
         int oi[4] = {b, r / Sq, r % Sq, d};
         stf<TO>(out, offset4(out, oi), o);
       }
