@@ -44,7 +44,21 @@ struct TileCtx {
   long long* stamp;        // profiling (nullable): [start, end, mark 1, mark 2] of this instruction
   bool x_staged_in;        // the previous instruction left bf16 GEMV x rows in smem (linear_impl)
   bool x_staged_out;       // set by an op that leaves them (the executor passes it on)
+  // The instruction's event wait (executor.cuh). The GEMVs (linear, linear_fused) are
+  // dispatched before it, set themselves up and call wait() before they read any producer's
+  // data; for every other op the executor has waited before dispatching it.
+  unsigned long long* counters;
+  unsigned long long target;  // the event's count for this step
+  int wait_e;                 // the event (-1: none)
+  int instr;                  // the instruction's index in the queue (for the error record)
+  void* err;                  // the ErrorRecord
+  long long timeout_ns;
+  int* go;                    // shared: 1 when the wait succeeded, 0 when it gave up
+  bool waited;
   __device__ void mark(int k) const;  // thread 0 records %globaltimer as mark k (1 or 2)
+  // Every compute thread calls it at the same point: thread 0 waits for the event, then a block
+  // barrier. Returns false when the wait gave up (watchdog or abort): the op must return at once.
+  __device__ bool wait();
   __device__ int lo(int k) const { return d[TILEC_W_COORDS + 2 * k]; }
   __device__ int hi(int k) const { return d[TILEC_W_COORDS + 2 * k + 1]; }
   __device__ int ncoords() const { return d[TILEC_W_NCOORDS]; }
@@ -175,8 +189,12 @@ __device__ __forceinline__ void row_index(int r, int nd, const int* lo, const in
     idx[k] = 0;
     if (k < nd - 1) {
       const int ext = hi[k] - lo[k];
-      idx[k] = lo[k] + r % ext;
-      r /= ext;
+      if (ext == 1) {  // a decode tile's leading dims: no division (tens of dependent instructions each)
+        idx[k] = lo[k];
+      } else {
+        idx[k] = lo[k] + r % ext;
+        r /= ext;
+      }
     }
   }
 }

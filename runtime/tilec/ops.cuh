@@ -901,10 +901,10 @@ __device__ __forceinline__ bool bf16_rows_stageable(const TileCtx& c, const long
 }
 __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long long* xoff, const long long* soff, long long xk,
                                                 int nr, int k0, int kl, int pro, float eps, __nv_bfloat16* xb, int pitch,
-                                                __nv_bfloat16* side_s, float* rscale) {
+                                                __nv_bfloat16* side_s, float* rscale, bool checked = false) {
   const Operand &x = c.ops[0], &side = c.ops[1];
   const int vpr = kl / 8, nv = nr * vpr;  // 16-byte vectors per row, in all
-  if (!bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch)) return false;
+  if (!checked && !bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch)) return false;
   const __nv_bfloat16* xp = base<__nv_bfloat16>(x);
   const __nv_bfloat16* sp = base<__nv_bfloat16>(side);
 #pragma unroll 1
@@ -1144,9 +1144,11 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     *c.ring->gave_up = 1;
     return;
   }
+  // The executor dispatches a GEMV before its event wait (TileCtx::wait): everything up to the
+  // wait below reads only the descriptor and the operand table, never a producer's data.
   for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
     const int nr = min(kMaxRows, rows - r0);
-    block_sync();
+    if (r0 > 0) block_sync();  // the previous chunk is done with the row offsets
     for (int r = threadIdx.x; r < nr; r += kThreads) {
       int idx[4] = {0, 0, 0, 0};
       row_index(r0 + r, nd, lo, hi, idx);
@@ -1170,6 +1172,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       constexpr int kPitch = kStreamK + 32;
       if (std::is_same<TX, __nv_bfloat16>::value && mma && nr <= 16 && pro == 0 && variant != 1 &&
           t.n1 - t.n0 <= kWarps * kKouterGroups && 576 + nr * kPitch / 2 + kWarps * 128 <= c.smem_floats - 64) {
+        if (!c.wait()) return;
         gemv_bf16_ring_kouter<TB, TO, kBias>(c, t, xoff, xk, nr, reinterpret_cast<__nv_bfloat16*>(xs_smem),
                                              xs_smem + nr * kPitch / 2, store);
       } else {  // plan.py rules this out; fail loudly
@@ -1189,13 +1192,16 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     __nv_bfloat16* xb = reinterpret_cast<__nv_bfloat16*>(xs_smem);
     float* side_s = xs_smem + nr * pitch / 2;                // the prologue's other operand (stage_bf16_rows)
     float* red = side_s + stage_side_floats(pro, nr, kl);  // the mma's cross-warp sums
-    bool ready = false;                                      // xb staged
-    if constexpr (std::is_same<TX, __nv_bfloat16>::value)  // bf16 x straight to bf16 rows
-      ready = ring && 576 + (red - xs_smem) + (mma ? kWarps * 128 : 0) <= c.smem_floats - 64 &&
-              (reuse_x && c.x_staged_in && rows <= kMaxRows
-                   ? bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch)
-                   : stage_bf16_rows(c, xoff, soff, xk, nr, k0, kl, pro, eps, xb, pitch,
-                                     reinterpret_cast<__nv_bfloat16*>(side_s), rscale));
+    bool stageable = false;                                  // bf16 x can go straight to bf16 rows xb
+    if constexpr (std::is_same<TX, __nv_bfloat16>::value)
+      stageable = ring && 576 + (red - xs_smem) + (mma ? kWarps * 128 : 0) <= c.smem_floats - 64 &&
+                  bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch);
+    if (!c.wait()) return;  // the producers of x (and of the prologue's side rows) are done
+    bool ready = false;     // xb staged (or still there from the previous instruction)
+    if constexpr (std::is_same<TX, __nv_bfloat16>::value)
+      ready = stageable && ((reuse_x && c.x_staged_in && rows <= kMaxRows) ||
+                            stage_bf16_rows(c, xoff, soff, xk, nr, k0, kl, pro, eps, xb, pitch,
+                                            reinterpret_cast<__nv_bfloat16*>(side_s), rscale, true));
     c.x_staged_out = ready && rows <= kMaxRows;  // the bf16 rows stay at xs_smem for the next instruction
     if (!ready && staged && variant != 1) gemv_stage_rows<TX>(c, x, xoff, soff, xk, nr, k0, k1, xs_smem, rscale, pro, eps);
     if (ring) {

@@ -44,8 +44,10 @@ class Lin(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,k,n,bias,tile_n", [(1, 256, 100, False, 64), (3, 72, 130, True, 32), (16, 512, 64, False, 16)])
+@pytest.mark.parametrize("m,k,n,bias,tile_n", [(1, 256, 100, False, 64), (3, 72, 130, True, 32), (16, 512, 64, False, 16),
+                                              (100, 256, 72, True, 32)])
 def test_linear(dtype, m, k, n, bias, tile_n):
+    """100 rows: a tile's rows in two chunks of at most 64 (its event wait happens once, in the first)."""
     check(Lin(k, n, bias, dtype), (torch.randn(m, k, dtype=dtype),), dtype, tile_n=tile_n)
 
 

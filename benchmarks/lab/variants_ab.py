@@ -1,0 +1,110 @@
+"""Compile-time variants of the executor, A/B in one process (benchmarks/lab: an experiment).
+
+Compiles the Llama-3.2-1B decode step (batch 1, context 1024, bf16, random weights) once, then
+builds its generated program again with each variant's ``#define`` lines prepended (nvcc runs in
+parallel), swaps each library in turn into the same compiled step and prints, per variant and
+weight-ring depth, the median CUDA-graph replay time (alternating variants, several rounds), the
+logits' max difference from the first variant, and the median time from a ring-fed GEMV tile's
+start to its mark 1 (stamps[..., 2]) for tiles that stage x and tiles that reuse it.
+
+    PYTHONPATH=. python benchmarks/lab/variants_ab.py 'base=' 'other=TILEC_MY_SWITCH,TILEC_N=2' --stages 3,4
+
+A variant is NAME=DEFINE[,DEFINE...] (DEFINE as NAME or NAME=VALUE): an experiment puts its
+alternative code under an #ifdef in runtime/tilec and names the macro here. Used on 2026-12-01
+(H200) for the GEMV setup before the event wait (executor.cuh; 1.689 vs 1.792 ms a step), the
+tensor-core consumer for 1..8 rows (1.751 vs 1.734 ms: dropped) and relaxed event polls (1.779 vs
+1.751 ms: dropped).
+"""
+import argparse
+import dataclasses
+import statistics
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from decode import time_cuda  # noqa: E402
+from tilec import codegen  # noqa: E402
+from tilec.cuda import CudaExecutor  # noqa: E402
+from tilec.hf import compile_decode_step  # noqa: E402
+from tilec.ops import opdef  # noqa: E402
+from tilec.plan import F  # noqa: E402
+from tilec.timing import cuda_graph, need_gpu  # noqa: E402
+from tilec.zoo import make_model, prefill  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("variants", nargs="+")
+    ap.add_argument("--stages", default="3")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    need_gpu("variants_ab.py")
+    variants = []
+    for v in args.variants:
+        name, _, defs = v.partition("=")
+        lines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defs.split(",") if d)
+        variants.append((name, lines))
+    model = make_model("llama-3.2-1b", torch.bfloat16, "cuda")
+    ctx = 1024
+    cache, tok = prefill(model, 1, ctx, ctx + 64, "cuda")
+    step = compile_decode_step(model, cache, 1, options=dict(check=False))
+    base = step.program.executor
+    opts = dataclasses.replace(base.opts, profile=True)
+
+    def build(lines):
+        srcs = dict(base.sources)
+        srcs["program.cu"] = lines + srcs["program.cu"]
+        return codegen.build(srcs, opts.arch)
+
+    with ThreadPoolExecutor(len(variants)) as pool:
+        libs = list(pool.map(build, (lines for _, lines in variants)))
+    exs = {name: CudaExecutor(base.plan, opts, base.device, lib_path=lib) for (name, _), lib in zip(variants, libs)}
+
+    def run():
+        step.seek(ctx)
+        return step(tok, ctx)
+
+    q = base.queues
+    lin = q[..., F["opcode"][0]] == opdef("linear_fused").opcode
+    reuse = lin & (q[..., F["params"][0] + 4] != 0)
+    staged = lin & (q[..., F["params"][0] + 4] == 0)
+    ref = None
+    for name, ex in exs.items():
+        step.program.executor = ex
+        out = run().float()
+        ex.check()
+        s = ex.stamps.cpu()
+        ok = (s[..., 2] > 0) & (s[..., 0] > 0)
+        d = ((s[..., 2] - s[..., 0]).float() / 1e3)
+        m_st = statistics.median(d[staged.cpu() & ok].tolist()) if bool((staged.cpu() & ok).any()) else float("nan")
+        m_re = statistics.median(d[reuse.cpu() & ok].tolist()) if bool((reuse.cpu() & ok).any()) else float("nan")
+        ref = out if ref is None else ref
+        print(f"{name:12s} logits max|diff| vs {variants[0][0]}: {float((out - ref).abs().max()):.3e}; "
+              f"start->mark1 median us: staging {m_st:.2f}, reusing {m_re:.2f}", flush=True)
+        ex.stamps = None  # timing without stamps
+    res = {}
+    for depth in (int(v) for v in args.stages.split(",")):
+        graphs = {}
+        for name, ex in exs.items():
+            ex.use_ring_stages(depth)
+            step.program.executor = ex
+            run()
+            graphs[name] = cuda_graph(run)
+        for _ in range(args.rounds):
+            for name in exs:
+                step.program.executor = exs[name]
+                res.setdefault((name, depth), []).append(time_cuda(graphs[name].replay, args.iters))
+        for name, ex in exs.items():
+            ex.check()
+    print(f"\n{'variant':12s} {'ring':>4s} {'median ms':>10s}  rounds")
+    for (name, depth), ts in res.items():
+        print(f"{name:12s} {depth:4d} {statistics.median(ts):10.3f}  {[round(t, 3) for t in ts]}")
+
+
+if __name__ == "__main__":
+    main()
