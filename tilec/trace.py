@@ -188,7 +188,8 @@ def wait_table(trace: dict) -> str:
     """How long workers wait for producers in a measured trace: the gap between an
     instruction's end and the next one's start on the same worker, by the kind of the
     instruction that waits - count, mean, median and 90th percentile (µs) and the total per
-    worker, most first."""
+    worker, most first. A start is the end of the instruction's event wait; a GEMV (linear,
+    linear_fused) does its setup before that wait, so its gap includes that setup."""
     by_worker: dict[int, list] = {}
     for e in trace["traceEvents"]:
         if e.get("ph") == "X":

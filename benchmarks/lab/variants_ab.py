@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from decode import time_cuda  # noqa: E402
 from tilec import codegen  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
+from tilec.errors import TilecError  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
 from tilec.ops import opdef  # noqa: E402
 from tilec.plan import F  # noqa: E402
@@ -40,15 +41,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--stages", default="3")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
-    need_gpu("variants_ab.py")
+    runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
     variants = []
     for v in args.variants:
         name, _, defs = v.partition("=")
-        lines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defs.split(",") if d)
-        variants.append((name, lines))
+        macros = [d for d in defs.split(",") if d]
+        unknown = [d.split("=")[0] for d in macros if d.split("=")[0] not in runtime]
+        if not name or name in (n for n, _ in variants) or unknown:
+            ap.error(f"variant {v!r}: needs a new name, and macros runtime/tilec tests (unknown: {unknown})")
+        variants.append((name, "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros)))
+    need_gpu("variants_ab.py")
     model = make_model("llama-3.2-1b", torch.bfloat16, "cuda")
     ctx = 1024
     cache, tok = prefill(model, 1, ctx, ctx + 64, "cuda")
@@ -90,8 +95,13 @@ def main():
     res = {}
     for depth in (int(v) for v in args.stages.split(",")):
         graphs = {}
+        try:
+            for ex in exs.values():
+                ex.use_ring_stages(depth)
+        except TilecError as e:
+            print(f"ring stages {depth}: {e}")
+            continue
         for name, ex in exs.items():
-            ex.use_ring_stages(depth)
             step.program.executor = ex
             run()
             graphs[name] = cuda_graph(run)

@@ -47,7 +47,7 @@ class Lin(torch.nn.Module):
 @pytest.mark.parametrize("m,k,n,bias,tile_n", [(1, 256, 100, False, 64), (3, 72, 130, True, 32), (16, 512, 64, False, 16),
                                               (100, 256, 72, True, 32)])
 def test_linear(dtype, m, k, n, bias, tile_n):
-    """100 rows: a tile's rows in two chunks of at most 64 (its event wait happens once, in the first)."""
+    """100 rows: a tile's rows in two chunks of at most 64."""
     check(Lin(k, n, bias, dtype), (torch.randn(m, k, dtype=dtype),), dtype, tile_n=tile_n)
 
 
@@ -57,6 +57,27 @@ def test_linear_tensor_core_rows(m, k, n, bias):
     """9..64 rows: the mma.sync path, from staged rows (small K) or straight from x (large); 9..16
     rows over K > 4096 stream their weights K block outer (x staged one K block at a time)."""
     check(Lin(k, n, bias, torch.bfloat16), (torch.randn(m, k, dtype=torch.bfloat16),), torch.bfloat16)
+
+
+class LinOfLin(torch.nn.Module):
+    """Two linears in a row: the second's tiles wait on the first's event (a GEMV waits inside
+    its op, after its setup - runtime/tilec/executor.cuh)."""
+
+    def __init__(self, k, n, dtype):
+        super().__init__()
+        self.a = torch.nn.Linear(k, k, bias=False, dtype=dtype)
+        self.b = torch.nn.Linear(k, n, bias=True, dtype=dtype)
+
+    def forward(self, x):
+        return self.b(self.a(x) * 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 100])
+def test_linear_after_linear(dtype, m):
+    """The second GEMV's wait is a real event; at 100 rows its rows come in two chunks and it
+    waits once, in the first."""
+    check(LinOfLin(256, 72, dtype), (torch.randn(m, 256, dtype=dtype),), dtype, workers=8, tile_n=32)
 
 
 class LinOfView(Lin):
