@@ -22,19 +22,17 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from _llama_step import llama_step  # noqa: E402
 from decode import time_cuda  # noqa: E402
 from tilec import codegen  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.errors import TilecError  # noqa: E402
-from tilec.hf import compile_decode_step  # noqa: E402
 from tilec.ops import opdef  # noqa: E402
 from tilec.plan import F  # noqa: E402
-from tilec.timing import cuda_graph, need_gpu  # noqa: E402
-from tilec.zoo import make_model, prefill  # noqa: E402
+from tilec.timing import cuda_graph  # noqa: E402
 
 
 def main():
@@ -53,11 +51,7 @@ def main():
         if not name or name in (n for n, _ in variants) or unknown:
             ap.error(f"variant {v!r}: needs a new name, and macros runtime/tilec tests (unknown: {unknown})")
         variants.append((name, "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros)))
-    need_gpu("variants_ab.py")
-    model = make_model("llama-3.2-1b", torch.bfloat16, "cuda")
-    ctx = 1024
-    cache, tok = prefill(model, 1, ctx, ctx + 64, "cuda")
-    step = compile_decode_step(model, cache, 1, options=dict(check=False))
+    step, run = llama_step("variants_ab.py")
     base = step.program.executor
     opts = dataclasses.replace(base.opts, profile=True)
 
@@ -69,10 +63,6 @@ def main():
     with ThreadPoolExecutor(len(variants)) as pool:
         libs = list(pool.map(build, (lines for _, lines in variants)))
     exs = {name: CudaExecutor(base.plan, opts, base.device, lib_path=lib) for (name, _), lib in zip(variants, libs)}
-
-    def run():
-        step.seek(ctx)
-        return step(tok, ctx)
 
     q = base.queues
     lin = q[..., F["opcode"][0]] == opdef("linear_fused").opcode

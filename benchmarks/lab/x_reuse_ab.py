@@ -14,26 +14,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from _llama_step import llama_step  # noqa: E402
 from decode import time_cuda  # noqa: E402
-from tilec.hf import compile_decode_step  # noqa: E402
 from tilec.ops import opdef  # noqa: E402
 from tilec.plan import F  # noqa: E402
-from tilec.timing import cuda_graph, need_gpu  # noqa: E402
-from tilec.zoo import make_model, prefill  # noqa: E402
+from tilec.timing import cuda_graph  # noqa: E402
 
 
 def main():
-    need_gpu("x_reuse_ab.py")
-    model = make_model("llama-3.2-1b", torch.bfloat16, "cuda")
-    ctx = 1024
-    cache, tok = prefill(model, 1, ctx, ctx + 64, "cuda")
-    step = compile_decode_step(model, cache, 1, options=dict(check=False))
+    step, run = llama_step("x_reuse_ab.py")
     ex = step.program.executor
-
-    def run():
-        step.seek(ctx)
-        return step(tok, ctx)
-
     run()
     ex.check()
     flag = F["params"][0] + 4
