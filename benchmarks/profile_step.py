@@ -24,17 +24,24 @@ from tilec.zoo import make_model, prefill  # noqa: E402
 
 
 def phase_table(trace: dict) -> str:
-    """Medians (µs) of the phases of ring-fed GEMV instructions, from the marks the device
-    records (runtime/tilec/ops.cuh gemv_bf16_ring): start -> x staged (mark 1) -> first weight
-    stage in (mark 2) -> end."""
-    rows = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["args"].get("mark2_us") is not None]
-    if not rows:
-        return "no ring-fed GEMV instructions recorded phase marks"
-    staged = statistics.median(e["args"]["mark1_us"] for e in rows)
-    first = statistics.median(e["args"]["mark2_us"] - e["args"]["mark1_us"] for e in rows)
-    rest = statistics.median(e["dur"] - e["args"]["mark2_us"] for e in rows)
-    return (f"ring-fed GEMV phases over {len(rows)} instructions (median us): start -> x staged {staged:.2f}, "
-            f"-> first weight stage {first:.2f}, -> end {rest:.2f}, whole {statistics.median(e['dur'] for e in rows):.2f}")
+    """Medians (µs) of the phases the device marks (two ``TileCtx::mark`` stamps per instruction):
+    ring-fed GEMVs (runtime/tilec/ops.cuh gemv_bf16_ring): start -> x staged (mark 1) -> first
+    weight stage in (mark 2) -> end; split-KV attention partials (ops_attention.cuh): start ->
+    queries staged -> scores and softmax done -> end."""
+    lines = []
+    for kinds, what, names in ((("linear", "linear_fused"), "ring-fed GEMV", ("x staged", "first weight stage")),
+                               (("attention_partial",), "attention partial", ("queries staged", "scores + softmax"))):
+        rows = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in kinds
+                and e["args"].get("mark1_us") is not None and e["args"].get("mark2_us") is not None]
+        if not rows:
+            lines.append(f"no {what} instructions recorded phase marks")
+            continue
+        m1 = statistics.median(e["args"]["mark1_us"] for e in rows)
+        m2 = statistics.median(e["args"]["mark2_us"] - e["args"]["mark1_us"] for e in rows)
+        rest = statistics.median(e["dur"] - e["args"]["mark2_us"] for e in rows)
+        lines.append(f"{what} phases over {len(rows)} instructions (median us): start -> {names[0]} {m1:.2f}, "
+                     f"-> {names[1]} {m2:.2f}, -> end {rest:.2f}, whole {statistics.median(e['dur'] for e in rows):.2f}")
+    return "\n".join(lines)
 
 
 def main():

@@ -30,8 +30,8 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = f"{ROOT / 'examples' / 'factories.py'}:tiny_llama_step_cpu"
-STAGE_FILES = ["01-opgraph", "02-split_kv", "03-fuse_gemv", "04-fold_cache", "05-tasks", "06-fused", "07-normalized",
-               "08-linearized", "09-schedule", "10-plan"]
+STAGE_FILES = ["01-opgraph", "02-split_kv", "03-fuse_gemv", "04-fold_cache", "05-gemv_groups", "06-tasks", "07-fused",
+               "08-normalized", "09-linearized", "10-schedule", "11-plan"]
 
 FACTORIES = '''
 import torch
@@ -103,8 +103,9 @@ def rehash(path: Path) -> None:
 def art(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "llama"
     # the goldens below pin the unfused, unfolded plan (cache_write ops kept) with 64-column GEMV tiles
+    # and 4-row tiles of row-wise ops
     r = invoke("compile", FACTORY, "-o", out, "-O", "workers=8", "-O", "tile_n=64", "-O", "fuse_gemv=false",
-               "-O", "fold_cache_writes=false")
+               "-O", "fold_cache_writes=false", "-O", "tile_rows=4")
     assert r.exit_code == 0, r.output
     assert re.search(r"wrote .*llama: 37 ops, 106 tasks, 36 events on 8 workers", r.stdout)
     return out
@@ -280,7 +281,7 @@ def test_inspect_matches_a_fresh_compile(art):
 
     fn, _ = cli.load_factory(FACTORY)
     module, args, positions, max_positions = cli.call_factory(fn, FACTORY)
-    opts = {"workers": 8, "tile_n": 64, "fuse_gemv": False, "fold_cache_writes": False}
+    opts = {"workers": 8, "tile_n": 64, "fuse_gemv": False, "fold_cache_writes": False, "tile_rows": 4}
     prog = compile_module(module, args, positions=positions, max_positions=max_positions, options=opts)
     st = prog.compiled.stages
     for name in artifact.STAGES:
@@ -297,7 +298,7 @@ def test_inspect_json(art):
     assert [op["kind"] for op in g["ops"]][:3] == ["embedding", "rmsnorm", "linear"]
     assert g["ops"][0]["provenance"]["target"].startswith("aten.embedding")
     assert len(data["stages"]["tasks"]["events"]) == 115
-    plan = json.loads(invoke("inspect", art, "-s", "10", "-f", "json").stdout)
+    plan = json.loads(invoke("inspect", art, "-s", "11", "-f", "json").stdout)
     assert plan["workers"] == 8 and len(plan["queues"]) == 8 and len(plan["events"]) == 36
     first = plan["queues"][0][0]
     assert first["op_name"] == "embedding_embedding" and first["task"] == 0 and first["coords"] == [[0, 1], [0, 1],
@@ -306,7 +307,7 @@ def test_inspect_json(art):
     assert sched["workers"] == 8 and sched["queues"][0][0] == {"index": 0, "task": 0}
 
 
-@pytest.mark.parametrize("stage", ["plan", "fused", "opgraph", "split_kv", "fuse_gemv", "fold_cache"])
+@pytest.mark.parametrize("stage", ["plan", "fused", "opgraph", "split_kv", "fuse_gemv", "fold_cache", "gemv_groups"])
 def test_inspect_dot(art, stage):
     r = invoke("inspect", art, "-s", stage, "-f", "dot")
     assert r.exit_code == 0, r.output
@@ -319,7 +320,7 @@ def test_inspect_dot(art, stage):
     if stage == "plan":
         assert len(re.findall(r"subgraph cluster_w\d+", text)) == 8 and 'label="worker 0"' in text
         assert len([e for e in edges if e[0].startswith("e")]) > 0
-    if stage in ("opgraph", "split_kv", "fuse_gemv", "fold_cache"):
+    if stage in ("opgraph", "split_kv", "fuse_gemv", "fold_cache", "gemv_groups"):
         assert '"op:embedding_embedding" -> "buf:embedding";' in text
 
 
@@ -553,8 +554,8 @@ def corrupt_byte(path: Path) -> None:
 @pytest.mark.parametrize("edit,command,message", [
     (lambda p: corrupt_byte(p / "params.safetensors"), "run",
      "is corrupt or was tampered with: params.safetensors has sha256"),
-    (lambda p: (p / "ir" / "10-plan.txt").write_text("kernelplan workers=1 {}\n"), "inspect",
-     "is corrupt or was tampered with: ir/10-plan.txt has sha256"),
+    (lambda p: (p / "ir" / "11-plan.txt").write_text("kernelplan workers=1 {}\n"), "inspect",
+     "is corrupt or was tampered with: ir/11-plan.txt has sha256"),
     (lambda p: corrupt_byte(p / "plan" / "plan.safetensors"), "bench", "plan/plan.safetensors has sha256"),
     (lambda p: (p / "plan" / "graph.json").unlink(), "run", "is incomplete: plan/graph.json (listed in the manifest) "
                                                            "is missing"),
@@ -601,7 +602,7 @@ def test_cuda_executor_without_a_gpu(art):
 
 def test_usage_errors_exit_2(art):
     assert invoke("inspect", art, "--stage", "bogus").exit_code == 2
-    assert "unknown stage 'bogus'; stages: 01-opgraph, 02-split_kv, 03-fuse_gemv, 04-fold_cache, 05-tasks" in invoke("inspect", art, "-s", "bogus").stderr
+    assert "unknown stage 'bogus'; stages: 01-opgraph, 02-split_kv, 03-fuse_gemv, 04-fold_cache, 05-gemv_groups, 06-tasks" in invoke("inspect", art, "-s", "bogus").stderr
     assert invoke("run", art, "--executor", "tpu").exit_code == 2
     assert invoke("compile", "x:y").exit_code == 2  # -o is required
     for tol in ("-1", "0"):

@@ -26,9 +26,9 @@ from tilec.plan import F
 from tilec.stats import render_stats
 from tilec.trace import measured_trace, op_table, predicted_trace, wait_table, write_trace
 
-FILES = ["01-opgraph.txt", "02-split_kv.txt", "03-fuse_gemv.txt", "04-fold_cache.txt", "05-tasks.txt", "06-fused.txt",
-         "07-normalized.txt", "08-linearized.txt", "09-schedule.txt", "10-plan.txt", "stats.txt", "trace.json"]
-STAGES = ["opgraph", "split_kv", "fuse_gemv", "fold_cache", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
+FILES = ["01-opgraph.txt", "02-split_kv.txt", "03-fuse_gemv.txt", "04-fold_cache.txt", "05-gemv_groups.txt",
+         "06-tasks.txt", "07-fused.txt", "08-normalized.txt", "09-linearized.txt", "10-schedule.txt", "11-plan.txt", "stats.txt", "trace.json"]
+STAGES = ["opgraph", "split_kv", "fuse_gemv", "fold_cache", "gemv_groups", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
 BASE = dict(workers=4, tile_n=32, tile_rows=1)
 
 

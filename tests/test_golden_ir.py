@@ -16,7 +16,7 @@ from _helpers import StageRecorder, assert_close
 from tilec.api import compile_module
 from tilec.options import Options
 
-STAGES = ["opgraph", "split_kv", "fuse_gemv", "fold_cache", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
+STAGES = ["opgraph", "split_kv", "fuse_gemv", "fold_cache", "gemv_groups", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
 # the task-graph goldens below pin the unfused op graph; GEMV fusion has its own golden
 OPTS = Options(workers=4, tile_n=32, tile_rows=1, scheduler="list", fuse_gemv=False)
 

@@ -118,7 +118,7 @@ def test_split_k_linear_is_a_tile_reduce(bias):
         torch.nn.init.normal_(lin.bias)
     module = Fn(lambda m, x: m.lin(x) * 2.0)
     module.lin = lin
-    prog, stages = run(module, (torch.randn(3, 64),), split_k=4, tile_n=16, tile_cols=16, workers=5)
+    prog, stages = run(module, (torch.randn(3, 64),), split_k=4, tile_n=16, tile_cols=16, workers=5, tile_rows=4)
     assert kinds(prog) == ["linear", "unary"]
     tg = stages["tasks"]
     lin_tasks = [t for t in tg.tasks if t.kind == "linear"]
@@ -145,7 +145,7 @@ def test_split_k_partials_feed_a_consumer():
         return torch.relu(F.linear(x, m.w, m.b)) * 2.0
 
     prog, stages = run(Fn(f, w=torch.randn(24, 48) / 7, b=torch.randn(24)), (torch.randn(2, 48),),
-                       split_k=3, tile_n=8, workers=4)
+                       split_k=3, tile_n=8, workers=4, tile_rows=4)
     tg = stages["tasks"]
     (ev,) = [e for e in tg.events if e.strategy == "tile_reduce"]
     assert len(ev.preds) == 3 * (1 + 3)  # 3 column tiles x (init + 3 partials), one whole-row relu tile

@@ -119,7 +119,7 @@ def test_split_kv_rewrites_attention_into_partial_and_combine():
     graph = attention_graph(2, 8, 2, 2, 100, 64, 32)
     rec = StageRecorder()
     compiled = compile_opgraph(graph, Options(workers=8, attn_kv_chunk=32), hook=rec)
-    assert list(rec.stages)[:5] == ["opgraph", "split_kv", "fuse_gemv", "fold_cache", "tasks"]
+    assert list(rec.stages)[:6] == ["opgraph", "split_kv", "fuse_gemv", "fold_cache", "gemv_groups", "tasks"]
     assert rec.stages["opgraph"] is graph
     g = rec.stages["split_kv"]
     assert compiled.plan.graph is g

@@ -8,8 +8,8 @@ Layout of an artifact (every file except the manifest has its sha256 in ``manife
     params.safetensors       the parameters (weights) the plan reads, by buffer name
     constants.safetensors    folded constants and position tables (OpGraph.tensors)
     inputs.safetensors       the example inputs: ``arg<i>`` for tensor argument i
-    ir/01-opgraph.txt .. ir/10-plan.txt      every stage's stable text (file names of tilec.dump)
-    ir/01-opgraph.json .. ir/10-plan.json    every stage as structured JSON (tilec inspect)
+    ir/01-opgraph.txt .. ir/11-plan.txt      every stage's stable text (file names of tilec.dump)
+    ir/01-opgraph.json .. ir/11-plan.json    every stage as structured JSON (tilec inspect)
     trace.json               the schedule timeline predicted by the cost model (Chrome trace)
     plan/plan.safetensors    queues int32 [W, L, 32], events int32 [E, 4], static_operands int64
     plan/graph.json          the OpGraph the plan runs (OpGraph.to_dict, after the OpGraph passes)
@@ -59,10 +59,10 @@ from .trace import predicted_trace
 
 # format 2: the split_kv and fuse_gemv stages (ir/02, ir/03); 3: the fold_cache stage (ir/04);
 # 4: dispatch signatures pack dtype code + 1 (tilec.plan.dtype_signature); 5: plan format 3
-# (linear_fused's staged-x flag)
-FORMAT, FORMAT_VERSION = "tilec-artifact", 5
+# (linear_fused's staged-x flag); 6: the gemv_groups stage (ir/05; later stages renumbered)
+FORMAT, FORMAT_VERSION = "tilec-artifact", 6
 MANIFEST = "manifest.json"
-STAGES = tuple(STAGE_FILES)  # opgraph, split_kv, fuse_gemv, fold_cache, tasks, ..., schedule, plan
+STAGES = tuple(STAGE_FILES)  # opgraph, split_kv, fuse_gemv, fold_cache, gemv_groups, tasks, ..., schedule, plan
 LIBRARY = "cuda/libtilec.so"
 
 
@@ -435,7 +435,7 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
 
 
 def resolve_stage(stage: str) -> str:
-    """``"linearized"``, ``"08"``, ``"8"`` or ``"08-linearized"`` -> ``"linearized"``; ``ValueError`` listing
+    """``"linearized"``, ``"09"``, ``"9"`` or ``"09-linearized"`` -> ``"linearized"``; ``ValueError`` listing
     the stages."""
     s = stage.strip().removesuffix(".txt").removesuffix(".json")
     for i, name in enumerate(STAGES, 1):

@@ -376,7 +376,7 @@ def _q(s) -> str:
 
 
 def to_dot(art, stage: str) -> str:
-    """Graphviz DOT text: the op/buffer graph for the OpGraph stages (``opgraph`` .. ``fold_cache``); otherwise the
+    """Graphviz DOT text: the op/buffer graph for the OpGraph stages (``opgraph`` .. ``gemv_groups``); otherwise the
     task/event graph of the stage (for ``schedule`` and ``plan``: the linearized graph with one
     cluster per worker)."""
     lines = [f"digraph {_q('tilec ' + stage)} {{", "  rankdir=TB;", "  node [fontname=monospace, fontsize=10];"]

@@ -11,12 +11,13 @@ different compiles never mix::
         02-split_kv.txt     OpGraph.render() after the split-KV attention rewrite
         03-fuse_gemv.txt    OpGraph.render() after GEMV prologue/epilogue fusion
         04-fold_cache.txt   OpGraph.render() after folding cache writes into RoPE ops
-        05-tasks.txt        TaskGraph.render() after build_taskgraph
-        06-fused.txt        ... after event fusion
-        07-normalized.txt   ... after normalization (empty tasks inserted)
-        08-linearized.txt   ... after linearization
-        09-schedule.txt     per worker: linearized index and label of each task; predicted makespan
-        10-plan.txt         KernelPlan.render()
+        05-gemv_groups.txt  OpGraph.render() after sizing sibling GEMVs' tiles together
+        06-tasks.txt        TaskGraph.render() after build_taskgraph
+        07-fused.txt        ... after event fusion
+        08-normalized.txt   ... after normalization (empty tasks inserted)
+        09-linearized.txt   ... after linearization
+        10-schedule.txt     per worker: linearized index and label of each task; predicted makespan
+        11-plan.txt         KernelPlan.render()
         stats.txt           tilec.stats.render_stats (the same numbers as ``program.stats``)
         trace.json          predicted schedule timeline, Chrome/Perfetto trace (tilec.trace)
 
@@ -48,14 +49,15 @@ STAGE_FILES = {
     "split_kv": "02-split_kv.txt",
     "fuse_gemv": "03-fuse_gemv.txt",
     "fold_cache": "04-fold_cache.txt",
-    "tasks": "05-tasks.txt",
-    "fused": "06-fused.txt",
-    "normalized": "07-normalized.txt",
-    "linearized": "08-linearized.txt",
-    "schedule": "09-schedule.txt",
-    "plan": "10-plan.txt",
+    "gemv_groups": "05-gemv_groups.txt",
+    "tasks": "06-tasks.txt",
+    "fused": "07-fused.txt",
+    "normalized": "08-normalized.txt",
+    "linearized": "09-linearized.txt",
+    "schedule": "10-schedule.txt",
+    "plan": "11-plan.txt",
 }
-OPGRAPH_STAGES = ("opgraph", "split_kv", "fuse_gemv", "fold_cache")  # the stages whose IR is an OpGraph
+OPGRAPH_STAGES = ("opgraph", "split_kv", "fuse_gemv", "fold_cache", "gemv_groups")  # the stages whose IR is an OpGraph
 STATS_FILE, TRACE_FILE = "stats.txt", "trace.json"
 ALL_FILES = (*STAGE_FILES.values(), STATS_FILE, TRACE_FILE)
 

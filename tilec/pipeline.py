@@ -7,6 +7,8 @@
                 prologues and residual-add epilogues into GEMVs
     fold_cache  fold_cache_writes: rope -> cache_write      (verify_opgraph)
                 becomes one rope writing the cache slot
+    gemv_groups size_gemv_groups: sibling GEMVs (same     (verify_opgraph)
+                input rows) sized by their total columns
     tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
     fused       fuse_events                                (verify_taskgraph "fused")
     normalized  normalize                                  (verify_taskgraph "normalized")
@@ -25,7 +27,8 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import fold_cache_writes, fuse_events, fuse_gemv_chains, linearize, normalize, schedule, split_kv
+from .passes import (fold_cache_writes, fuse_events, fuse_gemv_chains, linearize, normalize, schedule, size_gemv_groups,
+                     split_kv)
 from .plan import KernelPlan, encode
 from .stats import compile_stats
 from .taskgraph import build_taskgraph
@@ -77,6 +80,9 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
     if opts.verify:
         verify_opgraph(graph)
     graph = stage("fold_cache", fold_cache_writes, graph, opts)
+    if opts.verify:
+        verify_opgraph(graph)
+    graph = stage("gemv_groups", size_gemv_groups, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
     tg = stage("tasks", build_taskgraph, graph, opts)

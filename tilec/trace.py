@@ -152,8 +152,9 @@ def op_table(trace: dict, t_lo: float = 0.0, t_hi: float = float("inf")) -> str:
     """A measured trace's instructions grouped by OpGraph op, in order of their median start,
     for the ops whose median start lies in ``[t_lo, t_hi]`` (µs from the step's start; one
     decoder layer, say): tiles, first / median / last start, median / last end, the median
-    tile time, the median time from a tile's start to its first mark (a GEMV's x staged) and
-    from there to its second (the first weight stage in), and the median bytes per tile - the
+    tile time, the median time from a tile's start to its first mark (a GEMV's x staged; a split-KV
+    attention partial's queries staged) and from there to its second (the first weight stage in;
+    the scores and softmax done), and the median bytes per tile - the
     step's critical path, op by op (Empty tasks are left out)."""
     slices = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["args"].get("op")]
     if not slices:

@@ -14,6 +14,9 @@
 namespace tilec {
 
 constexpr int kAttnQ = 4;          // queries per pass over a split (ATTN_Q in attention_split.py)
+#ifndef TILEC_ATTN_UNROLL           // K / V rows in flight per lane group (16-byte path); an experiment's knob
+#define TILEC_ATTN_UNROLL 1
+#endif
 constexpr int kAttnSegMax = 2048;  // cache positions per shared-memory score segment (ATTN_SEG_MAX)
 
 // Lanes that share one cache row (8 elements each): the next power of two >= ceil(d / 8), so
@@ -80,9 +83,11 @@ template <typename T> struct AttnRow8<false, T> {
 //      deterministic sum over warps in shared memory; o, m, l are stored.
 template <bool kVec, typename TQ, typename TK, typename TV, typename TP, typename TM>
 __device__ void attention_partial_impl(TileCtx& c) {
-  // rows of K (and V) in flight per lane group: 4 covers a 128-position split of a 64-dim head
-  // in one round trip to memory (the split-KV tiles are latency-bound)
-  constexpr int kUnroll = kVec ? 4 : 1;
+  // rows of K (and V) in flight per lane group. 4 covers a 128-position split of a 64-dim head in
+  // one round trip to memory, but the unrolled code is fetched cold once per layer: 1 measured
+  // faster on an H200 (Llama-3.2-1B batch 1, context 1024, variants_ab.py, same process: 1.514 ms
+  // a step at 1, 1.525 at 2, 1.531 at 4; the logits bitwise equal)
+  constexpr int kUnroll = kVec ? TILEC_ATTN_UNROLL : 1;
   const Operand &q = c.ops[0], &k = c.ops[1], &v = c.ops[2], &op = c.ops[3], &ml = c.ops[4];
   const long long valid = c.ops[5].scalar;
   const float scale = c.fparam(0);
@@ -136,6 +141,7 @@ __device__ void attention_partial_impl(TileCtx& c) {
               vr[u].load(v, vb + (long long)(p0 + jj) * vj, vd, iv * 8, Dv, jj < len);
             }
             block_sync();  // queries staged; the previous segment's P.V is done with sc
+            c.mark(1);     // profiling: queries staged, V's first rows in flight
             // (1) scores
             for (int t0 = 0; t0 < len; t0 += kWarps * PK * kUnroll) {
               AttnRow8<kVec, TK> kr[kUnroll];
@@ -187,6 +193,7 @@ __device__ void attention_partial_impl(TileCtx& c) {
               }
             }
             block_sync();
+            c.mark(2);  // profiling: scores and softmax statistics done
             // (3) P.V
 #pragma unroll
             for (int qq = 0; qq < kAttnQ; ++qq) {

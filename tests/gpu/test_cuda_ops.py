@@ -192,6 +192,39 @@ def test_embedding_concat_copy(dtype):
     check(Emb(dtype), (torch.randint(0, 1000, (3, 1)), torch.randn(5, 7, dtype=dtype)), dtype, tile_cols=40)
 
 
+class VIntoCache(torch.nn.Module):
+    """v = 2 x as heads (exact in any dtype, so eager and tilec agree bitwise), written into
+    ``cache`` at ``pos`` (a ``cache_write`` op)."""
+
+    def __init__(self, heads, dim):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+
+    def forward(self, x, pos, cache):
+        v = (x * 2).view(x.shape[0], 1, self.heads, self.dim).transpose(1, 2)
+        cache.index_copy_(2, pos, v)
+        return x + 1
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 64), (torch.bfloat16, 12), (torch.float32, 64)])
+def test_cache_write(dtype, dim):
+    """The cache write's 16-byte row copy (bf16, rows of 64) and its elementwise fallback (rows of
+    12: not a multiple of 8; float32) put exactly eager's values into the slot and touch nothing else."""
+    torch.manual_seed(0)
+    m = VIntoCache(3, dim)
+    x = torch.randn(2, 1, 3 * dim, dtype=dtype, device=DEV)
+    cache = torch.randn(2, 3, 8, dim, dtype=dtype, device=DEV)
+    prog = compile_module(m, (x, torch.tensor([0], device=DEV), cache.clone()), positions=[1], max_positions=8,
+                          options=dict(executor="cuda", workers=5))
+    assert any(op.kind == "cache_write" for op in prog.plan.graph.ops)
+    for p in (0, 5, 7):
+        mine, ref = cache.clone(), cache.clone()
+        with torch.no_grad():
+            m(x, torch.tensor([p], device=DEV), ref)
+        prog(x, torch.tensor([p], device=DEV), mine)
+        assert torch.equal(mine, ref), f"position {p}: cache differs from eager"
+
+
 # ---- split-KV decode attention (attention_partial + attention_combine) --------------------------
 
 def _attention_plan(b, hq, hkv, sq, s, d, dv, dtype, kv_layout, **opts):

@@ -282,15 +282,43 @@ def gemv_tile_n(n: int, opts, max_cols: int = 128) -> int:
     return max(8, -(-per // 8) * 8)
 
 
-def out_tiles(shape: Sequence[int], tile_rows: int, tile_cols: int | None = None) -> list[Box]:
+def gemv_col_ranges(op, opts) -> list[tuple[int, int]]:
+    """Output-column ranges ``[n0, n1)`` of a linear / linear_fused op's tiles.
+
+    With attr ``col_split = (block, k)`` (set by ``tilec.passes.gemv_groups``): the N columns
+    in blocks of ``block``, each cut into ``k`` tiles whose widths are multiples of 8 and differ
+    by at most 8 (the last one also takes ``block % 8``). Otherwise (or with ``opts.tile_n``
+    set) chunks of :func:`gemv_tile_n` columns.
+    """
+    n = op.outputs[0].shape[-1]
+    split = op.attr("col_split")
+    if split is None or opts.tile_n:
+        return list(chunks(n, gemv_tile_n(n, opts, GEMV_TILE_N_MAX)))
+    block, k = split
+    units, rem = divmod(block, 8)
+    k = max(1, min(k, units))
+    q, r = divmod(units, k)
+    widths = [8 * (q + 1)] * r + [8 * q] * (k - r)
+    widths[-1] += rem  # a block that is not a multiple of 8 (a whole N) ends in a wider tile
+    ranges = []
+    for lo in range(0, n, block):
+        for w in widths:
+            ranges.append((lo, lo + w))
+            lo += w
+    return ranges
+
+
+def out_tiles(shape: Sequence[int], tile_rows: int, tile_cols: int | None = None,
+              col_ranges: list[tuple[int, int]] | None = None) -> list[Box]:
     """Exact boxes tiling ``shape``: rows are split along the first leading dim of size > 1
     (about ``tile_rows`` rows per tile, inner leading dims whole), the last dim in chunks
-    of ``tile_cols`` (whole when None). Used as output boxes and descriptor coordinates.
+    of ``tile_cols`` (whole when None) or in the given ``col_ranges``. Used as output boxes and
+    descriptor coordinates.
     """
     if not shape:
         return [()]
     lead, cols = list(shape[:-1]), shape[-1]
-    col_ranges = list(chunks(cols, tile_cols or cols))
+    col_ranges = col_ranges or list(chunks(cols, tile_cols or cols))
     split = next((i for i, s in enumerate(lead) if s > 1), None)
     if split is None:
         lead_boxes = [tuple((0, s) for s in lead)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import (GEMV_TILE_N_MAX, row_cap, ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
+from . import (row_cap, ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, gemv_col_ranges, gemv_stream_word, out_tiles, register, sub,
                weight_rows_prefetch)
 
 
@@ -33,7 +33,7 @@ class Linear(OpDef):
         for s in out.shape[:-1]:
             rows *= s
         tiles = []
-        for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts, GEMV_TILE_N_MAX)):
+        for box in out_tiles(out.shape, max(rows, 1), col_ranges=gemv_col_ranges(op, opts)):
             n0, n1 = box[-1]
             lead = box[:-1]
             bias_read = ((2, ((n0, n1),)),) if has_bias else ()

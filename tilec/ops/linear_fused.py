@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import (GEMV_TILE_N_MAX, row_cap, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_stream_word, gemv_tile_n, out_tiles, register, sub,
+from . import (row_cap, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_col_ranges, gemv_stream_word, out_tiles, register, sub,
                weight_rows_prefetch)
 from .linear import gemv_flops
 
@@ -72,7 +72,7 @@ class LinearFused(OpDef):
             rows *= s
         out_idx = len(op.inputs)
         tiles = []
-        for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts, GEMV_TILE_N_MAX)):
+        for box in out_tiles(out.shape, max(rows, 1), col_ranges=gemv_col_ranges(op, opts)):
             n0, n1 = box[-1]
             lead = box[:-1] + ((0, k),)
             reads = [(i, lead) for i in range(npro)]

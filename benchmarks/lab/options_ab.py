@@ -1,0 +1,76 @@
+"""Compile-option variants of one decode step, A/B in one process (benchmarks/lab: an experiment).
+
+Compiles the Llama-3.2-1B decode step (batch 1, bf16, random weights) once per variant, over
+the same model and KV cache, then prints each variant's logits difference from the first and
+the median CUDA-graph replay time per round (variants alternate, so drifts of the GPU's clocks
+hit all of them alike).
+
+    PYTHONPATH=. python benchmarks/lab/options_ab.py 'groups={}' 'no groups={"gemv_groups": false}'
+
+A variant is NAME=JSON (tilec compile options, as ``decode.py --options`` takes them).
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from decode import time_cuda  # noqa: E402
+from tilec.hf import compile_decode_step  # noqa: E402
+from tilec.timing import cuda_graph, need_gpu  # noqa: E402
+from tilec.zoo import make_model, prefill  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("variants", nargs="+", metavar="NAME=JSON")
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    variants = {}
+    for v in args.variants:
+        name, _, text = v.partition("=")
+        try:
+            opts = json.loads(text or "{}")
+        except json.JSONDecodeError as e:
+            ap.error(f"variant {v!r}: options are not JSON ({e})")
+        if not name or name in variants or not isinstance(opts, dict):
+            ap.error(f"variant {v!r}: needs a new name and a JSON object of options")
+        variants[name] = opts
+    need_gpu("options_ab.py")
+    model = make_model(args.model, torch.bfloat16, "cuda")
+    cache, tok = prefill(model, 1, args.context, args.context + 64, "cuda")
+    steps, graphs, ref = {}, {}, None
+    for name, opts in variants.items():
+        step = compile_decode_step(model, cache, 1, options=dict(opts, check=False))
+
+        def run(step=step):
+            step.seek(args.context)
+            return step(tok, args.context)
+
+        out = run().float()
+        step.program.executor.check()
+        ref = out if ref is None else ref
+        print(f"{name:14s} logits max|diff| vs {next(iter(variants))}: {float((out - ref).abs().max()):.3e}; "
+              f"tasks {step.program.plan.stats['tasks']}, queue length max {step.program.plan.stats['queue_len_max']}",
+              flush=True)
+        steps[name], graphs[name] = step, cuda_graph(run)
+    res = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name in variants:
+            res[name].append(time_cuda(graphs[name].replay, args.iters))
+    for step in steps.values():
+        step.program.executor.check()
+    print(f"\n{'variant':14s} {'median ms':>10s}  rounds")
+    for name, ts in res.items():
+        print(f"{name:14s} {statistics.median(ts):10.3f}  {[round(t, 3) for t in ts]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Sibling-GEMV tile sizing (``tilec.passes.gemv_groups``): q/k/v and gate/up are sized by their
+total columns, so together they make about ``workers`` tiles, cut in blocks no consumer tile
+straddles; the results are bitwise those of per-op sizing (reference executor)."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from _helpers import StageRecorder, assert_steps_bitwise_equal, step_pair
+from tilec.hf import compile_decode_step
+from tilec.options import Options
+from tilec.passes import size_gemv_groups
+from tilec.zoo import make_model, prefill
+
+
+def gemv_tiles(step) -> dict[str, int]:
+    """Tasks per GEMV op (by op name) in the step's linearized task graph."""
+    tg = step.program.compiled.stages["linearized"]
+    return dict(collections.Counter(t.op for t in tg.tasks if t.kind == "linear_fused"))
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
+def test_grouped_equals_ungrouped(name):
+    model, tok, grouped, ungrouped = step_pair(name, torch.float32, dict(gemv_groups=False))
+    g, gu = grouped[0].program.plan.graph, ungrouped[0].program.plan.graph
+    layers = model.config.num_hidden_layers
+    sized = [op for op in g.ops if op.attr("col_split") is not None]
+    # per layer: q, k, v (one group) and gate, up (another); o, down and the LM head stay alone
+    assert len(sized) == 5 * layers and not any(op.attr("col_split") for op in gu.ops)
+    assert all(op.outputs[0].shape[-1] % op.attr("col_split")[0] == 0 for op in sized)
+    assert_steps_bitwise_equal(grouped, ungrouped, tok, "grouped and ungrouped")
+
+
+@pytest.mark.parametrize("tile_rows,qkv,empties", [(4, (88, 22, 22), 8), (1, (64, 32, 32), 0)])
+def test_llama_1b_qkv_and_gate_up_fill_the_workers_once(tile_rows, qkv, empties):
+    """Llama-3.2-1B shapes, 132 workers: gate/up make 66 + 66 tiles of 120-128 columns, q/k/v 132
+    tiles in 256-column blocks (RoPE / cache-write tiles of 4 heads) or 128 in 64-column blocks
+    (1 head), one instruction per worker each; per-op sizing made 128 + 128 and 128 + 64 + 64.
+    No tile straddles a consumer's: no empty task beyond those of per-op sizing."""
+    model = make_model("llama-3.2-1b", torch.bfloat16, "cpu", layers=1)
+    cache, _ = prefill(model, 1, 4, 64, "cpu")
+    counts, empty = {}, {}
+    for groups in (True, False):
+        step = compile_decode_step(model, cache, 1, options=dict(executor="reference", gemv_groups=groups,
+                                                                 tile_rows=tile_rows))
+        g = step.program.plan.graph
+        tiles = gemv_tiles(step)
+        counts[groups] = [tiles[op.name] for op in g.ops if op.kind == "linear_fused"]
+        empty[groups] = step.program.stats["empty_tasks_added"]
+    # graph order: k, v, q, o, gate, up, down, LM head
+    assert counts[True] == [qkv[1], qkv[2], qkv[0], 128, 66, 66, 128, 132]
+    assert counts[False] == [64, 64, 128, 128, 128, 128, 128, 132]
+    assert empty[True] == empty[False] == empties
+
+
+def test_tile_n_and_option_off_leave_the_graph_alone():
+    model = make_model("llama-tiny", torch.float32, "cpu")
+    cache, _ = prefill(model, 1, 4, 12, "cpu")
+    rec = StageRecorder()
+    compile_decode_step(model, cache, 1, options=dict(workers=4), hook=rec)
+    g = rec.stages["fold_cache"]
+    assert size_gemv_groups(g, Options(tile_n=16)) is g
+    assert size_gemv_groups(g, Options(gemv_groups=False)) is g
+    assert [op.attr("col_split") for op in size_gemv_groups(g, Options(workers=4)).ops] == [
+        op.attr("col_split") for op in rec.stages["gemv_groups"].ops]
