@@ -27,7 +27,8 @@ def phase_table(trace: dict) -> str:
     """Medians (µs) of the phases the device marks (two ``TileCtx::mark`` stamps per instruction):
     ring-fed GEMVs (runtime/tilec/ops.cuh gemv_bf16_ring): start -> x staged (mark 1) -> first
     weight stage in (mark 2) -> end; split-KV attention partials (ops_attention.cuh): start ->
-    queries staged -> scores and softmax done -> end."""
+    queries staged -> scores and softmax done -> end (marks of the tile's last head, split, query
+    pass and segment: exact for a decode tile of one head group, one pass, one segment)."""
     lines = []
     for kinds, what, names in ((("linear", "linear_fused"), "ring-fed GEMV", ("x staged", "first weight stage")),
                                (("attention_partial",), "attention partial", ("queries staged", "scores + softmax"))):

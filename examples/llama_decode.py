@@ -49,7 +49,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     step = compile_decode_step(model, cache, args.batch,
-                               hook=lambda stage, ir, s: print(f"  {stage:<10} {s * 1e3:8.1f} ms"))
+                               hook=lambda stage, ir, s: print(f"  {stage:<11} {s * 1e3:8.1f} ms"))
     print(f"compiled in {time.perf_counter() - t0:.1f} s\n{render_stats(step.program.stats)}\n")
 
     worst = 0.0

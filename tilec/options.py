@@ -21,10 +21,11 @@ class Options:
     tile_n: output columns per GEMV/GEMM tile; None (default) = per op, about N / workers
         (``tilec.ops.gemv_tile_n``).
     split_k: K splits per GEMV tile (> 1 makes ``tile_reduce`` partial tiles).
-    tile_rows: rows per tile of row-wise ops (norms, elementwise, softmax, RoPE, cache writes). 1 (the
-        default) gives a decode step's RoPE and cache-write tiles one head each, which lets each
-        split-KV attention tile wait on its own heads' producers directly (with 4, normalization
-        relayed them through empty tasks: 1.513 vs 1.536 ms a Llama-3.2-1B step on an H200).
+    tile_rows: rows per tile of row-wise ops (norms, elementwise, softmax, RoPE, cache writes), along
+        the first dim of size > 1. 1 (the default) gives a batch-1 decode step's RoPE and
+        cache-write tiles one head each, which lets each split-KV attention tile wait on its own
+        heads' producers directly (with 4, normalization relayed them through empty tasks: 1.513
+        vs 1.536 ms a Llama-3.2-1B step on an H200). At batch > 1 a tile is one sequence's heads.
     tile_cols: columns per tile of elementwise ops (None = whole rows).
     attn_heads_per_tile: KV heads per decode-attention tile.
     attn_kv_chunk: cache positions per split of split-KV (flash-decoding) attention

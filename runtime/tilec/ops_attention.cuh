@@ -17,6 +17,7 @@ constexpr int kAttnQ = 4;          // queries per pass over a split (ATTN_Q in a
 #ifndef TILEC_ATTN_UNROLL           // K / V rows in flight per lane group (16-byte path); an experiment's knob
 #define TILEC_ATTN_UNROLL 1
 #endif
+static_assert(TILEC_ATTN_UNROLL >= 1, "TILEC_ATTN_UNROLL: K / V rows in flight per lane group, >= 1");
 constexpr int kAttnSegMax = 2048;  // cache positions per shared-memory score segment (ATTN_SEG_MAX)
 
 // Lanes that share one cache row (8 elements each): the next power of two >= ceil(d / 8), so
@@ -141,7 +142,7 @@ __device__ void attention_partial_impl(TileCtx& c) {
               vr[u].load(v, vb + (long long)(p0 + jj) * vj, vd, iv * 8, Dv, jj < len);
             }
             block_sync();  // queries staged; the previous segment's P.V is done with sc
-            c.mark(1);     // profiling: queries staged, V's first rows in flight
+            c.mark(1);     // profiling: queries staged (the tile's last head / split / pass / segment)
             // (1) scores
             for (int t0 = 0; t0 < len; t0 += kWarps * PK * kUnroll) {
               AttnRow8<kVec, TK> kr[kUnroll];

@@ -12,16 +12,21 @@ A tile boundary that falls inside a consumer's tile costs a dependent stage, tho
 tile then feeds two consumer tiles, and normalization (one trigger event per task) relays it
 through an empty task. So the columns are cut in *blocks* no consumer tile straddles (the gcd
 of N and every column boundary of the tiles that read the output: 64 for q/k/v, whose RoPE
-and cache-write tiles take one head of 64; 256 with ``tile_rows=4``), and each block into ``k``
-tiles of near-equal widths, multiples of 8: q/k/v become 64 + 32 + 32 = 128 tiles of 32 / 16
-columns (132 of 24 / 16 in 256-column blocks), gate/up 66 + 66 of 120-128 columns.
+and cache-write tiles take one head of 64 at batch 1; 256 with ``tile_rows=4``), and each block
+into ``k`` tiles of near-equal widths, multiples of 8: q/k/v become 64 + 32 + 32 = 128 tiles of
+32 / 16 columns (132 of 24 / 16 in 256-column blocks), gate/up 66 + 66 of 120-128 columns. Blocks
+that would make more tiles than the workers (and than per-op sizing) are not used: a lone GEMV
+is then left as it is, a group sized by its total columns alone.
 
 The pass sets attr ``col_split = (block, k)`` on each ``linear`` / ``linear_fused`` op it
 sizes (``tilec.ops.gemv_col_ranges`` cuts the tiles from it): members of a sibling group (two
 or more such ops with equal kind, prologue, epilogue, staged input views and output row
-shape), and lone GEMVs whose per-op tiles would straddle a consumer's. Results are unchanged:
-only tile boundaries move (each output column is still one tile's full-K dot product). An
-explicit ``Options.tile_n`` overrides it; with ``Options.tile_n`` set, ``Options.gemv_groups``
+shape), and lone GEMVs whose per-op tiles would straddle a consumer's. Only tile boundaries
+move: on the GPU each output column is one warp's full-K dot product whatever the tile's width,
+so results are bitwise unchanged for the 1-8-row GEMVs of a decode step (Llama-3.2-1B's logits
+were, on an H200); the CPU reference executor computes a tile with one matmul whose summation
+order may depend on the tile's width (last-bit differences). An explicit ``Options.tile_n``
+overrides it; with ``Options.tile_n`` set, ``Options.gemv_groups``
 off, or nothing to size, the graph is returned unchanged (the same object).
 """
 from __future__ import annotations
@@ -102,15 +107,22 @@ def size_gemv_groups(graph: OpGraph, opts=None) -> OpGraph:
     for members in groups.values():
         ops = [graph.ops[i] for i in members]
         cuts = [consumer_cuts(graph, op, opts) for op in ops]
-        if len(members) == 1 and (cuts[0] is None or not straddles(gemv_col_ranges(ops[0], opts), cuts[0])):
+        per_op = [gemv_col_ranges(op, opts) for op in ops]
+        if len(members) == 1 and (cuts[0] is None or not straddles(per_op[0], cuts[0])):
             continue  # a lone GEMV whose per-op tiles straddle no consumer tile: leave it as it is
         blocks = []
         for op, cs in zip(ops, cuts):  # blocks no consumer tile straddles: the gcd of N and the cuts
             n = op.outputs[0].shape[-1]
             block = math.gcd(n, *cs) if cs else n
             blocks.append(block if block % 8 == 0 else n)
-        total = sum(op.outputs[0].shape[-1] for op in ops)
         nblocks = [op.outputs[0].shape[-1] // b for op, b in zip(ops, blocks)]
+        if sum(nblocks) > max(opts.workers, sum(len(r) for r in per_op)):
+            # blocks this fine (an elementwise consumer's 1024-column tiles cut an LM head into
+            # gcd(N, 1024)-column blocks) would cost more instructions than a straddle's relay
+            if len(members) == 1:
+                continue
+            blocks, nblocks = [op.outputs[0].shape[-1] for op in ops], [1] * len(ops)
+        total = sum(op.outputs[0].shape[-1] for op in ops)
         # each block's share of the workers, rounded down; then one more tile per block for the
         # member with the widest tiles while the group still fits the workers (tiles stay at most
         # GEMV_TILE_N_MAX columns wide)
