@@ -6,17 +6,28 @@ from tilec.timing import need_gpu
 from tilec.zoo import make_model, prefill
 
 
-def llama_step(script: str, ctx: int = 1024):
-    """Returns ``(step, run)``: the step compiled with ``check=False`` at context ``ctx`` and a
-    function that re-decodes position ``ctx`` and returns the logits. Exits (``need_gpu``,
-    naming ``script``) without a CUDA device."""
+def llama_model(script: str, ctx: int = 1024, name: str = "llama-3.2-1b"):
+    """Returns ``(model, cache, token)``: zoo model ``name`` (bf16, random weights) on the GPU with
+    a batch-1 cache prefilled to ``ctx`` positions. Exits (``need_gpu``, naming ``script``)
+    without a CUDA device."""
     need_gpu(script)
-    model = make_model("llama-3.2-1b", torch.bfloat16, "cuda")
+    model = make_model(name, torch.bfloat16, "cuda")
     cache, tok = prefill(model, 1, ctx, ctx + 64, "cuda")
-    step = compile_decode_step(model, cache, 1, options=dict(check=False))
+    return model, cache, tok
 
+
+def step_runner(step, tok, ctx: int):
+    """A function that re-decodes position ``ctx`` with ``step`` and returns the logits."""
     def run():
         step.seek(ctx)
         return step(tok, ctx)
 
-    return step, run
+    return run
+
+
+def llama_step(script: str, ctx: int = 1024):
+    """Returns ``(step, run)``: the step compiled with ``check=False`` at context ``ctx`` and its
+    :func:`step_runner`. Exits (``need_gpu``, naming ``script``) without a CUDA device."""
+    model, cache, tok = llama_model(script, ctx)
+    step = compile_decode_step(model, cache, 1, options=dict(check=False))
+    return step, step_runner(step, tok, ctx)

@@ -15,14 +15,12 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from _llama_step import llama_model, step_runner  # noqa: E402
 from decode import time_cuda  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.timing import cuda_graph, need_gpu  # noqa: E402
-from tilec.zoo import make_model, prefill  # noqa: E402
+from tilec.timing import cuda_graph  # noqa: E402
 
 
 def main():
@@ -43,17 +41,11 @@ def main():
         if not name or name in variants or not isinstance(opts, dict):
             ap.error(f"variant {v!r}: needs a new name and a JSON object of options")
         variants[name] = opts
-    need_gpu("options_ab.py")
-    model = make_model(args.model, torch.bfloat16, "cuda")
-    cache, tok = prefill(model, 1, args.context, args.context + 64, "cuda")
+    model, cache, tok = llama_model("options_ab.py", args.context, args.model)
     steps, graphs, ref = {}, {}, None
     for name, opts in variants.items():
         step = compile_decode_step(model, cache, 1, options=dict(opts, check=False))
-
-        def run(step=step):
-            step.seek(args.context)
-            return step(tok, args.context)
-
+        run = step_runner(step, tok, args.context)
         out = run().float()
         step.program.executor.check()
         ref = out if ref is None else ref

@@ -404,23 +404,21 @@ __device__ void op_copy(TileCtx& c) {
   map1<TX, TO>(c, c.ops[0], c.ops[1], [](float v) { return v; });
 }
 
-// Copies the tile's rows 16 bytes at a time in one rolled loop (every copy in flight at once)
-// when both operands allow it: unit last stride, 8 | the box's last extent, 16-byte aligned
-// rows. Returns false (nothing copied) otherwise. A decode step's cache write is a few hundred
-// bytes on the critical path: what it costs is code, so the loop stays small (the unrolled
-// elementwise path of map1 is ~38 KB of SASS, mostly fetched cold from L2 once per layer).
+// Copies the tile's rows of 2-byte T 16 bytes at a time in one rolled loop (every copy in flight
+// at once) when both operands allow map1's 16-byte path (vec_ok) and 8 | the box's last extent.
+// Returns false (nothing copied) otherwise. A decode step's cache write is a few hundred bytes
+// on the critical path: what it costs is code, so the loop stays small (the unrolled elementwise
+// path of map1 is ~38 KB of SASS, mostly fetched cold from L2 once per layer).
+template <typename T>
 __device__ __forceinline__ bool copy_rows16(const TileCtx& c, const Operand& src, const Operand& dst) {
-  const int nd = dst.ndim;
-  if (nd < 1 || src.ndim != nd || src.strides[nd - 1] != 1 || dst.strides[nd - 1] != 1) return false;
+  static_assert(sizeof(T) == 2, "copy_rows16 moves 8 elements of 2 bytes per 16-byte access");
+  const int nd = dst.ndim, l0 = last_lo(c, dst);
+  if (!vec_ok<T>(src, nd, l0) || !vec_ok<T>(dst, nd, l0)) return false;
+  const int len = c.hi(nd - 1) - l0;
+  if (len % 8 != 0) return false;
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
-  const int l0 = c.lo(nd - 1), len = c.hi(nd - 1) - l0, rows = box_rows(nd, lo, hi);
-  if (len % 8 != 0 || !aligned16(src.ptr) || !aligned16(dst.ptr) || l0 % 8 != 0) return false;
-#pragma unroll
-  for (int k = 0; k < 4; ++k)  // constant indices: lo / hi stay in registers
-    if (k < nd - 1 && (hi[k] - lo[k] > 1 || lo[k] > 0) && (src.strides[k] % 8 != 0 || dst.strides[k] % 8 != 0))
-      return false;
-  const int vpr = len / 8;
+  const int rows = box_rows(nd, lo, hi), vpr = len / 8;
 #pragma unroll 1
   for (int e = threadIdx.x; e < rows * vpr; e += kThreads) {
     const int r = e / vpr, v = e - r * vpr;
@@ -440,7 +438,7 @@ template <typename TS, typename TD>
 __device__ void op_cache_write(TileCtx& c) {
 #ifndef TILEC_CACHE_WRITE_GENERIC  // an experiment's knob: always the unrolled elementwise path
   if constexpr (std::is_same<TS, TD>::value && sizeof(TS) == 2)
-    if (copy_rows16(c, c.ops[0], c.ops[1])) return;
+    if (copy_rows16<TS>(c, c.ops[0], c.ops[1])) return;
 #endif
   cache_write_generic<TS, TD>(c);
 }

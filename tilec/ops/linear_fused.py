@@ -16,7 +16,8 @@ the down projection"; Mirage MPK and the Hazy megakernel fuse the same chains).
 Operands: the prologue's inputs (x; x, norm_w [K]; or g, u), W [N, K], resid [..., N] (with
 ``add``), out [..., N]. Side operands (norm_w, u, resid) have the dtype of x (or out).
 Params: K, prologue code, epilogue code, eps bits, and (set per tile by the plan) 1 when the
-worker's previous instruction left this tile's staged x rows in shared memory. Tiles: all rows x ``gemv_tile_n`` columns;
+worker's previous instruction left this tile's staged x rows in shared memory. Tiles: all rows x the
+column ranges of ``tilec.ops.gemv_col_ranges``;
 coords: the out box, then the K range (always whole: the prologue needs whole rows).
 """
 from __future__ import annotations
