@@ -6,7 +6,8 @@
 //   (one thread, ld.acquire.gpu + __nanosleep backoff, device watchdog) -> barrier ->
 //   run the tile op -> barrier -> one thread: red.release.gpu.
 // A GEMV (linear, linear_fused) is dispatched before its wait and calls it itself
-// (TileCtx::wait) once its setup is done, so that setup overlaps the wait.
+// (TileCtx::wait) once its setup is done, so that setup overlaps the wait; so is
+// attention_partial, which first starts its K / V splits into L2.
 // Event counters are monotonic: step `epoch` waits for epoch * count, so no reset between
 // steps. The epoch lives on the device (state[0] = steps completed), so a launch replayed from
 // a CUDA graph advances it too: every CTA reads it at start, and the last CTA to finish the
@@ -51,12 +52,6 @@ __device__ __forceinline__ void decode_operand(const long long* e, Operand& o, l
     o.sizes[k] = (int)e[TILEC_OF_SIZES + k];
     o.strides[k] = e[TILEC_OF_STRIDES + k];
   }
-}
-
-// Starts pulling [p, p + bytes) from HBM into L2 (Hopper bulk prefetch; a hint, no completion).
-__device__ __forceinline__ void prefetch_l2(const char* p, unsigned bytes) {
-  const unsigned long long a = reinterpret_cast<unsigned long long>(p) & ~15ull;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
 }
 
 // Returns false if the wait was abandoned (watchdog or another CTA's abort).
@@ -161,10 +156,12 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
               epoch * (unsigned long long)wait_c, wait_e, i, err, timeout_ns, &go, false};
     // A GEMV sets itself up (row offsets, stream range, staging checks: ~2 us of serial code on
     // an H200) before its wait, which it then calls itself (TileCtx::wait); once the operands are
-    // decoded (the barrier) it may read them. Every other op runs after the wait. Measured on an
+    // decoded (the barrier) it may read them. attention_partial likewise starts its K / V splits
+    // into L2 first (ops_attention.cuh). Every other op runs after the wait. Measured on an
     // H200 (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1, context 1024, same process):
-    // 1.689 ms a step with the setup before the wait, 1.792 ms after it.
-    const bool early = opcode == TILEC_OP_LINEAR_FUSED || opcode == TILEC_OP_LINEAR;
+    // 1.689 ms a step with the GEMV setup before the wait, 1.792 ms after it.
+    const bool early = opcode == TILEC_OP_LINEAR_FUSED || opcode == TILEC_OP_LINEAR ||
+                       opcode == TILEC_OP_ATTENTION_PARTIAL;
     if (early) block_sync();
     else if (!c.wait()) {
       ok = false;

@@ -39,6 +39,7 @@ from . import OpDef, Tile, TileArgs, bits_f32, chunks, f32_bits, register
 # device constants of runtime/tilec/ops_attention.cuh (shared-memory sizing)
 ATTN_Q = 4  # queries (G * Sq) per pass over a split
 ATTN_SEG_MAX = 2048  # cache positions per shared-memory score segment
+ATTN_STAGE_POS = 128  # cache positions of K and V rows the plan reserves for the tile to stage
 WARPS = 8
 
 
@@ -92,15 +93,23 @@ class AttentionPartial(OpDef):
         """runtime/tilec/ops_attention.cuh: ATTN_Q scaled queries (256 floats each), 32 floats of
         softmax statistics, then one region holding either a segment of scores (ATTN_Q x
         min(chunk, ATTN_SEG_MAX)) or the per-warp P.V partials (WARPS x ATTN_Q x padded Dv).
+        Also room for a segment of min(chunk, ATTN_STAGE_POS) positions staged in shared memory
+        (their scores, bf16 / fp16 K rows and V rows): with 2-byte K and V the device stages
+        its rows whenever a segment of at least min(chunk, 32) positions fits (segments as
+        long as the scratch allows) and reads them from global memory otherwise.
 
         Raises:
             TilecError: a head dim D or Dv above 256 (one warp's lanes hold at most 256 elements).
         """
-        d, dv = op.inputs[0].shape[3], op.inputs[2].shape[3]
+        q, _, v = op.inputs
+        d, dv = q.shape[3], v.shape[3]
         if d > 256 or dv > 256:
             raise TilecError(f"op {op.name}: attention head dim {d}/{dv} > 256")
         dvp = 8 * lanes_per_row(dv)
-        region = max(ATTN_Q * min(op.attr("chunk"), ATTN_SEG_MAX), WARPS * ATTN_Q * dvp)
+        chunk = op.attr("chunk")
+        region = max(ATTN_Q * min(chunk, ATTN_SEG_MAX), WARPS * ATTN_Q * dvp)
+        n = min(chunk, ATTN_STAGE_POS)
+        region = max(region, ATTN_Q * n + (d + dv) // 2 * n)
         return 4 * (ATTN_Q * 256 + 32 + region)
 
     def run_tile(self, t: TileArgs):
