@@ -158,7 +158,7 @@ def check(name, prog, mod, inputs, reference_scores=None) -> torch.Tensor:
 def profile(prog, mod, inputs, args, out: Path) -> None:
     """Runs the step once more compiled with per-instruction stamps; writes the timeline to
     ``out`` and prints the time per op kind."""
-    prof = compile_module(mod, inputs, options=dict(workers=args.workers, check=False, profile=True, **args.extra))
+    prof = compile_module(mod, inputs, options={**args.extra, "workers": args.workers, "check": False, "profile": True})
     for _ in range(3):
         prof(*inputs)
     tg = prof.compiled.stages["linearized"]
@@ -174,7 +174,8 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--workers", type=int, default=132)
     ap.add_argument("--skip-inductor", action="store_true")
-    ap.add_argument("--options", default="{}", help='tilec compile options as JSON (default tile_rows 4), e.g. \'{"tile_rows": 1}\'')
+    ap.add_argument("--options", default="{}",
+                    help='tilec compile options as JSON (default tile_rows 4), e.g. \'{"tile_rows": 1}\'')
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-flush", action="store_true", help="do not flush L2 between timed calls")
     ap.add_argument("--profile", metavar="DIR", help="also write each tilec variant's measured timeline to DIR "
@@ -183,7 +184,10 @@ def main():
     # 4-row tiles for the row-wise ops (RMSNorm, LayerNorm, quantization, cache writes) of its 16
     # tokens: on an H200 (tenth session, call 6) the persistent kernel took 310.9 us in bf16 and
     # 585.5 in FP8 with them, 364.8 and 599.8 with the default single-row tiles
-    args.extra = {"tile_rows": 4, **json.loads(args.options)}
+    extra = json.loads(args.options)
+    if not isinstance(extra, dict):
+        ap.error(f"--options: a JSON object of compile options, got {args.options!r}")
+    args.extra = {"tile_rows": 4, **extra}
     need_gpu("glm5_prelude.py")
     warnings.simplefilter("ignore")
     cfg = glm.REDUCED if args.reduced else glm.FULL
@@ -235,7 +239,7 @@ def main():
     for fp8 in (False, True):
         name = "tilec FP8" if fp8 else "tilec bf16"
         t0 = time.time()
-        prog = compile_module(mods[fp8], inputs[fp8], options=dict(workers=args.workers, check=False, **args.extra))
+        prog = compile_module(mods[fp8], inputs[fp8], options={**args.extra, "workers": args.workers, "check": False})
         print(f"{name}: compile {time.time() - t0:.1f}s; {prog.stats}", flush=True)
         prog(*inputs[fp8])
         prog.executor.check()

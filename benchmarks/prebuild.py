@@ -42,7 +42,8 @@ def main() -> None:
         t0 = time.time()
         mod = glm.make_prelude(cfg, fp8, torch.bfloat16, "cpu")
         inputs = glm.make_inputs(cfg, fp8, torch.bfloat16, "cpu")
-        prog = compile_module(mod, inputs, options=dict(workers=args.workers, check=False, executor="reference", tile_rows=4))
+        prog = compile_module(mod, inputs, options=dict(workers=args.workers, check=False,
+                                                            executor="reference", tile_rows=4))
         lib = build(render(prog.plan), progress=lambda m: print(f"  {m}", flush=True))
         print(f"GLM-5 prelude {name}: {lib} ({time.time() - t0:.1f} s)", flush=True)
 

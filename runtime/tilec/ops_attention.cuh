@@ -301,6 +301,14 @@ __device__ __noinline__ void attention_partial_generic(TileCtx& c) {
 // flight: L2 is the point of coherence, so a prefetch never hides that write), and the tile's
 // wait (the layer's K / V projection, RoPE and cache write) is longer than the fetch. Contiguous
 // rows only (a row stride equal to the row length); a hint, nothing completes.
+// [p, p + bytes) from p rounded down to 16 bytes, never past its end (a prefetch's size is a
+// multiple of 16: the last < 16 bytes of an unaligned range are left out).
+__device__ __forceinline__ void attn_prefetch_rows(const void* p, long long bytes) {
+  const unsigned long long a = reinterpret_cast<unsigned long long>(p), start = a & ~15ull;
+  const unsigned long long n = (a + (unsigned long long)bytes - start) & ~15ull;
+  if (n > 0) prefetch_l2(reinterpret_cast<const void*>(start), (unsigned)n);
+}
+
 template <typename TK, typename TV>
 __device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
   if (threadIdx.x != 0) return;
@@ -317,9 +325,9 @@ __device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
         const int jend = causal ? (int)max((long long)j0, min((long long)j1, valid + Sq - 1)) : j1;
         int idx[4] = {b, h, j0, 0};
         if (jend > j0 && k.strides[3] == 1 && k.strides[2] == k.sizes[3])
-          prefetch_l2(base<TK>(k) + offset4(k, idx), (unsigned)(((jend - j0) * k.sizes[3] * sizeof(TK) + 15) & ~15));
+          attn_prefetch_rows(base<TK>(k) + offset4(k, idx), (long long)(jend - j0) * k.sizes[3] * sizeof(TK));
         if (jend > j0 && v.strides[3] == 1 && v.strides[2] == v.sizes[3])
-          prefetch_l2(base<TV>(v) + offset4(v, idx), (unsigned)(((jend - j0) * v.sizes[3] * sizeof(TV) + 15) & ~15));
+          attn_prefetch_rows(base<TV>(v) + offset4(v, idx), (long long)(jend - j0) * v.sizes[3] * sizeof(TV));
       }
 }
 

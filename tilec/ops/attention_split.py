@@ -93,10 +93,11 @@ class AttentionPartial(OpDef):
         """runtime/tilec/ops_attention.cuh: ATTN_Q scaled queries (256 floats each), 32 floats of
         softmax statistics, then one region holding either a segment of scores (ATTN_Q x
         min(chunk, ATTN_SEG_MAX)) or the per-warp P.V partials (WARPS x ATTN_Q x padded Dv).
-        Also room for a segment of min(chunk, ATTN_STAGE_POS) positions staged in shared memory
-        (their scores, bf16 / fp16 K rows and V rows): with 2-byte K and V the device stages
-        its rows whenever a segment of at least min(chunk, 32) positions fits (segments as
-        long as the scratch allows) and reads them from global memory otherwise.
+        For heads with D + Dv <= 256, also room for a segment of min(chunk, ATTN_STAGE_POS)
+        positions staged in shared memory (their scores, 2-byte K rows and V rows; reserved for
+        any dtype, the op sees no dtypes): with 2-byte K and V the device stages its rows
+        whenever a segment of at least min(chunk, 32) positions fits (segments as long as the
+        scratch allows) and reads them from global memory otherwise.
 
         Raises:
             TilecError: a head dim D or Dv above 256 (one warp's lanes hold at most 256 elements).
@@ -108,8 +109,9 @@ class AttentionPartial(OpDef):
         dvp = 8 * lanes_per_row(dv)
         chunk = op.attr("chunk")
         region = max(ATTN_Q * min(chunk, ATTN_SEG_MAX), WARPS * ATTN_Q * dvp)
-        n = min(chunk, ATTN_STAGE_POS)
-        region = max(region, ATTN_Q * n + (d + dv) // 2 * n)
+        if d + dv <= 256:  # larger heads would take the weight ring's room: staged when it fits
+            n = min(chunk, ATTN_STAGE_POS)
+            region = max(region, ATTN_Q * n + (d + dv) // 2 * n)
         return 4 * (ATTN_Q * 256 + 32 + region)
 
     def run_tile(self, t: TileArgs):
