@@ -71,6 +71,13 @@ template <typename T> struct AttnRow8<false, T> {
   __device__ __forceinline__ float operator[](int e) const { return v[e]; }
 };
 
+// The end of split s's positions [s * chunk, end) that some query sees (query i sees positions
+// < valid + i when causal); end == s * chunk when none does.
+__device__ __forceinline__ int attn_split_end(int s, int chunk, int S, int causal, long long valid, int Sq) {
+  const int j0 = s * chunk, j1 = min(S, j0 + chunk);
+  return causal ? (int)max((long long)j0, min((long long)j1, valid + Sq - 1)) : j1;
+}
+
 // Cache positions per segment when the tile stages its K / V rows in shared memory: what fits
 // beside the queries, the statistics and the segment's scores (0: too few, stage nothing).
 __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int D, int Dv) {
@@ -119,9 +126,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
     for (int h = c.lo(1); h < c.hi(1); ++h)
 #pragma unroll 1
       for (int s = c.lo(2); s < c.hi(2); ++s) {
-        const int j0 = s * chunk, j1 = min(S, j0 + chunk);
-        // positions >= jend are seen by no query (query i sees positions < valid + i)
-        const int jend = causal ? (int)max((long long)j0, min((long long)j1, valid + Sq - 1)) : j1;
+        const int j0 = s * chunk, jend = attn_split_end(s, chunk, S, causal, valid, Sq);
         int hi0[4] = {b, h, 0, 0};
         const long long kb = offset4(k, hi0), vb = offset4(v, hi0);
 #pragma unroll 1
@@ -301,14 +306,6 @@ __device__ __noinline__ void attention_partial_generic(TileCtx& c) {
 // flight: L2 is the point of coherence, so a prefetch never hides that write), and the tile's
 // wait (the layer's K / V projection, RoPE and cache write) is longer than the fetch. Contiguous
 // rows only (a row stride equal to the row length); a hint, nothing completes.
-// [p, p + bytes) from p rounded down to 16 bytes, never past its end (a prefetch's size is a
-// multiple of 16: the last < 16 bytes of an unaligned range are left out).
-__device__ __forceinline__ void attn_prefetch_rows(const void* p, long long bytes) {
-  const unsigned long long a = reinterpret_cast<unsigned long long>(p), start = a & ~15ull;
-  const unsigned long long n = (a + (unsigned long long)bytes - start) & ~15ull;
-  if (n > 0) prefetch_l2(reinterpret_cast<const void*>(start), (unsigned)n);
-}
-
 template <typename TK, typename TV>
 __device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
   if (threadIdx.x != 0) return;
@@ -321,13 +318,12 @@ __device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
     for (int h = c.lo(1); h < c.hi(1); ++h)
 #pragma unroll 1
       for (int s = c.lo(2); s < c.hi(2); ++s) {
-        const int j0 = s * chunk, j1 = min(S, j0 + chunk);
-        const int jend = causal ? (int)max((long long)j0, min((long long)j1, valid + Sq - 1)) : j1;
+        const int j0 = s * chunk, jend = attn_split_end(s, chunk, S, causal, valid, Sq);
         int idx[4] = {b, h, j0, 0};
         if (jend > j0 && k.strides[3] == 1 && k.strides[2] == k.sizes[3])
-          attn_prefetch_rows(base<TK>(k) + offset4(k, idx), (long long)(jend - j0) * k.sizes[3] * sizeof(TK));
+          prefetch_l2(base<TK>(k) + offset4(k, idx), (long long)(jend - j0) * k.sizes[3] * sizeof(TK));
         if (jend > j0 && v.strides[3] == 1 && v.strides[2] == v.sizes[3])
-          attn_prefetch_rows(base<TV>(v) + offset4(v, idx), (long long)(jend - j0) * v.sizes[3] * sizeof(TV));
+          prefetch_l2(base<TV>(v) + offset4(v, idx), (long long)(jend - j0) * v.sizes[3] * sizeof(TV));
       }
 }
 

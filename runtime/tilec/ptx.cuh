@@ -40,11 +40,13 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy) : "memory");
 }
-// Starts pulling [p, p + bytes) from HBM into L2 (Hopper bulk prefetch, p rounded down to 16
-// bytes, bytes a multiple of 16; a hint, nothing completes).
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-  const unsigned long long a = reinterpret_cast<unsigned long long>(p) & ~15ull;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
+// Starts pulling [p, p + bytes) from HBM into L2 (Hopper bulk prefetch; a hint, nothing
+// completes). The bulk range starts at p rounded down to 16 bytes and never reaches past p + bytes
+// (its size is a multiple of 16: the last < 16 bytes of an unaligned range are left out).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned long long bytes) {
+  const unsigned long long a = reinterpret_cast<unsigned long long>(p), start = a & ~15ull;
+  const unsigned long long n = (a + bytes - start) & ~15ull;
+  if (n > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(start), "r"((unsigned)n) : "memory");
 }
 // 16-byte load of streamed-once data: bypasses L1, with the given L2 policy (evict-first).
 __device__ __forceinline__ uint4 ld_stream16(const void* p, unsigned long long policy) {
