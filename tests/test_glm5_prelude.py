@@ -27,6 +27,8 @@ from tilec import codegen
 from tilec.api import compile_module
 from tilec.capture import export_graph
 from tilec.frontend import find_unsupported
+from tilec.ops import STREAM_BYTE, opdef
+from tilec.plan import F as DESCRIPTOR
 from tilec.trace import predicted_trace
 
 _PATH = Path(__file__).resolve().parents[1] / "examples" / "glm5_dsa_prelude.py"
@@ -37,7 +39,7 @@ _spec.loader.exec_module(glm)
 
 CFG = glm.REDUCED
 WORKERS = 24
-NEW_KINDS = {"fp8_quant", "fp8_linear", "bmm", "paged_cache_write", "index_score"}
+NEW_KINDS = {"fp8_quant", "fp8_linear", "fp8_linear_quant", "bmm", "paged_cache_write", "index_score"}
 OUTPUTS = ("residual", "q_mla", "scores", "kv_cache", "index_k_cache", "index_k_scale_cache")
 
 
@@ -293,6 +295,30 @@ def test_paged_cache_writes_index_copy_and_negative_slots():
     assert torch.equal(c1, c2) and torch.equal(s1, s2)
 
 
+def test_fp8_quant_fuses_into_the_gemms():
+    """With bf16 activations, fp8_quant -> fp8_linear becomes fp8_linear_quant: the GEMMs' own
+    quantization ops are gone (the indexer's key and query quantizations stay), the fused tiles
+    stream their FP8 weights as 1-byte ring items, and the outputs on the reference executor are
+    bitwise those of the unfused plan on random inputs."""
+    c = case(True, torch.bfloat16)
+    kinds = [op.kind for op in c.program.plan.graph.ops]
+    assert kinds.count("fp8_linear_quant") == 4 and kinds.count("fp8_linear") == 0
+    assert kinds.count("fp8_quant") == 2
+    plan = c.program.plan
+    fused = [i for i, op in enumerate(plan.graph.ops) if op.kind == "fp8_linear_quant"]
+    word = plan.queues[..., DESCRIPTOR["stream"][0]]
+    rows = plan.queues[..., DESCRIPTOR["operand_row"][0]]
+    busy = plan.queues[..., DESCRIPTOR["opcode"][0]] == opdef("fp8_linear_quant").opcode
+    assert bool(busy.any()) and bool(((word[busy] & STREAM_BYTE) != 0).all())
+    assert set(rows[busy].tolist()) == set(fused)
+    unfused = compile_module(c.module, c.inputs, options=dict(workers=WORKERS, fuse_fp8_quant=False))
+    assert "fp8_linear_quant" not in {op.kind for op in unfused.plan.graph.ops}
+    a, b = c.fresh_inputs(seed=3), c.fresh_inputs(seed=3)
+    got, want = tuple(c.program(*a)) + tuple(a[5:]), tuple(unfused(*b)) + tuple(b[5:])
+    for name, g, w in zip(OUTPUTS, got, want):
+        assert torch.equal(g, w), name
+
+
 # ---- CUDA codegen ----------------------------------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -302,7 +328,7 @@ def test_generated_cuda_compiles(fp8, tmp_path, monkeypatch):
     monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
     c = case(fp8, torch.bfloat16)
     src = codegen.render(c.program.plan)
-    used = {op.kind for op in c.program.compiled.stages['opgraph'].ops}
+    used = {op.kind for op in c.program.plan.graph.ops}
     for kind in used & NEW_KINDS:
         assert f"tilec::op_{kind}<" in src["program.cu"]
     if fp8:

@@ -40,6 +40,11 @@ class Options:
     gemv_groups: size the tiles of sibling GEMVs (same input rows, e.g. q/k/v or gate/up) by their
         total columns, so that together they make about ``workers`` tiles
         (``tilec.passes.gemv_groups``; the same results, fewer instructions per worker).
+    fuse_fp8_quant: quantize FP8 GEMM activations inside the GEMM tiles that read them
+        (``tilec.passes.fuse_fp8_quant``: ``fp8_quant -> fp8_linear`` becomes ``fp8_linear_quant``;
+        the same quantized values, one op and one dependent stage fewer per GEMM).
+    fp8_stream: the fused FP8 GEMM tiles take their weights from the worker's weight ring (the
+        loader warp streams them ahead, as for bf16 GEMVs) instead of loading them after their wait.
     verify: run the stage verifiers after every pass (always on in tests).
     executor: ``"cuda"`` (persistent kernel), ``"reference"`` (CPU reference executor), or
         ``"auto"``: CUDA when the model's tensors are on a CUDA device.
@@ -62,6 +67,8 @@ class Options:
     fuse_gemv: bool = True
     fold_cache_writes: bool = True
     gemv_groups: bool = True
+    fuse_fp8_quant: bool = True
+    fp8_stream: bool = True
     verify: bool = True
     executor: str = "auto"
     arch: str = "sm_90a"

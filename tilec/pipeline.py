@@ -4,7 +4,9 @@
     split_kv    split_kv: attention -> partial + combine   (verify_opgraph)
                 (flash-decoding; the same graph when no op splits)
     fuse_gemv   fuse_gemv_chains: RMSNorm / SiLU-mul        (verify_opgraph)
-                prologues and residual-add epilogues into GEMVs
+                prologues and residual-add epilogues into GEMVs;
+                fuse_fp8_quant: FP8 activation quantization
+                into the FP8 GEMMs
     fold_cache  fold_cache_writes: rope -> cache_write      (verify_opgraph)
                 becomes one rope writing the cache slot
     gemv_groups size_gemv_groups: sibling GEMVs (same     (verify_opgraph)
@@ -27,7 +29,7 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import (fold_cache_writes, fuse_events, fuse_gemv_chains, linearize, normalize, schedule, size_gemv_groups,
+from .passes import (fold_cache_writes, fuse_events, fuse_fp8_quant, fuse_gemv_chains, linearize, normalize, schedule, size_gemv_groups,
                      split_kv)
 from .plan import KernelPlan, encode
 from .stats import compile_stats
@@ -76,7 +78,7 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
     graph = stage("split_kv", split_kv, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
-    graph = stage("fuse_gemv", fuse_gemv_chains, graph, opts)
+    graph = stage("fuse_gemv", lambda g, o: fuse_fp8_quant(fuse_gemv_chains(g, o), o), graph, opts)
     if opts.verify:
         verify_opgraph(graph)
     graph = stage("fold_cache", fold_cache_writes, graph, opts)

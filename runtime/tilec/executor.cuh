@@ -7,7 +7,7 @@
 //   run the tile op -> barrier -> one thread: red.release.gpu.
 // A GEMV (linear, linear_fused) is dispatched before its wait and calls it itself
 // (TileCtx::wait) once its setup is done, so that setup overlaps the wait; so is
-// attention_partial, which first starts its K / V splits into L2.
+// attention_partial, which first starts its K / V splits into L2, and fp8_linear_quant.
 // Event counters are monotonic: step `epoch` waits for epoch * count, so no reset between
 // steps. The epoch lives on the device (state[0] = steps completed), so a launch replayed from
 // a CUDA graph advances it too: every CTA reads it at start, and the last CTA to finish the
@@ -161,7 +161,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     // H200 (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1, context 1024, same process):
     // 1.689 ms a step with the GEMV setup before the wait, 1.792 ms after it.
     const bool early = opcode == TILEC_OP_LINEAR_FUSED || opcode == TILEC_OP_LINEAR ||
-                       opcode == TILEC_OP_ATTENTION_PARTIAL;
+                       opcode == TILEC_OP_ATTENTION_PARTIAL || opcode == TILEC_OP_FP8_LINEAR_QUANT;
     if (early) block_sync();
     else if (!c.wait()) {
       ok = false;

@@ -405,6 +405,244 @@ __device__ void op_fp8_linear(TileCtx& c) {
   }
 }
 
+// ---- fp8_linear_quant: fp8_quant of bf16 x fused into the FP8 GEMM ------------------------
+// out = fp8_linear(fp8_quant(x)) with the quantization done while the tile stages its rows
+// (tilec/passes/fuse_fp8_quant.py): one dependent stage and one op fewer per GEMM, and the weights
+// stream through the worker's ring (stream.cuh, 1-byte items) while the tile waits for x.
+
+// Two e4m3 products m16n8k32 (mma.sync with FP8 operands: sm_89 and later) over 64 consecutive k:
+// lane (g, q) brings bytes 16q..16q+15 of A rows g and g + 8 (alo, ahi) and of B column g (b); the
+// first product takes bytes 0-7 of each (k-slots 4q..4q+3 <- bytes 0-3, 16+4q..16+4q+3 <- bytes
+// 4-7), the second bytes 8-15: the same permutation of k for A and B, so each operand is one
+// 16-byte load and the products are exact (float32 accumulation).
+__device__ __forceinline__ void mma_e4m3_k64(float* acc, const uint4& alo, const uint4& ahi, const uint4& b) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(alo.x), "r"(ahi.x), "r"(alo.y), "r"(ahi.y), "r"(b.x), "r"(b.y));
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+               : "r"(alo.z), "r"(ahi.z), "r"(alo.w), "r"(ahi.w), "r"(b.z), "r"(b.w));
+}
+
+// Quantizes nr rows of bf16 x (element offsets xoff[m], K stride xk) in groups of G along K into
+// FP8 rows xq_s [nr][xp] bytes and scales xs_s [nr][K / G], bitwise as op_fp8_quant does (the
+// scale is a max and a division, each value a division and a saturating cast). G == 128 with unit
+// stride and 16-byte aligned rows: half a warp per group, 8 elements per lane (one 16-byte load),
+// kQuantLoads loads in flight per thread in a rolled loop (GLM-5's 16 x 6144 rows: 6 round trips);
+// otherwise one warp per group, one element per lane at a time. Ends with a block barrier.
+constexpr int kQuantLoads = 8;
+__device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long long* xoff, long long xk, int nr,
+                                              int K, int G, int pow2, float amin, float fmax, unsigned char* xq_s,
+                                              int xp, float* xs_s) {
+  const int KB = K / G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  bool vec = G == 128 && xk == 1 && xp % 8 == 0;
+  for (int r = 0; r < nr && vec; ++r) vec = (reinterpret_cast<uintptr_t>(x + xoff[r]) & 15) == 0;
+  if (vec) {
+    const int per = K / 8, nv = nr * per;  // 16-byte loads; a group is 16 of them, half a warp
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll 1
+    for (int it = 0; threadIdx.x - lane + it < nv; it += kQuantLoads * kThreads) {  // warp-uniform
+      uint4 raw[kQuantLoads];
+#pragma unroll
+      for (int j = 0; j < kQuantLoads; ++j) {
+        const int v = threadIdx.x + it + j * kThreads, m = v / per;
+        raw[j] = v < nv ? __ldcg(reinterpret_cast<const uint4*>(x + xoff[m]) + (v - m * per)) : zero;
+      }
+#pragma unroll
+      for (int j = 0; j < kQuantLoads; ++j) {
+        const int v = threadIdx.x + it + j * kThreads, m = v / per, k = (v - m * per) * 8;
+        const unsigned wd[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
+        float f[8], amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          f[i] = __uint_as_float(i & 1 ? wd[i / 2] & 0xffff0000u : wd[i / 2] << 16);
+          amax = fmaxf(amax, fabsf(f[i]));
+        }
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float sc = fmaxf(amax, amin) / fmax;
+        if (pow2) sc = exp2f(ceilf(log2f(sc)));
+        unsigned lo = 0u, hi = 0u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          lo |= (unsigned)from_f<__nv_fp8_e4m3>(fminf(fmaxf(f[i] / sc, -fmax), fmax)).__x << (8 * i);
+          hi |= (unsigned)from_f<__nv_fp8_e4m3>(fminf(fmaxf(f[4 + i] / sc, -fmax), fmax)).__x << (8 * i);
+        }
+        if (v < nv) {
+          *reinterpret_cast<uint2*>(xq_s + (long long)m * xp + k) = make_uint2(lo, hi);
+          if ((lane & 15) == 0) xs_s[m * KB + k / 128] = sc;
+        }
+      }
+    }
+  } else {
+#pragma unroll 1
+    for (int u = warp; u < nr * KB; u += kWarps) {
+      const int m = u / KB, g = u - m * KB;
+      const __nv_bfloat16* xg = x + xoff[m] + (long long)g * G * xk;
+      float amax = 0.f;
+      for (int e = lane; e < G; e += 32) amax = fmaxf(amax, fabsf(__bfloat162float(ldc<__nv_bfloat16>(xg + e * xk))));
+      amax = warp_max(amax);
+      float sc = fmaxf(amax, amin) / fmax;
+      if (pow2) sc = exp2f(ceilf(log2f(sc)));
+      for (int e = lane; e < G; e += 32) {
+        const float v = __bfloat162float(ldc<__nv_bfloat16>(xg + e * xk)) / sc;
+        xq_s[(long long)m * xp + g * G + e] = from_f<__nv_fp8_e4m3>(fminf(fmaxf(v, -fmax), fmax)).__x;
+      }
+      if (lane == 0) xs_s[m * KB + g] = sc;
+    }
+  }
+  block_sync();
+}
+
+// The block-scaled FP8 product of nr <= 16 staged rows (xq_s [nr][xp] bytes, xp % 128 == 64 so
+// the eight rows of a quarter-warp's loads sit in distinct banks; scales xs_s [nr][KB]) with
+// weights from the ring: an item is 8 weight rows (output columns) x up to 2 kStreamK FP8 bytes of
+// K. Warp w takes K slice [w s, (w + 1) s) of each item, s a whole number of K blocks (G, a
+// multiple of 64, divides the item), and per K block accumulates a 16 x 8 product on tensor cores
+// (mma_e4m3_k64), then folds it into its totals scaled by xs[m, kb] * ws[n / BN, kb] (ws_s: the
+// tile's weight-scale rows n0 / BN ..). At a column group's last item the warps' totals are summed
+// in a fixed order through red (kWarps x 128 floats). A warp whose stream wait gave up keeps
+// iterating without waiting (see gemv_bf16_ring_mma), so all warps reach the same barriers.
+template <typename TO>
+__device__ __forceinline__ void fp8_linear_ring(const TileCtx& c, const StreamTile& t, int G, int BN,
+                                                const unsigned char* xq_s, int xp, const float* xs_s,
+                                                const float* ws_s, int nr, const Operand& out,
+                                                const long long* ooff, float* red) {
+  const WeightRing& r = *c.ring;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int kl = t.k1 - t.k0, kblocks = t.kblocks(), items = t.items(), kitem = t.kitem(), KB = kl / G;
+  const long long on = out.strides[out.ndim - 1];
+  const int first = *r.next;
+  int s = first % r.nstages;
+  unsigned ph = (unsigned)(first / r.nstages) & 1u;
+  c.mark(1);  // x quantized and staged
+  float tot[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  bool live = true;
+  int gi = 0, kb = 0;  // item i = (column group gi, K block kb of the stream), kb fastest
+#pragma unroll 1
+  for (int i = 0; i < items; ++i) {
+    const int kk = kb * kitem, len = min(kitem, kl - kk);
+    const int slice = (len / kWarps + G - 1) / G * G, k0 = warp * slice, k1 = min(k0 + slice, len);
+    if (live && !__all_sync(0xffffffffu, mbar_wait(r.full + s, ph, r.abort, r.timeout_ns))) {
+      *r.gave_up = 1;
+      live = false;
+    }
+    if (i == 0) c.mark(2);  // the first weight stage is in
+    if (live) {
+      const unsigned char* stage = reinterpret_cast<const unsigned char*>(r.stages + s * kStageBytes);
+      const int b0 = t.n0 / BN, col = t.n0 + gi * kWarps + 2 * q;
+      const int ca = min(col, t.n1 - 1) / BN - b0, cb = min(col + 1, t.n1 - 1) / BN - b0;
+#pragma unroll 1
+      for (int k = k0; k < k1; k += G) {  // one K block
+        float blk[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+        for (int j = 0; j < G; j += 64) {
+          const int kq = k + j + 16 * q;
+          const uint4 b = *reinterpret_cast<const uint4*>(stage + g * kRowPitch + kq);
+          const uint4 alo = g < nr ? *reinterpret_cast<const uint4*>(xq_s + g * xp + kk + kq) : zero;
+          const uint4 ahi = g + 8 < nr ? *reinterpret_cast<const uint4*>(xq_s + (g + 8) * xp + kk + kq) : zero;
+          mma_e4m3_k64(blk, alo, ahi, b);
+        }
+        const int kbi = (kk + k) / G;
+        const float xl = g < nr ? xs_s[g * KB + kbi] : 0.f, xh = g + 8 < nr ? xs_s[(g + 8) * KB + kbi] : 0.f;
+        const float wa = ws_s[ca * KB + kbi], wb = ws_s[cb * KB + kbi];
+        tot[0] += blk[0] * xl * wa;
+        tot[1] += blk[1] * xl * wb;
+        tot[2] += blk[2] * xh * wa;
+        tot[3] += blk[3] * xh * wb;
+      }
+      mbar_arrive(r.empty + s);  // every thread releases its own reads
+    }
+    if (++s == r.nstages) s = 0, ph ^= 1u;
+    if (kb == kblocks - 1) {  // the column group: sum the warps' K slices
+      reinterpret_cast<float4*>(red)[warp * 32 + lane] = make_float4(tot[0], tot[1], tot[2], tot[3]);
+      block_sync();
+      if (live && threadIdx.x < 128) {
+        const int l = threadIdx.x >> 2, a = threadIdx.x & 3;  // lane l's accumulator a (see gemv_bf16_ring_mma)
+        float v = 0.f;
+        for (int w = 0; w < kWarps; ++w) v += red[(w * 32 + l) * 4 + a];
+        const int m = (l >> 2) + (a < 2 ? 0 : 8), n = t.n0 + gi * kWarps + 2 * (l & 3) + (a & 1);
+        if (m < nr && n < t.n1) stf<TO>(out, ooff[m] + (long long)n * on, v);
+      }
+      block_sync();  // red is free again
+      tot[0] = tot[1] = tot[2] = tot[3] = 0.f;
+      kb = 0, ++gi;
+    } else {
+      ++kb;
+    }
+  }
+  block_sync();  // every compute thread has read r.next
+  if (threadIdx.x == 0) *r.next = first + items;
+}
+
+// Operands: x [..., K] bf16, wq [N, K] FP8, ws [ceil(N / BN), K / G] float32, out [..., N].
+// Params: K, G, BN, pow2, amin (float bits), FP8 max (float bits). The plan guarantees at most 16
+// rows a tile, G % 64 == 0, K % G == 0 and shared memory for the staged rows (fp8_linear.py
+// Fp8LinearQuant.smem_bytes); a tile that breaks that is a plan bug and aborts the step. Dispatched
+// before its event wait (executor.cuh): the row offsets and the weight scales are set up first.
+template <typename TX, typename TWQ, typename TWS, typename TO>
+__device__ void op_fp8_linear_quant(TileCtx& c) {
+  static_assert(std::is_same<TX, __nv_bfloat16>::value && std::is_same<TWQ, __nv_fp8_e4m3>::value,
+                "fp8_linear_quant: bf16 x, FP8 weights (tilec/passes/fuse_fp8_quant.py)");
+  const Operand &x = c.ops[0], &wq = c.ops[1], &ws = c.ops[2], &out = c.ops[3];
+  const int K = c.param(0), G = c.param(1), BN = c.param(2), pow2 = c.param(3), KB = K / G;
+  const float amin = c.fparam(4), fmax = c.fparam(5);
+  const int nd = out.ndim;
+  int lo[4], hi[4];
+  box_of(c, nd, lo, hi);
+  const int n0 = c.lo(nd - 1), n1 = c.hi(nd - 1), nr = box_rows(nd, lo, hi);
+  const int nb = (n1 - 1) / BN - n0 / BN + 1, xp = K + 64;
+  const long long wn = wq.strides[0], wk = wq.strides[1], wsn = ws.strides[0], wsk = ws.strides[1];
+  // shared memory: row offsets, scales, weight scales, cross-warp sums, then the FP8 rows
+  long long* xoff = reinterpret_cast<long long*>(c.smem);
+  long long* ooff = xoff + 16;
+  float* xs_s = reinterpret_cast<float*>(ooff + 16);
+  float* ws_s = xs_s + (16 * KB + 3) / 4 * 4;
+  float* red = ws_s + (nb * KB + 3) / 4 * 4;
+  unsigned char* xq_s = reinterpret_cast<unsigned char*>(red + kWarps * 128);
+  const bool fits = (xq_s - reinterpret_cast<unsigned char*>(c.smem)) + (long long)nr * xp <= 4LL * c.smem_floats;
+  if (nr > 16 || G % 64 != 0 || K % G != 0 || !fits) {  // the plan promised otherwise: fail loudly
+    if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);
+    *c.ring->gave_up = 1;
+    return;
+  }
+  for (int r = threadIdx.x; r < nr; r += kThreads) {
+    int idx[4] = {0, 0, 0, 0};
+    row_index(r, nd, lo, hi, idx);
+    xoff[r] = offset4(x, idx);
+    ooff[r] = offset4(out, idx);
+  }
+  for (int e = threadIdx.x; e < nb * KB; e += kThreads)
+    ws_s[e] = ldf<TWS>(ws, (long long)(n0 / BN + e / KB) * wsn + (e % KB) * wsk);
+  StreamTile t;
+  const bool ring = c.ring->nstages > 0 && stream_range(c.d, wq.ptr, wn, t);
+  if (!c.wait()) return;  // (its barrier also publishes the offsets and scales)
+  stage_quant_rows(base<__nv_bfloat16>(x), xoff, x.strides[x.ndim - 1], nr, K, G, pow2, amin, fmax, xq_s, xp, xs_s);
+  if (ring) {
+    fp8_linear_ring<TO>(c, t, G, BN, xq_s, xp, xs_s, ws_s, nr, out, ooff, red);
+  } else if (wk == 1 && wn % 16 == 0 && (reinterpret_cast<uintptr_t>(wq.ptr) & 15) == 0) {
+    fp8_linear_mma_ksplit<TO>(c, reinterpret_cast<const unsigned char*>(wq.ptr), wn, n0, n1, K, G, BN, xq_s, xp, xs_s,
+                              ws_s, nr, out, ooff, red);
+  } else {  // weights a strided or unaligned view: one warp per column, lanes over K
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll 1
+    for (int n = n0 + warp; n < n1; n += kWarps) {
+      const TWQ* wrow = base<TWQ>(wq) + (long long)n * wn;
+      for (int m = 0; m < nr; ++m) {
+        float acc = 0.f;
+        for (int k = lane; k < K; k += 32)
+          acc += to_f<__nv_fp8_e4m3>(*reinterpret_cast<const __nv_fp8_e4m3*>(xq_s + (long long)m * xp + k)) *
+                 xs_s[m * KB + k / G] * (to_f<TWQ>(wrow[(long long)k * wk]) * ws_s[(n / BN - n0 / BN) * KB + k / G]);
+        acc = warp_sum(acc);
+        if (lane == 0) stf<TO>(out, ooff[m] + (long long)n * out.strides[nd - 1], acc);
+      }
+    }
+  }
+}
+
 // ---- bmm: out[b] = a[b] @ w[b] (w optionally a view of a block-scaled FP8 [R, C] buffer) -----
 // Per batch b of the tile: a[b] is staged in shared memory as float, then the tile's columns go
 // in passes of ncp = min(nc, 128): each pass stages K chunks of its weight columns as float

@@ -12,10 +12,11 @@
 // low-latency megakernel and Mirage MPK.)
 //
 // Item i of the stream is one stage: kWarps consecutive weight rows (output columns) x a
-// block of kStreamK elements of K, row r at byte r * kRowPitch of the stage. A tile covers
-// columns [n0, n1) and K range [k0, k1): items (column group g, K block kb), kb fastest - or,
-// with the stream word's K-outer flag (bit 12), g fastest (a consumer that stages x one K block
-// at a time: gemv_bf16_ring_kouter in ops.cuh).
+// block of kStreamK bf16 elements of K (2 kStreamK FP8 elements with the stream word's 1-byte
+// flag, bit 13: op_fp8_linear_quant in ops_glm.cuh), row r at byte r * kRowPitch of the stage.
+// A tile covers columns [n0, n1) and K range [k0, k1): items (column group g, K block kb), kb
+// fastest - or, with the stream word's K-outer flag (bit 12), g fastest (a consumer that stages
+// x one K block at a time: gemv_bf16_ring_kouter in ops.cuh).
 #pragma once
 #include "common.cuh"
 #include "ptx.cuh"
@@ -55,7 +56,9 @@ struct StreamTile {
   long long wn;
   int n0, n1, k0, k1;
   bool kouter;  // items K block outer, column group inner
-  __device__ int kblocks() const { return (k1 - k0 + kStreamK - 1) / kStreamK; }
+  int esz;      // bytes per weight element: 2 (bf16) or 1 (FP8)
+  __device__ int kitem() const { return kStreamK * 2 / esz; }  // K elements of one item's row
+  __device__ int kblocks() const { return (k1 - k0 + kitem() - 1) / kitem(); }
   __device__ int groups() const { return (n1 - n0 + kWarps - 1) / kWarps; }
   __device__ int items() const { return groups() * kblocks(); }
 };
@@ -63,6 +66,7 @@ struct StreamTile {
 // The streamed range of descriptor d given its weight operand's address w and row stride wn
 // (elements); false when d streams nothing or bulk copies cannot move the rows (16-byte
 // alignment). Loader and compute warps both decide through this, so they agree on the stream.
+constexpr int kStreamKouter = 1 << 12, kStreamByte = 1 << 13;  // the stream word's flags (tilec/ops/__init__.py)
 __device__ __forceinline__ bool stream_range(const int* d, const char* w, long long wn, StreamTile& t) {
   const int s = d[TILEC_W_STREAM];
   const int nc = (s >> 4) & 15, kc = (s >> 8) & 15;
@@ -72,9 +76,10 @@ __device__ __forceinline__ bool stream_range(const int* d, const char* w, long l
   t.n1 = d[TILEC_W_COORDS + 2 * nc + 1];
   t.k0 = d[TILEC_W_COORDS + 2 * kc];
   t.k1 = d[TILEC_W_COORDS + 2 * kc + 1];
-  t.kouter = (s >> 12) & 1;
-  return s != 0 && (reinterpret_cast<unsigned long long>(w + 2LL * t.k0) & 15) == 0 && (wn * 2) % 16 == 0 &&
-         (t.k1 - t.k0) % 8 == 0 && t.n1 > t.n0;
+  t.kouter = (s & kStreamKouter) != 0;
+  t.esz = (s & kStreamByte) ? 1 : 2;
+  return s != 0 && (reinterpret_cast<unsigned long long>(w + (long long)t.esz * t.k0) & 15) == 0 &&
+         (wn * t.esz) % 16 == 0 && ((t.k1 - t.k0) * t.esz) % 16 == 0 && t.n1 > t.n0;
 }
 
 // The loader's view: the weight operand decoded from the operand table at position p.
@@ -138,12 +143,12 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
       if (item >= r.nstages && !(ok = loader_wait(r.empty + s, ph ^ 1u, r))) break;
       const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
       const int c0 = t.n0 + g * kWarps, rows = min(kWarps, t.n1 - c0);
-      const int kk = t.k0 + kb * kStreamK, len = min(kStreamK, t.k1 - kk);
+      const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
       char* stage = r.stages + s * kStageBytes;
-      mbar_expect_tx(r.full + s, (unsigned)(rows * len * 2));
+      mbar_expect_tx(r.full + s, (unsigned)(rows * bytes));
 #pragma unroll 1
       for (int row = 0; row < rows; ++row)
-        bulk_load(stage + row * kRowPitch, t.w + ((long long)(c0 + row) * t.wn + kk) * 2, (unsigned)(len * 2),
+        bulk_load(stage + row * kRowPitch, t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, (unsigned)bytes,
                   r.full + s, policy);
       if (++s == r.nstages) s = 0, ph ^= 1u;
     }

@@ -202,6 +202,7 @@ GEMV_RING_MMA_K = 4096  # its K range at most with x staged whole (longer: K blo
 GEMV_KOUTER_COLS = 32  # output columns at most of a K-outer tile (ops.cuh gemv_bf16_ring_kouter: 4 groups of 8)
 STREAM_K = 2048  # runtime/tilec/stream.cuh kStreamK: K elements per stage row
 STREAM_KOUTER = 1 << 12  # stream word flag: items K block outer, column group inner
+STREAM_BYTE = 1 << 13  # stream word flag: 1-byte (FP8) weight elements, 2 STREAM_K of them per stage row
 
 
 def kouter_bytes(rows: int) -> int:

@@ -10,7 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from . import OpDef, Tile, TileArgs, gemv_tile_n, out_tiles, register, sub, weight_rows_prefetch
+from ..ir import BufferKind
+from . import (STREAM_BYTE, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_tile_n, out_tiles, register, sub,
+               weight_rows_prefetch)
+from .fp8_quant import FP8_MAX, quantize
+
+
+def block_scaled(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, g: int) -> torch.Tensor:
+    """``sum_kb (x[..., kb] @ w[:, kb].T) * sx[..., kb] * sw[:, kb]`` in float32: x [..., K],
+    sx [..., K/g], w [n, K], sw [n, K/g] (float32) -> [..., n]."""
+    acc = torch.zeros(*x.shape[:-1], w.shape[0])
+    for kb in range(x.shape[-1] // g):
+        part = x[..., kb * g:(kb + 1) * g] @ w[:, kb * g:(kb + 1) * g].t()
+        acc += part * sx[..., kb:kb + 1] * sw[:, kb]
+    return acc
 
 
 @register
@@ -66,13 +79,8 @@ class Fp8Linear(OpDef):
         (n0, n1), lead = box[-1], box[:-1]
         x = sub(xq, lead + ((0, k),)).float()
         sx = sub(xs, lead + ((0, k // g),)).float()
-        w = wq[n0:n1].float()
         sw = ws[torch.arange(n0, n1) // bn].float()  # [n, K/G]
-        acc = torch.zeros(*x.shape[:-1], n1 - n0)
-        for kb in range(k // g):
-            part = x[..., kb * g:(kb + 1) * g] @ w[:, kb * g:(kb + 1) * g].t()
-            acc += part * sx[..., kb:kb + 1] * sw[:, kb]
-        sub(out, box).copy_(acc)
+        sub(out, box).copy_(block_scaled(x, sx, wq[n0:n1].float(), sw, g))
 
     def cost(self, op, tile):
         nbytes, _ = super().cost(op, tile)
@@ -80,4 +88,96 @@ class Fp8Linear(OpDef):
         for lo, hi in tile.coords[:-1]:
             rows *= hi - lo
         n0, n1 = tile.coords[-1]
+        return nbytes, 2 * rows * (n1 - n0) * op.inputs[0].shape[-1]
+
+
+QUANT_ROWS = 16  # rows of a fused tile at most (runtime/tilec/ops_glm.cuh op_fp8_linear_quant: one m16n8k32 A)
+
+
+def quant_smem_bytes(rows: int, k: int, g: int, scale_rows: int) -> int:
+    """Shared memory (bytes) of an ``fp8_linear_quant`` tile: row offsets (256), the rows' scales,
+    the tile's weight-scale rows, the cross-warp sums (4096) and ``rows`` FP8 rows of K + 64
+    bytes (ops_glm.cuh op_fp8_linear_quant), plus a margin."""
+    kb = k // g
+    return 256 + 4 * (-(-16 * kb // 4) * 4) + 4 * (-(-scale_rows * kb // 4) * 4) + 4096 + rows * (k + 64) + 64
+
+
+@register
+class Fp8LinearQuant(OpDef):
+    """``fp8_linear(fp8_quant(x))`` in one op (made by :func:`tilec.passes.fuse_fp8_quant`): each
+    tile quantizes its bf16 x rows per token in groups of G (DeepSeek-V3's ``act_quant``) while it
+    stages them, then runs the block-scaled FP8 GEMM; the device takes the weights from the
+    worker's ring (1-byte stream items) and multiplies on FP8 tensor cores (``mma.sync``
+    m16n8k32 e4m3, exact products, float32 accumulation).
+
+    Operands: x [..., K] bf16 (at most :data:`QUANT_ROWS` rows), wq [N, K] float8_e4m3fn,
+    ws [ceil(N/Bn), K/G] float32, out [..., N]. Params: K, G, Bn, pow2, amin bits, FP8 max bits.
+    Attrs: block_n, group, pow2, amin, stream (weights through the ring). Tiles: all rows x
+    ``tile_n`` output columns; coords: the out box, then the K range.
+    """
+
+    kind, opcode = "fp8_linear_quant", 25
+
+    def tiles(self, op, opts):
+        x, wq, ws = op.inputs
+        (out,) = op.outputs
+        k, g, bn = x.shape[-1], op.attr("group"), op.attr("block_n")
+        rows = 1
+        for s in out.shape[:-1]:
+            rows *= s
+        tiles = []
+        for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts)):
+            (n0, n1), lead = box[-1], box[:-1]
+            tiles.append(Tile(box + ((0, k),), reads=((0, lead + ((0, k),)), (1, ((n0, n1), (0, k))),
+                                                      (2, ((n0 // bn, (n1 - 1) // bn + 1), (0, k // g)))),
+                              writes=((3, box, "write"),)))
+        return tiles
+
+    def prefetch(self, op, tile, graph):
+        """The tile's FP8 weight rows, when they are not streamed through the ring (the plan asks
+        for a prefetch only then)."""
+        (n0, n1), (k0, k1) = tile.coords[-2], tile.coords[-1]
+        return weight_rows_prefetch(graph, op.inputs[1], 1, n0, n1, k0, k1)
+
+    def stream(self, op, tile, graph, scratch):
+        """``wq + 1 | n-range index << 4 | k-range index << 8 | STREAM_BYTE`` when the op's
+        ``stream`` attr is on, the weights are an FP8 parameter with unit K stride and 16-byte rows,
+        and the staged rows fit in ``scratch``; otherwise 0 (the device loads the weights itself)."""
+        x, w, ws = op.inputs
+        buf = graph.buffers[w.buffer]
+        k = x.shape[-1]
+        if not op.attr("stream") or buf.kind not in (BufferKind.PARAM, BufferKind.CONST) \
+                or buf.dtype != torch.float8_e4m3fn or w.strides[1] != 1 or k % 16 or w.strides[0] % 16:
+            return 0
+        if self.smem_bytes(op) > scratch:
+            return 0
+        nd = len(tile.coords) - 1
+        return 2 | ((nd - 1) << 4) | (nd << 8) | STREAM_BYTE
+
+    def params(self, op):
+        return [op.inputs[0].shape[-1], op.attr("group"), op.attr("block_n"), int(op.attr("pow2")),
+                f32_bits(op.attr("amin")), f32_bits(FP8_MAX)]
+
+    def smem_bytes(self, op):
+        x, _, ws = op.inputs
+        rows = 1
+        for s in op.outputs[0].shape[:-1]:
+            rows *= s
+        return quant_smem_bytes(rows, x.shape[-1], op.attr("group"), min(ws.shape[0], 128 // op.attr("block_n") + 2))
+
+    def run_tile(self, t: TileArgs):
+        x, wq, ws, out = t.operands
+        k, g, bn, pow2, amin, fmax = t.params[0], t.params[1], t.params[2], t.params[3], bits_f32(t.params[4]), \
+            bits_f32(t.params[5])
+        (n0, n1), lead = t.coords[-2], t.coords[:-2]
+        xq, sx = quantize(sub(x, lead + ((0, k),)).float(), g, bool(pow2), amin, fmax)
+        sw = ws[torch.arange(n0, n1) // bn].float()
+        sub(out, lead + ((n0, n1),)).copy_(block_scaled(xq.float(), sx, wq[n0:n1].float(), sw, g))
+
+    def cost(self, op, tile):
+        nbytes, _ = super().cost(op, tile)
+        rows = 1
+        for lo, hi in tile.coords[:-2]:
+            rows *= hi - lo
+        n0, n1 = tile.coords[-2]
         return nbytes, 2 * rows * (n1 - n0) * op.inputs[0].shape[-1]
