@@ -27,7 +27,7 @@ from tilec import codegen
 from tilec.api import compile_module
 from tilec.capture import export_graph
 from tilec.frontend import find_unsupported
-from tilec.ops import STREAM_BYTE, opdef
+from tilec.ops import STREAM_BYTE, STREAM_PAIRED, opdef
 from tilec.plan import F as DESCRIPTOR
 from tilec.trace import predicted_trace
 
@@ -298,7 +298,7 @@ def test_paged_cache_writes_index_copy_and_negative_slots():
 def test_fp8_quant_fuses_into_the_gemms():
     """With bf16 activations, fp8_quant -> fp8_linear becomes fp8_linear_quant: the GEMMs' own
     quantization ops are gone (the indexer's key and query quantizations stay), the fused tiles
-    stream their FP8 weights as 1-byte ring items, and the outputs on the reference executor are
+    stream their FP8 weights as 1-byte ring items (K <= 2048 here: two column groups an item), and the outputs on the reference executor are
     bitwise those of the unfused plan on random inputs."""
     c = case(True, torch.bfloat16)
     kinds = [op.kind for op in c.program.plan.graph.ops]
@@ -310,6 +310,7 @@ def test_fp8_quant_fuses_into_the_gemms():
     rows = plan.queues[..., DESCRIPTOR["operand_row"][0]]
     busy = plan.queues[..., DESCRIPTOR["opcode"][0]] == opdef("fp8_linear_quant").opcode
     assert bool(busy.any()) and bool(((word[busy] & STREAM_BYTE) != 0).all())
+    assert bool(((word[busy] & STREAM_PAIRED) != 0).all())  # K <= 2048 bytes: two column groups a stage
     assert set(rows[busy].tolist()) == set(fused)
     unfused = compile_module(c.module, c.inputs, options=dict(workers=WORKERS, fuse_fp8_quant=False))
     assert "fp8_linear_quant" not in {op.kind for op in unfused.plan.graph.ops}

@@ -410,29 +410,49 @@ __device__ void op_fp8_linear(TileCtx& c) {
 // (tilec/passes/fuse_fp8_quant.py): one dependent stage and one op fewer per GEMM, and the weights
 // stream through the worker's ring (stream.cuh, 1-byte items) while the tile waits for x.
 
-// Two e4m3 products m16n8k32 (mma.sync with FP8 operands: sm_89 and later) over 64 consecutive k:
-// lane (g, q) brings bytes 16q..16q+15 of A rows g and g + 8 (alo, ahi) and of B column g (b); the
-// first product takes bytes 0-7 of each (k-slots 4q..4q+3 <- bytes 0-3, 16+4q..16+4q+3 <- bytes
-// 4-7), the second bytes 8-15: the same permutation of k for A and B, so each operand is one
-// 16-byte load and the products are exact (float32 accumulation).
-__device__ __forceinline__ void mma_e4m3_k64(float* acc, const uint4& alo, const uint4& ahi, const uint4& b) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+// FP8 e4m3 bytes as f16 (exact: e4m3 has 4 exponent bits and 3 mantissa bits), two per
+// instruction; byte i of raw becomes half i of the result.
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned raw16) {
+  unsigned r;
+  asm("{\n .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}" : "=r"(r) : "r"(raw16));
+  return r;
+}
+__device__ __forceinline__ uint4 e4m3x8_to_f16(unsigned lo, unsigned hi) {
+  return make_uint4(e4m3x2_to_f16x2(lo & 0xffffu), e4m3x2_to_f16x2(lo >> 16), e4m3x2_to_f16x2(hi & 0xffffu),
+                    e4m3x2_to_f16x2(hi >> 16));
+}
+__device__ __forceinline__ void mma_16816_f16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                "{%0, %1, %2, %3};"
-               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-               : "r"(alo.x), "r"(ahi.x), "r"(alo.y), "r"(ahi.y), "r"(b.x), "r"(b.y));
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-               : "r"(alo.z), "r"(ahi.z), "r"(alo.w), "r"(ahi.w), "r"(b.z), "r"(b.w));
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// mma_k32 (ops.cuh) on f16 operands: two m16n8k16 products over 32 k, 8 consecutive k per lane.
+__device__ __forceinline__ void mma_k32_f16(float* acc, const uint4& alo, const uint4& ahi, const uint4& b) {
+  const unsigned a1[4] = {alo.x, ahi.x, alo.y, ahi.y}, a2[4] = {alo.z, ahi.z, alo.w, ahi.w};
+  mma_16816_f16(acc, a1, b.x, b.y);
+  mma_16816_f16(acc, a2, b.z, b.w);
 }
 
 // Quantizes nr rows of bf16 x (element offsets xoff[m], K stride xk) in groups of G along K into
-// FP8 rows xq_s [nr][xp] bytes and scales xs_s [nr][K / G], bitwise as op_fp8_quant does (the
-// scale is a max and a division, each value a division and a saturating cast). G == 128 with unit
-// stride and 16-byte aligned rows: half a warp per group, 8 elements per lane (one 16-byte load),
-// kQuantLoads loads in flight per thread in a rolled loop (GLM-5's 16 x 6144 rows: 6 round trips);
-// otherwise one warp per group, one element per lane at a time. Ends with a block barrier.
-constexpr int kQuantLoads = 8;
+// FP8 rows xq_s [nr][xp] bytes and scales xs_s [nr][K / G], as op_fp8_quant does: s = max(amax,
+// amin) / fmax, q = x / s cast to e4m3 with saturation (the cast saturates, so no clamp is
+// needed). G == 128 with unit stride and 16-byte aligned rows: half a warp per group, 8 elements
+// per lane (one 16-byte load), kQuantLoads loads in flight per thread in a rolled loop (GLM-5's
+// 16 x 6144 rows: 4 round trips); x / s as x * RN(1 / s) corrected by one fused multiply-add,
+// which is the correctly rounded quotient (Markstein's theorem; the results are in [-448, 448],
+// no overflow) - a third of a full division's instructions. Otherwise one warp per group, one
+// element per lane at a time. Ends with a block barrier.
+constexpr int kQuantLoads = 12;
+__device__ __forceinline__ float div_rn(float x, float s, float r) {  // RN(x / s) given r = RN(1 / s)
+  const float q = x * r;
+  return __fmaf_rn(__fmaf_rn(-q, s, x), r, q);
+}
+__device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {  // saturating RN casts
+  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return (unsigned)lo | ((unsigned)hi << 16);
+}
 __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long long* xoff, long long xk, int nr,
                                               int K, int G, int pow2, float amin, float fmax, unsigned char* xq_s,
                                               int xp, float* xs_s) {
@@ -464,14 +484,11 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
         for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         float sc = fmaxf(amax, amin) / fmax;
         if (pow2) sc = exp2f(ceilf(log2f(sc)));
-        unsigned lo = 0u, hi = 0u;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          lo |= (unsigned)from_f<__nv_fp8_e4m3>(fminf(fmaxf(f[i] / sc, -fmax), fmax)).__x << (8 * i);
-          hi |= (unsigned)from_f<__nv_fp8_e4m3>(fminf(fmaxf(f[4 + i] / sc, -fmax), fmax)).__x << (8 * i);
-        }
+        const float rc = __frcp_rn(sc);
         if (v < nv) {
-          *reinterpret_cast<uint2*>(xq_s + (long long)m * xp + k) = make_uint2(lo, hi);
+          *reinterpret_cast<uint2*>(xq_s + (long long)m * xp + k) =
+              make_uint2(e4m3x4(div_rn(f[0], sc, rc), div_rn(f[1], sc, rc), div_rn(f[2], sc, rc), div_rn(f[3], sc, rc)),
+                         e4m3x4(div_rn(f[4], sc, rc), div_rn(f[5], sc, rc), div_rn(f[6], sc, rc), div_rn(f[7], sc, rc)));
           if ((lane & 15) == 0) xs_s[m * KB + k / 128] = sc;
         }
       }
@@ -498,13 +515,16 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
 
 // The block-scaled FP8 product of nr <= 16 staged rows (xq_s [nr][xp] bytes, xp % 128 == 64 so
 // the eight rows of a quarter-warp's loads sit in distinct banks; scales xs_s [nr][KB]) with
-// weights from the ring: an item is 8 weight rows (output columns) x up to 2 kStreamK FP8 bytes of
-// K. Warp w takes K slice [w s, (w + 1) s) of each item, s a whole number of K blocks (G, a
-// multiple of 64, divides the item), and per K block accumulates a 16 x 8 product on tensor cores
-// (mma_e4m3_k64), then folds it into its totals scaled by xs[m, kb] * ws[n / BN, kb] (ws_s: the
-// tile's weight-scale rows n0 / BN ..). At a column group's last item the warps' totals are summed
-// in a fixed order through red (kWarps x 128 floats). A warp whose stream wait gave up keeps
-// iterating without waiting (see gemv_bf16_ring_mma), so all warps reach the same barriers.
+// weights from the ring: an item is one column group of 8 weight rows x up to 2 kStreamK FP8
+// bytes of K, or (paired, K <= kStreamK) two groups side by side (stream.cuh). Warp w takes K
+// slice [w s, (w + 1) s) of each item, s a whole number of K blocks (G, a multiple of 64, divides
+// the item), and per K block accumulates 16 x 8 products on tensor cores, then folds them into its
+// totals scaled by xs[m, kb] * ws[n / BN, kb] (ws_s: the tile's weight-scale rows n0 / BN ..).
+// Operands are widened to f16 (exact) with one cvt per two bytes, A once for both groups of an
+// item: Hopper has no FP8 mma.sync (an e4m3 mma.sync is emulated through f16 products as well).
+// At a column group's last item the warps' totals are summed in a fixed order through red
+// (2 x kWarps x 128 floats). A warp whose stream wait gave up keeps iterating without waiting
+// (see gemv_bf16_ring_mma), so all warps reach the same barriers.
 template <typename TO>
 __device__ __forceinline__ void fp8_linear_ring(const TileCtx& c, const StreamTile& t, int G, int BN,
                                                 const unsigned char* xq_s, int xp, const float* xs_s,
@@ -513,15 +533,16 @@ __device__ __forceinline__ void fp8_linear_ring(const TileCtx& c, const StreamTi
   const WeightRing& r = *c.ring;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int kl = t.k1 - t.k0, kblocks = t.kblocks(), items = t.items(), kitem = t.kitem(), KB = kl / G;
+  const int np = t.paired ? 2 : 1, b0 = t.n0 / BN;
   const long long on = out.strides[out.ndim - 1];
   const int first = *r.next;
   int s = first % r.nstages;
   unsigned ph = (unsigned)(first / r.nstages) & 1u;
   c.mark(1);  // x quantized and staged
-  float tot[4] = {0.f, 0.f, 0.f, 0.f};
+  float tot[2][4] = {};
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   bool live = true;
-  int gi = 0, kb = 0;  // item i = (column group gi, K block kb of the stream), kb fastest
+  int gi = 0, kb = 0;  // item i = (column group (pair) gi, K block kb of the stream), kb fastest
 #pragma unroll 1
   for (int i = 0; i < items; ++i) {
     const int kk = kb * kitem, len = min(kitem, kl - kk);
@@ -532,43 +553,63 @@ __device__ __forceinline__ void fp8_linear_ring(const TileCtx& c, const StreamTi
     }
     if (i == 0) c.mark(2);  // the first weight stage is in
     if (live) {
-      const unsigned char* stage = reinterpret_cast<const unsigned char*>(r.stages + s * kStageBytes);
-      const int b0 = t.n0 / BN, col = t.n0 + gi * kWarps + 2 * q;
-      const int ca = min(col, t.n1 - 1) / BN - b0, cb = min(col + 1, t.n1 - 1) / BN - b0;
+      const unsigned char* stage = reinterpret_cast<const unsigned char*>(r.stages + s * kStageBytes) + g * kRowPitch;
+      int ca[2], cb[2];
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const int col = t.n0 + (gi * np + p) * kWarps + 2 * q;
+        ca[p] = min(col, t.n1 - 1) / BN - b0;
+        cb[p] = min(col + 1, t.n1 - 1) / BN - b0;
+      }
 #pragma unroll 1
       for (int k = k0; k < k1; k += G) {  // one K block
-        float blk[4] = {0.f, 0.f, 0.f, 0.f};
+        float blk[2][4] = {};
 #pragma unroll 2
         for (int j = 0; j < G; j += 64) {
-          const int kq = k + j + 16 * q;
-          const uint4 b = *reinterpret_cast<const uint4*>(stage + g * kRowPitch + kq);
-          const uint4 alo = g < nr ? *reinterpret_cast<const uint4*>(xq_s + g * xp + kk + kq) : zero;
-          const uint4 ahi = g + 8 < nr ? *reinterpret_cast<const uint4*>(xq_s + (g + 8) * xp + kk + kq) : zero;
-          mma_e4m3_k64(blk, alo, ahi, b);
+          const int kq = k + j + 16 * q;  // this lane's 16 bytes of a 64-k step
+          const uint4 lo = g < nr ? *reinterpret_cast<const uint4*>(xq_s + g * xp + kk + kq) : zero;
+          const uint4 hi = g + 8 < nr ? *reinterpret_cast<const uint4*>(xq_s + (g + 8) * xp + kk + kq) : zero;
+          const uint4 a0 = e4m3x8_to_f16(lo.x, lo.y), a1 = e4m3x8_to_f16(lo.z, lo.w);
+          const uint4 h0 = e4m3x8_to_f16(hi.x, hi.y), h1 = e4m3x8_to_f16(hi.z, hi.w);
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            if (p >= np) break;
+            const uint4 b = *reinterpret_cast<const uint4*>(stage + p * kStreamK + kq);
+            mma_k32_f16(blk[p], a0, h0, e4m3x8_to_f16(b.x, b.y));
+            mma_k32_f16(blk[p], a1, h1, e4m3x8_to_f16(b.z, b.w));
+          }
         }
         const int kbi = (kk + k) / G;
         const float xl = g < nr ? xs_s[g * KB + kbi] : 0.f, xh = g + 8 < nr ? xs_s[(g + 8) * KB + kbi] : 0.f;
-        const float wa = ws_s[ca * KB + kbi], wb = ws_s[cb * KB + kbi];
-        tot[0] += blk[0] * xl * wa;
-        tot[1] += blk[1] * xl * wb;
-        tot[2] += blk[2] * xh * wa;
-        tot[3] += blk[3] * xh * wb;
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          if (p >= np) break;
+          const float wa = ws_s[ca[p] * KB + kbi], wb = ws_s[cb[p] * KB + kbi];
+          tot[p][0] += blk[p][0] * xl * wa;
+          tot[p][1] += blk[p][1] * xl * wb;
+          tot[p][2] += blk[p][2] * xh * wa;
+          tot[p][3] += blk[p][3] * xh * wb;
+        }
       }
       mbar_arrive(r.empty + s);  // every thread releases its own reads
     }
     if (++s == r.nstages) s = 0, ph ^= 1u;
-    if (kb == kblocks - 1) {  // the column group: sum the warps' K slices
-      reinterpret_cast<float4*>(red)[warp * 32 + lane] = make_float4(tot[0], tot[1], tot[2], tot[3]);
+    if (kb == kblocks - 1) {  // the column group(s): sum the warps' K slices
+#pragma unroll
+      for (int p = 0; p < 2; ++p)
+        reinterpret_cast<float4*>(red)[(p * kWarps + warp) * 32 + lane] =
+            make_float4(tot[p][0], tot[p][1], tot[p][2], tot[p][3]);
       block_sync();
-      if (live && threadIdx.x < 128) {
-        const int l = threadIdx.x >> 2, a = threadIdx.x & 3;  // lane l's accumulator a (see gemv_bf16_ring_mma)
+      if (live && threadIdx.x < 128 * np) {
+        const int p = threadIdx.x >> 7, l = (threadIdx.x >> 2) & 31, a = threadIdx.x & 3;  // lane l's accumulator a
         float v = 0.f;
-        for (int w = 0; w < kWarps; ++w) v += red[(w * 32 + l) * 4 + a];
-        const int m = (l >> 2) + (a < 2 ? 0 : 8), n = t.n0 + gi * kWarps + 2 * (l & 3) + (a & 1);
+        for (int w = 0; w < kWarps; ++w) v += red[((p * kWarps + w) * 32 + l) * 4 + a];
+        const int m = (l >> 2) + (a < 2 ? 0 : 8), n = t.n0 + (gi * np + p) * kWarps + 2 * (l & 3) + (a & 1);
         if (m < nr && n < t.n1) stf<TO>(out, ooff[m] + (long long)n * on, v);
       }
       block_sync();  // red is free again
-      tot[0] = tot[1] = tot[2] = tot[3] = 0.f;
+#pragma unroll
+      for (int p = 0; p < 2; ++p) tot[p][0] = tot[p][1] = tot[p][2] = tot[p][3] = 0.f;
       kb = 0, ++gi;
     } else {
       ++kb;
@@ -602,7 +643,7 @@ __device__ void op_fp8_linear_quant(TileCtx& c) {
   float* xs_s = reinterpret_cast<float*>(ooff + 16);
   float* ws_s = xs_s + (16 * KB + 3) / 4 * 4;
   float* red = ws_s + (nb * KB + 3) / 4 * 4;
-  unsigned char* xq_s = reinterpret_cast<unsigned char*>(red + kWarps * 128);
+  unsigned char* xq_s = reinterpret_cast<unsigned char*>(red + 2 * kWarps * 128);
   const bool fits = (xq_s - reinterpret_cast<unsigned char*>(c.smem)) + (long long)nr * xp <= 4LL * c.smem_floats;
   if (nr > 16 || G % 64 != 0 || K % G != 0 || !fits) {  // the plan promised otherwise: fail loudly
     if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);

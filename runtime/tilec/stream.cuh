@@ -14,6 +14,9 @@
 // Item i of the stream is one stage: kWarps consecutive weight rows (output columns) x a
 // block of kStreamK bf16 elements of K (2 kStreamK FP8 elements with the stream word's 1-byte
 // flag, bit 13: op_fp8_linear_quant in ops_glm.cuh), row r at byte r * kRowPitch of the stage.
+// With the paired flag (bit 14, K ranges of at most kStreamK bytes) an item holds two column
+// groups, 2 kWarps rows: row r at byte (r % kWarps) * kRowPitch + (r / kWarps) * kStreamK, so a
+// short-K tile still moves a whole stage per item.
 // A tile covers columns [n0, n1) and K range [k0, k1): items (column group g, K block kb), kb
 // fastest - or, with the stream word's K-outer flag (bit 12), g fastest (a consumer that stages
 // x one K block at a time: gemv_bf16_ring_kouter in ops.cuh).
@@ -56,17 +59,20 @@ struct StreamTile {
   long long wn;
   int n0, n1, k0, k1;
   bool kouter;  // items K block outer, column group inner
+  bool paired;  // two column groups per item (2 kWarps rows of at most kStreamK bytes)
   int esz;      // bytes per weight element: 2 (bf16) or 1 (FP8)
   __device__ int kitem() const { return kStreamK * 2 / esz; }  // K elements of one item's row
   __device__ int kblocks() const { return (k1 - k0 + kitem() - 1) / kitem(); }
-  __device__ int groups() const { return (n1 - n0 + kWarps - 1) / kWarps; }
+  __device__ int group_rows() const { return paired ? 2 * kWarps : kWarps; }  // weight rows of one item
+  __device__ int groups() const { return (n1 - n0 + group_rows() - 1) / group_rows(); }
   __device__ int items() const { return groups() * kblocks(); }
 };
 
 // The streamed range of descriptor d given its weight operand's address w and row stride wn
 // (elements); false when d streams nothing or bulk copies cannot move the rows (16-byte
 // alignment). Loader and compute warps both decide through this, so they agree on the stream.
-constexpr int kStreamKouter = 1 << 12, kStreamByte = 1 << 13;  // the stream word's flags (tilec/ops/__init__.py)
+// the stream word's flags (tilec/ops/__init__.py)
+constexpr int kStreamKouter = 1 << 12, kStreamByte = 1 << 13, kStreamPaired = 1 << 14;
 __device__ __forceinline__ bool stream_range(const int* d, const char* w, long long wn, StreamTile& t) {
   const int s = d[TILEC_W_STREAM];
   const int nc = (s >> 4) & 15, kc = (s >> 8) & 15;
@@ -77,9 +83,11 @@ __device__ __forceinline__ bool stream_range(const int* d, const char* w, long l
   t.k0 = d[TILEC_W_COORDS + 2 * kc];
   t.k1 = d[TILEC_W_COORDS + 2 * kc + 1];
   t.kouter = (s & kStreamKouter) != 0;
+  t.paired = (s & kStreamPaired) != 0;
   t.esz = (s & kStreamByte) ? 1 : 2;
   return s != 0 && (reinterpret_cast<unsigned long long>(w + (long long)t.esz * t.k0) & 15) == 0 &&
-         (wn * t.esz) % 16 == 0 && ((t.k1 - t.k0) * t.esz) % 16 == 0 && t.n1 > t.n0;
+         (wn * t.esz) % 16 == 0 && ((t.k1 - t.k0) * t.esz) % 16 == 0 && t.n1 > t.n0 &&
+         (!t.paired || (t.k1 - t.k0) * t.esz <= kStreamK);
 }
 
 // The loader's view: the weight operand decoded from the operand table at position p.
@@ -142,14 +150,14 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
       // slot s was last filled with item - nstages: wait for the compute warps to release it
       if (item >= r.nstages && !(ok = loader_wait(r.empty + s, ph ^ 1u, r))) break;
       const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
-      const int c0 = t.n0 + g * kWarps, rows = min(kWarps, t.n1 - c0);
+      const int c0 = t.n0 + g * t.group_rows(), rows = min(t.group_rows(), t.n1 - c0);
       const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
       char* stage = r.stages + s * kStageBytes;
       mbar_expect_tx(r.full + s, (unsigned)(rows * bytes));
 #pragma unroll 1
       for (int row = 0; row < rows; ++row)
-        bulk_load(stage + row * kRowPitch, t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, (unsigned)bytes,
-                  r.full + s, policy);
+        bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK,
+                  t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, (unsigned)bytes, r.full + s, policy);
       if (++s == r.nstages) s = 0, ph ^= 1u;
     }
   }

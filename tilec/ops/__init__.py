@@ -203,6 +203,7 @@ GEMV_KOUTER_COLS = 32  # output columns at most of a K-outer tile (ops.cuh gemv_
 STREAM_K = 2048  # runtime/tilec/stream.cuh kStreamK: K elements per stage row
 STREAM_KOUTER = 1 << 12  # stream word flag: items K block outer, column group inner
 STREAM_BYTE = 1 << 13  # stream word flag: 1-byte (FP8) weight elements, 2 STREAM_K of them per stage row
+STREAM_PAIRED = 1 << 14  # stream word flag: two column groups per item (K ranges of at most STREAM_K bytes)
 
 
 def kouter_bytes(rows: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import BufferKind
-from . import (STREAM_BYTE, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_tile_n, out_tiles, register, sub,
+from . import (STREAM_BYTE, STREAM_K, STREAM_PAIRED, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_tile_n, out_tiles, register, sub,
                weight_rows_prefetch)
 from .fp8_quant import FP8_MAX, quantize
 
@@ -96,10 +96,10 @@ QUANT_ROWS = 16  # rows of a fused tile at most (runtime/tilec/ops_glm.cuh op_fp
 
 def quant_smem_bytes(rows: int, k: int, g: int, scale_rows: int) -> int:
     """Shared memory (bytes) of an ``fp8_linear_quant`` tile: row offsets (256), the rows' scales,
-    the tile's weight-scale rows, the cross-warp sums (4096) and ``rows`` FP8 rows of K + 64
-    bytes (ops_glm.cuh op_fp8_linear_quant), plus a margin."""
+    the tile's weight-scale rows, the cross-warp sums of two column groups (8192) and ``rows`` FP8
+    rows of K + 64 bytes (ops_glm.cuh op_fp8_linear_quant), plus a margin."""
     kb = k // g
-    return 256 + 4 * (-(-16 * kb // 4) * 4) + 4 * (-(-scale_rows * kb // 4) * 4) + 4096 + rows * (k + 64) + 64
+    return 256 + 4 * (-(-16 * kb // 4) * 4) + 4 * (-(-scale_rows * kb // 4) * 4) + 8192 + rows * (k + 64) + 64
 
 
 @register
@@ -140,9 +140,10 @@ class Fp8LinearQuant(OpDef):
         return weight_rows_prefetch(graph, op.inputs[1], 1, n0, n1, k0, k1)
 
     def stream(self, op, tile, graph, scratch):
-        """``wq + 1 | n-range index << 4 | k-range index << 8 | STREAM_BYTE`` when the op's
-        ``stream`` attr is on, the weights are an FP8 parameter with unit K stride and 16-byte rows,
-        and the staged rows fit in ``scratch``; otherwise 0 (the device loads the weights itself)."""
+        """``wq + 1 | n-range index << 4 | k-range index << 8 | STREAM_BYTE`` (``| STREAM_PAIRED``
+        for K <= STREAM_K: two column groups per stage) when the op's ``stream`` attr is on, the
+        weights are an FP8 parameter with unit K stride and 16-byte rows, and the staged rows fit
+        in ``scratch``; otherwise 0 (the device loads the weights itself)."""
         x, w, ws = op.inputs
         buf = graph.buffers[w.buffer]
         k = x.shape[-1]
@@ -152,7 +153,7 @@ class Fp8LinearQuant(OpDef):
         if self.smem_bytes(op) > scratch:
             return 0
         nd = len(tile.coords) - 1
-        return 2 | ((nd - 1) << 4) | (nd << 8) | STREAM_BYTE
+        return 2 | ((nd - 1) << 4) | (nd << 8) | STREAM_BYTE | (STREAM_PAIRED if k <= STREAM_K else 0)
 
     def params(self, op):
         return [op.inputs[0].shape[-1], op.attr("group"), op.attr("block_n"), int(op.attr("pow2")),
