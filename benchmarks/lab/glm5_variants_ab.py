@@ -1,0 +1,121 @@
+"""Compile-time variants of the executor on the GLM-5 DSA prelude, A/B in one process
+(benchmarks/lab: an experiment).
+
+Compiles the full-size prelude (FP8 by default, ``--bf16``; 2 x 8 tokens, KV 8192, ``tile_rows`` 4
+as ``benchmarks/glm5_prelude.py``), builds its generated program again with each variant's
+``#define`` lines prepended, and prints per variant: one profiled step's median tile time, start ->
+mark 1 and mark 1 -> mark 2 per op kind (``stamps``), then the persistent kernel's median time
+(alternating variants, several rounds; L2 flushed before each call).
+
+    PYTHONPATH=. python benchmarks/lab/glm5_variants_ab.py 'base=' 'nomath=TILEC_FP8_SKIP_MATH'
+    TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/glm5_variants_ab.py --prebuild ...
+
+``--prebuild`` builds the variants' libraries into the build cache without a GPU (carry the cache
+to the GPU machine). A variant is NAME=DEFINE[,DEFINE...] (DEFINE as NAME or NAME=VALUE); an
+experiment puts its alternative code under an #ifdef in runtime/tilec. Variants that skip work
+give wrong outputs: they measure where time goes.
+"""
+import argparse
+import dataclasses
+import statistics
+import sys
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import glm5_dsa_prelude as glm  # noqa: E402
+from glm5_prelude import time_cuda  # noqa: E402
+from tilec import codegen  # noqa: E402
+from tilec.api import compile_module  # noqa: E402
+from tilec.ops import opdef  # noqa: E402
+from tilec.plan import F  # noqa: E402
+
+
+def parse_variants(specs, ap):
+    runtime = "".join(f.read_text() for f in (ROOT / "runtime" / "tilec").glob("*.cuh"))
+    variants = []
+    for v in specs:
+        name, _, defs = v.partition("=")
+        macros = [d for d in defs.split(",") if d]
+        unknown = [d.split("=")[0] for d in macros if d.split("=")[0] not in runtime]
+        if not name or name in (n for n, _ in variants) or unknown:
+            ap.error(f"variant {v!r}: needs a new name, and macros runtime/tilec tests (unknown: {unknown})")
+        variants.append((name, "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros)))
+    return variants
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("variants", nargs="+")
+    ap.add_argument("--bf16", action="store_true", help="the bf16 prelude instead of FP8")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
+    args = ap.parse_args()
+    variants = parse_variants(args.variants, ap)
+    fp8, dev = not args.bf16, "cpu" if args.prebuild else "cuda"
+    mod = glm.make_prelude(glm.FULL, fp8, torch.bfloat16, dev)
+    inputs = glm.make_inputs(glm.FULL, fp8, torch.bfloat16, dev)
+    prog = compile_module(mod, inputs, options=dict(workers=132, tile_rows=4, check=False,
+                                                    executor="reference" if args.prebuild else "cuda"))
+    sources = codegen.render(prog.plan)
+
+    def build(lines):
+        return codegen.build({**sources, "program.cu": lines + sources["program.cu"]}, prog.opts.arch)
+
+    with ThreadPoolExecutor(2 if args.prebuild else len(variants)) as pool:
+        libs = list(pool.map(build, (lines for _, lines in variants)))
+    if args.prebuild:
+        for (name, _), lib in zip(variants, libs):
+            print(f"{name}: {lib}")
+        return
+    from tilec.cuda import CudaExecutor
+    base = prog.executor
+    opts = dataclasses.replace(base.opts, profile=True)
+    exs = {name: CudaExecutor(base.plan, opts, base.device, lib_path=lib) for (name, _), lib in zip(variants, libs)}
+    ops, opcodes = prog.plan.graph.ops, prog.plan.queues[..., F["opcode"][0]]
+    kinds = {opdef(op.kind).opcode: op.kind for op in ops}
+    tensors, p = prog.bind_args(inputs)
+    table = prog.plan.bind(tensors, p)
+    for name, ex in exs.items():
+        ex.run(tensors, table)
+        torch.cuda.synchronize()
+        ex.check()
+        s = ex.stamps.cpu().double()
+        per = defaultdict(lambda: ([], [], []))
+        for w in range(s.shape[0]):
+            for i in range(s.shape[1]):
+                st, en, m1, m2 = s[w, i].tolist()
+                k = kinds.get(int(opcodes[w, i]))
+                if k is None or st <= 0 or en <= 0:
+                    continue
+                per[k][0].append((en - st) / 1e3)
+                if m1 > 0:
+                    per[k][1].append((m1 - st) / 1e3)
+                    if m2 > 0:
+                        per[k][2].append((m2 - m1) / 1e3)
+        span = (s[..., 1].max() - s[..., 0][s[..., 0] > 0].min()).item() / 1e3
+        med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+        print(f"{name}: step span {span:.1f} us; per kind: n, median tile us, start->mark1, mark1->mark2")
+        for k, (d, a, b) in sorted(per.items(), key=lambda kv: -sum(kv[1][0])):
+            print(f"  {k:20s} {len(d):5d} {med(d):8.2f} {med(a):8.2f} {med(b):8.2f}")
+        ex.stamps = None
+    res = defaultdict(list)
+    for _ in range(args.rounds):
+        for name, ex in exs.items():
+            res[name].append(time_cuda(lambda ex=ex: ex.run(tensors, table), args.iters))
+    for ex in exs.values():
+        ex.check()
+    print(f"\n{'variant':12s} {'median us':>10s}  rounds")
+    for name, ts in res.items():
+        print(f"{name:12s} {statistics.median(ts) * 1e3:10.1f}  {[round(t * 1e3, 1) for t in ts]}")
+
+
+if __name__ == "__main__":
+    main()
