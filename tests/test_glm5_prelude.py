@@ -298,8 +298,8 @@ def test_paged_cache_writes_index_copy_and_negative_slots():
 def test_fp8_quant_fuses_into_the_gemms():
     """With bf16 activations, fp8_quant -> fp8_linear becomes fp8_linear_quant: the GEMMs' own
     quantization ops are gone (the indexer's key and query quantizations stay), the fused tiles
-    stream their FP8 weights as 1-byte ring items (K <= 2048 here: two column groups an item), and the outputs on the reference executor are
-    bitwise those of the unfused plan on random inputs."""
+    stream their FP8 weights as 1-byte ring items (K <= 2048 here: two column groups an item), and
+    the outputs on the reference executor are bitwise those of the unfused plan on random inputs."""
     c = case(True, torch.bfloat16)
     kinds = [op.kind for op in c.program.plan.graph.ops]
     assert kinds.count("fp8_linear_quant") == 4 and kinds.count("fp8_linear") == 0

@@ -32,7 +32,9 @@ MEASURED: dict[str, tuple[float, float]] = {
     "index_score": (47.56, 0.0),
     "fp8_linear": (1.56, 3.3e3),
     "fp8_quant": (4.55, 1.6e3),
-    # not yet in a trace: linear_fused's figures (a ring-fed GEMM tile) until one refits it
+    # linear_fused's figures (a ring-fed GEMM tile): the plans measured on 2026-12-01 were scheduled
+    # with them; that day's FP8 trace fits 3.11 us + 6.9 GB/s (benchmarks/fit_cost.py), not yet
+    # tried as the planning figure
     "fp8_linear_quant": (8.54, 17.3e3),
     "layernorm": (8.51, 0.0),
     "concat": (3.13, 8.9e3),

@@ -29,8 +29,8 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import (fold_cache_writes, fuse_events, fuse_fp8_quant, fuse_gemv_chains, linearize, normalize, schedule, size_gemv_groups,
-                     split_kv)
+from .passes import (fold_cache_writes, fuse_events, fuse_fp8_quant, fuse_gemv_chains, linearize, normalize, schedule,
+                     size_gemv_groups, split_kv)
 from .plan import KernelPlan, encode
 from .stats import compile_stats
 from .taskgraph import build_taskgraph
@@ -46,6 +46,12 @@ class Compiled:
     stages: dict[str, object] = field(default_factory=dict)
     plan: KernelPlan | None = None
     stats: dict = field(default_factory=dict)
+
+
+def _fuse_gemv(graph: OpGraph, opts: Options) -> OpGraph:
+    """The ``fuse_gemv`` stage: prologues / epilogues into bf16 GEMVs, then FP8 activation
+    quantization into the FP8 GEMMs."""
+    return fuse_fp8_quant(fuse_gemv_chains(graph, opts), opts)
 
 
 def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | None = None,
@@ -78,7 +84,7 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
     graph = stage("split_kv", split_kv, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
-    graph = stage("fuse_gemv", lambda g, o: fuse_fp8_quant(fuse_gemv_chains(g, o), o), graph, opts)
+    graph = stage("fuse_gemv", _fuse_gemv, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
     graph = stage("fold_cache", fold_cache_writes, graph, opts)

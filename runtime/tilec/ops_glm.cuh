@@ -410,18 +410,6 @@ __device__ void op_fp8_linear(TileCtx& c) {
 // (tilec/passes/fuse_fp8_quant.py): one dependent stage and one op fewer per GEMM, and the weights
 // stream through the worker's ring (stream.cuh, 1-byte items) while the tile waits for x.
 
-#ifdef TILEC_FP8_EMU_MMA
-__device__ __forceinline__ void mma_e4m3_k64(float* acc, const uint4& alo, const uint4& ahi, const uint4& b) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-               : "r"(alo.x), "r"(ahi.x), "r"(alo.y), "r"(ahi.y), "r"(b.x), "r"(b.y));
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-               : "r"(alo.z), "r"(ahi.z), "r"(alo.w), "r"(ahi.w), "r"(b.z), "r"(b.w));
-}
-#endif
 // FP8 e4m3 bytes as f16 (exact: e4m3 has 4 exponent bits and 3 mantissa bits), two per
 // instruction; byte i of raw becomes half i of the result.
 __device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned raw16) {
@@ -485,10 +473,6 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
 #pragma unroll
       for (int j = 0; j < kQuantLoads; ++j) {
         const int v = threadIdx.x + it + j * kThreads, m = v / per, k = (v - m * per) * 8;
-#ifdef TILEC_FP8_STAGE_NOMATH
-        if (v < nv) *reinterpret_cast<uint2*>(xq_s + (long long)m * xp + k) = make_uint2(raw[j].x ^ raw[j].z, raw[j].y ^ raw[j].w);
-        continue;
-#endif
         const unsigned wd[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
         float f[8], amax = 0.f;
 #pragma unroll
@@ -502,9 +486,9 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
         if (pow2) sc = exp2f(ceilf(log2f(sc)));
         const float rc = __frcp_rn(sc);
         if (v < nv) {
-          *reinterpret_cast<uint2*>(xq_s + (long long)m * xp + k) =
-              make_uint2(e4m3x4(div_rn(f[0], sc, rc), div_rn(f[1], sc, rc), div_rn(f[2], sc, rc), div_rn(f[3], sc, rc)),
-                         e4m3x4(div_rn(f[4], sc, rc), div_rn(f[5], sc, rc), div_rn(f[6], sc, rc), div_rn(f[7], sc, rc)));
+          const unsigned lo = e4m3x4(div_rn(f[0], sc, rc), div_rn(f[1], sc, rc), div_rn(f[2], sc, rc), div_rn(f[3], sc, rc));
+          const unsigned hi = e4m3x4(div_rn(f[4], sc, rc), div_rn(f[5], sc, rc), div_rn(f[6], sc, rc), div_rn(f[7], sc, rc));
+          *reinterpret_cast<uint2*>(xq_s + (long long)m * xp + k) = make_uint2(lo, hi);
           if ((lane & 15) == 0) xs_s[m * KB + k / 128] = sc;
         }
       }
@@ -577,9 +561,6 @@ __device__ __forceinline__ void fp8_linear_ring(const TileCtx& c, const StreamTi
         ca[p] = min(col, t.n1 - 1) / BN - b0;
         cb[p] = min(col + 1, t.n1 - 1) / BN - b0;
       }
-#ifdef TILEC_FP8_SKIP_MATH
-      if (k1 > 0) continue;
-#endif
 #pragma unroll 1
       for (int k = k0; k < k1; k += G) {  // one K block
         float blk[2][4] = {};
@@ -588,14 +569,6 @@ __device__ __forceinline__ void fp8_linear_ring(const TileCtx& c, const StreamTi
           const int kq = k + j + 16 * q;  // this lane's 16 bytes of a 64-k step
           const uint4 lo = g < nr ? *reinterpret_cast<const uint4*>(xq_s + g * xp + kk + kq) : zero;
           const uint4 hi = g + 8 < nr ? *reinterpret_cast<const uint4*>(xq_s + (g + 8) * xp + kk + kq) : zero;
-#ifdef TILEC_FP8_EMU_MMA
-#pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            if (p >= np) break;
-            const uint4 b = *reinterpret_cast<const uint4*>(stage + p * kStreamK + kq);
-            mma_e4m3_k64(blk[p], lo, hi, b);
-          }
-#else
           const uint4 a0 = e4m3x8_to_f16(lo.x, lo.y), a1 = e4m3x8_to_f16(lo.z, lo.w);
           const uint4 h0 = e4m3x8_to_f16(hi.x, hi.y), h1 = e4m3x8_to_f16(hi.z, hi.w);
 #pragma unroll
@@ -605,7 +578,6 @@ __device__ __forceinline__ void fp8_linear_ring(const TileCtx& c, const StreamTi
             mma_k32_f16(blk[p], a0, h0, e4m3x8_to_f16(b.x, b.y));
             mma_k32_f16(blk[p], a1, h1, e4m3x8_to_f16(b.z, b.w));
           }
-#endif
         }
         const int kbi = (kk + k) / G;
         const float xl = g < nr ? xs_s[g * KB + kbi] : 0.f, xh = g + 8 < nr ? xs_s[(g + 8) * KB + kbi] : 0.f;
@@ -689,11 +661,7 @@ __device__ void op_fp8_linear_quant(TileCtx& c) {
   StreamTile t;
   const bool ring = c.ring->nstages > 0 && stream_range(c.d, wq.ptr, wn, t);
   if (!c.wait()) return;  // (its barrier also publishes the offsets and scales)
-#ifdef TILEC_FP8_SKIP_STAGE
-  block_sync();
-#else
   stage_quant_rows(base<__nv_bfloat16>(x), xoff, x.strides[x.ndim - 1], nr, K, G, pow2, amin, fmax, xq_s, xp, xs_s);
-#endif
   if (ring) {
     fp8_linear_ring<TO>(c, t, G, BN, xq_s, xp, xs_s, ws_s, nr, out, ooff, red);
   } else if (wk == 1 && wn % 16 == 0 && (reinterpret_cast<uintptr_t>(wq.ptr) & 15) == 0) {

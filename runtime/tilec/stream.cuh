@@ -150,16 +150,6 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
       // slot s was last filled with item - nstages: wait for the compute warps to release it
       if (item >= r.nstages && !(ok = loader_wait(r.empty + s, ph ^ 1u, r))) break;
       const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
-#ifdef TILEC_LOADER_SIMPLE
-      const int c0 = t.n0 + g * kWarps, rows = min(kWarps, t.n1 - c0);
-      const int kk = t.k0 + kb * kStreamK, len = min(kStreamK, t.k1 - kk);
-      char* stage = r.stages + s * kStageBytes;
-      mbar_expect_tx(r.full + s, (unsigned)(rows * len * 2));
-#pragma unroll 1
-      for (int row = 0; row < rows; ++row)
-        bulk_load(stage + row * kRowPitch, t.w + ((long long)(c0 + row) * t.wn + kk) * 2, (unsigned)(len * 2),
-                  r.full + s, policy);
-#else
       const int c0 = t.n0 + g * t.group_rows(), rows = min(t.group_rows(), t.n1 - c0);
       const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
       char* stage = r.stages + s * kStageBytes;
@@ -168,7 +158,6 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
       for (int row = 0; row < rows; ++row)
         bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK,
                   t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, (unsigned)bytes, r.full + s, policy);
-#endif
       if (++s == r.nstages) s = 0, ph ^= 1u;
     }
   }

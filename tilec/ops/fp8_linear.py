@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..ir import BufferKind
-from . import (STREAM_BYTE, STREAM_K, STREAM_PAIRED, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_tile_n, out_tiles, register, sub,
-               weight_rows_prefetch)
+from . import (STREAM_BYTE, STREAM_K, STREAM_PAIRED, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_tile_n,
+               out_tiles, register, sub, weight_rows_prefetch)
 from .fp8_quant import FP8_MAX, quantize
 
 
@@ -91,7 +91,8 @@ class Fp8Linear(OpDef):
         return nbytes, 2 * rows * (n1 - n0) * op.inputs[0].shape[-1]
 
 
-QUANT_ROWS = 16  # rows of a fused tile at most (runtime/tilec/ops_glm.cuh op_fp8_linear_quant: one m16n8k32 A)
+QUANT_ROWS = 16  # rows of a fused tile at most (runtime/tilec/ops_glm.cuh op_fp8_linear_quant: one m16 A tile)
+QUANT_TILE_N = 128  # columns of a fused tile at most (its weight-scale rows are staged: smem_bytes)
 
 
 def quant_smem_bytes(rows: int, k: int, g: int, scale_rows: int) -> int:
@@ -106,14 +107,16 @@ def quant_smem_bytes(rows: int, k: int, g: int, scale_rows: int) -> int:
 class Fp8LinearQuant(OpDef):
     """``fp8_linear(fp8_quant(x))`` in one op (made by :func:`tilec.passes.fuse_fp8_quant`): each
     tile quantizes its bf16 x rows per token in groups of G (DeepSeek-V3's ``act_quant``) while it
-    stages them, then runs the block-scaled FP8 GEMM; the device takes the weights from the
-    worker's ring (1-byte stream items) and multiplies on FP8 tensor cores (``mma.sync``
-    m16n8k32 e4m3, exact products, float32 accumulation).
+    stages them, then runs the block-scaled FP8 GEMM (the DeepGEMM recipe: each K block's product
+    in float32, then scaled). On the GPU the weights come from the worker's ring (the loader warp
+    streams them as 1-byte items, two column groups a stage for K <= 2048) and both operands are
+    widened exactly to f16 for ``mma.sync`` m16n8k16 (Hopper has no FP8 ``mma.sync``; its e4m3
+    form is emulated the same way).
 
     Operands: x [..., K] bf16 (at most :data:`QUANT_ROWS` rows), wq [N, K] float8_e4m3fn,
     ws [ceil(N/Bn), K/G] float32, out [..., N]. Params: K, G, Bn, pow2, amin bits, FP8 max bits.
     Attrs: block_n, group, pow2, amin, stream (weights through the ring). Tiles: all rows x
-    ``tile_n`` output columns; coords: the out box, then the K range.
+    ``tile_n`` output columns (at most :data:`QUANT_TILE_N`); coords: the out box, then the K range.
     """
 
     kind, opcode = "fp8_linear_quant", 25
@@ -126,7 +129,7 @@ class Fp8LinearQuant(OpDef):
         for s in out.shape[:-1]:
             rows *= s
         tiles = []
-        for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts)):
+        for box in out_tiles(out.shape, max(rows, 1), min(gemv_tile_n(out.shape[-1], opts), QUANT_TILE_N)):
             (n0, n1), lead = box[-1], box[:-1]
             tiles.append(Tile(box + ((0, k),), reads=((0, lead + ((0, k),)), (1, ((n0, n1), (0, k))),
                                                       (2, ((n0 // bn, (n1 - 1) // bn + 1), (0, k // g)))),
@@ -164,7 +167,8 @@ class Fp8LinearQuant(OpDef):
         rows = 1
         for s in op.outputs[0].shape[:-1]:
             rows *= s
-        return quant_smem_bytes(rows, x.shape[-1], op.attr("group"), min(ws.shape[0], 128 // op.attr("block_n") + 2))
+        scale_rows = min(ws.shape[0], QUANT_TILE_N // op.attr("block_n") + 2)  # a tile's, however it is aligned
+        return quant_smem_bytes(rows, x.shape[-1], op.attr("group"), scale_rows)
 
     def run_tile(self, t: TileArgs):
         x, wq, ws, out = t.operands

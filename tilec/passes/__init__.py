@@ -7,8 +7,8 @@ the rest are MPK-style passes over the TaskGraph (Mirage Persistent Kernel, arXi
 section 4).
 
 The pipeline (``tilec.pipeline``) runs, in order:
-  split_kv -> fuse_gemv_chains + fuse_fp8_quant -> fold_cache_writes -> size_gemv_groups -> (build_taskgraph) -> fuse_events -> normalize
-  -> linearize -> schedule
+  split_kv -> fuse_gemv_chains + fuse_fp8_quant -> fold_cache_writes -> size_gemv_groups -> (build_taskgraph)
+  -> fuse_events -> normalize -> linearize -> schedule
 and runs the stage verifier (``tilec.verify``) after each one when ``Options.verify`` is on.
 """
 from .fold_cache_write import fold_cache_writes
@@ -21,5 +21,5 @@ from .normalize import normalize
 from .schedule import Schedule, schedule
 from .split_kv import split_kv
 
-__all__ = ["split_kv", "fuse_gemv_chains", "fuse_fp8_quant", "fold_cache_writes", "size_gemv_groups", "fuse_events", "normalize", "linearize", "schedule",
-           "Schedule"]
+__all__ = ["split_kv", "fuse_gemv_chains", "fuse_fp8_quant", "fold_cache_writes", "size_gemv_groups", "fuse_events",
+           "normalize", "linearize", "schedule", "Schedule"]

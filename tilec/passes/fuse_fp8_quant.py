@@ -5,8 +5,9 @@
 quantizes its (at most 16) bf16 rows while it stages them. On GLM-5's prelude the quantization
 ops were whole dependent stages of 25-57 µs for 24-196 KiB of activations (H200 trace,
 2026-12-01); a tile re-quantizing 16 rows costs a few round trips to L2 instead. The quantized
-values are bitwise those of the unfused op (the same max, division and saturating cast), so
-results do not change. A quantization whose outputs have no other reader is dropped.
+values are those of the unfused op (the same max, correctly rounded division and saturating
+cast; on the reference executor the same torch code), so results do not change. A quantization
+whose outputs have no other reader is dropped.
 
 Fused when: x is bf16 with at most 16 rows, the group is a multiple of 64 dividing K, the GEMM
 reads the quantization's whole outputs, and nothing writes x between the two ops.
