@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run, in one go (results under $OUT when set).
-# usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|all]
+# usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|ncu|all]
+# ncu (not in all): an ncu source-counter profile of one GLM-5 FP8 prelude step, attributed to
+# the executor's device functions (benchmarks/lab/ncu_by_function.py).
 # quick: one ~9-minute pass for a device call - op and FP8 GEMM tests, the tiny steps, the GLM-5 and
 # Llama-3.2-1B (batch 1 and 16) benchmarks without Inductor, each under a time limit. Build the
 # GLM-5 libraries beforehand with benchmarks/prebuild.py and carry .tilec-cache
@@ -11,13 +13,21 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TILEC_CACHE_DIR=${TILEC_CACHE_DIR:-/tm
 OUT=${OUT:-/tmp/tilec-out}; mkdir -p "$OUT"
 what=${1:-all}
 case $what in
-  smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|all) ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|all]" >&2; exit 2 ;;
+  smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|ncu|all) ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|ncu|all]" >&2; exit 2 ;;
 esac
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || {
   echo "run_gpu.sh: needs torch with a CUDA GPU" >&2; exit 2; }
 failed=()  # parts whose command failed; the script exits 1 if any did
 trap '[[ $? -ne 0 ]] && failed+=("line $LINENO")' ERR
+if [[ $what == ncu ]]; then
+  ncu --section SourceCounters --section WarpStateStats --section SpeedOfLight -k regex:tilec_executor \
+    --launch-skip 2 -c 1 -o "$OUT/step" -f python3 benchmarks/lab/one_step.py glm5-fp8 2>&1 | tee "$OUT/ncu_run.log" | tail -3
+  ncu -i "$OUT/step.ncu-rep" --page source --csv --print-source sass > "$OUT/src.csv"
+  entry=$(grep "^build-cache entry" "$OUT/ncu_run.log" | awk '{print $3}')
+  python3 benchmarks/lab/ncu_by_function.py "$OUT/src.csv" --sources "$entry" --function fp8_linear_quant \
+    2>&1 | tee "$OUT/ncu_by_function.log" | head -40
+fi
 if [[ $what == smoke || $what == all ]]; then
   python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tee "$OUT/ops.log" | tail -15
   python3 -m pytest -x -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py -k "tiny or watchdog" 2>&1 | tee "$OUT/tiny.log" | tail -15

@@ -13,7 +13,8 @@ mark 1 and mark 1 -> mark 2 per op kind (``stamps``), then the persistent kernel
 ``--prebuild`` builds the variants' libraries into the build cache without a GPU (carry the cache
 to the GPU machine). A variant is NAME=DEFINE[,DEFINE...] (DEFINE as NAME or NAME=VALUE); an
 experiment puts its alternative code under an #ifdef in runtime/tilec. Variants that skip work
-give wrong outputs: they measure where time goes.
+give wrong outputs: they measure where time goes. Used on an H200 on 2026-12-01 (the bf16 prelude
+with the weight loader's 1-byte / paired item arithmetic: 314.3 us against 314.4 with the old code).
 """
 import argparse
 import dataclasses

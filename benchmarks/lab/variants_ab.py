@@ -8,6 +8,10 @@ logits' max difference from the first variant, and the median time from a ring-f
 start to its mark 1 (stamps[..., 2]) for tiles that stage x and tiles that reuse it.
 
     PYTHONPATH=. python benchmarks/lab/variants_ab.py 'base=' 'other=TILEC_MY_SWITCH,TILEC_N=2' --stages 3,4
+    TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/variants_ab.py --prebuild 'base=' ...
+
+``--prebuild`` builds the variants' libraries into the build cache without a GPU (a 2-layer step
+generates the same program as 16 layers), to carry to the GPU machine with the cache.
 
 A variant is NAME=DEFINE[,DEFINE...] (DEFINE as NAME or NAME=VALUE): an experiment puts its
 alternative code under an #ifdef in runtime/tilec and names the macro here. Used on 2026-12-01
@@ -35,12 +39,31 @@ from tilec.plan import F  # noqa: E402
 from tilec.timing import cuda_graph  # noqa: E402
 
 
+def prebuild(variants) -> None:
+    """Builds each variant's library of the step's program on the CPU (into the build cache)."""
+    import torch
+
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import make_model, prefill
+
+    model = make_model("llama-3.2-1b", torch.bfloat16, "cpu", layers=2)
+    cache, _ = prefill(model, 1, 8, 1024 + 64, "cpu")
+    step = compile_decode_step(model, cache, 1, options=dict(check=False, executor="reference"))
+    srcs = codegen.render(step.program.compiled.plan)
+    with ThreadPoolExecutor(2) as pool:
+        libs = pool.map(lambda lines: codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, "sm_90a"),
+                        (lines for _, lines in variants))
+        for (name, _), lib in zip(variants, libs):
+            print(f"{name}: {lib}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--stages", default="3")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
     args = ap.parse_args()
     runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
     variants = []
@@ -51,6 +74,9 @@ def main():
         if not name or name in (n for n, _ in variants) or unknown:
             ap.error(f"variant {v!r}: needs a new name, and macros runtime/tilec tests (unknown: {unknown})")
         variants.append((name, "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros)))
+    if args.prebuild:
+        prebuild(variants)
+        return
     step, run = llama_step("variants_ab.py")
     base = step.program.executor
     opts = dataclasses.replace(base.opts, profile=True)
