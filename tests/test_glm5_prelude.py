@@ -320,6 +320,75 @@ def test_fp8_quant_fuses_into_the_gemms():
         assert torch.equal(g, w), name
 
 
+class _QuantGemm(torch.nn.Module):
+    """act_quant then block-scaled FP8 GEMMs (groups / blocks of g); ``extra`` also returns what
+    another reader of the quantization would see."""
+
+    def __init__(self, k, n, g=128, amin=None, extra=None):
+        super().__init__()
+        self.g, self.amin, self.extra = g, amin, extra
+        self.lin = glm.Linear(k, n, fp8=True, block=g)
+        self.lin.set_weight(torch.randn(n, k) * 0.05)
+
+    def forward(self, x):
+        q = glm.act_quant(x, self.g)
+        y = self.lin(q, out_dtype=x.dtype)
+        if self.extra == "scale_out":
+            return y, q[1]
+        if self.extra == "scale_read":
+            return y, q[1] * 2
+        return y
+
+
+@pytest.mark.parametrize("rows,k,n,g,extra,fuses,stream", [
+    (16, 2048, 40, 128, None, True, "paired"),      # K <= 2048 bytes: two column groups a stage
+    (16, 6144, 40, 128, None, True, "byte"),        # two 4096-byte items per column group
+    (4, 6144, 40, 192, None, True, "none"),         # a 192-group would straddle two items: no stream
+    (17, 512, 40, 128, None, False, None),          # more rows than one m16 tile
+    (4, 512, 40, 128, "scale_out", True, "paired"),  # the scales are a graph output: the quant stays
+    (4, 512, 40, 128, "scale_read", True, "paired"),  # and when another op reads them
+])
+def test_fp8_quant_fusion_guards(rows, k, n, g, extra, fuses, stream):
+    """When fp8_quant -> fp8_linear fuses, what the stream word says, and that a quantization
+    other ops still read stays; outputs bitwise those of the unfused plan on the reference executor
+    (random inputs)."""
+    torch.manual_seed(0)
+    mod = _QuantGemm(k, n, g, extra=extra)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    fused = compile_module(mod, (x,), options=dict(workers=8))
+    unfused = compile_module(mod, (x,), options=dict(workers=8, fuse_fp8_quant=False))
+    kinds = [op.kind for op in fused.plan.graph.ops]
+    assert kinds.count("fp8_linear_quant") == int(fuses) and kinds.count("fp8_linear") == int(not fuses)
+    assert kinds.count("fp8_quant") == (0 if fuses and extra is None else 1)
+    if stream is not None:
+        plan = fused.plan
+        busy = plan.queues[..., DESCRIPTOR["opcode"][0]] == opdef("fp8_linear_quant").opcode
+        words = plan.queues[..., DESCRIPTOR["stream"][0]][busy]
+        want = {"paired": STREAM_BYTE | STREAM_PAIRED, "byte": STREAM_BYTE, "none": 0}[stream]
+        assert bool(((words & (STREAM_BYTE | STREAM_PAIRED)) == want).all()) and bool((words != 0).all() == (want != 0))
+    got, ref = fused(x), unfused(x)
+    got, ref = (got, ref) if isinstance(got, (tuple, list)) else ((got,), (ref,))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_fp8_quant_fusion_needs_a_finite_reciprocal_scale():
+    """A quantization whose scale floor (amin) is below 448 * 2^-126 is not fused: the fused tile
+    divides through 1 / s."""
+    from tilec.ir import Op
+    from tilec.passes import fuse_fp8_quant
+
+    mod = _QuantGemm(512, 40)
+    x = torch.randn(4, 512).to(torch.bfloat16)
+    graph = compile_module(mod, (x,), options=dict(workers=8, fuse_fp8_quant=False)).compiled.stages["fuse_gemv"]
+    low = tuple(Op(op.name, op.kind, op.inputs, op.outputs,
+                   tuple((k, 0.0 if k == "amin" else v) for k, v in op.attrs), op.provenance)
+                if op.kind == "fp8_quant" else op for op in graph.ops)
+    import dataclasses as dc
+
+    assert "fp8_linear_quant" in {op.kind for op in fuse_fp8_quant(graph).ops}
+    assert "fp8_linear_quant" not in {op.kind for op in fuse_fp8_quant(dc.replace(graph, ops=low)).ops}
+
+
 # ---- CUDA codegen ----------------------------------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

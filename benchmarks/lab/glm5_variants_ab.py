@@ -7,8 +7,8 @@ as ``benchmarks/glm5_prelude.py``), builds its generated program again with each
 mark 1 and mark 1 -> mark 2 per op kind (``stamps``), then the persistent kernel's median time
 (alternating variants, several rounds; L2 flushed before each call).
 
-    PYTHONPATH=. python benchmarks/lab/glm5_variants_ab.py 'base=' 'nomath=TILEC_FP8_SKIP_MATH'
-    TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/glm5_variants_ab.py --prebuild ...
+    PYTHONPATH=. python benchmarks/lab/glm5_variants_ab.py 'base=' 'other=TILEC_MY_SWITCH'
+    TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/glm5_variants_ab.py --prebuild 'base=' ...
 
 ``--prebuild`` builds the variants' libraries into the build cache without a GPU (carry the cache
 to the GPU machine). A variant is NAME=DEFINE[,DEFINE...] (DEFINE as NAME or NAME=VALUE); an

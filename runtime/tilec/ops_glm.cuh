@@ -439,10 +439,12 @@ __device__ __forceinline__ void mma_k32_f16(float* acc, const uint4& alo, const 
 // amin) / fmax, q = x / s cast to e4m3 with saturation (the cast saturates, so no clamp is
 // needed). G == 128 with unit stride and 16-byte aligned rows: half a warp per group, 8 elements
 // per lane (one 16-byte load), kQuantLoads loads in flight per thread in a rolled loop (GLM-5's
-// 16 x 6144 rows: 4 round trips); x / s as x * RN(1 / s) corrected by one fused multiply-add,
-// which is the correctly rounded quotient (Markstein's theorem; the results are in [-448, 448],
-// no overflow) - a third of a full division's instructions. Otherwise one warp per group, one
-// element per lane at a time. Ends with a block barrier.
+// 16 x 6144 rows: 4 round trips); x / s as x * RN(1 / s) corrected by one fused multiply-add
+// (Markstein), a third of a full division's instructions: the correctly rounded quotient except
+// for quotients below ~2^-100, whose residual underflows and which cast to FP8 zero either way;
+// for s below 2^-126 (1 / s infinite: amin < 448 * 2^-126, which the fusion pass does not take)
+// a true division. Otherwise one warp per group, one element per lane at a time. Ends with a
+// block barrier.
 constexpr int kQuantLoads = 12;
 __device__ __forceinline__ float div_rn(float x, float s, float r) {  // RN(x / s) given r = RN(1 / s)
   const float q = x * r;
@@ -485,9 +487,11 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
         float sc = fmaxf(amax, amin) / fmax;
         if (pow2) sc = exp2f(ceilf(log2f(sc)));
         const float rc = __frcp_rn(sc);
+        const bool finite = sc >= 1.17549435e-38f;  // 1 / s finite
+        auto qd = [&](float x) { return finite ? div_rn(x, sc, rc) : __fdiv_rn(x, sc); };
         if (v < nv) {
-          const unsigned lo = e4m3x4(div_rn(f[0], sc, rc), div_rn(f[1], sc, rc), div_rn(f[2], sc, rc), div_rn(f[3], sc, rc));
-          const unsigned hi = e4m3x4(div_rn(f[4], sc, rc), div_rn(f[5], sc, rc), div_rn(f[6], sc, rc), div_rn(f[7], sc, rc));
+          const unsigned lo = e4m3x4(qd(f[0]), qd(f[1]), qd(f[2]), qd(f[3]));
+          const unsigned hi = e4m3x4(qd(f[4]), qd(f[5]), qd(f[6]), qd(f[7]));
           *reinterpret_cast<uint2*>(xq_s + (long long)m * xp + k) = make_uint2(lo, hi);
           if ((lane & 15) == 0) xs_s[m * KB + k / 128] = sc;
         }
@@ -513,13 +517,15 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
   block_sync();
 }
 
-// The block-scaled FP8 product of nr <= 16 staged rows (xq_s [nr][xp] bytes, xp % 128 == 64 so
-// the eight rows of a quarter-warp's loads sit in distinct banks; scales xs_s [nr][KB]) with
+// The block-scaled FP8 product of nr <= 16 staged rows (xq_s [nr][xp] bytes, xp = K + 64: for
+// K % 128 == 0 the two rows of a quarter-warp's 16-byte loads fall in different halves of the
+// bank line; scales xs_s [nr][KB]) with
 // weights from the ring: an item is one column group of 8 weight rows x up to 2 kStreamK FP8
 // bytes of K, or (paired, K <= kStreamK) two groups side by side (stream.cuh). Warp w takes K
 // slice [w s, (w + 1) s) of each item, s a whole number of K blocks (G, a multiple of 64, divides
-// the item), and per K block accumulates 16 x 8 products on tensor cores, then folds them into its
-// totals scaled by xs[m, kb] * ws[n / BN, kb] (ws_s: the tile's weight-scale rows n0 / BN ..).
+// the 4096-byte item or K fits one: Fp8LinearQuant.stream, checked here too), and per K block
+// accumulates 16 x 8 products on tensor cores, then folds them into its totals scaled by
+// xs[m, kb] * ws[n / BN, kb] (ws_s: the tile's weight-scale rows n0 / BN ..).
 // Operands are widened to f16 (exact) with one cvt per two bytes, A once for both groups of an
 // item: Hopper has no FP8 mma.sync (an e4m3 mma.sync is emulated through f16 products as well).
 // At a column group's last item the warps' totals are summed in a fixed order through red
@@ -660,6 +666,11 @@ __device__ void op_fp8_linear_quant(TileCtx& c) {
     ws_s[e] = ldf<TWS>(ws, (long long)(n0 / BN + e / KB) * wsn + (e % KB) * wsk);
   StreamTile t;
   const bool ring = c.ring->nstages > 0 && stream_range(c.d, wq.ptr, wn, t);
+  if (ring && t.kblocks() > 1 && t.kitem() % G != 0) {  // a K block across two items: the plan rules it out
+    if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);
+    *c.ring->gave_up = 1;
+    return;
+  }
   if (!c.wait()) return;  // (its barrier also publishes the offsets and scales)
   stage_quant_rows(base<__nv_bfloat16>(x), xoff, x.strides[x.ndim - 1], nr, K, G, pow2, amin, fmax, xq_s, xp, xs_s);
   if (ring) {

@@ -69,29 +69,32 @@ def test_prelude_matches_oracle(size, fp8, dtype, tol):
 # ---- the tensor-core paths of the GLM ops at several shapes (runtime/tilec/ops_glm.cuh) ----
 
 class Fp8Gemm(torch.nn.Module):
-    """act_quant then a block-scaled FP8 GEMM, as the prelude's FP8 linears."""
+    """act_quant then a block-scaled FP8 GEMM, as the prelude's FP8 linears (groups / blocks of g)."""
 
-    def __init__(self, k, n):
+    def __init__(self, k, n, g=128, pow2=False):
         super().__init__()
-        self.lin = glm.Linear(k, n, fp8=True)
+        self.g, self.pow2 = g, pow2
+        self.lin = glm.Linear(k, n, fp8=True, block=g)
         self.lin.set_weight(torch.randn(n, k) * 0.05)
 
     def forward(self, x):
-        return self.lin(glm.act_quant(x), out_dtype=x.dtype)
+        return self.lin(glm.act_quant(x, self.g, self.pow2), out_dtype=x.dtype)
 
 
 @pytest.mark.parametrize("fuse,stream", [(False, True), (True, True), (True, False)],
                          ids=["unfused", "fused-ring", "fused-loads"])
-@pytest.mark.parametrize("m,k,n,tile_n", [(1, 512, 200, None), (16, 2048, 136, None), (40, 1024, 72, None),
-                                           (16, 6144, 24, None), (9, 1536, 300, 48)])
-def test_fp8_gemm_rows_and_ragged_columns(m, k, n, tile_n, fuse, stream):
+@pytest.mark.parametrize("m,k,n,tile_n,g", [(1, 512, 200, None, 128), (16, 2048, 136, None, 128),
+                                             (40, 1024, 72, None, 128), (16, 6144, 24, None, 128),
+                                             (9, 1536, 300, 48, 128), (4, 6144, 40, None, 192)])
+def test_fp8_gemm_rows_and_ragged_columns(m, k, n, tile_n, g, fuse, stream):
     """Unfused: fp8_linear_mma_ksplit (<= 16 rows: K blocks over the warps, an uneven share with 12
     blocks, tiles across a weight-scale block with tile_n 48) and fp8_linear_mma (40 rows: passes of
     16). Fused (<= 16 rows, fp8_linear_quant): the quantization in the tile's staging, then the ring
     consumer on FP8 tensor cores (K 6144: a 4096-byte and a 2048-byte item per column group) or,
     without the ring, the K-split path. Column groups of 8 past N; against eager (whose output is
-    rounded to bf16 as well: 5e-3 is a few bf16 roundings)."""
-    mod = Fp8Gemm(k, n).to(DEV)
+    rounded to bf16 as well: 5e-3 is a few bf16 roundings). K 6144 in groups of 192 does not stream
+    (a group would straddle two 4096-byte stream items): the fused tile loads its weights itself."""
+    mod = Fp8Gemm(k, n, g).to(DEV)
     x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
     prog = compile_module(mod, (x,), options=dict(executor="cuda", tile_n=tile_n, fuse_fp8_quant=fuse,
                                                   fp8_stream=stream))
@@ -100,6 +103,26 @@ def test_fp8_gemm_rows_and_ragged_columns(m, k, n, tile_n, fuse, stream):
     with torch.no_grad():
         want = mod(x)
     assert rel(prog(x), want) < 5e-3
+
+
+@pytest.mark.parametrize("m,k,n,tile_n,g,pow2", [(1, 128, 1, None, 128, False), (5, 2176, 9, None, 128, False),
+                                                  (16, 4224, 130, None, 128, True), (3, 768, 40, 12, 192, False),
+                                                  (16, 6144, 24, None, 64, False)])
+def test_fp8_gemm_fused_quantization_is_bitwise_the_unfused_one(m, k, n, tile_n, g, pow2):
+    """The fused tile's quantization (stage_quant_rows: x * RN(1/s) with a correction, two-value
+    casts) gives op_fp8_quant's bytes: with the weights loaded by the tile (fp8_stream off) the
+    fused and unfused GEMMs run the same K-split product on them, so the outputs are bitwise equal
+    on random inputs (rows, K, N, groups and pow2 scales not GLM-5's)."""
+    torch.manual_seed(0)
+    mod = Fp8Gemm(k, n, g, pow2).to(DEV)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV) * 3
+    outs = []
+    for fuse in (True, False):
+        prog = compile_module(mod, (x,), options=dict(executor="cuda", tile_n=tile_n, fuse_fp8_quant=fuse,
+                                                      fp8_stream=False))
+        assert ("fp8_linear_quant" if fuse else "fp8_linear") in {op.kind for op in prog.graph.ops}
+        outs.append(prog(x))
+    assert torch.equal(outs[0], outs[1])
 
 
 class Score(torch.nn.Module):

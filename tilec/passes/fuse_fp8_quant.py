@@ -9,8 +9,9 @@ values are those of the unfused op (the same max, correctly rounded division and
 cast; on the reference executor the same torch code), so results do not change. A quantization
 whose outputs have no other reader is dropped.
 
-Fused when: x is bf16 with at most 16 rows, the group is a multiple of 64 dividing K, the GEMM
-reads the quantization's whole outputs, and nothing writes x between the two ops.
+Fused when: x is bf16 with at most 16 rows, the group is a multiple of 64 dividing K, the scale
+floor ``amin`` is at least :data:`MIN_AMIN`, the quantized values and scales are temporaries (or
+program outputs) only the quantization writes, the GEMM reads them whole, and nothing writes x between the two ops.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import dataclasses
 
 import torch
 
-from ..ir import Op, OpGraph
+from ..ir import BufferKind, Op, OpGraph
 from ..ops.fp8_linear import QUANT_ROWS
 
 
@@ -27,6 +28,11 @@ def _rows(view) -> int:
     for s in view.shape[:-1]:
         n *= s
     return n
+
+
+# The fused tiles divide by the group's scale as x * RN(1/s) plus a correction, which needs 1/s
+# finite: s = max(amax, amin) / 448 >= 2^-126 (GLM-5 / DeepSeek-V3 use amin 1e-4).
+MIN_AMIN = 448.0 * 2.0 ** -126
 
 
 def fuse_fp8_quant(graph: OpGraph, opts=None) -> OpGraph:
@@ -44,7 +50,13 @@ def fuse_fp8_quant(graph: OpGraph, opts=None) -> OpGraph:
             continue
         (x,), (qv, sv) = q.inputs, q.outputs
         g, k = q.attr("group"), x.shape[-1]
-        if graph.buffers[x.buffer].dtype != torch.bfloat16 or _rows(x) > QUANT_ROWS or g % 64 or k % g:
+        if graph.buffers[x.buffer].dtype != torch.bfloat16 or _rows(x) > QUANT_ROWS or g % 64 or k % g \
+                or q.attr("amin") < MIN_AMIN:
+            continue
+        # the quantization's outputs: temporaries or program outputs it alone writes (not state)
+        if any(graph.buffers[v.buffer].kind not in (BufferKind.TEMP, BufferKind.OUTPUT) for v in (qv, sv)) \
+                or any(o is not q and o is not None and any(v.buffer in (qv.buffer, sv.buffer) for v in o.outputs)
+                       for o in ops):
             continue
         fused = others = False
         for j in range(i + 1, len(ops)):
