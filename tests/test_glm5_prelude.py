@@ -387,6 +387,37 @@ def test_fp8_quant_fusion_needs_a_finite_reciprocal_scale():
 
     assert "fp8_linear_quant" in {op.kind for op in fuse_fp8_quant(graph).ops}
     assert "fp8_linear_quant" not in {op.kind for op in fuse_fp8_quant(dc.replace(graph, ops=low)).ops}
+def test_index_quant_folds_into_the_score():
+    """With 16 indexer heads (the tensor-core path's shape), the indexer's query quantization and
+    the two scalings of its head weights fold into index_score (attrs quant / w_scale): those
+    three ops are gone, the plan's scratch no longer reserves the float query staging, and the
+    outputs on the reference executor are bitwise those of the unfused plan on random inputs, and
+    close to the oracle."""
+    import dataclasses as dc
+
+    cfg = dc.replace(CFG, index_n_heads=16)
+    mod = glm.make_prelude(cfg, True, torch.bfloat16)
+    inputs = glm.make_inputs(cfg, True, torch.bfloat16)
+    fused = compile_module(mod, inputs, options=dict(workers=WORKERS))
+    unfused = compile_module(mod, inputs, options=dict(workers=WORKERS, fuse_fp8_quant=False))
+    ops = fused.plan.graph.ops
+    (score,) = [op for op in ops if op.kind == "index_score"]
+    assert score.attr("quant") == (cfg.index_head_dim, False, glm.SCALE_MIN)
+    assert score.attr("w_scale") == pytest.approx(cfg.index_head_dim ** -0.5)
+    assert graph_dtype(fused, score.inputs[0]) == torch.bfloat16
+    assert [op.kind for op in ops].count("fp8_quant") == 1  # the indexer keys' (written to the cache)
+    # gone: the two GEMM input quantizations, the query quantization and the two multiplies
+    assert len(unfused.plan.graph.ops) - len(ops) == 5
+    a, b = glm.make_inputs(cfg, True, torch.bfloat16, seed=7), glm.make_inputs(cfg, True, torch.bfloat16, seed=7)
+    want = glm.oracle(mod, *glm.make_inputs(cfg, True, torch.bfloat16, seed=7))
+    got, ref = tuple(fused(*a)) + tuple(a[5:]), tuple(unfused(*b)) + tuple(b[5:])
+    for name, g, r in zip(OUTPUTS, got, ref):
+        assert torch.equal(g, r), name
+    compare(got, want, 2e-2)
+
+
+def graph_dtype(program, view):
+    return program.plan.graph.buffers[view.buffer].dtype
 
 
 # ---- CUDA codegen ----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import (fold_cache_writes, fuse_events, fuse_fp8_quant, fuse_gemv_chains, linearize, normalize, schedule,
+from .passes import (fold_cache_writes, fuse_events, fuse_fp8_quant, fuse_gemv_chains, fuse_index_quant, linearize, normalize, schedule,
                      size_gemv_groups, split_kv)
 from .plan import KernelPlan, encode
 from .stats import compile_stats
@@ -50,8 +50,8 @@ class Compiled:
 
 def _fuse_gemv(graph: OpGraph, opts: Options) -> OpGraph:
     """The ``fuse_gemv`` stage: prologues / epilogues into bf16 GEMVs, then FP8 activation
-    quantization into the FP8 GEMMs."""
-    return fuse_fp8_quant(fuse_gemv_chains(graph, opts), opts)
+    quantization into the FP8 GEMMs and the indexer score."""
+    return fuse_index_quant(fuse_fp8_quant(fuse_gemv_chains(graph, opts), opts), opts)
 
 
 def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | None = None,

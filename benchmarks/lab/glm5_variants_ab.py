@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
+    ap.add_argument("--stages", default="", help="also time these weight-ring depths, e.g. 2,3 (CudaExecutor.use_ring_stages)")
     args = ap.parse_args()
     variants = parse_variants(args.variants, ap)
     fp8, dev = not args.bf16, "cpu" if args.prebuild else "cuda"
@@ -108,14 +109,17 @@ def main():
             print(f"  {k:20s} {len(d):5d} {med(d):8.2f} {med(a):8.2f} {med(b):8.2f}")
         ex.stamps = None
     res = defaultdict(list)
-    for _ in range(args.rounds):
-        for name, ex in exs.items():
-            res[name].append(time_cuda(lambda ex=ex: ex.run(tensors, table), args.iters))
-    for ex in exs.values():
-        ex.check()
-    print(f"\n{'variant':12s} {'median us':>10s}  rounds")
-    for name, ts in res.items():
-        print(f"{name:12s} {statistics.median(ts) * 1e3:10.1f}  {[round(t * 1e3, 1) for t in ts]}")
+    for depth in [prog.plan.ring_stages] + [int(v) for v in args.stages.split(",") if v]:
+        for ex in exs.values():
+            ex.use_ring_stages(depth)
+        for _ in range(args.rounds):
+            for name, ex in exs.items():
+                res[(name, depth)].append(time_cuda(lambda ex=ex: ex.run(tensors, table), args.iters))
+        for ex in exs.values():
+            ex.check()
+    print(f"\n{'variant':12s} {'ring':>4s} {'median us':>10s}  rounds")
+    for (name, depth), ts in res.items():
+        print(f"{name:12s} {depth:4d} {statistics.median(ts) * 1e3:10.1f}  {[round(t * 1e3, 1) for t in ts]}")
 
 
 if __name__ == "__main__":

@@ -897,6 +897,38 @@ __device__ __forceinline__ long long latest_position(const Operand& pos, int r, 
   return last;
 }
 
+// The query quantization of a fused index_score (param 3; tilec/passes/fuse_fp8_quant.py
+// fuse_index_quant): the staged query rows (nrows x D values of T at `pitch` elements) are
+// replaced in place by their e4m3 quantization - s = max(amax |x|, amin) / fmax (pow2: rounded up
+// to a power of two), q = x / s saturated, as op_fp8_quant computes it - held exactly in T, and
+// the head weights w_s[row] (row = t * H + h, as the rows) become (w * s) * w_scale, the float32
+// products of the unfused graph. kLanes lanes per row (a whole number of rows per warp).
+template <typename T, int kLanes>
+__device__ void quantize_query_rows(const TileCtx& c, T* rows, int pitch, int nrows, int D, float* w_s) {
+  static_assert(32 % kLanes == 0, "rows per warp");
+  const int pow2 = c.param(4);
+  const float amin = c.fparam(5), fmax = c.fparam(6), w_scale = c.fparam(7);
+  const int lane = threadIdx.x & 31, sub = lane % kLanes;
+  const int per_pass = kThreads / kLanes;
+#pragma unroll 1
+  for (int r0 = 0; r0 < nrows; r0 += per_pass) {  // uniform trip count: every lane reaches the shuffles
+    const int row = r0 + threadIdx.x / kLanes;
+    T* x = rows + (long long)min(row, nrows - 1) * pitch;
+    float amax = 0.f;
+    for (int d = sub; d < D; d += kLanes) amax = fmaxf(amax, fabsf(to_f<T>(x[d])));
+#pragma unroll
+    for (int o = kLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float sc = fmaxf(amax, amin) / fmax;
+    if (pow2) sc = exp2f(ceilf(log2f(sc)));
+    __syncwarp();
+    if (row < nrows) {
+      for (int d = sub; d < D; d += kLanes)  // an e4m3 value is exact in bf16 and float
+        x[d] = from_f<T>(to_f<__nv_fp8_e4m3>(from_f<__nv_fp8_e4m3>(fminf(fmaxf(to_f<T>(x[d]) / sc, -fmax), fmax))));
+      if (sub == 0) w_s[row] = (w_s[row] * sc) * w_scale;
+    }
+  }
+}
+
 // index_score on tensor cores (bf16 or FP8 q and keys; the products are exact in bf16 and
 // accumulate in float32): per request, the tile's queries Q [T * H, D] are staged as bf16; warp
 // w takes 8 positions at a time, lane (g, q) holding key row g's D values in registers, and for
@@ -918,6 +950,8 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
   if (!fits) return false;
   const float scale = c.fparam(0);
   const int page = c.param(1);
+  const bool quant = c.param(3) != 0;  // bf16 queries quantized here (quantize_query_rows)
+  if (quant && !std::is_same<TQ, __nv_bfloat16>::value) return false;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, qq = lane & 3;
   const int j0 = c.lo(1), j1 = c.hi(1);
   __nv_bfloat16* q16 = reinterpret_cast<__nv_bfloat16*>(c.smem);  // [rows][ldq]
@@ -953,6 +987,10 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
     for (int t = threadIdx.x; t < T; t += kThreads)
       pos_s[t] = (int)ldc<TP>(base<TP>(pos) + (long long)r * pos.strides[0] + (long long)t * pos.strides[1]);
     block_sync();
+    if (quant) {
+      quantize_query_rows<__nv_bfloat16, 8>(c, q16, ldq, rows, D, w_s);
+      block_sync();
+    }
     int last = -1;
     for (int t = 0; t < T; ++t) last = max(last, pos_s[t]);
 #pragma unroll 1
@@ -1048,6 +1086,12 @@ __device__ void index_score_impl(TileCtx& c) {
   float* q_s = w_s + T * H;              // [T][H][DP]
   const bool staged = (long long)kWarps * D + (long long)T * H * (1 + DP) + 16 <= c.smem_floats;
   const bool kbuf = (long long)kWarps * D <= c.smem_floats;
+  const bool quant = c.param(3) != 0;  // the queries quantized here: needs them staged
+  if (quant && !staged) {  // the plan reserves room for them (IndexScore.smem_bytes): fail loudly
+    if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);
+    *c.ring->gave_up = 1;
+    return;
+  }
   for (int r = c.lo(0); r < c.hi(0); ++r) {
     block_sync();
     if (staged) {
@@ -1059,6 +1103,10 @@ __device__ void index_score_impl(TileCtx& c) {
       stage_head_weights<TW>(w, r, T, H, w_s);
     }
     block_sync();
+    if (quant) {
+      quantize_query_rows<float, 32>(c, q_s, DP, T * H, D, w_s);
+      block_sync();
+    }
     const long long last = latest_position<TP>(pos, r, T);
     for (int j = j0 + warp; j < j1; j += kWarps) {
       const long long p = j <= last ? (long long)ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] +

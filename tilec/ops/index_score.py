@@ -6,20 +6,33 @@
 ``ks`` is the per-position key scale of an FP8 key cache (1 without one).
 Operands: q [R, T, H, D], w [R, T, H], k_cache [pages, page, D], k_scale [pages, page]
 (FP8 only), block_table [R, P] (int), pos [R, T] (int), out [R, T, KV] float32.
-Params: scale bits, page, has_k_scale. Tiles: one request x a chunk of whole pages, about
-one tile per worker.
+Params: scale bits, page, has_k_scale, quant, pow2, amin bits, FP8 max bits, w_scale bits.
+Tiles: one request x a chunk of whole pages, about one tile per worker.
+
+With attr ``quant = (group, pow2, amin)`` (made by :func:`tilec.passes.fuse_index_quant`) ``q`` is
+bf16 and quantized inside the op, per (token, head) row (group = D), as ``fp8_quant`` would, and
+the head weights become ``(w * s[r, t, h]) * w_scale`` with each row's scale ``s`` - the float32
+products the unfused graph takes (DeepSeek-V3.2's ``fp8_index`` folds the query scales the same way).
 """
 from __future__ import annotations
 
 import torch
 
 from . import OpDef, Tile, TileArgs, _elem, bits_f32, chunks, f32_bits, full_box, register
+from .fp8_quant import FP8_MAX, quantize
 
 
 def positions_per_tile(requests: int, pages: int, page: int, workers: int) -> int:
     """Whole pages per tile so that the ``requests x pages`` pages spread over about ``workers`` tiles."""
     per = max(1, -(-requests * pages // max(workers, 1)))
     return min(per, pages) * page
+
+
+def mma_shape(heads: int, dim: int) -> bool:
+    """Whether ``heads`` x ``dim`` queries fit the device's tensor-core path (index_score_mma):
+    whole m16 tiles of heads, 32-element chunks of D, D <= 256 (strides and alignment are checked
+    at run time as well)."""
+    return heads % 16 == 0 and dim % 32 == 0 and dim <= 256
 
 
 @register
@@ -48,12 +61,23 @@ class IndexScore(OpDef):
         return tiles
 
     def params(self, op):
-        return [f32_bits(op.attr("scale")), op.inputs[2].shape[1], int(len(op.inputs) == 6)]
+        base = [f32_bits(op.attr("scale")), op.inputs[2].shape[1], int(len(op.inputs) == 6)]
+        quant = op.attr("quant")
+        if quant is None:
+            return base
+        _, pow2, amin = quant
+        return base + [1, int(pow2), f32_bits(amin), f32_bits(FP8_MAX), f32_bits(op.attr("w_scale", 1.0))]
 
     def smem_bytes(self, op):
-        """Device staging (runtime/tilec/ops_glm.cuh): a key row per warp (8), the request's
-        head weights and its queries as float (rows padded to D + 1)."""
+        """Device staging (runtime/tilec/ops_glm.cuh). Shapes the tensor-core path takes
+        (:func:`mma_shape`): the request's queries as bf16 rows (padded), its head weights and its
+        tokens' positions. Otherwise a key row per warp (8), the head weights and the queries as
+        float (rows padded to D + 1). (Reserving the float staging for GLM-5's 32 x 128 queries
+        took the whole kernel's weight ring from 3 stages to 2.)"""
         _, t_, h, d = op.inputs[0].shape
+        if mma_shape(h, d):
+            rows, ldq = t_ * h, d + ((4 - (d // 8) % 8 + 8) % 8) * 8
+            return 4 * (rows * ldq // 2 + rows + t_ + 16) + 64
         return 4 * (8 * d + t_ * h * (d + 2)) + 64
 
     def run_tile(self, t: TileArgs):
@@ -65,8 +89,12 @@ class IndexScore(OpDef):
             pages = bt[r, j0 // page:(j1 - 1) // page + 1].long()
             first = j0 - (j0 // page) * page
             keys = kc[pages].flatten(0, 1)[first:first + j1 - j0].float()  # [J, D]
-            logits = torch.matmul(q[r].float(), keys.t()) * scale  # [T, H, J]
-            s = torch.matmul(w[r].float().unsqueeze(-2), torch.relu(logits)).squeeze(-2)  # [T, J]
+            qr, wr = q[r].float(), w[r].float()
+            if len(t.params) > 3 and t.params[3]:  # quantized here (fuse_index_quant)
+                qq, qs = quantize(qr, qr.shape[-1], bool(t.params[4]), bits_f32(t.params[5]), bits_f32(t.params[6]))
+                qr, wr = qq.float(), (wr * qs.squeeze(-1)) * bits_f32(t.params[7])
+            logits = torch.matmul(qr, keys.t()) * scale  # [T, H, J]
+            s = torch.matmul(wr.unsqueeze(-2), torch.relu(logits)).squeeze(-2)  # [T, J]
             if has_ks:
                 s = s * t.operands[3][pages].flatten()[first:first + j1 - j0].float()
             later = torch.arange(j0, j1).view(1, -1) > pos[r].long().view(-1, 1)

@@ -21,6 +21,7 @@ import torch
 
 from ..ir import BufferKind, Op, OpGraph
 from ..ops.fp8_linear import QUANT_ROWS
+from ..ops.index_score import mma_shape
 
 
 def _rows(view) -> int:
@@ -74,6 +75,94 @@ def fuse_fp8_quant(graph: OpGraph, opts=None) -> OpGraph:
                 others = True
         if not others and qv.buffer not in outputs and sv.buffer not in outputs and fused:
             ops[i] = None
+    if not changed:
+        return graph
+    kept = [o for o in ops if o is not None]
+    used = {v.buffer for o in kept for v in o.inputs + o.outputs} | outputs | set(graph.inputs)
+    return dataclasses.replace(graph, ops=tuple(kept), buffers={n: b for n, b in graph.buffers.items() if n in used})
+
+
+def _whole(graph: OpGraph, view) -> bool:
+    """``view`` covers its buffer exactly, contiguously (so another whole buffer of the same size
+    can stand in for it element for element)."""
+    return view.offset == 0 and view.pos_stride == 0 and view.is_contiguous() \
+        and view.numel == graph.buffers[view.buffer].numel
+
+
+def fuse_index_quant(graph: OpGraph, opts=None) -> OpGraph:
+    """Returns ``graph`` with the lightning indexer's query quantization folded into its score
+    (or ``graph`` itself when nothing matches, or ``opts.fuse_fp8_quant`` is off):
+
+        q, s = fp8_quant(x)             (one group per query row: group = D)
+        w' = (w * s) * c                (binary mul, then unary mul_scalar, float32)
+        index_score(q, w', keys, ...)
+
+    becomes ``index_score(x, w, keys, ...)`` with attrs ``quant`` and ``w_scale = c``: each score
+    tile quantizes its request's query rows and scales the head weights itself (the same float32
+    operations in the same order, so the same scores), and three dependent stages are gone. Only
+    when the intermediates have no other reader, every view involved covers its whole buffer and
+    the queries fit the device's tensor-core path (``tilec.ops.index_score.mma_shape``: its
+    fallback quantizes staged float rows, for which the plan reserves no room then).
+    """
+    if opts is not None and not getattr(opts, "fuse_fp8_quant", True):
+        return graph
+    ops = list(graph.ops)
+    outputs = {v.buffer for v in graph.outputs}
+
+    def writer(buf: str) -> int | None:
+        w = [i for i, o in enumerate(ops) if o is not None and any(v.buffer == buf for v in o.outputs)]
+        return w[0] if len(w) == 1 else None
+
+    def readers(buf: str) -> list[int]:
+        return [i for i, o in enumerate(ops) if o is not None and any(v.buffer == buf for v in o.inputs)]
+
+    def dtype(view):
+        return graph.buffers[view.buffer].dtype
+
+    changed = False
+    for i, sc in enumerate(ops):
+        if sc is None or sc.kind != "index_score" or sc.attr("quant") is not None:
+            continue
+        qv, wv = sc.inputs[0], sc.inputs[1]
+        iq, im2 = writer(qv.buffer), writer(wv.buffer)
+        if iq is None or im2 is None or ops[iq].kind != "fp8_quant" or ops[im2].kind != "unary" \
+                or ops[im2].attr("fn") != "mul_scalar":
+            continue
+        quant, m2 = ops[iq], ops[im2]
+        (x,), (q_out, s_out) = quant.inputs, quant.outputs
+        im1 = writer(m2.inputs[0].buffer)
+        if im1 is None or ops[im1].kind != "binary" or ops[im1].attr("fn") != "mul":
+            continue
+        m1 = ops[im1]
+        scale_side = [k for k, v in enumerate(m1.inputs) if v.buffer == s_out.buffer]
+        if len(scale_side) != 1:
+            continue
+        w_pre = m1.inputs[1 - scale_side[0]]
+        views = (qv, wv, x, q_out, s_out, w_pre, m1.inputs[scale_side[0]], m1.outputs[0], m2.inputs[0], m2.outputs[0])
+        inter = (q_out.buffer, s_out.buffer, m1.outputs[0].buffer, m2.outputs[0].buffer)
+        if quant.attr("group") != x.shape[-1] or not mma_shape(qv.shape[2], qv.shape[3]) \
+                or dtype(x) != torch.bfloat16 or dtype(w_pre) != torch.float32 \
+                or dtype(m1.outputs[0]) != torch.float32 or dtype(m2.outputs[0]) != torch.float32 \
+                or not all(_whole(graph, v) for v in views) or any(b in outputs for b in inter) \
+                or graph.buffers[x.buffer].numel != graph.buffers[q_out.buffer].numel \
+                or graph.buffers[w_pre.buffer].numel != graph.buffers[wv.buffer].numel \
+                or readers(q_out.buffer) != [i] or readers(s_out.buffer) != [im1] \
+                or readers(m1.outputs[0].buffer) != [im2] or readers(wv.buffer) != [i]:
+            continue
+        # nothing may write x after the quantization read it, or w after the multiply did
+        def written(buf: str, lo: int) -> bool:
+            return any(ops[m] is not None and any(v.buffer == buf for v in ops[m].outputs) for m in range(lo + 1, i))
+
+        if written(x.buffer, iq) or written(w_pre.buffer, im1):
+            continue
+        new_q = dataclasses.replace(qv, buffer=x.buffer)
+        new_w = dataclasses.replace(wv, buffer=w_pre.buffer)
+        attrs = dict(sc.attrs)
+        attrs.update(quant=(quant.attr("group"), quant.attr("pow2"), quant.attr("amin")), w_scale=m2.attr("scalar"))
+        ops[i] = Op(sc.name, sc.kind, (new_q, new_w) + sc.inputs[2:], sc.outputs, tuple(sorted(attrs.items())),
+                    sc.provenance)
+        ops[iq] = ops[im1] = ops[im2] = None
+        changed = True
     if not changed:
         return graph
     kept = [o for o in ops if o is not None]
