@@ -824,7 +824,9 @@ __device__ __noinline__ bool bmm_mma(TileCtx& c) {
 
 template <typename TA, typename TW, typename TS, typename TO, bool kScale>
 __device__ void bmm_impl(TileCtx& c) {
+#ifndef TILEC_BMM_NO_MMA  // (for an A/B against the CUDA-core path: benchmarks/lab/glm5_variants_ab.py)
   if (bmm_mma<TA, TW, TS, TO, kScale>(c)) return;
+#endif
   const Operand &a = operands()[0], &w = operands()[1], &out = operands()[kScale ? 3 : 2];
   const int M = a.sizes[1], K = a.sizes[2];
   const int n0 = c.lo(1), n1 = c.hi(1), nc = n1 - n0;
