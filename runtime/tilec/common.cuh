@@ -34,11 +34,43 @@ struct Operand {
 
 struct WeightRing;  // stream.cuh
 
+// The current instruction's decoded operands (executor.cuh fills them before dispatch). Ops read
+// them through operands(): the compiler then knows they are this array, not the scratch or global
+// memory an op stores to, and keeps their fields in registers across those stores.
+__shared__ Operand tilec_ops[TILEC_MAX_OPERANDS];
+
+// The CTA's dynamic shared memory: the weight ring's stages, then the ops' scratch (executor.cuh).
+// A pointer the compiler sees formed from this array is a shared-memory pointer and its accesses
+// compile to LDS / STS; one that went through a struct field or a non-inlined function's
+// parameter is generic (LD / ST through the generic path, tracked on the long scoreboard like a
+// global load). On an H200 (GLM-5 FP8 prelude, ncu source counters) the absorption bmm's inner
+// loop was generic loads and 64-bit address arithmetic. shared_ptr(p) re-forms such a pointer.
+extern __shared__ float4 tilec_dyn_smem[];
+__device__ __forceinline__ Operand* operands() {
+#ifdef TILEC_GENERIC_SMEM
+  Operand* p = tilec_ops;
+  asm("mov.b64 %0, %0;" : "+l"(p));  // (an experiment's baseline: a generic pointer)
+  return p;
+#else
+  return tilec_ops;
+#endif
+}
+template <typename T>
+__device__ __forceinline__ T* shared_ptr(T* p) {
+#ifdef TILEC_GENERIC_SMEM
+  asm("mov.b64 %0, %0;" : "+l"(p));  // (an experiment's baseline: the pointer stays generic)
+  return p;
+#else
+  using Byte = typename std::conditional<std::is_const<T>::value, const char, char>::type;
+  const size_t off = __cvta_generic_to_shared(p) - __cvta_generic_to_shared(tilec_dyn_smem);
+  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(tilec_dyn_smem) + off);
+#endif
+}
+
 // What an op sees for one instruction.
 struct TileCtx {
   const int* d;         // the 32-word descriptor (shared memory)
-  Operand* ops;         // decoded operands (shared memory)
-  float* smem;          // dynamic shared memory scratch (after the weight ring)
+  float* scratch;       // dynamic shared memory scratch (after the weight ring): use smem()
   int smem_floats;
   const WeightRing* ring;  // the worker's GEMV weight stream (stream.cuh)
   long long* stamp;        // profiling (nullable): [start, end, mark 1, mark 2] of this instruction
@@ -66,6 +98,7 @@ struct TileCtx {
   __device__ int param(int k) const { return d[TILEC_W_PARAMS + k]; }
   __device__ float fparam(int k) const { return __int_as_float(d[TILEC_W_PARAMS + k]); }
   __device__ int variant() const { return d[TILEC_W_VARIANT]; }
+  __device__ float* smem() const { return shared_ptr(scratch); }  // the scratch, as a shared-memory pointer
 };
 
 template <typename T> __device__ __forceinline__ float to_f(T v);

@@ -103,7 +103,6 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
                           int smem_bytes, int ring_stages, long long* stamps, long long position) {
   extern __shared__ float4 dyn_smem4[];
   __shared__ int desc[2][TILEC_DESCRIPTOR_WORDS];
-  __shared__ Operand ops[TILEC_MAX_OPERANDS];
   __shared__ int go, ring_next, ring_gave_up, compute_done;
   __shared__ unsigned long long ring_full[kMaxStages], ring_empty[kMaxStages];
   __shared__ WeightRing ring;
@@ -144,15 +143,15 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
       desc[(i + 1) & 1][threadIdx.x] = q[(size_t)(i + 1) * TILEC_DESCRIPTOR_WORDS + threadIdx.x];
     if (opcode != TILEC_OP_EMPTY && threadIdx.x >= 32 && threadIdx.x < 32 + TILEC_MAX_OPERANDS) {
       const int k = threadIdx.x - 32;
-      decode_operand(operands + ((size_t)row * TILEC_MAX_OPERANDS + k) * TILEC_OPERAND_FIELDS, ops[k], position);
+      decode_operand(operands + ((size_t)row * TILEC_MAX_OPERANDS + k) * TILEC_OPERAND_FIELDS, tilec_ops[k], position);
       // the tile's weights start streaming into L2 while thread 0 waits for its producers
       const unsigned pf = (unsigned)d[TILEC_W_PREFETCH];
       if (pf != 0u && (int)(pf >> 28) == k)
-        prefetch_l2(ops[k].ptr + (long long)d[TILEC_W_PREFETCH + 1] * 16, (pf & 0x0fffffffu) * 16u);
+        prefetch_l2(tilec_ops[k].ptr + (long long)d[TILEC_W_PREFETCH + 1] * 16, (pf & 0x0fffffffu) * 16u);
     }
     // profiling: %globaltimer when the instruction starts running (its wait satisfied) and ends
     long long* stamp = stamps ? stamps + ((size_t)worker * L + i) * 4 : nullptr;
-    TileCtx c{d, ops, scratch, smem_floats, &ring, stamp, false, false, counters,
+    TileCtx c{d, scratch, smem_floats, &ring, stamp, false, false, counters,
               epoch * (unsigned long long)wait_c, wait_e, i, err, timeout_ns, &go, false};
     // A GEMV sets itself up (row offsets, stream range, staging checks: ~2 us of serial code on
     // an H200) before its wait, which it then calls itself (TileCtx::wait); once the operands are

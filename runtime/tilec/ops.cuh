@@ -39,7 +39,7 @@ __device__ __forceinline__ void box_of(const TileCtx& c, int nd, int* lo, int* h
 // ---- embedding: out[..., c] = W[ids[...], c] ----------------------------------------
 template <typename TW, typename TI, typename TO>
 __device__ void op_embedding(TileCtx& c) {
-  const Operand &w = c.ops[0], &ids = c.ops[1], &out = c.ops[2];
+  const Operand &w = operands()[0], &ids = operands()[1], &out = operands()[2];
   int nd = out.ndim, lo[4], hi[4];
   box_of(c, nd, lo, hi);
   for_box(nd, lo, hi, [&](const int* idx) {
@@ -76,7 +76,7 @@ __device__ __forceinline__ unsigned bf16x2_bits(float lo, float hi) {
 }
 __device__ __forceinline__ bool rmsnorm_rows_bf16(const TileCtx& c, int nd, const int* lo, const int* hi, int rows, int D,
                                                float eps) {
-  const Operand &x = c.ops[0], &w = c.ops[1], &out = c.ops[2];
+  const Operand &x = operands()[0], &w = operands()[1], &out = operands()[2];
   if (x.strides[nd - 1] != 1 || out.strides[nd - 1] != 1 || w.strides[0] != 1 || D % 8 != 0 ||
       D > 8 * kRmsVecs * kThreads || !aligned16(w.ptr))
     return false;
@@ -110,7 +110,7 @@ __device__ __forceinline__ bool rmsnorm_rows_bf16(const TileCtx& c, int nd, cons
         ss += a * a + b * b;
       }
     }
-    const float rs = rsqrtf(block_sum(ss, c.smem) / D + eps);
+    const float rs = rsqrtf(block_sum(ss, c.smem()) / D + eps);
 #pragma unroll
     for (int j = 0; j < kRmsVecs; ++j) {
       const int e = threadIdx.x + j * kThreads;
@@ -133,7 +133,7 @@ __device__ __forceinline__ bool rmsnorm_rows_bf16(const TileCtx& c, int nd, cons
 // fewer bf16 rows than warps takes its rows one at a time over the whole block instead.
 template <typename TX, typename TW, typename TO>
 __device__ void op_rmsnorm(TileCtx& c) {
-  const Operand &x = c.ops[0], &w = c.ops[1], &out = c.ops[2];
+  const Operand &x = operands()[0], &w = operands()[1], &out = operands()[2];
   const int nd = out.ndim, D = out.sizes[nd - 1];
   const float eps = c.fparam(0);
   int lo[4], hi[4];
@@ -161,8 +161,8 @@ __device__ void op_rmsnorm(TileCtx& c) {
 
 template <typename TX, typename TW, typename TB, typename TO, bool kBias>
 __device__ void layernorm_impl(TileCtx& c) {
-  const Operand &x = c.ops[0], &w = c.ops[1];
-  const Operand &out = c.ops[kBias ? 3 : 2];
+  const Operand &x = operands()[0], &w = operands()[1];
+  const Operand &out = operands()[kBias ? 3 : 2];
   const int nd = out.ndim, D = out.sizes[nd - 1];
   const float eps = c.fparam(0);
   for_rows(c, nd, [&](int* idx) {
@@ -170,13 +170,13 @@ __device__ void layernorm_impl(TileCtx& c) {
     long long xs = x.strides[nd - 1], os = out.strides[nd - 1];
     float s = 0.f;
     for (int d = threadIdx.x; d < D; d += kThreads) s += ldf<TX>(x, xo + d * xs);
-    float mean = block_sum(s, c.smem) / D;
+    float mean = block_sum(s, c.smem()) / D;
     float v2 = 0.f;
     for (int d = threadIdx.x; d < D; d += kThreads) { float t = ldf<TX>(x, xo + d * xs) - mean; v2 += t * t; }
-    float r = rsqrtf(block_sum(v2, c.smem) / D + eps);
+    float r = rsqrtf(block_sum(v2, c.smem()) / D + eps);
     for (int d = threadIdx.x; d < D; d += kThreads) {
       float y = (ldf<TX>(x, xo + d * xs) - mean) * r * to_f<TW>(base<TW>(w)[d * w.strides[0]]);
-      if constexpr (kBias) y += to_f<TB>(base<TB>(c.ops[2])[d * c.ops[2].strides[0]]);
+      if constexpr (kBias) y += to_f<TB>(base<TB>(operands()[2])[d * operands()[2].strides[0]]);
       stf<TO>(out, oo + d * os, y);
     }
   });
@@ -188,16 +188,16 @@ __device__ void op_layernorm(TileCtx& c) { layernorm_impl<TX, TW, TB, TO, true>(
 
 template <typename TX, typename TO>
 __device__ void op_softmax(TileCtx& c) {
-  const Operand &x = c.ops[0], &out = c.ops[1];
+  const Operand &x = operands()[0], &out = operands()[1];
   const int nd = out.ndim, D = out.sizes[nd - 1];
   for_rows(c, nd, [&](int* idx) {
     long long xo = offset4(x, idx), oo = offset4(out, idx), xs = x.strides[nd - 1], os = out.strides[nd - 1];
     float m = -INFINITY;
     for (int d = threadIdx.x; d < D; d += kThreads) m = fmaxf(m, ldf<TX>(x, xo + d * xs));
-    m = block_max(m, c.smem);
+    m = block_max(m, c.smem());
     float s = 0.f;
     for (int d = threadIdx.x; d < D; d += kThreads) s += __expf(ldf<TX>(x, xo + d * xs) - m);
-    s = block_sum(s, c.smem);
+    s = block_sum(s, c.smem());
     for (int d = threadIdx.x; d < D; d += kThreads) stf<TO>(out, oo + d * os, __expf(ldf<TX>(x, xo + d * xs) - m) / s);
   });
 }
@@ -205,7 +205,7 @@ __device__ void op_softmax(TileCtx& c) {
 // ---- RoPE: rotate-half (style 0) or interleaved pairs (style 1) --------------------
 template <typename TX, typename TC, typename TS, typename TO>
 __device__ void op_rope(TileCtx& c) {
-  const Operand &x = c.ops[0], &cs = c.ops[1], &sn = c.ops[2], &out = c.ops[3];
+  const Operand &x = operands()[0], &cs = operands()[1], &sn = operands()[2], &out = operands()[3];
   const int nd = out.ndim, D = out.sizes[nd - 1], h = D / 2, style = c.param(0);
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
@@ -373,7 +373,7 @@ __device__ __forceinline__ void map2(const TileCtx& c, const Operand& a, const O
 
 template <typename TG, typename TU, typename TO>
 __device__ void op_silu_mul(TileCtx& c) {
-  map2<TG, TU, TO>(c, c.ops[0], c.ops[1], c.ops[2],
+  map2<TG, TU, TO>(c, operands()[0], operands()[1], operands()[2],
                    [](float g, float u) { return round_to<TG>(g / (1.f + __expf(-g))) * u; });
 }
 
@@ -381,13 +381,13 @@ template <typename TX, typename TO>
 __device__ void op_unary(TileCtx& c) {
   const int fn = c.param(0);
   const float a = c.fparam(1);
-  map1<TX, TO>(c, c.ops[0], c.ops[1], [&](float v) { return unary_fn(fn, v, a); });
+  map1<TX, TO>(c, operands()[0], operands()[1], [&](float v) { return unary_fn(fn, v, a); });
 }
 
 template <typename TA, typename TB, typename TO>
 __device__ void op_binary(TileCtx& c) {
   const int fn = c.param(0);
-  map2<TA, TB, TO>(c, c.ops[0], c.ops[1], c.ops[2], [&](float x, float y) {
+  map2<TA, TB, TO>(c, operands()[0], operands()[1], operands()[2], [&](float x, float y) {
     switch (fn) {  // tilec/ops/ewise.py BINARY_FNS order
       case 0: return x + y;
       case 1: return x - y;
@@ -401,7 +401,7 @@ __device__ void op_binary(TileCtx& c) {
 
 template <typename TX, typename TO>
 __device__ void op_copy(TileCtx& c) {
-  map1<TX, TO>(c, c.ops[0], c.ops[1], [](float v) { return v; });
+  map1<TX, TO>(c, operands()[0], operands()[1], [](float v) { return v; });
 }
 
 // Copies the tile's rows of 2-byte T 16 bytes at a time in one rolled loop (every copy in flight
@@ -432,13 +432,13 @@ __device__ __forceinline__ bool copy_rows16(const TileCtx& c, const Operand& src
 }
 template <typename TS, typename TD>
 __device__ __noinline__ void cache_write_generic(TileCtx& c) {
-  map1<TS, TD>(c, c.ops[0], c.ops[1], [](float v) { return v; });
+  map1<TS, TD>(c, operands()[0], operands()[1], [](float v) { return v; });
 }
 template <typename TS, typename TD>
 __device__ void op_cache_write(TileCtx& c) {
 #ifndef TILEC_CACHE_WRITE_GENERIC  // an experiment's knob: always the unrolled elementwise path
   if constexpr (std::is_same<TS, TD>::value && sizeof(TS) == 2)
-    if (copy_rows16<TS>(c, c.ops[0], c.ops[1])) return;
+    if (copy_rows16<TS>(c, operands()[0], operands()[1])) return;
 #endif
   cache_write_generic<TS, TD>(c);
 }
@@ -448,8 +448,8 @@ template <typename TI, typename TO>
 __device__ void op_concat(TileCtx& c) {
   const int i = c.variant(), dim = c.param(0);
   int n_in = 0;
-  while (n_in < TILEC_MAX_OPERANDS && c.ops[n_in].dtype != TILEC_UNUSED_OPERAND) ++n_in;
-  const Operand &x = c.ops[i], &out = c.ops[n_in - 1];
+  while (n_in < TILEC_MAX_OPERANDS && operands()[n_in].dtype != TILEC_UNUSED_OPERAND) ++n_in;
+  const Operand &x = operands()[i], &out = operands()[n_in - 1];
   const int start = c.lo(dim), nd = out.ndim, l = last_lo(c, out);
   for_out_box(c, out, vec_ok<TI>(x, nd, dim == nd - 1 ? l - start : l) && vec_ok<TO>(out, nd, l),
               [&](auto kv, const int* idx) {
@@ -512,11 +512,11 @@ struct GemvStore {
   int variant;  // 0 write (callers add the bias), 2 split-K partial (atomic float32 add, no bias)
   __device__ void operator()(int m, int n, float v) const {
     if (variant == 2) {  // split-K partial: the init tile (variant 1) wrote the bias
-      atomicAdd(reinterpret_cast<float*>(out.ptr) + ooff[m] + (long long)n * on, v);
+      atomicAdd(reinterpret_cast<float*>(out.ptr) + shared_ptr(ooff)[m] + (long long)n * on, v);
       return;
     }
-    if (resid) v = round_to<TO>(v) + ldf<TO>(*resid, roff[m] + (long long)n * rn);
-    stf<TO>(out, ooff[m] + (long long)n * on, v);
+    if (resid) v = round_to<TO>(v) + ldf<TO>(*resid, shared_ptr(roff)[m] + (long long)n * rn);
+    stf<TO>(out, shared_ptr(ooff)[m] + (long long)n * on, v);
   }
 };
 
@@ -529,6 +529,7 @@ __device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloa
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kl = k1 - k0;
   const unsigned long long policy = evict_first_policy();
+  xs = shared_ptr(xs);
   for (int n = n0 + warp; n < n1; n += 2 * kWarps) {
     const int nb = n + kWarps < n1 ? n + kWarps : n;  // second column (or a repeat, not stored)
     const __nv_bfloat16* w0 = w + (long long)n * wn + k0;
@@ -570,8 +571,8 @@ __device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloa
     if (lane == 0) {
       float b0 = 0.f, b1 = 0.f;
       if (kBias && store.variant == 0) {
-        b0 = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
-        b1 = to_f<TB>(base<TB>(c.ops[2])[(long long)nb * c.ops[2].strides[0]]);
+        b0 = to_f<TB>(base<TB>(operands()[2])[(long long)n * operands()[2].strides[0]]);
+        b1 = to_f<TB>(base<TB>(operands()[2])[(long long)nb * operands()[2].strides[0]]);
       }
       for (int m = 0; m < nr; ++m) {
         store(m, n, acc0[m] + b0);
@@ -617,7 +618,7 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
     }
     if (i == 0) c.mark(2);  // the first weight stage is in
     if (n < t.n1) {
-      const uint4* row = reinterpret_cast<const uint4*>(r.stages + s * kStageBytes + warp * kRowPitch);
+      const uint4* row = reinterpret_cast<const uint4*>(shared_ptr(r.stages) + s * kStageBytes + warp * kRowPitch);
 #pragma unroll 2
       for (int v = lane; v < len / 8; v += 32) {
         const uint4 wv = row[v];
@@ -634,7 +635,7 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
         if (m < nr) acc[m] = warp_sum(acc[m]);
       if (lane == 0 && n < t.n1) {
         float b = 0.f;
-        if (kBias && store.variant == 0) b = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+        if (kBias && store.variant == 0) b = to_f<TB>(base<TB>(operands()[2])[(long long)n * operands()[2].strides[0]]);
 #pragma unroll 1
         for (int m = 0; m < nr; ++m) store(m, n, acc[m] + b);
       }
@@ -678,6 +679,8 @@ template <typename TB, typename TO, bool kBias>
 __device__ __noinline__ void gemv_bf16_mma(const TileCtx& c, const __nv_bfloat16* w, long long wn, int n0, int n1,
                                            int k0, int k1, const float* xs, const __nv_bfloat16* x,
                                            const long long* xrow, int nr, const GemvStore<TO>& store) {
+  if (xs) xs = shared_ptr(xs);
+  xrow = shared_ptr(xrow);
   constexpr int kU = 8;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3;
   const int kl = k1 - k0, rlo = lane >> 2, rhi = rlo + 8;
@@ -713,7 +716,7 @@ __device__ __noinline__ void gemv_bf16_mma(const TileCtx& c, const __nv_bfloat16
       const int m = i < 2 ? rlo : rhi, n = n0 + g8 * 8 + 2 * q + (i & 1);
       if (m < nr && n < n1) {
         float b0 = 0.f;
-        if (kBias && store.variant == 0) b0 = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+        if (kBias && store.variant == 0) b0 = to_f<TB>(base<TB>(operands()[2])[(long long)n * operands()[2].strides[0]]);
         store(m, n, acc[i] + b0);
       }
     }
@@ -752,7 +755,7 @@ __device__ __forceinline__ void gemv_bf16_ring_mma(const TileCtx& c, const Strea
     }
     if (i == 0) c.mark(2);  // the first weight stage is in
     if (live) {
-      const char* stage = r.stages + s * kStageBytes;
+      const char* stage = shared_ptr(r.stages) + s * kStageBytes;
 #pragma unroll 2
       for (int j = 0; j < kStreamK / (32 * kWarps); ++j) {
         const int k = warp * (kStreamK / kWarps) + 32 * j, kq = k + 8 * q;  // k within the stage
@@ -777,7 +780,7 @@ __device__ __forceinline__ void gemv_bf16_ring_mma(const TileCtx& c, const Strea
         const int m = (l >> 2) + (a < 2 ? 0 : 8), n = t.n0 + gi * kWarps + 2 * (l & 3) + (a & 1);
         if (m < nr && n < t.n1) {
           float bias = 0.f;
-          if (kBias && store.variant == 0) bias = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+          if (kBias && store.variant == 0) bias = to_f<TB>(base<TB>(operands()[2])[(long long)n * operands()[2].strides[0]]);
           store(m, n, v + bias);
         }
       }
@@ -897,14 +900,14 @@ __device__ __forceinline__ void gemv_rmsnorm_rows(const TileCtx& c, int nr, int 
     }
   }
   block_sync();
-  apply_side<TX>(c.ops[1], nullptr, nr, k0, kl, xs_smem, [&](int e, float x, float wv) {
+  apply_side<TX>(operands()[1], nullptr, nr, k0, kl, xs_smem, [&](int e, float x, float wv) {
     return round_to<TX>(round_to<TX>(x * rscale[e / kl]) * wv);
   });
 }
 template <typename TX>
 __device__ __forceinline__ void gemv_silu_mul_rows(const TileCtx& c, const long long* soff, int nr, int k0, int kl,
                                                 float* xs_smem) {
-  apply_side<TX>(c.ops[1], soff, nr, k0, kl, xs_smem, [&](int, float g, float u) {
+  apply_side<TX>(operands()[1], soff, nr, k0, kl, xs_smem, [&](int, float g, float u) {
     return round_to<TX>(round_to<TX>(g / (1.f + __expf(-g))) * u);
   });
 }
@@ -924,7 +927,7 @@ __device__ __forceinline__ float bf16_hi(unsigned u) { return __uint_as_float(u 
 // Whether stage_bf16_rows can stage these rows (it stages nothing otherwise).
 __device__ __forceinline__ bool bf16_rows_stageable(const TileCtx& c, const long long* xoff, const long long* soff,
                                                     long long xk, int nr, int k0, int kl, int pro, int pitch) {
-  const Operand &x = c.ops[0], &side = c.ops[1];
+  const Operand &x = operands()[0], &side = operands()[1];
   if (xk != 1 || kl % 8 || pitch % 8) return false;
   if (pro != 0 && (side.strides[side.ndim - 1] != 1 || !aligned16(side.ptr))) return false;
   for (int r = 0; r < nr; ++r) {
@@ -936,7 +939,7 @@ __device__ __forceinline__ bool bf16_rows_stageable(const TileCtx& c, const long
 __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long long* xoff, const long long* soff, long long xk,
                                                 int nr, int k0, int kl, int pro, float eps, __nv_bfloat16* xb, int pitch,
                                                 __nv_bfloat16* side_s, float* rscale, bool checked = false) {
-  const Operand &x = c.ops[0], &side = c.ops[1];
+  const Operand &x = operands()[0], &side = operands()[1];
   const int vpr = kl / 8, nv = nr * vpr;  // 16-byte vectors per row, in all
   if (!checked && !bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch)) return false;
   const __nv_bfloat16* xp = base<__nv_bfloat16>(x);
@@ -1031,7 +1034,7 @@ __device__ __forceinline__ void gemv_bf16_ring_kouter(const TileCtx& c, const St
     block_sync();  // the previous K block's rows are read
     if (!stage_bf16_rows(c, xoff, nullptr, xk, nr, t.k0 + kk, len, 0, 0.f, xb, pitch, nullptr, nullptr)) {
       // x rows not 16-byte aligned or strided along K (a user's view): one element at a time
-      const __nv_bfloat16* xp = base<__nv_bfloat16>(c.ops[0]);
+      const __nv_bfloat16* xp = base<__nv_bfloat16>(operands()[0]);
 #pragma unroll 1
       for (int e = threadIdx.x; e < nr * len; e += kThreads) {
         const int m = e / len, k = e - m * len;
@@ -1049,7 +1052,7 @@ __device__ __forceinline__ void gemv_bf16_ring_kouter(const TileCtx& c, const St
       }
       if (kb == 0 && gi == 0) c.mark(2);
       if (live) {
-        const char* stage = r.stages + s * kStageBytes;
+        const char* stage = shared_ptr(r.stages) + s * kStageBytes;
 #pragma unroll 2
         for (int j = 0; j < kStreamK / (32 * kWarps); ++j) {
           const int k = warp * (kStreamK / kWarps) + 32 * j, kq = k + 8 * q;  // k within the K block
@@ -1078,7 +1081,7 @@ __device__ __forceinline__ void gemv_bf16_ring_kouter(const TileCtx& c, const St
       const int m = (l >> 2) + (a < 2 ? 0 : 8), n = t.n0 + gi * kWarps + 2 * (l & 3) + (a & 1);
       if (m < nr && n < t.n1) {
         float bias = 0.f;
-        if (kBias && store.variant == 0) bias = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+        if (kBias && store.variant == 0) bias = to_f<TB>(base<TB>(operands()[2])[(long long)n * operands()[2].strides[0]]);
         store(m, n, v + bias);
       }
     }
@@ -1107,11 +1110,12 @@ __device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, co
                                           const long long* ooff, long long xk, long long wn, long long wk, long long on,
                                           bool staged, const float* xs_smem, int variant, const GemvStore<TO>& store) {
   const int kl = k1 - k0;
+  xoff = shared_ptr(xoff), ooff = shared_ptr(ooff), xs_smem = shared_ptr(xs_smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int n = n0 + warp; n < n1; n += kWarps) {
     const TW* wrow = base<TW>(w) + (long long)n * wn;
     float bias = 0.f;  // added by write tiles (0) and init tiles (1), never by split-K partials (2)
-    if (kBias && variant != 2) bias = to_f<TB>(base<TB>(c.ops[2])[(long long)n * c.ops[2].strides[0]]);
+    if (kBias && variant != 2) bias = to_f<TB>(base<TB>(operands()[2])[(long long)n * operands()[2].strides[0]]);
     for (int m0 = 0; m0 < nr; m0 += kRowsPerPass) {
       float acc[kRowsPerPass];
 #pragma unroll
@@ -1155,9 +1159,9 @@ template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kR
 __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f, bool reuse_x = false) {
   constexpr bool kMmaRows = kRowCap == 0 || kRowCap > kRowsPerPass;  // 9..16 rows may occur
   constexpr int kR = kRowCap == 1 ? 1 : kRowCap == 4 ? 4 : 8;         // the widest row-register instance
-  const Operand &x = c.ops[0], &w = c.ops[wi];
-  const Operand &out = c.ops[oi];
-  const Operand* resid = epi ? &c.ops[wi + 1] : nullptr;
+  const Operand &x = operands()[0], &w = operands()[wi];
+  const Operand &out = operands()[oi];
+  const Operand* resid = epi ? &operands()[wi + 1] : nullptr;
   const int nd = out.ndim;
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
@@ -1165,7 +1169,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
   const int k0 = c.lo(nd), k1 = c.hi(nd);
   const int variant = c.variant();
   const int rows = box_rows(nd, lo, hi);
-  long long* xoff = reinterpret_cast<long long*>(c.smem);
+  long long* xoff = reinterpret_cast<long long*>(c.smem());
   long long* ooff = xoff + kMaxRows;
   long long* roff = ooff + kMaxRows;  // resid rows (epilogue), or the side operand's rows (SiLU-mul)
   long long* soff = roff + kMaxRows;
@@ -1189,7 +1193,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       xoff[r] = offset4(x, idx);
       ooff[r] = offset4(out, idx);
       if (resid) roff[r] = offset4(*resid, idx);
-      if (pro == 2) soff[r] = offset4(c.ops[1], idx);
+      if (pro == 2) soff[r] = offset4(operands()[1], idx);
     }
     block_sync();
     // stage this chunk's x rows (K range) in shared memory as float when they fit (fused
@@ -1334,15 +1338,15 @@ constexpr int kQChunk = 4;
 
 template <typename TQ, typename TK, typename TV, typename TO>
 __device__ void op_attention(TileCtx& c) {
-  const Operand &q = c.ops[0], &k = c.ops[1], &v = c.ops[2], &out = c.ops[3];
-  const long long valid = c.ops[4].scalar;
+  const Operand &q = operands()[0], &k = operands()[1], &v = operands()[2], &out = operands()[3];
+  const long long valid = operands()[4].scalar;
   const float scale = c.fparam(0);
   const int causal = c.param(1);
   const int Hq = q.sizes[1], Sq = q.sizes[2], D = q.sizes[3], Hkv = k.sizes[1], S = k.sizes[2], Dv = v.sizes[3];
   const int G = Hq / Hkv, nq = G * Sq;
   const int n = causal ? (int)min((long long)S, valid + Sq - 1) : S;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* qs = c.smem;                       // [kQChunk][256]
+  float* qs = c.smem();                       // [kQChunk][256]
   float* sums = qs + kQChunk * 256;         // [kQChunk]
   float* part = sums + kQChunk;             // [kWarps][kQChunk][256] partial P.V
   float* sc = part + kWarps * kQChunk * 256;  // [kQChunk][n]

@@ -105,8 +105,8 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 // (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
 template <bool kStaged, typename TQ, typename TK, typename TV, typename TP, typename TM>
 __device__ void attention_partial_impl(TileCtx& c, int seg) {
-  const Operand &q = c.ops[0], &k = c.ops[1], &v = c.ops[2], &op = c.ops[3], &ml = c.ops[4];
-  const long long valid = c.ops[5].scalar;
+  const Operand &q = operands()[0], &k = operands()[1], &v = operands()[2], &op = operands()[3], &ml = operands()[4];
+  const long long valid = operands()[5].scalar;
   const float scale = c.fparam(0);
   const int causal = c.param(1), chunk = c.param(2);
   const int Hq = q.sizes[1], Sq = q.sizes[2], D = q.sizes[3], Hkv = k.sizes[1], S = k.sizes[2], Dv = v.sizes[3];
@@ -115,7 +115,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
   const int LK = attn_lanes(D), LV = attn_lanes(Dv), PK = 32 / LK, PV = 32 / LV, DVP = 8 * LV;
   const int gk = lane / LK, ik = lane % LK, gv = lane / LV, iv = lane % LV;
   const long long kj = k.strides[2], kd = k.strides[3], vj = v.strides[2], vd = v.strides[3];
-  float* qs = c.smem;             // [kAttnQ][256] scaled queries, zero past D
+  float* qs = c.smem();             // [kAttnQ][256] scaled queries, zero past D
   float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]
   float* sc = st + 32;            // [kAttnQ][seg] scores -> p; at the end [kWarps][kAttnQ][DVP] P.V partials
   TK* ks = reinterpret_cast<TK*>(sc + kAttnQ * seg);  // kStaged: [seg][D]
@@ -309,8 +309,8 @@ __device__ __noinline__ void attention_partial_generic(TileCtx& c) {
 template <typename TK, typename TV>
 __device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
   if (threadIdx.x != 0) return;
-  const Operand &q = c.ops[0], &k = c.ops[1], &v = c.ops[2];
-  const long long valid = c.ops[5].scalar;
+  const Operand &q = operands()[0], &k = operands()[1], &v = operands()[2];
+  const long long valid = operands()[5].scalar;
   const int causal = c.param(1), chunk = c.param(2), Sq = q.sizes[2], S = k.sizes[2];
 #pragma unroll 1
   for (int b = c.lo(0); b < c.hi(0); ++b)
@@ -335,8 +335,8 @@ __device__ void op_attention_partial(TileCtx& c) {
   attn_prefetch_l2<TK, TV>(c);
   if (!c.wait()) return;
   if constexpr (sizeof(TK) == 2 && sizeof(TV) == 2) {
-    const int seg = attn_staged_seg(c, c.param(2), c.ops[1].sizes[3], c.ops[2].sizes[3]);
-    if (seg > 0 && attn_vec_ok(c.ops[1]) && attn_vec_ok(c.ops[2])) {
+    const int seg = attn_staged_seg(c, c.param(2), operands()[1].sizes[3], operands()[2].sizes[3]);
+    if (seg > 0 && attn_vec_ok(operands()[1]) && attn_vec_ok(operands()[2])) {
       attention_partial_impl<true, TQ, TK, TV, TP, TM>(c, seg);
       return;
     }
@@ -350,11 +350,11 @@ __device__ void op_attention_partial(TileCtx& c) {
 // one thread per (row, d) sums the weighted o_s. A row no split saw (all m = -inf) gets 0.
 template <typename TP, typename TM, typename TO>
 __device__ void op_attention_combine(TileCtx& c) {
-  const Operand &op = c.ops[0], &ml = c.ops[1], &out = c.ops[2];
+  const Operand &op = operands()[0], &ml = operands()[1], &out = operands()[2];
   const int NS = op.sizes[2], Sq = out.sizes[2], Dv = out.sizes[3];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long ms = ml.strides[2], m1 = ml.strides[3], os = op.strides[2];
-  float* w = c.smem;  // [kWarps][NS]
+  float* w = c.smem();  // [kWarps][NS]
 #pragma unroll 1
   for (int b = c.lo(0); b < c.hi(0); ++b) {
     const int r0 = c.lo(1) * Sq, r1 = c.hi(1) * Sq;

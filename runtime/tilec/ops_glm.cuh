@@ -16,7 +16,7 @@ namespace tilec {
 // (round to nearest even, saturating). One warp per (row, group).
 template <typename TX, typename TQ, typename TS>
 __device__ void op_fp8_quant(TileCtx& c) {
-  const Operand &x = c.ops[0], &q = c.ops[1], &s = c.ops[2];
+  const Operand &x = operands()[0], &q = operands()[1], &s = operands()[2];
   const int nd = q.ndim, K = q.sizes[nd - 1];
   const int G = c.param(0), pow2 = c.param(1);
   const float amin = c.fparam(2), fmax = c.fparam(3);
@@ -118,6 +118,7 @@ template <typename TWS, typename TO>
 __device__ __noinline__ void fp8_linear_mma(const TileCtx& c, const unsigned char* wq, long long wn, const Operand& ws,
                                             int n0, int n1, int K, int G, int BN, const unsigned char* xq_s,
                                             const float* xs_s, int nr, const Operand& out, const long long* ooff) {
+  xq_s = shared_ptr(xq_s), xs_s = shared_ptr(xs_s), ooff = shared_ptr(ooff);
   constexpr int kU = 16;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3;
   const int rlo = lane >> 2, rhi = rlo + 8, KB = K / G;
@@ -181,6 +182,7 @@ __device__ __noinline__ void fp8_linear_mma_ksplit(const TileCtx& c, const unsig
                                                    int n1, int K, int G, int BN, const unsigned char* xq_s, int xp,
                                                    const float* xs_s, const float* ws_s, int nr, const Operand& out,
                                                    const long long* ooff, float* red) {
+  xq_s = shared_ptr(xq_s), xs_s = shared_ptr(xs_s), ws_s = shared_ptr(ws_s), ooff = shared_ptr(ooff), red = shared_ptr(red);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3;
   const int rlo = lane >> 2, rhi = rlo + 8, KB = K / G, spb = G / 64;  // 64-k steps per K block
   const int mine = (KB - warp + kWarps - 1) / kWarps * spb;            // this warp's steps
@@ -260,7 +262,7 @@ __device__ __noinline__ void fp8_linear_mma_ksplit(const TileCtx& c, const unsig
 
 template <typename TXQ, typename TXS, typename TWQ, typename TWS, typename TO>
 __device__ void op_fp8_linear(TileCtx& c) {
-  const Operand &xq = c.ops[0], &xs = c.ops[1], &wq = c.ops[2], &ws = c.ops[3], &out = c.ops[4];
+  const Operand &xq = operands()[0], &xs = operands()[1], &wq = operands()[2], &ws = operands()[3], &out = operands()[4];
   const int K = c.param(0), G = c.param(1), BN = c.param(2), KB = K / G;
   const int nd = out.ndim;
   int lo[4], hi[4];
@@ -278,7 +280,7 @@ __device__ void op_fp8_linear(TileCtx& c) {
   const bool wvec = wk == 1 && wn % 16 == 0 && (reinterpret_cast<uintptr_t>(wq.ptr) & 15) == 0;
   bool ks = kFp8 && wvec && rows <= 16 && G % 64 == 0 && K % G == 0;
   // shared memory: x, scale and out row offsets, then per staged row KB scales and xp bytes
-  long long* xoff = reinterpret_cast<long long*>(c.smem);
+  long long* xoff = reinterpret_cast<long long*>(c.smem());
   long long* soff = xoff + kMaxRows;
   long long* ooff = soff + kMaxRows;
   float* xs_s = reinterpret_cast<float*>(ooff + kMaxRows);
@@ -458,6 +460,7 @@ __device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {
 __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long long* xoff, long long xk, int nr,
                                               int K, int G, int pow2, float amin, float fmax, unsigned char* xq_s,
                                               int xp, float* xs_s) {
+  xoff = shared_ptr(xoff), xq_s = shared_ptr(xq_s), xs_s = shared_ptr(xs_s);
   const int KB = K / G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   bool vec = G == 128 && xk == 1 && xp % 8 == 0;
   for (int r = 0; r < nr && vec; ++r) vec = (reinterpret_cast<uintptr_t>(x + xoff[r]) & 15) == 0;
@@ -559,7 +562,7 @@ __device__ __forceinline__ void fp8_linear_ring(const TileCtx& c, const StreamTi
     }
     if (i == 0) c.mark(2);  // the first weight stage is in
     if (live) {
-      const unsigned char* stage = reinterpret_cast<const unsigned char*>(r.stages + s * kStageBytes) + g * kRowPitch;
+      const unsigned char* stage = reinterpret_cast<const unsigned char*>(shared_ptr(r.stages) + s * kStageBytes) + g * kRowPitch;
       int ca[2], cb[2];
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
@@ -634,7 +637,7 @@ template <typename TX, typename TWQ, typename TWS, typename TO>
 __device__ void op_fp8_linear_quant(TileCtx& c) {
   static_assert(std::is_same<TX, __nv_bfloat16>::value && std::is_same<TWQ, __nv_fp8_e4m3>::value,
                 "fp8_linear_quant: bf16 x, FP8 weights (tilec/passes/fuse_fp8_quant.py)");
-  const Operand &x = c.ops[0], &wq = c.ops[1], &ws = c.ops[2], &out = c.ops[3];
+  const Operand &x = operands()[0], &wq = operands()[1], &ws = operands()[2], &out = operands()[3];
   const int K = c.param(0), G = c.param(1), BN = c.param(2), pow2 = c.param(3), KB = K / G;
   const float amin = c.fparam(4), fmax = c.fparam(5);
   const int nd = out.ndim;
@@ -644,13 +647,13 @@ __device__ void op_fp8_linear_quant(TileCtx& c) {
   const int nb = (n1 - 1) / BN - n0 / BN + 1, xp = K + 64;
   const long long wn = wq.strides[0], wk = wq.strides[1], wsn = ws.strides[0], wsk = ws.strides[1];
   // shared memory: row offsets, scales, weight scales, cross-warp sums, then the FP8 rows
-  long long* xoff = reinterpret_cast<long long*>(c.smem);
+  long long* xoff = reinterpret_cast<long long*>(c.smem());
   long long* ooff = xoff + 16;
   float* xs_s = reinterpret_cast<float*>(ooff + 16);
   float* ws_s = xs_s + (16 * KB + 3) / 4 * 4;
   float* red = ws_s + (nb * KB + 3) / 4 * 4;
   unsigned char* xq_s = reinterpret_cast<unsigned char*>(red + 2 * kWarps * 128);
-  const bool fits = (xq_s - reinterpret_cast<unsigned char*>(c.smem)) + (long long)nr * xp <= 4LL * c.smem_floats;
+  const bool fits = (xq_s - reinterpret_cast<unsigned char*>(c.smem())) + (long long)nr * xp <= 4LL * c.smem_floats;
   if (nr > 16 || G % 64 != 0 || K % G != 0 || !fits) {  // the plan promised otherwise: fail loudly
     if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);
     *c.ring->gave_up = 1;
@@ -705,9 +708,137 @@ __device__ void op_fp8_linear_quant(TileCtx& c) {
 constexpr int kBmmRows = 8;    // accumulator rows per thread
 constexpr int kBmmVecs = 4;    // 16-byte weight loads per thread in flight
 constexpr int kBmmScalar = 8;  // scalar loads per thread in flight
+// bmm on tensor cores for M <= 16 rows of bf16 a and bf16 weights - stored so, or FP8 blocks
+// dequantized and rounded to bf16 (round_w, bf16 out) as eager's weight_dequant(...).to(bf16)
+// does, so the products are those of the CUDA-core path (exact in float32; float32 sums in
+// another order). Per batch b: a[b] staged as bf16 rows a16 [16][K + 8] (zeros past M), then
+// the tile's columns in passes of up to 128: the pass's K x np weights dequantized into
+// w16 [K][np + 8] bf16 (16-byte loads along n, every load of the pass in flight; one scale per
+// vector from the row-block index and column each k row starts at, taken once per tile), and
+// warp w multiplies column groups w, w + 8, ... of 8 (m16n8k16, A rows g and g + 8 as 32-bit
+// loads, B packed from two bf16 of consecutive k). Returns false (nothing done) when the shapes,
+// dtypes or strides do not fit; the CUDA-core path below takes those. On an H200 the GLM-5
+// absorption took 36 us a tile on the CUDA-core path (generic loads, 200 KB of SASS).
+template <typename TA, typename TW, typename TS, typename TO, bool kScale>
+__device__ __noinline__ bool bmm_mma(TileCtx& c) {
+  constexpr bool kTypes = std::is_same<TA, __nv_bfloat16>::value && std::is_same<TO, __nv_bfloat16>::value &&
+                          (kScale ? std::is_same<TW, __nv_fp8_e4m3>::value : std::is_same<TW, __nv_bfloat16>::value);
+  if constexpr (!kTypes) {
+    return false;
+  } else {
+    const Operand &a = operands()[0], &w = operands()[1], &out = operands()[kScale ? 3 : 2];
+    const int M = a.sizes[1], K = a.sizes[2];
+    const int n0 = c.lo(1), n1 = c.hi(1), nc = n1 - n0;
+    const long long row_len = c.param(1), w_offset = c.param(2);
+    const int br = c.param(3), bc = c.param(4), round_w = c.param(5);
+    const long long as0 = a.strides[0], as1 = a.strides[1];
+    const long long ws0 = w.strides[0], ws1 = w.strides[1];
+    constexpr int V = 16 / sizeof(TW);  // weights per 16-byte load
+    const int ap = K + 8, ncp = min(nc, 128), wp = ncp + 8;  // row pitches (elements): 16-byte rows, spread banks
+    const long long need = 2LL * 16 * ap + 2LL * K * wp + 8LL * K + 64;
+    // 16-byte vectors everywhere; with scales, a vector never straddles a buffer row or column block
+    const bool ok = M <= 16 && K % 16 == 0 && a.strides[2] == 1 && as0 % 8 == 0 && as1 % 8 == 0 &&
+                    w.strides[2] == 1 && ws0 % V == 0 && ws1 % V == 0 && n0 % V == 0 && nc % V == 0 &&
+                    ncp % V == 0 && need <= 4LL * c.smem_floats && (reinterpret_cast<uintptr_t>(a.ptr) & 15) == 0 &&
+                    (reinterpret_cast<uintptr_t>(w.ptr) & 15) == 0 &&
+                    (!kScale || (round_w && w_offset % V == 0 && row_len % V == 0 && bc % V == 0));
+    if (!ok) return false;
+    __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(c.smem());  // [16][ap]
+    __nv_bfloat16* w16 = a16 + 16 * ap;                                // [K][wp]
+    int* srow = reinterpret_cast<int*>(w16 + (long long)K * wp);      // [K]: k's row block (kScale)
+    int* scol = srow + K;                                              // [K]: the buffer column k's row starts at
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int b = c.lo(0); b < c.hi(0); ++b) {
+      block_sync();  // the previous batch's readers are done
+#pragma unroll 1
+      for (int e = threadIdx.x; e < 16 * (K / 8); e += kThreads) {  // a[b] rows, zeros past M
+        const int m = e / (K / 8), k = (e % (K / 8)) * 8;
+        *reinterpret_cast<uint4*>(a16 + m * ap + k) =
+            m < M ? __ldcg(reinterpret_cast<const uint4*>(base<TA>(a) + b * as0 + m * as1 + k)) : zero;
+      }
+      if constexpr (kScale) {
+        for (int k = threadIdx.x; k < K; k += kThreads) {
+          const long long e = w_offset + (long long)b * ws0 + (long long)k * ws1;
+          srow[k] = (int)((e / row_len) / br);
+          scol[k] = (int)(e % row_len);
+        }
+      }
+      c.mark(1);  // a[b] staged (this thread's share)
+#pragma unroll 1
+      for (int c0 = 0; c0 < nc; c0 += ncp) {
+        const int np = min(ncp, nc - c0), nv = np / V, total = K * nv;
+        const long long wb = (long long)b * ws0 + n0 + c0;  // element offset of (k = 0, column c0) in the view
+        block_sync();  // the previous pass's readers are done with w16; srow / scol are written
+#pragma unroll 1
+        for (int v0 = threadIdx.x; v0 < total; v0 += 4 * kThreads) {
+          uint4 raw[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int v = v0 + j * kThreads;
+            if (v < total) raw[j] = __ldcg(reinterpret_cast<const uint4*>(base<TW>(w) + wb + (long long)(v / nv) * ws1 + (v % nv) * V));
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int v = v0 + j * kThreads;
+            if (v >= total) break;
+            const int k = v / nv, n = (v % nv) * V;
+            __nv_bfloat16* dst = w16 + k * wp + n;
+            if constexpr (kScale) {
+              const Operand& sc = operands()[2];
+              const float s = to_f<TS>(base<TS>(sc)[(long long)srow[k] * sc.strides[0] +
+                                                   (long long)((scol[k] + n0 + c0 + n) / bc) * sc.strides[1]]);
+              const uint4 lo = e4m3x8_to_f16(raw[j].x, raw[j].y), hi = e4m3x8_to_f16(raw[j].z, raw[j].w);
+              const unsigned hw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+              unsigned o[8];
+#pragma unroll
+              for (int i = 0; i < 8; ++i) {
+                const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hw[i]));
+                o[i] = pack_bf16x2(f.x * s, f.y * s);
+              }
+              *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+              *reinterpret_cast<uint4*>(dst + 8) = make_uint4(o[4], o[5], o[6], o[7]);
+            } else {
+              *reinterpret_cast<uint4*>(dst) = raw[j];
+            }
+          }
+        }
+        block_sync();
+        if (b == c.lo(0) && c0 == 0) c.mark(2);  // the first pass's weights are staged
+#pragma unroll 1
+        for (int grp = warp; grp * 8 < np; grp += kWarps) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+          const int n = grp * 8 + g;  // this lane's B column
+#pragma unroll 4
+          for (int k0 = 0; k0 < K; k0 += 16) {
+            const unsigned* alo = reinterpret_cast<const unsigned*>(a16 + g * ap + k0 + 2 * q);
+            const unsigned* ahi = reinterpret_cast<const unsigned*>(a16 + (g + 8) * ap + k0 + 2 * q);
+            const unsigned af[4] = {alo[0], ahi[0], alo[4], ahi[4]};
+            const unsigned short* bk = reinterpret_cast<const unsigned short*>(w16 + (k0 + 2 * q) * wp + n);
+            const unsigned b0 = bk[0] | ((unsigned)bk[wp] << 16), b1 = bk[8 * wp] | ((unsigned)bk[9 * wp] << 16);
+            mma_16816(acc, af, b0, b1);
+          }
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {  // accumulator i: row g (+ 8 for i >= 2), column 2q + (i & 1)
+            const int m = g + (i < 2 ? 0 : 8), nn = grp * 8 + 2 * q + (i & 1);
+            if (m < M && nn < np) {
+              int oi[4] = {b, m, n0 + c0 + nn, 0};
+              stf<TO>(out, offset4(out, oi), acc[i]);
+            }
+          }
+        }
+      }
+    }
+    return true;
+  }
+}
+
 template <typename TA, typename TW, typename TS, typename TO, bool kScale>
 __device__ void bmm_impl(TileCtx& c) {
-  const Operand &a = c.ops[0], &w = c.ops[1], &out = c.ops[kScale ? 3 : 2];
+#ifndef TILEC_BMM_NO_MMA  // (for an A/B against the CUDA-core path: benchmarks/lab/glm5_variants_ab.py)
+  if (bmm_mma<TA, TW, TS, TO, kScale>(c)) return;
+#endif
+  const Operand &a = operands()[0], &w = operands()[1], &out = operands()[kScale ? 3 : 2];
   const int M = a.sizes[1], K = a.sizes[2];
   const int n0 = c.lo(1), n1 = c.hi(1), nc = n1 - n0;
   const long long row_len = c.param(1), w_offset = c.param(2);
@@ -717,13 +848,13 @@ __device__ void bmm_impl(TileCtx& c) {
   const int ncp = min(nc, 128), groups = kThreads / ncp;
   const int col = threadIdx.x % ncp, rg = threadIdx.x / ncp;
   const bool mine = rg < groups;  // the threads past groups * ncp only help load
-  float* a_s = c.smem;             // [M][K]
-  float* w_s = c.smem + M * K;     // [kc][ncp]
+  float* a_s = c.smem();             // [M][K]
+  float* w_s = c.smem() + M * K;     // [kc][ncp]
   const int kc = max(1, min(K, (c.smem_floats - M * K - 16) / ncp));
   // 16-byte weight loads along n: unit n stride, aligned, ncp a multiple of the vector
   constexpr int V = 16 / sizeof(TW);
   auto scale_of = [&](long long e) -> float {  // e: element offset in the [R, C] buffer
-    const Operand& sc = c.ops[2];
+    const Operand& sc = operands()[2];
     return to_f<TS>(base<TS>(sc)[((e / row_len) / br) * sc.strides[0] + ((e % row_len) / bc) * sc.strides[1]]);
   };
   auto dequant = [&](float v, long long e) -> float {
@@ -846,7 +977,7 @@ __device__ void op_bmm(TileCtx& c) { bmm_impl<TA, TW, TS, TO, true>(c); }
 // A negative slot counts from the end, as torch indexing does.
 template <typename TS, typename TI, typename TD>
 __device__ void op_paged_cache_write(TileCtx& c) {
-  const Operand &src = c.ops[0], &slot = c.ops[1], &dst = c.ops[2];
+  const Operand &src = operands()[0], &slot = operands()[1], &dst = operands()[2];
   const int t0 = c.lo(0), t1 = c.hi(0), c0 = c.lo(1), c1 = c.hi(1), nc = c1 - c0;
   const int nd = dst.ndim;
   long long rows = 1;
@@ -938,8 +1069,8 @@ __device__ void quantize_query_rows(const TileCtx& c, T* rows, int pitch, int nr
 template <typename TQ, typename TW, typename TK, typename TKS, typename TI, typename TP, typename TO, bool kKScale>
 __device__ __noinline__ bool index_score_mma(TileCtx& c) {
   constexpr int kMaxDC = 8;  // D / 32 chunks held per lane
-  const Operand &q = c.ops[0], &w = c.ops[1], &kc = c.ops[2];
-  const Operand &bt = c.ops[kKScale ? 4 : 3], &pos = c.ops[kKScale ? 5 : 4], &out = c.ops[kKScale ? 6 : 5];
+  const Operand &q = operands()[0], &w = operands()[1], &kc = operands()[2];
+  const Operand &bt = operands()[kKScale ? 4 : 3], &pos = operands()[kKScale ? 5 : 4], &out = operands()[kKScale ? 6 : 5];
   const int T = q.sizes[1], H = q.sizes[2], D = q.sizes[3];
   const int rows = T * H, ldq = D + ((4 - (D / 8) % 8 + 8) % 8) * 8;  // row stride (elements): 16-byte loads conflict-free
   const bool fits = H % 16 == 0 && D % 32 == 0 && D <= 32 * kMaxDC && q.strides[3] == 1 && kc.strides[2] == 1 &&
@@ -954,8 +1085,8 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
   if (quant && !std::is_same<TQ, __nv_bfloat16>::value) return false;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, qq = lane & 3;
   const int j0 = c.lo(1), j1 = c.hi(1);
-  __nv_bfloat16* q16 = reinterpret_cast<__nv_bfloat16*>(c.smem);  // [rows][ldq]
-  float* w_s = c.smem + (rows * ldq + 1) / 2;                        // [rows]
+  __nv_bfloat16* q16 = reinterpret_cast<__nv_bfloat16*>(c.smem());  // [rows][ldq]
+  float* w_s = c.smem() + (rows * ldq + 1) / 2;                        // [rows]
   int* pos_s = reinterpret_cast<int*>(w_s + rows);                   // [T]: each token's position
   for (int r = c.lo(0); r < c.hi(0); ++r) {
     block_sync();
@@ -1006,7 +1137,7 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
             const int jj = j8 + 2 * qq + i;
             if (jj < j1 && jj <= last) {
               const long long p = ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] + (long long)(jj / page) * bt.strides[1]);
-              const Operand& ks = c.ops[3];
+              const Operand& ks = operands()[3];
               ksc[i] = ldf<TKS>(ks, p * ks.strides[0] + (long long)(jj % page) * ks.strides[1]);
             }
           }
@@ -1073,15 +1204,15 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
 template <typename TQ, typename TW, typename TK, typename TKS, typename TI, typename TP, typename TO, bool kKScale>
 __device__ void index_score_impl(TileCtx& c) {
   if (index_score_mma<TQ, TW, TK, TKS, TI, TP, TO, kKScale>(c)) return;
-  const Operand &q = c.ops[0], &w = c.ops[1], &kc = c.ops[2];
-  const Operand &bt = c.ops[kKScale ? 4 : 3], &pos = c.ops[kKScale ? 5 : 4], &out = c.ops[kKScale ? 6 : 5];
+  const Operand &q = operands()[0], &w = operands()[1], &kc = operands()[2];
+  const Operand &bt = operands()[kKScale ? 4 : 3], &pos = operands()[kKScale ? 5 : 4], &out = operands()[kKScale ? 6 : 5];
   const float scale = c.fparam(0);
   const int page = c.param(1);
   const int T = q.sizes[1], H = q.sizes[2], D = q.sizes[3];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j0 = c.lo(1), j1 = c.hi(1);
   const int DP = D + 1;  // padded rows: lane h reads q_s[h * DP + d] without bank conflicts
-  float* k_s = c.smem;                   // [kWarps][D]
+  float* k_s = c.smem();                   // [kWarps][D]
   float* w_s = k_s + kWarps * D;         // [T][H]
   float* q_s = w_s + T * H;              // [T][H][DP]
   const bool staged = (long long)kWarps * D + (long long)T * H * (1 + DP) + 16 <= c.smem_floats;
@@ -1115,7 +1246,7 @@ __device__ void index_score_impl(TileCtx& c) {
       float kscale = 1.f;
       if (j <= last) {  // later positions are never read (their pages may not exist yet)
         if constexpr (kKScale) {
-          const Operand& ks = c.ops[3];
+          const Operand& ks = operands()[3];
           kscale = ldf<TKS>(ks, p * ks.strides[0] + (long long)(j % page) * ks.strides[1]);
         }
         if (kbuf)
