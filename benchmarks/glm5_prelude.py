@@ -175,7 +175,7 @@ def main():
     ap.add_argument("--workers", type=int, default=132)
     ap.add_argument("--skip-inductor", action="store_true")
     ap.add_argument("--options", default="{}",
-                    help='tilec compile options as JSON (default tile_rows 4), e.g. \'{"tile_rows": 1}\'')
+                    help='tilec compile options as JSON (default tile_rows 4, ring_stages 2), e.g. \'{"tile_rows": 1}\'')
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-flush", action="store_true", help="do not flush L2 between timed calls")
     ap.add_argument("--profile", metavar="DIR", help="also write each tilec variant's measured timeline to DIR "
@@ -183,11 +183,12 @@ def main():
     args = ap.parse_args()
     # 4-row tiles for the row-wise ops (RMSNorm, LayerNorm, quantization, cache writes) of its 16
     # tokens: on an H200 (tenth session, call 6) the persistent kernel took 310.9 us in bf16 and
-    # 585.5 in FP8 with them, 364.8 and 599.8 with the default single-row tiles
+    # 585.5 in FP8 with them, 364.8 and 599.8 with the default single-row tiles. A 2-stage weight
+    # ring: FP8 348.4 us against 378.6 with 3 (eleventh session, glm5_variants_ab.py --stages 2)
     extra = json.loads(args.options)
     if not isinstance(extra, dict):
         ap.error(f"--options: a JSON object of compile options, got {args.options!r}")
-    args.extra = {"tile_rows": 4, **extra}
+    args.extra = {"tile_rows": 4, "ring_stages": 2, **extra}
     need_gpu("glm5_prelude.py")
     warnings.simplefilter("ignore")
     cfg = glm.REDUCED if args.reduced else glm.FULL

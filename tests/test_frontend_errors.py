@@ -186,6 +186,8 @@ def test_unknown_option_through_the_hf_entry_point():
     (dict(tile_n=0), r"tile_n=0: must be >= 1"),
     (dict(split_k=0), r"split_k=0"),
     (dict(tile_cols=0), r"tile_cols=0"),
+    (dict(ring_stages=1), r"ring_stages=1: must be 2\.\.8 or None"),
+    (dict(ring_stages=9), r"ring_stages=9"),
 ])
 def test_invalid_option_values(bad, pattern):
     with pytest.raises(ValueError, match=pattern):

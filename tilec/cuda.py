@@ -58,6 +58,8 @@ class CudaExecutor:
         if self.smem_bytes > smem.MAX_DYNAMIC_SMEM:
             raise TilecError(f"the plan's weight ring ({plan.ring_stages} stages) and scratch need {self.smem_bytes} "
                              f"bytes of shared memory per CTA (max {smem.MAX_DYNAMIC_SMEM})")
+        if getattr(opts, "ring_stages", None) is not None and plan.ring_stages:
+            self.use_ring_stages(opts.ring_stages)  # Options.ring_stages: a depth chosen by the caller
         # per-instruction %globaltimer stamps [W, L, 4] (ns) when Options.profile is on: start (its
         # wait satisfied), end, and two op-defined marks (0 where the op sets none)
         self.stamps = (torch.zeros(*plan.queues.shape[:2], 4, dtype=torch.int64, device=device)

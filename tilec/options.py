@@ -45,6 +45,11 @@ class Options:
         the same quantized values, one op and one dependent stage fewer per GEMM).
     fp8_stream: the fused FP8 GEMM tiles take their weights from the worker's weight ring (the
         loader warp streams them ahead, as for bf16 GEMVs) instead of loading them after their wait.
+    ring_stages: weight-ring stages per worker on the GPU (2..8), or None (default): as many as
+        fit beside the ops' scratch, at most 3 (``tilec.smem``). A deeper ring keeps more weight
+        bytes in flight but leaves the SM less L1: a Llama-3.2-1B step was fastest with 3, the
+        GLM-5 FP8 prelude with 2 (H200, ``benchmarks/lab/glm5_variants_ab.py --stages``:
+        348.4 against 378.6 us). A plan that streams no weights has no ring whatever this says.
     verify: run the stage verifiers after every pass (always on in tests).
     executor: ``"cuda"`` (persistent kernel), ``"reference"`` (CPU reference executor), or
         ``"auto"``: CUDA when the model's tensors are on a CUDA device.
@@ -69,6 +74,7 @@ class Options:
     gemv_groups: bool = True
     fuse_fp8_quant: bool = True
     fp8_stream: bool = True
+    ring_stages: int | None = None
     verify: bool = True
     executor: str = "auto"
     arch: str = "sm_90a"
@@ -108,6 +114,8 @@ class Options:
             raise ValueError(f"tilec option watchdog_ms={self.watchdog_ms}: must be >= 1")
         if self.attn_kv_chunk is not None and self.attn_kv_chunk < 1:
             raise ValueError(f"tilec option attn_kv_chunk={self.attn_kv_chunk}: must be >= 1 or None")
+        if self.ring_stages is not None and not 2 <= self.ring_stages <= 8:
+            raise ValueError(f"tilec option ring_stages={self.ring_stages}: must be 2..8 or None")
         if self.tile_cols is not None and self.tile_cols < 1:
             raise ValueError(f"tilec option tile_cols={self.tile_cols}: must be >= 1 or None")
         if self.dump_dir is not None:
