@@ -43,28 +43,18 @@ __shared__ Operand tilec_ops[TILEC_MAX_OPERANDS];
 // A pointer the compiler sees formed from this array is a shared-memory pointer and its accesses
 // compile to LDS / STS; one that went through a struct field or a non-inlined function's
 // parameter is generic (LD / ST through the generic path, tracked on the long scoreboard like a
-// global load). On an H200 (GLM-5 FP8 prelude, ncu source counters) the absorption bmm's inner
-// loop was generic loads and 64-bit address arithmetic. shared_ptr(p) re-forms such a pointer.
+// global load, and a store through it may alias anything, so operand fields are reloaded). On an
+// H200 (GLM-5 FP8 prelude, ncu source counters) the absorption bmm's inner loop was generic loads
+// and 64-bit address arithmetic; with shared-space pointers and operands the FP8 prelude took
+// 378.6 us against 411.6 (benchmarks/lab/glm5_variants_ab.py, one process). shared_ptr(p)
+// re-forms a pointer into this memory as one the compiler knows.
 extern __shared__ float4 tilec_dyn_smem[];
-__device__ __forceinline__ Operand* operands() {
-#ifdef TILEC_GENERIC_SMEM
-  Operand* p = tilec_ops;
-  asm("mov.b64 %0, %0;" : "+l"(p));  // (an experiment's baseline: a generic pointer)
-  return p;
-#else
-  return tilec_ops;
-#endif
-}
+__device__ __forceinline__ Operand* operands() { return tilec_ops; }
 template <typename T>
 __device__ __forceinline__ T* shared_ptr(T* p) {
-#ifdef TILEC_GENERIC_SMEM
-  asm("mov.b64 %0, %0;" : "+l"(p));  // (an experiment's baseline: the pointer stays generic)
-  return p;
-#else
   using Byte = typename std::conditional<std::is_const<T>::value, const char, char>::type;
   const size_t off = __cvta_generic_to_shared(p) - __cvta_generic_to_shared(tilec_dyn_smem);
   return reinterpret_cast<T*>(reinterpret_cast<Byte*>(tilec_dyn_smem) + off);
-#endif
 }
 
 // What an op sees for one instruction.

@@ -717,8 +717,10 @@ constexpr int kBmmScalar = 8;  // scalar loads per thread in flight
 // vector from the row-block index and column each k row starts at, taken once per tile), and
 // warp w multiplies column groups w, w + 8, ... of 8 (m16n8k16, A rows g and g + 8 as 32-bit
 // loads, B packed from two bf16 of consecutive k). Returns false (nothing done) when the shapes,
-// dtypes or strides do not fit; the CUDA-core path below takes those. On an H200 the GLM-5
-// absorption took 36 us a tile on the CUDA-core path (generic loads, 200 KB of SASS).
+// dtypes or strides do not fit; the CUDA-core path below takes those. On an H200 a GLM-5 FP8
+// absorption tile took 12.5 us against 30.0 on the CUDA-core path, the prelude 378.6 against
+// 396.3 us (benchmarks/lab/glm5_variants_ab.py, one process; 36 us a tile before the ops'
+// shared-space pointers).
 template <typename TA, typename TW, typename TS, typename TO, bool kScale>
 __device__ __noinline__ bool bmm_mma(TileCtx& c) {
   constexpr bool kTypes = std::is_same<TA, __nv_bfloat16>::value && std::is_same<TO, __nv_bfloat16>::value &&
@@ -835,9 +837,7 @@ __device__ __noinline__ bool bmm_mma(TileCtx& c) {
 
 template <typename TA, typename TW, typename TS, typename TO, bool kScale>
 __device__ void bmm_impl(TileCtx& c) {
-#ifndef TILEC_BMM_NO_MMA  // (for an A/B against the CUDA-core path: benchmarks/lab/glm5_variants_ab.py)
   if (bmm_mma<TA, TW, TS, TO, kScale>(c)) return;
-#endif
   const Operand &a = operands()[0], &w = operands()[1], &out = operands()[kScale ? 3 : 2];
   const int M = a.sizes[1], K = a.sizes[2];
   const int n0 = c.lo(1), n1 = c.hi(1), nc = n1 - n0;
