@@ -51,7 +51,8 @@ DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     ("params", 20, MAX_PARAMS),  # op parameters (int32; floats as float32 bits)
     # GEMV weights the worker's loader warp streams through the shared-memory ring (0: none):
     # operand + 1 | n-range coordinate index << 4 | k-range coordinate index << 8, | 1 << 12 when the
-    # items go K block outer (OpDef.stream, tilec.ops.gemv_stream_word)
+    # items go K block outer, | 1 << 13 for 1-byte (FP8) weights, | 1 << 14 when an item holds two
+    # column groups (OpDef.stream, tilec.ops.gemv_stream_word, tilec.ops.fp8_linear)
     ("stream", 29, 1),
     # L2 prefetch hint issued before the wait (0: none): word 0 = operand << 28 | bytes / 16,
     # word 1 = byte offset / 16 from the operand's address (OpDef.prefetch)
