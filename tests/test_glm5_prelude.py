@@ -387,6 +387,35 @@ def test_fp8_quant_fusion_needs_a_finite_reciprocal_scale():
 
     assert "fp8_linear_quant" in {op.kind for op in fuse_fp8_quant(graph).ops}
     assert "fp8_linear_quant" not in {op.kind for op in fuse_fp8_quant(dc.replace(graph, ops=low)).ops}
+def test_bmm_flags_weight_views_whose_rows_span_buffer_rows():
+    """Bmm param 6 (rows_whole) is 1 for GLM-5's absorption (each head's W_UK row within one
+    kv_b_proj row) and 0 for a weight view whose rows cross buffer rows: the device's tensor-core
+    path takes a row's scales from where it starts, so it must not take that view (review repro)."""
+    from tilec.ops import opdef
+
+    class Cross(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            wq, ws = glm.weight_quant(torch.randn(2 * 64, 64), 32)
+            self.w = torch.nn.Parameter(wq, requires_grad=False)
+            self.s = torch.nn.Parameter(ws, requires_grad=False)
+
+        def forward(self, q):  # q [T, 2, 16]
+            w = glm.weight_dequant(self.w, self.s, 32).to(torch.bfloat16)
+            return torch.einsum("thd,hdc->thc", q, w.view(2, 32, 128)[:, :16])
+
+    mod = Cross().eval()
+    q = torch.randn(8, 2, 16).to(torch.bfloat16)
+    prog = compile_module(mod, (q,), options=dict(workers=8))
+    (bmm,) = [op for op in prog.plan.graph.ops if op.kind == "bmm"]
+    assert opdef("bmm").params(bmm)[6] == 0
+    with torch.no_grad():
+        assert torch.equal(prog(q), mod(q))  # the reference executor dequantizes per element
+    c = case(True, torch.bfloat16)
+    (absorb,) = [op for op in c.program.plan.graph.ops if op.kind == "bmm"]
+    assert opdef("bmm").params(absorb)[0] == 1 and opdef("bmm").params(absorb)[6] == 1
+
+
 def test_index_quant_folds_into_the_score():
     """With 16 indexer heads (the tensor-core path's shape), the indexer's query quantization and
     the two scalings of its head weights fold into index_score (attrs quant / w_scale): those

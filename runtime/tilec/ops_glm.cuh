@@ -743,7 +743,8 @@ __device__ __noinline__ bool bmm_mma(TileCtx& c) {
                     w.strides[2] == 1 && ws0 % V == 0 && ws1 % V == 0 && n0 % V == 0 && nc % V == 0 &&
                     ncp % V == 0 && need <= 4LL * c.smem_floats && (reinterpret_cast<uintptr_t>(a.ptr) & 15) == 0 &&
                     (reinterpret_cast<uintptr_t>(w.ptr) & 15) == 0 &&
-                    (!kScale || (round_w && w_offset % V == 0 && row_len % V == 0 && bc % V == 0));
+                    (!kScale || (round_w && w_offset % V == 0 && row_len % V == 0 && bc % V == 0 &&
+                                 c.param(6) != 0));  // every view row within one buffer row (Bmm.params)
     if (!ok) return false;
     __nv_bfloat16* a16 = reinterpret_cast<__nv_bfloat16*>(c.smem());  // [16][ap]
     __nv_bfloat16* w16 = a16 + 16 * ap;                                // [K][wp]

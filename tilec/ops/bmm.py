@@ -7,7 +7,7 @@ free letter per side: MLA's per-head absorption ``q_nope[t, h] @ W_UK[h]``).
 ``kv_b_proj``'s key half does), then optionally rounded to the output dtype (as eager
 ``weight_dequant(...).to(dtype)`` does). float32 accumulation.
 Operands: a [B, M, K], w [B, K, N], ws [ceil(R/Br), ceil(C/Bc)] (FP8 only), out [B, M, N].
-Params: has_scale, C, w view offset (elements), Br, Bc, round_w. Tiles: one batch x
+Params: has_scale, C, w view offset (elements), Br, Bc, round_w, rows_whole. Tiles: one batch x
 ``tile_n`` output columns, sized over all batches' columns (``gemv_tile_n`` of B x N): per-head
 column slices of 8 made GLM-5's absorption 4096 tiles of ~20 µs fixed cost each on an H200.
 """
@@ -45,11 +45,17 @@ class Bmm(OpDef):
                 for b in range(b_) for n0, n1 in chunks(n, min(n, gemv_tile_n(b_ * n, opts)))]
 
     def params(self, op):
+        """has_scale, C, w view offset, Br, Bc, round_w, rows_whole: 1 when every view row
+        ``w[b, k, :]`` lies within one row of the ``[R, C]`` buffer (the device's tensor-core path
+        takes a row's scales from where it starts; bmm_mma in runtime/tilec/ops_glm.cuh)."""
         if len(op.inputs) == 2:
-            return [0, 0, 0, 0, 0, 0]
+            return [0, 0, 0, 0, 0, 0, 1]
         w = op.inputs[1]
         br, bc = op.attr("block")
-        return [1, op.attr("row_len"), w.offset, br, bc, int(op.attr("round_w"))]
+        row_len, (nb, nk, nn) = op.attr("row_len"), w.shape
+        starts = (w.offset + torch.arange(nb).view(-1, 1) * w.strides[0] + torch.arange(nk).view(1, -1) * w.strides[1])
+        whole = w.strides[2] == 1 and bool(((starts % row_len) + nn <= row_len).all())
+        return [1, row_len, w.offset, br, bc, int(op.attr("round_w")), int(whole)]
 
     def smem_bytes(self, op):
         """Device staging (runtime/tilec/ops_glm.cuh): one batch of ``a`` as float and a chunk of up

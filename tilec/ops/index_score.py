@@ -13,6 +13,9 @@ With attr ``quant = (group, pow2, amin)`` (made by :func:`tilec.passes.fuse_inde
 bf16 and quantized inside the op, per (token, head) row (group = D), as ``fp8_quant`` would, and
 the head weights become ``(w * s[r, t, h]) * w_scale`` with each row's scale ``s`` - the float32
 products the unfused graph takes (DeepSeek-V3.2's ``fp8_index`` folds the query scales the same way).
+The fusion is made only for query shapes the device's tensor-core path takes (:func:`mma_shape`); a
+key cache whose pointer is not 16-byte aligned at run time sends a fused tile to the CUDA-core path,
+which has no room to stage the queries then and stops the step with an error.
 """
 from __future__ import annotations
 

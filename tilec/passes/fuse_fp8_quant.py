@@ -1,4 +1,5 @@
-"""Op-level fusion: FP8 activation quantization into the FP8 GEMMs that read it.
+"""Op-level fusion: FP8 activation quantization into the ops that read it - the FP8 GEMMs
+(:func:`fuse_fp8_quant`) and the lightning indexer's score (:func:`fuse_index_quant`).
 
 ``fp8_quant(x) -> (q, scale) -> fp8_linear(q, scale, wq, ws)`` becomes
 ``fp8_linear_quant(x, wq, ws)`` (``tilec.ops.fp8_linear.Fp8LinearQuant``): every GEMM tile
@@ -11,7 +12,8 @@ whose outputs have no other reader is dropped.
 
 Fused when: x is bf16 with at most 16 rows, the group is a multiple of 64 dividing K, the scale
 floor ``amin`` is at least :data:`MIN_AMIN`, the quantized values and scales are temporaries (or
-program outputs) only the quantization writes, the GEMM reads them whole, and nothing writes x between the two ops.
+program outputs) only the quantization writes, the GEMM reads them whole, and nothing writes x
+between the two ops.
 """
 from __future__ import annotations
 
@@ -140,7 +142,10 @@ def fuse_index_quant(graph: OpGraph, opts=None) -> OpGraph:
         w_pre = m1.inputs[1 - scale_side[0]]
         views = (qv, wv, x, q_out, s_out, w_pre, m1.inputs[scale_side[0]], m1.outputs[0], m2.inputs[0], m2.outputs[0])
         inter = (q_out.buffer, s_out.buffer, m1.outputs[0].buffer, m2.outputs[0].buffer)
-        if quant.attr("group") != x.shape[-1] or not mma_shape(qv.shape[2], qv.shape[3]) \
+        if quant.attr("group") != x.shape[-1] or quant.attr("group") != qv.shape[3] \
+                or not mma_shape(qv.shape[2], qv.shape[3]) \
+                or any(graph.buffers[b].kind != BufferKind.TEMP for b in (q_out.buffer, s_out.buffer,
+                                                                         m1.outputs[0].buffer, wv.buffer)) \
                 or dtype(x) != torch.bfloat16 or dtype(w_pre) != torch.float32 \
                 or dtype(m1.outputs[0]) != torch.float32 or dtype(m2.outputs[0]) != torch.float32 \
                 or not all(_whole(graph, v) for v in views) or any(b in outputs for b in inter) \
