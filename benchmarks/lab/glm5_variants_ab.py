@@ -30,25 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "lab"))
 import glm5_dsa_prelude as glm  # noqa: E402
 from glm5_prelude import time_cuda  # noqa: E402
+from variants_ab import parse_variants  # noqa: E402
 from tilec import codegen  # noqa: E402
 from tilec.api import compile_module  # noqa: E402
 from tilec.ops import opdef  # noqa: E402
 from tilec.plan import F  # noqa: E402
-
-
-def parse_variants(specs, ap):
-    runtime = "".join(f.read_text() for f in (ROOT / "runtime" / "tilec").glob("*.cuh"))
-    variants = []
-    for v in specs:
-        name, _, defs = v.partition("=")
-        macros = [d for d in defs.split(",") if d]
-        unknown = [d.split("=")[0] for d in macros if d.split("=")[0] not in runtime]
-        if not name or name in (n for n, _ in variants) or unknown:
-            ap.error(f"variant {v!r}: needs a new name, and macros runtime/tilec tests (unknown: {unknown})")
-        variants.append((name, "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros)))
-    return variants
 
 
 def main():

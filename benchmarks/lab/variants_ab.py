@@ -39,6 +39,21 @@ from tilec.plan import F  # noqa: E402
 from tilec.timing import cuda_graph  # noqa: E402
 
 
+def parse_variants(specs, ap) -> list[tuple[str, str]]:
+    """``(name, #define lines)`` of each NAME=DEFINE[,DEFINE...] spec (DEFINE as NAME or
+    NAME=VALUE); ``ap.error`` for a repeated or empty name or a macro runtime/tilec never tests."""
+    runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
+    variants = []
+    for v in specs:
+        name, _, defs = v.partition("=")
+        macros = [d for d in defs.split(",") if d]
+        unknown = [d.split("=")[0] for d in macros if d.split("=")[0] not in runtime]
+        if not name or name in (n for n, _ in variants) or unknown:
+            ap.error(f"variant {v!r}: needs a new name, and macros runtime/tilec tests (unknown: {unknown})")
+        variants.append((name, "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros)))
+    return variants
+
+
 def prebuild(variants) -> None:
     """Builds each variant's library of the step's program on the CPU (into the build cache)."""
     import torch
@@ -65,15 +80,7 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
     args = ap.parse_args()
-    runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
-    variants = []
-    for v in args.variants:
-        name, _, defs = v.partition("=")
-        macros = [d for d in defs.split(",") if d]
-        unknown = [d.split("=")[0] for d in macros if d.split("=")[0] not in runtime]
-        if not name or name in (n for n, _ in variants) or unknown:
-            ap.error(f"variant {v!r}: needs a new name, and macros runtime/tilec tests (unknown: {unknown})")
-        variants.append((name, "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros)))
+    variants = parse_variants(args.variants, ap)
     if args.prebuild:
         prebuild(variants)
         return

@@ -345,6 +345,16 @@ def bcast_box(view_shape: Sequence[int], out_box: Box) -> Box:
     return tuple((0, 1) if s == 1 else (lo, hi) for s, (lo, hi) in zip(view_shape, out_box[k:]))
 
 
+def leading_rows(shape: Sequence[int]) -> int:
+    """The product of ``shape``'s leading dims: the rows a row-wise or GEMM op's last dim runs over."""
+    return math.prod(shape[:-1])
+
+
+def box_rows(box: Box) -> int:
+    """Rows of a box's leading ranges (every range but the last)."""
+    return math.prod(hi - lo for lo, hi in box[:-1])
+
+
 # the row bounds GEMV device instances are specialized for: ops.cuh's gemv_bf16_ring<1 | 4 | 8>
 # instances, and the tensor-core consumer's 16 rows
 ROW_CAPS = (1, 4, GEMV_RING_ROWS, GEMV_RING_MMA_ROWS)
@@ -355,9 +365,7 @@ def row_cap(op: Op) -> int:
     dims), or 0 when none does: the ``kRowCap`` template argument of ``op_linear`` /
     ``op_linear_fused`` (``runtime/tilec/ops.cuh`` linear_impl), which drops the code paths of
     wider tiles from the instance."""
-    rows = 1
-    for s in op.outputs[0].shape[:-1]:
-        rows *= s
+    rows = leading_rows(op.outputs[0].shape)
     return next((c for c in ROW_CAPS if rows <= c), 0)
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..ir import BufferKind
-from . import (STREAM_BYTE, STREAM_K, STREAM_PAIRED, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_tile_n,
-               out_tiles, register, sub, weight_rows_prefetch)
+from . import (STREAM_BYTE, STREAM_K, STREAM_PAIRED, OpDef, Tile, TileArgs, bits_f32, box_rows, f32_bits,
+               gemv_tile_n, leading_rows, out_tiles, register, sub, weight_rows_prefetch)
 from .fp8_quant import FP8_MAX, quantize
 
 
@@ -34,9 +34,7 @@ class Fp8Linear(OpDef):
         xq, xs, wq, ws = op.inputs
         (out,) = op.outputs
         k, kb, bn = xq.shape[-1], xs.shape[-1], op.attr("block_n")
-        rows = 1
-        for s in out.shape[:-1]:
-            rows *= s
+        rows = leading_rows(out.shape)
         tiles = []
         for box in out_tiles(out.shape, max(rows, 1), gemv_tile_n(out.shape[-1], opts)):
             (n0, n1), lead = box[-1], box[:-1]
@@ -62,9 +60,7 @@ class Fp8Linear(OpDef):
         row, the weight scales of a tile up to 128 columns wide and the cross-warp sums (4096).
         A wider tile whose scales do not fit takes the other path (the device checks)."""
         xq, xs, _, ws = op.inputs
-        rows = 1
-        for s in op.outputs[0].shape[:-1]:
-            rows *= s
+        rows = leading_rows(op.outputs[0].shape)
         kb, k = xs.shape[-1], xq.shape[-1]
         need = 3 * 64 * 8 + 80 + min(rows, 64) * (4 * kb + k) + 96
         if rows <= 16:
@@ -84,11 +80,8 @@ class Fp8Linear(OpDef):
 
     def cost(self, op, tile):
         nbytes, _ = super().cost(op, tile)
-        rows = 1
-        for lo, hi in tile.coords[:-1]:
-            rows *= hi - lo
         n0, n1 = tile.coords[-1]
-        return nbytes, 2 * rows * (n1 - n0) * op.inputs[0].shape[-1]
+        return nbytes, 2 * box_rows(tile.coords) * (n1 - n0) * op.inputs[0].shape[-1]
 
 
 QUANT_ROWS = 16  # rows of a fused tile at most (runtime/tilec/ops_glm.cuh op_fp8_linear_quant: one m16 A tile)
@@ -125,9 +118,7 @@ class Fp8LinearQuant(OpDef):
         x, wq, ws = op.inputs
         (out,) = op.outputs
         k, g, bn = x.shape[-1], op.attr("group"), op.attr("block_n")
-        rows = 1
-        for s in out.shape[:-1]:
-            rows *= s
+        rows = leading_rows(out.shape)
         tiles = []
         for box in out_tiles(out.shape, max(rows, 1), min(gemv_tile_n(out.shape[-1], opts), QUANT_TILE_N)):
             (n0, n1), lead = box[-1], box[:-1]
@@ -167,9 +158,7 @@ class Fp8LinearQuant(OpDef):
 
     def smem_bytes(self, op):
         x, _, ws = op.inputs
-        rows = 1
-        for s in op.outputs[0].shape[:-1]:
-            rows *= s
+        rows = leading_rows(op.outputs[0].shape)
         scale_rows = min(ws.shape[0], QUANT_TILE_N // op.attr("block_n") + 2)  # a tile's, however it is aligned
         return quant_smem_bytes(rows, x.shape[-1], op.attr("group"), scale_rows)
 
@@ -184,8 +173,5 @@ class Fp8LinearQuant(OpDef):
 
     def cost(self, op, tile):
         nbytes, _ = super().cost(op, tile)
-        rows = 1
-        for lo, hi in tile.coords[:-2]:
-            rows *= hi - lo
         n0, n1 = tile.coords[-2]
-        return nbytes, 2 * rows * (n1 - n0) * op.inputs[0].shape[-1]
+        return nbytes, 2 * box_rows(tile.coords[:-1]) * (n1 - n0) * op.inputs[0].shape[-1]

@@ -22,15 +22,9 @@ import dataclasses
 import torch
 
 from ..ir import BufferKind, Op, OpGraph
+from ..ops import leading_rows
 from ..ops.fp8_linear import QUANT_ROWS
 from ..ops.index_score import mma_shape
-
-
-def _rows(view) -> int:
-    n = 1
-    for s in view.shape[:-1]:
-        n *= s
-    return n
 
 
 # The fused tiles divide by the group's scale as x * RN(1/s) plus a correction, which needs 1/s
@@ -53,8 +47,8 @@ def fuse_fp8_quant(graph: OpGraph, opts=None) -> OpGraph:
             continue
         (x,), (qv, sv) = q.inputs, q.outputs
         g, k = q.attr("group"), x.shape[-1]
-        if graph.buffers[x.buffer].dtype != torch.bfloat16 or _rows(x) > QUANT_ROWS or g % 64 or k % g \
-                or q.attr("amin") < MIN_AMIN:
+        if graph.buffers[x.buffer].dtype != torch.bfloat16 or leading_rows(x.shape) > QUANT_ROWS \
+                or g % 64 or k % g or q.attr("amin") < MIN_AMIN:
             continue
         # the quantization's outputs: temporaries or program outputs it alone writes (not state)
         if any(graph.buffers[v.buffer].kind not in (BufferKind.TEMP, BufferKind.OUTPUT) for v in (qv, sv)) \

@@ -17,16 +17,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..ir import Op, OpGraph
+from ..ops import leading_rows
 from ..ops.linear_fused import staged_bytes
 
 SMEM_LIMIT = 160 * 1024  # bytes of staged rows a fused tile may use (the CTA has 227 KiB)
-
-
-def _rows(view) -> int:
-    n = 1
-    for s in view.shape[:-1]:
-        n *= s
-    return n
 
 
 def fuse_gemv_chains(graph: OpGraph, opts=None) -> OpGraph:
@@ -52,7 +46,7 @@ def fuse_gemv_chains(graph: OpGraph, opts=None) -> OpGraph:
             continue
         x, w = op.inputs
         (out,) = op.outputs
-        if staged_bytes(_rows(out), x.shape[-1]) > SMEM_LIMIT:
+        if staged_bytes(leading_rows(out.shape), x.shape[-1]) > SMEM_LIMIT:
             continue
         inputs, attrs = [x], {"prologue": "none", "epilogue": "none"}
         # prologue: the sole producer of x, read whole
