@@ -143,7 +143,10 @@ __device__ __forceinline__ void for_box(int nd, const int* lo, const int* hi, F 
 // With kVec > 1 an element is kVec consecutive positions of the last dim (whose extent and lo
 // the caller has checked are multiples of kVec); load and store get kVec as an
 // std::integral_constant and the index of the first position.
-constexpr int kBoxBatch = 4;
+#ifndef TILEC_BOX_BATCH
+#define TILEC_BOX_BATCH 4
+#endif
+constexpr int kBoxBatch = TILEC_BOX_BATCH;
 template <int kVec = 1, typename L, typename S>
 __device__ __forceinline__ void for_box_batched(int nd, const int* lo, const int* hi, L load, S store) {
   int total = 1;  // a tile's box: fewer than 2^31 elements

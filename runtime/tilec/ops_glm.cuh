@@ -443,11 +443,16 @@ __device__ __forceinline__ void mma_k32_f16(float* acc, const uint4& alo, const 
 // per lane (one 16-byte load), kQuantLoads loads in flight per thread in a rolled loop (GLM-5's
 // 16 x 6144 rows: 4 round trips); x / s as x * RN(1 / s) corrected by one fused multiply-add
 // (Markstein), a third of a full division's instructions: the correctly rounded quotient except
-// for quotients below ~2^-100, whose residual underflows and which cast to FP8 zero either way;
-// for s below 2^-126 (1 / s infinite: amin < 448 * 2^-126, which the fusion pass does not take)
-// a true division. Otherwise one warp per group, one element per lane at a time. Ends with a
-// block barrier.
-constexpr int kQuantLoads = 12;
+// for quotients below ~2^-100, whose residual underflows and which cast to FP8 zero either way.
+// This path needs every 1 / s finite (amin / fmax >= 2^-126; the fusion pass takes no smaller
+// amin) and has no branch per element: with one (a true division for tiny scales) the unrolled
+// loop was ~4200 instructions and spilled, and a GLM-5 QKV-A tile staged 16 x 6144 rows in 48 us
+// on an H200. Otherwise one warp per group, one element per lane at a time, true division.
+// Ends with a block barrier.
+#ifndef TILEC_QUANT_BATCH
+#define TILEC_QUANT_BATCH 2
+#endif
+constexpr int kQuantBatch = TILEC_QUANT_BATCH;  // 16-byte loads per thread and batch (two batches in flight)
 __device__ __forceinline__ float div_rn(float x, float s, float r) {  // RN(x / s) given r = RN(1 / s)
   const float q = x * r;
   return __fmaf_rn(__fmaf_rn(-q, s, x), r, q);
@@ -462,21 +467,23 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
                                               int xp, float* xs_s) {
   xoff = shared_ptr(xoff), xq_s = shared_ptr(xq_s), xs_s = shared_ptr(xs_s);
   const int KB = K / G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  bool vec = G == 128 && xk == 1 && xp % 8 == 0;
+  // every scale at least amin / fmax >= 2^-126: 1 / s is finite, and the loop has no division
+  bool vec = G == 128 && xk == 1 && xp % 16 == 0 && amin / fmax >= 1.17549435e-38f;
   for (int r = 0; r < nr && vec; ++r) vec = (reinterpret_cast<uintptr_t>(x + xoff[r]) & 15) == 0;
+#ifdef TILEC_QUANT_OLD  // lab A/B: the 2026-12-01 loop (12 loads, a division branch per element)
   if (vec) {
-    const int per = K / 8, nv = nr * per;  // 16-byte loads; a group is 16 of them, half a warp
+    const int per = K / 8, nv = nr * per;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll 1
-    for (int it = 0; threadIdx.x - lane + it < nv; it += kQuantLoads * kThreads) {  // warp-uniform
-      uint4 raw[kQuantLoads];
+    for (int it = 0; threadIdx.x - lane + it < nv; it += 12 * kThreads) {
+      uint4 raw[12];
 #pragma unroll
-      for (int j = 0; j < kQuantLoads; ++j) {
+      for (int j = 0; j < 12; ++j) {
         const int v = threadIdx.x + it + j * kThreads, m = v / per;
         raw[j] = v < nv ? __ldcg(reinterpret_cast<const uint4*>(x + xoff[m]) + (v - m * per)) : zero;
       }
 #pragma unroll
-      for (int j = 0; j < kQuantLoads; ++j) {
+      for (int j = 0; j < 12; ++j) {
         const int v = threadIdx.x + it + j * kThreads, m = v / per, k = (v - m * per) * 8;
         const unsigned wd[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
         float f[8], amax = 0.f;
@@ -490,7 +497,7 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
         float sc = fmaxf(amax, amin) / fmax;
         if (pow2) sc = exp2f(ceilf(log2f(sc)));
         const float rc = __frcp_rn(sc);
-        const bool finite = sc >= 1.17549435e-38f;  // 1 / s finite
+        const bool finite = sc >= 1.17549435e-38f;
         auto qd = [&](float x) { return finite ? div_rn(x, sc, rc) : __fdiv_rn(x, sc); };
         if (v < nv) {
           const unsigned lo = e4m3x4(qd(f[0]), qd(f[1]), qd(f[2]), qd(f[3]));
@@ -500,6 +507,62 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
         }
       }
     }
+#else
+  if (vec) {
+    // chunks of 4 vectors (32 elements, 64 bytes): a thread holds a quarter of a group, so a group's
+    // max takes two shuffles and its scale and reciprocal are found once per 32 elements
+    const int per = K / 8, nc = nr * per / 4, step = kQuantBatch * kThreads;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    auto load = [&](uint4 (*r)[4], int it) {
+#pragma unroll
+      for (int j = 0; j < kQuantBatch; ++j) {
+        const int ch = threadIdx.x + it + j * kThreads, m = 4 * ch / per;
+        const uint4* src = reinterpret_cast<const uint4*>(x + xoff[ch < nc ? m : 0]) + (4 * ch - m * per);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r[j][i] = ch < nc ? __ldcg(src + i) : zero;
+      }
+    };
+    uint4 cur[kQuantBatch][4], nxt[kQuantBatch][4];
+    load(cur, 0);
+#pragma unroll 1
+    for (int it = 0; threadIdx.x - lane + it < nc; it += step) {  // warp-uniform
+      load(nxt, it + step);  // the next batch is in flight while this one is quantized
+#pragma unroll
+      for (int j = 0; j < kQuantBatch; ++j) {
+        const int ch = threadIdx.x + it + j * kThreads, m = 4 * ch / per, k = (4 * ch - m * per) * 8;
+        const unsigned* wd = reinterpret_cast<const unsigned*>(cur[j]);
+        __nv_bfloat162 mx = __floats2bfloat162_rn(0.f, 0.f);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const unsigned a = wd[i] & 0x7fff7fffu;  // |x| of both halves
+          mx = __hmax2(mx, *reinterpret_cast<const __nv_bfloat162*>(&a));
+        }
+        float amax = fmaxf(__low2float(mx), __high2float(mx));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        float sc = fmaxf(amax, amin) / fmax;
+        if (pow2) sc = exp2f(ceilf(log2f(sc)));
+        const float rc = __frcp_rn(sc);
+        if (ch < nc) {
+          unsigned q[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const unsigned w0 = wd[2 * i], w1 = wd[2 * i + 1];
+            q[i] = e4m3x4(div_rn(__uint_as_float(w0 << 16), sc, rc), div_rn(__uint_as_float(w0 & 0xffff0000u), sc, rc),
+                          div_rn(__uint_as_float(w1 << 16), sc, rc), div_rn(__uint_as_float(w1 & 0xffff0000u), sc, rc));
+          }
+          uint4* dst = reinterpret_cast<uint4*>(xq_s + (long long)m * xp + k);
+          dst[0] = make_uint4(q[0], q[1], q[2], q[3]);
+          dst[1] = make_uint4(q[4], q[5], q[6], q[7]);
+          if ((lane & 3) == 0) xs_s[m * KB + k / 128] = sc;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kQuantBatch; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cur[j][i] = nxt[j][i];
+    }
+#endif
   } else {
 #pragma unroll 1
     for (int u = warp; u < nr * KB; u += kWarps) {
@@ -983,17 +1046,49 @@ __device__ void op_paged_cache_write(TileCtx& c) {
   const int nd = dst.ndim;
   long long rows = 1;
   for (int k = 0; k < nd - 1; ++k) rows *= dst.sizes[k];
-  for (long long e = threadIdx.x; e < (long long)(t1 - t0) * nc; e += kThreads) {
-    const int t = t0 + (int)(e / nc), col = c0 + (int)(e % nc);
-    long long s = (long long)ldc<TI>(base<TI>(slot) + (long long)t * slot.strides[0]);
-    if (s < 0) s += rows;
-    int idx[4] = {0, 0, 0, 0};
-    for (int k = nd - 2; k >= 0; --k) {
-      idx[k] = (int)(s % dst.sizes[k]);
-      s /= dst.sizes[k];
+  // 16 bytes of consecutive columns per access when source and cache share the element type and
+  // both rows allow it; kCacheBatch accesses per thread in flight (slots first, then the copies):
+  // one element after another, a GLM-5 latent-cache tile (16 x 576) took 33-36 us on an H200
+  constexpr int V = std::is_same<TS, TD>::value ? 16 / (int)sizeof(TD) : 1;
+  bool vec = V > 1 && src.strides[1] == 1 && dst.strides[nd - 1] == 1 && nc % V == 0 && c0 % V == 0 &&
+             aligned16(src.ptr) && aligned16(dst.ptr) && (src.strides[0] * (long long)sizeof(TS)) % 16 == 0;
+  for (int k = 0; k < nd - 1; ++k) vec = vec && (dst.strides[k] * (long long)sizeof(TD)) % 16 == 0;
+  const int v = vec ? V : 1, per = nc / v, n = (t1 - t0) * per;
+  constexpr int kCacheBatch = 4;
+#pragma unroll 1
+  for (int e0 = threadIdx.x; e0 < n; e0 += kCacheBatch * kThreads) {
+    long long so[kCacheBatch], dof[kCacheBatch];
+#pragma unroll
+    for (int u = 0; u < kCacheBatch; ++u) {
+      const int e = min(e0 + u * kThreads, n - 1), t = t0 + e / per;
+      so[u] = (long long)ldc<TI>(base<TI>(slot) + (long long)t * slot.strides[0]);
     }
-    idx[nd - 1] = col;
-    stf<TD>(dst, offset4(dst, idx), ldf<TS>(src, (long long)t * src.strides[0] + (long long)col * src.strides[1]));
+#pragma unroll
+    for (int u = 0; u < kCacheBatch; ++u) {
+      const int e = min(e0 + u * kThreads, n - 1), t = t0 + e / per, col = c0 + (e % per) * v;
+      long long s = so[u] < 0 ? so[u] + rows : so[u], off = (long long)col * dst.strides[nd - 1];
+      for (int k = nd - 2; k >= 0; --k) {
+        off += (s % dst.sizes[k]) * dst.strides[k];
+        s /= dst.sizes[k];
+      }
+      dof[u] = off;
+      so[u] = (long long)t * src.strides[0] + (long long)col * src.strides[1];
+    }
+    if (vec) {
+      uint4 val[kCacheBatch];
+#pragma unroll
+      for (int u = 0; u < kCacheBatch; ++u) val[u] = __ldcg(reinterpret_cast<const uint4*>(base<TS>(src) + so[u]));
+#pragma unroll
+      for (int u = 0; u < kCacheBatch; ++u)
+        if (e0 + u * kThreads < n) *reinterpret_cast<uint4*>(base<TD>(dst) + dof[u]) = val[u];
+    } else {
+      float val[kCacheBatch];
+#pragma unroll
+      for (int u = 0; u < kCacheBatch; ++u) val[u] = ldf<TS>(src, so[u]);
+#pragma unroll
+      for (int u = 0; u < kCacheBatch; ++u)
+        if (e0 + u * kThreads < n) stf<TD>(dst, dof[u], val[u]);
+    }
   }
 }
 
