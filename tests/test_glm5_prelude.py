@@ -184,7 +184,7 @@ def _intervals(c: Case, pick):
 
 
 def _gemm_reading(weight: str):
-    return lambda op: op.kind in ("linear", "linear_fused", "fp8_linear") and any(v.buffer == weight for v in op.inputs)
+    return lambda op: op.kind in ("linear", "linear_fused", "fp8_linear", "fp8_linear_quant") and any(v.buffer == weight for v in op.inputs)
 
 
 def _overlap(a, b) -> bool:
@@ -202,18 +202,19 @@ def test_three_branches_run_concurrently():
 
 
 def test_three_branches_run_concurrently_fp8():
-    """With FP8, QKV-A and indexer-K read the quantized x, the head gate reads x itself: it runs
-    while x is quantized and the FP8 GEMMs stream (in the reduced configuration its one small
-    tile is done before the FP8 GEMMs start; in the full one all three overlap)."""
-    c = case(True)
-    qkv_a, gate, index_k = (_intervals(c, _gemm_reading(w)) for w in (
+    """With FP8, QKV-A and indexer-K read the quantized x, the head gate reads x itself: at GLM-5's
+    sizes, compiled as benchmarks/glm5_prelude.py does (132 workers), all three overlap. (On the
+    reduced configuration the priority linearization defers the gate's one small tile, which
+    leads the shortest path, until the critical branches are placed.)"""
+    class Full:
+        rec = StageRecorder()
+        program = compile_module(glm.make_prelude(glm.FULL, True, torch.bfloat16),
+                                 glm.make_inputs(glm.FULL, True, torch.bfloat16),
+                                 options=dict(workers=132, tile_rows=4, ring_stages=2, executor="reference",
+                                              check=False), hook=rec)
+    qkv_a, gate, index_k = (_intervals(Full, _gemm_reading(w)) for w in (
         "p_qkv_a_proj_weight", "p_indexer_weights_proj_weight", "p_indexer_wk_weight"))
-    (qkv_op,) = [op for op in c.program.compiled.stages['opgraph'].ops if _gemm_reading("p_qkv_a_proj_weight")(op)]
-    x_quant = _intervals(c, lambda op: op.kind == "fp8_quant" and op.outputs[0].buffer == qkv_op.inputs[0].buffer)
-    # with GEMV fusion the gate recomputes the RMSNorm itself, so it also runs beside that norm
-    x_norm = _intervals(c, lambda op: op.kind == "rmsnorm")
-    assert _overlap(qkv_a, index_k)
-    assert _overlap(gate, x_norm + x_quant + qkv_a + index_k)
+    assert _overlap(qkv_a, index_k) and _overlap(gate, qkv_a) and _overlap(gate, index_k)
 
 
 # ---- the new patterns one at a time ---------------------------------------------------------

@@ -26,19 +26,19 @@ MEASURED: dict[str, tuple[float, float]] = {
     "cache_write": (3.41, 0.0),
     "embedding": (9.84, 0.0),
     "empty": (0.71, 0.0),
-    # the GLM-5 prelude's kinds (the bf16 and FP8 traces of benchmarks/glm5_prelude.py --profile,
-    # 2026-11-29, main 629a4b3's runtime; FP8 bmm measured 73.6 us, bf16's is kept)
-    "bmm": (33.68, 0.0),
-    "index_score": (47.56, 0.0),
+    # the GLM-5 prelude's kinds, refitted on 2026-12-01 (benchmarks/fit_cost.py on the FP8 trace of
+    # benchmarks/glm5_prelude.py --profile, H200); fp8_linear_quant rounded towards the staging
+    # measured faster that day (QKV-A tiles 45.6 us with 26 us of staging, q_b 33.3, iq_b 15.7)
+    "bmm": (11.33, 0.0),
+    "index_score": (51.78, 0.0),
     "fp8_linear": (1.56, 3.3e3),
-    "fp8_quant": (4.55, 1.6e3),
-    # linear_fused's figures (a ring-fed GEMM tile): the plans measured on 2026-12-01 were scheduled
-    # with them; that day's FP8 trace fits 3.11 us + 6.9 GB/s (benchmarks/fit_cost.py), not yet
-    # tried as the planning figure
-    "fp8_linear_quant": (8.54, 17.3e3),
+    "fp8_quant": (5.71, 0.0),
+    "fp8_linear_quant": (1.0, 9.0e3),
     "layernorm": (8.51, 0.0),
-    "concat": (3.13, 8.9e3),
-    "paged_cache_write": (1.25, 1.1e3),
+    "concat": (2.60, 7.6e3),
+    "paged_cache_write": (10.0, 50e3),
+    "binary": (5.22, 2.8e3),
+    "unary": (6.95, 6.5e3),
 }
 
 

@@ -18,6 +18,7 @@ with the weight loader's 1-byte / paired item arithmetic: 314.3 us against 314.4
 """
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 from collections import defaultdict
@@ -48,33 +49,54 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
     ap.add_argument("--stages", default="", help="also time these weight-ring depths, e.g. 2,3 (CudaExecutor.use_ring_stages)")
+    ap.add_argument("--options", default="{}", help="compile options of the plan, JSON (tile_rows 4 unless given)")
+    ap.add_argument("--plan", action="append", default=[], metavar="NAME=JSON",
+                    help="also time the plan compiled with these options over --options (the first variant's "
+                         "macros), e.g. 'fifo={\"linearize\": \"fifo\"}'")
+    ap.add_argument("--per-op", default="fp8_linear_quant", help="op kinds whose ops get a row each in the profile")
     args = ap.parse_args()
     variants = parse_variants(args.variants, ap)
     fp8, dev = not args.bf16, "cpu" if args.prebuild else "cuda"
     mod = glm.make_prelude(glm.FULL, fp8, torch.bfloat16, dev)
     inputs = glm.make_inputs(glm.FULL, fp8, torch.bfloat16, dev)
-    prog = compile_module(mod, inputs, options=dict(workers=132, tile_rows=4, check=False,
-                                                    executor="reference" if args.prebuild else "cuda"))
+    base_opts = {"workers": 132, "tile_rows": 4, **json.loads(args.options), "check": False,
+                 "executor": "reference" if args.prebuild else "cuda"}
+    prog = compile_module(mod, inputs, options=base_opts)
     sources = codegen.render(prog.plan)
+    plans = []  # (name, program) compiled with other options, run with the first variant's macros
+    for spec in args.plan:
+        name, _, js = spec.partition("=")
+        plans.append((name, compile_module(mod, inputs, options={**base_opts, **json.loads(js)})))
 
-    def build(lines):
-        return codegen.build({**sources, "program.cu": lines + sources["program.cu"]}, prog.opts.arch)
+    def build(lines, srcs=sources):
+        return codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, prog.opts.arch)
 
     with ThreadPoolExecutor(2 if args.prebuild else len(variants)) as pool:
         libs = list(pool.map(build, (lines for _, lines in variants)))
+        plan_libs = list(pool.map(lambda pp: build(variants[0][1], codegen.render(pp[1].plan)), plans))
     if args.prebuild:
-        for (name, _), lib in zip(variants, libs):
+        for (name, _), lib in zip(variants + plans, libs + plan_libs):
             print(f"{name}: {lib}")
         return
     from tilec.cuda import CudaExecutor
     base = prog.executor
     opts = dataclasses.replace(base.opts, profile=True)
     exs = {name: CudaExecutor(base.plan, opts, base.device, lib_path=lib) for (name, _), lib in zip(variants, libs)}
-    ops, opcodes = prog.plan.graph.ops, prog.plan.queues[..., F["opcode"][0]]
-    kinds = {opdef(op.kind).opcode: op.kind for op in ops}
-    tensors, p = prog.bind_args(inputs)
-    table = prog.plan.bind(tensors, p)
+    progs = {name: prog for name, _ in variants}
+    for (name, pp), lib in zip(plans, plan_libs):
+        exs[name] = CudaExecutor(pp.plan, dataclasses.replace(pp.executor.opts, profile=True), pp.device, lib_path=lib)
+        progs[name] = pp
+    bound = {}
+    for name, pg in progs.items():
+        tensors, p = pg.bind_args(inputs)
+        bound[name] = (tensors, pg.plan.bind(tensors, p))
+    per_op_kinds = set(args.per_op.split(","))
     for name, ex in exs.items():
+        pg = progs[name]
+        tensors, table = bound[name]
+        ops, opcodes = pg.plan.graph.ops, pg.plan.queues[..., F["opcode"][0]]
+        opidx = pg.plan.queues[..., F["op"][0]]
+        kinds = {opdef(op.kind).opcode: op.kind for op in ops}
         ex.run(tensors, table)
         torch.cuda.synchronize()
         ex.check()
@@ -86,6 +108,8 @@ def main():
                 k = kinds.get(int(opcodes[w, i]))
                 if k is None or st <= 0 or en <= 0:
                     continue
+                if k in per_op_kinds:
+                    k = f"{k}:{ops[int(opidx[w, i])].name}"
                 per[k][0].append((en - st) / 1e3)
                 if m1 > 0:
                     per[k][1].append((m1 - st) / 1e3)
@@ -95,7 +119,7 @@ def main():
         med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
         print(f"{name}: step span {span:.1f} us; per kind: n, median tile us, start->mark1, mark1->mark2")
         for k, (d, a, b) in sorted(per.items(), key=lambda kv: -sum(kv[1][0])):
-            print(f"  {k:20s} {len(d):5d} {med(d):8.2f} {med(a):8.2f} {med(b):8.2f}")
+            print(f"  {k[:44]:44s} {len(d):5d} {med(d):8.2f} {med(a):8.2f} {med(b):8.2f}")
         ex.stamps = None
     res = defaultdict(list)
     for depth in [prog.plan.ring_stages] + [int(v) for v in args.stages.split(",") if v]:
@@ -103,7 +127,7 @@ def main():
             ex.use_ring_stages(depth)
         for _ in range(args.rounds):
             for name, ex in exs.items():
-                res[(name, depth)].append(time_cuda(lambda ex=ex: ex.run(tensors, table), args.iters))
+                res[(name, depth)].append(time_cuda(lambda ex=ex, b=bound[name]: ex.run(*b), args.iters))
         for ex in exs.values():
             ex.check()
     print(f"\n{'variant':12s} {'ring':>4s} {'median us':>10s}  rounds")

@@ -450,7 +450,7 @@ __device__ __forceinline__ void mma_k32_f16(float* acc, const uint4& alo, const 
 // on an H200. Otherwise one warp per group, one element per lane at a time, true division.
 // Ends with a block barrier.
 #ifndef TILEC_QUANT_BATCH
-#define TILEC_QUANT_BATCH 2
+#define TILEC_QUANT_BATCH 1
 #endif
 constexpr int kQuantBatch = TILEC_QUANT_BATCH;  // 16-byte loads per thread and batch (two batches in flight)
 __device__ __forceinline__ float div_rn(float x, float s, float r) {  // RN(x / s) given r = RN(1 / s)

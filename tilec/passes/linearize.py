@@ -3,12 +3,17 @@
 Requires: a normalized TaskGraph (each task waits on <= 1 event).
 Guarantees: ``order`` is a topological order in which the successors of every event are
 contiguous; each event stores that range as ``[first, last]`` (indices into ``order``).
-Within a group, tasks are ordered by descending bottom level (longest predicted path to
-the end, from ``tilec.cost``) so the scheduler meets critical tasks first.
+Groups (the successors of one event) are placed as their events become ready, the group whose
+longest predicted path to the end (bottom level, from ``tilec.cost``) is longest first; within a
+group, tasks go by descending bottom level - so the scheduler meets critical tasks first. (MPK
+places ready groups first in, first out; on GLM-5's prelude that queued the indexer's short,
+critical chain behind the absorption bmm's 256 tiles.)
 """
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 from collections import deque
 
 from ..cost import HOP_US, task_time_us
@@ -42,7 +47,13 @@ def bottom_levels(tg: TaskGraph) -> dict[int, float]:
     return level
 
 
-def linearize(tg: TaskGraph) -> TaskGraph:
+def linearize(tg: TaskGraph, policy: str = "priority") -> TaskGraph:
+    """Returns ``tg`` with ``order`` and the events' successor ranges set. ``policy``: ``"priority"``
+    (ready groups by descending bottom level) or ``"fifo"`` (ready groups first in, first out).
+
+    Raises:
+        VerificationError: a task waits on two events, or the graph has a cycle.
+    """
     level = bottom_levels(tg)
     wait_of: dict[int, int] = {}
     for e in tg.events:
@@ -59,9 +70,12 @@ def linearize(tg: TaskGraph) -> TaskGraph:
     key = lambda t: (-level[t], t)  # noqa: E731
     order: list[int] = []
     ranges: dict[int, tuple[int, int]] = {}
-    queue = deque([None])  # None = the tasks that wait on nothing
+    # ready events, the one whose successors lead the longest predicted path first (ties: first
+    # ready first); None = the tasks that wait on nothing
+    seq = itertools.count()
+    queue: list = [(0.0, next(seq), None)]
     while queue:
-        eid = queue.popleft()
+        _, _, eid = heapq.heappop(queue)
         group = sorted((t.id for t in tg.tasks if t.id not in wait_of), key=key) if eid is None \
             else sorted(events[eid].succs, key=key)
         if eid is not None:
@@ -71,7 +85,8 @@ def linearize(tg: TaskGraph) -> TaskGraph:
             for e2 in trig.get(t, ()):
                 remaining[e2] -= 1
                 if remaining[e2] == 0:
-                    queue.append(e2)
+                    prio = -max(level[s] for s in events[e2].succs) if policy == "priority" else 0.0
+                    heapq.heappush(queue, (prio, next(seq), e2))
     if len(order) != len(tg.tasks):
         raise VerificationError(f"linearization placed {len(order)} of {len(tg.tasks)} tasks: the graph has a cycle "
                                 f"or an event that can never trigger")
