@@ -1,5 +1,5 @@
 """Runs a few steps of one compiled program for a profiler (``ncu``, ``nsys``) to catch:
-the GLM-5 DSA prelude (``glm5-fp8`` / ``glm5-bf16``: full size, ``tile_rows`` 4 as
+the GLM-5 DSA prelude (``glm5-fp8`` / ``glm5-bf16``: full size, ``tile_rows`` 4 and ``ring_stages`` 2 as
 ``benchmarks/glm5_prelude.py``). Prints the library's build-cache entry (its ``program.cu`` is what
 ``benchmarks/lab/ncu_by_function.py --sources`` rebuilds as a cubin).
 
@@ -29,7 +29,7 @@ def main() -> None:
     fp8 = args.program == "glm5-fp8"
     mod = glm.make_prelude(glm.FULL, fp8, torch.bfloat16, "cuda")
     inputs = glm.make_inputs(glm.FULL, fp8, torch.bfloat16, "cuda")
-    prog = compile_module(mod, inputs, options=dict(workers=132, tile_rows=4, check=False))
+    prog = compile_module(mod, inputs, options=dict(workers=132, tile_rows=4, ring_stages=2, check=False))
     tensors, p = prog.bind_args(inputs)
     table = prog.plan.bind(tensors, p)
     for _ in range(args.steps):
