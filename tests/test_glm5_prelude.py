@@ -202,10 +202,9 @@ def test_three_branches_run_concurrently():
 
 
 def test_three_branches_run_concurrently_fp8():
-    """With FP8, QKV-A and indexer-K read the quantized x, the head gate reads x itself: at GLM-5's
-    sizes, compiled as benchmarks/glm5_prelude.py does (132 workers), all three overlap. (On the
-    reduced configuration the priority linearization defers the gate's one small tile, which
-    leads the shortest path, until the critical branches are placed.)"""
+    """With FP8, QKV-A and indexer-K quantize x in their tiles, the head gate reads x itself: at
+    GLM-5's sizes, compiled as benchmarks/glm5_prelude.py does (132 workers), all three overlap
+    (issue 5's acceptance is about this plan; the reduced one's single gate tile may run first)."""
     class Full:
         rec = StageRecorder()
         program = compile_module(glm.make_prelude(glm.FULL, True, torch.bfloat16),

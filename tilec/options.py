@@ -9,7 +9,6 @@ import re
 from dataclasses import dataclass
 
 SCHEDULERS = ("list", "round_robin")
-LINEARIZE = ("priority", "fifo")
 EXECUTORS = ("auto", "cuda", "reference")
 
 
@@ -19,9 +18,6 @@ class Options:
 
     workers: number of worker queues W (one persistent CTA each on the GPU; 1..1024).
     scheduler: ``"list"`` (cost-aware list scheduling, default) or ``"round_robin"``.
-    linearize: the order in which linearization places ready groups of tasks (``tilec.passes.linearize``):
-        ``"priority"`` (default: the group leading the longest predicted path first) or ``"fifo"``
-        (first ready first, as Mirage MPK does).
     tile_n: output columns per GEMV/GEMM tile; None (default) = per op, about N / workers
         (``tilec.ops.gemv_tile_n``).
     split_k: K splits per GEMV tile (> 1 makes ``tile_reduce`` partial tiles).
@@ -67,7 +63,6 @@ class Options:
 
     workers: int = 132
     scheduler: str = "list"
-    linearize: str = "priority"
     tile_n: int | None = None
     split_k: int = 1
     tile_rows: int = 1
@@ -109,8 +104,6 @@ class Options:
         for name in ("tile_n", "split_k", "tile_rows", "attn_heads_per_tile"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"tilec option {name}={getattr(self, name)}: must be >= 1")
-        if self.linearize not in LINEARIZE:
-            raise ValueError(f"tilec option linearize={self.linearize!r}: must be one of {LINEARIZE}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"tilec option executor={self.executor!r}: must be one of {EXECUTORS}")
         m = re.fullmatch(r"sm_(\d+)a?", self.arch)

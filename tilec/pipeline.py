@@ -102,7 +102,7 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
     tg = stage("normalized", normalize, tg)
     if opts.verify:
         verify_taskgraph(tg, "normalized", opts)
-    tg = stage("linearized", linearize, tg, opts.linearize)
+    tg = stage("linearized", linearize, tg)
     if opts.verify:
         verify_taskgraph(tg, "linearized", opts)
     sched = stage("schedule", schedule, tg, opts.workers, opts.scheduler)

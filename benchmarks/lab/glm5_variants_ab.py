@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "lab"))
 import glm5_dsa_prelude as glm  # noqa: E402
 from glm5_prelude import time_cuda  # noqa: E402
 from variants_ab import parse_variants  # noqa: E402
-from tilec import codegen  # noqa: E402
+from tilec import codegen, cost  # noqa: E402
 from tilec.api import compile_module  # noqa: E402
 from tilec.ops import opdef  # noqa: E402
 from tilec.plan import F  # noqa: E402
@@ -52,7 +52,8 @@ def main():
     ap.add_argument("--options", default="{}", help="compile options of the plan, JSON (tile_rows 4 unless given)")
     ap.add_argument("--plan", action="append", default=[], metavar="NAME=JSON",
                     help="also time the plan compiled with these options over --options (the first variant's "
-                         "macros), e.g. 'fifo={\"linearize\": \"fifo\"}'")
+                         "macros), e.g. 'rows1={\"tile_rows\": 1}'; a key \"costs\" replaces tilec.cost.MEASURED "
+                         "entries for that plan, e.g. '{\"costs\": {\"bmm\": [33.68, 0]}}'")
     ap.add_argument("--per-op", default="fp8_linear_quant", help="op kinds whose ops get a row each in the profile")
     args = ap.parse_args()
     variants = parse_variants(args.variants, ap)
@@ -66,7 +67,16 @@ def main():
     plans = []  # (name, program) compiled with other options, run with the first variant's macros
     for spec in args.plan:
         name, _, js = spec.partition("=")
-        plans.append((name, compile_module(mod, inputs, options={**base_opts, **json.loads(js)})))
+        extra = json.loads(js)
+        costs = extra.pop("costs", {})  # tilec.cost.MEASURED entries to plan with instead
+        saved = dict(cost.MEASURED)
+        for k, v in costs.items():  # null: plan the kind by the roofline
+            cost.MEASURED.pop(k, None) if v is None else cost.MEASURED.__setitem__(k, tuple(v))
+        try:
+            plans.append((name, compile_module(mod, inputs, options={**base_opts, **extra})))
+        finally:
+            cost.MEASURED.clear()
+            cost.MEASURED.update(saved)
 
     def build(lines, srcs=sources):
         return codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, prog.opts.arch)
@@ -122,7 +132,7 @@ def main():
             print(f"  {k[:44]:44s} {len(d):5d} {med(d):8.2f} {med(a):8.2f} {med(b):8.2f}")
         ex.stamps = None
     res = defaultdict(list)
-    for depth in [prog.plan.ring_stages] + [int(v) for v in args.stages.split(",") if v]:
+    for depth in [next(iter(exs.values())).ring_stages] + [int(v) for v in args.stages.split(",") if v]:
         for ex in exs.values():
             ex.use_ring_stages(depth)
         for _ in range(args.rounds):

@@ -146,10 +146,7 @@ __device__ __forceinline__ void for_box(int nd, const int* lo, const int* hi, F 
 // at most kSmallBox elements: its loop is a quarter of the code, and a small tile's cost is mostly
 // its code fetched cold (GLM-5's prelude on an H200: 308.9 against 327.7 us a step with batch 1 for
 // every elementwise tile, binary tiles 12.3 against 15.6 us).
-#ifndef TILEC_BOX_BATCH  // lab switch: the batch of boxes larger than kSmallBox
-#define TILEC_BOX_BATCH 4
-#endif
-constexpr int kBoxBatch = TILEC_BOX_BATCH;
+constexpr int kBoxBatch = 4;
 constexpr int kSmallBox = 2 * kThreads;
 template <int kVec = 1, int kBatch = kBoxBatch, typename L, typename S>
 __device__ __forceinline__ void for_box_batched(int nd, const int* lo, const int* hi, L load, S store) {

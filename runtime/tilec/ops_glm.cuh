@@ -439,20 +439,18 @@ __device__ __forceinline__ void mma_k32_f16(float* acc, const uint4& alo, const 
 // Quantizes nr rows of bf16 x (element offsets xoff[m], K stride xk) in groups of G along K into
 // FP8 rows xq_s [nr][xp] bytes and scales xs_s [nr][K / G], as op_fp8_quant does: s = max(amax,
 // amin) / fmax, q = x / s cast to e4m3 with saturation (the cast saturates, so no clamp is
-// needed). G == 128 with unit stride and 16-byte aligned rows: half a warp per group, 8 elements
-// per lane (one 16-byte load), kQuantLoads loads in flight per thread in a rolled loop (GLM-5's
-// 16 x 6144 rows: 4 round trips); x / s as x * RN(1 / s) corrected by one fused multiply-add
-// (Markstein), a third of a full division's instructions: the correctly rounded quotient except
-// for quotients below ~2^-100, whose residual underflows and which cast to FP8 zero either way.
-// This path needs every 1 / s finite (amin / fmax >= 2^-126; the fusion pass takes no smaller
-// amin) and has no branch per element: with one (a true division for tiny scales) the unrolled
-// loop was ~4200 instructions and spilled, and a GLM-5 QKV-A tile staged 16 x 6144 rows in 48 us
-// on an H200. Otherwise one warp per group, one element per lane at a time, true division.
-// Ends with a block barrier.
-#ifndef TILEC_QUANT_BATCH
-#define TILEC_QUANT_BATCH 1
-#endif
-constexpr int kQuantBatch = TILEC_QUANT_BATCH;  // 16-byte loads per thread and batch (two batches in flight)
+// needed). G == 128 with unit stride and 16-byte aligned rows: a thread takes 32 elements (four
+// 16-byte loads) of a group at a time, four lanes a group, in a rolled loop with the next chunk's
+// loads in flight while this one is quantized; x / s as x * RN(1 / s) corrected by one fused
+// multiply-add (Markstein), a third of a full division's instructions: the correctly rounded
+// quotient except for quotients below ~2^-100, whose residual underflows and which cast to FP8 zero
+// either way. This path needs every 1 / s finite (amin / fmax >= 2^-126; the fusion pass takes no
+// smaller amin), so it has no branch per element. Code size and registers decide its speed: a
+// GLM-5 QKV-A tile (16 x 6144 rows) staged in 48 us on an H200 with 12 loads a thread unrolled
+// and a division branch per element (~4200 instructions, spilling), 27.4 us with two chunks a
+// batch (spilling) and 16.4 us with one (kQuantBatch). Otherwise one warp per group, one element
+// per lane at a time, true division. Ends with a block barrier.
+constexpr int kQuantBatch = 1;
 __device__ __forceinline__ float div_rn(float x, float s, float r) {  // RN(x / s) given r = RN(1 / s)
   const float q = x * r;
   return __fmaf_rn(__fmaf_rn(-q, s, x), r, q);
@@ -470,44 +468,6 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
   // every scale at least amin / fmax >= 2^-126: 1 / s is finite, and the loop has no division
   bool vec = G == 128 && xk == 1 && xp % 16 == 0 && amin / fmax >= 1.17549435e-38f;
   for (int r = 0; r < nr && vec; ++r) vec = (reinterpret_cast<uintptr_t>(x + xoff[r]) & 15) == 0;
-#ifdef TILEC_QUANT_OLD  // lab A/B: the 2026-12-01 loop (12 loads, a division branch per element)
-  if (vec) {
-    const int per = K / 8, nv = nr * per;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll 1
-    for (int it = 0; threadIdx.x - lane + it < nv; it += 12 * kThreads) {
-      uint4 raw[12];
-#pragma unroll
-      for (int j = 0; j < 12; ++j) {
-        const int v = threadIdx.x + it + j * kThreads, m = v / per;
-        raw[j] = v < nv ? __ldcg(reinterpret_cast<const uint4*>(x + xoff[m]) + (v - m * per)) : zero;
-      }
-#pragma unroll
-      for (int j = 0; j < 12; ++j) {
-        const int v = threadIdx.x + it + j * kThreads, m = v / per, k = (v - m * per) * 8;
-        const unsigned wd[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
-        float f[8], amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          f[i] = __uint_as_float(i & 1 ? wd[i / 2] & 0xffff0000u : wd[i / 2] << 16);
-          amax = fmaxf(amax, fabsf(f[i]));
-        }
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        float sc = fmaxf(amax, amin) / fmax;
-        if (pow2) sc = exp2f(ceilf(log2f(sc)));
-        const float rc = __frcp_rn(sc);
-        const bool finite = sc >= 1.17549435e-38f;
-        auto qd = [&](float x) { return finite ? div_rn(x, sc, rc) : __fdiv_rn(x, sc); };
-        if (v < nv) {
-          const unsigned lo = e4m3x4(qd(f[0]), qd(f[1]), qd(f[2]), qd(f[3]));
-          const unsigned hi = e4m3x4(qd(f[4]), qd(f[5]), qd(f[6]), qd(f[7]));
-          *reinterpret_cast<uint2*>(xq_s + (long long)m * xp + k) = make_uint2(lo, hi);
-          if ((lane & 15) == 0) xs_s[m * KB + k / 128] = sc;
-        }
-      }
-    }
-#else
   if (vec) {
     // chunks of 4 vectors (32 elements, 64 bytes): a thread holds a quarter of a group, so a group's
     // max takes two shuffles and its scale and reciprocal are found once per 32 elements
@@ -562,7 +522,6 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
 #pragma unroll
         for (int i = 0; i < 4; ++i) cur[j][i] = nxt[j][i];
     }
-#endif
   } else {
 #pragma unroll 1
     for (int u = warp; u < nr * KB; u += kWarps) {

@@ -3,17 +3,12 @@
 Requires: a normalized TaskGraph (each task waits on <= 1 event).
 Guarantees: ``order`` is a topological order in which the successors of every event are
 contiguous; each event stores that range as ``[first, last]`` (indices into ``order``).
-Groups (the successors of one event) are placed as their events become ready, the group whose
-longest predicted path to the end (bottom level, from ``tilec.cost``) is longest first; within a
-group, tasks go by descending bottom level - so the scheduler meets critical tasks first. (MPK
-places ready groups first in, first out; on GLM-5's prelude that queued the indexer's short,
-critical chain behind the absorption bmm's 256 tiles.)
+Within a group, tasks are ordered by descending bottom level (longest predicted path to
+the end, from ``tilec.cost``) so the scheduler meets critical tasks first.
 """
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 from collections import deque
 
 from ..cost import HOP_US, task_time_us
@@ -47,13 +42,7 @@ def bottom_levels(tg: TaskGraph) -> dict[int, float]:
     return level
 
 
-def linearize(tg: TaskGraph, policy: str = "priority") -> TaskGraph:
-    """Returns ``tg`` with ``order`` and the events' successor ranges set. ``policy``: ``"priority"``
-    (ready groups by descending bottom level) or ``"fifo"`` (ready groups first in, first out).
-
-    Raises:
-        VerificationError: a task waits on two events, or the graph has a cycle.
-    """
+def linearize(tg: TaskGraph) -> TaskGraph:
     level = bottom_levels(tg)
     wait_of: dict[int, int] = {}
     for e in tg.events:
@@ -70,12 +59,9 @@ def linearize(tg: TaskGraph, policy: str = "priority") -> TaskGraph:
     key = lambda t: (-level[t], t)  # noqa: E731
     order: list[int] = []
     ranges: dict[int, tuple[int, int]] = {}
-    # ready events, the one whose successors lead the longest predicted path first (ties: first
-    # ready first); None = the tasks that wait on nothing
-    seq = itertools.count()
-    queue: list = [(0.0, next(seq), None)]
+    queue = deque([None])  # None = the tasks that wait on nothing
     while queue:
-        _, _, eid = heapq.heappop(queue)
+        eid = queue.popleft()
         group = sorted((t.id for t in tg.tasks if t.id not in wait_of), key=key) if eid is None \
             else sorted(events[eid].succs, key=key)
         if eid is not None:
@@ -85,8 +71,7 @@ def linearize(tg: TaskGraph, policy: str = "priority") -> TaskGraph:
             for e2 in trig.get(t, ()):
                 remaining[e2] -= 1
                 if remaining[e2] == 0:
-                    prio = -max(level[s] for s in events[e2].succs) if policy == "priority" else 0.0
-                    heapq.heappush(queue, (prio, next(seq), e2))
+                    queue.append(e2)
     if len(order) != len(tg.tasks):
         raise VerificationError(f"linearization placed {len(order)} of {len(tg.tasks)} tasks: the graph has a cycle "
                                 f"or an event that can never trigger")
