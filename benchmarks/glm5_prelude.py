@@ -9,8 +9,9 @@ otherwise fit in the H200's L2):
 * one CUDA graph with the three independent branches (QKV-A and what follows it, head gate,
   indexer K) on separate streams (the seed's multistream baseline, without PDL);
 * Inductor (``torch.compile``) captured in one CUDA graph;
-* tilec bf16 and tilec FP8: the step as called (binding + launch + output copies) and the
-  persistent kernel alone (a pre-bound operand table);
+* tilec bf16 and tilec FP8: the step as called (binding + launch + output copies), the same
+  replayed from a CUDA graph (as the baselines are: no host work per step), and the persistent
+  kernel alone (a pre-bound operand table);
 * the HBM rooflines for the bf16 and FP8 bytes: weights read (kv_b_proj's key half only) plus
   the indexer key cache read, over the measured read bandwidth.
 
@@ -184,7 +185,8 @@ def main():
     # 4-row tiles for the row-wise ops (RMSNorm, LayerNorm, quantization, cache writes) of its 16
     # tokens: on an H200 (tenth session, call 6) the persistent kernel took 310.9 us in bf16 and
     # 585.5 in FP8 with them, 364.8 and 599.8 with the default single-row tiles. A 2-stage weight
-    # ring: FP8 348.4 us against 378.6 with 3 (eleventh session, glm5_variants_ab.py --stages 2)
+    # ring: FP8 348.4 us against 378.6 with 3 (eleventh session, glm5_variants_ab.py --stages 2),
+    # 270.2 against 302.5 (twelfth session); tile_rows 1 / 2 then: 292.2 / 273.2 us
     extra = json.loads(args.options)
     if not isinstance(extra, dict):
         ap.error(f"--options: a JSON object of compile options, got {args.options!r}")
@@ -248,6 +250,12 @@ def main():
             scores = check(name, prog, mods[fp8], inputs[fp8], bf16_scores)
             bf16_scores = scores if not fp8 else bf16_scores
         timed(f"{name} (step call)", lambda prog=prog, fp8=fp8: prog(*inputs[fp8]))
+        try:  # the step call replayed from a CUDA graph, as the baselines are (no host work per step)
+            g = cuda_graph(lambda prog=prog, fp8=fp8: prog(*inputs[fp8]))
+        except Exception as e:  # noqa: BLE001 - report and keep the other rows
+            print(f"{name} (step call in a CUDA graph): not captured ({type(e).__name__}: {e})", flush=True)
+        else:
+            timed(f"{name} (step call in a CUDA graph)", g.replay)
         tensors, p = prog.bind_args(inputs[fp8])
         table = prog.plan.bind(tensors, p)
         timed(f"{name} (persistent kernel)", lambda prog=prog, t=tensors, tb=table: prog.executor.run(t, tb))
