@@ -27,8 +27,11 @@ MEASURED: dict[str, tuple[float, float]] = {
     "embedding": (9.84, 0.0),
     "empty": (0.71, 0.0),
     # the GLM-5 prelude's kinds, refitted on 2026-12-01 (benchmarks/fit_cost.py on the FP8 trace of
-    # benchmarks/glm5_prelude.py --profile, H200); fp8_linear_quant rounded towards the staging
-    # measured faster that day (QKV-A tiles 45.6 us with 26 us of staging, q_b 33.3, iq_b 15.7)
+    # benchmarks/glm5_prelude.py --profile, H200; fp8_linear_quant rounded towards its faster
+    # staging of that day). The FP8 step with these figures: 270.2 us against 314.6 scheduled with
+    # the earlier ones (bmm 33.68, index_score 47.56, fp8_linear_quant = linear_fused's, no binary /
+    # unary entries; glm5_variants_ab.py --plan, one process): the list scheduler had put the
+    # indexer's short critical chain behind bmm tiles it predicted at 33.7 us (they take 11)
     "bmm": (11.33, 0.0),
     "index_score": (51.78, 0.0),
     "fp8_linear": (1.56, 3.3e3),
