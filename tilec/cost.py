@@ -32,6 +32,7 @@ MEASURED: dict[str, tuple[float, float]] = {
     # the earlier ones (bmm 33.68, index_score 47.56, fp8_linear_quant = linear_fused's, no binary /
     # unary entries; glm5_variants_ab.py --plan, one process): the list scheduler had put the
     # indexer's short critical chain behind bmm tiles it predicted at 33.7 us (they take 11)
+    # (binary, unary and concat are any model's kinds; the default Llama / Qwen3 decode plans have none)
     "bmm": (11.33, 0.0),
     "index_score": (51.78, 0.0),
     "fp8_linear": (1.56, 3.3e3),

@@ -2,7 +2,7 @@
 (benchmarks/lab: an experiment).
 
 Compiles the full-size prelude (FP8 by default, ``--bf16``; 2 x 8 tokens, KV 8192, ``tile_rows`` 4
-as ``benchmarks/glm5_prelude.py``), builds its generated program again with each variant's
+and a 2-stage ring as ``benchmarks/glm5_prelude.py``, or ``--options``), builds its generated program again with each variant's
 ``#define`` lines prepended, and prints per variant: one profiled step's median tile time, start ->
 mark 1 and mark 1 -> mark 2 per op kind (``stamps``), then the persistent kernel's median time
 (alternating variants, several rounds; L2 flushed before each call).
@@ -13,8 +13,11 @@ mark 1 and mark 1 -> mark 2 per op kind (``stamps``), then the persistent kernel
 ``--prebuild`` builds the variants' libraries into the build cache without a GPU (carry the cache
 to the GPU machine). A variant is NAME=DEFINE[,DEFINE...] (DEFINE as NAME or NAME=VALUE); an
 experiment puts its alternative code under an #ifdef in runtime/tilec. Variants that skip work
-give wrong outputs: they measure where time goes. Used on an H200 on 2026-12-01 (the bf16 prelude
-with the weight loader's 1-byte / paired item arithmetic: 314.3 us against 314.4 with the old code).
+give wrong outputs: they measure where time goes. ``--plan NAME=JSON`` also times the plan compiled
+with other options (and, under a "costs" key, other ``tilec.cost.MEASURED`` figures) with the first
+variant's library. Used on an H200 on 2026-12-01 (the bf16 prelude with the weight loader's 1-byte /
+paired item arithmetic: 314.3 us against 314.4 with the old code; the FP8 prelude's cost refit:
+270.2 against 314.6 us with the old figures).
 """
 import argparse
 import dataclasses
@@ -49,7 +52,8 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
     ap.add_argument("--stages", default="", help="also time these weight-ring depths, e.g. 2,3 (CudaExecutor.use_ring_stages)")
-    ap.add_argument("--options", default="{}", help="compile options of the plan, JSON (tile_rows 4 unless given)")
+    ap.add_argument("--options", default="{}", help="compile options of the plan, JSON (tile_rows 4 and ring_stages 2 "
+                                                    "unless given, as benchmarks/glm5_prelude.py)")
     ap.add_argument("--plan", action="append", default=[], metavar="NAME=JSON",
                     help="also time the plan compiled with these options over --options (the first variant's "
                          "macros), e.g. 'rows1={\"tile_rows\": 1}'; a key \"costs\" replaces tilec.cost.MEASURED "
@@ -60,13 +64,15 @@ def main():
     fp8, dev = not args.bf16, "cpu" if args.prebuild else "cuda"
     mod = glm.make_prelude(glm.FULL, fp8, torch.bfloat16, dev)
     inputs = glm.make_inputs(glm.FULL, fp8, torch.bfloat16, dev)
-    base_opts = {"workers": 132, "tile_rows": 4, **json.loads(args.options), "check": False,
+    base_opts = {"workers": 132, "tile_rows": 4, "ring_stages": 2, **json.loads(args.options), "check": False,
                  "executor": "reference" if args.prebuild else "cuda"}
     prog = compile_module(mod, inputs, options=base_opts)
     sources = codegen.render(prog.plan)
     plans = []  # (name, program) compiled with other options, run with the first variant's macros
     for spec in args.plan:
         name, _, js = spec.partition("=")
+        if not name or name in {n for n, _ in variants} | {n for n, _ in plans}:
+            ap.error(f"--plan {spec!r}: needs a name no variant or other plan has")
         extra = json.loads(js)
         costs = extra.pop("costs", {})  # tilec.cost.MEASURED entries to plan with instead
         saved = dict(cost.MEASURED)

@@ -442,15 +442,19 @@ __device__ __forceinline__ void mma_k32_f16(float* acc, const uint4& alo, const 
 // needed). G == 128 with unit stride and 16-byte aligned rows: a thread takes 32 elements (four
 // 16-byte loads) of a group at a time, four lanes a group, in a rolled loop with the next chunk's
 // loads in flight while this one is quantized; x / s as x * RN(1 / s) corrected by one fused
-// multiply-add (Markstein), a third of a full division's instructions: the correctly rounded
-// quotient except for quotients below ~2^-100, whose residual underflows and which cast to FP8 zero
-// either way. This path needs every 1 / s finite (amin / fmax >= 2^-126; the fusion pass takes no
-// smaller amin), so it has no branch per element. Code size and registers decide its speed: a
-// GLM-5 QKV-A tile (16 x 6144 rows) staged in 48 us on an H200 with 12 loads a thread unrolled
-// and a division branch per element (~4200 instructions, spilling), 27.4 us with two chunks a
-// batch (spilling) and 16.4 us with one (kQuantBatch). Otherwise one warp per group, one element
-// per lane at a time, true division. Ends with a block barrier.
-constexpr int kQuantBatch = 1;
+// multiply-add (Markstein), a third of a full division's instructions. That is the correctly
+// rounded quotient unless the residual underflows: for a subnormal x, whose quotient is below
+// 2^-26 (and casts to FP8 zero either way) once s >= 2^-100 - so this path needs amin / fmax >=
+// 2^-100 (fuse_fp8_quant.py MIN_AMIN; GLM-5 / DeepSeek-V3 use amin 1e-4) and has no branch per
+// element. Code size and registers decide its speed: a GLM-5 QKV-A tile (16 x 6144 rows) staged in
+// 48 us on an H200 with 12 loads a thread unrolled and a division branch per element (~4200
+// instructions, spilling), 26-27 us with two chunks a batch (spilling), 16.4 us with one
+// (kStageChunks; ptxas still reports 20 B of spill stores, against 160). Non-finite x: the group max
+// ignores NaN (as fmaxf), a NaN element casts to 0x7f, an infinite one makes its group NaN - the
+// unfused op clamps NaN to -448 and gives the finite elements of such a group zero; torch would give
+// NaN groups. Otherwise one warp per group, one element per lane at a time, true division. Ends
+// with a block barrier.
+constexpr int kStageChunks = 1;
 __device__ __forceinline__ float div_rn(float x, float s, float r) {  // RN(x / s) given r = RN(1 / s)
   const float q = x * r;
   return __fmaf_rn(__fmaf_rn(-q, s, x), r, q);
@@ -465,30 +469,31 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
                                               int xp, float* xs_s) {
   xoff = shared_ptr(xoff), xq_s = shared_ptr(xq_s), xs_s = shared_ptr(xs_s);
   const int KB = K / G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // every scale at least amin / fmax >= 2^-126: 1 / s is finite, and the loop has no division
-  bool vec = G == 128 && xk == 1 && xp % 16 == 0 && amin / fmax >= 1.17549435e-38f;
+  // every scale at least amin / fmax >= 2^-100: x * RN(1 / s) + correction is x / s correctly
+  // rounded wherever that is not FP8 zero, and the loop has no division
+  bool vec = G == 128 && K % 128 == 0 && xk == 1 && xp % 16 == 0 && amin / fmax >= 7.88860905e-31f;
   for (int r = 0; r < nr && vec; ++r) vec = (reinterpret_cast<uintptr_t>(x + xoff[r]) & 15) == 0;
   if (vec) {
     // chunks of 4 vectors (32 elements, 64 bytes): a thread holds a quarter of a group, so a group's
     // max takes two shuffles and its scale and reciprocal are found once per 32 elements
-    const int per = K / 8, nc = nr * per / 4, step = kQuantBatch * kThreads;
+    const int per = K / 8, nc = nr * per / 4, step = kStageChunks * kThreads;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     auto load = [&](uint4 (*r)[4], int it) {
 #pragma unroll
-      for (int j = 0; j < kQuantBatch; ++j) {
+      for (int j = 0; j < kStageChunks; ++j) {
         const int ch = threadIdx.x + it + j * kThreads, m = 4 * ch / per;
         const uint4* src = reinterpret_cast<const uint4*>(x + xoff[ch < nc ? m : 0]) + (4 * ch - m * per);
 #pragma unroll
         for (int i = 0; i < 4; ++i) r[j][i] = ch < nc ? __ldcg(src + i) : zero;
       }
     };
-    uint4 cur[kQuantBatch][4], nxt[kQuantBatch][4];
+    uint4 cur[kStageChunks][4], nxt[kStageChunks][4];
     load(cur, 0);
 #pragma unroll 1
     for (int it = 0; threadIdx.x - lane + it < nc; it += step) {  // warp-uniform
       load(nxt, it + step);  // the next batch is in flight while this one is quantized
 #pragma unroll
-      for (int j = 0; j < kQuantBatch; ++j) {
+      for (int j = 0; j < kStageChunks; ++j) {
         const int ch = threadIdx.x + it + j * kThreads, m = 4 * ch / per, k = (4 * ch - m * per) * 8;
         const unsigned* wd = reinterpret_cast<const unsigned*>(cur[j]);
         __nv_bfloat162 mx = __floats2bfloat162_rn(0.f, 0.f);
@@ -518,7 +523,7 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
         }
       }
 #pragma unroll
-      for (int j = 0; j < kQuantBatch; ++j)
+      for (int j = 0; j < kStageChunks; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) cur[j][i] = nxt[j][i];
     }

@@ -6,8 +6,9 @@
 quantizes its (at most 16) bf16 rows while it stages them. On GLM-5's prelude the quantization
 ops were whole dependent stages of 25-57 µs for 24-196 KiB of activations (H200 trace,
 2026-12-01); a tile re-quantizing 16 rows costs a few round trips to L2 instead. The quantized
-values are those of the unfused op (the same max, correctly rounded division and saturating
-cast; on the reference executor the same torch code), so results do not change. A quantization
+values are those of the unfused op for finite x (the same max, correctly rounded division and
+saturating cast; on the reference executor the same torch code), so results do not change; for
+non-finite x the GPU paths differ (runtime/tilec/ops_glm.cuh stage_quant_rows). A quantization
 whose outputs have no other reader is dropped.
 
 Fused when: x is bf16 with at most 16 rows, the group is a multiple of 64 dividing K, the scale
@@ -27,9 +28,11 @@ from ..ops.fp8_linear import QUANT_ROWS
 from ..ops.index_score import mma_shape
 
 
-# The fused tiles divide by the group's scale as x * RN(1/s) plus a correction, which needs 1/s
-# finite: s = max(amax, amin) / 448 >= 2^-126 (GLM-5 / DeepSeek-V3 use amin 1e-4).
-MIN_AMIN = 448.0 * 2.0 ** -126
+# The fused tiles divide by the group's scale as x * RN(1/s) plus a correction: correctly rounded
+# wherever the quotient is not FP8 zero once s = max(amax, amin) / 448 >= 2^-100 (for smaller s a
+# subnormal x's residual underflows and can flip an e4m3 rounding tie; the device takes its
+# true-division path there too). GLM-5 / DeepSeek-V3 use amin 1e-4.
+MIN_AMIN = 448.0 * 2.0 ** -100
 
 
 def fuse_fp8_quant(graph: OpGraph, opts=None) -> OpGraph:
