@@ -76,8 +76,9 @@ def main():
         extra = json.loads(js)
         costs = extra.pop("costs", {})  # tilec.cost.MEASURED entries to plan with instead
         saved = dict(cost.MEASURED)
-        for k, v in costs.items():  # null: plan the kind by the roofline
-            cost.MEASURED.pop(k, None) if v is None else cost.MEASURED.__setitem__(k, tuple(v))
+        cost.MEASURED.update({k: tuple(v) for k, v in costs.items() if v is not None})
+        for k in [k for k, v in costs.items() if v is None]:  # null: plan the kind by the roofline
+            cost.MEASURED.pop(k, None)
         try:
             plans.append((name, compile_module(mod, inputs, options={**base_opts, **extra})))
         finally:
