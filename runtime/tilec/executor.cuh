@@ -54,11 +54,43 @@ __device__ __forceinline__ void decode_operand(const long long* e, Operand& o, l
   }
 }
 
+__device__ __forceinline__ unsigned long long ld_relaxed(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Returns false if the wait was abandoned (watchdog or another CTA's abort).
 __device__ bool wait_event(unsigned long long* counters, int e, unsigned long long target, ErrorRecord* err,
                            long long timeout_ns, int worker, int instr, const int* d) {
   unsigned long long start = global_timer();
   unsigned ns = 32;
+#ifdef TILEC_POLL_PIPE
+  // kPolls relaxed reads in flight, TILEC_POLL_PIPE ns apart: the counter is sampled every
+  // ~TILEC_POLL_PIPE ns instead of once per round trip. The caller's fence after the wait makes
+  // the read that saw the count an acquire (PTX memory model: relaxed read + fence.acq_rel).
+  {
+    const unsigned long long* p = counters + e;
+    if (ld_acquire(p) >= target) return true;
+    constexpr int kPolls = 4;
+    unsigned long long v[kPolls];
+#pragma unroll
+    for (int j = 0; j < kPolls; ++j) {
+      v[j] = ld_relaxed(p);
+      __nanosleep(TILEC_POLL_PIPE);
+    }
+    while (true) {
+#pragma unroll
+      for (int j = 0; j < kPolls; ++j) {
+        if (v[j] >= target) return true;
+        v[j] = ld_relaxed(p);
+        __nanosleep(TILEC_POLL_PIPE);
+      }
+      if (*((volatile int*)&err->flag)) return false;
+      if ((long long)(global_timer() - start) > timeout_ns) break;  // the watchdog path below records it
+    }
+  }
+#endif
   while (true) {
     unsigned long long v = ld_acquire(counters + e);
     if (v >= target) return true;

@@ -19,6 +19,11 @@ namespace tilec {
 // move (variants_ab.py, Llama-3.2-1B batch 1, context 1024: 1.471 ms rolled, 1.468 unrolled).
 constexpr int kAttnQ = 4;          // queries per pass over a split (ATTN_Q in attention_split.py)
 constexpr int kAttnSegMax = 2048;  // cache positions per shared-memory score segment (ATTN_SEG_MAX)
+#ifndef TILEC_AB_OLD_ATTN_ORDER
+constexpr bool kEarlyRows = true;  // a pass's first segment of K / V rows is issued before its queries load
+#else
+constexpr bool kEarlyRows = false;
+#endif
 
 // Lanes that share one cache row (8 elements each): the next power of two >= ceil(d / 8), so
 // a warp covers 32 / lanes rows per load and a row's dot product reduces within its lane group.
@@ -129,10 +134,27 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
         const int j0 = s * chunk, jend = attn_split_end(s, chunk, S, causal, valid, Sq);
         int hi0[4] = {b, h, 0, 0};
         const long long kb = offset4(k, hi0), vb = offset4(v, hi0);
+        // (0) K and V rows [p0, p0 + len) into shared memory: 16-byte cp.async copies, all in flight
+        auto stage = [&](int p0, int len) {
+          const int kv = D / 8, vv = Dv / 8;
+#pragma unroll 1
+          for (int e = threadIdx.x; e < len * (kv + vv); e += kThreads) {
+            if (e < len * kv) {
+              const int jj = e / kv, d = (e - jj * kv) * 8;
+              cp_async16(ks + jj * D + d, base<TK>(k) + kb + (long long)(p0 + jj) * kj + d);
+            } else {
+              const int f = e - len * kv, jj = f / vv, d = (f - jj * vv) * 8;
+              cp_async16(vs + jj * Dv + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
+            }
+          }
+        };
 #pragma unroll 1
         for (int q0 = 0; q0 < nq; q0 += kAttnQ) {
           const int qc = min(kAttnQ, nq - q0);
           block_sync();  // the previous pass is done with shared memory
+          // the first segment's rows start before the queries load: one round trip, not two
+          if constexpr (kStaged && kEarlyRows)
+            if (jend > j0) stage(j0, min(seg, jend - j0));
 #pragma unroll 1
           for (int e = threadIdx.x; e < qc * 8 * LK; e += kThreads) {
             const int qq = e / (8 * LK), d = e % (8 * LK);
@@ -156,17 +178,9 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
           for (int p0 = j0; p0 < jend; p0 += seg) {
             const int len = min(seg, jend - p0);
             if constexpr (kStaged) {  // (0) the segment's K and V rows into shared memory
-              if (p0 != j0) block_sync();  // the previous segment's P.V is done with vs
-              const int kv = D / 8, vv = Dv / 8;
-#pragma unroll 1
-              for (int e = threadIdx.x; e < len * (kv + vv); e += kThreads) {
-                if (e < len * kv) {
-                  const int jj = e / kv, d = (e - jj * kv) * 8;
-                  cp_async16(ks + jj * D + d, base<TK>(k) + kb + (long long)(p0 + jj) * kj + d);
-                } else {
-                  const int f = e - len * kv, jj = f / vv, d = (f - jj * vv) * 8;
-                  cp_async16(vs + jj * Dv + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
-                }
+              if (p0 != j0 || !kEarlyRows) {
+                if (p0 != j0) block_sync();  // the previous segment's P.V is done with vs
+                stage(p0, len);
               }
               cp_async_wait_all();
             }
@@ -348,49 +362,84 @@ __device__ void op_attention_partial(TileCtx& c) {
 // Rows r = hq * Sq + i of the tile's query heads, kWarps at a time: one warp per row computes
 // M, the split weights exp(m_s - M) and their normalizer sum_s w_s l_s into shared memory; then
 // one thread per (row, d) sums the weighted o_s. A row no split saw (all m = -inf) gets 0.
+// When the partials are float32 with contiguous rows, at most 32 splits and shared memory to
+// spare, a pass's o_s rows come into shared memory with 16-byte cp.async copies issued before
+// the statistics, whose m_s and l_s each lane loads together: the pass is one round trip to L2
+// (the partials were just written by other workers), not one for m, one for l and one per few
+// o_s. Same arithmetic in the same order either way.
 template <typename TP, typename TM, typename TO>
 __device__ void op_attention_combine(TileCtx& c) {
   const Operand &op = operands()[0], &ml = operands()[1], &out = operands()[2];
   const int NS = op.sizes[2], Sq = out.sizes[2], Dv = out.sizes[3];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long ms = ml.strides[2], m1 = ml.strides[3], os = op.strides[2];
-  float* w = c.smem();  // [kWarps][NS]
+  float* w = c.smem();                        // [kWarps][NS]
+  float* ostage = w + (kWarps * NS + 3) / 4 * 4;  // fast: [nr][NS][Dv] o_s rows
 #pragma unroll 1
   for (int b = c.lo(0); b < c.hi(0); ++b) {
     const int r0 = c.lo(1) * Sq, r1 = c.hi(1) * Sq;
 #pragma unroll 1
     for (int rb = r0; rb < r1; rb += kWarps) {
       const int nr = min(kWarps, r1 - rb);
-      block_sync();  // the previous rows are done with w
+      int pi[4] = {b, rb, 0, 0};
+      const long long pass0 = offset4(op, pi);  // o_part row rb, split 0
+#ifndef TILEC_AB_OLD_COMBINE
+      const bool fast = std::is_same<TP, float>::value && NS <= 32 && Dv % 4 == 0 && op.strides[3] == 1 && os == Dv &&
+                        op.strides[1] == (long long)NS * Dv && aligned16(base<TP>(op) + pass0) &&
+                        (ostage - w) + nr * NS * Dv <= c.smem_floats;
+#else
+      const bool fast = false;
+#endif
+      block_sync();  // the previous rows are done with w (and ostage)
+      if (fast) {
+#pragma unroll 1
+        for (int v = threadIdx.x; v < nr * NS * Dv / 4; v += kThreads) cp_async16(ostage + v * 4, base<TP>(op) + pass0 + v * 4);
+      }
       if (warp < nr) {
         int mi[4] = {b, rb + warp, 0, 0};
         const long long mo = offset4(ml, mi);
-        float mx = -INFINITY;
+        float mx = -INFINITY, l = 0.f;
+        if (fast) {  // one split per lane: m_s and l_s in one round trip
+          const float m = lane < NS ? ldf<TM>(ml, mo + lane * ms) : -INFINITY;
+          const float ls = lane < NS ? ldf<TM>(ml, mo + lane * ms + m1) : 0.f;
+          mx = warp_max(m);
+          if (lane < NS) {
+            const float wt = m == -INFINITY ? 0.f : __expf(m - mx);
+            l += wt * ls;
+            w[warp * NS + lane] = wt;
+          }
+        } else {
 #pragma unroll 1
-        for (int s = lane; s < NS; s += 32) mx = fmaxf(mx, ldf<TM>(ml, mo + s * ms));
-        mx = warp_max(mx);
-        float l = 0.f;
+          for (int s = lane; s < NS; s += 32) mx = fmaxf(mx, ldf<TM>(ml, mo + s * ms));
+          mx = warp_max(mx);
 #pragma unroll 1
-        for (int s = lane; s < NS; s += 32) {
-          const float m = ldf<TM>(ml, mo + s * ms);
-          const float wt = m == -INFINITY ? 0.f : __expf(m - mx);
-          l += wt * ldf<TM>(ml, mo + s * ms + m1);
-          w[warp * NS + s] = wt;
+          for (int s = lane; s < NS; s += 32) {
+            const float m = ldf<TM>(ml, mo + s * ms);
+            const float wt = m == -INFINITY ? 0.f : __expf(m - mx);
+            l += wt * ldf<TM>(ml, mo + s * ms + m1);
+            w[warp * NS + s] = wt;
+          }
         }
         l = warp_sum(l);
         const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll 1
         for (int s = lane; s < NS; s += 32) w[warp * NS + s] *= inv;
       }
+      if (fast) cp_async_wait_all();
       block_sync();
 #pragma unroll 1
       for (int e = threadIdx.x; e < nr * Dv; e += kThreads) {
         const int rr = e / Dv, d = e % Dv, r = rb + rr;
-        int pi[4] = {b, r, 0, d};
-        const long long po = offset4(op, pi);
         float o = 0.f;
+        if (fast) {
 #pragma unroll 4
-        for (int s = 0; s < NS; ++s) o += w[rr * NS + s] * ldf<TP>(op, po + s * os);
+          for (int s = 0; s < NS; ++s) o += w[rr * NS + s] * ostage[(rr * NS + s) * Dv + d];
+        } else {
+          int pj[4] = {b, r, 0, d};
+          const long long po = offset4(op, pj);
+#pragma unroll 4
+          for (int s = 0; s < NS; ++s) o += w[rr * NS + s] * ldf<TP>(op, po + s * os);
+        }
         int oi[4] = {b, r / Sq, r % Sq, d};
         stf<TO>(out, offset4(out, oi), o);
       }

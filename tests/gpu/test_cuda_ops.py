@@ -267,6 +267,7 @@ SPLIT_KV_CASES = [
     pytest.param(2, 8, 2, 2, 300, 150, 64, 32, torch.bfloat16, "bhsd", 32, id="b2-sq2-dv32-empty-splits"),
     pytest.param(1, 64, 8, 1, 5000, 4990, 128, 128, torch.bfloat16, "bhsd", 3000, id="g8-two-segments"),
     pytest.param(1, 8, 2, 1, 500, 400, 64, 64, torch.bfloat16, "bshd", 64, id="strided-bshd"),
+    pytest.param(1, 8, 2, 1, 5000, 4990, 64, 64, torch.bfloat16, "bhsd", 128, id="40-splits"),  # combine's loop path
     pytest.param(1, 8, 4, 1, 200, 199, 36, 20, torch.bfloat16, "bhsd", 32, id="generic-d36"),
     pytest.param(2, 8, 2, 1, 300, 250, 64, 64, torch.float32, "bhsd", 48, id="fp32"),
 ]

@@ -41,6 +41,7 @@ ATTN_Q = 4  # queries (G * Sq) per pass over a split
 ATTN_SEG_MAX = 2048  # cache positions per shared-memory score segment
 ATTN_STAGE_POS = 128  # cache positions of K and V rows the plan reserves for the tile to stage
 WARPS = 8
+COMBINE_STAGE_MAX = 48 * 1024  # bytes of float32 partials a combine tile reserves room to stage
 
 
 def lanes_per_row(d: int) -> int:
@@ -169,8 +170,14 @@ class AttentionCombine(OpDef):
         return tiles
 
     def smem_bytes(self, op):
-        """runtime/tilec/ops_attention.cuh: the split weights of WARPS rows at a time."""
-        return 4 * WARPS * op.inputs[0].shape[2] + 64
+        """runtime/tilec/ops_attention.cuh: the split weights of WARPS rows at a time, then, when
+        there are at most 32 splits and it takes at most COMBINE_STAGE_MAX bytes, room to stage
+        those rows' float32 partials (WARPS x splits x Dv), which the device copies in one round
+        trip whenever they fit (and reads from global memory otherwise)."""
+        ns, dv = op.inputs[0].shape[2], op.inputs[0].shape[3]
+        weights = 4 * (-(-WARPS * ns // 4) * 4)
+        staged = 4 * WARPS * ns * dv
+        return weights + (staged if ns <= 32 and staged <= COMBINE_STAGE_MAX else 0) + 64
 
     def run_tile(self, t: TileArgs):
         o_part, ml, out = t.operands
