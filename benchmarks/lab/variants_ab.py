@@ -37,6 +37,7 @@ from tilec.errors import TilecError  # noqa: E402
 from tilec.ops import opdef  # noqa: E402
 from tilec.plan import F  # noqa: E402
 from tilec.timing import cuda_graph  # noqa: E402
+from tilec.trace import measured_trace, write_trace  # noqa: E402
 
 
 def parse_variants(specs, ap) -> list[tuple[str, str]]:
@@ -79,6 +80,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
+    ap.add_argument("--trace", type=Path, metavar="DIR",
+                    help="also write each variant's measured trace (its first run) to DIR/trace_NAME.json")
     args = ap.parse_args()
     variants = parse_variants(args.variants, ap)
     if args.prebuild:
@@ -114,6 +117,10 @@ def main():
         ref = out if ref is None else ref
         print(f"{name:12s} logits max|diff| vs {variants[0][0]}: {float((out - ref).abs().max()):.3e}; "
               f"start->mark1 median us: staging {m_st:.2f}, reusing {m_re:.2f}", flush=True)
+        if args.trace:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            write_trace(args.trace / f"trace_{name}.json",
+                        measured_trace(base.plan, s, step.program.compiled.stages["linearized"]))
         ex.stamps = None  # timing without stamps
     res = {}
     for depth in (int(v) for v in args.stages.split(",")):

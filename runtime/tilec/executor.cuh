@@ -54,43 +54,11 @@ __device__ __forceinline__ void decode_operand(const long long* e, Operand& o, l
   }
 }
 
-__device__ __forceinline__ unsigned long long ld_relaxed(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Returns false if the wait was abandoned (watchdog or another CTA's abort).
 __device__ bool wait_event(unsigned long long* counters, int e, unsigned long long target, ErrorRecord* err,
                            long long timeout_ns, int worker, int instr, const int* d) {
   unsigned long long start = global_timer();
   unsigned ns = 32;
-#ifdef TILEC_POLL_PIPE
-  // kPolls relaxed reads in flight, TILEC_POLL_PIPE ns apart: the counter is sampled every
-  // ~TILEC_POLL_PIPE ns instead of once per round trip. The caller's fence after the wait makes
-  // the read that saw the count an acquire (PTX memory model: relaxed read + fence.acq_rel).
-  {
-    const unsigned long long* p = counters + e;
-    if (ld_acquire(p) >= target) return true;
-    constexpr int kPolls = 4;
-    unsigned long long v[kPolls];
-#pragma unroll
-    for (int j = 0; j < kPolls; ++j) {
-      v[j] = ld_relaxed(p);
-      __nanosleep(TILEC_POLL_PIPE);
-    }
-    while (true) {
-#pragma unroll
-      for (int j = 0; j < kPolls; ++j) {
-        if (v[j] >= target) return true;
-        v[j] = ld_relaxed(p);
-        __nanosleep(TILEC_POLL_PIPE);
-      }
-      if (*((volatile int*)&err->flag)) return false;
-      if ((long long)(global_timer() - start) > timeout_ns) break;  // the watchdog path below records it
-    }
-  }
-#endif
   while (true) {
     unsigned long long v = ld_acquire(counters + e);
     if (v >= target) return true;
@@ -120,7 +88,9 @@ __device__ bool TileCtx::wait() {
     int ok = 1;
     if (wait_e >= 0) {
       ok = wait_event(counters, wait_e, target, static_cast<ErrorRecord*>(err), timeout_ns, blockIdx.x, instr, d);
+#ifndef TILEC_NO_WAIT_FENCE
       __threadfence();
+#endif
     }
     *go = ok;
     if (stamp) stamp[0] = (long long)global_timer();
@@ -170,6 +140,9 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     const int opcode = d[TILEC_W_OPCODE], wait_e = d[TILEC_W_WAIT_EVENT], wait_c = d[TILEC_W_WAIT_COUNT];
     const int signal_e = d[TILEC_W_SIGNAL_EVENT], row = d[TILEC_W_OPERAND_ROW], sig = d[TILEC_W_DTYPE_SIG];
     if (opcode == TILEC_OP_NOOP) break;
+#ifdef TILEC_STAMP_DISPATCH
+    if (stamps && threadIdx.x == 0) stamps[((size_t)worker * L + i) * 4 + 3] = (long long)global_timer();
+#endif
     // slot 2: fetch the next descriptor while this one waits and runs
     if (threadIdx.x < TILEC_DESCRIPTOR_WORDS && i + 1 < L)
       desc[(i + 1) & 1][threadIdx.x] = q[(size_t)(i + 1) * TILEC_DESCRIPTOR_WORDS + threadIdx.x];
@@ -205,6 +178,9 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
       staged_out = c.x_staged_out;
     }
     if (!c.waited) c.wait();  // an op that left before its wait (a failed check) still waits
+#ifdef TILEC_STAMP_RETURN
+    if (stamp && threadIdx.x == 0) stamp[3] = (long long)global_timer();  // lab: the op returned
+#endif
     if (!go) {
       ok = false;
       break;

@@ -563,16 +563,12 @@ struct GemvStore {
   const long long* roff;
   long long on, rn;
   int variant;  // 0 write (callers add the bias), 2 split-K partial (atomic float32 add, no bias)
-  const TO* rs = nullptr;  // or the residual's columns [rn0, rn0 + rcols) of each row, staged in shared memory
-  int rn0 = 0, rcols = 0;
   __device__ void operator()(int m, int n, float v) const {
     if (variant == 2) {  // split-K partial: the init tile (variant 1) wrote the bias
       atomicAdd(reinterpret_cast<float*>(out.ptr) + shared_ptr(ooff)[m] + (long long)n * on, v);
       return;
     }
-    if (resid)
-      v = round_to<TO>(v) + (rs ? to_f<TO>(shared_ptr(rs)[m * rcols + n - rn0])
-                                : ldf<TO>(*resid, shared_ptr(roff)[m] + (long long)n * rn));
+    if (resid) v = round_to<TO>(v) + ldf<TO>(*resid, shared_ptr(roff)[m] + (long long)n * rn);
     stf<TO>(out, shared_ptr(ooff)[m] + (long long)n * on, v);
   }
 };
@@ -1256,7 +1252,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     // stage this chunk's x rows (K range) in shared memory as float when they fit (fused
     // tiles always fit: the fusion pass checks)
     const bool staged = (long long)nr * kl + 2304 / 4 <= (long long)c.smem_floats - 64;
-    GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant};
+    const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant};
     // Streamed weights (the loader fills the ring): x as bf16 rows xb [nr][pitch] - pitch kl, or for
     // the tensor-core consumer (9..16 rows) kl + 32, which puts rows 64 mod 128 bytes apart (for
     // kl % 64 == 0: conflict-free A loads), with room after them for its cross-warp sums (red).
@@ -1291,37 +1287,12 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     if constexpr (std::is_same<TX, __nv_bfloat16>::value)
       stageable = ring && 576 + (red - xs_smem) + (mma ? kWarps * 128 : 0) <= c.smem_floats - 64 &&
                   bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch);
-    // The residual's columns of the tile (epilogue) come in beside x, in the same round trip;
-    // read in the store, they cost one round trip per column group (a Llama o_proj / down tile:
-    // two). Needs 2-byte elements, unit column stride, 16-byte aligned row slices, room after red.
-    const int rcols = n1 - n0;
-#ifndef TILEC_AB_OLD_RESID
-    if (resid && stageable && variant == 0 && sizeof(TO) == 2 && store.rn == 1 && rcols % 8 == 0) {
-      TO* rs = reinterpret_cast<TO*>(red + (mma ? kWarps * 128 : 0));
-      bool fits = 576 + (reinterpret_cast<float*>(rs) - xs_smem) + nr * rcols / 2 <= c.smem_floats - 64;
-      for (int r = 0; r < nr && fits; ++r) fits = aligned16(base<TO>(*resid) + roff[r] + n0);
-      if (fits) store.rs = rs, store.rn0 = n0, store.rcols = rcols;
-    }
-#endif
     if (!c.wait()) return;  // the producers of x (and of the prologue's side rows) are done
-    if (store.rs) {
-      const int vpr = rcols / 8;
-#pragma unroll 1
-      for (int v = threadIdx.x; v < nr * vpr; v += kThreads) {
-        const int r = v / vpr, j = (v - r * vpr) * 8;
-        cp_async16(const_cast<TO*>(store.rs) + r * rcols + j, base<TO>(*resid) + roff[r] + n0 + j);
-      }
-    }
     bool ready = false;     // xb staged (or still there from the previous instruction)
-    if constexpr (std::is_same<TX, __nv_bfloat16>::value) {
-      const bool reused = stageable && reuse_x && c.x_staged_in && rows <= kMaxRows;
-      ready = reused || (stageable && stage_bf16_rows(c, xoff, soff, xk, nr, k0, kl, pro, eps, xb, pitch,
-                                                      reinterpret_cast<__nv_bfloat16*>(side_s), rscale, true));
-      if (store.rs && reused) {  // stage_bf16_rows did not wait for the residual's copies
-        cp_async_wait_all();
-        block_sync();
-      }
-    }
+    if constexpr (std::is_same<TX, __nv_bfloat16>::value)
+      ready = stageable && ((reuse_x && c.x_staged_in && rows <= kMaxRows) ||
+                            stage_bf16_rows(c, xoff, soff, xk, nr, k0, kl, pro, eps, xb, pitch,
+                                            reinterpret_cast<__nv_bfloat16*>(side_s), rscale, true));
     c.x_staged_out = ready && rows <= kMaxRows;  // the bf16 rows stay at xs_smem for the next instruction
     if (!ready && staged && variant != 1) gemv_stage_rows<TX>(c, x, xoff, soff, xk, nr, k0, k1, xs_smem, rscale, pro, eps);
     if (ring) {
