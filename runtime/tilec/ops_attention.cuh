@@ -29,10 +29,10 @@ constexpr bool kEarlyRows = false;
 // a warp covers 32 / lanes rows per load and a row's dot product reduces within its lane group.
 __device__ __forceinline__ int attn_lanes(int d) {
   const int n = (d + 7) / 8;
-  int g = 1;
-  while (g < n) g <<= 1;
-  return g;
+  return n <= 1 ? 1 : 1 << (32 - __clz(n - 1));
 }
+// log2 of a power of two
+__device__ __forceinline__ int attn_log2(int p) { return __ffs(p) - 1; }
 
 // 16-byte loads need 2-byte elements, a unit last stride, 8 | row length and 16-byte aligned rows.
 __device__ __forceinline__ bool attn_vec_ok(const Operand& o) {
@@ -118,7 +118,8 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
   const int G = Hq / Hkv, nq = G * Sq;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int LK = attn_lanes(D), LV = attn_lanes(Dv), PK = 32 / LK, PV = 32 / LV, DVP = 8 * LV;
-  const int gk = lane / LK, ik = lane % LK, gv = lane / LV, iv = lane % LV;
+  const int lk = attn_log2(LK), lv = attn_log2(LV);  // LK, LV are powers of two: shifts, not divisions
+  const int gk = lane >> lk, ik = lane & (LK - 1), gv = lane >> lv, iv = lane & (LV - 1);
   const long long kj = k.strides[2], kd = k.strides[3], vj = v.strides[2], vd = v.strides[3];
   float* qs = c.smem();             // [kAttnQ][256] scaled queries, zero past D
   float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]
@@ -137,6 +138,20 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
         // (0) K and V rows [p0, p0 + len) into shared memory: 16-byte cp.async copies, all in flight
         auto stage = [&](int p0, int len) {
           const int kv = D / 8, vv = Dv / 8;
+          if (!(kv & (kv - 1)) && !(vv & (vv - 1))) {  // 16-byte chunks per row a power of two: shifts
+            const int sk = attn_log2(kv), sv = attn_log2(vv);
+#pragma unroll 1
+            for (int e = threadIdx.x; e < len * kv; e += kThreads) {
+              const int jj = e >> sk, d = (e & (kv - 1)) * 8;
+              cp_async16(ks + jj * D + d, base<TK>(k) + kb + (long long)(p0 + jj) * kj + d);
+            }
+#pragma unroll 1
+            for (int e = threadIdx.x; e < len * vv; e += kThreads) {
+              const int jj = e >> sv, d = (e & (vv - 1)) * 8;
+              cp_async16(vs + jj * Dv + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
+            }
+            return;
+          }
 #pragma unroll 1
           for (int e = threadIdx.x; e < len * (kv + vv); e += kThreads) {
             if (e < len * kv) {
@@ -157,7 +172,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             if (jend > j0) stage(j0, min(seg, jend - j0));
 #pragma unroll 1
           for (int e = threadIdx.x; e < qc * 8 * LK; e += kThreads) {
-            const int qq = e / (8 * LK), d = e % (8 * LK);
+            const int qq = e >> (lk + 3), d = e & (8 * LK - 1);
             float val = 0.f;
             if (d < D) {
               int qi[4] = {b, h * G + (q0 + qq) / Sq, (q0 + qq) % Sq, d};
@@ -170,10 +185,13 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             st[kAttnQ + threadIdx.x] = 0.f;
           }
           float acc[kAttnQ][8];
+          long long lim[kAttnQ];  // query qq sees cache positions < lim[qq]
 #pragma unroll
-          for (int qq = 0; qq < kAttnQ; ++qq)
+          for (int qq = 0; qq < kAttnQ; ++qq) {
+            lim[qq] = causal ? valid + (q0 + qq) % Sq : 0x7fffffffffffffffLL;
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[qq][e] = 0.f;
+          }
 #pragma unroll 1
           for (int p0 = j0; p0 < jend; p0 += seg) {
             const int len = min(seg, jend - p0);
@@ -200,12 +218,10 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                   const float4 a2 = *reinterpret_cast<const float4*>(qs + qq * 256 + ik * 8 + 4);
                   float dot = a.x * kr[0] + a.y * kr[1] + a.z * kr[2] + a.w * kr[3] +
                               a2.x * kr[4] + a2.y * kr[5] + a2.z * kr[6] + a2.w * kr[7];
-#pragma unroll 1
-                  for (int o = LK >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                  if (ik == 0 && jj < len) {
-                    const bool seen = !causal || p0 + jj < valid + (q0 + qq) % Sq;
-                    sc[qq * seg + jj] = seen ? dot : -INFINITY;
-                  }
+#pragma unroll
+                  for (int o = 16; o > 0; o >>= 1)  // LK / 2, LK / 4, .., 1: the lane group's sum
+                    if (o < LK) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                  if (ik == 0 && jj < len) sc[qq * seg + jj] = p0 + jj < lim[qq] ? dot : -INFINITY;
                 }
               }
             }
@@ -288,14 +304,15 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
           }
           block_sync();
           const int row0 = h * G * Sq + q0;  // o_part / ml row of query q0
+          int oi[4] = {b, row0, s, 0};
+          const long long o0 = offset4(op, oi);
 #pragma unroll 1
           for (int e = threadIdx.x; e < qc * Dv; e += kThreads) {
-            const int qq = e / Dv, d = e % Dv;
+            const int qq = e / Dv, d = e - qq * Dv;
             float o = 0.f;
 #pragma unroll
             for (int w = 0; w < kWarps; ++w) o += part[(w * kAttnQ + qq) * DVP + d];
-            int oi[4] = {b, row0 + qq, s, d};
-            stf<TP>(op, offset4(op, oi), o);
+            stf<TP>(op, o0 + qq * op.strides[1] + d * op.strides[3], o);
           }
           if (threadIdx.x < qc) {
             int mi[4] = {b, row0 + (int)threadIdx.x, s, 0};

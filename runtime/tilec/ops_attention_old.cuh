@@ -1,0 +1,450 @@
+// tilec runtime: split-KV decode attention (flash-decoding; Dao, Haziza, Massa, Sizov 2023,
+// "Flash-Decoding for long-context inference"). Semantics mirror the CPU references in
+// tilec/ops/attention_split.py:
+//   op_attention_partial  per (batch, KV head, split of `chunk` cache positions) and every query
+//                         of the head group (G heads x Sq tokens): m = max score over the split,
+//                         l = sum exp(s - m), o = sum round_V(exp(s - m)) V  (float32, unnormalized);
+//   op_attention_combine  out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
+// o_part [B, Hq * Sq, NS, Dv] and ml [B, Hq * Sq, NS, 2] are float32 (row r = hq * Sq + i).
+// Shared memory is sized by OpDef.smem_bytes (the constants below are mirrored there).
+// Included by ops.cuh (needs its ldc / ldf / stf / round_to helpers).
+#pragma once
+#include "common.cuh"
+
+namespace tilec {
+
+// Loops with a run-time trip count stay rolled (#pragma unroll 1; nvcc unrolls them by 4 by
+// default): this code runs once per layer on a worker, fetched cold, and rolled it is smaller
+// (the partial's SASS 48 -> 39 KiB, the combine's 18 -> 9 KiB). On an H200 the step time did not
+// move (variants_ab.py, Llama-3.2-1B batch 1, context 1024: 1.471 ms rolled, 1.468 unrolled).
+constexpr int kAttnQ = 4;          // queries per pass over a split (ATTN_Q in attention_split.py)
+constexpr int kAttnSegMax = 2048;  // cache positions per shared-memory score segment (ATTN_SEG_MAX)
+#ifndef TILEC_AB_OLD_ATTN_ORDER
+constexpr bool kEarlyRows = true;  // a pass's first segment of K / V rows is issued before its queries load
+#else
+constexpr bool kEarlyRows = false;
+#endif
+
+// Lanes that share one cache row (8 elements each): the next power of two >= ceil(d / 8), so
+// a warp covers 32 / lanes rows per load and a row's dot product reduces within its lane group.
+__device__ __forceinline__ int attn_lanes(int d) {
+  const int n = (d + 7) / 8;
+  int g = 1;
+  while (g < n) g <<= 1;
+  return g;
+}
+
+// 16-byte loads need 2-byte elements, a unit last stride, 8 | row length and 16-byte aligned rows.
+__device__ __forceinline__ bool attn_vec_ok(const Operand& o) {
+  if (o.strides[3] != 1 || o.sizes[3] % 8 != 0 || (reinterpret_cast<uintptr_t>(o.ptr) & 15) != 0) return false;
+  for (int k = 0; k < 3; ++k)
+    if (o.sizes[k] > 1 && o.strides[k] % 8 != 0) return false;
+  return true;
+}
+
+// Element `hi` (0: low, 1: high half) of a 32-bit word holding two 2-byte values, as float
+// (bit operations, so the raw vector never needs an address and stays in registers).
+template <typename T> __device__ __forceinline__ float attn_half_of(unsigned int w, int hi);
+template <> __device__ __forceinline__ float attn_half_of<__nv_bfloat16>(unsigned int w, int hi) {
+  return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
+}
+template <> __device__ __forceinline__ float attn_half_of<__half>(unsigned int w, int hi) {
+  return __half2float(__ushort_as_half((unsigned short)(hi ? w >> 16 : w & 0xffffu)));
+}
+
+// Elements d0 .. d0 + 7 of one cache row (zeros past the row's n elements, or when !ok).
+// kStaged: the row sits in shared memory (16-byte rows of 2-byte elements, staged by the tile:
+// row jj of the segment at rows + jj * n); otherwise 8 strided scalar loads from global memory
+// converted to float.
+template <bool kStaged, typename T> struct AttnRow8;
+template <typename T> struct AttnRow8<true, T> {
+  uint4 raw;
+  __device__ __forceinline__ void load(const T* rows, int jj, int n, int d0, bool ok) {
+    raw = ok && d0 < n ? *reinterpret_cast<const uint4*>(rows + (long long)jj * n + d0) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  __device__ __forceinline__ float operator[](int e) const {  // e: a compile-time constant after unrolling
+    const unsigned int w = e < 2 ? raw.x : e < 4 ? raw.y : e < 6 ? raw.z : raw.w;
+    return attn_half_of<T>(w, e & 1);
+  }
+};
+template <typename T> struct AttnRow8<false, T> {
+  float v[8];
+  __device__ __forceinline__ void load(const Operand& o, long long off, long long stride, int d0, int n, bool ok) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = ok && d0 + e < n ? ldf<T>(o, off + (long long)(d0 + e) * stride) : 0.f;
+  }
+  __device__ __forceinline__ float operator[](int e) const { return v[e]; }
+};
+
+// The end of split s's positions [s * chunk, end) that some query sees (query i sees positions
+// < valid + i when causal); end == s * chunk when none does.
+__device__ __forceinline__ int attn_split_end(int s, int chunk, int S, int causal, long long valid, int Sq) {
+  const int j0 = s * chunk, j1 = min(S, j0 + chunk);
+  return causal ? (int)max((long long)j0, min((long long)j1, valid + Sq - 1)) : j1;
+}
+
+// Cache positions per segment when the tile stages its K / V rows in shared memory: what fits
+// beside the queries, the statistics and the segment's scores (0: too few, stage nothing).
+__device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int D, int Dv) {
+  const int per_pos = kAttnQ + (D + Dv) / 2;  // floats: one score per query, a K and a V row
+  const int fit = (c.smem_floats - kAttnQ * 256 - 32) / per_pos;
+  const int seg = min(min(chunk, kAttnSegMax), fit);
+  return seg >= min(chunk, 32) ? seg : 0;
+}
+
+// ---- attention_partial ---------------------------------------------------------------------
+// Per (b, KV head h, split s) and pass of <= kAttnQ queries, over segments of <= kAttnSegMax
+// visible positions (online softmax between segments; one segment whenever the split fits):
+//  (0) kStaged: the segment's K and V rows come into shared memory with 16-byte cp.async copies,
+//      all in flight at once (a split of 128 positions of a 64-dim bf16 head is 32 KB: one round
+//      trip instead of one per 32 rows; the rows were pulled into L2 before the tile's wait);
+//  (1) scores: lane groups of LK = attn_lanes(D) lanes per K row; a dot over the lane's 8
+//      elements with the scaled queries (shared memory, float), then a shuffle reduction inside
+//      the group; masked scores go to shared memory;
+//  (2) one warp per query: segment max, running max m, p = exp(s - m) (stored rounded to V's
+//      dtype), l (unrounded sum), and the rescale factor alpha of the earlier segments;
+//  (3) P.V: lane groups of LV = attn_lanes(Dv) lanes per V row, float32 accumulators per lane
+//      (kAttnQ x 8); at the end of the split a shuffle reduction across the warp's groups and a
+//      deterministic sum over warps in shared memory; o, m, l are stored.
+// Shared memory: queries [kAttnQ][256] floats, statistics (32 floats), scores [kAttnQ][seg]
+// (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
+template <bool kStaged, typename TQ, typename TK, typename TV, typename TP, typename TM>
+__device__ void attention_partial_impl(TileCtx& c, int seg) {
+  const Operand &q = operands()[0], &k = operands()[1], &v = operands()[2], &op = operands()[3], &ml = operands()[4];
+  const long long valid = operands()[5].scalar;
+  const float scale = c.fparam(0);
+  const int causal = c.param(1), chunk = c.param(2);
+  const int Hq = q.sizes[1], Sq = q.sizes[2], D = q.sizes[3], Hkv = k.sizes[1], S = k.sizes[2], Dv = v.sizes[3];
+  const int G = Hq / Hkv, nq = G * Sq;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int LK = attn_lanes(D), LV = attn_lanes(Dv), PK = 32 / LK, PV = 32 / LV, DVP = 8 * LV;
+  const int gk = lane / LK, ik = lane % LK, gv = lane / LV, iv = lane % LV;
+  const long long kj = k.strides[2], kd = k.strides[3], vj = v.strides[2], vd = v.strides[3];
+  float* qs = c.smem();             // [kAttnQ][256] scaled queries, zero past D
+  float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]
+  float* sc = st + 32;            // [kAttnQ][seg] scores -> p; at the end [kWarps][kAttnQ][DVP] P.V partials
+  TK* ks = reinterpret_cast<TK*>(sc + kAttnQ * seg);  // kStaged: [seg][D]
+  TV* vs = reinterpret_cast<TV*>(ks + (long long)seg * D);  // kStaged: [seg][Dv]
+#pragma unroll 1
+  for (int b = c.lo(0); b < c.hi(0); ++b)
+#pragma unroll 1
+    for (int h = c.lo(1); h < c.hi(1); ++h)
+#pragma unroll 1
+      for (int s = c.lo(2); s < c.hi(2); ++s) {
+        const int j0 = s * chunk, jend = attn_split_end(s, chunk, S, causal, valid, Sq);
+        int hi0[4] = {b, h, 0, 0};
+        const long long kb = offset4(k, hi0), vb = offset4(v, hi0);
+        // (0) K and V rows [p0, p0 + len) into shared memory: 16-byte cp.async copies, all in flight
+        auto stage = [&](int p0, int len) {
+          const int kv = D / 8, vv = Dv / 8;
+#pragma unroll 1
+          for (int e = threadIdx.x; e < len * (kv + vv); e += kThreads) {
+            if (e < len * kv) {
+              const int jj = e / kv, d = (e - jj * kv) * 8;
+              cp_async16(ks + jj * D + d, base<TK>(k) + kb + (long long)(p0 + jj) * kj + d);
+            } else {
+              const int f = e - len * kv, jj = f / vv, d = (f - jj * vv) * 8;
+              cp_async16(vs + jj * Dv + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
+            }
+          }
+        };
+#pragma unroll 1
+        for (int q0 = 0; q0 < nq; q0 += kAttnQ) {
+          const int qc = min(kAttnQ, nq - q0);
+          block_sync();  // the previous pass is done with shared memory
+          // the first segment's rows start before the queries load: one round trip, not two
+          if constexpr (kStaged && kEarlyRows)
+            if (jend > j0) stage(j0, min(seg, jend - j0));
+#pragma unroll 1
+          for (int e = threadIdx.x; e < qc * 8 * LK; e += kThreads) {
+            const int qq = e / (8 * LK), d = e % (8 * LK);
+            float val = 0.f;
+            if (d < D) {
+              int qi[4] = {b, h * G + (q0 + qq) / Sq, (q0 + qq) % Sq, d};
+              val = ldf<TQ>(q, offset4(q, qi)) * scale;
+            }
+            qs[qq * 256 + d] = val;
+          }
+          if (threadIdx.x < kAttnQ) {
+            st[threadIdx.x] = -INFINITY;
+            st[kAttnQ + threadIdx.x] = 0.f;
+          }
+          float acc[kAttnQ][8];
+#pragma unroll
+          for (int qq = 0; qq < kAttnQ; ++qq)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[qq][e] = 0.f;
+#pragma unroll 1
+          for (int p0 = j0; p0 < jend; p0 += seg) {
+            const int len = min(seg, jend - p0);
+            if constexpr (kStaged) {  // (0) the segment's K and V rows into shared memory
+              if (p0 != j0 || !kEarlyRows) {
+                if (p0 != j0) block_sync();  // the previous segment's P.V is done with vs
+                stage(p0, len);
+              }
+              cp_async_wait_all();
+            }
+            block_sync();  // queries (and rows) staged; the previous segment's P.V is done with sc
+            c.mark(1);     // profiling: queries staged (the tile's last head / split / pass / segment)
+            // (1) scores
+#pragma unroll 1
+            for (int t0 = 0; t0 < len; t0 += kWarps * PK) {
+              const int jj = t0 + warp * PK + gk;
+              AttnRow8<kStaged, TK> kr;
+              if constexpr (kStaged) kr.load(ks, jj, D, ik * 8, jj < len);
+              else kr.load(k, kb + (long long)(p0 + jj) * kj, kd, ik * 8, D, jj < len);
+#pragma unroll
+              for (int qq = 0; qq < kAttnQ; ++qq) {
+                if (qq < qc) {  // warp-uniform
+                  const float4 a = *reinterpret_cast<const float4*>(qs + qq * 256 + ik * 8);
+                  const float4 a2 = *reinterpret_cast<const float4*>(qs + qq * 256 + ik * 8 + 4);
+                  float dot = a.x * kr[0] + a.y * kr[1] + a.z * kr[2] + a.w * kr[3] +
+                              a2.x * kr[4] + a2.y * kr[5] + a2.z * kr[6] + a2.w * kr[7];
+#pragma unroll 1
+                  for (int o = LK >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                  if (ik == 0 && jj < len) {
+                    const bool seen = !causal || p0 + jj < valid + (q0 + qq) % Sq;
+                    sc[qq * seg + jj] = seen ? dot : -INFINITY;
+                  }
+                }
+              }
+            }
+            block_sync();
+            // (2) softmax statistics, one warp per query
+#pragma unroll 1
+            for (int qq = warp; qq < qc; qq += kWarps) {
+              float* row = sc + qq * seg;
+              float mx = -INFINITY;
+#pragma unroll 1
+              for (int j = lane; j < len; j += 32) mx = fmaxf(mx, row[j]);
+              mx = warp_max(mx);
+              const float m_old = st[qq], m_new = fmaxf(m_old, mx);
+              float sum = 0.f;
+#pragma unroll 1
+              for (int j = lane; j < len; j += 32) {
+                const float x = row[j];
+                const float p = x == -INFINITY ? 0.f : __expf(x - m_new);
+                sum += p;
+                row[j] = round_to<TV>(p);
+              }
+              sum = warp_sum(sum);
+              if (lane == 0) {
+                const float alpha = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+                st[qq] = m_new;
+                st[kAttnQ + qq] = st[kAttnQ + qq] * alpha + sum;
+                st[2 * kAttnQ + qq] = alpha;
+              }
+            }
+            block_sync();
+            c.mark(2);  // profiling: scores and softmax statistics done
+            // (3) P.V
+#pragma unroll
+            for (int qq = 0; qq < kAttnQ; ++qq) {
+              if (qq < qc) {
+                const float alpha = st[2 * kAttnQ + qq];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[qq][e] *= alpha;
+              }
+            }
+#pragma unroll 1
+            for (int t0 = 0; t0 < len; t0 += kWarps * PV) {
+              const int jj = t0 + warp * PV + gv;
+              AttnRow8<kStaged, TV> vr;
+              if constexpr (kStaged) vr.load(vs, jj, Dv, iv * 8, jj < len);
+              else vr.load(v, vb + (long long)(p0 + jj) * vj, vd, iv * 8, Dv, jj < len);
+              if (jj < len) {
+#pragma unroll
+                for (int qq = 0; qq < kAttnQ; ++qq) {
+                  if (qq < qc) {
+                    const float p = sc[qq * seg + jj];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[qq][e] += p * vr[e];
+                  }
+                }
+              }
+            }
+          }
+          // sum the warp's lane groups (lanes iv of every group hold elements iv*8 .. iv*8+7)
+#pragma unroll 1
+          for (int o = LV; o < 32; o <<= 1) {
+#pragma unroll
+            for (int qq = 0; qq < kAttnQ; ++qq) {
+              if (qq < qc) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[qq][e] += __shfl_xor_sync(0xffffffffu, acc[qq][e], o);
+              }
+            }
+          }
+          block_sync();  // every warp is done reading sc: reuse it for the per-warp partials
+          float* part = sc;
+          if (gv == 0) {
+#pragma unroll
+            for (int qq = 0; qq < kAttnQ; ++qq) {
+              if (qq < qc) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) part[(warp * kAttnQ + qq) * DVP + iv * 8 + e] = acc[qq][e];
+              }
+            }
+          }
+          block_sync();
+          const int row0 = h * G * Sq + q0;  // o_part / ml row of query q0
+#pragma unroll 1
+          for (int e = threadIdx.x; e < qc * Dv; e += kThreads) {
+            const int qq = e / Dv, d = e % Dv;
+            float o = 0.f;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) o += part[(w * kAttnQ + qq) * DVP + d];
+            int oi[4] = {b, row0 + qq, s, d};
+            stf<TP>(op, offset4(op, oi), o);
+          }
+          if (threadIdx.x < qc) {
+            int mi[4] = {b, row0 + (int)threadIdx.x, s, 0};
+            const long long mo = offset4(ml, mi);
+            stf<TM>(ml, mo, st[threadIdx.x]);
+            stf<TM>(ml, mo + ml.strides[3], st[kAttnQ + threadIdx.x]);
+          }
+        }
+      }
+}
+
+// The strided / any-dtype fallback is kept out of line so the 16-byte path, inlined into the
+// dispatch, keeps the registers to itself.
+template <typename TQ, typename TK, typename TV, typename TP, typename TM>
+__device__ __noinline__ void attention_partial_generic(TileCtx& c) {
+  const int seg = min(min(c.param(2), kAttnSegMax), (c.smem_floats - kAttnQ * 256 - 32) / kAttnQ);
+  attention_partial_impl<false, TQ, TK, TV, TP, TM>(c, seg);
+}
+
+// Thread 0 starts pulling the tile's K and V split rows [j0, jend) into L2. They were written by
+// earlier steps (the new position's row, written by this step's cache write, may still be in
+// flight: L2 is the point of coherence, so a prefetch never hides that write), and the tile's
+// wait (the layer's K / V projection, RoPE and cache write) is longer than the fetch. Contiguous
+// rows only (a row stride equal to the row length); a hint, nothing completes.
+template <typename TK, typename TV>
+__device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
+  if (threadIdx.x != 0) return;
+  const Operand &q = operands()[0], &k = operands()[1], &v = operands()[2];
+  const long long valid = operands()[5].scalar;
+  const int causal = c.param(1), chunk = c.param(2), Sq = q.sizes[2], S = k.sizes[2];
+#pragma unroll 1
+  for (int b = c.lo(0); b < c.hi(0); ++b)
+#pragma unroll 1
+    for (int h = c.lo(1); h < c.hi(1); ++h)
+#pragma unroll 1
+      for (int s = c.lo(2); s < c.hi(2); ++s) {
+        const int j0 = s * chunk, jend = attn_split_end(s, chunk, S, causal, valid, Sq);
+        int idx[4] = {b, h, j0, 0};
+        if (jend > j0 && k.strides[3] == 1 && k.strides[2] == k.sizes[3])
+          prefetch_l2(base<TK>(k) + offset4(k, idx), (long long)(jend - j0) * k.sizes[3] * sizeof(TK));
+        if (jend > j0 && v.strides[3] == 1 && v.strides[2] == v.sizes[3])
+          prefetch_l2(base<TV>(v) + offset4(v, idx), (long long)(jend - j0) * v.sizes[3] * sizeof(TV));
+      }
+}
+
+template <typename TQ, typename TK, typename TV, typename TP, typename TM>
+__device__ void op_attention_partial(TileCtx& c) {
+  // dispatched before its wait (executor.cuh): the splits stream into L2 while it waits. Measured
+  // on an H200 (variants_ab.py, Llama-3.2-1B batch 1, context 1024, same process): 1.459 ms a
+  // step against 1.467 ms without the prefetch, logits bitwise equal.
+  attn_prefetch_l2<TK, TV>(c);
+  if (!c.wait()) return;
+  if constexpr (sizeof(TK) == 2 && sizeof(TV) == 2) {
+    const int seg = attn_staged_seg(c, c.param(2), operands()[1].sizes[3], operands()[2].sizes[3]);
+    if (seg > 0 && attn_vec_ok(operands()[1]) && attn_vec_ok(operands()[2])) {
+      attention_partial_impl<true, TQ, TK, TV, TP, TM>(c, seg);
+      return;
+    }
+  }
+  attention_partial_generic<TQ, TK, TV, TP, TM>(c);
+}
+
+// ---- attention_combine -----------------------------------------------------------------------
+// Rows r = hq * Sq + i of the tile's query heads, kWarps at a time: one warp per row computes
+// M, the split weights exp(m_s - M) and their normalizer sum_s w_s l_s into shared memory; then
+// one thread per (row, d) sums the weighted o_s. A row no split saw (all m = -inf) gets 0.
+// When the partials are float32 with contiguous rows, at most 32 splits and shared memory to
+// spare, a pass's o_s rows come into shared memory with 16-byte cp.async copies issued before
+// the statistics, whose m_s and l_s each lane loads together: the pass is one round trip to L2
+// (the partials were just written by other workers), not one for m, one for l and one per few
+// o_s. Same arithmetic in the same order either way.
+template <typename TP, typename TM, typename TO>
+__device__ void op_attention_combine(TileCtx& c) {
+  const Operand &op = operands()[0], &ml = operands()[1], &out = operands()[2];
+  const int NS = op.sizes[2], Sq = out.sizes[2], Dv = out.sizes[3];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long ms = ml.strides[2], m1 = ml.strides[3], os = op.strides[2];
+  float* w = c.smem();                        // [kWarps][NS]
+  float* ostage = w + (kWarps * NS + 3) / 4 * 4;  // fast: [nr][NS][Dv] o_s rows
+#pragma unroll 1
+  for (int b = c.lo(0); b < c.hi(0); ++b) {
+    const int r0 = c.lo(1) * Sq, r1 = c.hi(1) * Sq;
+#pragma unroll 1
+    for (int rb = r0; rb < r1; rb += kWarps) {
+      const int nr = min(kWarps, r1 - rb);
+      int pi[4] = {b, rb, 0, 0};
+      const long long pass0 = offset4(op, pi);  // o_part row rb, split 0
+#ifndef TILEC_AB_OLD_COMBINE
+      const bool fast = std::is_same<TP, float>::value && NS <= 32 && Dv % 4 == 0 && op.strides[3] == 1 && os == Dv &&
+                        op.strides[1] == (long long)NS * Dv && aligned16(base<TP>(op) + pass0) &&
+                        (ostage - w) + nr * NS * Dv <= c.smem_floats;
+#else
+      const bool fast = false;
+#endif
+      block_sync();  // the previous rows are done with w (and ostage)
+      if (fast) {
+#pragma unroll 1
+        for (int v = threadIdx.x; v < nr * NS * Dv / 4; v += kThreads) cp_async16(ostage + v * 4, base<TP>(op) + pass0 + v * 4);
+      }
+      if (warp < nr) {
+        int mi[4] = {b, rb + warp, 0, 0};
+        const long long mo = offset4(ml, mi);
+        float mx = -INFINITY, l = 0.f;
+        if (fast) {  // one split per lane: m_s and l_s in one round trip
+          const float m = lane < NS ? ldf<TM>(ml, mo + lane * ms) : -INFINITY;
+          const float ls = lane < NS ? ldf<TM>(ml, mo + lane * ms + m1) : 0.f;
+          mx = warp_max(m);
+          if (lane < NS) {
+            const float wt = m == -INFINITY ? 0.f : __expf(m - mx);
+            l += wt * ls;
+            w[warp * NS + lane] = wt;
+          }
+        } else {
+#pragma unroll 1
+          for (int s = lane; s < NS; s += 32) mx = fmaxf(mx, ldf<TM>(ml, mo + s * ms));
+          mx = warp_max(mx);
+#pragma unroll 1
+          for (int s = lane; s < NS; s += 32) {
+            const float m = ldf<TM>(ml, mo + s * ms);
+            const float wt = m == -INFINITY ? 0.f : __expf(m - mx);
+            l += wt * ldf<TM>(ml, mo + s * ms + m1);
+            w[warp * NS + s] = wt;
+          }
+        }
+        l = warp_sum(l);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll 1
+        for (int s = lane; s < NS; s += 32) w[warp * NS + s] *= inv;
+      }
+      if (fast) cp_async_wait_all();
+      block_sync();
+#pragma unroll 1
+      for (int e = threadIdx.x; e < nr * Dv; e += kThreads) {
+        const int rr = e / Dv, d = e % Dv, r = rb + rr;
+        float o = 0.f;
+        if (fast) {
+#pragma unroll 4
+          for (int s = 0; s < NS; ++s) o += w[rr * NS + s] * ostage[(rr * NS + s) * Dv + d];
+        } else {
+          int pj[4] = {b, r, 0, d};
+          const long long po = offset4(op, pj);
+#pragma unroll 4
+          for (int s = 0; s < NS; ++s) o += w[rr * NS + s] * ldf<TP>(op, po + s * os);
+        }
+        int oi[4] = {b, r / Sq, r % Sq, d};
+        stf<TO>(out, offset4(out, oi), o);
+      }
+    }
+  }
+}
+
+}  // namespace tilec
