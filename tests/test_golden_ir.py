@@ -282,17 +282,18 @@ def test_round_robin_plan_render():
 
 def test_fuse_gemv_golden():
     """RMSNorm -> gate/up becomes two prologue-fused GEMVs, SiLU-mul -> down -> + residual one
-    fused GEMV with both; the norm and SiLU-mul ops and the add disappear."""
+    fused GEMV with both; the norm and SiLU-mul ops and the add disappear. The SiLU then moves
+    into the gate GEMV's epilogue and the down projection's prologue keeps the product."""
     m, args, prog, rec = compile_block(Options(workers=4, tile_n=32, tile_rows=1))
     text = rec.render("fuse_gemv")
     filecheck(text, [
         r"^opgraph \{$",
         r"^  \w+ = binary\(residual\[2x64\], x\[2x64\]\) -> (?P<h>\w+)\[2x64\] fn='add'$",
         r"^  \w+ = linear_fused\([[h]]\[2x64\], p_weight\[64\], p_gate_proj_weight\[96x64\]\) -> (?P<g>\w+)\[2x96\] "
-        r"epilogue='none' eps=1e-06 prologue='rmsnorm'$",
+        r"epilogue='silu' eps=1e-06 prologue='rmsnorm'$",
         r"^  \w+ = linear_fused\([[h]]\[2x64\], p_weight\[64\], p_up_proj_weight\[96x64\]\) -> (?P<u>\w+)\[2x96\]",
         r"^  \w+ = linear_fused\([[g]]\[2x96\], [[u]]\[2x96\], p_down_proj_weight\[64x96\], [[h]]\[2x64\]\) -> "
-        r"\w+\[2x64\] epilogue='add' prologue='silu_mul'$",
+        r"\w+\[2x64\] epilogue='add' prologue='mul'$",
         r"^\}$",
     ])
     assert "= rmsnorm(" not in text and "= silu_mul(" not in text and text.count("binary(") == 1

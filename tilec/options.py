@@ -34,6 +34,9 @@ class Options:
         attention op with fewer than 2 splits stays one ``attention`` op.
     fuse_gemv: fuse RMSNorm / SiLU-mul producers and residual adds into the GEMVs around them
         (``tilec.passes.fuse_gemv``; bitwise the same results, fewer dependent stages).
+    swiglu_split: with ``fuse_gemv``, apply SwiGLU's SiLU in the gate projection's epilogue, so
+        the down projection's prologue only multiplies (bitwise the same results; its tiles
+        stop recomputing the SiLU over every input element).
     fold_cache_writes: let a RoPE op write the KV-cache slot directly instead of a following
         ``cache_write`` copying its output there (``tilec.passes.fold_cache_write``; with split_k 1, bitwise the
         same results, one dependent stage fewer per layer).
@@ -70,6 +73,7 @@ class Options:
     attn_heads_per_tile: int = 1
     attn_kv_chunk: int | None = None
     fuse_gemv: bool = True
+    swiglu_split: bool = True
     fold_cache_writes: bool = True
     gemv_groups: bool = True
     fuse_fp8_quant: bool = True

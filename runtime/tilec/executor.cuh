@@ -106,11 +106,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
                           unsigned long long* counters, unsigned long long* state, ErrorRecord* err, long long timeout_ns,
                           int smem_bytes, int ring_stages, long long* stamps, long long position) {
   extern __shared__ float4 dyn_smem4[];
-  // descriptors i, i + 1 and i + 2 (slot i % 3), and the operand-table rows of instructions i and
-  // i + 1 (slot i & 1): each comes in with cp.async an instruction or two ahead, so decoding an
-  // instruction's operands reads shared memory, not an L2 round trip on its critical path
-  __shared__ __align__(16) int desc[3][TILEC_DESCRIPTOR_WORDS];
-  __shared__ __align__(16) long long oprow[2][TILEC_MAX_OPERANDS * TILEC_OPERAND_FIELDS];
+  __shared__ int desc[2][TILEC_DESCRIPTOR_WORDS];
   __shared__ int go, ring_next, ring_gave_up, compute_done;
   __shared__ unsigned long long ring_full[kMaxStages], ring_empty[kMaxStages];
   __shared__ WeightRing ring;
@@ -118,13 +114,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
   __shared__ int x_staged;  // 1: the last instruction left a GEMV's bf16 x rows in the scratch
   const int worker = blockIdx.x;
   const int* q = queues + (size_t)worker * L * TILEC_DESCRIPTOR_WORDS;
-  if (threadIdx.x < TILEC_DESCRIPTOR_WORDS) {
-    desc[0][threadIdx.x] = q[threadIdx.x];
-    if (L > 1) desc[1][threadIdx.x] = q[TILEC_DESCRIPTOR_WORDS + threadIdx.x];
-  }
-  if (threadIdx.x < TILEC_MAX_OPERANDS * TILEC_OPERAND_FIELDS && q[TILEC_W_OPCODE] != TILEC_OP_NOOP &&
-      q[TILEC_W_OPCODE] != TILEC_OP_EMPTY)
-    oprow[0][threadIdx.x] = operands[(size_t)q[TILEC_W_OPERAND_ROW] * TILEC_MAX_OPERANDS * TILEC_OPERAND_FIELDS + threadIdx.x];
+  if (threadIdx.x < TILEC_DESCRIPTOR_WORDS) desc[0][threadIdx.x] = q[threadIdx.x];
   if (threadIdx.x == 0) {
     epoch = ld_acquire(state) + 1;
     ring = WeightRing{reinterpret_cast<char*>(dyn_smem4), ring_full, ring_empty, ring_stages, &ring_next, &err->flag,
@@ -148,32 +138,19 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
   const int smem_floats = (smem_bytes - ring_stages * kStageBytes) / 4;
   bool ok = true;  // the same in every compute thread: each decision is read after a barrier
   for (int i = 0; i < L; ++i) {
-    const int* d = desc[i % 3];
+    const int* d = desc[i & 1];
     const int opcode = d[TILEC_W_OPCODE], wait_e = d[TILEC_W_WAIT_EVENT], wait_c = d[TILEC_W_WAIT_COUNT];
-    const int signal_e = d[TILEC_W_SIGNAL_EVENT], sig = d[TILEC_W_DTYPE_SIG];
+    const int signal_e = d[TILEC_W_SIGNAL_EVENT], row = d[TILEC_W_OPERAND_ROW], sig = d[TILEC_W_DTYPE_SIG];
     if (opcode == TILEC_OP_NOOP) break;
 #ifdef TILEC_STAMP_DISPATCH
     if (stamps && threadIdx.x == 0) stamps[((size_t)worker * L + i) * 4 + 3] = (long long)global_timer();
 #endif
-    // the second instruction slot: instruction i + 1's operand row and descriptor i + 2 start
-    // coming in (16-byte cp.async; complete and visible after this instruction's last barrier)
-    constexpr int kRowVecs = TILEC_MAX_OPERANDS * TILEC_OPERAND_FIELDS / 2, kDescVecs = TILEC_DESCRIPTOR_WORDS / 4;
-    if (i + 1 < L && threadIdx.x < kRowVecs) {
-      const int* dn = desc[(i + 1) % 3];
-      if (dn[TILEC_W_OPCODE] != TILEC_OP_NOOP && dn[TILEC_W_OPCODE] != TILEC_OP_EMPTY)
-        cp_async16(oprow[(i + 1) & 1] + 2 * threadIdx.x,
-                   operands + (size_t)dn[TILEC_W_OPERAND_ROW] * TILEC_MAX_OPERANDS * TILEC_OPERAND_FIELDS + 2 * threadIdx.x);
-    } else if (i + 2 < L && threadIdx.x >= kRowVecs && threadIdx.x < kRowVecs + kDescVecs) {
-      const int v = threadIdx.x - kRowVecs;
-      cp_async16(desc[(i + 2) % 3] + 4 * v, q + (size_t)(i + 2) * TILEC_DESCRIPTOR_WORDS + 4 * v);
-    }
+    // slot 2: fetch the next descriptor while this one waits and runs
+    if (threadIdx.x < TILEC_DESCRIPTOR_WORDS && i + 1 < L)
+      desc[(i + 1) & 1][threadIdx.x] = q[(size_t)(i + 1) * TILEC_DESCRIPTOR_WORDS + threadIdx.x];
     if (opcode != TILEC_OP_EMPTY && threadIdx.x >= 32 && threadIdx.x < 32 + TILEC_MAX_OPERANDS) {
       const int k = threadIdx.x - 32;
-#ifdef TILEC_AB_SYNC_DECODE
-      decode_operand(operands + ((size_t)d[TILEC_W_OPERAND_ROW] * TILEC_MAX_OPERANDS + k) * TILEC_OPERAND_FIELDS, tilec_ops[k], position);
-#else
-      decode_operand(oprow[i & 1] + k * TILEC_OPERAND_FIELDS, tilec_ops[k], position);
-#endif
+      decode_operand(operands + ((size_t)row * TILEC_MAX_OPERANDS + k) * TILEC_OPERAND_FIELDS, tilec_ops[k], position);
       // the tile's weights start streaming into L2 while thread 0 waits for its producers
       const unsigned pf = (unsigned)d[TILEC_W_PREFETCH];
       if (pf != 0u && (int)(pf >> 28) == k)
@@ -203,14 +180,10 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
       staged_out = c.x_staged_out;
     }
     if (!c.waited) c.wait();  // an op that left before its wait (a failed check) still waits
-#ifdef TILEC_STAMP_RETURN
-    if (stamp && threadIdx.x == 0) stamp[3] = (long long)global_timer();  // lab: the op returned
-#endif
     if (!go) {
       ok = false;
       break;
     }
-    cp_async_wait_all();  // the next instruction's operand row and descriptor i + 2 (issued above)
     block_sync();
     if (threadIdx.x == 0) x_staged = staged_out;  // read by every thread after the next instruction's first barrier
     if (ring_gave_up) {  // a ring wait gave up (abort): leave the queue

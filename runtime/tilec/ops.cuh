@@ -553,7 +553,8 @@ __device__ __forceinline__ float dot8_bf16(const uint4& w, const __nv_bfloat16* 
          __uint_as_float(a.w & 0xffff0000u) * __uint_as_float(w.w & 0xffff0000u);
 }
 
-// The output side of a GEMV tile: optional residual add (the fused epilogue), then store.
+// The output side of a GEMV tile: the fused epilogue - a residual add, or SiLU of the rounded
+// value (tilec/ops/linear_fused.py epilogues 1, 2) - then store.
 // ooff/roff: per-row element offsets of out/resid; on/rn: their column strides.
 template <typename TO>
 struct GemvStore {
@@ -563,12 +564,17 @@ struct GemvStore {
   const long long* roff;
   long long on, rn;
   int variant;  // 0 write (callers add the bias), 2 split-K partial (atomic float32 add, no bias)
+  bool silu = false;
   __device__ void operator()(int m, int n, float v) const {
     if (variant == 2) {  // split-K partial: the init tile (variant 1) wrote the bias
       atomicAdd(reinterpret_cast<float*>(out.ptr) + shared_ptr(ooff)[m] + (long long)n * on, v);
       return;
     }
     if (resid) v = round_to<TO>(v) + ldf<TO>(*resid, shared_ptr(roff)[m] + (long long)n * rn);
+    if (silu) {  // as the silu_mul prologue computes it from the stored value (stage_bf16_rows)
+      const float g = round_to<TO>(v);
+      v = g / (1.f + __expf(-g));
+    }
     stf<TO>(out, shared_ptr(ooff)[m] + (long long)n * on, v);
   }
 };
@@ -964,9 +970,15 @@ __device__ __forceinline__ void gemv_silu_mul_rows(const TileCtx& c, const long 
     return round_to<TX>(round_to<TX>(g / (1.f + __expf(-g))) * u);
   });
 }
+template <typename TX>
+__device__ __forceinline__ void gemv_mul_rows(const TileCtx& c, const long long* soff, int nr, int k0, int kl,
+                                           float* xs_smem) {
+  apply_side<TX>(operands()[1], soff, nr, k0, kl, xs_smem, [&](int, float s, float u) { return round_to<TX>(s * u); });
+}
 
 // A ring-fed GEMV tile's bf16 x rows, staged as bf16 rows xb [nr][pitch] with the fused prologue
-// applied (pro 1: RMSNorm with weight operand 1; pro 2: SiLU(x) * operand 1 rows at soff). The rows
+// applied (pro 1: RMSNorm with weight operand 1; pro 2: SiLU(x) * operand 1 rows at soff; pro 3:
+// x * operand 1 rows at soff). The rows
 // (and the RMSNorm weight, or the SiLU-mul side rows, into side_s: kl, or nr x kl elements) come
 // in with 16-byte cp.async copies issued by a rolled loop - every copy in flight at once, in a few
 // instructions - and the prologue is applied in shared memory. The executor is one kernel that
@@ -985,7 +997,7 @@ __device__ __forceinline__ bool bf16_rows_stageable(const TileCtx& c, const long
   if (pro != 0 && (side.strides[side.ndim - 1] != 1 || !aligned16(side.ptr))) return false;
   for (int r = 0; r < nr; ++r) {
     if (!aligned16(base<__nv_bfloat16>(x) + xoff[r] + k0)) return false;
-    if (pro == 2 && !aligned16(base<__nv_bfloat16>(side) + soff[r] + k0)) return false;
+    if (pro >= 2 && !aligned16(base<__nv_bfloat16>(side) + soff[r] + k0)) return false;
   }
   return pro != 1 || aligned16(base<__nv_bfloat16>(side) + k0);
 }
@@ -1001,7 +1013,7 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
   for (int v = threadIdx.x; v < nv; v += kThreads) {
     const int r = v / vpr, k = (v - r * vpr) * 8;
     cp_async16(xb + r * pitch + k, xp + xoff[r] + k0 + k);
-    if (pro == 2) cp_async16(side_s + r * kl + k, sp + soff[r] + k0 + k);
+    if (pro >= 2) cp_async16(side_s + r * kl + k, sp + soff[r] + k0 + k);
   }
   if (pro == 1)
 #pragma unroll 1
@@ -1039,13 +1051,17 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
       for (int i = 0; i < 4; ++i)  // round_to<bf16>(x * rs) * w, as gemv_rmsnorm_rows
         res[i] = bf16x2_bits(round_to<__nv_bfloat16>(bf16_lo(xw[i]) * rs) * bf16_lo(sw[i]),
                              round_to<__nv_bfloat16>(bf16_hi(xw[i]) * rs) * bf16_hi(sw[i]));
-    } else {
+    } else if (pro == 2) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // round_to<bf16>(silu(g)) * u, as gemv_silu_mul_rows
         const float gl = bf16_lo(xw[i]), gh = bf16_hi(xw[i]);
         res[i] = bf16x2_bits(round_to<__nv_bfloat16>(gl / (1.f + __expf(-gl))) * bf16_lo(sw[i]),
                              round_to<__nv_bfloat16>(gh / (1.f + __expf(-gh))) * bf16_hi(sw[i]));
       }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)  // s * u: the producer's epilogue applied the SiLU
+        res[i] = bf16x2_bits(bf16_lo(xw[i]) * bf16_lo(sw[i]), bf16_hi(xw[i]) * bf16_hi(sw[i]));
     }
     *p = make_uint4(res[0], res[1], res[2], res[3]);
   }
@@ -1055,7 +1071,7 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
 // Shared-memory floats stage_bf16_rows' side_s needs for prologue pro (kl elements of the RMSNorm
 // weight; nr x kl side rows for SiLU-mul), a multiple of 4.
 __device__ __forceinline__ int stage_side_floats(int pro, int nr, int kl) {
-  return pro == 1 ? (kl / 2 + 3) / 4 * 4 : pro == 2 ? (nr * kl / 2 + 3) / 4 * 4 : 0;
+  return pro == 1 ? (kl / 2 + 3) / 4 * 4 : pro >= 2 ? (nr * kl / 2 + 3) / 4 * 4 : 0;
 }
 
 // ---- streamed weights on tensor cores, K blocks outer: 9..16 x rows over a long K ----------
@@ -1144,7 +1160,7 @@ __device__ __forceinline__ void gemv_bf16_ring_kouter(const TileCtx& c, const St
 }
 
 // Stages a GEMV tile's x rows as float in shared memory, then applies the fused prologue (pro 1:
-// RMSNorm with weight operand 1; pro 2: SiLU(x) * operand 1).
+// RMSNorm with weight operand 1; pro 2: SiLU(x) * operand 1; pro 3: x * operand 1).
 template <typename TX>
 __device__ __forceinline__ void gemv_stage_rows(const TileCtx& c, const Operand& x, const long long* xoff,
                                              const long long* soff, long long xk, int nr, int k0, int k1,
@@ -1153,6 +1169,7 @@ __device__ __forceinline__ void gemv_stage_rows(const TileCtx& c, const Operand&
   block_sync();
   if (pro == 1) gemv_rmsnorm_rows<TX>(c, nr, k0, k1 - k0, xs_smem, rscale, eps);
   else if (pro == 2) gemv_silu_mul_rows<TX>(c, soff, nr, k0, k1 - k0, xs_smem);
+  else if (pro == 3) gemv_mul_rows<TX>(c, soff, nr, k0, k1 - k0, xs_smem);
   if (pro != 0) block_sync();
 }
 
@@ -1197,7 +1214,8 @@ __device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, co
 
 // GEMV tile. `wi`/`oi`: operand indices of W and out. Fused (linear_fused) tiles also apply
 // a prologue to the staged rows - pro 1: RMSNorm with weight operand 1 (eps), pro 2: SiLU(x)
-// times operand 1 - and an epilogue (epi 1: + resid, operand wi + 1), with the rounding
+// times operand 1, pro 3: x times operand 1 - and an epilogue (epi 1: + resid, operand wi + 1;
+// epi 2: SiLU of the rounded value), with the rounding
 // points of the unfused rmsnorm / silu_mul / binary-add ops (tilec/ops/linear_fused.py).
 // kRowCap: a bound on the op's rows that the plan guarantees (1, 4, 8 or 16; 0 = any,
 // tilec.ops.row_cap); the instance keeps only the paths its rows can take. Llama-3.2-1B's
@@ -1214,7 +1232,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
   constexpr int kR = kRowCap == 1 ? 1 : kRowCap == 4 ? 4 : 8;         // the widest row-register instance
   const Operand &x = operands()[0], &w = operands()[wi];
   const Operand &out = operands()[oi];
-  const Operand* resid = epi ? &operands()[wi + 1] : nullptr;
+  const Operand* resid = epi == 1 ? &operands()[wi + 1] : nullptr;
   const int nd = out.ndim;
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
@@ -1246,13 +1264,13 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       xoff[r] = offset4(x, idx);
       ooff[r] = offset4(out, idx);
       if (resid) roff[r] = offset4(*resid, idx);
-      if (pro == 2) soff[r] = offset4(operands()[1], idx);
+      if (pro >= 2) soff[r] = offset4(operands()[1], idx);
     }
     block_sync();
     // stage this chunk's x rows (K range) in shared memory as float when they fit (fused
     // tiles always fit: the fusion pass checks)
     const bool staged = (long long)nr * kl + 2304 / 4 <= (long long)c.smem_floats - 64;
-    const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant};
+    const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant, epi == 2};
     // Streamed weights (the loader fills the ring): x as bf16 rows xb [nr][pitch] - pitch kl, or for
     // the tensor-core consumer (9..16 rows) kl + 32, which puts rows 64 mod 128 bytes apart (for
     // kl % 64 == 0: conflict-free A loads), with room after them for its cross-warp sums (red).
@@ -1376,7 +1394,7 @@ template <typename TX, typename TW, typename TO, int kRowCap>
 __device__ void op_linear_fused(TileCtx& c) {
   const int pro = c.param(1), epi = c.param(2);
   const int wi = pro ? 2 : 1;
-  linear_impl<TX, TW, TW, TO, false, kRowCap>(c, wi, wi + (epi ? 2 : 1), pro, epi, c.fparam(3), c.param(4) != 0);
+  linear_impl<TX, TW, TW, TO, false, kRowCap>(c, wi, wi + (epi == 1 ? 2 : 1), pro, epi, c.fparam(3), c.param(4) != 0);
 }
 
 // ---- decode attention over a static KV cache (GQA) -------------------------------------

@@ -186,9 +186,11 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
           }
           float acc[kAttnQ][8];
           long long lim[kAttnQ];  // query qq sees cache positions < lim[qq]
+          int tok = (q0 % Sq);    // query q0 + qq is token (q0 + qq) % Sq: one division per pass
 #pragma unroll
           for (int qq = 0; qq < kAttnQ; ++qq) {
-            lim[qq] = causal ? valid + (q0 + qq) % Sq : 0x7fffffffffffffffLL;
+            lim[qq] = causal ? valid + tok : 0x7fffffffffffffffLL;
+            if (++tok == Sq) tok = 0;
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc[qq][e] = 0.f;
           }
@@ -204,27 +206,36 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             }
             block_sync();  // queries (and rows) staged; the previous segment's P.V is done with sc
             c.mark(1);     // profiling: queries staged (the tile's last head / split / pass / segment)
-            // (1) scores
+            // (1) scores; query qq sees the segment's rows jj < seen[qq]
+            int seen[kAttnQ];
+#pragma unroll
+            for (int qq = 0; qq < kAttnQ; ++qq) seen[qq] = (int)max(0LL, min((long long)len, lim[qq] - p0));
+            // LK a compile-time constant (kLK > 0) unrolls the lane group's shuffle sum to its log2(LK) steps
+            auto scores = [&](auto klk) {
+              constexpr int kLK = decltype(klk)::value;
 #pragma unroll 1
-            for (int t0 = 0; t0 < len; t0 += kWarps * PK) {
-              const int jj = t0 + warp * PK + gk;
-              AttnRow8<kStaged, TK> kr;
-              if constexpr (kStaged) kr.load(ks, jj, D, ik * 8, jj < len);
-              else kr.load(k, kb + (long long)(p0 + jj) * kj, kd, ik * 8, D, jj < len);
+              for (int t0 = 0; t0 < len; t0 += kWarps * PK) {
+                const int jj = t0 + warp * PK + gk;
+                AttnRow8<kStaged, TK> kr;
+                if constexpr (kStaged) kr.load(ks, jj, D, ik * 8, jj < len);
+                else kr.load(k, kb + (long long)(p0 + jj) * kj, kd, ik * 8, D, jj < len);
 #pragma unroll
-              for (int qq = 0; qq < kAttnQ; ++qq) {
-                if (qq < qc) {  // warp-uniform
-                  const float4 a = *reinterpret_cast<const float4*>(qs + qq * 256 + ik * 8);
-                  const float4 a2 = *reinterpret_cast<const float4*>(qs + qq * 256 + ik * 8 + 4);
-                  float dot = a.x * kr[0] + a.y * kr[1] + a.z * kr[2] + a.w * kr[3] +
-                              a2.x * kr[4] + a2.y * kr[5] + a2.z * kr[6] + a2.w * kr[7];
+                for (int qq = 0; qq < kAttnQ; ++qq) {
+                  if (qq < qc) {  // warp-uniform
+                    const float4 a = *reinterpret_cast<const float4*>(qs + qq * 256 + ik * 8);
+                    const float4 a2 = *reinterpret_cast<const float4*>(qs + qq * 256 + ik * 8 + 4);
+                    float dot = a.x * kr[0] + a.y * kr[1] + a.z * kr[2] + a.w * kr[3] +
+                                a2.x * kr[4] + a2.y * kr[5] + a2.z * kr[6] + a2.w * kr[7];
 #pragma unroll
-                  for (int o = 16; o > 0; o >>= 1)  // LK / 2, LK / 4, .., 1: the lane group's sum
-                    if (o < LK) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                  if (ik == 0 && jj < len) sc[qq * seg + jj] = p0 + jj < lim[qq] ? dot : -INFINITY;
+                    for (int o = 16; o > 0; o >>= 1)  // LK / 2, LK / 4, .., 1: the lane group's sum
+                      if (o < (kLK > 0 ? kLK : LK)) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                    if (ik == 0 && jj < len) sc[qq * seg + jj] = jj < seen[qq] ? dot : -INFINITY;
+                  }
                 }
               }
-            }
+            };
+            if (LK == 8) scores(std::integral_constant<int, 8>{});  // 64-element heads
+            else scores(std::integral_constant<int, 0>{});
             block_sync();
             // (2) softmax statistics, one warp per query
 #pragma unroll 1

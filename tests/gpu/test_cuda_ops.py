@@ -80,6 +80,33 @@ def test_linear_after_linear(dtype, m):
     check(LinOfLin(256, 72, dtype), (torch.randn(m, 256, dtype=dtype),), dtype, workers=8, tile_n=32)
 
 
+class SwiGLU(torch.nn.Module):
+    def __init__(self, d, f, dtype):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, f, bias=False, dtype=dtype)
+        self.up = torch.nn.Linear(d, f, bias=False, dtype=dtype)
+        self.down = torch.nn.Linear(f, d, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x)) + x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 12])
+def test_swiglu_split_is_bitwise_the_silu_mul_prologue(dtype, m):
+    """SwiGLU's SiLU as the gate GEMV's epilogue and a multiply-only down prologue (the default)
+    gives bitwise what the down projection's silu_mul prologue gives (12 bf16 rows: the
+    tensor-core ring consumer; float32: the float staging path)."""
+    mod, x = SwiGLU(256, 512, dtype), torch.randn(m, 256, dtype=dtype)
+    split = check(mod, (x,), dtype, workers=16)
+    fused = {(op.kind, op.attr("prologue"), op.attr("epilogue")) for op in split.plan.graph.ops}
+    assert ("linear_fused", "none", "silu") in fused and ("linear_fused", "mul", "add") in fused, fused
+    whole = check(mod, (x,), dtype, workers=16, swiglu_split=False)
+    assert "silu" not in {op.attr("epilogue") for op in whole.plan.graph.ops}
+    xd = x.to(DEV)
+    assert torch.equal(split(xd), whole(xd))
+
+
 class LinOfView(Lin):
     """The linear of a view of the input: transposed (K stride 16) or offset by one element
     (rows 2 bytes past 16-byte alignment) - the K-outer stream stages such rows one element at a

@@ -7,14 +7,17 @@
   exactly the ``rmsnorm`` op (HF ``LlamaRMSNorm``), recomputed by every column tile from the
   whole row (a row of a decode step is a few KiB, the weights it multiplies are MiBs);
 * ``silu_mul``: ``silu(g).to(g.dtype) * u`` rounded to g's dtype - the ``silu_mul`` op;
+* ``mul``: ``s * u`` rounded to s's dtype - the second half of ``silu_mul`` when the GEMV that
+  produced g applied the SiLU as its epilogue;
 
-and the epilogue ``none`` or ``add``: ``out = acc.to(out.dtype) + resid`` rounded - the
-``binary`` add of a residual connection. Made by :func:`tilec.passes.fuse_gemv_chains`
+and the epilogue ``none``, ``add``: ``out = acc.to(out.dtype) + resid`` rounded - the
+``binary`` add of a residual connection - or ``silu``: ``out = silu(acc.to(out.dtype))``
+rounded - the first half of ``silu_mul``. Made by :func:`tilec.passes.fuse_gemv_chains`
 (the DESIGN's "RMSNorm into the next GEMV, residual add into the epilogue, SiLU-mul into
 the down projection"; Mirage MPK and the Hazy megakernel fuse the same chains).
 
-Operands: the prologue's inputs (x; x, norm_w [K]; or g, u), W [N, K], resid [..., N] (with
-``add``), out [..., N]. Side operands (norm_w, u, resid) have the dtype of x (or out).
+Operands: the prologue's inputs (x; x, norm_w [K]; or g, u; or s, u), W [N, K], resid [..., N]
+(with ``add``), out [..., N]. Side operands (norm_w, u, resid) have the dtype of x (or out).
 Params: K, prologue code, epilogue code, eps bits, and (set per tile by the plan) 1 when the
 worker's previous instruction left this tile's staged x rows in shared memory. Tiles: all rows x the
 column ranges of ``tilec.ops.gemv_col_ranges``;
@@ -27,10 +30,11 @@ import torch
 from . import (row_cap, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_col_ranges, gemv_stream_word, out_tiles, register, sub,
                weight_rows_prefetch)
 from .linear import gemv_flops
+from .silu_mul import silu
 
-PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
-EPILOGUES = {"none": 0, "add": 1}
-N_PROLOGUE_INPUTS = {"none": 1, "rmsnorm": 2, "silu_mul": 2}
+PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2, "mul": 3}
+EPILOGUES = {"none": 0, "add": 1, "silu": 2}
+N_PROLOGUE_INPUTS = {"none": 1, "rmsnorm": 2, "silu_mul": 2, "mul": 2}
 
 
 def staged_bytes(rows: int, k: int) -> int:
@@ -130,13 +134,17 @@ class LinearFused(OpDef):
             y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps)
             xs = (y.to(x.dtype).float() * t.operands[1].float()).to(x.dtype).float()
         elif pro == 2:  # the silu_mul op's rounding points
-            s = torch.nn.functional.silu(xs).to(x.dtype).float()
+            s = silu(xs).to(x.dtype).float()
             xs = (s * sub(t.operands[1], lead).float()).to(x.dtype).float()
+        elif pro == 3:  # silu_mul's product (the producer's epilogue applied the SiLU)
+            xs = (xs * sub(t.operands[1], lead).float()).to(x.dtype).float()
         w = t.operands[npro]
         out = t.operands[-1]
         acc = xs @ w[n0:n1].float().t()
         if epi == 1:
             acc = acc.to(out.dtype).float() + sub(t.operands[npro + 1], box).float()
+        elif epi == 2:  # silu_mul's SiLU of the rounded output
+            acc = silu(acc.to(out.dtype).float())
         sub(out, box).copy_(acc)
 
     def cost(self, op, tile):

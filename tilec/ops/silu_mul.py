@@ -9,6 +9,21 @@ import torch
 from . import OpDef, Tile, TileArgs, out_tiles, register, sub
 
 
+SILU_CHUNK = 64  # elements: a multiple of ATen's vectorized CPU loop step (2 x 16 float32 lanes)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``torch.nn.functional.silu(x)`` (float32 [...]) with the same value for an element whatever
+    the tile it is computed in. ATen's CPU kernel computes the elements of its vectorized loop
+    and those of the loop's tail with different exp approximations (last-bit differences), so
+    a tile's width would otherwise change its results; the rows are padded with zeros to a
+    multiple of SILU_CHUNK, which puts every element in the vectorized loop."""
+    flat = x.reshape(-1)
+    pad = -flat.numel() % SILU_CHUNK
+    y = torch.nn.functional.silu(torch.nn.functional.pad(flat, (0, pad)) if pad else flat)
+    return y[:flat.numel()].reshape(x.shape)
+
+
 @register
 class SiluMul(OpDef):
     kind, opcode = "silu_mul", 7
@@ -21,4 +36,4 @@ class SiluMul(OpDef):
     def run_tile(self, t: TileArgs):
         g, u, out = t.operands
         gs = sub(g, t.coords).float()
-        sub(out, t.coords).copy_(torch.nn.functional.silu(gs).to(g.dtype).float() * sub(u, t.coords).float())
+        sub(out, t.coords).copy_(silu(gs).to(g.dtype).float() * sub(u, t.coords).float())

@@ -6,7 +6,10 @@ KiB per row and can be recomputed or applied inside the GEMV tiles instead:
 
 * ``rmsnorm -> linear``: every column tile recomputes the norm of its (whole) input rows;
 * ``silu_mul -> linear``: the down projection applies SwiGLU to its input rows;
-* ``linear -> add``: the residual add becomes the GEMV's epilogue.
+* ``linear -> add``: the residual add becomes the GEMV's epilogue;
+
+and SwiGLU's SiLU then moves into the gate projection's epilogue (the down projection's
+prologue keeps the product only).
 
 The rewrite keeps every rounding point of the unfused ops (``tilec.ops.linear_fused``), so
 results are bitwise those of the unfused plan. A producer whose output has no other reader
@@ -90,6 +93,26 @@ def fuse_gemv_chains(graph: OpGraph, opts=None) -> OpGraph:
         if op is not None and op.kind in ("rmsnorm", "silu_mul"):
             if op.outputs[0].buffer not in outputs and not readers(op.outputs[0].buffer, skip=(i,)):
                 ops[i] = None
+    # SwiGLU split: a down projection whose prologue is silu_mul(g, u), g written by one GEMV and
+    # read by nothing else - that GEMV applies the SiLU as its epilogue (a few columns per
+    # tile) and the down projection only multiplies. Its tiles then stage s * u instead of
+    # computing silu(g) over all K elements of every tile (same rounding points).
+    for i, op in enumerate(ops if getattr(opts, "swiglu_split", True) else ()):
+        if op is None or op.kind != "linear_fused" or op.attr("prologue") != "silu_mul":
+            continue
+        g = op.inputs[0]
+        pw = writers(g.buffer)
+        if g.buffer in outputs or len(pw) != 1 or readers(g.buffer) != [i]:
+            continue
+        p = ops[pw[0]]
+        if p.outputs != (g,) or not (p.kind == "linear_fused" and p.attr("epilogue") == "none"
+                                     or p.kind == "linear" and len(p.inputs) == 2
+                                     and staged_bytes(leading_rows(g.shape), p.inputs[0].shape[-1]) <= SMEM_LIMIT):
+            continue
+        pattrs = dict(p.attrs) if p.kind == "linear_fused" else {"prologue": "none"}
+        pattrs["epilogue"] = "silu"
+        ops[pw[0]] = Op(p.name, "linear_fused", p.inputs, p.outputs, tuple(sorted(pattrs.items())), p.provenance)
+        ops[i] = dataclasses.replace(op, attrs=tuple(sorted({**dict(op.attrs), "prologue": "mul"}.items())))
     kept = [o for o in ops if o is not None]
     used = {v.buffer for o in kept for v in o.inputs + o.outputs} | outputs | {n for n in graph.inputs}
     buffers = {n: b for n, b in graph.buffers.items() if n in used}

@@ -45,14 +45,16 @@ GEMV_KINDS = ("linear", "linear_fused")
 
 
 def _group_key(op: Op):
-    """What siblings share: kind, prologue, epilogue, the views they stage, the output rows."""
+    """What siblings share: kind, prologue, residual epilogue, the views they stage, the output rows."""
     if op.kind == "linear":
         if len(op.inputs) != 2:  # a bias changes the tile's reads; keep it alone
             return None
         staged = op.inputs[:1]
     else:
         staged = op.inputs[:N_PROLOGUE_INPUTS[op.attr("prologue")]]
-    return (op.kind, op.attr("prologue"), op.attr("epilogue"), tuple(staged), op.outputs[0].shape[:-1])
+    # an "add" epilogue reads a residual (another producer); a "silu" epilogue reads nothing
+    epilogue = op.attr("epilogue") if op.attr("epilogue") == "add" else "none"
+    return (op.kind, op.attr("prologue"), epilogue, tuple(staged), op.outputs[0].shape[:-1])
 
 
 def consumer_cuts(graph: OpGraph, op: Op, opts) -> set[int] | None:
