@@ -142,9 +142,6 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     const int opcode = d[TILEC_W_OPCODE], wait_e = d[TILEC_W_WAIT_EVENT], wait_c = d[TILEC_W_WAIT_COUNT];
     const int signal_e = d[TILEC_W_SIGNAL_EVENT], row = d[TILEC_W_OPERAND_ROW], sig = d[TILEC_W_DTYPE_SIG];
     if (opcode == TILEC_OP_NOOP) break;
-#ifdef TILEC_STAMP_DISPATCH
-    if (stamps && threadIdx.x == 0) stamps[((size_t)worker * L + i) * 4 + 3] = (long long)global_timer();
-#endif
     // slot 2: fetch the next descriptor while this one waits and runs
     if (threadIdx.x < TILEC_DESCRIPTOR_WORDS && i + 1 < L)
       desc[(i + 1) & 1][threadIdx.x] = q[(size_t)(i + 1) * TILEC_DESCRIPTOR_WORDS + threadIdx.x];

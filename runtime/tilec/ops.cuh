@@ -1518,8 +1518,4 @@ __device__ void op_attention(TileCtx& c) {
 }  // namespace tilec
 
 #include "ops_glm.cuh"  // the DSA prelude's ops (FP8, absorption, paged caches)
-#ifdef TILEC_AB_OLD_PARTIAL
-#include "ops_attention_old.cuh"
-#else
 #include "ops_attention.cuh"  // split-KV decode attention (flash-decoding partials + combine)
-#endif

@@ -19,11 +19,6 @@ namespace tilec {
 // move (variants_ab.py, Llama-3.2-1B batch 1, context 1024: 1.471 ms rolled, 1.468 unrolled).
 constexpr int kAttnQ = 4;          // queries per pass over a split (ATTN_Q in attention_split.py)
 constexpr int kAttnSegMax = 2048;  // cache positions per shared-memory score segment (ATTN_SEG_MAX)
-#ifndef TILEC_AB_OLD_ATTN_ORDER
-constexpr bool kEarlyRows = true;  // a pass's first segment of K / V rows is issued before its queries load
-#else
-constexpr bool kEarlyRows = false;
-#endif
 
 // Lanes that share one cache row (8 elements each): the next power of two >= ceil(d / 8), so
 // a warp covers 32 / lanes rows per load and a row's dot product reduces within its lane group.
@@ -168,7 +163,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
           const int qc = min(kAttnQ, nq - q0);
           block_sync();  // the previous pass is done with shared memory
           // the first segment's rows start before the queries load: one round trip, not two
-          if constexpr (kStaged && kEarlyRows)
+          if constexpr (kStaged)
             if (jend > j0) stage(j0, min(seg, jend - j0));
 #pragma unroll 1
           for (int e = threadIdx.x; e < qc * 8 * LK; e += kThreads) {
@@ -198,8 +193,8 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
           for (int p0 = j0; p0 < jend; p0 += seg) {
             const int len = min(seg, jend - p0);
             if constexpr (kStaged) {  // (0) the segment's K and V rows into shared memory
-              if (p0 != j0 || !kEarlyRows) {
-                if (p0 != j0) block_sync();  // the previous segment's P.V is done with vs
+              if (p0 != j0) {  // (the first segment's rows were issued with the queries)
+                block_sync();  // the previous segment's P.V is done with vs
                 stage(p0, len);
               }
               cp_async_wait_all();
@@ -411,13 +406,9 @@ __device__ void op_attention_combine(TileCtx& c) {
       const int nr = min(kWarps, r1 - rb);
       int pi[4] = {b, rb, 0, 0};
       const long long pass0 = offset4(op, pi);  // o_part row rb, split 0
-#ifndef TILEC_AB_OLD_COMBINE
       const bool fast = std::is_same<TP, float>::value && NS <= 32 && Dv % 4 == 0 && op.strides[3] == 1 && os == Dv &&
                         op.strides[1] == (long long)NS * Dv && aligned16(base<TP>(op) + pass0) &&
                         (ostage - w) + nr * NS * Dv <= c.smem_floats;
-#else
-      const bool fast = false;
-#endif
       block_sync();  // the previous rows are done with w (and ostage)
       if (fast) {
 #pragma unroll 1
