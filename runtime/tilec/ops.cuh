@@ -1069,7 +1069,7 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
   return true;
 }
 // Shared-memory floats stage_bf16_rows' side_s needs for prologue pro (kl elements of the RMSNorm
-// weight; nr x kl side rows for SiLU-mul), a multiple of 4.
+// weight; nr x kl side rows for SiLU-mul or mul), a multiple of 4.
 __device__ __forceinline__ int stage_side_floats(int pro, int nr, int kl) {
   return pro == 1 ? (kl / 2 + 3) / 4 * 4 : pro >= 2 ? (nr * kl / 2 + 3) / 4 * 4 : 0;
 }
@@ -1365,7 +1365,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       if (kMmaRows && wvec && nr > kRowsPerPass && kl % 32 == 0 && (staged || xvec)) {
         const __nv_bfloat16* wp = base<TW>(w);
         for (int m0 = 0; m0 < nr; m0 += 16) {  // 16 rows per pass of W
-          const GemvStore<TO> sub{out, resid, ooff + m0, roff + m0, on, store.rn, variant};
+          const GemvStore<TO> sub{out, resid, ooff + m0, roff + m0, on, store.rn, variant, store.silu};
           gemv_bf16_mma<TB, TO, kBias>(c, wp, wn, n0, n1, k0, k1, staged ? xs_smem + (long long)m0 * kl : nullptr,
                                        reinterpret_cast<const __nv_bfloat16*>(base<TX>(x)), xoff + m0,
                                        min(16, nr - m0), sub);
@@ -1389,7 +1389,8 @@ template <typename TX, typename TW, typename TO, int kRowCap>
 __device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TW, TO, false, kRowCap>(c, 1, 2); }
 template <typename TX, typename TW, typename TB, typename TO, int kRowCap>
 __device__ void op_linear(TileCtx& c) { linear_impl<TX, TW, TB, TO, true, kRowCap>(c, 1, 3); }
-// linear_fused: operands (x | x, norm_w | g, u), W, (resid), out; params K, prologue, epilogue, eps
+// linear_fused: operands (x | x, norm_w | g, u | s, u), W, (resid: epilogue 1), out; params K, prologue,
+// epilogue, eps
 template <typename TX, typename TW, typename TO, int kRowCap>
 __device__ void op_linear_fused(TileCtx& c) {
   const int pro = c.param(1), epi = c.param(2);

@@ -92,11 +92,12 @@ class SwiGLU(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 12])
+@pytest.mark.parametrize("m", [1, 12, 32])
 def test_swiglu_split_is_bitwise_the_silu_mul_prologue(dtype, m):
     """SwiGLU's SiLU as the gate GEMV's epilogue and a multiply-only down prologue (the default)
-    gives bitwise what the down projection's silu_mul prologue gives (12 bf16 rows: the
-    tensor-core ring consumer; float32: the float staging path)."""
+    gives bitwise what the down projection's silu_mul prologue gives (bf16: 12 rows take the
+    tensor-core ring consumer, 32 the tensor-core GEMV without the ring; float32: the float
+    staging path)."""
     mod, x = SwiGLU(256, 512, dtype), torch.randn(m, 256, dtype=dtype)
     split = check(mod, (x,), dtype, workers=16)
     fused = {(op.kind, op.attr("prologue"), op.attr("epilogue")) for op in split.plan.graph.ops}

@@ -172,8 +172,9 @@ class AttentionCombine(OpDef):
     def smem_bytes(self, op):
         """runtime/tilec/ops_attention.cuh: the split weights of WARPS rows at a time, then, when
         there are at most 32 splits and it takes at most COMBINE_STAGE_MAX bytes, room to stage
-        those rows' float32 partials (WARPS x splits x Dv), which the device copies in one round
-        trip whenever they fit (and reads from global memory otherwise)."""
+        those rows' partials (WARPS x splits x Dv; float32, as ``tilec.passes.split_kv`` makes
+        them), which the device copies in one round trip whenever they fit (and reads from
+        global memory otherwise)."""
         ns, dv = op.inputs[0].shape[2], op.inputs[0].shape[3]
         weights = 4 * (-(-WARPS * ns // 4) * 4)
         staged = 4 * WARPS * ns * dv

@@ -102,7 +102,8 @@ def fuse_gemv_chains(graph: OpGraph, opts=None) -> OpGraph:
             continue
         g = op.inputs[0]
         pw = writers(g.buffer)
-        if g.buffer in outputs or len(pw) != 1 or readers(g.buffer) != [i]:
+        if g.buffer in outputs or len(pw) != 1 or readers(g.buffer) != [i] \
+                or any(v.buffer == g.buffer for v in op.inputs[1:]):  # u reads g too: silu(h) * h
             continue
         p = ops[pw[0]]
         if p.outputs != (g,) or not (p.kind == "linear_fused" and p.attr("epilogue") == "none"

@@ -20,8 +20,8 @@ is then left as it is, a group sized by its total columns alone.
 
 The pass sets attr ``col_split = (block, k)`` on each ``linear`` / ``linear_fused`` op it
 sizes (``tilec.ops.gemv_col_ranges`` cuts the tiles from it): members of a sibling group (two
-or more such ops with equal kind, prologue, epilogue, staged input views and output row
-shape), and lone GEMVs whose per-op tiles would straddle a consumer's. Only tile boundaries
+or more such ops with equal kind, prologue, residual epilogue (or none: a ``silu`` epilogue reads
+nothing more), staged input views and output row shape), and lone GEMVs whose per-op tiles would straddle a consumer's. Only tile boundaries
 move: on the GPU each output column is one warp's full-K dot product whatever the tile's width,
 so results are bitwise unchanged for the 1-8-row GEMVs of a decode step (Llama-3.2-1B's logits
 were, on an H200); the CPU reference executor computes a tile with one matmul whose summation
