@@ -278,3 +278,22 @@ def test_unwritable_dump_dir_is_a_clear_error(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(TilecError, match="tilec option dump_dir=.*cannot create"):
         compile_module(torch.nn.Linear(4, 4), (torch.randn(2, 4),), options=dict(BASE, dump_dir=str(blocker / "d")))
+
+
+def test_measured_overrides_restore_the_cost_figures():
+    """``tilec.cost.measured_overrides`` (the lab scripts' cost A/Bs) plans with other figures
+    inside, the roofline for a kind mapped to None, and restores every figure on exit - also
+    after an error; a malformed figure is refused."""
+    from tilec import cost
+
+    before = dict(cost.MEASURED)
+    with pytest.raises(RuntimeError):
+        with cost.measured_overrides({"rope": [1.0, 0.0], "bmm": None}):
+            assert cost.MEASURED["rope"] == (1.0, 0.0) and "bmm" not in cost.MEASURED
+            assert cost.task_time_us(0, 0, "rope") == 1.0
+            raise RuntimeError("compile failed")
+    assert cost.MEASURED == before
+    with pytest.raises(ValueError, match="rope"):
+        with cost.measured_overrides({"rope": [1.0]}):
+            pass
+    assert cost.MEASURED == before

@@ -9,6 +9,8 @@ per-worker rate) + overhead``.
 """
 from __future__ import annotations
 
+import contextlib
+
 HBM_BYTES_PER_US = 4.0e6  # 4.0 TB/s in bytes per microsecond
 FLOPS_PER_US = 790e6  # 790 TFLOP/s in flop per microsecond
 SMS = 132
@@ -44,6 +46,29 @@ MEASURED: dict[str, tuple[float, float]] = {
     "binary": (5.22, 2.8e3),
     "unary": (6.95, 6.5e3),
 }
+
+
+@contextlib.contextmanager
+def measured_overrides(costs: dict):
+    """Plans compiled inside use other :data:`MEASURED` figures: ``costs`` maps an op kind to
+    ``(fixed µs, bytes per µs)``, or to None to plan that kind by the roofline. Restored on exit
+    (for A/Bs of cost figures, ``benchmarks/lab``).
+
+    Raises:
+        ValueError: a figure is not a pair of numbers.
+    """
+    bad = [k for k, v in costs.items() if v is not None and (len(v) != 2 or not all(isinstance(x, (int, float)) for x in v))]
+    if bad:
+        raise ValueError(f"cost figures must be [fixed_us, bytes_per_us] or null: {bad}")
+    saved = dict(MEASURED)
+    MEASURED.update({k: tuple(v) for k, v in costs.items() if v is not None})
+    for k in [k for k, v in costs.items() if v is None]:
+        MEASURED.pop(k, None)
+    try:
+        yield
+    finally:
+        MEASURED.clear()
+        MEASURED.update(saved)
 
 
 def task_time_us(nbytes: int, flops: int, kind: str | None = None) -> float:

@@ -74,16 +74,8 @@ def main():
         if not name or name in {n for n, _ in variants} | {n for n, _ in plans}:
             ap.error(f"--plan {spec!r}: needs a name no variant or other plan has")
         extra = json.loads(js)
-        costs = extra.pop("costs", {})  # tilec.cost.MEASURED entries to plan with instead
-        saved = dict(cost.MEASURED)
-        cost.MEASURED.update({k: tuple(v) for k, v in costs.items() if v is not None})
-        for k in [k for k, v in costs.items() if v is None]:  # null: plan the kind by the roofline
-            cost.MEASURED.pop(k, None)
-        try:
+        with cost.measured_overrides(extra.pop("costs", {})):  # tilec.cost.MEASURED entries to plan with instead
             plans.append((name, compile_module(mod, inputs, options={**base_opts, **extra})))
-        finally:
-            cost.MEASURED.clear()
-            cost.MEASURED.update(saved)
 
     def build(lines, srcs=sources):
         return codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, prog.opts.arch)

@@ -7,7 +7,9 @@ hit all of them alike).
 
     PYTHONPATH=. python benchmarks/lab/options_ab.py 'groups={}' 'no groups={"gemv_groups": false}'
 
-A variant is NAME=JSON (tilec compile options, as ``decode.py --options`` takes them).
+A variant is NAME=JSON (tilec compile options, as ``decode.py --options`` takes them; under a
+"costs" key, ``tilec.cost.MEASURED`` figures to plan with instead, e.g.
+'refit={"costs": {"linear_fused": [3.42, 31.8e3]}}', null for the roofline).
 """
 import argparse
 import json
@@ -19,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _llama_step import llama_model, step_runner  # noqa: E402
 from decode import time_cuda  # noqa: E402
+from tilec import cost  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
 from tilec.timing import cuda_graph  # noqa: E402
 
@@ -44,7 +47,9 @@ def main():
     model, cache, tok = llama_model("options_ab.py", args.context, args.model)
     steps, graphs, ref = {}, {}, None
     for name, opts in variants.items():
-        step = compile_decode_step(model, cache, 1, options=dict(opts, check=False))
+        opts = dict(opts)
+        with cost.measured_overrides(opts.pop("costs", {})):
+            step = compile_decode_step(model, cache, 1, options=dict(opts, check=False))
         run = step_runner(step, tok, args.context)
         out = run().float()
         step.program.executor.check()
