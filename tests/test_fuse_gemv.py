@@ -91,40 +91,36 @@ def test_bias_and_large_rows_not_fused():
     assert_close(prog(xw), w(xw), 1e-5)
 
 
-class SiluTimesItself(torch.nn.Module):
-    """``down(silu(h) * h)``: SwiGLU's product reads the gate output twice."""
+class SwiGLU(torch.nn.Module):
+    """``down(silu(gate(x)) * up(x))``; with ``up=False`` ``down(silu(h) * h)``, whose product reads
+    the gate output twice."""
 
-    def __init__(self):
+    def __init__(self, up=True):
         super().__init__()
         self.gate = torch.nn.Linear(64, 96, bias=False)
+        self.up = torch.nn.Linear(64, 96, bias=False) if up else None
         self.down = torch.nn.Linear(96, 64, bias=False)
 
     def forward(self, x):
         h = self.gate(x)
-        return self.down(torch.nn.functional.silu(h) * h)
+        return self.down(torch.nn.functional.silu(h) * (self.up(x) if self.up is not None else h))
+
+
+def gemv_forms(prog) -> set[tuple]:
+    """(kind, prologue, epilogue) of the plan's ops."""
+    return {(op.kind, op.attr("prologue"), op.attr("epilogue")) for op in prog.plan.graph.ops}
 
 
 def test_swiglu_split_needs_the_gate_output_read_once():
     """Where the product's other factor is the gate output itself, the SiLU cannot move into the
     gate's epilogue (the product would square it): the down projection keeps silu_mul."""
     torch.manual_seed(0)
-    m = SiluTimesItself().eval()
+    m = SwiGLU(up=False).eval()
     x = torch.randn(2, 64)
     prog = compile_module(m, (x,), options=dict(workers=4))
-    fused = {(op.kind, op.attr("prologue"), op.attr("epilogue")) for op in prog.plan.graph.ops}
+    fused = gemv_forms(prog)
     assert ("linear_fused", "silu_mul", "none") in fused and all(e != "silu" for _, _, e in fused), fused
     assert_close(prog(x), m(x), 1e-5)
-
-
-class SwiGLU(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate = torch.nn.Linear(64, 96, bias=False)
-        self.up = torch.nn.Linear(64, 96, bias=False)
-        self.down = torch.nn.Linear(96, 64, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
 
 
 @pytest.mark.parametrize("split", [True, False])
@@ -135,7 +131,7 @@ def test_swiglu_split_moves_the_silu_into_the_gate(split):
     m = SwiGLU().eval()
     x = torch.randn(3, 64)
     prog = compile_module(m, (x,), options=dict(workers=4, swiglu_split=split))
-    fused = {(op.kind, op.attr("prologue"), op.attr("epilogue")) for op in prog.plan.graph.ops}
+    fused = gemv_forms(prog)
     if split:
         assert ("linear_fused", "none", "silu") in fused and ("linear_fused", "mul", "none") in fused, fused
     else:
