@@ -111,6 +111,8 @@ struct WeightRing {
   long long timeout_ns;       // the watchdog bound of a compute warp's wait
   const int* done;            // shared: set when the compute warps have left the queue
   int* gave_up;               // shared: set by a compute thread whose wait gave up (the executor stops)
+  int* window = nullptr;      // lab (TILEC_LAB_L2_AHEAD): 1 + the index of the last attention-phase
+                              // instruction whose wait completed (executor.cuh TileCtx::wait)
   __device__ unsigned parity(int item) const { return (unsigned)(item / nstages) & 1u; }  // of item's full phase
 };
 
@@ -129,6 +131,38 @@ __device__ __forceinline__ bool loader_wait(unsigned long long* bar, unsigned pa
   return true;
 }
 
+#ifdef TILEC_LAB_L2_AHEAD
+// Lab: while the compute warps are past the wait of an attention-phase instruction (split-KV
+// partial or combine: the q/k/v phase is over, HBM is mostly idle until o_proj and gate/up
+// stream), the loader - blocked on a full ring - pulls its next TILEC_LAB_L2_AHEAD stream items
+// (from instruction i, item j on) into L2, so the ring refills from L2 once the stages free.
+// Earlier lookaheads prefetched whenever the ring was full, GEMV phase tails included, where
+// they take bandwidth from the stragglers that end the phase (README: dropped twice).
+__device__ __noinline__ void prefetch_items_l2(const int* q, int L, const long long* operands, long long position,
+                                               int i, int j, StreamTile t, int n) {
+  bool have = true;
+#pragma unroll 1
+  while (n > 0) {
+    if (!have || j >= t.items()) {  // the next instruction that streams
+      if (++i >= L || q[(size_t)i * TILEC_DESCRIPTOR_WORDS + TILEC_W_OPCODE] == TILEC_OP_NOOP) return;
+      have = stream_tile(q + (size_t)i * TILEC_DESCRIPTOR_WORDS, operands, position, t);
+      j = 0;
+      continue;
+    }
+    const int kblocks = t.kblocks(), groups = t.groups();
+    const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
+    const int c0 = t.n0 + g * t.group_rows(), rows = min(t.group_rows(), t.n1 - c0);
+    const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
+    if ((long long)bytes == t.wn * t.esz)  // whole rows: one contiguous range
+      prefetch_l2(t.w + (long long)c0 * t.wn * t.esz, (unsigned long long)rows * bytes);
+    else
+#pragma unroll 1
+      for (int row = 0; row < rows; ++row) prefetch_l2(t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, bytes);
+    ++j, --n;
+  }
+}
+#endif
+
 // The loader warp's loop (lane 0 issues): all streamed weights of queue q, in queue order.
 // Before it returns it waits for its last copies to land (they write this CTA's shared
 // memory, which must outlive them), also after an abort.
@@ -137,6 +171,9 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
   if ((threadIdx.x & 31) != 0) return;
   const unsigned long long policy = evict_first_policy();
   int item = 0, s = 0;  // the next item and its slot (item % nstages)
+#ifdef TILEC_LAB_L2_AHEAD
+  int seen_window = 0, prefetched = 0;  // the last window handled; items below `prefetched` were pulled
+#endif
   unsigned ph = 0;      // its full barrier's phase parity (item / nstages & 1)
   bool ok = true;
   for (int i = 0; i < L && ok; ++i) {
@@ -148,6 +185,16 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
 #pragma unroll 1
     for (int j = 0; j < items && ok; ++j, ++item) {
       // slot s was last filled with item - nstages: wait for the compute warps to release it
+#ifdef TILEC_LAB_L2_AHEAD
+      if (item >= r.nstages && !mbar_test(r.empty + s, ph ^ 1u)) {
+        const int win = *((volatile int*)r.window);
+        if (win != seen_window && item >= prefetched) {  // a new attention-phase window
+          prefetch_items_l2(q, L, operands, position, i, j, t, TILEC_LAB_L2_AHEAD);
+          prefetched = item + TILEC_LAB_L2_AHEAD;
+        }
+        seen_window = win;
+      }
+#endif
       if (item >= r.nstages && !(ok = loader_wait(r.empty + s, ph ^ 1u, r))) break;
       const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
       const int c0 = t.n0 + g * t.group_rows(), rows = min(t.group_rows(), t.n1 - c0);
