@@ -186,14 +186,20 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
     for (int j = 0; j < items && ok; ++j, ++item) {
       // slot s was last filled with item - nstages: wait for the compute warps to release it
 #ifdef TILEC_LAB_L2_AHEAD
-      if (item >= r.nstages && !mbar_test(r.empty + s, ph ^ 1u)) {
-        const int win = *((volatile int*)r.window);
-        if (win != seen_window && item >= prefetched) {  // a new attention-phase window
-          prefetch_items_l2(q, L, operands, position, i, j, t, TILEC_LAB_L2_AHEAD);
-          prefetched = item + TILEC_LAB_L2_AHEAD;
+      // the ring is full: watch for an attention-phase window while the stage stays busy (the
+      // loader usually blocks here from the q/k/v phase on, so the check must be in the spin)
+      if (item >= r.nstages)
+        while (!mbar_test(r.empty + s, ph ^ 1u)) {
+          const int win = *((volatile int*)r.window);
+          if (win != seen_window) {
+            seen_window = win;
+            if (item >= prefetched) {  // a new window: pull the next items into L2 once
+              prefetch_items_l2(q, L, operands, position, i, j, t, TILEC_LAB_L2_AHEAD);
+              prefetched = item + TILEC_LAB_L2_AHEAD;
+            }
+          }
+          if (*((volatile int*)r.abort) || *((volatile const int*)r.done)) break;  // loader_wait decides
         }
-        seen_window = win;
-      }
 #endif
       if (item >= r.nstages && !(ok = loader_wait(r.empty + s, ph ^ 1u, r))) break;
       const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
