@@ -1,0 +1,66 @@
+"""Is the streamed GEMV bound by HBM or by the worker's pipeline? (benchmarks/lab: an experiment)
+
+Times compiled plans of `count` independent M = 1 bf16 GEMVs [N, K] run by the persistent
+executor, replayed back to back from a CUDA graph with no L2 flush: weights that fit in L2
+(50 MB on an H200) are re-read from it, larger sets come from HBM. Prints TB/s of weight bytes
+and GB/s per worker; if the L2-resident rows stream no faster per worker than the HBM rows, the
+worker's ring pipeline (not HBM) sets the GEMV rate.
+
+    PYTHONPATH=. python benchmarks/lab/gemv_l2.py
+"""
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from decode import Gemvs, time_cuda  # noqa: E402
+from tilec.api import compile_module  # noqa: E402
+from tilec.cuda import CudaExecutor  # noqa: E402
+from tilec.timing import cuda_graph  # noqa: E402
+
+CASES = ((2048, 8192, 1), (1024, 8192, 2), (2048, 8192, 8), (2048, 2048, 4), (2048, 2048, 32), (4096, 4096, 8))
+
+
+def main() -> None:
+    print(f"{'weight [N, K] x count':<24} {'MB':>7} {'us':>8} {'TB/s':>6} {'GB/s/worker':>12} "
+          f"{'tile KB':>8} {'tile us':>8} {'m1 us':>6} {'tile GB/s':>9}")
+    for n, k, count in CASES:
+        mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            prog = compile_module(mod, (x,), options=dict(check=False))
+            got, want = prog(x), mod(x)
+        err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))
+        tensors, p = prog.bind_args((x,))
+        table = prog.plan.bind_base(tensors)
+        graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))
+        ms = time_cuda(graph.replay, 200)
+        prog.executor.check()
+        nbytes = count * n * k * 2
+        workers = prog.plan.workers
+        # per-tile medians from a stamped run (warm: the previous replays left L2 as in the timing)
+        ex = prog.executor
+        sx = CudaExecutor(prog.plan, dataclasses.replace(ex.opts, profile=True), ex.device, lib_path=ex.lib_path)
+        for _ in range(3):
+            graph.replay()
+            sx.run(tensors, table, position=p)
+        torch.cuda.synchronize()
+        s = sx.stamps.cpu()
+        live = (s[..., 1] > 0) & (s[..., 0] > 0)
+        dur = ((s[..., 1] - s[..., 0]).float() / 1e3)[live].tolist()
+        m1 = ((s[..., 2] - s[..., 0]).float() / 1e3)[live & (s[..., 2] > 0)].tolist()
+        tile = nbytes / max(1, len(dur))
+        td = statistics.median(dur)
+        print(f"{f'{n} x {k} x {count}':<24} {nbytes / 1e6:>7.1f} {ms * 1e3:>8.1f} {nbytes / ms / 1e9:>6.2f} "
+              f"{nbytes / ms / 1e6 / workers:>12.1f} {tile / 1024:>8.0f} {td:>8.2f} "
+              f"{(statistics.median(m1) if m1 else float('nan')):>6.2f} {tile / td / 1e3:>9.1f}"
+              f"   (rel. L2 vs torch {err:.1e})", flush=True)
+        del mod, prog
+
+
+if __name__ == "__main__":
+    main()
