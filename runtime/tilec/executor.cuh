@@ -59,9 +59,21 @@ __device__ bool wait_event(unsigned long long* counters, int e, unsigned long lo
                            long long timeout_ns, int worker, int instr, const int* d) {
   unsigned long long start = global_timer();
   unsigned ns = 32;
+#ifdef TILEC_LAB_RARE_EVFLAG
+  unsigned long long last = start;
+#endif
   while (true) {
     unsigned long long v = ld_acquire(counters + e);
     if (v >= target) return true;
+#ifdef TILEC_LAB_RARE_EVFLAG
+    const unsigned long long now = global_timer();
+    if ((long long)(now - last) < TILEC_LAB_RARE_EVFLAG) {
+      __nanosleep(ns);
+      if (ns < TILEC_LAB_EV_SLEEP_MAX) ns <<= 1;
+      continue;
+    }
+    last = now;
+#endif
     if (*((volatile int*)&err->flag)) return false;
     if ((long long)(global_timer() - start) > timeout_ns) {
       if (atomicCAS(&err->flag, 0, 1) == 0) {
@@ -77,7 +89,11 @@ __device__ bool wait_event(unsigned long long* counters, int e, unsigned long lo
       return false;
     }
     __nanosleep(ns);
+#ifdef TILEC_LAB_EV_SLEEP_MAX
+    if (ns < TILEC_LAB_EV_SLEEP_MAX) ns <<= 1;
+#else
     if (ns < 256) ns <<= 1;
+#endif
   }
 }
 

@@ -103,12 +103,30 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 //      deterministic sum over warps in shared memory; o, m, l are stored.
 // Shared memory: queries [kAttnQ][256] floats, statistics (32 floats), scores [kAttnQ][seg]
 // (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
+// Query element qi[3] of row qi (b, head, token) with the folded RoPE applied (tilec/passes/fold_rope.py):
+// operands 6 and 7 are cos and sin (q's dtype, broadcast to its rows), style as op_rope's, and
+// the same arithmetic: each product rounded to TQ, then the sum (op_rope's store) - so the
+// value is bitwise the rope op's output.
+template <typename TQ>
+__device__ __forceinline__ float rope_query(const Operand& q, int* qi, int D, int style) {
+  const Operand &cs = operands()[6], &sn = operands()[7];
+  const int d = qi[3], h = D / 2, i = d < h ? d : d - h;
+  int ci[4] = {qi[0], qi[1], qi[2], style == 0 ? d : i};
+  const float c0 = ldf<TQ>(cs, offset4(cs, ci)), s0 = ldf<TQ>(sn, offset4(sn, ci));
+  qi[3] = style == 0 ? i : 2 * i;
+  const float a = ldf<TQ>(q, offset4(q, qi));
+  qi[3] = style == 0 ? i + h : 2 * i + 1;
+  const float bb = ldf<TQ>(q, offset4(q, qi));
+  qi[3] = d;
+  return round_to<TQ>(d < h ? round_to<TQ>(a * c0) - round_to<TQ>(bb * s0) : round_to<TQ>(bb * c0) + round_to<TQ>(a * s0));
+}
+
 template <bool kStaged, typename TQ, typename TK, typename TV, typename TP, typename TM>
 __device__ void attention_partial_impl(TileCtx& c, int seg) {
   const Operand &q = operands()[0], &k = operands()[1], &v = operands()[2], &op = operands()[3], &ml = operands()[4];
   const long long valid = operands()[5].scalar;
   const float scale = c.fparam(0);
-  const int causal = c.param(1), chunk = c.param(2);
+  const int causal = c.param(1), chunk = c.param(2), rope = c.param(3);
   const int Hq = q.sizes[1], Sq = q.sizes[2], D = q.sizes[3], Hkv = k.sizes[1], S = k.sizes[2], Dv = v.sizes[3];
   const int G = Hq / Hkv, nq = G * Sq;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -171,7 +189,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             float val = 0.f;
             if (d < D) {
               int qi[4] = {b, h * G + (q0 + qq) / Sq, (q0 + qq) % Sq, d};
-              val = ldf<TQ>(q, offset4(q, qi)) * scale;
+              val = (rope ? rope_query<TQ>(q, qi, D, rope - 1) : ldf<TQ>(q, offset4(q, qi))) * scale;
             }
             qs[qq * 256 + d] = val;
           }

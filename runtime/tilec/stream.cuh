@@ -40,6 +40,28 @@ __device__ __forceinline__ void TileCtx::mark(int k) const {
 
 // Waits for the phase of `parity` of `bar` to complete. Gives up (false) once *abort is set,
 // or after timeout_ns, when it sets *abort to 2 (the host reports a stalled weight stream).
+#ifdef TILEC_LAB_RARE_ABORT
+// The abort flag is in global memory: reading it is a round trip to L2 (LD.E.STRONG.SYS), and a
+// poll that reads it after every failed test notices a completed phase up to that long late.
+// So it is read only once every kAbortPollNs of waiting.
+constexpr long long kAbortPollNs = TILEC_LAB_RARE_ABORT;
+__device__ __forceinline__ bool mbar_wait(unsigned long long* bar, unsigned parity, int* abort, long long timeout_ns) {
+  if (mbar_test(bar, parity)) return true;
+  const unsigned long long start = global_timer();
+  unsigned long long last = start;
+  while (!mbar_test(bar, parity)) {
+    const unsigned long long now = global_timer();
+    if ((long long)(now - last) < kAbortPollNs) continue;
+    last = now;
+    if (*((volatile int*)abort)) return false;
+    if ((long long)(now - start) > timeout_ns) {
+      atomicCAS(abort, 0, 2);
+      return false;
+    }
+  }
+  return true;
+}
+#else
 __device__ __forceinline__ bool mbar_wait(unsigned long long* bar, unsigned parity, int* abort, long long timeout_ns) {
   if (mbar_test(bar, parity)) return true;
   const unsigned long long start = global_timer();
@@ -52,6 +74,7 @@ __device__ __forceinline__ bool mbar_wait(unsigned long long* bar, unsigned pari
   }
   return true;
 }
+#endif
 // The streamed weight range of one instruction: rows [n0, n1) x K range [k0, k1) of bf16 W
 // (row stride wn elements). Valid only when bulk copies can move it (16-byte aligned rows).
 struct StreamTile {
@@ -121,8 +144,19 @@ struct WeightRing {
 // on this loader. It gives up on an abort, or when the compute warps have left the queue while
 // a streamed item is still unconsumed - loader and compute warps disagree: flag 2.
 __device__ __forceinline__ bool loader_wait(unsigned long long* bar, unsigned parity, const WeightRing& r) {
+#ifdef TILEC_LAB_RARE_ABORT
+  unsigned long long last = global_timer();
+#endif
   while (!mbar_test(bar, parity)) {
+#ifdef TILEC_LAB_RARE_ABORT
+    const unsigned long long now = global_timer();
+    if ((long long)(now - last) >= kAbortPollNs) {
+      last = now;
+      if (*((volatile int*)r.abort)) return false;
+    }
+#else
     if (*((volatile int*)r.abort)) return false;
+#endif
     if (*((volatile const int*)r.done)) {
       atomicCAS(r.abort, 0, 2);
       return false;
