@@ -6,8 +6,12 @@ executor, replayed back to back from a CUDA graph with no L2 flush: weights that
 and GB/s per worker; if the L2-resident rows stream no faster per worker than the HBM rows, the
 worker's ring pipeline (not HBM) sets the GEMV rate.
 
-    PYTHONPATH=. python benchmarks/lab/gemv_l2.py
+    PYTHONPATH=. python benchmarks/lab/gemv_l2.py [--define MACRO[=VALUE] ...]
+
+``--define`` prepends ``#define`` lines to the generated program (an executor variant, as
+``variants_ab.py`` does); ``--prebuild`` only builds the libraries (no GPU).
 """
+import argparse
 import dataclasses
 import statistics
 import sys
@@ -18,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from decode import Gemvs, time_cuda  # noqa: E402
+from tilec import codegen  # noqa: E402
 from tilec.api import compile_module  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.timing import cuda_graph  # noqa: E402
@@ -26,6 +31,17 @@ CASES = ((512, 8192, 1), (1024, 8192, 1), (2048, 8192, 1), (2048, 8192, 8))
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--define", action="append", default=[])
+    ap.add_argument("--prebuild", action="store_true")
+    args = ap.parse_args()
+    lines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in args.define)
+    if args.prebuild:
+        mod = Gemvs(512, 8192, 1).to(torch.bfloat16)
+        prog = compile_module(mod, (torch.randn(1, 8192, dtype=torch.bfloat16),), options=dict(executor="reference", check=False))
+        srcs = codegen.render(prog.plan)
+        print(codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, "sm_90a"))
+        return
     print(f"{'weight [N, K] x count':<24} {'MB':>7} {'us':>8} {'TB/s':>6} {'GB/s/worker':>12} "
           f"{'tile KB':>8} {'tile us':>8} {'m1 us':>6} {'tile GB/s':>9}")
     for n, k, count in CASES:
@@ -35,6 +51,11 @@ def main() -> None:
             prog = compile_module(mod, (x,), options=dict(check=False))
             got, want = prog(x), mod(x)
         err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))
+        if lines:  # the variant's library in the compiled program's executor
+            ex = prog.executor
+            srcs = dict(ex.sources)
+            srcs["program.cu"] = lines + srcs["program.cu"]
+            prog.executor = CudaExecutor(prog.plan, ex.opts, ex.device, lib_path=codegen.build(srcs, ex.opts.arch))
         tensors, p = prog.bind_args((x,))
         table = prog.plan.bind_base(tensors)
         graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))

@@ -103,22 +103,20 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 //      deterministic sum over warps in shared memory; o, m, l are stored.
 // Shared memory: queries [kAttnQ][256] floats, statistics (32 floats), scores [kAttnQ][seg]
 // (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
-// Query element qi[3] of row qi (b, head, token) with the folded RoPE applied (tilec/passes/fold_rope.py):
-// operands 6 and 7 are cos and sin (q's dtype, broadcast to its rows), style as op_rope's, and
-// the same arithmetic: each product rounded to TQ, then the sum (op_rope's store) - so the
-// value is bitwise the rope op's output.
+// Query element qi[3] of row qi (b, head, token) with the folded rotate-half RoPE applied
+// (tilec/passes/fold_rope.py): operands 6 and 7 are cos and sin [.., D] (q's dtype, broadcast
+// to its rows), and the arithmetic is op_rope's - each product rounded to TQ, then the sum
+// (op_rope's store) - so the value is bitwise the rope op's output.
 template <typename TQ>
-__device__ __forceinline__ float rope_query(const Operand& q, int* qi, int D, int style) {
+__device__ __forceinline__ float rope_query(const Operand& q, int* qi, int D) {
   const Operand &cs = operands()[6], &sn = operands()[7];
-  const int d = qi[3], h = D / 2, i = d < h ? d : d - h;
-  int ci[4] = {qi[0], qi[1], qi[2], style == 0 ? d : i};
-  const float c0 = ldf<TQ>(cs, offset4(cs, ci)), s0 = ldf<TQ>(sn, offset4(sn, ci));
-  qi[3] = style == 0 ? i : 2 * i;
-  const float a = ldf<TQ>(q, offset4(q, qi));
-  qi[3] = style == 0 ? i + h : 2 * i + 1;
-  const float bb = ldf<TQ>(q, offset4(q, qi));
+  const int d = qi[3], h = D / 2;
+  const float c = ldf<TQ>(cs, offset4(cs, qi)), s = ldf<TQ>(sn, offset4(sn, qi));
+  const float x = ldf<TQ>(q, offset4(q, qi));
+  qi[3] = d < h ? d + h : d - h;  // rotate_half's partner: -x[d + h] for d < h, x[d - h] after
+  const float y = ldf<TQ>(q, offset4(q, qi));
   qi[3] = d;
-  return round_to<TQ>(d < h ? round_to<TQ>(a * c0) - round_to<TQ>(bb * s0) : round_to<TQ>(bb * c0) + round_to<TQ>(a * s0));
+  return round_to<TQ>(d < h ? round_to<TQ>(x * c) - round_to<TQ>(y * s) : round_to<TQ>(x * c) + round_to<TQ>(y * s));
 }
 
 template <bool kStaged, typename TQ, typename TK, typename TV, typename TP, typename TM>
@@ -189,7 +187,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             float val = 0.f;
             if (d < D) {
               int qi[4] = {b, h * G + (q0 + qq) / Sq, (q0 + qq) % Sq, d};
-              val = (rope ? rope_query<TQ>(q, qi, D, rope - 1) : ldf<TQ>(q, offset4(q, qi))) * scale;
+              val = (rope ? rope_query<TQ>(q, qi, D) : ldf<TQ>(q, offset4(q, qi))) * scale;
             }
             qs[qq * 256 + d] = val;
           }

@@ -30,7 +30,11 @@ constexpr int kStreamK = 2048;                              // K elements per ro
 // Rows sit kRowPitch bytes apart, 64 bytes of padding each: a 16-byte shared-memory load is
 // served a quarter-warp at a time, and the tensor-core consumer's quarter-warp reads 64 bytes
 // of each of two consecutive rows at one k - half a bank line apart, so conflict-free.
+#ifdef TILEC_LAB_ONE_COPY
+constexpr int kRowPitch = kStreamK * 2;  // lab: no padding, so a stage of whole rows is one bulk copy
+#else
 constexpr int kRowPitch = kStreamK * 2 + 64;
+#endif
 constexpr int kStageBytes = kWarps * kRowPitch;             // 32 KiB + 512 bytes
 constexpr int kMaxStages = 8;
 
@@ -241,6 +245,11 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
       const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
       char* stage = r.stages + s * kStageBytes;
       mbar_expect_tx(r.full + s, (unsigned)(rows * bytes));
+#ifdef TILEC_LAB_ONE_COPY
+      if (!t.paired && bytes == kRowPitch && (long long)bytes == t.wn * t.esz)  // whole contiguous rows
+        bulk_load(stage, t.w + (long long)c0 * t.wn * t.esz, (unsigned)(rows * bytes), r.full + s, policy);
+      else
+#endif
 #pragma unroll 1
       for (int row = 0; row < rows; ++row)
         bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK,

@@ -22,11 +22,11 @@ heads and query tokens (the descriptor holds at most 4 dims; row ``r = hq * Sq +
 ``o_part [B, Hq * Sq, NS, Dv]`` and ``ml [B, Hq * Sq, NS, 2]`` (``m`` then ``l``).
 
 ``attention_partial``: operands q [B, Hq, Sq, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv],
-o_part, ml, valid (scalar: ``p + 1`` when causal, else S), and with attr ``rope`` (a RoPE
-style, ``tilec.ops.rope``; set by ``tilec.passes.fold_rope``) cos and sin, broadcast to q's
-[B, Hq, Sq] rows: the tile applies RoPE to its queries as it loads them (``rope_rows``, rounded
-to q's dtype, which cos and sin share). Params: scale bits, causal, chunk, RoPE style + 1 (0:
-none). Tiles: (batch, ``attn_heads_per_tile`` KV heads, one split).
+o_part, ml, valid (scalar: ``p + 1`` when causal, else S), and with attr ``rope`` (0: a
+rotate-half RoPE, ``tilec.ops.rope``; set by ``tilec.passes.fold_rope``) cos and sin of q's
+shape and dtype: the tile applies the RoPE to its queries as it loads them (``rope_rows``,
+rounded to q's dtype as the rope op's store was). Params: scale bits, causal, chunk, RoPE
+style + 1 (0: none). Tiles: (batch, ``attn_heads_per_tile`` KV heads, one split).
 
 ``attention_combine``: operands o_part, ml, out [B, Hq, Sq, Dv] (the original attention
 output view and dtype). Tiles: (batch, the query heads of ``attn_heads_per_tile`` KV heads).
@@ -37,7 +37,7 @@ import torch
 
 from ..errors import TilecError
 from ..ir import ScalarOperand
-from . import OpDef, Tile, TileArgs, bcast_box, bits_f32, chunks, f32_bits, register
+from . import OpDef, Tile, TileArgs, bits_f32, chunks, f32_bits, register
 from .rope import rope_rows
 
 # device constants of runtime/tilec/ops_attention.cuh (shared-memory sizing)
@@ -85,12 +85,12 @@ class AttentionPartial(OpDef):
         for b in range(b_):
             for h0, h1 in chunks(hkv, opts.attn_heads_per_tile):
                 rows = (h0 * g * sq, h1 * g * sq)
-                qrows = ((b, b + 1), (h0 * g, h1 * g), (0, sq))
-                cs = tuple((6 + i, bcast_box(t.shape[:-1], qrows) + ((0, t.shape[-1]),)) for i, t in enumerate(rope))
+                qbox = ((b, b + 1), (h0 * g, h1 * g), (0, sq), (0, d))
+                cs = tuple((6 + i, qbox) for i in range(len(rope)))  # cos, sin: q's shape
                 for sp in range(o_part.shape[2]):
                     j0, j1 = sp * chunk, min(s, (sp + 1) * chunk)
                     tiles.append(Tile(((b, b + 1), (h0, h1), (sp, sp + 1)),
-                                      reads=((0, qrows + ((0, d),)),
+                                      reads=((0, qbox),
                                              (1, ((b, b + 1), (h0, h1), (j0, j1), (0, d))),
                                              (2, ((b, b + 1), (h0, h1), (j0, j1), (0, dv))), *cs),
                                       writes=((3, ((b, b + 1), rows, (sp, sp + 1), (0, dv)), "write"),
@@ -140,8 +140,7 @@ class AttentionPartial(OpDef):
             for h in range(h0, h1):
                 qs = q[b, h * g:(h + 1) * g]  # [G, Sq, D]
                 if rope:  # the folded RoPE, rounded to q's dtype as the rope op's output was
-                    cs = [c[b if c.shape[0] > 1 else 0] for c in rope]  # [Hq or 1, Sq or 1, D or D / 2]
-                    cs = [c[h * g:(h + 1) * g] if c.shape[0] > 1 else c for c in cs]
+                    cs = [c[b, h * g:(h + 1) * g] for c in rope]
                     qs = rope_rows(qs, *cs, t.params[3] - 1).to(q.dtype)
                 qs = qs.float()
                 rows = slice(h * g * sq, (h + 1) * g * sq)

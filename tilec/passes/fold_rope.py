@@ -14,10 +14,11 @@ keeping P's name and provenance; R and buffer T are dropped. The rewrite applies
 
 (a) T is R's only output, written by R alone, read by P alone (as its queries, the same view),
     and is not a graph output; R comes before P;
-(b) R's input rows x have T's shape, and x, cos, sin and T one dtype (the device tile rounds
-    the rotated queries to it, as R's store did; ``AttentionPartial.device_dtypes``);
-(c) cos and sin have T's rank and broadcast to its [B, Hq, Sq] rows (each dim 1 or equal);
-(d) no op between R and P writes x's, cos's or sin's buffer (P now reads them later).
+(b) R is a rotate-half RoPE (style 0, HF ``apply_rotary_pos_emb``); x, cos and sin have T's
+    shape (the frontend's cos / sin views are broadcast to the rows with zero strides) and
+    x, cos, sin and T one dtype (the device tile rounds the rotated queries to it, as R's store
+    did; ``AttentionPartial.device_dtypes``);
+(c) no op between R and P writes x's, cos's or sin's buffer (P now reads them later).
 
 Results are bitwise those of the unfolded plan: the tile computes each rotated query element
 exactly as ``op_rope`` / ``Rope.run_tile`` do (``tilec.ops.rope.rope_rows``), rounds it to T's
@@ -41,7 +42,7 @@ def fold_rope(graph: OpGraph, opts=None) -> OpGraph:
         ``graph`` itself when nothing folds or ``opts.fold_rope`` is off.
 
     Raises:
-        Nothing of its own: a pair that does not qualify (module docstring, (a)-(d)) is kept.
+        Nothing of its own: a pair that does not qualify (module docstring, (a)-(c)) is kept.
     """
     if opts is not None and not getattr(opts, "fold_rope", True):
         return graph
@@ -69,15 +70,14 @@ def fold_rope(graph: OpGraph, opts=None) -> OpGraph:
         if rope.kind != "rope" or rope.outputs != (q,) or len(rope.inputs) != 3:
             continue
         x, cos, sin = rope.inputs
-        if x.shape != q.shape or len({dtype(x), dtype(cos), dtype(sin), dtype(q)}) != 1:
+        if rope.attr("style") != 0 or any(t.shape != q.shape for t in (x, cos, sin)):
             continue
-        if any(len(t.shape) != len(q.shape) or any(a not in (1, b) for a, b in zip(t.shape[:-1], q.shape[:-1]))
-               for t in (cos, sin)):
+        if len({dtype(x), dtype(cos), dtype(sin), dtype(q)}) != 1:
             continue
         read = {x.buffer, cos.buffer, sin.buffer}
         if any(ops[k] is not None and any(v.buffer in read for v in ops[k].outputs) for k in range(i + 1, j)):
             continue
-        attrs = tuple(sorted(part.attrs + (("rope", int(rope.attr("style"))),)))
+        attrs = tuple(sorted(part.attrs + (("rope", 0),)))
         ops[j] = dataclasses.replace(part, inputs=(x, *part.inputs[1:], cos, sin), attrs=attrs)
         ops[i] = None
         dropped.add(q.buffer)
