@@ -6,13 +6,13 @@ from tilec.timing import need_gpu
 from tilec.zoo import make_model, prefill
 
 
-def llama_model(script: str, ctx: int = 1024, name: str = "llama-3.2-1b"):
+def llama_model(script: str, ctx: int = 1024, name: str = "llama-3.2-1b", batch: int = 1):
     """Returns ``(model, cache, token)``: zoo model ``name`` (bf16, random weights) on the GPU with
-    a batch-1 cache prefilled to ``ctx`` positions. Exits (``need_gpu``, naming ``script``)
-    without a CUDA device."""
+    a cache of ``batch`` sequences prefilled to ``ctx`` positions. Exits (``need_gpu``, naming
+    ``script``) without a CUDA device."""
     need_gpu(script)
     model = make_model(name, torch.bfloat16, "cuda")
-    cache, tok = prefill(model, 1, ctx, ctx + 64, "cuda")
+    cache, tok = prefill(model, batch, ctx, ctx + 64, "cuda")
     return model, cache, tok
 
 
@@ -25,9 +25,10 @@ def step_runner(step, tok, ctx: int):
     return run
 
 
-def llama_step(script: str, ctx: int = 1024):
-    """Returns ``(step, run)``: the step compiled with ``check=False`` at context ``ctx`` and its
-    :func:`step_runner`. Exits (``need_gpu``, naming ``script``) without a CUDA device."""
-    model, cache, tok = llama_model(script, ctx)
-    step = compile_decode_step(model, cache, 1, options=dict(check=False))
+def llama_step(script: str, ctx: int = 1024, batch: int = 1):
+    """Returns ``(step, run)``: the step of ``batch`` sequences compiled with ``check=False`` at
+    context ``ctx`` and its :func:`step_runner`. Exits (``need_gpu``, naming ``script``) without a
+    CUDA device."""
+    model, cache, tok = llama_model(script, ctx, batch=batch)
+    step = compile_decode_step(model, cache, batch, options=dict(check=False))
     return step, step_runner(step, tok, ctx)

@@ -1,6 +1,6 @@
 """Compile-time variants of the executor, A/B in one process (benchmarks/lab: an experiment).
 
-Compiles the Llama-3.2-1B decode step (batch 1, context 1024, bf16, random weights) once, then
+Compiles the Llama-3.2-1B decode step (batch 1 or ``--batch``, context 1024, bf16, random weights) once, then
 builds its generated program again with each variant's ``#define`` lines prepended (nvcc runs in
 parallel), swaps each library in turn into the same compiled step and prints, per variant and
 weight-ring depth, the median CUDA-graph replay time (alternating variants, several rounds), the
@@ -55,7 +55,7 @@ def parse_variants(specs, ap) -> list[tuple[str, str]]:
     return variants
 
 
-def prebuild(variants) -> None:
+def prebuild(variants, batch: int = 1) -> None:
     """Builds each variant's library of the step's program on the CPU (into the build cache)."""
     import torch
 
@@ -63,8 +63,8 @@ def prebuild(variants) -> None:
     from tilec.zoo import make_model, prefill
 
     model = make_model("llama-3.2-1b", torch.bfloat16, "cpu", layers=2)
-    cache, _ = prefill(model, 1, 8, 1024 + 64, "cpu")
-    step = compile_decode_step(model, cache, 1, options=dict(check=False, executor="reference"))
+    cache, _ = prefill(model, batch, 8, 1024 + 64, "cpu")
+    step = compile_decode_step(model, cache, batch, options=dict(check=False, executor="reference"))
     srcs = codegen.render(step.program.compiled.plan)
     with ThreadPoolExecutor(2) as pool:
         libs = pool.map(lambda lines: codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, "sm_90a"),
@@ -79,15 +79,16 @@ def main():
     ap.add_argument("--stages", default="3")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
     ap.add_argument("--trace", type=Path, metavar="DIR",
                     help="also write each variant's measured trace (its first run) to DIR/trace_NAME.json")
     args = ap.parse_args()
     variants = parse_variants(args.variants, ap)
     if args.prebuild:
-        prebuild(variants)
+        prebuild(variants, args.batch)
         return
-    step, run = llama_step("variants_ab.py")
+    step, run = llama_step("variants_ab.py", batch=args.batch)
     base = step.program.executor
     opts = dataclasses.replace(base.opts, profile=True)
 

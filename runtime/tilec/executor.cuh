@@ -59,21 +59,9 @@ __device__ bool wait_event(unsigned long long* counters, int e, unsigned long lo
                            long long timeout_ns, int worker, int instr, const int* d) {
   unsigned long long start = global_timer();
   unsigned ns = 32;
-#ifdef TILEC_LAB_RARE_EVFLAG
-  unsigned long long last = start;
-#endif
   while (true) {
     unsigned long long v = ld_acquire(counters + e);
     if (v >= target) return true;
-#ifdef TILEC_LAB_RARE_EVFLAG
-    const unsigned long long now = global_timer();
-    if ((long long)(now - last) < TILEC_LAB_RARE_EVFLAG) {
-      __nanosleep(ns);
-      if (ns < TILEC_LAB_EV_SLEEP_MAX) ns <<= 1;
-      continue;
-    }
-    last = now;
-#endif
     if (*((volatile int*)&err->flag)) return false;
     if ((long long)(global_timer() - start) > timeout_ns) {
       if (atomicCAS(&err->flag, 0, 1) == 0) {
@@ -89,11 +77,7 @@ __device__ bool wait_event(unsigned long long* counters, int e, unsigned long lo
       return false;
     }
     __nanosleep(ns);
-#ifdef TILEC_LAB_EV_SLEEP_MAX
-    if (ns < TILEC_LAB_EV_SLEEP_MAX) ns <<= 1;
-#else
     if (ns < 256) ns <<= 1;
-#endif
   }
 }
 
@@ -111,10 +95,6 @@ __device__ bool TileCtx::wait() {
       ok = wait_event(counters, wait_e, target, static_cast<ErrorRecord*>(err), timeout_ns, blockIdx.x, instr, d);
     }
     *go = ok;
-#ifdef TILEC_LAB_L2_AHEAD
-    if (ok && (d[TILEC_W_OPCODE] == TILEC_OP_ATTENTION_PARTIAL || d[TILEC_W_OPCODE] == TILEC_OP_ATTENTION_COMBINE))
-      *((volatile int*)ring->window) = instr + 1;  // the loader may pull its next items into L2
-#endif
     if (stamp) stamp[0] = (long long)global_timer();
   }
   block_sync();
@@ -127,7 +107,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
                           int smem_bytes, int ring_stages, long long* stamps, long long position) {
   extern __shared__ float4 dyn_smem4[];
   __shared__ int desc[2][TILEC_DESCRIPTOR_WORDS];
-  __shared__ int go, ring_next, ring_gave_up, compute_done, ring_window;
+  __shared__ int go, ring_next, ring_gave_up, compute_done;
   __shared__ unsigned long long ring_full[kMaxStages], ring_empty[kMaxStages];
   __shared__ WeightRing ring;
   __shared__ unsigned long long epoch;
@@ -141,8 +121,6 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
                       timeout_ns, &compute_done, &ring_gave_up};
     ring_next = 0;
     ring_gave_up = 0;
-    ring_window = 0;
-    ring.window = &ring_window;
     x_staged = 0;
     compute_done = 0;
     for (int s = 0; s < ring_stages; ++s) {

@@ -577,15 +577,6 @@ struct GemvStore {
     }
     stf<TO>(out, shared_ptr(ooff)[m] + (long long)n * on, v);
   }
-  // the same with the residual value already loaded (gemv_preload_resid): no round trip here
-  __device__ void operator()(int m, int n, float v, float r) const {
-    v = round_to<TO>(v) + r;
-    if (silu) {
-      const float g = round_to<TO>(v);
-      v = g / (1.f + __expf(-g));
-    }
-    stf<TO>(out, shared_ptr(ooff)[m] + (long long)n * on, v);
-  }
 };
 
 // Fast path: columns [n0, n1) of bf16 W [N, K] (row stride wn elements), K range [k0, k1)
@@ -662,7 +653,7 @@ __device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloa
 // 2.236 to 2.138 ms on an H200 (benchmarks/lab/ring_sweep.py, INLINE variant, 2 ring stages).
 template <int kR, typename TB, typename TO, bool kBias, typename TXS>
 __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& t, const TXS* xs, int nr,
-                                               const GemvStore<TO>& store, bool pre = false, float rpre = 0.f) {
+                                               const GemvStore<TO>& store) {
   const WeightRing& r = *c.ring;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kl = t.k1 - t.k0, kblocks = t.kblocks(), items = t.items();
@@ -685,11 +676,7 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
       break;
     }
     if (i == 0) c.mark(2);  // the first weight stage is in
-#ifdef TILEC_LAB_NO_DOT
-    if (n < 0) {  // diagnostic only: the ring without the dot products (wrong results)
-#else
     if (n < t.n1) {
-#endif
       const uint4* row = reinterpret_cast<const uint4*>(shared_ptr(r.stages) + s * kStageBytes + warp * kRowPitch);
 #pragma unroll 2
       for (int v = lane; v < len / 8; v += 32) {
@@ -705,18 +692,7 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
 #pragma unroll
       for (int m = 0; m < kR; ++m)
         if (m < nr) acc[m] = warp_sum(acc[m]);
-      if (pre) {  // lane m * groups + g holds the residual of row m, this warp's column of group g
-        const int groups = t.groups();
-#pragma unroll
-        for (int m = 0; m < kR; ++m) {
-          const float r = __shfl_sync(0xffffffffu, rpre, min(m * groups + g, 31));
-          if (lane == 0 && n < t.n1 && m < nr) {
-            float b = 0.f;
-            if (kBias && store.variant == 0) b = to_f<TB>(base<TB>(operands()[2])[(long long)n * operands()[2].strides[0]]);
-            store(m, n, acc[m] + b, r);
-          }
-        }
-      } else if (lane == 0 && n < t.n1) {
+      if (lane == 0 && n < t.n1) {
         float b = 0.f;
         if (kBias && store.variant == 0) b = to_f<TB>(base<TB>(operands()[2])[(long long)n * operands()[2].strides[0]]);
 #pragma unroll 1
@@ -1330,19 +1306,6 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       stageable = ring && 576 + (red - xs_smem) + (mma ? kWarps * 128 : 0) <= c.smem_floats - 64 &&
                   bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch);
     if (!c.wait()) return;  // the producers of x (and of the prologue's side rows) are done
-    // The residual epilogue's values, loaded now so that their round trip overlaps the staging
-    // below instead of following each column's dot product: for a tile of nr x groups <= 32
-    // values, lane m * groups + g of warp w holds row m's value at column n0 + g * kWarps + w.
-    bool pre = false;
-    float rpre = 0.f;
-#ifdef TILEC_LAB_RESID_PRE
-    if (resid && ring && !mma && !t.kouter && variant == 0 && nr * t.groups() <= 32) {
-      const int lane = threadIdx.x & 31, groups = t.groups(), m = lane / groups, g = lane - m * groups;
-      const int n = t.n0 + g * kWarps + (threadIdx.x >> 5);
-      pre = true;
-      if (m < nr && n < t.n1) rpre = ldf<TO>(*resid, roff[m] + (long long)n * store.rn);
-    }
-#endif
     bool ready = false;     // xb staged (or still there from the previous instruction)
     if constexpr (std::is_same<TX, __nv_bfloat16>::value)
       ready = stageable && ((reuse_x && c.x_staged_in && rows <= kMaxRows) ||
@@ -1389,9 +1352,9 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
         block_sync();
       }
       if (mma) gemv_bf16_ring_mma<TB, TO, kBias>(c, t, xb, pitch, nr, red, store);
-      else if (kR == 1 || nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xb, nr, store, pre, rpre);
-      else if (kR == 4 || nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xb, nr, store, pre, rpre);
-      else gemv_bf16_ring<8, TB, TO, kBias>(c, t, xb, nr, store, pre, rpre);
+      else if (kR == 1 || nr == 1) gemv_bf16_ring<1, TB, TO, kBias>(c, t, xb, nr, store);
+      else if (kR == 4 || nr <= 4) gemv_bf16_ring<4, TB, TO, kBias>(c, t, xb, nr, store);
+      else gemv_bf16_ring<8, TB, TO, kBias>(c, t, xb, nr, store);
       continue;
     }
     if constexpr (std::is_same<TW, __nv_bfloat16>::value) {

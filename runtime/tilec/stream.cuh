@@ -27,15 +27,19 @@
 namespace tilec {
 
 constexpr int kStreamK = 2048;                              // K elements per row per stage
-// Rows sit kRowPitch bytes apart, 64 bytes of padding each: a 16-byte shared-memory load is
-// served a quarter-warp at a time, and the tensor-core consumer's quarter-warp reads 64 bytes
-// of each of two consecutive rows at one k - half a bank line apart, so conflict-free.
-#ifdef TILEC_LAB_ONE_COPY
-constexpr int kRowPitch = kStreamK * 2;  // lab: no padding, so a stage of whole rows is one bulk copy
+// Rows sit kRowPitch bytes apart, unpadded, so that a stage of whole weight rows (K <=
+// kStreamK bf16: Llama-3.2-1B's q/k/v, o and gate/up tiles) is one contiguous range of W and
+// the loader moves it with one bulk copy instead of one per row. Measured on an H200
+// (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1, context 1024, same process): 1.288
+// against 1.301 ms a step with 64 bytes of padding per row and a copy per row, logits bitwise
+// equal. (The padding kept the tensor-core consumer's quarter-warp reads of two consecutive
+// rows at one k half a bank line apart; unpadded they are 2-way bank conflicts.)
+#ifdef TILEC_LAB_PADDED_ROWS
+constexpr int kRowPitch = kStreamK * 2 + 64;  // lab: the padded layout, a bulk copy per row
 #else
-constexpr int kRowPitch = kStreamK * 2 + 64;
+constexpr int kRowPitch = kStreamK * 2;
 #endif
-constexpr int kStageBytes = kWarps * kRowPitch;             // 32 KiB + 512 bytes
+constexpr int kStageBytes = kWarps * kRowPitch;             // 32 KiB
 constexpr int kMaxStages = 8;
 
 __device__ __forceinline__ void TileCtx::mark(int k) const {
@@ -44,28 +48,6 @@ __device__ __forceinline__ void TileCtx::mark(int k) const {
 
 // Waits for the phase of `parity` of `bar` to complete. Gives up (false) once *abort is set,
 // or after timeout_ns, when it sets *abort to 2 (the host reports a stalled weight stream).
-#ifdef TILEC_LAB_RARE_ABORT
-// The abort flag is in global memory: reading it is a round trip to L2 (LD.E.STRONG.SYS), and a
-// poll that reads it after every failed test notices a completed phase up to that long late.
-// So it is read only once every kAbortPollNs of waiting.
-constexpr long long kAbortPollNs = TILEC_LAB_RARE_ABORT;
-__device__ __forceinline__ bool mbar_wait(unsigned long long* bar, unsigned parity, int* abort, long long timeout_ns) {
-  if (mbar_test(bar, parity)) return true;
-  const unsigned long long start = global_timer();
-  unsigned long long last = start;
-  while (!mbar_test(bar, parity)) {
-    const unsigned long long now = global_timer();
-    if ((long long)(now - last) < kAbortPollNs) continue;
-    last = now;
-    if (*((volatile int*)abort)) return false;
-    if ((long long)(now - start) > timeout_ns) {
-      atomicCAS(abort, 0, 2);
-      return false;
-    }
-  }
-  return true;
-}
-#else
 __device__ __forceinline__ bool mbar_wait(unsigned long long* bar, unsigned parity, int* abort, long long timeout_ns) {
   if (mbar_test(bar, parity)) return true;
   const unsigned long long start = global_timer();
@@ -78,7 +60,6 @@ __device__ __forceinline__ bool mbar_wait(unsigned long long* bar, unsigned pari
   }
   return true;
 }
-#endif
 // The streamed weight range of one instruction: rows [n0, n1) x K range [k0, k1) of bf16 W
 // (row stride wn elements). Valid only when bulk copies can move it (16-byte aligned rows).
 struct StreamTile {
@@ -138,8 +119,6 @@ struct WeightRing {
   long long timeout_ns;       // the watchdog bound of a compute warp's wait
   const int* done;            // shared: set when the compute warps have left the queue
   int* gave_up;               // shared: set by a compute thread whose wait gave up (the executor stops)
-  int* window = nullptr;      // lab (TILEC_LAB_L2_AHEAD): 1 + the index of the last attention-phase
-                              // instruction whose wait completed (executor.cuh TileCtx::wait)
   __device__ unsigned parity(int item) const { return (unsigned)(item / nstages) & 1u; }  // of item's full phase
 };
 
@@ -148,19 +127,8 @@ struct WeightRing {
 // on this loader. It gives up on an abort, or when the compute warps have left the queue while
 // a streamed item is still unconsumed - loader and compute warps disagree: flag 2.
 __device__ __forceinline__ bool loader_wait(unsigned long long* bar, unsigned parity, const WeightRing& r) {
-#ifdef TILEC_LAB_RARE_ABORT
-  unsigned long long last = global_timer();
-#endif
   while (!mbar_test(bar, parity)) {
-#ifdef TILEC_LAB_RARE_ABORT
-    const unsigned long long now = global_timer();
-    if ((long long)(now - last) >= kAbortPollNs) {
-      last = now;
-      if (*((volatile int*)r.abort)) return false;
-    }
-#else
     if (*((volatile int*)r.abort)) return false;
-#endif
     if (*((volatile const int*)r.done)) {
       atomicCAS(r.abort, 0, 2);
       return false;
@@ -168,38 +136,6 @@ __device__ __forceinline__ bool loader_wait(unsigned long long* bar, unsigned pa
   }
   return true;
 }
-
-#ifdef TILEC_LAB_L2_AHEAD
-// Lab: while the compute warps are past the wait of an attention-phase instruction (split-KV
-// partial or combine: the q/k/v phase is over, HBM is mostly idle until o_proj and gate/up
-// stream), the loader - blocked on a full ring - pulls its next TILEC_LAB_L2_AHEAD stream items
-// (from instruction i, item j on) into L2, so the ring refills from L2 once the stages free.
-// Earlier lookaheads prefetched whenever the ring was full, GEMV phase tails included, where
-// they take bandwidth from the stragglers that end the phase (README: dropped twice).
-__device__ __noinline__ void prefetch_items_l2(const int* q, int L, const long long* operands, long long position,
-                                               int i, int j, StreamTile t, int n) {
-  bool have = true;
-#pragma unroll 1
-  while (n > 0) {
-    if (!have || j >= t.items()) {  // the next instruction that streams
-      if (++i >= L || q[(size_t)i * TILEC_DESCRIPTOR_WORDS + TILEC_W_OPCODE] == TILEC_OP_NOOP) return;
-      have = stream_tile(q + (size_t)i * TILEC_DESCRIPTOR_WORDS, operands, position, t);
-      j = 0;
-      continue;
-    }
-    const int kblocks = t.kblocks(), groups = t.groups();
-    const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
-    const int c0 = t.n0 + g * t.group_rows(), rows = min(t.group_rows(), t.n1 - c0);
-    const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
-    if ((long long)bytes == t.wn * t.esz)  // whole rows: one contiguous range
-      prefetch_l2(t.w + (long long)c0 * t.wn * t.esz, (unsigned long long)rows * bytes);
-    else
-#pragma unroll 1
-      for (int row = 0; row < rows; ++row) prefetch_l2(t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, bytes);
-    ++j, --n;
-  }
-}
-#endif
 
 // The loader warp's loop (lane 0 issues): all streamed weights of queue q, in queue order.
 // Before it returns it waits for its last copies to land (they write this CTA's shared
@@ -209,9 +145,6 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
   if ((threadIdx.x & 31) != 0) return;
   const unsigned long long policy = evict_first_policy();
   int item = 0, s = 0;  // the next item and its slot (item % nstages)
-#ifdef TILEC_LAB_L2_AHEAD
-  int seen_window = 0, prefetched = 0;  // the last window handled; items below `prefetched` were pulled
-#endif
   unsigned ph = 0;      // its full barrier's phase parity (item / nstages & 1)
   bool ok = true;
   for (int i = 0; i < L && ok; ++i) {
@@ -223,37 +156,20 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
 #pragma unroll 1
     for (int j = 0; j < items && ok; ++j, ++item) {
       // slot s was last filled with item - nstages: wait for the compute warps to release it
-#ifdef TILEC_LAB_L2_AHEAD
-      // the ring is full: watch for an attention-phase window while the stage stays busy (the
-      // loader usually blocks here from the q/k/v phase on, so the check must be in the spin)
-      if (item >= r.nstages)
-        while (!mbar_test(r.empty + s, ph ^ 1u)) {
-          const int win = *((volatile int*)r.window);
-          if (win != seen_window) {
-            seen_window = win;
-            if (item >= prefetched) {  // a new window: pull the next items into L2 once
-              prefetch_items_l2(q, L, operands, position, i, j, t, TILEC_LAB_L2_AHEAD);
-              prefetched = item + TILEC_LAB_L2_AHEAD;
-            }
-          }
-          if (*((volatile int*)r.abort) || *((volatile const int*)r.done)) break;  // loader_wait decides
-        }
-#endif
       if (item >= r.nstages && !(ok = loader_wait(r.empty + s, ph ^ 1u, r))) break;
       const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
       const int c0 = t.n0 + g * t.group_rows(), rows = min(t.group_rows(), t.n1 - c0);
       const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
       char* stage = r.stages + s * kStageBytes;
       mbar_expect_tx(r.full + s, (unsigned)(rows * bytes));
-#ifdef TILEC_LAB_ONE_COPY
-      if (!t.paired && bytes == kRowPitch && (long long)bytes == t.wn * t.esz)  // whole contiguous rows
+      if (!t.paired && bytes == kRowPitch && (long long)bytes == t.wn * t.esz) {  // whole rows, back to back
         bulk_load(stage, t.w + (long long)c0 * t.wn * t.esz, (unsigned)(rows * bytes), r.full + s, policy);
-      else
-#endif
+      } else {
 #pragma unroll 1
-      for (int row = 0; row < rows; ++row)
-        bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK,
-                  t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, (unsigned)bytes, r.full + s, policy);
+        for (int row = 0; row < rows; ++row)
+          bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK,
+                    t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, (unsigned)bytes, r.full + s, policy);
+      }
       if (++s == r.nstages) s = 0, ph ^= 1u;
     }
   }
