@@ -76,7 +76,7 @@ def prebuild(variants, batch: int = 1) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("variants", nargs="+")
-    ap.add_argument("--stages", default="3")
+    ap.add_argument("--stages", default="", help="weight-ring depths to time, e.g. 2,3 (default: the plan's)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--batch", type=int, default=1)
@@ -124,7 +124,7 @@ def main():
                         measured_trace(base.plan, s, step.program.compiled.stages["linearized"]))
         ex.stamps = None  # timing without stamps
     res = {}
-    for depth in (int(v) for v in args.stages.split(",")):
+    for depth in (int(v) for v in (args.stages or str(base.ring_stages)).split(",")):
         graphs = {}
         try:
             for ex in exs.values():
