@@ -1,15 +1,25 @@
 """Is the streamed GEMV bound by HBM or by the worker's pipeline? (benchmarks/lab: an experiment)
 
-Times compiled plans of `count` independent M = 1 bf16 GEMVs [N, K] run by the persistent
-executor, replayed back to back from a CUDA graph with no L2 flush: weights that fit in L2
-(50 MB on an H200) are re-read from it, larger sets come from HBM. Prints TB/s of weight bytes
-and GB/s per worker; if the L2-resident rows stream no faster per worker than the HBM rows, the
-worker's ring pipeline (not HBM) sets the GEMV rate.
+Compiles plans of ``count`` independent M = 1 bf16 GEMVs [N, K] for the persistent executor and
+prints, per plan: the CUDA-graph replay time (back to back) as TB/s of weight bytes and GB/s per
+worker, then two stamped runs - after L2 was flushed (256 MB written) and after the weights were
+read by torch with the normal L2 policy (so the ring's bulk copies hit L2 when they fit: 50 MB on
+an H200) - as the median tile's KB, µs, start -> x staged (mark 1) and GB/s. If the warm tiles
+stream no faster than the flushed ones, the worker's ring pipeline, not HBM, sets the rate.
+
+Measured on an H200 (2026-12-02, fourteenth session, call 3): per tile, flushed / warm, 23.7 / 21.1
+GB/s (512 x 8192, 128 KB tiles), 19.9 / 20.4 (1024 x 8192), 24.2 / 24.9 (2048 x 8192), 29.4 / 31.2
+(2048 x 8192 x 8, 2 MB per worker): L2-resident weights stream no faster, ~30 GB/s per worker at
+most - about HBM's 4 TB/s / 132, so a GEMV phase with every worker streaming is at the HBM limit,
+but a worker cannot catch up from L2 what it did not stream while it waited (prefetching into L2
+during the attention window did not help either: README, fourteenth session).
 
     PYTHONPATH=. python benchmarks/lab/gemv_l2.py [--define MACRO[=VALUE] ...]
+    TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/gemv_l2.py --prebuild [--define ...]
 
 ``--define`` prepends ``#define`` lines to the generated program (an executor variant, as
-``variants_ab.py`` does); ``--prebuild`` only builds the libraries (no GPU).
+``variants_ab.py`` does); ``--prebuild`` only builds that library without a GPU (every case's plan
+generates the same program).
 """
 import argparse
 import dataclasses
