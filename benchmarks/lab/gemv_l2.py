@@ -14,10 +14,11 @@ most - about HBM's 4 TB/s / 132, so a GEMV phase with every worker streaming is 
 but a worker cannot catch up from L2 what it did not stream while it waited (prefetching into L2
 during the attention window did not help either: README, fourteenth session).
 
-    PYTHONPATH=. python benchmarks/lab/gemv_l2.py [--define MACRO[=VALUE] ...]
+    PYTHONPATH=. python benchmarks/lab/gemv_l2.py [--define MACRO[=VALUE] ...] [--stages 2,3,4,5]
     TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/gemv_l2.py --prebuild [--define ...]
 
-``--define`` prepends ``#define`` lines to the generated program (an executor variant, as
+``--stages`` repeats the stamped runs with each weight-ring depth (a latency-bound ring streams
+faster with more stages in flight; a rate-bound one does not). ``--define`` prepends ``#define`` lines to the generated program (an executor variant, as
 ``variants_ab.py`` does); ``--prebuild`` only builds that library without a GPU (every case's plan
 generates the same program).
 """
@@ -44,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--define", action="append", default=[])
     ap.add_argument("--prebuild", action="store_true")
+    ap.add_argument("--stages", default="", help="ring depths for the stamped runs, e.g. 2,3,4,5 (default: the plan's)")
     args = ap.parse_args()
     lines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in args.define)
     if args.prebuild:
@@ -76,16 +78,19 @@ def main() -> None:
         ex = prog.executor
         sx = CudaExecutor(prog.plan, dataclasses.replace(ex.opts, profile=True), ex.device, lib_path=ex.lib_path)
         junk = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        for warm in (False, True):
-            for _ in range(3):
-                graph.replay()
-                junk.add_(1)  # evicts the weights from L2 (256 MB written)
-                if warm:  # reads every weight with the normal L2 policy: the copies then hit L2
-                    for w in mod.ws:
-                        w.weight.sum()
-                sx.run(tensors, table, position=p)
-            torch.cuda.synchronize()
-            report(n, k, count, err, ms, nbytes, prog.plan.workers, sx.stamps.cpu(), "warm L2" if warm else "flushed")
+        for depth in [int(d) for d in args.stages.split(",") if d] or [sx.ring_stages]:
+            sx.use_ring_stages(depth)
+            for warm in (False, True):
+                for _ in range(3):
+                    graph.replay()
+                    junk.add_(1)  # evicts the weights from L2 (256 MB written)
+                    if warm:  # reads every weight with the normal L2 policy: the copies then hit L2
+                        for w in mod.ws:
+                            w.weight.sum()
+                    sx.run(tensors, table, position=p)
+                torch.cuda.synchronize()
+                label = f"{'warm L2' if warm else 'flushed'}, {depth} stages"
+                report(n, k, count, err, ms, nbytes, prog.plan.workers, sx.stamps.cpu(), label)
         del mod, prog, sx, junk
 
 
