@@ -1,4 +1,4 @@
-"""The compiled Llama-3.2-1B decode step the lab's A/B scripts time (batch 1, bf16, random weights)."""
+"""The compiled Llama-3.2-1B decode step the lab's A/B scripts time (batch 1 unless asked, bf16, random weights)."""
 import torch
 
 from tilec.hf import compile_decode_step

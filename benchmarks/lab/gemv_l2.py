@@ -8,19 +8,22 @@ an H200) - as the median tile's KB, µs, start -> x staged (mark 1) and GB/s. If
 stream no faster than the flushed ones, the worker's ring pipeline, not HBM, sets the rate.
 
 Measured on an H200 (2026-12-02, fourteenth session, call 3): per tile, flushed / warm, 23.7 / 21.1
-GB/s (512 x 8192, 128 KB tiles), 19.9 / 20.4 (1024 x 8192), 24.2 / 24.9 (2048 x 8192), 29.4 / 31.2
-(2048 x 8192 x 8, 2 MB per worker): L2-resident weights stream no faster, ~30 GB/s per worker at
-most - about HBM's 4 TB/s / 132, so a GEMV phase with every worker streaming is at the HBM limit,
-but a worker cannot catch up from L2 what it did not stream while it waited (prefetching into L2
-during the attention window did not help either: README, fourteenth session).
+GB/s (512 x 8192, 8.4 MB, 128 KB tiles), 19.9 / 20.4 (1024 x 8192, 16.8 MB), 24.2 / 24.9 (2048 x
+8192, 33.6 MB): L2-resident weights stream no faster; 8 GEMVs of 2048 x 8192 (268 MB: from HBM in
+both runs, 2 MB per worker) 29.4 / 31.2. So ~30 GB/s per worker at most - about HBM's 4 TB/s / 132:
+a GEMV phase with every worker streaming is at the HBM limit, but a worker cannot catch up from
+L2 what it did not stream while it waited (prefetching into L2 during the attention window did
+not help either: README, fourteenth session).
 
     PYTHONPATH=. python benchmarks/lab/gemv_l2.py [--define MACRO[=VALUE] ...] [--stages 2,3,4,5]
     TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/gemv_l2.py --prebuild [--define ...]
 
 ``--stages`` repeats the stamped runs with each weight-ring depth (a latency-bound ring streams
-faster with more stages in flight; a rate-bound one does not). ``--define`` prepends ``#define`` lines to the generated program (an executor variant, as
-``variants_ab.py`` does); ``--prebuild`` only builds that library without a GPU (every case's plan
-generates the same program).
+faster with more stages in flight; a rate-bound one does not). ``--define`` prepends ``#define``
+lines to the generated program (an executor variant, as ``variants_ab.py`` does; the macro must
+be one runtime/tilec tests); ``--prebuild`` only builds the libraries (the plain one and the
+variant's) without a GPU: every case's plan generates the same program. ``GB/s/worker`` divides
+by the workers that have instructions.
 """
 import argparse
 import dataclasses
@@ -36,7 +39,9 @@ from decode import Gemvs, time_cuda  # noqa: E402
 from tilec import codegen  # noqa: E402
 from tilec.api import compile_module  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
-from tilec.timing import cuda_graph  # noqa: E402
+from tilec.ops import NOOP  # noqa: E402
+from tilec.plan import F  # noqa: E402
+from tilec.timing import cuda_graph, need_gpu  # noqa: E402
 
 CASES = ((512, 8192, 1), (1024, 8192, 1), (2048, 8192, 1), (2048, 8192, 8))
 
@@ -47,13 +52,20 @@ def main() -> None:
     ap.add_argument("--prebuild", action="store_true")
     ap.add_argument("--stages", default="", help="ring depths for the stamped runs, e.g. 2,3,4,5 (default: the plan's)")
     args = ap.parse_args()
+    runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
+    unknown = [d.split("=")[0] for d in args.define if d.split("=")[0] not in runtime]
+    if unknown:
+        ap.error(f"--define: macros runtime/tilec never tests: {unknown}")
     lines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in args.define)
     if args.prebuild:
         mod = Gemvs(512, 8192, 1).to(torch.bfloat16)
-        prog = compile_module(mod, (torch.randn(1, 8192, dtype=torch.bfloat16),), options=dict(executor="reference", check=False))
+        x = torch.randn(1, 8192, dtype=torch.bfloat16)
+        prog = compile_module(mod, (x,), options=dict(executor="reference", check=False))
         srcs = codegen.render(prog.plan)
-        print(codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, "sm_90a"))
+        for pre in dict.fromkeys(("", lines)):
+            print(codegen.build({**srcs, "program.cu": pre + srcs["program.cu"]}, "sm_90a"))
         return
+    need_gpu("gemv_l2.py")
     print(f"{'weight [N, K] x count':<24} {'MB':>7} {'us':>8} {'TB/s':>6} {'GB/s/worker':>12} "
           f"{'tile KB':>8} {'tile us':>8} {'m1 us':>6} {'tile GB/s':>9}")
     for n, k, count in CASES:
@@ -61,20 +73,21 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             prog = compile_module(mod, (x,), options=dict(check=False))
+            if lines:  # the variant's library in the compiled program's executor (checked below)
+                ex = prog.executor
+                srcs = dict(ex.sources)
+                srcs["program.cu"] = lines + srcs["program.cu"]
+                prog.executor = CudaExecutor(prog.plan, ex.opts, ex.device, lib_path=codegen.build(srcs, ex.opts.arch))
             got, want = prog(x), mod(x)
         err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))
-        if lines:  # the variant's library in the compiled program's executor
-            ex = prog.executor
-            srcs = dict(ex.sources)
-            srcs["program.cu"] = lines + srcs["program.cu"]
-            prog.executor = CudaExecutor(prog.plan, ex.opts, ex.device, lib_path=codegen.build(srcs, ex.opts.arch))
         tensors, p = prog.bind_args((x,))
         table = prog.plan.bind_base(tensors)
         graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))
         ms = time_cuda(graph.replay, 200)
         prog.executor.check()
         nbytes = count * n * k * 2
-        # per-tile medians from a stamped run (warm: the previous replays left L2 as in the timing)
+        busy = int((prog.plan.queues[..., F["opcode"][0]] != NOOP).any(-1).sum())  # workers with instructions
+        # per-tile medians from stamped runs, after L2 was flushed and after torch re-read the weights
         ex = prog.executor
         sx = CudaExecutor(prog.plan, dataclasses.replace(ex.opts, profile=True), ex.device, lib_path=ex.lib_path)
         junk = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -90,7 +103,7 @@ def main() -> None:
                     sx.run(tensors, table, position=p)
                 torch.cuda.synchronize()
                 label = f"{'warm L2' if warm else 'flushed'}, {depth} stages"
-                report(n, k, count, err, ms, nbytes, prog.plan.workers, sx.stamps.cpu(), label)
+                report(n, k, count, err, ms, nbytes, busy, sx.stamps.cpu(), label)
         del mod, prog, sx, junk
 
 
