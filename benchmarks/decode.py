@@ -4,7 +4,9 @@ Rows: eager HF; the same under one CUDA graph; torch.compile (Inductor) under CU
 (mode="reduce-overhead"); tilec called from Python (one step = operand binding + one kernel
 launch + output copy); the tilec step replayed from a CUDA graph; the HBM roofline (bytes that
 must move / measured read bandwidth). Each row is the median of many CUDA-event-timed steps
-after warm-up, and is also given as a multiple of the roofline.
+after warm-up, and is also given as a multiple of the roofline and with the median SM clock
+while it was timed (``tilec.timing.SmClock``; "-" without nvidia-smi): the persistent kernel is
+latency-bound and slows with the clock, which differs between machines.
 
 GEMV microbenchmark (``--gemv``): a compiled plan of 8 independent GEMVs (M = 1, bf16, the
 weights larger than L2 together) run by the persistent executor, as TB/s of weight bytes.
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.errors import TilecError  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
 from tilec.options import Options  # noqa: E402
-from tilec.timing import cuda_graph, median_ms, need_gpu  # noqa: E402
+from tilec.timing import SmClock, cuda_graph, median_ms, need_gpu  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
 
@@ -78,7 +80,12 @@ def main():
     ctx, B = args.context, args.batch
     cache, tok = prefill(model, B, ctx, ctx + 64, dev)
     pos_t = torch.tensor([ctx], device=dev)
-    rows = []
+    rows = []  # (label, ms, median SM clock in MHz or None)
+
+    def timed(label, fn):
+        with SmClock() as clk:
+            ms = time_cuda(fn, args.iters)
+        rows.append((label, ms, clk.mhz))
 
     def eager():
         with torch.no_grad():
@@ -94,11 +101,11 @@ def main():
         rewind()
         return eager()
 
-    rows.append(("eager", time_cuda(eager_fixed, args.iters)))
+    timed("eager", eager_fixed)
 
     # one CUDA graph of the eager step (the counter reset is captured too)
     g = cuda_graph(eager_fixed)
-    rows.append(("CUDA graph (eager)", time_cuda(g.replay, args.iters)))
+    timed("CUDA graph (eager)", g.replay)
 
     if not args.skip_inductor:
         t0 = time.time()
@@ -112,7 +119,7 @@ def main():
         for _ in range(3):
             inductor()
         print(f"inductor compile+warmup {time.time() - t0:.1f}s", flush=True)
-        rows.append(("torch.compile (Inductor, CUDA graphs)", time_cuda(inductor, args.iters)))
+        timed("torch.compile (Inductor, CUDA graphs)", inductor)
 
     t0 = time.time()
     step = compile_decode_step(model, cache, B, options=dict(extra, check=False))
@@ -124,10 +131,10 @@ def main():
 
     tilec_step()
     step.program.executor.check()
-    rows.append(("tilec (Python call)", time_cuda(tilec_step, args.iters)))
+    timed("tilec (Python call)", tilec_step)
     try:
         tg = cuda_graph(tilec_step)
-        rows.append(("tilec (CUDA graph replay)", time_cuda(tg.replay, args.iters)))
+        timed("tilec (CUDA graph replay)", tg.replay)
     except RuntimeError as e:  # report, do not hide the other rows
         print(f"tilec under a CUDA graph failed: {e}")
     step.program.executor.check()
@@ -139,7 +146,7 @@ def main():
         except TilecError as e:
             print(f"ring stages {n}: {e}")
             continue
-        rows.append((f"tilec (CUDA graph replay, {n} ring stages)", time_cuda(cuda_graph(tilec_step).replay, args.iters)))
+        timed(f"tilec (CUDA graph replay, {n} ring stages)", cuda_graph(tilec_step).replay)
         ex.check()
     if depths and plan_stages:
         ex.use_ring_stages(plan_stages)
@@ -147,12 +154,12 @@ def main():
     bw = read_bandwidth()
     nbytes = step_bytes(model, B, ctx)
     roof = nbytes / bw * 1e3
-    rows.append((f"roofline ({nbytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)", roof))
+    rows.append((f"roofline ({nbytes / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s)", roof, None))
     name = torch.cuda.get_device_name()
     print(f"\n{args.model} decode step, batch {B}, context {ctx}, bf16, {name}")
-    print(f"{'variant':<48} {'ms':>9} {'x roofline':>11}")
-    for label, ms in rows:
-        print(f"{label:<48} {ms:>9.3f} {ms / roof:>11.2f}")
+    print(f"{'variant':<48} {'ms':>9} {'x roofline':>11} {'SM MHz':>7}")
+    for label, ms, mhz in rows:
+        print(f"{label:<48} {ms:>9.3f} {ms / roof:>11.2f} {mhz if mhz is not None else '-':>7}")
     if args.gemv:
         gemv_table(bw, args.iters, stages=tuple(depths))
 

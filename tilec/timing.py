@@ -1,7 +1,9 @@
 """Timing helpers shared by the CLI's ``bench`` and the benchmark scripts."""
 from __future__ import annotations
 
+import shutil
 import statistics
+import subprocess
 import time
 
 import torch
@@ -54,3 +56,67 @@ def need_gpu(script: str) -> None:
     """Exits with a one-line message (status 2) when torch sees no CUDA GPU: for GPU-only scripts."""
     if not torch.cuda.is_available():
         raise SystemExit(f"{script}: needs a CUDA GPU, and torch sees none")
+
+
+class SmClock:
+    """Samples the GPU's SM clock (MHz) while a block runs, with ``nvidia-smi`` queries from a
+    background thread (one every ``period_s``), so a timing table can say at what clock it was
+    measured: the latency-bound persistent kernel slows with the SM clock, which differs between
+    machines and moves with power and heat, while bandwidth-bound baselines barely do.
+
+        with SmClock() as clk:
+            ms = median_ms(fn, 100)
+        clk.mhz  # median of the samples, or None
+
+    ``mhz`` is None when ``nvidia-smi`` is missing or its output is not a number. Never raises
+    for a missing or broken tool; the first query runs on entry, so a short block has a sample.
+    """
+
+    def __init__(self, device: int | None = None, period_s: float = 0.1):
+        self.device, self.period_s = device, period_s
+        self.samples: list[int] = []
+        self._stop = None
+        self._thread = None
+        self._cmd = None
+
+    def _query(self) -> None:
+        try:
+            out = subprocess.run(self._cmd, capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return
+        vals = [int(v) for v in out.split() if v.strip().isdigit()]
+        if vals:
+            self.samples.append(vals[0])
+
+    def __enter__(self) -> "SmClock":
+        import threading
+
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return self
+        gpu = "0"
+        if torch.cuda.is_available():
+            d = torch.cuda.current_device() if self.device is None else self.device
+            props = torch.cuda.get_device_properties(d)
+            ids = [getattr(props, a, None) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+            gpu = f"{ids[0]:08X}:{ids[1]:02X}:{ids[2]:02X}.0" if None not in ids else str(d)
+        self._cmd = [exe, "-i", gpu, "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"]
+        self._query()
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.wait(self.period_s):
+                self._query()
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=10)
+
+    @property
+    def mhz(self) -> int | None:
+        return int(statistics.median(self.samples)) if self.samples else None

@@ -23,7 +23,7 @@ from _llama_step import llama_model, step_runner  # noqa: E402
 from decode import time_cuda  # noqa: E402
 from tilec import cost  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.timing import cuda_graph  # noqa: E402
+from tilec.timing import SmClock, cuda_graph  # noqa: E402
 
 
 def main():
@@ -59,9 +59,11 @@ def main():
               flush=True)
         steps[name], graphs[name] = step, cuda_graph(run)
     res = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name in variants:
-            res[name].append(time_cuda(graphs[name].replay, args.iters))
+    with SmClock() as clk:
+        for _ in range(args.rounds):
+            for name in variants:
+                res[name].append(time_cuda(graphs[name].replay, args.iters))
+    print(f"median SM clock {clk.mhz if clk.mhz is not None else '-'} MHz over the rounds", flush=True)
     for step in steps.values():
         step.program.executor.check()
     print(f"\n{'variant':14s} {'median ms':>10s}  rounds")

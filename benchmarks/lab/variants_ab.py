@@ -36,7 +36,7 @@ from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.errors import TilecError  # noqa: E402
 from tilec.ops import opdef  # noqa: E402
 from tilec.plan import F  # noqa: E402
-from tilec.timing import cuda_graph  # noqa: E402
+from tilec.timing import SmClock, cuda_graph  # noqa: E402
 from tilec.trace import measured_trace, write_trace  # noqa: E402
 
 
@@ -136,10 +136,13 @@ def main():
             step.program.executor = ex
             run()
             graphs[name] = cuda_graph(run)
-        for _ in range(args.rounds):
-            for name in exs:
-                step.program.executor = exs[name]
-                res.setdefault((name, depth), []).append(time_cuda(graphs[name].replay, args.iters))
+        with SmClock() as clk:
+            for _ in range(args.rounds):
+                for name in exs:
+                    step.program.executor = exs[name]
+                    res.setdefault((name, depth), []).append(time_cuda(graphs[name].replay, args.iters))
+        mhz = clk.mhz if clk.mhz is not None else "-"
+        print(f"ring {depth}: median SM clock {mhz} MHz over the rounds", flush=True)
         for name, ex in exs.items():
             ex.check()
     print(f"\n{'variant':12s} {'ring':>4s} {'median ms':>10s}  rounds")
