@@ -4,6 +4,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
+import threading
 import time
 
 import torch
@@ -89,8 +90,6 @@ class SmClock:
             self.samples.append(vals[0])
 
     def __enter__(self) -> "SmClock":
-        import threading
-
         exe = shutil.which("nvidia-smi")
         if exe is None:
             return self

@@ -42,6 +42,7 @@ from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.ops import NOOP  # noqa: E402
 from tilec.plan import F  # noqa: E402
 from tilec.timing import cuda_graph, need_gpu  # noqa: E402
+from variants_ab import define_lines  # noqa: E402
 
 CASES = ((512, 8192, 1), (1024, 8192, 1), (2048, 8192, 1), (2048, 8192, 8))
 
@@ -52,11 +53,9 @@ def main() -> None:
     ap.add_argument("--prebuild", action="store_true")
     ap.add_argument("--stages", default="", help="ring depths for the stamped runs, e.g. 2,3,4,5 (default: the plan's)")
     args = ap.parse_args()
-    runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
-    unknown = [d.split("=")[0] for d in args.define if d.split("=")[0] not in runtime]
+    lines, unknown = define_lines(args.define)
     if unknown:
         ap.error(f"--define: macros runtime/tilec never tests: {unknown}")
-    lines = "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in args.define)
     if args.prebuild:
         mod = Gemvs(512, 8192, 1).to(torch.bfloat16)
         x = torch.randn(1, 8192, dtype=torch.bfloat16)

@@ -40,18 +40,24 @@ from tilec.timing import SmClock, cuda_graph  # noqa: E402
 from tilec.trace import measured_trace, write_trace  # noqa: E402
 
 
+def define_lines(macros: list[str]) -> tuple[str, list[str]]:
+    """The ``#define`` lines of ``macros`` (each NAME or NAME=VALUE), and the names among them that
+    runtime/tilec never tests (a typo would silently build the unchanged executor)."""
+    runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
+    unknown = [d.split("=")[0] for d in macros if d.split("=")[0] not in runtime]
+    return "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros), unknown
+
+
 def parse_variants(specs, ap) -> list[tuple[str, str]]:
     """``(name, #define lines)`` of each NAME=DEFINE[,DEFINE...] spec (DEFINE as NAME or
     NAME=VALUE); ``ap.error`` for a repeated or empty name or a macro runtime/tilec never tests."""
-    runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
     variants = []
     for v in specs:
         name, _, defs = v.partition("=")
-        macros = [d for d in defs.split(",") if d]
-        unknown = [d.split("=")[0] for d in macros if d.split("=")[0] not in runtime]
+        lines, unknown = define_lines([d for d in defs.split(",") if d])
         if not name or name in (n for n, _ in variants) or unknown:
             ap.error(f"variant {v!r}: needs a new name, and macros runtime/tilec tests (unknown: {unknown})")
-        variants.append((name, "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros)))
+        variants.append((name, lines))
     return variants
 
 
