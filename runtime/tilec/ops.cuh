@@ -1009,6 +1009,56 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
   if (!checked && !bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch)) return false;
   const __nv_bfloat16* xp = base<__nv_bfloat16>(x);
   const __nv_bfloat16* sp = base<__nv_bfloat16>(side);
+#ifdef TILEC_LAB_REG_NORM
+  // lab: one row's RMSNorm from registers - x and the norm weight come in with 16-byte loads
+  // (one round trip), every warp sums its own vectors' squares, one barrier for the 8 warp
+  // sums (added in warp order), and each thread writes its normed bf16 vectors. (The default
+  // path stages through shared memory and one warp sums the whole row: 8 dependent rounds.)
+  // Another summation order than the default path: last-bit differences in the RMSNorm scale.
+  if (pro == 1 && nr == 1 && vpr <= 2 * kThreads) {
+    uint4 xr[2], wr[2];
+    float q = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int v = threadIdx.x + j * kThreads;
+      if (v < vpr) {
+        xr[j] = __ldcg(reinterpret_cast<const uint4*>(xp + xoff[0] + k0 + v * 8));
+        wr[j] = __ldcg(reinterpret_cast<const uint4*>(sp + k0 + v * 8));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (threadIdx.x + j * kThreads < vpr) {
+        const unsigned w[4] = {xr[j].x, xr[j].y, xr[j].z, xr[j].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
+      }
+    }
+    q = warp_sum(q);
+    float* part = rscale + 32;  // rscale[1..kMaxRows) is free with one row
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = q;
+    block_sync();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += part[w];
+    const float rs = rsqrtf(total / kl + eps);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int v = threadIdx.x + j * kThreads;
+      if (v < vpr) {
+        const unsigned xw[4] = {xr[j].x, xr[j].y, xr[j].z, xr[j].w}, sw[4] = {wr[j].x, wr[j].y, wr[j].z, wr[j].w};
+        unsigned res[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)  // round_to<bf16>(x * rs) * w, as gemv_rmsnorm_rows
+          res[i] = bf16x2_bits(round_to<__nv_bfloat16>(bf16_lo(xw[i]) * rs) * bf16_lo(sw[i]),
+                               round_to<__nv_bfloat16>(bf16_hi(xw[i]) * rs) * bf16_hi(sw[i]));
+        *reinterpret_cast<uint4*>(xb + v * 8) = make_uint4(res[0], res[1], res[2], res[3]);
+      }
+    }
+    block_sync();
+    return true;
+  }
+#endif
 #pragma unroll 1
   for (int v = threadIdx.x; v < nv; v += kThreads) {
     const int r = v / vpr, k = (v - r * vpr) * 8;
