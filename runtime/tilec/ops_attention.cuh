@@ -180,6 +180,18 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             st[kAttnQ + threadIdx.x] = 0.f;
           }
           float acc[kAttnQ][8];
+#ifdef TILEC_LAB_MMA_PV
+          // lab: P.V on tensor cores (mma m16n8k16, bf16 in, float32 accumulate): warp w owns the
+          // 8-column tiles w, w + kWarps, .. of Dv over all positions, so no cross-warp sum;
+          // pv[i][0..1] = O[query lane / 4][8 (w + kWarps i) + 2 (lane % 4) + 0..1] (rows 8..15 and
+          // queries >= qc are zero padding). Another summation order than the default path.
+          constexpr bool kMmaPV = kStaged && std::is_same<TV, __nv_bfloat16>::value;
+          float pv[4][4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pv[i][e] = 0.f;
+#endif
           long long lim[kAttnQ];  // query qq sees cache positions < lim[qq]
           int tok = (q0 % Sq);    // query q0 + qq is token (q0 + qq) % Sq: one division per pass
 #pragma unroll
@@ -260,6 +272,39 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             block_sync();
             c.mark(2);  // profiling: scores and softmax statistics done
             // (3) P.V
+#ifdef TILEC_LAB_MMA_PV
+            if constexpr (kMmaPV) {
+              const int qr = lane >> 2, kq = (lane & 3) * 2, ntiles = Dv >> 3;
+              const float alpha = qr < qc ? st[2 * kAttnQ + qr] : 0.f;
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                pv[i][0] *= alpha;
+                pv[i][1] *= alpha;
+              }
+              const unsigned short* vbits = reinterpret_cast<const unsigned short*>(vs);
+              // A: p of query qr at positions j, j + 1 (bf16 values: packing is exact; 0 past len)
+              auto pa = [&](int j) -> unsigned {
+                const float x0 = qr < qc && j < len ? sc[qr * seg + j] : 0.f;
+                const float x1 = qr < qc && j + 1 < len ? sc[qr * seg + j + 1] : 0.f;
+                return pack_bf16x2(x0, x1);
+              };
+              // B: V[j][n], V[j + 1][n] (0 past len: stale rows never meet a 0 * inf)
+              auto vb2 = [&](int j, int n) -> unsigned {
+                const unsigned lo = j < len ? vbits[j * Dv + n] : 0u, hi = j + 1 < len ? vbits[(j + 1) * Dv + n] : 0u;
+                return lo | (hi << 16);
+              };
+#pragma unroll 1
+              for (int k0 = 0; k0 < len; k0 += 16) {
+                const unsigned a[4] = {pa(k0 + kq), 0u, pa(k0 + kq + 8), 0u};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                  const int t = warp + kWarps * i;
+                  if (t < ntiles) mma_16816(pv[i], a, vb2(k0 + kq, t * 8 + qr), vb2(k0 + kq + 8, t * 8 + qr));
+                }
+              }
+              continue;  // the next segment (its block_sync orders these reads of sc and vs)
+            }
+#endif
 #pragma unroll
             for (int qq = 0; qq < kAttnQ; ++qq) {
               if (qq < qc) {
@@ -286,6 +331,30 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               }
             }
           }
+#ifdef TILEC_LAB_MMA_PV
+          if constexpr (kMmaPV) {
+            const int qr = lane >> 2, kq = (lane & 3) * 2, row0 = h * G * Sq + q0;
+            if (qr < qc) {
+              int oi[4] = {b, row0 + qr, s, 0};
+              const long long o0 = offset4(op, oi);
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const int t = warp + kWarps * i;
+                if (t < (Dv >> 3)) {
+                  stf<TP>(op, o0 + (long long)(t * 8 + kq) * op.strides[3], pv[i][0]);
+                  stf<TP>(op, o0 + (long long)(t * 8 + kq + 1) * op.strides[3], pv[i][1]);
+                }
+              }
+            }
+            if (threadIdx.x < qc) {
+              int mi[4] = {b, row0 + (int)threadIdx.x, s, 0};
+              const long long mo = offset4(ml, mi);
+              stf<TM>(ml, mo, st[threadIdx.x]);
+              stf<TM>(ml, mo + ml.strides[3], st[kAttnQ + threadIdx.x]);
+            }
+            continue;  // the next pass
+          }
+#endif
           // sum the warp's lane groups (lanes iv of every group hold elements iv*8 .. iv*8+7)
 #pragma unroll 1
           for (int o = LV; o < 32; o <<= 1) {
