@@ -120,6 +120,15 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
   float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]
   float* sc = st + 32;            // [kAttnQ][seg] scores -> p; at the end [kWarps][kAttnQ][DVP] P.V partials
   TK* ks = reinterpret_cast<TK*>(sc + kAttnQ * seg);  // kStaged: [seg][D]
+#ifdef TILEC_LAB_MMA_QK
+  // lab: scores on tensor cores (mma m16n8k16): A = the unscaled bf16 queries (qs then holds them
+  // unscaled; the scale multiplies each score), B = the staged K rows; warp w takes the 8-position
+  // tiles w, w + kWarps, .. Another summation order than the default path.
+  const bool mma_qk = kStaged && std::is_same<TQ, __nv_bfloat16>::value && std::is_same<TK, __nv_bfloat16>::value &&
+                      D % 16 == 0;
+#else
+  constexpr bool mma_qk = false;
+#endif
   TV* vs = reinterpret_cast<TV*>(ks + (long long)seg * D);  // kStaged: [seg][Dv]
 #pragma unroll 1
   for (int b = c.lo(0); b < c.hi(0); ++b)
@@ -171,7 +180,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             float val = 0.f;
             if (d < D) {
               int qi[4] = {b, h * G + (q0 + qq) / Sq, (q0 + qq) % Sq, d};
-              val = ldf<TQ>(q, offset4(q, qi)) * scale;
+              val = ldf<TQ>(q, offset4(q, qi)) * (mma_qk ? 1.f : scale);
             }
             qs[qq * 256 + d] = val;
           }
@@ -241,6 +250,31 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                 }
               }
             };
+#ifdef TILEC_LAB_MMA_QK
+            if (mma_qk) {
+              const int qr = lane >> 2, kq = (lane & 3) * 2;
+              const long long limq = causal ? valid + (q0 + qr) % Sq : 0x7fffffffffffffffLL;
+              const int seenq = (int)max(0LL, min((long long)len, limq - p0));
+              const unsigned short* kbits = reinterpret_cast<const unsigned short*>(ks);
+              // A: query qr's elements d, d + 1 as bf16x2 (exact: qs holds bf16 values; 0 for padding rows)
+              auto qa = [&](int d) -> unsigned { return qr < qc ? pack_bf16x2(qs[qr * 256 + d], qs[qr * 256 + d + 1]) : 0u; };
+#pragma unroll 1
+              for (int t = warp; t * 8 < len; t += kWarps) {
+                float d4[4] = {0.f, 0.f, 0.f, 0.f};
+                const int pos = t * 8 + qr;  // B column: this lane group's position
+#pragma unroll 1
+                for (int k0 = 0; k0 < D; k0 += 16) {
+                  const unsigned a[4] = {qa(k0 + kq), 0u, qa(k0 + kq + 8), 0u};
+                  const unsigned b0 = pos < len ? *reinterpret_cast<const unsigned*>(kbits + pos * D + k0 + kq) : 0u;
+                  const unsigned b1 = pos < len ? *reinterpret_cast<const unsigned*>(kbits + pos * D + k0 + kq + 8) : 0u;
+                  mma_16816(d4, a, b0, b1);
+                }
+                const int j = t * 8 + kq;  // C: query qr's scores at positions j, j + 1
+                if (qr < qc && j < len) sc[qr * seg + j] = j < seenq ? d4[0] * scale : -INFINITY;
+                if (qr < qc && j + 1 < len) sc[qr * seg + j + 1] = j + 1 < seenq ? d4[1] * scale : -INFINITY;
+              }
+            } else
+#endif
             if (LK == 8) scores(std::integral_constant<int, 8>{});  // 64-element heads
             else scores(std::integral_constant<int, 0>{});
             block_sync();
