@@ -785,7 +785,7 @@ __device__ __noinline__ void gemv_bf16_mma(const TileCtx& c, const __nv_bfloat16
 // ---- streamed weights on tensor cores: 9..16 x rows ---------------------------------------
 // The ring's stages (8 weight rows = 8 output columns x a K block) feed mma.sync m16n8k16: warp w
 // takes K slice [w * kStreamK / kWarps, ...) of every stage - B is stage row g at k + 8q, one
-// 16-byte load per lane (rows kRowPitch apart: conflict-free, see stream.cuh), A the bf16 x rows
+// 16-byte load per lane (rows kRowPitch apart: conflict-free when padded, see stream.cuh), A the bf16 x rows
 // xb at pitch xpitch (kl + 32: likewise) - accumulating a 16 x 8 partial product; at a column group's
 // last K block the warps' partials are summed through shared memory (red: kWarps x 128 floats).
 // A warp whose stream wait gave up keeps iterating without waiting (every later wait fails at
@@ -1015,25 +1015,17 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
   // sums (added in warp order), and each thread writes its normed bf16 vectors. (The default
   // path stages through shared memory and one warp sums the whole row: 8 dependent rounds.)
   // Another summation order than the default path: last-bit differences in the RMSNorm scale.
-  if (pro == 1 && nr == 1 && vpr <= 2 * kThreads) {
-    uint4 xr[2], wr[2];
+  if (pro == 1 && nr == 1 && vpr <= kThreads) {  // one 16-byte vector per thread (kl <= 2048): few registers
+    const int v = threadIdx.x;
+    uint4 xr = make_uint4(0u, 0u, 0u, 0u), wr = xr;
+    if (v < vpr) {
+      xr = __ldcg(reinterpret_cast<const uint4*>(xp + xoff[0] + k0 + v * 8));
+      wr = __ldcg(reinterpret_cast<const uint4*>(sp + k0 + v * 8));
+    }
+    const unsigned xw[4] = {xr.x, xr.y, xr.z, xr.w};
     float q = 0.f;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int v = threadIdx.x + j * kThreads;
-      if (v < vpr) {
-        xr[j] = __ldcg(reinterpret_cast<const uint4*>(xp + xoff[0] + k0 + v * 8));
-        wr[j] = __ldcg(reinterpret_cast<const uint4*>(sp + k0 + v * 8));
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (threadIdx.x + j * kThreads < vpr) {
-        const unsigned w[4] = {xr[j].x, xr[j].y, xr[j].z, xr[j].w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) q += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
-      }
-    }
+    for (int i = 0; i < 4; ++i) q += bf16_lo(xw[i]) * bf16_lo(xw[i]) + bf16_hi(xw[i]) * bf16_hi(xw[i]);
     q = warp_sum(q);
     float* part = rscale + 32;  // rscale[1..kMaxRows) is free with one row
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = q;
@@ -1042,18 +1034,14 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += part[w];
     const float rs = rsqrtf(total / kl + eps);
+    if (v < vpr) {
+      const unsigned sw[4] = {wr.x, wr.y, wr.z, wr.w};
+      unsigned res[4];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int v = threadIdx.x + j * kThreads;
-      if (v < vpr) {
-        const unsigned xw[4] = {xr[j].x, xr[j].y, xr[j].z, xr[j].w}, sw[4] = {wr[j].x, wr[j].y, wr[j].z, wr[j].w};
-        unsigned res[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)  // round_to<bf16>(x * rs) * w, as gemv_rmsnorm_rows
-          res[i] = bf16x2_bits(round_to<__nv_bfloat16>(bf16_lo(xw[i]) * rs) * bf16_lo(sw[i]),
-                               round_to<__nv_bfloat16>(bf16_hi(xw[i]) * rs) * bf16_hi(sw[i]));
-        *reinterpret_cast<uint4*>(xb + v * 8) = make_uint4(res[0], res[1], res[2], res[3]);
-      }
+      for (int i = 0; i < 4; ++i)  // round_to<bf16>(x * rs) * w, as gemv_rmsnorm_rows
+        res[i] = bf16x2_bits(round_to<__nv_bfloat16>(bf16_lo(xw[i]) * rs) * bf16_lo(sw[i]),
+                             round_to<__nv_bfloat16>(bf16_hi(xw[i]) * rs) * bf16_hi(sw[i]));
+      *reinterpret_cast<uint4*>(xb + v * 8) = make_uint4(res[0], res[1], res[2], res[3]);
     }
     block_sync();
     return true;

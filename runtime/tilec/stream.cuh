@@ -27,11 +27,12 @@
 namespace tilec {
 
 constexpr int kStreamK = 2048;                              // K elements per row per stage
-// Rows sit kRowPitch bytes apart, unpadded, so that a stage of whole weight rows (K <=
-// kStreamK bf16: Llama-3.2-1B's q/k/v, o and gate/up tiles) is one contiguous range of W and
+// Rows sit kRowPitch bytes apart, unpadded, so that a stage of whole weight rows (K = kStreamK
+// bf16 or 2 kStreamK FP8: Llama-3.2-1B's q/k/v, o and gate/up tiles) is one contiguous range of W and
 // the loader moves it with one bulk copy instead of one per row. (The 64 bytes of padding per
-// row they had kept the tensor-core consumer's quarter-warp reads of two consecutive rows at
-// one k half a bank line apart; unpadded they are 2-way bank conflicts.) Stages stay
+// row they had kept the tensor-core consumers' quarter-warp reads of two consecutive rows at
+// one k half a bank line apart - bf16 9..16-row GEMVs and the FP8 GEMM, GLM-5's; unpadded they are
+// 2-way bank conflicts: measure glm5_variants_ab.py too.) Stages stay
 // kStageBytes apart - the 512 bytes the padding took are left between them - so the ops'
 // scratch starts and ends where tilec/smem.py plans it (a larger scratch lets split-KV
 // attention take longer segments: other rounding, e.g. Qwen3-0.6B batch 4).
@@ -164,7 +165,7 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
       char* stage = r.stages + s * kStageBytes;
       mbar_expect_tx(r.full + s, (unsigned)(rows * bytes));
       if (!t.paired && bytes == kRowPitch && (long long)bytes == t.wn * t.esz) {  // whole rows, back to back
-        bulk_load(stage, t.w + (long long)c0 * t.wn * t.esz, (unsigned)(rows * bytes), r.full + s, policy);
+        bulk_load(stage, t.w + ((long long)c0 * t.wn + kk) * t.esz, (unsigned)(rows * bytes), r.full + s, policy);
       } else {
 #pragma unroll 1
         for (int row = 0; row < rows; ++row)
