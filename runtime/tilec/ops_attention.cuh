@@ -120,7 +120,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
   float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]
   float* sc = st + 32;            // [kAttnQ][seg] scores -> p; at the end [kWarps][kAttnQ][DVP] P.V partials
   TK* ks = reinterpret_cast<TK*>(sc + kAttnQ * seg);  // kStaged: [seg][D]
-#ifdef TILEC_LAB_MMA_QK
+#ifndef TILEC_LAB_SIMT_ATTN
   // lab: scores on tensor cores (mma m16n8k16): A = the unscaled bf16 queries (qs then holds them
   // unscaled; the scale multiplies each score), B = the staged K rows; warp w takes the 8-position
   // tiles w, w + kWarps, .. Another summation order than the default path.
@@ -189,7 +189,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             st[kAttnQ + threadIdx.x] = 0.f;
           }
           float acc[kAttnQ][8];
-#ifdef TILEC_LAB_MMA_PV
+#ifndef TILEC_LAB_SIMT_ATTN
           // lab: P.V on tensor cores (mma m16n8k16, bf16 in, float32 accumulate): warp w owns the
           // 8-column tiles w, w + kWarps, .. of Dv over all positions, so no cross-warp sum;
           // pv[i][0..1] = O[query lane / 4][8 (w + kWarps i) + 2 (lane % 4) + 0..1] (rows 8..15 and
@@ -250,7 +250,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                 }
               }
             };
-#ifdef TILEC_LAB_MMA_QK
+#ifndef TILEC_LAB_SIMT_ATTN
             if (mma_qk) {
               const int qr = lane >> 2, kq = (lane & 3) * 2;
               const long long limq = causal ? valid + (q0 + qr) % Sq : 0x7fffffffffffffffLL;
@@ -306,7 +306,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             block_sync();
             c.mark(2);  // profiling: scores and softmax statistics done
             // (3) P.V
-#ifdef TILEC_LAB_MMA_PV
+#ifndef TILEC_LAB_SIMT_ATTN
             if constexpr (kMmaPV) {
               const int qr = lane >> 2, kq = (lane & 3) * 2, ntiles = Dv >> 3;
               const float alpha = qr < qc ? st[2 * kAttnQ + qr] : 0.f;
@@ -365,7 +365,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               }
             }
           }
-#ifdef TILEC_LAB_MMA_PV
+#ifndef TILEC_LAB_SIMT_ATTN
           if constexpr (kMmaPV) {
             const int qr = lane >> 2, kq = (lane & 3) * 2, row0 = h * G * Sq + q0;
             if (qr < qc) {

@@ -27,21 +27,11 @@
 namespace tilec {
 
 constexpr int kStreamK = 2048;                              // K elements per row per stage
-// Rows sit kRowPitch bytes apart, unpadded, so that a stage of whole weight rows (K = kStreamK
-// bf16 or 2 kStreamK FP8: Llama-3.2-1B's q/k/v, o and gate/up tiles) is one contiguous range of W and
-// the loader moves it with one bulk copy instead of one per row. (The 64 bytes of padding per
-// row they had kept the tensor-core consumers' quarter-warp reads of two consecutive rows at
-// one k half a bank line apart - bf16 9..16-row GEMVs and the FP8 GEMM, GLM-5's; unpadded they are
-// 2-way bank conflicts: measure glm5_variants_ab.py too.) Stages stay
-// kStageBytes apart - the 512 bytes the padding took are left between them - so the ops'
-// scratch starts and ends where tilec/smem.py plans it (a larger scratch lets split-KV
-// attention take longer segments: other rounding, e.g. Qwen3-0.6B batch 4).
-#ifdef TILEC_LAB_PADDED_ROWS
-constexpr int kRowPitch = kStreamK * 2 + 64;  // lab: the padded layout, a bulk copy per row
-#else
-constexpr int kRowPitch = kStreamK * 2;
-#endif
-constexpr int kStageBytes = kWarps * (kStreamK * 2 + 64);  // 32 KiB + 512 bytes (tilec/smem.py STAGE_BYTES)
+// Rows sit kRowPitch bytes apart, 64 bytes of padding each: a 16-byte shared-memory load is
+// served a quarter-warp at a time, and the tensor-core consumer's quarter-warp reads 64 bytes
+// of each of two consecutive rows at one k - half a bank line apart, so conflict-free.
+constexpr int kRowPitch = kStreamK * 2 + 64;
+constexpr int kStageBytes = kWarps * kRowPitch;             // 32 KiB + 512 bytes
 constexpr int kMaxStages = 8;
 
 __device__ __forceinline__ void TileCtx::mark(int k) const {
@@ -164,14 +154,23 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
       const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
       char* stage = r.stages + s * kStageBytes;
       mbar_expect_tx(r.full + s, (unsigned)(rows * bytes));
-      if (!t.paired && bytes == kRowPitch && (long long)bytes == t.wn * t.esz) {  // whole rows, back to back
-        bulk_load(stage, t.w + ((long long)c0 * t.wn + kk) * t.esz, (unsigned)(rows * bytes), r.full + s, policy);
-      } else {
+#ifdef TILEC_LAB_SPLIT_COPY
+      // lab: each row in TILEC_LAB_SPLIT_COPY bulk copies (more, smaller copies in flight)
+      constexpr int kParts = TILEC_LAB_SPLIT_COPY;
+      if (bytes % (16 * kParts) == 0) {
+        const int part = bytes / kParts;
 #pragma unroll 1
-        for (int row = 0; row < rows; ++row)
-          bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK,
-                    t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, (unsigned)bytes, r.full + s, policy);
-      }
+        for (int pc = 0; pc < kParts; ++pc)
+#pragma unroll 1
+          for (int row = 0; row < rows; ++row)
+            bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK + pc * part,
+                      t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz + pc * part, (unsigned)part, r.full + s, policy);
+      } else
+#endif
+#pragma unroll 1
+      for (int row = 0; row < rows; ++row)
+        bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK,
+                  t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz, (unsigned)bytes, r.full + s, policy);
       if (++s == r.nstages) s = 0, ph ^= 1u;
     }
   }
