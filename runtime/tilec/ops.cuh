@@ -565,14 +565,12 @@ struct GemvStore {
   long long on, rn;
   int variant;  // 0 write (callers add the bias), 2 split-K partial (atomic float32 add, no bias)
   bool silu = false;
-  const __nv_bfloat16* rsm = nullptr;  // lab (TILEC_LAB_RESID_SMEM): one row's resid columns [rn0, ..) in shared memory
-  int rn0 = 0;
   __device__ void operator()(int m, int n, float v) const {
     if (variant == 2) {  // split-K partial: the init tile (variant 1) wrote the bias
       atomicAdd(reinterpret_cast<float*>(out.ptr) + shared_ptr(ooff)[m] + (long long)n * on, v);
       return;
     }
-    if (resid) v = round_to<TO>(v) + (rsm ? __bfloat162float(rsm[n - rn0]) : ldf<TO>(*resid, shared_ptr(roff)[m] + (long long)n * rn));
+    if (resid) v = round_to<TO>(v) + ldf<TO>(*resid, shared_ptr(roff)[m] + (long long)n * rn);
     if (silu) {  // as the silu_mul prologue computes it from the stored value (stage_bf16_rows)
       const float g = round_to<TO>(v);
       v = g / (1.f + __expf(-g));
@@ -662,9 +660,7 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
   const int first = *r.next;
   int s = first % r.nstages;                      // the ring slot of the tile's first item
   unsigned ph = (unsigned)(first / r.nstages) & 1u;  // and the phase its full barrier completes
-#ifndef TILEC_LAB_TAIL_MARKS
   c.mark(1);  // x staged (and its prologue applied)
-#endif
   float acc[kR];
 #pragma unroll
   for (int m = 0; m < kR; ++m) acc[m] = 0.f;
@@ -679,11 +675,7 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
       *r.gave_up = 1;
       break;
     }
-#ifdef TILEC_LAB_TAIL_MARKS
-    if (i == items - 1) c.mark(1);  // lab: the last weight stage is in
-#else
     if (i == 0) c.mark(2);  // the first weight stage is in
-#endif
     if (n < t.n1) {
       const uint4* row = reinterpret_cast<const uint4*>(shared_ptr(r.stages) + s * kStageBytes + warp * kRowPitch);
 #pragma unroll 2
@@ -714,9 +706,6 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
     }
   }
   block_sync();  // every compute thread has read r.next
-#ifdef TILEC_LAB_TAIL_MARKS
-  c.mark(2);  // lab: every column stored
-#endif
   if (threadIdx.x == 0) *r.next = first + items;
 }
 
@@ -1020,12 +1009,14 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
   if (!checked && !bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch)) return false;
   const __nv_bfloat16* xp = base<__nv_bfloat16>(x);
   const __nv_bfloat16* sp = base<__nv_bfloat16>(side);
-#ifndef TILEC_LAB_SMEM_NORM
-  // One row's RMSNorm from registers - x and the norm weight come in with 16-byte loads
-  // (one round trip), every warp sums its own vectors' squares, one barrier for the 8 warp
-  // sums (added in warp order), and each thread writes its normed bf16 vectors. (The default
-  // path stages through shared memory and one warp sums the whole row: 8 dependent rounds.)
-  // Another summation order than the default path: last-bit differences in the RMSNorm scale.
+  // One row's RMSNorm from registers: x and the norm weight come in with 16-byte loads (one
+  // round trip), every warp sums its own vectors' squares, one barrier for the 8 warp sums (added
+  // in warp order), and each thread writes its normed bf16 vectors; the multi-row path below
+  // stages through shared memory and one warp sums a row (8 dependent rounds). Measured on an
+  // H200 (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1, context 1024, one process): a
+  // step 1.312 against 1.339 ms, the q/k/v and gate/up tiles' staging 1.15-1.22 against 2.0-2.1
+  // us, logits bitwise equal (the sums' order differs from the other path's: last-bit
+  // differences in the scale are possible).
   if (pro == 1 && nr == 1 && vpr <= kThreads) {  // one 16-byte vector per thread (kl <= 2048): few registers
     const int v = threadIdx.x;
     uint4 xr = make_uint4(0u, 0u, 0u, 0u), wr = xr;
@@ -1057,7 +1048,6 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
     block_sync();
     return true;
   }
-#endif
 #pragma unroll 1
   for (int v = threadIdx.x; v < nv; v += kThreads) {
     const int r = v / vpr, k = (v - r * vpr) * 8;
@@ -1319,11 +1309,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     // stage this chunk's x rows (K range) in shared memory as float when they fit (fused
     // tiles always fit: the fusion pass checks)
     const bool staged = (long long)nr * kl + 2304 / 4 <= (long long)c.smem_floats - 64;
-#ifdef TILEC_LAB_RESID_SMEM
-    GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant, epi == 2};
-#else
     const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant, epi == 2};
-#endif
     // Streamed weights (the loader fills the ring): x as bf16 rows xb [nr][pitch] - pitch kl, or for
     // the tensor-core consumer (9..16 rows) kl + 32, which puts rows 64 mod 128 bytes apart (for
     // kl % 64 == 0: conflict-free A loads), with room after them for its cross-warp sums (red).
@@ -1359,20 +1345,6 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       stageable = ring && 576 + (red - xs_smem) + (mma ? kWarps * 128 : 0) <= c.smem_floats - 64 &&
                   bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch);
     if (!c.wait()) return;  // the producers of x (and of the prologue's side rows) are done
-#ifdef TILEC_LAB_RESID_SMEM
-    // lab: one row's resid columns [n0, n1) come into shared memory (rscale[40..64): 48 bf16)
-    // with cp.async, in flight with x's staging, instead of one dependent load per stored column
-    if constexpr (std::is_same<TO, __nv_bfloat16>::value) {
-      const __nv_bfloat16* rp = resid ? base<__nv_bfloat16>(*resid) + roff[0] + n0 : nullptr;
-      if (resid && nr == 1 && variant == 0 && store.rn == 1 && n1 - n0 <= 48 && (n1 - n0) % 8 == 0 &&
-          (reinterpret_cast<uintptr_t>(rp) & 15) == 0) {
-        __nv_bfloat16* rsm = reinterpret_cast<__nv_bfloat16*>(rscale + 40);
-        if (threadIdx.x < (n1 - n0) / 8) cp_async16(rsm + threadIdx.x * 8, rp + threadIdx.x * 8);
-        store.rsm = rsm;  // waited for after x's staging (in flight beside it)
-        store.rn0 = n0;
-      }
-    }
-#endif
     bool ready = false;     // xb staged (or still there from the previous instruction)
     if constexpr (std::is_same<TX, __nv_bfloat16>::value)
       ready = stageable && ((reuse_x && c.x_staged_in && rows <= kMaxRows) ||
@@ -1380,12 +1352,6 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
                                             reinterpret_cast<__nv_bfloat16*>(side_s), rscale, true));
     c.x_staged_out = ready && rows <= kMaxRows;  // the bf16 rows stay at xs_smem for the next instruction
     if (!ready && staged && variant != 1) gemv_stage_rows<TX>(c, x, xoff, soff, xk, nr, k0, k1, xs_smem, rscale, pro, eps);
-#ifdef TILEC_LAB_RESID_SMEM
-    if (store.rsm) {
-      cp_async_wait_all();
-      block_sync();
-    }
-#endif
     if (ring) {
       if (!ready && !mma) {
         // bf16 rows (their staged floats are bf16 values) go to the consumer as bf16: half the

@@ -93,14 +93,25 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 //  (0) kStaged: the segment's K and V rows come into shared memory with 16-byte cp.async copies,
 //      all in flight at once (a split of 128 positions of a 64-dim bf16 head is 32 KB: one round
 //      trip instead of one per 32 rows; the rows were pulled into L2 before the tile's wait);
-//  (1) scores: lane groups of LK = attn_lanes(D) lanes per K row; a dot over the lane's 8
-//      elements with the scaled queries (shared memory, float), then a shuffle reduction inside
-//      the group; masked scores go to shared memory;
+//  (1) scores: with bf16 queries and staged bf16 K rows (D % 16 == 0) on tensor cores - mma
+//      m16n8k16, A = the unscaled queries (exact in bf16; rows >= the pass's queries zero), B =
+//      8 staged K rows, warp w taking the 8-position tiles w, w + kWarps, ..; each score then
+//      times the scale. Otherwise lane groups of LK = attn_lanes(D) lanes per K row: a dot over
+//      the lane's 8 elements with the scaled queries (shared memory, float), then a shuffle
+//      reduction inside the group. Masked scores go to shared memory;
 //  (2) one warp per query: segment max, running max m, p = exp(s - m) (stored rounded to V's
 //      dtype), l (unrounded sum), and the rescale factor alpha of the earlier segments;
-//  (3) P.V: lane groups of LV = attn_lanes(Dv) lanes per V row, float32 accumulators per lane
-//      (kAttnQ x 8); at the end of the split a shuffle reduction across the warp's groups and a
-//      deterministic sum over warps in shared memory; o, m, l are stored.
+//  (3) P.V: with staged bf16 V rows on tensor cores - A = p (bf16 values: exact), B = V, warp
+//      w owning the 8-column tiles w, w + kWarps, .. of Dv over all positions (float32
+//      accumulators in registers, no cross-warp sum). Otherwise lane groups of LV =
+//      attn_lanes(Dv) lanes per V row, float32 accumulators per lane (kAttnQ x 8); at the end of
+//      the split a shuffle reduction across the warp's groups and a deterministic sum over warps
+//      in shared memory. o, m, l are stored.
+// The tensor-core paths sum in another order than the lane-group paths (float32 reassociation).
+// Measured on an H200 (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1, context 1024, one
+// process): a step 1.297 against 1.308 ms with the lane-group paths, the partial tile 6.9
+// against 8.0 us (scores + softmax 2.1 against 2.5 us); logits max |diff| 3.1e-2 (bf16 noise:
+// the greedy checks of tests/gpu/test_cuda_models.py pass).
 // Shared memory: queries [kAttnQ][256] floats, statistics (32 floats), scores [kAttnQ][seg]
 // (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
 template <bool kStaged, typename TQ, typename TK, typename TV, typename TP, typename TM>
@@ -116,19 +127,13 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
   const int lk = attn_log2(LK), lv = attn_log2(LV);  // LK, LV are powers of two: shifts, not divisions
   const int gk = lane >> lk, ik = lane & (LK - 1), gv = lane >> lv, iv = lane & (LV - 1);
   const long long kj = k.strides[2], kd = k.strides[3], vj = v.strides[2], vd = v.strides[3];
-  float* qs = c.smem();             // [kAttnQ][256] scaled queries, zero past D
+  float* qs = c.smem();             // [kAttnQ][256] queries (scaled unless mma_qk), zero past D
   float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]
   float* sc = st + 32;            // [kAttnQ][seg] scores -> p; at the end [kWarps][kAttnQ][DVP] P.V partials
   TK* ks = reinterpret_cast<TK*>(sc + kAttnQ * seg);  // kStaged: [seg][D]
-#ifndef TILEC_LAB_SIMT_ATTN
-  // lab: scores on tensor cores (mma m16n8k16): A = the unscaled bf16 queries (qs then holds them
-  // unscaled; the scale multiplies each score), B = the staged K rows; warp w takes the 8-position
-  // tiles w, w + kWarps, .. Another summation order than the default path.
+  // bf16 queries and staged bf16 K rows: the scores on tensor cores (phase 1 above)
   const bool mma_qk = kStaged && std::is_same<TQ, __nv_bfloat16>::value && std::is_same<TK, __nv_bfloat16>::value &&
                       D % 16 == 0;
-#else
-  constexpr bool mma_qk = false;
-#endif
   TV* vs = reinterpret_cast<TV*>(ks + (long long)seg * D);  // kStaged: [seg][Dv]
 #pragma unroll 1
   for (int b = c.lo(0); b < c.hi(0); ++b)
@@ -189,18 +194,14 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             st[kAttnQ + threadIdx.x] = 0.f;
           }
           float acc[kAttnQ][8];
-#ifndef TILEC_LAB_SIMT_ATTN
-          // lab: P.V on tensor cores (mma m16n8k16, bf16 in, float32 accumulate): warp w owns the
-          // 8-column tiles w, w + kWarps, .. of Dv over all positions, so no cross-warp sum;
-          // pv[i][0..1] = O[query lane / 4][8 (w + kWarps i) + 2 (lane % 4) + 0..1] (rows 8..15 and
-          // queries >= qc are zero padding). Another summation order than the default path.
+          // staged bf16 V rows: P.V on tensor cores (phase 3 above); pv[i][0..1] = O[query lane / 4]
+          // [8 (w + kWarps i) + 2 (lane % 4) + 0..1] (rows 8..15 and queries >= qc are zero padding)
           constexpr bool kMmaPV = kStaged && std::is_same<TV, __nv_bfloat16>::value;
           float pv[4][4];
 #pragma unroll
           for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) pv[i][e] = 0.f;
-#endif
           long long lim[kAttnQ];  // query qq sees cache positions < lim[qq]
           int tok = (q0 % Sq);    // query q0 + qq is token (q0 + qq) % Sq: one division per pass
 #pragma unroll
@@ -250,7 +251,6 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                 }
               }
             };
-#ifndef TILEC_LAB_SIMT_ATTN
             if (mma_qk) {
               const int qr = lane >> 2, kq = (lane & 3) * 2;
               const long long limq = causal ? valid + (q0 + qr) % Sq : 0x7fffffffffffffffLL;
@@ -273,9 +273,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                 if (qr < qc && j < len) sc[qr * seg + j] = j < seenq ? d4[0] * scale : -INFINITY;
                 if (qr < qc && j + 1 < len) sc[qr * seg + j + 1] = j + 1 < seenq ? d4[1] * scale : -INFINITY;
               }
-            } else
-#endif
-            if (LK == 8) scores(std::integral_constant<int, 8>{});  // 64-element heads
+            } else if (LK == 8) scores(std::integral_constant<int, 8>{});  // 64-element heads
             else scores(std::integral_constant<int, 0>{});
             block_sync();
             // (2) softmax statistics, one warp per query
@@ -306,7 +304,6 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             block_sync();
             c.mark(2);  // profiling: scores and softmax statistics done
             // (3) P.V
-#ifndef TILEC_LAB_SIMT_ATTN
             if constexpr (kMmaPV) {
               const int qr = lane >> 2, kq = (lane & 3) * 2, ntiles = Dv >> 3;
               const float alpha = qr < qc ? st[2 * kAttnQ + qr] : 0.f;
@@ -338,7 +335,6 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               }
               continue;  // the next segment (its block_sync orders these reads of sc and vs)
             }
-#endif
 #pragma unroll
             for (int qq = 0; qq < kAttnQ; ++qq) {
               if (qq < qc) {
@@ -365,7 +361,6 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               }
             }
           }
-#ifndef TILEC_LAB_SIMT_ATTN
           if constexpr (kMmaPV) {
             const int qr = lane >> 2, kq = (lane & 3) * 2, row0 = h * G * Sq + q0;
             if (qr < qc) {
@@ -388,7 +383,6 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             }
             continue;  // the next pass
           }
-#endif
           // sum the warp's lane groups (lanes iv of every group hold elements iv*8 .. iv*8+7)
 #pragma unroll 1
           for (int o = LV; o < 32; o <<= 1) {

@@ -154,19 +154,6 @@ __device__ __noinline__ void stream_weights(const int* q, int L, const long long
       const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
       char* stage = r.stages + s * kStageBytes;
       mbar_expect_tx(r.full + s, (unsigned)(rows * bytes));
-#ifdef TILEC_LAB_SPLIT_COPY
-      // lab: each row in TILEC_LAB_SPLIT_COPY bulk copies (more, smaller copies in flight)
-      constexpr int kParts = TILEC_LAB_SPLIT_COPY;
-      if (bytes % (16 * kParts) == 0) {
-        const int part = bytes / kParts;
-#pragma unroll 1
-        for (int pc = 0; pc < kParts; ++pc)
-#pragma unroll 1
-          for (int row = 0; row < rows; ++row)
-            bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK + pc * part,
-                      t.w + ((long long)(c0 + row) * t.wn + kk) * t.esz + pc * part, (unsigned)part, r.full + s, policy);
-      } else
-#endif
 #pragma unroll 1
       for (int row = 0; row < rows; ++row)
         bulk_load(stage + (row % kWarps) * kRowPitch + (row / kWarps) * kStreamK,
