@@ -109,8 +109,8 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 //      in shared memory. o, m, l are stored.
 // The tensor-core paths sum in another order than the lane-group paths (float32 reassociation).
 // Measured on an H200 (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1, context 1024, one
-// process): a step 1.297 against 1.308 ms with the lane-group paths, the partial tile 6.9
-// against 8.0 us (scores + softmax 2.1 against 2.5 us); logits max |diff| 3.1e-2 (bf16 noise:
+// process): a step 1.297 against 1.308 ms with the lane-group paths, the partial tile 7.0
+// against 8.0 us (medians; scores + softmax 2.1 against 2.5 us); logits max |diff| 3.1e-2 (bf16 noise:
 // the greedy checks of tests/gpu/test_cuda_models.py pass).
 // Shared memory: queries [kAttnQ][256] floats, statistics (32 floats), scores [kAttnQ][seg]
 // (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
@@ -197,6 +197,8 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
           // staged bf16 V rows: P.V on tensor cores (phase 3 above); pv[i][0..1] = O[query lane / 4]
           // [8 (w + kWarps i) + 2 (lane % 4) + 0..1] (rows 8..15 and queries >= qc are zero padding)
           constexpr bool kMmaPV = kStaged && std::is_same<TV, __nv_bfloat16>::value;
+          static_assert(kAttnQ <= 8, "the tensor-core paths hold a pass's queries in the mma's rows 0..7");
+          static_assert(4 * kWarps * 8 >= 256, "pv: 4 column tiles of 8 per warp cover Dv <= 256 (AttentionPartial checks)");
           float pv[4][4];
 #pragma unroll
           for (int i = 0; i < 4; ++i)

@@ -298,6 +298,12 @@ SPLIT_KV_CASES = [
     pytest.param(1, 8, 2, 1, 5000, 4990, 64, 64, torch.bfloat16, "bhsd", 128, id="40-splits"),  # combine's loop path
     pytest.param(1, 8, 4, 1, 200, 199, 36, 20, torch.bfloat16, "bhsd", 32, id="generic-d36"),
     pytest.param(2, 8, 2, 1, 300, 250, 64, 64, torch.float32, "bhsd", 48, id="fp32"),
+    # the tensor-core partial (bf16, staged K/V): a short last pass of queries (G x Sq = 6), causal Sq = 2
+    pytest.param(1, 6, 2, 2, 300, 280, 64, 64, torch.bfloat16, "bhsd", 64, id="g3-sq2-short-pass"),
+    # D % 16 != 0 (lane-group scores, tensor-core P.V), Dv = 80 (10 column tiles over 8 warps), segments
+    pytest.param(1, 8, 2, 1, 3000, 2990, 72, 80, torch.bfloat16, "bhsd", 2048, id="d72-dv80-segments"),
+    # Dv = 256: 4 column tiles per warp
+    pytest.param(1, 8, 8, 1, 600, 590, 256, 256, torch.bfloat16, "bhsd", None, id="dv256"),
 ]
 
 
