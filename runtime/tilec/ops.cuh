@@ -989,6 +989,23 @@ __device__ __forceinline__ void gemv_mul_rows(const TileCtx& c, const long long*
 // stride, 16-byte aligned rows, kl % 8 == 0.
 __device__ __forceinline__ float bf16_lo(unsigned u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf16_hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
+// q plus the squares of 8 bf16 values (a 16-byte vector), added in element pairs.
+__device__ __forceinline__ float sumsq_bf16x8(float q, const uint4& a) {
+  const unsigned w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
+  return q;
+}
+// 8 RMSNormed bf16 values: round_to<bf16>(x * rs) * w, as gemv_rmsnorm_rows rounds them.
+__device__ __forceinline__ uint4 rmsnorm_bf16x8(const uint4& a, const uint4& g, float rs) {
+  const unsigned xw[4] = {a.x, a.y, a.z, a.w}, sw[4] = {g.x, g.y, g.z, g.w};
+  unsigned res[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    res[i] = bf16x2_bits(round_to<__nv_bfloat16>(bf16_lo(xw[i]) * rs) * bf16_lo(sw[i]),
+                         round_to<__nv_bfloat16>(bf16_hi(xw[i]) * rs) * bf16_hi(sw[i]));
+  return make_uint4(res[0], res[1], res[2], res[3]);
+}
 // Whether stage_bf16_rows can stage these rows (it stages nothing otherwise).
 __device__ __forceinline__ bool bf16_rows_stageable(const TileCtx& c, const long long* xoff, const long long* soff,
                                                     long long xk, int nr, int k0, int kl, int pro, int pitch) {
@@ -1024,11 +1041,7 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
       xr = __ldcg(reinterpret_cast<const uint4*>(xp + xoff[0] + k0 + v * 8));
       wr = __ldcg(reinterpret_cast<const uint4*>(sp + k0 + v * 8));
     }
-    const unsigned xw[4] = {xr.x, xr.y, xr.z, xr.w};
-    float q = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) q += bf16_lo(xw[i]) * bf16_lo(xw[i]) + bf16_hi(xw[i]) * bf16_hi(xw[i]);
-    q = warp_sum(q);
+    const float q = warp_sum(sumsq_bf16x8(0.f, xr));
     float* part = rscale + 32;  // rscale[1..kMaxRows) is free with one row
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = q;
     block_sync();
@@ -1036,15 +1049,7 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += part[w];
     const float rs = rsqrtf(total / kl + eps);
-    if (v < vpr) {
-      const unsigned sw[4] = {wr.x, wr.y, wr.z, wr.w};
-      unsigned res[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)  // round_to<bf16>(x * rs) * w, as gemv_rmsnorm_rows
-        res[i] = bf16x2_bits(round_to<__nv_bfloat16>(bf16_lo(xw[i]) * rs) * bf16_lo(sw[i]),
-                             round_to<__nv_bfloat16>(bf16_hi(xw[i]) * rs) * bf16_hi(sw[i]));
-      *reinterpret_cast<uint4*>(xb + v * 8) = make_uint4(res[0], res[1], res[2], res[3]);
-    }
+    if (v < vpr) *reinterpret_cast<uint4*>(xb + v * 8) = rmsnorm_bf16x8(xr, wr, rs);
     block_sync();
     return true;
   }
@@ -1066,12 +1071,7 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
     for (int r = warp; r < nr; r += kWarps) {  // each row's sum of squares in a fixed order
       float q = 0.f;
 #pragma unroll 1
-      for (int v = lane; v < vpr; v += 32) {
-        const uint4 a = *reinterpret_cast<const uint4*>(xb + r * pitch + v * 8);
-        const unsigned w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) q += bf16_lo(w[i]) * bf16_lo(w[i]) + bf16_hi(w[i]) * bf16_hi(w[i]);
-      }
+      for (int v = lane; v < vpr; v += 32) q = sumsq_bf16x8(q, *reinterpret_cast<const uint4*>(xb + r * pitch + v * 8));
       q = warp_sum(q);
       if (lane == 0) rscale[r] = rsqrtf(q / kl + eps);
     }
@@ -1085,11 +1085,8 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
     const unsigned xw[4] = {a.x, a.y, a.z, a.w}, sw[4] = {g.x, g.y, g.z, g.w};
     unsigned res[4];
     if (pro == 1) {
-      const float rs = rscale[r];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)  // round_to<bf16>(x * rs) * w, as gemv_rmsnorm_rows
-        res[i] = bf16x2_bits(round_to<__nv_bfloat16>(bf16_lo(xw[i]) * rs) * bf16_lo(sw[i]),
-                             round_to<__nv_bfloat16>(bf16_hi(xw[i]) * rs) * bf16_hi(sw[i]));
+      const uint4 n = rmsnorm_bf16x8(a, g, rscale[r]);
+      res[0] = n.x, res[1] = n.y, res[2] = n.z, res[3] = n.w;
     } else if (pro == 2) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // round_to<bf16>(silu(g)) * u, as gemv_silu_mul_rows

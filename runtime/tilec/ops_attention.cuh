@@ -363,8 +363,9 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               }
             }
           }
+          const int row0 = h * G * Sq + q0;  // o_part / ml row of query q0
           if constexpr (kMmaPV) {
-            const int qr = lane >> 2, kq = (lane & 3) * 2, row0 = h * G * Sq + q0;
+            const int qr = lane >> 2, kq = (lane & 3) * 2;
             if (qr < qc) {
               int oi[4] = {b, row0 + qr, s, 0};
               const long long o0 = offset4(op, oi);
@@ -377,47 +378,40 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                 }
               }
             }
-            if (threadIdx.x < qc) {
-              int mi[4] = {b, row0 + (int)threadIdx.x, s, 0};
-              const long long mo = offset4(ml, mi);
-              stf<TM>(ml, mo, st[threadIdx.x]);
-              stf<TM>(ml, mo + ml.strides[3], st[kAttnQ + threadIdx.x]);
-            }
-            continue;  // the next pass
-          }
-          // sum the warp's lane groups (lanes iv of every group hold elements iv*8 .. iv*8+7)
+          } else {
+            // sum the warp's lane groups (lanes iv of every group hold elements iv*8 .. iv*8+7)
 #pragma unroll 1
-          for (int o = LV; o < 32; o <<= 1) {
+            for (int o = LV; o < 32; o <<= 1) {
 #pragma unroll
-            for (int qq = 0; qq < kAttnQ; ++qq) {
-              if (qq < qc) {
+              for (int qq = 0; qq < kAttnQ; ++qq) {
+                if (qq < qc) {
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[qq][e] += __shfl_xor_sync(0xffffffffu, acc[qq][e], o);
+                  for (int e = 0; e < 8; ++e) acc[qq][e] += __shfl_xor_sync(0xffffffffu, acc[qq][e], o);
+                }
               }
             }
-          }
-          block_sync();  // every warp is done reading sc: reuse it for the per-warp partials
-          float* part = sc;
-          if (gv == 0) {
+            block_sync();  // every warp is done reading sc: reuse it for the per-warp partials
+            float* part = sc;
+            if (gv == 0) {
 #pragma unroll
-            for (int qq = 0; qq < kAttnQ; ++qq) {
-              if (qq < qc) {
+              for (int qq = 0; qq < kAttnQ; ++qq) {
+                if (qq < qc) {
 #pragma unroll
-                for (int e = 0; e < 8; ++e) part[(warp * kAttnQ + qq) * DVP + iv * 8 + e] = acc[qq][e];
+                  for (int e = 0; e < 8; ++e) part[(warp * kAttnQ + qq) * DVP + iv * 8 + e] = acc[qq][e];
+                }
               }
             }
-          }
-          block_sync();
-          const int row0 = h * G * Sq + q0;  // o_part / ml row of query q0
-          int oi[4] = {b, row0, s, 0};
-          const long long o0 = offset4(op, oi);
+            block_sync();
+            int oi[4] = {b, row0, s, 0};
+            const long long o0 = offset4(op, oi);
 #pragma unroll 1
-          for (int e = threadIdx.x; e < qc * Dv; e += kThreads) {
-            const int qq = e / Dv, d = e - qq * Dv;
-            float o = 0.f;
+            for (int e = threadIdx.x; e < qc * Dv; e += kThreads) {
+              const int qq = e / Dv, d = e - qq * Dv;
+              float o = 0.f;
 #pragma unroll
-            for (int w = 0; w < kWarps; ++w) o += part[(w * kAttnQ + qq) * DVP + d];
-            stf<TP>(op, o0 + qq * op.strides[1] + d * op.strides[3], o);
+              for (int w = 0; w < kWarps; ++w) o += part[(w * kAttnQ + qq) * DVP + d];
+              stf<TP>(op, o0 + qq * op.strides[1] + d * op.strides[3], o);
+            }
           }
           if (threadIdx.x < qc) {
             int mi[4] = {b, row0 + (int)threadIdx.x, s, 0};
