@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.trace import kind_table, measured_trace, op_table, wait_table, write_trace  # noqa: E402
+from tilec.trace import hop_table, kind_table, measured_trace, op_table, wait_table, write_trace  # noqa: E402
 from tilec.timing import need_gpu  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
 
@@ -75,6 +75,7 @@ def main():
     print(f"{args.model} batch {args.batch}: {kind_table(trace, tg)}; trace -> {args.out}")
     print(phase_table(trace))
     print(wait_table(trace))
+    print(hop_table(trace))
     span = trace["otherData"]["makespan_us"]
     lo, hi = window or (0.45 * span, 0.55 * span)
     print(f"ops starting in [{lo:.0f}, {hi:.0f}] us (median start; times in us from the step's start):")

@@ -24,7 +24,7 @@ from tilec.ops import NOOP
 from tilec.options import Options
 from tilec.plan import F
 from tilec.stats import render_stats
-from tilec.trace import measured_trace, op_table, predicted_trace, wait_table, write_trace
+from tilec.trace import hop_table, measured_trace, op_table, predicted_trace, wait_table, write_trace
 
 FILES = ["01-opgraph.txt", "02-split_kv.txt", "03-fuse_gemv.txt", "04-fold_cache.txt", "05-gemv_groups.txt",
          "06-tasks.txt", "07-fused.txt", "08-normalized.txt", "09-linearized.txt", "10-schedule.txt", "11-plan.txt", "stats.txt", "trace.json"]
@@ -271,6 +271,23 @@ def test_op_and_wait_tables_of_a_measured_trace(monkeypatch):
     assert all(float(v[1]) == 8.0 and float(v[2]) == 8.0 for v in waits.values())  # every gap is 10 - 2 us
     assert sum(int(v[0]) for v in waits.values()) == sum(
         max(0, sum(1 for ww, _, _ in instructions(plan) if ww == w) - 1) for w in range(w_n))
+
+
+def test_hop_table_of_a_measured_trace():
+    """Hops: start minus the later of the worker's previous end and its event's last signaler's
+    end, split by which came last (hand-made trace: two producers signal event 0 at 5 and 7 us;
+    a consumer on a free worker starts at 8 (event-bound, 1 us), one behind a busy worker at 10.5
+    (worker-bound: free at 10, 0.5 us); an instruction without a wait is not a hop)."""
+    def sl(w, j, ts, dur, cat, wait=-1, sig=-1):
+        return {"ph": "X", "ts": ts, "dur": dur, "cat": cat,
+                "args": {"worker": w, "instruction": j, "wait_event": wait, "signal_event": sig}}
+    trace = {"traceEvents": [sl(0, 0, 0.0, 5.0, "linear", sig=0), sl(1, 0, 0.0, 7.0, "linear", sig=0),
+                             sl(0, 1, 8.0, 1.0, "rope", wait=0), sl(2, 0, 0.0, 10.0, "linear"),
+                             sl(2, 1, 10.5, 1.0, "rope", wait=0), sl(1, 1, 9.0, 1.0, "linear")]}
+    rows = [r.split() for r in hop_table(trace).splitlines()]
+    assert rows[0][:2] == ["waiting", "kind"]
+    assert rows[1:] == [["rope", "event-bound", "1", "1.00", "1.00"], ["rope", "worker-bound", "1", "0.50", "0.50"]]
+    assert hop_table({"traceEvents": [sl(0, 0, 0.0, 1.0, "linear")]}).startswith("no hops")
 
 
 def test_unwritable_dump_dir_is_a_clear_error(tmp_path):

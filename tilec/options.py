@@ -40,6 +40,9 @@ class Options:
     fold_cache_writes: let a RoPE op write the KV-cache slot directly instead of a following
         ``cache_write`` copying its output there (``tilec.passes.fold_cache_write``; with split_k 1, bitwise the
         same results, one dependent stage fewer per layer).
+    fold_rope: let each split-KV attention tile apply the queries' RoPE as it loads them instead
+        of a ``rope`` op before it (``tilec.passes.fold_rope``; bitwise the same results, one
+        dependent stage fewer per layer).
     gemv_groups: size the tiles of sibling GEMVs (same input rows, e.g. q/k/v or gate/up) by their
         total columns, so that together they make about ``workers`` tiles
         (``tilec.passes.gemv_groups``; the same results, fewer instructions per worker).
@@ -75,6 +78,7 @@ class Options:
     fuse_gemv: bool = True
     swiglu_split: bool = True
     fold_cache_writes: bool = True
+    fold_rope: bool = True
     gemv_groups: bool = True
     fuse_fp8_quant: bool = True
     fp8_stream: bool = True

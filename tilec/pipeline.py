@@ -8,7 +8,9 @@
                 fuse_fp8_quant: FP8 activation quantization
                 into the FP8 GEMMs
     fold_cache  fold_cache_writes: rope -> cache_write      (verify_opgraph)
-                becomes one rope writing the cache slot
+                becomes one rope writing the cache slot;
+                fold_rope: the queries' rope into the
+                split-KV attention tiles
     gemv_groups size_gemv_groups: sibling GEMVs (same     (verify_opgraph)
                 input rows) sized by their total columns
     tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
@@ -29,7 +31,7 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import (fold_cache_writes, fuse_events, fuse_fp8_quant, fuse_gemv_chains, fuse_index_quant, linearize, normalize, schedule,
+from .passes import (fold_cache_writes, fold_rope, fuse_events, fuse_fp8_quant, fuse_gemv_chains, fuse_index_quant, linearize, normalize, schedule,
                      size_gemv_groups, split_kv)
 from .plan import KernelPlan, encode
 from .stats import compile_stats
@@ -52,6 +54,12 @@ def _fuse_gemv(graph: OpGraph, opts: Options) -> OpGraph:
     """The ``fuse_gemv`` stage: prologues / epilogues into bf16 GEMVs, then FP8 activation
     quantization into the FP8 GEMMs and the indexer score."""
     return fuse_index_quant(fuse_fp8_quant(fuse_gemv_chains(graph, opts), opts), opts)
+
+
+def _fold(graph: OpGraph, opts: Options) -> OpGraph:
+    """The ``fold_cache`` stage: RoPE ops write the KV-cache slot, and the queries' RoPE moves
+    into the split-KV attention tiles."""
+    return fold_rope(fold_cache_writes(graph, opts), opts)
 
 
 def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | None = None,
@@ -87,7 +95,7 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
     graph = stage("fuse_gemv", _fuse_gemv, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
-    graph = stage("fold_cache", fold_cache_writes, graph, opts)
+    graph = stage("fold_cache", _fold, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
     graph = stage("gemv_groups", size_gemv_groups, graph, opts)

@@ -210,6 +210,46 @@ def wait_table(trace: dict) -> str:
     return "\n".join(lines)
 
 
+def hop_table(trace: dict) -> str:
+    """Dependency hops in a measured trace: for each instruction with an event wait, its start
+    minus the later of (a) its worker's previous end and (b) the end of the last instruction that
+    signals its event - the time from "ready" to running, by the kind of the waiting instruction.
+    "event-bound" rows count the instructions whose event came last (the hop is the counter's
+    way to L2 and the waiter's poll - its next poll after a back-off, its response queued behind
+    any weight copies still landing on that SM - plus, for a GEMV dispatched before its wait,
+    setup that ends later); "worker-bound" ones, those whose own worker was still busy (the hop
+    is the next instruction's dispatch and wait). Count, median and 90th percentile (µs). An
+    end is stamped after the instruction's signal, so a hop does not include the producer's
+    release fence. One step's trace: no event is signaled for two steps in it."""
+    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ready: dict[int, float] = {}
+    for e in slices:
+        s = e["args"].get("signal_event", -1)
+        if s is not None and s >= 0:
+            ready[s] = max(ready.get(s, float("-inf")), e["ts"] + e["dur"])
+    by_worker: dict[int, list] = {}
+    for e in slices:
+        by_worker.setdefault(e["args"]["worker"], []).append(e)
+    hops: dict[tuple[str, str], list[float]] = {}
+    for es in by_worker.values():
+        es.sort(key=lambda e: e["args"]["instruction"])
+        for a, b in zip(es, es[1:]):
+            w = b["args"].get("wait_event", -1)
+            if w is None or w < 0 or w not in ready:
+                continue
+            free = a["ts"] + a["dur"]
+            bound = "event-bound" if ready[w] >= free else "worker-bound"
+            hops.setdefault((b["cat"], bound), []).append(b["ts"] - max(free, ready[w]))
+    if not hops:
+        return "no hops: no instruction waited after another on its worker"
+    lines = [f"{'waiting kind':<18} {'bound by':<13} {'count':>6} {'median':>8} {'p90':>8}"]
+    for (kind, bound), h in sorted(hops.items()):
+        h = sorted(h)
+        lines.append(f"{kind:<18} {bound:<13} {len(h):>6} {statistics.median(h):>8.2f} "
+                     f"{h[min(len(h) - 1, int(0.9 * len(h)))]:>8.2f}")
+    return "\n".join(lines)
+
+
 def write_trace(path: str | os.PathLike, trace: dict) -> None:
     """Writes ``trace`` as JSON to ``path`` atomically, one event per line (diffable)."""
     events = ",\n".join(json.dumps(e, sort_keys=True) for e in trace["traceEvents"])

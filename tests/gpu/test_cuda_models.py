@@ -81,6 +81,25 @@ def test_decode_matches_eager(name, batch, context, steps):
     assert c < 2e-2
 
 
+@pytest.mark.parametrize("name,batch", [("llama-tiny", 1), ("qwen3-tiny", 2)])
+def test_fold_rope_is_bitwise(name, batch):
+    """The queries' RoPE applied inside the split-KV attention tiles (``tilec.passes.fold_rope``)
+    gives bitwise the logits and KV cache of the plan with a rope op (16-position splits, so
+    every head has several; Qwen3 also normalizes q before its RoPE)."""
+    model = make_model(name, torch.bfloat16, DEV)
+    cache, tok = prefill(model, batch, 40, 56, DEV)
+    out = {}
+    for fold in (True, False):
+        c = copy.deepcopy(cache)
+        step = compile_decode_step(model, c, batch, options=dict(fold_rope=fold, attn_kv_chunk=16))
+        kinds = [op.kind for op in step.program.compiled.stages["fold_cache"].ops]
+        assert kinds.count("attention_partial") == model.config.num_hidden_layers
+        out[fold] = (step(tok, 40).clone(), c, kinds.count("rope"))
+    assert out[True][2] == out[False][2] - model.config.num_hidden_layers  # one rope op fewer per layer
+    assert torch.equal(out[True][0], out[False][0])
+    assert cache_rel(out[True][1], out[False][1]) == 0.0
+
+
 def test_repeatable_bitwise():
     model = make_model("llama-3.2-1b", torch.bfloat16, DEV, layers=2)
     cache, tok = prefill(model, 1, 64, 80, DEV)

@@ -22,8 +22,11 @@ heads and query tokens (the descriptor holds at most 4 dims; row ``r = hq * Sq +
 ``o_part [B, Hq * Sq, NS, Dv]`` and ``ml [B, Hq * Sq, NS, 2]`` (``m`` then ``l``).
 
 ``attention_partial``: operands q [B, Hq, Sq, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv],
-o_part, ml, valid (scalar: ``p + 1`` when causal, else S). Params: scale bits, causal,
-chunk. Tiles: (batch, ``attn_heads_per_tile`` KV heads, one split).
+o_part, ml, valid (scalar: ``p + 1`` when causal, else S), and with attr ``rope`` (0: a
+rotate-half RoPE, ``tilec.ops.rope``; set by ``tilec.passes.fold_rope``) cos and sin of q's
+shape and dtype: the tile applies the RoPE to its queries as it loads them (``rope_rows``,
+rounded to q's dtype as the rope op's store was). Params: scale bits, causal, chunk, RoPE
+style + 1 (0: none). Tiles: (batch, ``attn_heads_per_tile`` KV heads, one split).
 
 ``attention_combine``: operands o_part, ml, out [B, Hq, Sq, Dv] (the original attention
 output view and dtype). Tiles: (batch, the query heads of ``attn_heads_per_tile`` KV heads).
@@ -35,6 +38,7 @@ import torch
 from ..errors import TilecError
 from ..ir import ScalarOperand
 from . import OpDef, Tile, TileArgs, bits_f32, chunks, f32_bits, register
+from .rope import rope_rows
 
 # device constants of runtime/tilec/ops_attention.cuh (shared-memory sizing)
 ATTN_Q = 4  # queries (G * Sq) per pass over a split
@@ -63,10 +67,14 @@ class AttentionPartial(OpDef):
     def operands(self, op):
         s = op.inputs[1].shape[2]
         valid = ScalarOperand(1, 1) if op.attr("causal") else ScalarOperand(s, 0)
-        return [*op.inputs, *op.outputs, valid]
+        return [*op.inputs[:3], *op.outputs, valid, *op.inputs[3:]]
+
+    def device_dtypes(self, op, dtypes):
+        return dtypes[:5]  # cos and sin (a folded RoPE) have q's dtype (tilec.passes.fold_rope)
 
     def tiles(self, op, opts):
-        q, k, v = op.inputs
+        q, k, v = op.inputs[:3]
+        rope = op.inputs[3:]
         o_part = op.outputs[0]
         b_, hq, sq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
@@ -77,18 +85,22 @@ class AttentionPartial(OpDef):
         for b in range(b_):
             for h0, h1 in chunks(hkv, opts.attn_heads_per_tile):
                 rows = (h0 * g * sq, h1 * g * sq)
+                qbox = ((b, b + 1), (h0 * g, h1 * g), (0, sq), (0, d))
+                cs = tuple((6 + i, qbox) for i in range(len(rope)))  # cos, sin: q's shape
                 for sp in range(o_part.shape[2]):
                     j0, j1 = sp * chunk, min(s, (sp + 1) * chunk)
                     tiles.append(Tile(((b, b + 1), (h0, h1), (sp, sp + 1)),
-                                      reads=((0, ((b, b + 1), (h0 * g, h1 * g), (0, sq), (0, d))),
+                                      reads=((0, qbox),
                                              (1, ((b, b + 1), (h0, h1), (j0, j1), (0, d))),
-                                             (2, ((b, b + 1), (h0, h1), (j0, j1), (0, dv)))),
+                                             (2, ((b, b + 1), (h0, h1), (j0, j1), (0, dv))), *cs),
                                       writes=((3, ((b, b + 1), rows, (sp, sp + 1), (0, dv)), "write"),
                                               (4, ((b, b + 1), rows, (sp, sp + 1), (0, 2)), "write"))))
         return tiles
 
     def params(self, op):
-        return [f32_bits(op.attr("scale")), int(op.attr("causal")), int(op.attr("chunk"))]
+        rope = op.attr("rope")
+        return [f32_bits(op.attr("scale")), int(op.attr("causal")), int(op.attr("chunk")),
+                0 if rope is None else int(rope) + 1]
 
     def smem_bytes(self, op):
         """runtime/tilec/ops_attention.cuh: ATTN_Q scaled queries (256 floats each), 32 floats of
@@ -103,7 +115,7 @@ class AttentionPartial(OpDef):
         Raises:
             TilecError: a head dim D or Dv above 256 (one warp's lanes hold at most 256 elements).
         """
-        q, _, v = op.inputs
+        q, _, v = op.inputs[:3]
         d, dv = q.shape[3], v.shape[3]
         if d > 256 or dv > 256:
             raise TilecError(f"op {op.name}: attention head dim {d}/{dv} > 256")
@@ -116,7 +128,7 @@ class AttentionPartial(OpDef):
         return 4 * (ATTN_Q * 256 + 32 + region)
 
     def run_tile(self, t: TileArgs):
-        q, k, v, o_part, ml, valid = t.operands
+        q, k, v, o_part, ml, valid, *rope = t.operands
         scale, causal, chunk = bits_f32(t.params[0]), t.params[1], t.params[2]
         (b0, b1), (h0, h1), (s0, s1) = t.coords
         g = q.shape[1] // k.shape[1]
@@ -126,7 +138,11 @@ class AttentionPartial(OpDef):
         limit = (valid + torch.arange(sq) if causal else torch.full((sq,), s)).view(sq, 1)
         for b in range(b0, b1):
             for h in range(h0, h1):
-                qs = q[b, h * g:(h + 1) * g].float()  # [G, Sq, D]
+                qs = q[b, h * g:(h + 1) * g]  # [G, Sq, D]
+                if rope:  # the folded RoPE, rounded to q's dtype as the rope op's output was
+                    cs = [c[b, h * g:(h + 1) * g] for c in rope]
+                    qs = rope_rows(qs, *cs, t.params[3] - 1).to(q.dtype)
+                qs = qs.float()
                 rows = slice(h * g * sq, (h + 1) * g * sq)
                 for sp in range(s0, s1):
                     j0, j1 = sp * chunk, min(s, (sp + 1) * chunk)
@@ -141,7 +157,7 @@ class AttentionPartial(OpDef):
 
     def cost(self, op, tile):
         nbytes, _ = super().cost(op, tile)
-        q, k, v = op.inputs
+        q, k, v = op.inputs[:3]
         (b0, b1), (h0, h1), (sp, _) = tile.coords
         chunk = op.attr("chunk")
         n = min(k.shape[2], (sp + 1) * chunk) - sp * chunk

@@ -16,6 +16,24 @@ from . import OpDef, Tile, TileArgs, bcast_box, out_tiles, register, sub
 ROTATE_HALF, INTERLEAVED = 0, 1
 
 
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: int) -> torch.Tensor:
+    """RoPE of rows ``x [..., D]`` (any float dtype) with ``cos``/``sin`` broadcast to them
+    (``[..., D]`` for rotate-half, ``[..., D / 2]`` for interleaved pairs), as float32 values
+    with each product rounded to ``x``'s dtype, as eager HF computes them (the caller rounds the
+    sum to its output dtype). Also the query RoPE that ``attention_partial`` applies when
+    ``tilec.passes.fold_rope`` folded it in."""
+    xs, c, s = x.float(), cos.float(), sin.float()
+    h = xs.shape[-1] // 2
+
+    def r(v):  # each product rounded to the storage type, as eager HF computes it
+        return v.to(x.dtype).float()
+
+    if style == ROTATE_HALF:
+        return r(xs * c) + r(torch.cat([-xs[..., h:], xs[..., :h]], -1) * s)
+    x1, x2 = xs[..., 0::2], xs[..., 1::2]
+    return torch.cat([r(x1 * c) - r(x2 * s), r(x2 * c) + r(x1 * s)], -1)
+
+
 @register
 class Rope(OpDef):
     kind, opcode = "rope", 6
@@ -36,20 +54,9 @@ class Rope(OpDef):
     def run_tile(self, t: TileArgs):
         x, cos, sin, out = t.operands
         box = t.coords
-        xs = sub(x, box).float()
-        c = sub(cos, bcast_box(cos.shape[:-1], box[:-1]) + ((0, cos.shape[-1]),)).float()
-        s = sub(sin, bcast_box(sin.shape[:-1], box[:-1]) + ((0, sin.shape[-1]),)).float()
-        h = xs.shape[-1] // 2
-
-        def r(v):  # each product rounded to the storage type, as eager HF computes it
-            return v.to(x.dtype).float()
-
-        if t.params[0] == ROTATE_HALF:
-            y = r(xs * c) + r(torch.cat([-xs[..., h:], xs[..., :h]], -1) * s)
-        else:
-            x1, x2 = xs[..., 0::2], xs[..., 1::2]
-            y = torch.cat([r(x1 * c) - r(x2 * s), r(x2 * c) + r(x1 * s)], -1)
-        sub(out, box).copy_(y)
+        c = sub(cos, bcast_box(cos.shape[:-1], box[:-1]) + ((0, cos.shape[-1]),))
+        s = sub(sin, bcast_box(sin.shape[:-1], box[:-1]) + ((0, sin.shape[-1]),))
+        sub(out, box).copy_(rope_rows(sub(x, box), c, s, t.params[0]))
 
     def cost(self, op, tile):
         nbytes, _ = super().cost(op, tile)

@@ -1,0 +1,102 @@
+"""Query-RoPE folding (``tilec.passes.fold_rope``): the split-KV attention tiles apply the queries'
+RoPE themselves, with bitwise the results of the plan with a rope op (reference executor), and
+the pass refuses what it must not fold."""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from _helpers import StageRecorder, assert_steps_bitwise_equal
+from tilec.hf import compile_decode_step
+from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
+from tilec.options import Options
+from tilec.passes import fold_rope
+from tilec.zoo import eager_step, make_model, prefill
+
+SPLIT = dict(workers=6, attn_kv_chunk=4)  # 4-position splits: every head's attention splits
+
+
+def kinds(graph: OpGraph) -> dict[str, int]:
+    return dict(collections.Counter(op.kind for op in graph.ops))
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_folded_equals_unfolded_and_eager(name, dtype):
+    model = make_model(name, dtype, "cpu")
+    cache, tok = prefill(model, 2, 6, 16, "cpu")
+    eager_cache, cache_off = copy.deepcopy(cache), copy.deepcopy(cache)
+    rec = StageRecorder()
+    on = compile_decode_step(model, cache, 2, options=SPLIT, hook=rec)
+    off = compile_decode_step(model, cache_off, 2, options=dict(SPLIT, fold_rope=False))
+    layers = model.config.num_hidden_layers
+    g, gu = on.program.plan.graph, off.program.plan.graph
+    # per layer: the q rope is gone (the k rope stays, writing the cache slot)
+    assert kinds(gu)["rope"] == 2 * layers and kinds(g)["rope"] == layers
+    parts = [op for op in g.ops if op.kind == "attention_partial"]
+    assert len(parts) == layers and all(op.attr("rope") == 0 and len(op.inputs) == 5 for op in parts)
+    assert not any(op.attr("rope") is not None for op in gu.ops)
+    assert "fold_cache" in rec.stages and len(g.ops) == len(gu.ops) - layers
+    want = eager_step(model, eager_cache, tok, 6)
+    got = on(tok, 6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
+    on.seek(6)
+    assert_steps_bitwise_equal((on, cache), (off, cache_off), tok, "folded and unfolded")
+
+
+@pytest.fixture(scope="module")
+def llama_graph() -> OpGraph:
+    """llama-tiny's OpGraph just before fold_rope (2 layers, float32, split-KV attention)."""
+    model = make_model("llama-tiny", torch.float32, "cpu")
+    cache, _ = prefill(model, 1, 4, 12, "cpu")
+    rec = StageRecorder()
+    compile_decode_step(model, cache, 1, options=dict(SPLIT, fold_rope=False), hook=rec)
+    return rec.stages["fold_cache"]
+
+
+def query_ropes(graph: OpGraph) -> list[Op]:
+    """The rope ops whose output an attention_partial reads as its queries."""
+    qs = {op.inputs[0].buffer for op in graph.ops if op.kind == "attention_partial"}
+    return [op for op in graph.ops if op.kind == "rope" and op.outputs[0].buffer in qs]
+
+
+def test_pass_folds_each_query_rope_and_respects_the_option(llama_graph):
+    ropes = query_ropes(llama_graph)
+    assert len(ropes) == 2
+    g = fold_rope(llama_graph)
+    assert not query_ropes(g) and len(g.ops) == len(llama_graph.ops) - 2
+    for rope in ropes:
+        assert rope.outputs[0].buffer not in g.buffers and rope.name not in {op.name for op in g.ops}
+    part = next(op for op in g.ops if op.kind == "attention_partial")
+    old = next(op for op in llama_graph.ops if op.name == part.name)
+    x, cos, sin = ropes[0].inputs
+    assert part.inputs == (x, *old.inputs[1:], cos, sin) and part.provenance == old.provenance
+    assert fold_rope(llama_graph, Options(fold_rope=False)) is llama_graph
+    assert fold_rope(g) is g  # nothing left to fold
+
+
+def test_pass_refuses_a_second_reader_a_writer_between_and_a_dtype_change(llama_graph):
+    rope = query_ropes(llama_graph)[0]
+    i = llama_graph.ops.index(rope)
+    q = rope.outputs[0]
+    peek_buf = Buffer("peek", q.shape, torch.float32, BufferKind.TEMP)
+    ops = list(llama_graph.ops)
+    ops.insert(i + 1, Op("peek", "unary", (q,), (View.whole(peek_buf),), (("fn", "neg"),)))
+    shared = dataclasses.replace(llama_graph, ops=tuple(ops), buffers={**llama_graph.buffers, "peek": peek_buf})
+    assert len(query_ropes(fold_rope(shared))) == 1  # the other layer still folds
+    x = rope.inputs[0]
+    ops = list(llama_graph.ops)  # an op between the rope and the attention overwrites the rope's input
+    ops.insert(i + 1, Op("clobber", "unary", (x,), (x,), (("fn", "neg"),)))
+    clobbered = dataclasses.replace(llama_graph, ops=tuple(ops))
+    assert len(query_ropes(fold_rope(clobbered))) == 1
+    b = llama_graph.buffers[q.buffer]
+    bf16 = dataclasses.replace(llama_graph, buffers={**llama_graph.buffers,
+                                                     b.name: dataclasses.replace(b, dtype=torch.bfloat16)})
+    assert len(query_ropes(fold_rope(bf16))) == 1
+    returned = dataclasses.replace(llama_graph, outputs=llama_graph.outputs + (q,))
+    assert len(query_ropes(fold_rope(returned))) == 1
