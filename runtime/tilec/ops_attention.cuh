@@ -114,12 +114,29 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 // the greedy checks of tests/gpu/test_cuda_models.py pass).
 // Shared memory: queries [kAttnQ][256] floats, statistics (32 floats), scores [kAttnQ][seg]
 // (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
+// Query element qi[3] of row qi (b, head, token) with the folded rotate-half RoPE applied
+// (tilec/passes/fold_rope.py): operands 6 and 7 are cos and sin of q's shape (q's dtype; the
+// frontend's views broadcast them with zero strides), and the arithmetic is op_rope's - each
+// product rounded to TQ, then the sum rounded (op_rope's store) - so the value is bitwise the
+// rope op's output.
+template <typename TQ>
+__device__ __forceinline__ float rope_query(const Operand& q, int* qi, int D) {
+  const Operand &cs = operands()[6], &sn = operands()[7];
+  const int d = qi[3], h = D / 2;
+  const float c = ldf<TQ>(cs, offset4(cs, qi)), s = ldf<TQ>(sn, offset4(sn, qi));
+  const float x = ldf<TQ>(q, offset4(q, qi));
+  qi[3] = d < h ? d + h : d - h;  // rotate_half's partner: -x[d + h] for d < h, x[d - h] after
+  const float y = ldf<TQ>(q, offset4(q, qi));
+  qi[3] = d;
+  return round_to<TQ>(d < h ? round_to<TQ>(x * c) - round_to<TQ>(y * s) : round_to<TQ>(x * c) + round_to<TQ>(y * s));
+}
+
 template <bool kStaged, typename TQ, typename TK, typename TV, typename TP, typename TM>
 __device__ void attention_partial_impl(TileCtx& c, int seg) {
   const Operand &q = operands()[0], &k = operands()[1], &v = operands()[2], &op = operands()[3], &ml = operands()[4];
   const long long valid = operands()[5].scalar;
   const float scale = c.fparam(0);
-  const int causal = c.param(1), chunk = c.param(2);
+  const int causal = c.param(1), chunk = c.param(2), rope = c.param(3);
   const int Hq = q.sizes[1], Sq = q.sizes[2], D = q.sizes[3], Hkv = k.sizes[1], S = k.sizes[2], Dv = v.sizes[3];
   const int G = Hq / Hkv, nq = G * Sq;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -185,7 +202,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             float val = 0.f;
             if (d < D) {
               int qi[4] = {b, h * G + (q0 + qq) / Sq, (q0 + qq) % Sq, d};
-              val = ldf<TQ>(q, offset4(q, qi)) * (mma_qk ? 1.f : scale);
+              val = (rope ? rope_query<TQ>(q, qi, D) : ldf<TQ>(q, offset4(q, qi))) * (mma_qk ? 1.f : scale);
             }
             qs[qq * 256 + d] = val;
           }
