@@ -41,6 +41,9 @@ def test_decoder_folded_equals_unfolded_and_eager(name, dtype):
     assert len(parts) == layers and all(op.attr("rope") == 0 and len(op.inputs) == 5 for op in parts)
     assert not any(op.attr("rope") is not None for op in gu.ops)
     assert "fold_cache" in rec.stages and len(g.ops) == len(gu.ops) - layers
+    # folded after the GEMV sizing: the q projection keeps the tiles cut for its per-head RoPE
+    splits = [[op.attr("col_split") for op in gr.ops if op.kind.startswith("linear")] for gr in (g, gu)]
+    assert splits[0] == splits[1] and any(s is not None for s in splits[0])
     want = eager_step(model, eager_cache, tok, 6)
     got = on(tok, 6)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -56,7 +59,7 @@ def llama_graph() -> OpGraph:
     cache, _ = prefill(model, 1, 4, 12, "cpu")
     rec = StageRecorder()
     compile_decode_step(model, cache, 1, options=dict(SPLIT, fold_rope=False), hook=rec)
-    return rec.stages["fold_cache"]
+    return rec.stages["gemv_groups"]
 
 
 def query_ropes(graph: OpGraph) -> list[Op]:

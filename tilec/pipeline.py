@@ -8,11 +8,12 @@
                 fuse_fp8_quant: FP8 activation quantization
                 into the FP8 GEMMs
     fold_cache  fold_cache_writes: rope -> cache_write      (verify_opgraph)
-                becomes one rope writing the cache slot;
-                fold_rope: the queries' rope into the
-                split-KV attention tiles
+                becomes one rope writing the cache slot
     gemv_groups size_gemv_groups: sibling GEMVs (same     (verify_opgraph)
-                input rows) sized by their total columns
+                input rows) sized by their total columns;
+                then fold_rope: the queries' rope into the
+                split-KV attention tiles (after the sizing:
+                q keeps tiles cut for its per-head RoPE)
     tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
     fused       fuse_events                                (verify_taskgraph "fused")
     normalized  normalize                                  (verify_taskgraph "normalized")
@@ -56,10 +57,14 @@ def _fuse_gemv(graph: OpGraph, opts: Options) -> OpGraph:
     return fuse_index_quant(fuse_fp8_quant(fuse_gemv_chains(graph, opts), opts), opts)
 
 
-def _fold(graph: OpGraph, opts: Options) -> OpGraph:
-    """The ``fold_cache`` stage: RoPE ops write the KV-cache slot, and the queries' RoPE moves
-    into the split-KV attention tiles."""
-    return fold_rope(fold_cache_writes(graph, opts), opts)
+def _size_gemvs(graph: OpGraph, opts: Options) -> OpGraph:
+    """The ``gemv_groups`` stage: sibling GEMVs sized together, then the queries' RoPE folded into
+    the split-KV attention tiles. In this order the q projection keeps the tiles cut for the
+    per-head RoPE op it fed (Llama-3.2-1B: q / k / v 64 + 32 + 32 tiles of 32 / 16 columns); sized
+    after the fold, q's consumer would be the attention's 4-head tiles, and the sizing gave q 88
+    tiles of ~24 columns and v 16 of 32 - v's cache write then ended the phase later than q's RoPE
+    had (H200 trace, 2026-12-02, branch s14/fold-rope)."""
+    return fold_rope(size_gemv_groups(graph, opts), opts)
 
 
 def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | None = None,
@@ -95,10 +100,10 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
     graph = stage("fuse_gemv", _fuse_gemv, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
-    graph = stage("fold_cache", _fold, graph, opts)
+    graph = stage("fold_cache", fold_cache_writes, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
-    graph = stage("gemv_groups", size_gemv_groups, graph, opts)
+    graph = stage("gemv_groups", _size_gemvs, graph, opts)
     if opts.verify:
         verify_opgraph(graph)
     tg = stage("tasks", build_taskgraph, graph, opts)

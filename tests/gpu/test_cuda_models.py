@@ -92,7 +92,7 @@ def test_fold_rope_is_bitwise(name, batch):
     for fold in (True, False):
         c = copy.deepcopy(cache)
         step = compile_decode_step(model, c, batch, options=dict(fold_rope=fold, attn_kv_chunk=16))
-        kinds = [op.kind for op in step.program.compiled.stages["fold_cache"].ops]
+        kinds = [op.kind for op in step.program.compiled.stages["gemv_groups"].ops]
         assert kinds.count("attention_partial") == model.config.num_hidden_layers
         out[fold] = (step(tok, 40).clone(), c, kinds.count("rope"))
     assert out[True][2] == out[False][2] - model.config.num_hidden_layers  # one rope op fewer per layer

@@ -7,7 +7,7 @@ the rest are MPK-style passes over the TaskGraph (Mirage Persistent Kernel, arXi
 section 4).
 
 The pipeline (``tilec.pipeline``) runs, in order:
-  split_kv -> fuse_gemv_chains + fuse_fp8_quant -> fold_cache_writes + fold_rope -> size_gemv_groups -> (build_taskgraph)
+  split_kv -> fuse_gemv_chains + fuse_fp8_quant -> fold_cache_writes -> size_gemv_groups + fold_rope -> (build_taskgraph)
   -> fuse_events -> normalize -> linearize -> schedule
 and runs the stage verifier (``tilec.verify``) after each one when ``Options.verify`` is on.
 """

@@ -93,9 +93,7 @@ def size_gemv_groups(graph: OpGraph, opts=None) -> OpGraph:
     """Returns ``graph`` with attr ``col_split = (block, k)`` on the GEMVs it sizes.
 
     Each sized op's N columns are cut into blocks of ``block`` (the gcd of N and the cuts of
-    :func:`consumer_cuts`; N when that is not a multiple of 8; in a group, the gcd of the
-    members' blocks when that is a multiple of 8 and makes no more blocks than ``opts.workers``
-    or the per-op tiles), each block into ``k`` tiles: its
+    :func:`consumer_cuts`; N when that is not a multiple of 8), each block into ``k`` tiles: its
     share of ``opts.workers`` by columns, rounded down, then one more per block for the member
     with the widest tiles while the group's tiles still number at most ``opts.workers``. Returns
     ``graph`` itself when ``opts.tile_n`` is set, ``opts.gemv_groups`` is off, or nothing is sized.
@@ -119,15 +117,6 @@ def size_gemv_groups(graph: OpGraph, opts=None) -> OpGraph:
             n = op.outputs[0].shape[-1]
             block = math.gcd(n, *cs) if cs else n
             blocks.append(block if block % 8 == 0 else n)
-        common = math.gcd(*blocks)
-        if len(members) > 1 and common % 8 == 0 and \
-                sum(op.outputs[0].shape[-1] // common for op in ops) <= max(opts.workers, sum(len(r) for r in per_op)):
-            # siblings share one block width (the gcd of theirs) when that makes few enough
-            # blocks: the greedy below then weighs them on equal terms. Without it, q's RoPE
-            # folded into the attention tiles (fold_rope: q's consumer cuts every 256 columns,
-            # k's and v's every 64) gave q 88 tiles of ~24 columns and v 16 of 32 - v's cache
-            # write then ended the q/k/v phase later than q's RoPE had (H200 trace, 2026-12-02)
-            blocks = [common] * len(blocks)
         nblocks = [op.outputs[0].shape[-1] // b for op, b in zip(ops, blocks)]
         if sum(nblocks) > max(opts.workers, sum(len(r) for r in per_op)):
             # blocks this fine (an elementwise consumer's 1024-column tiles cut an LM head into
