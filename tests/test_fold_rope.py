@@ -103,3 +103,63 @@ def test_pass_refuses_a_second_reader_a_writer_between_and_a_dtype_change(llama_
     assert len(query_ropes(fold_rope(bf16))) == 1
     returned = dataclasses.replace(llama_graph, outputs=llama_graph.outputs + (q,))
     assert len(query_ropes(fold_rope(returned))) == 1
+
+
+def _rope_attention_graph(b, hq, hkv, sq, s, d, dtype) -> OpGraph:
+    """rope(x, cos, sin) -> q -> causal attention over a static cache, with x stored [B, Sq, Hq, D]
+    and read as [B, Hq, Sq, D] (HF's layout before its transpose) and cos / sin [B, Sq, D]
+    broadcast over the heads with zero strides."""
+    xb = Buffer("x", (b, sq, hq, d), dtype, BufferKind.INPUT)
+    xv = View("x", (b, hq, sq, d), (sq * hq * d, d, hq * d, 1), 0, 0)
+    bufs = {"x": xb, "cos": Buffer("cos", (b, sq, d), dtype, BufferKind.INPUT),
+            "sin": Buffer("sin", (b, sq, d), dtype, BufferKind.INPUT),
+            "q": Buffer("q", (b, hq, sq, d), dtype, BufferKind.TEMP),
+            "k": Buffer("k", (b, hkv, s, d), dtype, BufferKind.STATE),
+            "v": Buffer("v", (b, hkv, s, d), dtype, BufferKind.STATE),
+            "out": Buffer("out", (b, hq, sq, d), dtype, BufferKind.OUTPUT)}
+    cs = {n: View(n, (b, hq, sq, d), (sq * d, 0, d, 1), 0, 0) for n in ("cos", "sin")}
+    w = {n: View.whole(buf) for n, buf in bufs.items()}
+    rope = Op("rope", "rope", (xv, cs["cos"], cs["sin"]), (w["q"],), (("style", 0),))
+    att = Op("attn", "attention", (w["q"], w["k"], w["v"]), (w["out"],), (("causal", True), ("scale", d ** -0.5)))
+    return OpGraph((rope, att), bufs, ("x", "cos", "sin", "k", "v", "<position>"), (w["out"],),
+                   max_positions=s - sq + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_queries_over_several_tokens_fold_bitwise(dtype):
+    """Batch 2, 8 query heads over 2 KV heads, Sq = 2 tokens, queries read through a transposed
+    view: the folded plan's reference run is bitwise the unfolded one's (float32 once differed in
+    the last bit: the folded tile kept x's strided layout for its matmul)."""
+    from tilec.pipeline import compile_opgraph
+    from tilec.refexec import ReferenceExecutor
+
+    b, hq, hkv, sq, s, d = 2, 8, 2, 2, 37, 32
+    torch.manual_seed(0)
+    ang = torch.randn(b, sq, d // 2) * 3
+    emb = torch.cat([ang, ang], -1)
+    inputs = {"x": torch.randn(b, sq, hq, d).to(dtype), "cos": emb.cos().to(dtype), "sin": emb.sin().to(dtype),
+              "k": torch.randn(b, hkv, s, d).to(dtype), "v": torch.randn(b, hkv, s, d).to(dtype)}
+    outs = {}
+    for fold in (True, False):
+        plan = compile_opgraph(_rope_attention_graph(b, hq, hkv, sq, s, d, dtype),
+                               Options(workers=5, attn_kv_chunk=8, fold_rope=fold)).plan
+        assert ("rope" in [op.kind for op in plan.graph.ops]) != fold
+        t = {k: v.clone() for k, v in inputs.items()}
+        for name, buf in plan.graph.buffers.items():
+            t.setdefault(name, torch.full(buf.shape, float("nan"), dtype=buf.dtype))
+        ReferenceExecutor(plan).run(t, plan.bind(t, s - sq - 3))
+        outs[fold] = t["out"]
+    assert torch.isfinite(outs[True].float()).all() and torch.equal(outs[True], outs[False])
+
+
+def test_a_folded_rope_other_than_rotate_half_is_refused(llama_graph):
+    """The device applies rotate-half only: an attention_partial carrying another style is an
+    error naming the op, not a silently wrong rotation."""
+    from tilec import ops as opreg
+    from tilec.errors import TilecError
+
+    part = next(op for op in fold_rope(llama_graph).ops if op.kind == "attention_partial")
+    assert opreg.opdef(part.kind).params(part)[3] == 1  # rotate-half + 1
+    bad = dataclasses.replace(part, attrs=tuple(sorted(dict(part.attrs, rope=1).items())))
+    with pytest.raises(TilecError, match=f"op {part.name}: folded RoPE style 1"):
+        opreg.opdef(bad.kind).params(bad)

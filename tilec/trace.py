@@ -211,8 +211,9 @@ def wait_table(trace: dict) -> str:
 
 
 def hop_table(trace: dict) -> str:
-    """Dependency hops in a measured trace: for each instruction with an event wait, its start
-    minus the later of (a) its worker's previous end and (b) the end of the last instruction that
+    """Dependency hops in a measured trace: for each instruction with an event wait that follows
+    another on its worker (a worker's first instruction has no previous end), its start minus the
+    later of (a) its worker's previous end and (b) the end of the last instruction that
     signals its event - the time from "ready" to running, by the kind of the waiting instruction.
     "event-bound" rows count the instructions whose event came last (the hop is the counter's
     way to L2 and the waiter's poll - its next poll after a back-off, its response queued behind

@@ -273,9 +273,10 @@ __device__ void op_rope(TileCtx& c) {
       c0 = c1 = ldf<TC>(cs, co + i * cst); s0 = s1 = ldf<TS>(sn, so + i * sst);
     }
     // each product rounded to the storage type, as eager HF computes x*cos + rot(x)*sin
-    // (interleaved inputs come out de-interleaved, as HF's apply_rotary_pos_emb_interleave does)
-    stf<TO>(out, oo + i * os, round_to<TX>(a * c0) - round_to<TX>(b * s0));
-    stf<TO>(out, oo + (i + h) * os, round_to<TX>(b * c1) + round_to<TX>(a * s1));
+    // (interleaved inputs come out de-interleaved, as HF's apply_rotary_pos_emb_interleave does);
+    // __fmul_rn: never contracted into an FMA with the sum (float32 rows: eager rounds each product)
+    stf<TO>(out, oo + i * os, round_to<TX>(__fmul_rn(a, c0)) - round_to<TX>(__fmul_rn(b, s0)));
+    stf<TO>(out, oo + (i + h) * os, round_to<TX>(__fmul_rn(b, c1)) + round_to<TX>(__fmul_rn(a, s1)));
   }
 }
 

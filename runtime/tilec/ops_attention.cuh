@@ -115,10 +115,10 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 // Shared memory: queries [kAttnQ][256] floats, statistics (32 floats), scores [kAttnQ][seg]
 // (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
 // Query element qi[3] of row qi (b, head, token) with the folded rotate-half RoPE applied
-// (tilec/passes/fold_rope.py): operands 6 and 7 are cos and sin of q's shape (q's dtype; the
-// frontend's views broadcast them with zero strides), and the arithmetic is op_rope's - each
-// product rounded to TQ, then the sum rounded (op_rope's store) - so the value is bitwise the
-// rope op's output.
+// (tilec/passes/fold_rope.py; rotate-half only - AttentionPartial.params refuses another style):
+// operands 6 and 7 are cos and sin of q's shape and dtype (the frontend's views broadcast them
+// with zero strides), and the arithmetic is op_rope's - each product rounded to TQ, then the sum
+// rounded (op_rope's store) - so the value is bitwise the rope op's output.
 template <typename TQ>
 __device__ __forceinline__ float rope_query(const Operand& q, int* qi, int D) {
   const Operand &cs = operands()[6], &sn = operands()[7];
@@ -128,7 +128,8 @@ __device__ __forceinline__ float rope_query(const Operand& q, int* qi, int D) {
   qi[3] = d < h ? d + h : d - h;  // rotate_half's partner: -x[d + h] for d < h, x[d - h] after
   const float y = ldf<TQ>(q, offset4(q, qi));
   qi[3] = d;
-  return round_to<TQ>(d < h ? round_to<TQ>(x * c) - round_to<TQ>(y * s) : round_to<TQ>(x * c) + round_to<TQ>(y * s));
+  const float xc = round_to<TQ>(__fmul_rn(x, c)), ys = round_to<TQ>(__fmul_rn(y, s));  // as op_rope: no FMA
+  return round_to<TQ>(d < h ? xc - ys : xc + ys);
 }
 
 template <bool kStaged, typename TQ, typename TK, typename TV, typename TP, typename TM>

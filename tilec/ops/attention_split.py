@@ -99,6 +99,8 @@ class AttentionPartial(OpDef):
 
     def params(self, op):
         rope = op.attr("rope")
+        if rope not in (None, 0):  # the device applies rotate-half only (rope_query)
+            raise TilecError(f"op {op.name}: folded RoPE style {rope} is not rotate-half (0)")
         return [f32_bits(op.attr("scale")), int(op.attr("causal")), int(op.attr("chunk")),
                 0 if rope is None else int(rope) + 1]
 
@@ -141,7 +143,9 @@ class AttentionPartial(OpDef):
                 qs = q[b, h * g:(h + 1) * g]  # [G, Sq, D]
                 if rope:  # the folded RoPE, rounded to q's dtype as the rope op's output was
                     cs = [c[b, h * g:(h + 1) * g] for c in rope]
-                    qs = rope_rows(qs, *cs, t.params[3] - 1).to(q.dtype)
+                    # contiguous, as the rope op's TEMP output was (the matmul below sums in a
+                    # layout-dependent order: float32 queries of a strided x differed in the last bit)
+                    qs = rope_rows(qs, *cs, t.params[3] - 1).to(q.dtype).contiguous()
                 qs = qs.float()
                 rows = slice(h * g * sq, (h + 1) * g * sq)
                 for sp in range(s0, s1):

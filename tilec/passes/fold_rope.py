@@ -12,7 +12,7 @@ loads its queries. So
 
 keeping P's name and provenance; R and buffer T are dropped. The rewrite applies when
 
-(a) T is R's only output, written by R alone, read by P alone (as its queries, the same view),
+(a) T is R's only output, written by R alone, read by P alone (as its queries only, the same view),
     and is not a graph output; R comes before P;
 (b) R is a rotate-half RoPE (style 0, HF ``apply_rotary_pos_emb``); x, cos and sin have T's
     shape (the frontend's cos / sin views are broadcast to the rows with zero strides) and
@@ -64,6 +64,8 @@ def fold_rope(graph: OpGraph, opts=None) -> OpGraph:
             continue
         writers = touching(q.buffer, "outputs")
         if len(writers) != 1 or writers[0] >= j or touching(q.buffer, "inputs") != [j]:
+            continue
+        if any(v.buffer == q.buffer for v in part.inputs[1:]):  # T also P's keys or values
             continue
         i = writers[0]
         rope = ops[i]
