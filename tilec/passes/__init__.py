@@ -1,8 +1,8 @@
 """Compiler passes. ``split_kv`` (split-KV / flash-decoding attention), ``fuse_gemv_chains``
 (RMSNorm / SiLU-mul / residual-add fusion into GEMVs), ``fuse_fp8_quant`` / ``fuse_index_quant`` (FP8
-activation quantization into the FP8 GEMMs and the indexer score) and ``fold_cache_writes`` (RoPE writing
-the KV-cache slot directly) and ``fold_rope`` (the queries' RoPE into the split-KV attention tiles) rewrite the OpGraph, and ``size_gemv_groups`` sizes sibling GEMVs' tiles
-by their total columns;
+activation quantization into the FP8 GEMMs and the indexer score), ``fold_cache_writes`` (RoPE writing
+the KV-cache slot directly) and ``fold_rope`` (the queries' RoPE into the split-KV attention tiles)
+rewrite the OpGraph, and ``size_gemv_groups`` sizes sibling GEMVs' tiles by their total columns;
 the rest are MPK-style passes over the TaskGraph (Mirage Persistent Kernel, arXiv 2512.22219,
 section 4).
 
