@@ -242,7 +242,7 @@ def hop_table(trace: dict) -> str:
             bound = "event-bound" if ready[w] >= free else "worker-bound"
             hops.setdefault((b["cat"], bound), []).append(b["ts"] - max(free, ready[w]))
     if not hops:
-        return "no hops: no instruction waited after another on its worker"
+        return "no hops: no instruction waits, after another on its worker, for an event the trace signals"
     lines = [f"{'waiting kind':<18} {'bound by':<13} {'count':>6} {'median':>8} {'p90':>8}"]
     for (kind, bound), h in sorted(hops.items()):
         h = sorted(h)
