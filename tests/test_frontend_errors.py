@@ -164,6 +164,16 @@ def test_unknown_option_lists_valid_keys():
         assert f"'{key}'" in msg.split("valid")[1], msg
 
 
+def test_a_non_bool_flag_option_is_a_clear_error():
+    """A flag option given anything but a bool names the option, the value and both spellings
+    (Python's True / False, the command line's true / false)."""
+    from tilec.options import Options
+
+    with pytest.raises(ValueError, match=r"tilec option fold_rope='yes': must be a bool \(True or False; true or false "
+                                         r"on the command line\)"):
+        Options(fold_rope="yes")
+
+
 def test_unknown_option_through_the_hf_entry_point():
     transformers = pytest.importorskip("transformers")
     from tilec.hf import compile_decode_step

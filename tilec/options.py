@@ -26,7 +26,7 @@ class Options:
         cache-write tiles one head each, which lets each split-KV attention tile wait on its own
         heads' producers directly (with 4, normalization relayed them through empty tasks: 1.513
         vs 1.536 ms a Llama-3.2-1B step on an H200). At batch > 1 a tile is one sequence's heads.
-    tile_cols: columns per tile of elementwise ops (None = whole rows).
+    tile_cols: columns per tile of elementwise ops (default 1024; None = whole rows).
     attn_heads_per_tile: KV heads per decode-attention tile.
     attn_kv_chunk: cache positions per split of split-KV (flash-decoding) attention
         (``tilec.passes.split_kv``); None (default) = per op, so that the (batch, KV head
@@ -102,7 +102,8 @@ class Options:
             if want is int and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"tilec option {f.name}={v!r}: must be an int")
             if want is bool and not isinstance(v, bool):
-                raise ValueError(f"tilec option {f.name}={v!r}: must be True or False")
+                raise ValueError(f"tilec option {f.name}={v!r}: must be a bool (True or False; true or false "
+                                 f"on the command line)")
             if want is str and not isinstance(v, (str, os.PathLike)):
                 raise ValueError(f"tilec option {f.name}={v!r}: must be a string")
         if not 1 <= self.workers <= 1024:
