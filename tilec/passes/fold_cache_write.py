@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..ir import BufferKind, Op, OpGraph
+from ._fold import rebuilt, touching
 
 
 def fold_cache_writes(graph: OpGraph, opts=None) -> OpGraph:
@@ -52,9 +53,6 @@ def fold_cache_writes(graph: OpGraph, opts=None) -> OpGraph:
     ops: list[Op | None] = list(graph.ops)
     outputs = {v.buffer for v in graph.outputs}
 
-    def touching(buf: str, views: str) -> list[int]:
-        return [i for i, o in enumerate(ops) if o is not None and any(v.buffer == buf for v in getattr(o, views))]
-
     def dtype(view):
         return graph.buffers[view.buffer].dtype
 
@@ -65,8 +63,8 @@ def fold_cache_writes(graph: OpGraph, opts=None) -> OpGraph:
         (temp,) = rope.outputs
         if graph.buffers[temp.buffer].kind is not BufferKind.TEMP or temp.buffer in outputs:
             continue
-        readers = touching(temp.buffer, "inputs")
-        if len(readers) != 1 or readers[0] <= i or touching(temp.buffer, "outputs") != [i]:
+        readers = touching(ops, temp.buffer, "inputs")
+        if len(readers) != 1 or readers[0] <= i or touching(ops, temp.buffer, "outputs") != [i]:
             continue
         j = readers[0]
         write = ops[j]
@@ -83,7 +81,4 @@ def fold_cache_writes(graph: OpGraph, opts=None) -> OpGraph:
         ops[i] = dataclasses.replace(rope, outputs=(slot,))
         ops[j] = None
         dropped.add(temp.buffer)
-    if not dropped:
-        return graph
-    buffers = {n: b for n, b in graph.buffers.items() if n not in dropped}
-    return dataclasses.replace(graph, ops=tuple(o for o in ops if o is not None), buffers=buffers)
+    return rebuilt(graph, ops, dropped)

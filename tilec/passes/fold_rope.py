@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..ir import BufferKind, Op, OpGraph
+from ._fold import rebuilt, touching
 
 
 def fold_rope(graph: OpGraph, opts=None) -> OpGraph:
@@ -49,9 +50,6 @@ def fold_rope(graph: OpGraph, opts=None) -> OpGraph:
     ops: list[Op | None] = list(graph.ops)
     outputs = {v.buffer for v in graph.outputs}
 
-    def touching(buf: str, views: str) -> list[int]:
-        return [i for i, o in enumerate(ops) if o is not None and any(v.buffer == buf for v in getattr(o, views))]
-
     def dtype(view):
         return graph.buffers[view.buffer].dtype
 
@@ -62,8 +60,8 @@ def fold_rope(graph: OpGraph, opts=None) -> OpGraph:
         q = part.inputs[0]
         if graph.buffers[q.buffer].kind is not BufferKind.TEMP or q.buffer in outputs:
             continue
-        writers = touching(q.buffer, "outputs")
-        if len(writers) != 1 or writers[0] >= j or touching(q.buffer, "inputs") != [j]:
+        writers = touching(ops, q.buffer, "outputs")
+        if len(writers) != 1 or writers[0] >= j or touching(ops, q.buffer, "inputs") != [j]:
             continue
         if any(v.buffer == q.buffer for v in part.inputs[1:]):  # T also P's keys or values
             continue
@@ -83,7 +81,4 @@ def fold_rope(graph: OpGraph, opts=None) -> OpGraph:
         ops[j] = dataclasses.replace(part, inputs=(x, *part.inputs[1:], cos, sin), attrs=attrs)
         ops[i] = None
         dropped.add(q.buffer)
-    if not dropped:
-        return graph
-    buffers = {n: b for n, b in graph.buffers.items() if n not in dropped}
-    return dataclasses.replace(graph, ops=tuple(o for o in ops if o is not None), buffers=buffers)
+    return rebuilt(graph, ops, dropped)

@@ -1,0 +1,22 @@
+"""What the fold passes (``fold_cache_writes``, ``fold_rope``) share: finding the ops that touch a
+buffer in a list being rewritten, and rebuilding the graph without the folded ops and buffers."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..ir import Op, OpGraph
+
+
+def touching(ops: list[Op | None], buf: str, views: str) -> list[int]:
+    """Indices of the ops still in ``ops`` (None: folded away) whose ``views`` (``"inputs"`` or
+    ``"outputs"``) name buffer ``buf``."""
+    return [i for i, o in enumerate(ops) if o is not None and any(v.buffer == buf for v in getattr(o, views))]
+
+
+def rebuilt(graph: OpGraph, ops: list[Op | None], dropped: set[str]) -> OpGraph:
+    """``graph`` with ``ops`` (the None entries left out) and without the ``dropped`` buffers; the
+    same object when nothing was dropped."""
+    if not dropped:
+        return graph
+    buffers = {n: b for n, b in graph.buffers.items() if n not in dropped}
+    return dataclasses.replace(graph, ops=tuple(o for o in ops if o is not None), buffers=buffers)
