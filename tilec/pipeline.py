@@ -13,7 +13,9 @@
                 input rows) sized by their total columns;
                 then fold_rope: the queries' rope into the
                 split-KV attention tiles (after the sizing:
-                q keeps tiles cut for its per-head RoPE)
+                q keeps tiles cut for its per-head RoPE),
+                and fold_kv_append: the keys' RoPE and the
+                cache writes into those tiles
     tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
     fused       fuse_events                                (verify_taskgraph "fused")
     normalized  normalize                                  (verify_taskgraph "normalized")
@@ -32,7 +34,7 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import (fold_cache_writes, fold_rope, fuse_events, fuse_fp8_quant, fuse_gemv_chains, fuse_index_quant, linearize, normalize, schedule,
+from .passes import (fold_cache_writes, fold_kv_append, fold_rope, fuse_events, fuse_fp8_quant, fuse_gemv_chains, fuse_index_quant, linearize, normalize, schedule,
                      size_gemv_groups, split_kv)
 from .plan import KernelPlan, encode
 from .stats import compile_stats
@@ -63,8 +65,9 @@ def _size_gemvs(graph: OpGraph, opts: Options) -> OpGraph:
     per-head RoPE op it fed (Llama-3.2-1B: q / k / v 64 + 32 + 32 tiles of 32 / 16 columns); sized
     after the fold, q's consumer would be the attention's 4-head tiles, and the sizing gave q 88
     tiles of ~24 columns and v 16 of 32 - v's cache write then ended the phase later than q's RoPE
-    had (H200 trace, 2026-12-02, branch s14/fold-rope)."""
-    return fold_rope(size_gemv_groups(graph, opts), opts)
+    had (H200 trace, 2026-12-02, branch s14/fold-rope). Then the keys' RoPE and the step's cache
+    writes move into the same tiles (``fold_kv_append``, which needs the queries' fold)."""
+    return fold_kv_append(fold_rope(size_gemv_groups(graph, opts), opts), opts)
 
 
 def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | None = None,

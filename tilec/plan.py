@@ -33,8 +33,8 @@ MAX_PARAMS = 9
 PREFETCH_MAX_BYTES = 128 * 1024  # per instruction: 132 workers x 128 KiB stays well inside L2
 # Version of the descriptor encoding (the dispatch signature's packing above all): part of the
 # keys of the on-disk plan cache (tilec.backend), so a plan stored by another encoding is not reused.
-# 3: linear_fused's staged-x flag (param 4).
-PLAN_FORMAT = 3
+# 3: linear_fused's staged-x flag (param 4). 4: 12 operands a row (tilec.passes.fold_kv_append).
+PLAN_FORMAT = 4
 DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     # (field, first word, number of words)
     ("opcode", 0, 1),
@@ -61,7 +61,7 @@ DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
 F = {name: (start, n) for name, start, n in DESCRIPTOR}
 assert sum(n for _, _, n in DESCRIPTOR) == DESCRIPTOR_WORDS
 
-MAX_OPERANDS = 8
+MAX_OPERANDS = 12  # attention_partial with both folds: q, K, V, o, ml, valid, cos, sin, k and v rows, K and V slots
 MAX_DIMS = 4
 OPERAND: tuple[tuple[str, int, int], ...] = (
     ("addr", 0, 1),  # byte address (or the scalar's value)
@@ -339,9 +339,10 @@ assert max(DTYPE_CODES.values()) + 1 < 0xF, "dtype codes + 1 must stay below the
 def dtype_signature(graph: OpGraph, operands) -> int:
     """Operand dtype codes + 1 packed 4 bits each (scalars as 0xF), operand 0 in the low bits: no
     operand packs as 0, so ops of the same dtypes but different operand counts (a linear with and
-    without bias, all float32) get different signatures."""
+    without bias, all float32) get different signatures. Only the first 8 operands fit: an op with
+    more (attention_partial with its folds) ties the others' dtypes to those (``device_dtypes``)."""
     sig = 0
-    for i, v in enumerate(operands):
+    for i, v in enumerate(operands[:8]):
         code = 0xF if isinstance(v, ScalarOperand) else DTYPE_CODES[graph.buffers[v.buffer].dtype] + 1
         sig |= code << (4 * i)
     return sig if sig < 2 ** 31 else sig - 2 ** 32

@@ -10,6 +10,9 @@ in program order) and labelled with the pairing strategy of the seed (MegaRTP):
 * ``whole``       the region analysis was not exact (a view it could not map), so the
                   consumer waits for every producer tile that may overlap (conservative).
 
+Tiles of one op never wait for one another over their accumulations (split-K partials add in
+any order) or a :data:`~tilec.ops.POSITIONAL` write (run-time owned KV-cache rows).
+
 Before fusion there is one event per (consumer task, producer op); the passes in
 ``tilec.passes`` fuse, normalize and linearize them.
 """
@@ -22,7 +25,7 @@ import torch
 
 from . import ops as opreg
 from .ir import Buffer, OpGraph, View, contiguous_strides
-from .ops import ACCUMULATE, Box, Tile
+from .ops import ACCUMULATE, POSITIONAL, Box, Tile
 
 _ENUM_LIMIT = 1 << 16
 
@@ -221,8 +224,9 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
             for (pt, pbox, pmode, pexact) in earlier:
                 if pt == t.id:
                     continue
-                conflict = (pmode != "read" or mode != "read") and not (pmode == mode == ACCUMULATE
-                                                                        and task_op[pt] == task_op[t.id])
+                same_op = task_op[pt] == task_op[t.id]
+                conflict = (pmode != "read" or mode != "read") and not (
+                    same_op and (pmode == mode == ACCUMULATE or POSITIONAL in (pmode, mode)))
                 if conflict and boxes_overlap(box, pbox):
                     key = (t.id, task_op[pt])
                     deps.setdefault(key, set()).add(pt)

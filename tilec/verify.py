@@ -3,7 +3,8 @@
 * :func:`verify_opgraph` - ops registered, operands inside their buffers at every planned
   position, every intermediate produced before it is read;
 * :func:`verify_taskgraph` - acyclic, every event has predecessors, every element of each
-  intermediate/output written exactly once per step (cache slots at most once),
+  intermediate/output written exactly once per step (cache slots at most once; an op's
+  positional writes once for the whole op),
   accumulations inside written regions; after normalization <= 1 wait and <= 1 trigger per
   task; after linearization a topological order with contiguous event ranges;
 * :func:`verify_plan` - queues follow the global order, every task encoded once, wait and
@@ -18,7 +19,7 @@ import torch
 from . import ops as opreg
 from .errors import DeadlockError, VerificationError
 from .ir import BufferKind, OpGraph, View
-from .ops import ACCUMULATE, NOOP, WRITE
+from .ops import ACCUMULATE, NOOP, POSITIONAL, WRITE
 from .plan import F, KernelPlan
 from .taskgraph import TaskGraph, map_box
 
@@ -57,6 +58,7 @@ def _check_writes(tg: TaskGraph, opts) -> None:
     for op in g.ops:
         d = opreg.opdef(op.kind)
         operands = d.operands(op)
+        positional: dict[str, torch.Tensor] = {}  # the op's POSITIONAL writes: counted once per element
         for tile in d.tiles(op, opts):
             for idx, box, access in tile.writes:
                 v = operands[idx]
@@ -71,6 +73,11 @@ def _check_writes(tg: TaskGraph, opts) -> None:
                     c[tuple(slice(lo, hi) for lo, hi in bbox)] += 1
                 elif access == ACCUMULATE:
                     accum.append((buf.name, bbox))
+                elif access == POSITIONAL:
+                    m = positional.setdefault(buf.name, torch.zeros(buf.shape, dtype=torch.int32))
+                    m[tuple(slice(lo, hi) for lo, hi in bbox)] = 1
+        for name, m in positional.items():
+            counts[name] = counts.get(name, torch.zeros_like(m)) + m
     for name, c in counts.items():
         buf = g.buffers[name]
         if c.numel() == 0:

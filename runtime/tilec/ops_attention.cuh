@@ -4,6 +4,7 @@
 //   op_attention_partial  per (batch, KV head, split of `chunk` cache positions) and every query
 //                         of the head group (G heads x Sq tokens): m = max score over the split,
 //                         l = sum exp(s - m), o = sum round_V(exp(s - m)) V  (float32, unnormalized);
+//                         With attr append it first writes the step's new K / V rows it holds into the cache.
 //   op_attention_combine  out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
 // o_part [B, Hq * Sq, NS, Dv] and ml [B, Hq * Sq, NS, 2] are float32 (row r = hq * Sq + i).
 // Shared memory is sized by OpDef.smem_bytes (the constants below are mirrored there).
@@ -115,7 +116,8 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 // Shared memory: queries [kAttnQ][256] floats, statistics (32 floats), scores [kAttnQ][seg]
 // (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
 // Query element qi[3] of row qi (b, head, token) with the folded rotate-half RoPE applied
-// (tilec/passes/fold_rope.py; rotate-half only - AttentionPartial.params refuses another style):
+// (tilec/passes/fold_rope.py; rotate-half only - AttentionPartial.params refuses another style;
+// also a new key's element, tilec/passes/fold_kv_append.py, with q = k_new and a KV head):
 // operands 6 and 7 are cos and sin of q's shape and dtype (the frontend's views broadcast them
 // with zero strides), and the arithmetic is op_rope's - each product rounded to TQ, then the sum
 // rounded (op_rope's store) - so the value is bitwise the rope op's output.
@@ -450,10 +452,10 @@ __device__ __noinline__ void attention_partial_generic(TileCtx& c) {
 }
 
 // Thread 0 starts pulling the tile's K and V split rows [j0, jend) into L2. They were written by
-// earlier steps (the new position's row, written by this step's cache write, may still be in
-// flight: L2 is the point of coherence, so a prefetch never hides that write), and the tile's
-// wait (the layer's K / V projection, RoPE and cache write) is longer than the fetch. Contiguous
-// rows only (a row stride equal to the row length); a hint, nothing completes.
+// earlier steps (the new position's row, written by this step's cache write or by the tile itself
+// after its wait, may not be there yet: L2 is the point of coherence, so a prefetch never hides
+// that write), and the tile's wait (the layer's q / k / v projections) is longer than the fetch.
+// Contiguous rows only (a row stride equal to the row length); a hint, nothing completes.
 template <typename TK, typename TV>
 __device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
   if (threadIdx.x != 0) return;
@@ -475,6 +477,36 @@ __device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
       }
 }
 
+// The step's new cache rows p + i (i < Sq) that the tile's splits hold, written into the cache
+// slots (attr append, tilec.passes.fold_kv_append): the keys rotated from k_new with the queries'
+// cos / sin rows (their head stride is 0) in op_rope's arithmetic (rope_query), the values copied
+// from v_new (both of the cache's dtype, as the pass checks). The barrier orders these stores
+// before the tile reads its split (the same CTA's loads or cp.async copies); no other tile reads
+// those rows. Tiles whose splits hold none of them (all but one a head) skip it all.
+template <typename TQ, typename TK, typename TV>
+__device__ void attn_append_rows(const TileCtx& c) {
+  const Operand &q = operands()[0], &k = operands()[1], &kn = operands()[8], &vn = operands()[9];
+  const Operand &kslot = operands()[10], &vslot = operands()[11];
+  const long long valid = operands()[5].scalar;
+  const int chunk = c.param(2), Sq = q.sizes[2], S = k.sizes[2], D = kn.sizes[3], Dv = vn.sizes[3];
+  const long long lo = max((long long)c.lo(2) * chunk, valid - 1);
+  const long long hi = min(min((long long)c.hi(2) * chunk, (long long)S), valid - 1 + Sq);
+  if (lo >= hi) return;  // the same in every thread
+  const int n = (int)(hi - lo) * (D + Dv);
+#pragma unroll 1
+  for (int b = c.lo(0); b < c.hi(0); ++b)
+#pragma unroll 1
+    for (int h = c.lo(1); h < c.hi(1); ++h)
+#pragma unroll 1
+      for (int e = threadIdx.x; e < n; e += kThreads) {
+        const int r = e / (D + Dv), d = e - r * (D + Dv);
+        int idx[4] = {b, h, (int)(lo - (valid - 1)) + r, d < D ? d : d - D};
+        if (d < D) stf<TK>(kslot, offset4(kslot, idx), rope_query<TQ>(kn, idx, D));
+        else stf<TV>(vslot, offset4(vslot, idx), ldf<TV>(vn, offset4(vn, idx)));
+      }
+  block_sync();
+}
+
 template <typename TQ, typename TK, typename TV, typename TP, typename TM>
 __device__ void op_attention_partial(TileCtx& c) {
   // dispatched before its wait (executor.cuh): the splits stream into L2 while it waits. Measured
@@ -482,6 +514,7 @@ __device__ void op_attention_partial(TileCtx& c) {
   // step against 1.467 ms without the prefetch, logits bitwise equal.
   attn_prefetch_l2<TK, TV>(c);
   if (!c.wait()) return;
+  if (c.param(4)) attn_append_rows<TQ, TK, TV>(c);
   if constexpr (sizeof(TK) == 2 && sizeof(TV) == 2) {
     const int seg = attn_staged_seg(c, c.param(2), operands()[1].sizes[3], operands()[2].sizes[3]);
     if (seg > 0 && attn_vec_ok(operands()[1]) && attn_vec_ok(operands()[2])) {

@@ -82,21 +82,29 @@ def test_decode_matches_eager(name, batch, context, steps):
 
 
 @pytest.mark.parametrize("name,batch", [("llama-tiny", 1), ("qwen3-tiny", 2)])
-def test_fold_rope_is_bitwise(name, batch):
-    """The queries' RoPE applied inside the split-KV attention tiles (``tilec.passes.fold_rope``)
-    gives bitwise the logits and KV cache of the plan with a rope op (16-position splits, so
-    every head has several; Qwen3 also normalizes q before its RoPE)."""
+@pytest.mark.parametrize("option", ["fold_rope", "fold_kv_append"])
+def test_folds_are_bitwise(name, batch, option):
+    """The queries' RoPE applied inside the split-KV attention tiles (``tilec.passes.fold_rope``),
+    and the step's new K / V rows written by those tiles (``fold_kv_append``, on by default with
+    it), give bitwise the logits and KV cache of the plan without the fold over 10 greedy steps
+    from position 40 (16-position splits, so every head has several; at 48 the new row moves
+    into the next split; Qwen3 also normalizes q and k before their RoPE)."""
     model = make_model(name, torch.bfloat16, DEV)
     cache, tok = prefill(model, batch, 40, 56, DEV)
     out = {}
     for fold in (True, False):
         c = copy.deepcopy(cache)
-        step = compile_decode_step(model, c, batch, options=dict(fold_rope=fold, attn_kv_chunk=16))
+        step = compile_decode_step(model, c, batch, options={option: fold, "attn_kv_chunk": 16})
         kinds = [op.kind for op in step.program.compiled.stages["gemv_groups"].ops]
         assert kinds.count("attention_partial") == model.config.num_hidden_layers
-        out[fold] = (step(tok, 40).clone(), c, kinds.count("rope"))
-    assert out[True][2] == out[False][2] - model.config.num_hidden_layers  # one rope op fewer per layer
-    assert torch.equal(out[True][0], out[False][0])
+        logits, t = [], tok
+        for i in range(10):
+            logits.append(step(t, 40 + i).clone())
+            t = logits[-1].argmax(-1)
+        out[fold] = (logits, c, kinds.count("rope") + kinds.count("cache_write"))
+    assert out[True][2] < out[False][2]  # the folded ops are gone
+    for i, (a, b) in enumerate(zip(out[True][0], out[False][0])):
+        assert torch.equal(a, b), f"step {i} (position {40 + i}): logits differ"
     assert cache_rel(out[True][1], out[False][1]) == 0.0
 
 

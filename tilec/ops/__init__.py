@@ -27,6 +27,12 @@ from ..ir import BufferKind, Op, ScalarOperand, View
 
 Box = tuple[tuple[int, int], ...]
 WRITE, ACCUMULATE = "write", "accumulate"
+# A write whose writer among the op's tiles is chosen at run time by the decode position (the
+# step's new KV-cache rows, appended by the split-KV attention tile whose positions hold them;
+# tilec.passes.fold_kv_append). Every tile of the op declares the whole region it may write,
+# each element is written once a step, and by the one tile that also reads it: the op's tiles
+# do not conflict with one another over it (tilec.taskgraph), only with other ops.
+POSITIONAL = "positional"
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,8 @@ class Tile:
 
     ``coords`` are up to 4 half-open ranges in the op's iteration space (encoded in the
     descriptor); ``reads``/``writes`` are ``(operand index, box)`` and
-    ``(operand index, box, access)`` with ``access`` in ``{"write", "accumulate"}``.
+    ``(operand index, box, access)`` with ``access`` in ``{"write", "accumulate", "positional"}``
+    (:data:`POSITIONAL`).
     ``variant`` distinguishes tile flavours of one op (e.g. split-K init vs partial).
     """
 

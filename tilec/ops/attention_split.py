@@ -25,8 +25,15 @@ heads and query tokens (the descriptor holds at most 4 dims; row ``r = hq * Sq +
 o_part, ml, valid (scalar: ``p + 1`` when causal, else S), and with attr ``rope`` (0: a
 rotate-half RoPE, ``tilec.ops.rope``; set by ``tilec.passes.fold_rope``) cos and sin of q's
 shape and dtype: the tile applies the RoPE to its queries as it loads them (``rope_rows``,
-rounded to q's dtype as the rope op's store was). Params: scale bits, causal, chunk, RoPE
-style + 1 (0: none). Tiles: (batch, ``attn_heads_per_tile`` KV heads, one split).
+rounded to q's dtype as the rope op's store was). With attr ``append`` (set by
+``tilec.passes.fold_kv_append``; causal, after the RoPE fold) four more: the step's new key
+rows k_new [B, Hkv, Sq, D] (before their RoPE, q's dtype), value rows v_new [B, Hkv, Sq, Dv]
+(v's dtype), and the cache slots they go to, k_slot and v_slot (k / v at rows p .. p + Sq - 1,
+moving with the position). The tile whose split holds some of those rows first writes them -
+the keys rotated with the cos / sin rows of the queries (head stride 0), rounded to k's dtype
+- into the slots, then reads its split from the cache as usual; no other tile reads them.
+Params: scale bits, causal, chunk, RoPE style + 1 (0: none), append (0 / 1). Tiles: (batch,
+``attn_heads_per_tile`` KV heads, one split).
 
 ``attention_combine``: operands o_part, ml, out [B, Hq, Sq, Dv] (the original attention
 output view and dtype). Tiles: (batch, the query heads of ``attn_heads_per_tile`` KV heads).
@@ -37,7 +44,7 @@ import torch
 
 from ..errors import TilecError
 from ..ir import ScalarOperand
-from . import OpDef, Tile, TileArgs, bits_f32, chunks, f32_bits, register
+from . import POSITIONAL, OpDef, Tile, TileArgs, bits_f32, chunks, f32_bits, register
 from .rope import rope_rows
 
 # device constants of runtime/tilec/ops_attention.cuh (shared-memory sizing)
@@ -65,16 +72,19 @@ class AttentionPartial(OpDef):
     kind, opcode = "attention_partial", 15
 
     def operands(self, op):
+        """q, k, v, o_part, ml, valid, then cos, sin (``rope``), k_new, v_new, k_slot, v_slot (``append``)."""
         s = op.inputs[1].shape[2]
         valid = ScalarOperand(1, 1) if op.attr("causal") else ScalarOperand(s, 0)
-        return [*op.inputs[:3], *op.outputs, valid, *op.inputs[3:]]
+        return [*op.inputs[:3], *op.outputs[:2], valid, *op.inputs[3:], *op.outputs[2:]]
 
     def device_dtypes(self, op, dtypes):
-        return dtypes[:5]  # cos and sin (a folded RoPE) have q's dtype (tilec.passes.fold_rope)
+        # cos, sin and k_new have q's dtype, v_new v's, the slots the cache's (the fold passes)
+        return dtypes[:5]
 
     def tiles(self, op, opts):
         q, k, v = op.inputs[:3]
-        rope = op.inputs[3:]
+        rope = op.inputs[3:5]
+        append = op.attr("append")
         o_part = op.outputs[0]
         b_, hq, sq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
@@ -87,22 +97,30 @@ class AttentionPartial(OpDef):
                 rows = (h0 * g * sq, h1 * g * sq)
                 qbox = ((b, b + 1), (h0 * g, h1 * g), (0, sq), (0, d))
                 cs = tuple((6 + i, qbox) for i in range(len(rope)))  # cos, sin: q's shape
+                new_rows, slots = (), ()
+                if append:  # any split may hold the new rows: each reads them and may write the slots
+                    kbox = ((b, b + 1), (h0, h1), (0, sq), (0, d))
+                    vbox = ((b, b + 1), (h0, h1), (0, sq), (0, dv))
+                    new_rows = ((8, kbox), (9, vbox))
+                    slots = ((10, kbox, POSITIONAL), (11, vbox, POSITIONAL))
                 for sp in range(o_part.shape[2]):
                     j0, j1 = sp * chunk, min(s, (sp + 1) * chunk)
                     tiles.append(Tile(((b, b + 1), (h0, h1), (sp, sp + 1)),
                                       reads=((0, qbox),
                                              (1, ((b, b + 1), (h0, h1), (j0, j1), (0, d))),
-                                             (2, ((b, b + 1), (h0, h1), (j0, j1), (0, dv))), *cs),
+                                             (2, ((b, b + 1), (h0, h1), (j0, j1), (0, dv))), *cs, *new_rows),
                                       writes=((3, ((b, b + 1), rows, (sp, sp + 1), (0, dv)), "write"),
-                                              (4, ((b, b + 1), rows, (sp, sp + 1), (0, 2)), "write"))))
+                                              (4, ((b, b + 1), rows, (sp, sp + 1), (0, 2)), "write"), *slots)))
         return tiles
 
     def params(self, op):
         rope = op.attr("rope")
         if rope not in (None, 0):  # the device applies rotate-half only (rope_query)
             raise TilecError(f"op {op.name}: folded RoPE style {rope} is not rotate-half (0)")
+        if op.attr("append") and (rope is None or not op.attr("causal")):  # tilec.passes.fold_kv_append
+            raise TilecError(f"op {op.name}: appending the new KV rows needs a causal attention with its RoPE folded")
         return [f32_bits(op.attr("scale")), int(op.attr("causal")), int(op.attr("chunk")),
-                0 if rope is None else int(rope) + 1]
+                0 if rope is None else int(rope) + 1, int(bool(op.attr("append")))]
 
     def smem_bytes(self, op):
         """runtime/tilec/ops_attention.cuh: ATTN_Q scaled queries (256 floats each), 32 floats of
@@ -130,12 +148,15 @@ class AttentionPartial(OpDef):
         return 4 * (ATTN_Q * 256 + 32 + region)
 
     def run_tile(self, t: TileArgs):
-        q, k, v, o_part, ml, valid, *rope = t.operands
+        q, k, v, o_part, ml, valid, *rest = t.operands
+        rope, append = rest[:2], rest[2:]
         scale, causal, chunk = bits_f32(t.params[0]), t.params[1], t.params[2]
         (b0, b1), (h0, h1), (s0, s1) = t.coords
         g = q.shape[1] // k.shape[1]
         sq, s = q.shape[2], k.shape[2]
         dv = v.shape[3]
+        if append:
+            _append_rows(t, rope, *append)
         # query i sees positions < limit[i]
         limit = (valid + torch.arange(sq) if causal else torch.full((sq,), s)).view(sq, 1)
         for b in range(b0, b1):
@@ -167,6 +188,23 @@ class AttentionPartial(OpDef):
         n = min(k.shape[2], (sp + 1) * chunk) - sp * chunk
         g = q.shape[1] // k.shape[1]
         return nbytes, 2 * (b1 - b0) * (h1 - h0) * g * q.shape[2] * n * (q.shape[3] + v.shape[3])
+
+
+def _append_rows(t: TileArgs, rope, k_new, v_new, k_slot, v_slot) -> None:
+    """What an ``append`` tile does first (``op_attention_partial``): the new rows p + i of the
+    tile's heads that its splits hold into the cache slots, the keys rotated (``rope_rows``, the
+    queries' cos / sin rows, whose head stride is 0) and rounded to the cache's dtype."""
+    valid, chunk = t.operands[5], t.params[2]
+    (b0, b1), (h0, h1), (s0, s1) = t.coords
+    sq, s = k_new.shape[2], t.operands[1].shape[2]
+    lo, hi = max(s0 * chunk, valid - 1), min(s1 * chunk, s, valid - 1 + sq)  # cache rows of the tile and the step
+    if lo >= hi:
+        return
+    rows = slice(lo - (valid - 1), hi - (valid - 1))
+    heads, bs = slice(h0, h1), slice(b0, b1)
+    cos, sin = (c[bs, heads, rows] for c in rope)
+    k_slot[bs, heads, rows].copy_(rope_rows(k_new[bs, heads, rows], cos, sin, t.params[3] - 1))
+    v_slot[bs, heads, rows].copy_(v_new[bs, heads, rows])
 
 
 @register

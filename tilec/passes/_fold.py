@@ -1,4 +1,4 @@
-"""What the fold passes (``fold_cache_writes``, ``fold_rope``) share: finding the ops that touch a
+"""What the fold passes (``fold_cache_writes``, ``fold_rope``, ``fold_kv_append``) share: finding the ops that touch a
 buffer in a list being rewritten, and rebuilding the graph without the folded ops and buffers."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def touching(ops: list[Op | None], buf: str, views: str) -> list[int]:
 
 def rebuilt(graph: OpGraph, ops: list[Op | None], dropped: set[str]) -> OpGraph:
     """``graph`` with ``ops`` (the None entries left out) and without the ``dropped`` buffers; the
-    same object when nothing was dropped."""
-    if not dropped:
+    same object when no op and no buffer changed."""
+    if not dropped and all(a is b for a, b in zip(ops, graph.ops)):
         return graph
     buffers = {n: b for n, b in graph.buffers.items() if n not in dropped}
     return dataclasses.replace(graph, ops=tuple(o for o in ops if o is not None), buffers=buffers)
