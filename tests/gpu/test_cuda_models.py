@@ -38,9 +38,13 @@ def test_decode_matches_eager(name, batch, context, steps):
 
     Two eager bf16 runs that differ only in the SDPA kernel (default vs math) are already
     2.7e-2 apart on Llama-3.2-1B shapes with random weights (benchmarks/bf16_noise.py), so the
-    comparison with eager bf16 allows max(2e-2, 1.25 x that distance), and greedy agreement
-    must reach min(95 %, eager-vs-eager agreement - 3 points). The float32 criterion (no
-    farther from fp32 than 1.5 x eager bf16) and the KV-cache check are as the issue states.
+    comparison with eager bf16 allows max(2e-2, 1.25 x that distance). Greedy agreement must
+    reach 95 % of the steps, where a step also agrees when tilec's token and eager's are a bf16
+    tie: eager's logits of the two differ by no more than eager's own default-SDPA and math-SDPA
+    logits differ anywhere at that step (random weights make near-ties common; the math-SDPA
+    run itself agreed with eager in 91-96 of 100 steps on these shapes, varying from run to run
+    with the eager tokens). The float32 criterion (no farther from fp32 than 1.5 x eager bf16)
+    and the KV-cache check are as the issue states.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -57,7 +61,7 @@ def test_decode_matches_eager(name, batch, context, steps):
     ref32 = eager_step(model32, cache32, tok, context)
     del model32, cache32
 
-    agree = agree_math = 0
+    agree = agree_math = ties = 0
     for i in range(steps):
         pos = context + i
         want = eager_step(model, eager_cache, tok, pos)
@@ -71,13 +75,18 @@ def test_decode_matches_eager(name, batch, context, steps):
                   f"vs fp32: tilec {d_tilec:.2e} eager {d_eager:.2e}")
             assert r <= max(2e-2, 1.25 * floor)
             assert d_tilec <= 1.5 * d_eager
-        agree += int(torch.equal(got.argmax(-1), want.argmax(-1)))
+        same = torch.equal(got.argmax(-1), want.argmax(-1))
+        agree += int(same)
         agree_math += int(torch.equal(other.argmax(-1), want.argmax(-1)))
+        if not same:  # eager's logit gap between its token and tilec's, against the two eager runs' largest difference
+            w = want.float()
+            gap = (w.amax(-1) - w.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)).max()
+            ties += int(gap <= (other.float() - w).abs().max())
         tok = want.argmax(-1)  # every variant is fed eager's tokens
     c = cache_rel(cache, eager_cache)
-    print(f"{name} b{batch}: greedy agreement with eager {agree}/{steps} (eager math-SDPA {agree_math}/{steps}); "
-          f"cache rel {c:.2e}")
-    assert agree >= min(0.95 * steps, agree_math - 0.03 * steps)
+    print(f"{name} b{batch}: greedy agreement with eager {agree}/{steps}, {ties} more within bf16 ties "
+          f"(eager math-SDPA {agree_math}/{steps}); cache rel {c:.2e}")
+    assert agree + ties >= 0.95 * steps
     assert c < 2e-2
 
 
