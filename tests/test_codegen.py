@@ -93,6 +93,31 @@ def test_generated_step_with_split_kv_attention_compiles(tmp_path, monkeypatch):
 
 
 @needs_nvcc
+@pytest.mark.slow
+def test_executor_static_shared_memory_fits_beside_the_largest_dynamic_request(tmp_path):
+    """The executor's static shared memory (the decoded operands - 12 a row since the split-KV
+    attention appends the KV rows -, descriptors, barriers) fits in the room ``tilec.smem``
+    leaves beside MAX_DYNAMIC_SMEM of Hopper's 227 KiB, so a plan asking for that much still
+    launches. ptxas reports it (``--resource-usage``); the plan has split-KV attention with the
+    append fold."""
+    from tilec import smem
+    from tilec.codegen.build import flags, nvcc_path, runtime_dir
+
+    model = make_model("llama-tiny", torch.bfloat16)
+    cache, _ = prefill(model, 1, 40, 128)
+    plan = compile_decode_step(model, cache, 1, options=dict(workers=8, attn_kv_chunk=32)).program.plan
+    assert any(op.attr("append") for op in plan.graph.ops)
+    for name, text in codegen.render(plan).items():
+        (tmp_path / name).write_text(text)
+    res = subprocess.run([nvcc_path(), *flags("sm_90a"), "--resource-usage", "-I", str(runtime_dir()), "-I",
+                          str(tmp_path), str(tmp_path / "program.cu"), "-o", str(tmp_path / "lib.so")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    static = [int(n) for n in re.findall(r"(\d+) bytes smem", res.stdout + res.stderr)]
+    assert static and max(static) <= 227 * 1024 - smem.MAX_DYNAMIC_SMEM
+
+
+@needs_nvcc
 def test_failed_build_leaves_nothing(tmp_path, monkeypatch, llama_plan):
     monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
     srcs = codegen.render(llama_plan)
