@@ -316,6 +316,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                 row[j] = round_to<TV>(p);
               }
               sum = warp_sum(sum);
+              __syncwarp();  // every lane has read st[qq] (m_old) before lane 0 replaces it (racecheck)
               if (lane == 0) {
                 const float alpha = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
                 st[qq] = m_new;
