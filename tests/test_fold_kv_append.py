@@ -144,28 +144,31 @@ def test_append_needs_the_folded_rope_and_a_causal_attention(llama_graph):
     assert appended(fold_kv_append(dataclasses.replace(llama_graph, ops=tuple(no_rope)))) == 0
 
 
-def _decode_graph(b, hq, hkv, sq, s, d, dtype) -> OpGraph:
+def _decode_graph(b, hq, hkv, sq, s, d, dtype, extra_rows=0) -> OpGraph:
     """One decode attention over Sq tokens as the frontend lowers it: the queries' and keys' RoPE
     (cos / sin [B, Sq, D] broadcast over the heads), the rotated keys into the key cache slot and the
-    values copied into the value slot (rows p .. p + Sq - 1), then causal attention over the caches."""
+    values copied into the value slot (rows p .. p + Sq - 1), then causal attention over the caches
+    (with ``extra_rows``: over their first S rows only, while the steps write up to S + extra_rows)."""
     bufs = {"x": Buffer("x", (b, hq, sq, d), dtype, BufferKind.INPUT),
             "kx": Buffer("kx", (b, hkv, sq, d), dtype, BufferKind.INPUT),
             "vx": Buffer("vx", (b, hkv, sq, d), dtype, BufferKind.INPUT),
             "cos": Buffer("cos", (b, sq, d), dtype, BufferKind.INPUT),
             "sin": Buffer("sin", (b, sq, d), dtype, BufferKind.INPUT),
             "q": Buffer("q", (b, hq, sq, d), dtype, BufferKind.TEMP),
-            "k": Buffer("k", (b, hkv, s, d), dtype, BufferKind.STATE),
-            "v": Buffer("v", (b, hkv, s, d), dtype, BufferKind.STATE),
+            "k": Buffer("k", (b, hkv, s + extra_rows, d), dtype, BufferKind.STATE),
+            "v": Buffer("v", (b, hkv, s + extra_rows, d), dtype, BufferKind.STATE),
             "out": Buffer("out", (b, hq, sq, d), dtype, BufferKind.OUTPUT)}
     w = {n: View.whole(buf) for n, buf in bufs.items()}
     cs = {(n, h): View(n, (b, h, sq, d), (sq * d, 0, d, 1), 0, 0) for n in ("cos", "sin") for h in (hq, hkv)}
-    slot = {n: View(n, (b, hkv, sq, d), (hkv * s * d, s * d, d, 1), 0, d) for n in ("k", "v")}
+    rows = s + extra_rows
+    cache = {n: View(n, (b, hkv, s, d), (hkv * rows * d, rows * d, d, 1), 0, 0) for n in ("k", "v")}
+    slot = {n: View(n, (b, hkv, sq, d), (hkv * rows * d, rows * d, d, 1), 0, d) for n in ("k", "v")}
     ops = (Op("rope_q", "rope", (w["x"], cs["cos", hq], cs["sin", hq]), (w["q"],), (("style", 0),)),
            Op("rope_k", "rope", (w["kx"], cs["cos", hkv], cs["sin", hkv]), (slot["k"],), (("style", 0),)),
            Op("write_v", "cache_write", (w["vx"],), (slot["v"],)),
-           Op("attn", "attention", (w["q"], w["k"], w["v"]), (w["out"],), (("causal", True), ("scale", d ** -0.5))))
+           Op("attn", "attention", (w["q"], cache["k"], cache["v"]), (w["out"],), (("causal", True), ("scale", d ** -0.5))))
     return OpGraph(ops, bufs, ("x", "kx", "vx", "cos", "sin", "k", "v", "<position>"), (w["out"],),
-                   max_positions=s - sq + 1)
+                   max_positions=rows - sq + 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -202,3 +205,33 @@ def test_new_rows_across_a_split_boundary_append_bitwise(dtype, position):
     rows[position:position + sq] = False
     assert torch.equal(on["k"][:, :, rows], inputs["k"][:, :, rows]) and not torch.equal(on["k"], inputs["k"])
     assert torch.equal(on["v"][:, :, position:position + sq], inputs["vx"])
+
+
+def test_an_attention_over_a_prefix_of_the_cache_is_not_folded():
+    """The steps write rows up to S + 4 of a cache the attention reads only the first S rows of:
+    folded, no tile would hold (and write) the rows past S, so the pass keeps the rope and the
+    cache_write (found by review: the cache then differed from the unfolded plan's at p >= S)."""
+    from tilec.pipeline import compile_opgraph
+
+    plan = compile_opgraph(_decode_graph(1, 2, 1, 1, 16, 8, torch.float32, extra_rows=4),
+                           Options(workers=4, attn_kv_chunk=4)).plan
+    kinds = [op.kind for op in plan.graph.ops]
+    assert "rope" in kinds and "cache_write" in kinds and not any(op.attr("append") for op in plan.graph.ops)
+
+
+def test_an_appending_op_the_device_would_misread_is_an_error(llama_graph):
+    """The device reads k_new as the queries' dtype, v_new and the slots as the caches', and the
+    slots as the caches at the position's rows: an op built otherwise (by hand, or a future pass) is
+    refused when its dtypes or slots are encoded, naming the op."""
+    g = fold_kv_append(llama_graph)
+    part = next(op for op in g.ops if op.kind == "attention_partial")
+    d = opreg.opdef(part.kind)
+    f32 = [torch.float32] * 11
+    assert d.device_dtypes(part, f32) == f32[:5]
+    with pytest.raises(TilecError, match=f"op {part.name}: v_new is torch.bfloat16, the device reads it as torch.float32"):
+        d.device_dtypes(part, f32[:8] + [torch.bfloat16] + f32[9:])
+    k_slot = part.outputs[2]
+    moved = dataclasses.replace(part, outputs=(*part.outputs[:2], dataclasses.replace(k_slot, offset=k_slot.offset + 1),
+                                               part.outputs[3]))
+    with pytest.raises(TilecError, match=f"op {part.name}: slot .* is not .* at the position's rows"):
+        d.params(moved)

@@ -340,7 +340,8 @@ def dtype_signature(graph: OpGraph, operands) -> int:
     """Operand dtype codes + 1 packed 4 bits each (scalars as 0xF), operand 0 in the low bits: no
     operand packs as 0, so ops of the same dtypes but different operand counts (a linear with and
     without bias, all float32) get different signatures. Only the first 8 operands fit: an op with
-    more (attention_partial with its folds) ties the others' dtypes to those (``device_dtypes``)."""
+    more (attention_partial with its folds) has the others' dtypes tied to those (its ``device_dtypes``
+    checks them)."""
     sig = 0
     for i, v in enumerate(operands[:8]):
         code = 0xF if isinstance(v, ScalarOperand) else DTYPE_CODES[graph.buffers[v.buffer].dtype] + 1

@@ -483,7 +483,7 @@ __device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
 // cos / sin rows (their head stride is 0) in op_rope's arithmetic (rope_query), the values copied
 // from v_new (both of the cache's dtype, as the pass checks). The barrier orders these stores
 // before the tile reads its split (the same CTA's loads or cp.async copies); no other tile reads
-// those rows. Tiles whose splits hold none of them (all but one a head) skip it all.
+// those rows. Tiles whose splits hold none of them (all but one or two a head) skip it all.
 template <typename TQ, typename TK, typename TV>
 __device__ void attn_append_rows(const TileCtx& c) {
   const Operand &q = operands()[0], &k = operands()[1], &kn = operands()[8], &vn = operands()[9];

@@ -78,7 +78,19 @@ class AttentionPartial(OpDef):
         return [*op.inputs[:3], *op.outputs[:2], valid, *op.inputs[3:], *op.outputs[2:]]
 
     def device_dtypes(self, op, dtypes):
-        # cos, sin and k_new have q's dtype, v_new v's, the slots the cache's (the fold passes)
+        """``op_attention_partial<TQ, TK, TV, TP, TM>``: the device reads cos, sin and k_new as q's
+        dtype, v_new and the slots as the caches' (the fold passes ensure it).
+
+        Raises:
+            TilecError: cos / sin / k_new / v_new / a slot of a dtype the device would misread.
+        """
+        want = [dtypes[0]] * 2 + ([dtypes[0], dtypes[2], dtypes[1], dtypes[2]] if op.attr("append") else [])
+        if op.attr("append") and dtypes[0] != dtypes[1]:
+            raise TilecError(f"op {op.name}: appended keys need the cache's dtype {dtypes[1]}, queries are {dtypes[0]}")
+        names = ("cos", "sin", "k_new", "v_new", "k_slot", "v_slot")  # dtypes: the tensor operands (not valid)
+        for name, got, need in zip(names, dtypes[5:], want):
+            if got != need:
+                raise TilecError(f"op {op.name}: {name} is {got}, the device reads it as {need}")
         return dtypes[:5]
 
     def tiles(self, op, opts):
@@ -117,8 +129,13 @@ class AttentionPartial(OpDef):
         rope = op.attr("rope")
         if rope not in (None, 0):  # the device applies rotate-half only (rope_query)
             raise TilecError(f"op {op.name}: folded RoPE style {rope} is not rotate-half (0)")
-        if op.attr("append") and (rope is None or not op.attr("causal")):  # tilec.passes.fold_kv_append
-            raise TilecError(f"op {op.name}: appending the new KV rows needs a causal attention with its RoPE folded")
+        if op.attr("append"):  # tilec.passes.fold_kv_append
+            if rope is None or not op.attr("causal"):
+                raise TilecError(f"op {op.name}: appending the new KV rows needs a causal attention with its RoPE folded")
+            for cache, slot in zip(op.inputs[1:3], op.outputs[2:]):  # slot row i is cache row p + i
+                if (slot.buffer, slot.offset, slot.strides, slot.pos_stride) != (cache.buffer, cache.offset, cache.strides,
+                                                                                 cache.strides[2]):
+                    raise TilecError(f"op {op.name}: slot {slot.render()} is not {cache.render()} at the position's rows")
         return [f32_bits(op.attr("scale")), int(op.attr("causal")), int(op.attr("chunk")),
                 0 if rope is None else int(rope) + 1, int(bool(op.attr("append")))]
 

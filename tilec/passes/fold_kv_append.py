@@ -1,7 +1,8 @@
 """Fold the step's KV-cache append (the keys' RoPE and both cache writes) into the split-KV
 attention that reads the cache.
 
-After ``fold_cache_writes`` and ``fold_rope`` a Llama decode layer runs
+After ``fold_cache_writes`` and ``fold_rope`` (both needed: without the first the key RoPE writes a
+temporary that a cache_write copies) a Llama decode layer runs
 
     RK = rope(kx, cos_k, sin_k) -> K[:, :, p:p+Sq]      (the key slot, moving with the position)
     CV = cache_write(vx) -> V[:, :, p:p+Sq]
@@ -22,7 +23,9 @@ Which tile writes the slots depends on p, so every tile declares them as
 (b) RK is the only op writing K's buffer and CV the only one writing V's; P is the only reader of
     both, and comes after RK and CV; RK is a rotate-half rope with one output, CV has one input;
 (c) each slot is its cache view at rows p .. p + Sq - 1: the view's strides and offset, Sq rows,
-    and a position stride of one cache row (so row i of the slot is cache row valid - 1 + i);
+    and a position stride of one cache row (so row i of the slot is cache row valid - 1 + i), and
+    the attention's view holds every row a planned position writes (max_positions - 1 + Sq rows:
+    a view of a prefix of a longer cache would leave the rows past it unwritten);
 (d) kx has the key slot's shape, vx the value slot's; kx, cos_k, sin_k, the queries and K one
     dtype, vx V's (RK's roundings and CV's copy are then exact on the device);
 (e) cos_k / sin_k are P's cos / sin rows for the KV heads: the same buffer, offset, position
@@ -42,11 +45,13 @@ from ..ir import Op, OpGraph, View
 from ._fold import rebuilt, touching
 
 
-def _is_slot(slot: View, cache: View) -> bool:
-    """Whether ``slot`` is ``cache`` [B, H, S, D] at rows p .. p + Sq - 1 of the decode position p."""
+def _is_slot(slot: View, cache: View, positions: int) -> bool:
+    """Whether ``slot`` is ``cache`` [B, H, S, D] at rows p .. p + Sq - 1 of the decode position p,
+    for every p < ``positions``."""
     return (slot.buffer == cache.buffer and slot.offset == cache.offset and slot.strides == cache.strides
             and slot.pos_stride == cache.strides[2] and cache.pos_stride == 0
-            and slot.shape[:2] + slot.shape[3:] == cache.shape[:2] + cache.shape[3:])
+            and slot.shape[:2] + slot.shape[3:] == cache.shape[:2] + cache.shape[3:]
+            and positions - 1 + slot.shape[2] <= cache.shape[2])
 
 
 def _head_broadcast(ck: View, cq: View) -> bool:
@@ -94,7 +99,8 @@ def fold_kv_append(graph: OpGraph, opts=None) -> OpGraph:
         if cv.kind != "cache_write" or len(cv.inputs) != 1 or len(cv.outputs) != 1:
             continue
         (kx, cos_k, sin_k), (k_slot,), (vx,), (v_slot,) = rk.inputs, rk.outputs, cv.inputs, cv.outputs
-        if not (_is_slot(k_slot, k) and _is_slot(v_slot, v) and k_slot.shape[2] == v_slot.shape[2] == q.shape[2]):
+        slots_ok = _is_slot(k_slot, k, graph.max_positions) and _is_slot(v_slot, v, graph.max_positions)
+        if not (slots_ok and k_slot.shape[2] == v_slot.shape[2] == q.shape[2]):
             continue
         if kx.shape != k_slot.shape or vx.shape != v_slot.shape:
             continue
