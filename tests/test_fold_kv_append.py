@@ -166,7 +166,8 @@ def _decode_graph(b, hq, hkv, sq, s, d, dtype, extra_rows=0) -> OpGraph:
     ops = (Op("rope_q", "rope", (w["x"], cs["cos", hq], cs["sin", hq]), (w["q"],), (("style", 0),)),
            Op("rope_k", "rope", (w["kx"], cs["cos", hkv], cs["sin", hkv]), (slot["k"],), (("style", 0),)),
            Op("write_v", "cache_write", (w["vx"],), (slot["v"],)),
-           Op("attn", "attention", (w["q"], cache["k"], cache["v"]), (w["out"],), (("causal", True), ("scale", d ** -0.5))))
+           Op("attn", "attention", (w["q"], cache["k"], cache["v"]), (w["out"],),
+              (("causal", True), ("scale", d ** -0.5))))
     return OpGraph(ops, bufs, ("x", "kx", "vx", "cos", "sin", "k", "v", "<position>"), (w["out"],),
                    max_positions=rows - sq + 1)
 
@@ -228,7 +229,8 @@ def test_an_appending_op_the_device_would_misread_is_an_error(llama_graph):
     d = opreg.opdef(part.kind)
     f32 = [torch.float32] * 11
     assert d.device_dtypes(part, f32) == f32[:5]
-    with pytest.raises(TilecError, match=f"op {part.name}: v_new is torch.bfloat16, the device reads it as torch.float32"):
+    want = f"op {part.name}: v_new is torch.bfloat16, the device reads it as torch.float32"
+    with pytest.raises(TilecError, match=want):
         d.device_dtypes(part, f32[:8] + [torch.bfloat16] + f32[9:])
     k_slot = part.outputs[2]
     moved = dataclasses.replace(part, outputs=(*part.outputs[:2], dataclasses.replace(k_slot, offset=k_slot.offset + 1),

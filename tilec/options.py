@@ -43,10 +43,10 @@ class Options:
     fold_rope: let each split-KV attention tile apply the queries' RoPE as it loads them instead
         of a ``rope`` op before it (``tilec.passes.fold_rope``; bitwise the same results, one
         dependent stage fewer per layer).
-    fold_kv_append: with ``fold_rope`` and ``fold_cache_writes``, let the split-KV attention tile whose split holds the step's
-        cache rows write them (the keys' RoPE and both cache writes) before it reads them, instead
-        of a ``rope`` and a ``cache_write`` op before the attention (``tilec.passes.fold_kv_append``;
-        bitwise the same results, one dependent stage fewer per layer).
+    fold_kv_append: with ``fold_rope`` and ``fold_cache_writes``, let the split-KV attention tile
+        whose split holds the step's cache rows write them (the keys' RoPE and both cache writes)
+        before it reads them, instead of a ``rope`` and a ``cache_write`` op before the attention
+        (``tilec.passes.fold_kv_append``; bitwise the same results, one dependent stage fewer per layer).
     gemv_groups: size the tiles of sibling GEMVs (same input rows, e.g. q/k/v or gate/up) by their
         total columns, so that together they make about ``workers`` tiles
         (``tilec.passes.gemv_groups``; the same results, fewer instructions per worker).

@@ -34,8 +34,8 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import (fold_cache_writes, fold_kv_append, fold_rope, fuse_events, fuse_fp8_quant, fuse_gemv_chains, fuse_index_quant, linearize, normalize, schedule,
-                     size_gemv_groups, split_kv)
+from .passes import (fold_cache_writes, fold_kv_append, fold_rope, fuse_events, fuse_fp8_quant, fuse_gemv_chains,
+                     fuse_index_quant, linearize, normalize, schedule, size_gemv_groups, split_kv)
 from .plan import KernelPlan, encode
 from .stats import compile_stats
 from .taskgraph import build_taskgraph

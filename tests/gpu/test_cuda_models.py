@@ -41,10 +41,10 @@ def test_decode_matches_eager(name, batch, context, steps):
     comparison with eager bf16 allows max(2e-2, 1.25 x that distance). Greedy agreement must
     reach 95 % of the steps, where a step also agrees when tilec's token and eager's are a bf16
     tie: in every batch row where they differ, eager's logits of the two differ by no more than
-    eager's own default-SDPA and math-SDPA logits of that row differ anywhere (random weights make near-ties common; the math-SDPA
-    run itself agreed with eager in 91-96 of 100 steps on these shapes, varying from run to run
-    with the eager tokens). The float32 criterion (no farther from fp32 than 1.5 x eager bf16)
-    and the KV-cache check are as the issue states.
+    eager's own default-SDPA and math-SDPA logits of that row differ anywhere (random weights
+    make near-ties common; the math-SDPA run itself agreed with eager in 90-96 of 100 steps on
+    these shapes, varying from run to run with the eager tokens). The float32 criterion (no
+    farther from fp32 than 1.5 x eager bf16) and the KV-cache check are as the issue states.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -78,7 +78,7 @@ def test_decode_matches_eager(name, batch, context, steps):
         same = torch.equal(got.argmax(-1), want.argmax(-1))
         agree += int(same)
         agree_math += int(torch.equal(other.argmax(-1), want.argmax(-1)))
-        if not same:  # per row: eager's logit gap between its token and tilec's, against the two eager runs' largest difference
+        if not same:  # per row: eager's logit gap between its token and tilec's, vs the eager runs' largest difference
             w = want.float()
             gap = w.amax(-1) - w.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)  # [B, 1]; 0 where the row agrees
             ties += int(bool((gap <= (other.float() - w).abs().amax(-1)).all()))

@@ -131,11 +131,13 @@ class AttentionPartial(OpDef):
             raise TilecError(f"op {op.name}: folded RoPE style {rope} is not rotate-half (0)")
         if op.attr("append"):  # tilec.passes.fold_kv_append
             if rope is None or not op.attr("causal"):
-                raise TilecError(f"op {op.name}: appending the new KV rows needs a causal attention with its RoPE folded")
+                raise TilecError(f"op {op.name}: appending the new KV rows needs a causal attention "
+                                 f"with its RoPE folded")
             for cache, slot in zip(op.inputs[1:3], op.outputs[2:]):  # slot row i is cache row p + i
-                if (slot.buffer, slot.offset, slot.strides, slot.pos_stride) != (cache.buffer, cache.offset, cache.strides,
-                                                                                 cache.strides[2]):
-                    raise TilecError(f"op {op.name}: slot {slot.render()} is not {cache.render()} at the position's rows")
+                want = (cache.buffer, cache.offset, cache.strides, cache.strides[2])
+                if (slot.buffer, slot.offset, slot.strides, slot.pos_stride) != want:
+                    raise TilecError(f"op {op.name}: slot {slot.render()} is not {cache.render()} "
+                                     f"at the position's rows")
         return [f32_bits(op.attr("scale")), int(op.attr("causal")), int(op.attr("chunk")),
                 0 if rope is None else int(rope) + 1, int(bool(op.attr("append")))]
 

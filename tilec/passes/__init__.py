@@ -2,7 +2,8 @@
 (RMSNorm / SiLU-mul / residual-add fusion into GEMVs), ``fuse_fp8_quant`` / ``fuse_index_quant`` (FP8
 activation quantization into the FP8 GEMMs and the indexer score), ``fold_cache_writes`` (RoPE writing
 the KV-cache slot directly), ``fold_rope`` (the queries' RoPE into the split-KV attention tiles) and
-``fold_kv_append`` (the keys' RoPE and the step's cache writes into those tiles) rewrite the OpGraph, and ``size_gemv_groups`` sizes sibling GEMVs' tiles by their total columns;
+``fold_kv_append`` (the keys' RoPE and the step's cache writes into those tiles) rewrite the OpGraph,
+and ``size_gemv_groups`` sizes sibling GEMVs' tiles by their total columns;
 the rest are MPK-style passes over the TaskGraph (Mirage Persistent Kernel, arXiv 2512.22219,
 section 4).
 
@@ -24,5 +25,5 @@ from .normalize import normalize
 from .schedule import Schedule, schedule
 from .split_kv import split_kv
 
-__all__ = ["split_kv", "fuse_gemv_chains", "fuse_fp8_quant", "fuse_index_quant", "fold_cache_writes", "fold_rope", "fold_kv_append", "size_gemv_groups", "fuse_events",
-           "normalize", "linearize", "schedule", "Schedule"]
+__all__ = ["split_kv", "fuse_gemv_chains", "fuse_fp8_quant", "fuse_index_quant", "fold_cache_writes", "fold_rope",
+           "fold_kv_append", "size_gemv_groups", "fuse_events", "normalize", "linearize", "schedule", "Schedule"]

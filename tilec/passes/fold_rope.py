@@ -23,8 +23,8 @@ keeping P's name and provenance; R and buffer T are dropped. The rewrite applies
 Results are bitwise those of the unfolded plan: the tile computes each rotated query element
 exactly as ``op_rope`` / ``Rope.run_tile`` do (``tilec.ops.rope.rope_rows``), rounds it to T's
 dtype, then scales it. The keys' RoPE stays an op here (``fold_cache_writes`` lets it write the
-cache slot; ``fold_kv_append`` then moves it into the same tiles). A graph with nothing to fold (or ``opts.fold_rope`` off) is returned unchanged
-(the same object).
+cache slot; ``fold_kv_append`` then moves it into the same tiles). A graph with nothing to fold
+(or ``opts.fold_rope`` off) is returned unchanged (the same object).
 """
 from __future__ import annotations
 
