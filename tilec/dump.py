@@ -11,7 +11,8 @@ different compiles never mix::
         02-split_kv.txt     OpGraph.render() after the split-KV attention rewrite
         03-fuse_gemv.txt    OpGraph.render() after GEMV prologue/epilogue fusion
         04-fold_cache.txt   OpGraph.render() after folding cache writes into RoPE ops
-        05-gemv_groups.txt  OpGraph.render() after sizing sibling GEMVs' tiles together
+        05-gemv_groups.txt  OpGraph.render() after sizing sibling GEMVs' tiles together and the
+                            query-RoPE / KV-append folds into the split-KV attention
         06-tasks.txt        TaskGraph.render() after build_taskgraph
         07-fused.txt        ... after event fusion
         08-normalized.txt   ... after normalization (empty tasks inserted)
