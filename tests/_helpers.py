@@ -1,11 +1,20 @@
 """Shared test helpers (imported by the test modules; pytest puts ``tests/`` on ``sys.path``)."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import signal
 import threading
 
 import torch
+
+
+SPLIT = dict(workers=6, attn_kv_chunk=4)  # 4-position splits: every head's attention splits (fold tests)
+
+
+def kinds(graph) -> "collections.Counter[str]":
+    """How many ops of each kind ``graph`` (an OpGraph) has (0 for a kind it has none of)."""
+    return collections.Counter(op.kind for op in graph.ops)
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -3,26 +3,18 @@ RoPE themselves, with bitwise the results of the plan with a rope op (reference 
 the pass refuses what it must not fold."""
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 
 import pytest
 import torch
 
-from _helpers import StageRecorder, assert_steps_bitwise_equal
+from _helpers import SPLIT, StageRecorder, assert_steps_bitwise_equal, kinds
 from tilec.hf import compile_decode_step
 from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
 from tilec.options import Options
 from tilec.passes import fold_rope
 from tilec.zoo import eager_step, make_model, prefill
-
-SPLIT = dict(workers=6, attn_kv_chunk=4)  # 4-position splits: every head's attention splits
-
-
-def kinds(graph: OpGraph) -> dict[str, int]:
-    return dict(collections.Counter(op.kind for op in graph.ops))
-
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

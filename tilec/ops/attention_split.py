@@ -55,6 +55,15 @@ WARPS = 8
 COMBINE_STAGE_MAX = 48 * 1024  # bytes of float32 partials a combine tile reserves room to stage
 
 
+def slot_at_position(slot, cache) -> bool:
+    """Whether view ``slot`` is view ``cache`` [B, H, S, D] at rows p .. p + Sq - 1 of the decode
+    position p (same buffer, offset and strides, moving one cache row a position): the geometry
+    the device relies on when an appending partial writes row i of the slot as cache row
+    valid - 1 + i (``attn_append_rows``)."""
+    return ((slot.buffer, slot.offset, slot.strides, slot.pos_stride)
+            == (cache.buffer, cache.offset, cache.strides, cache.strides[2]))
+
+
 def lanes_per_row(d: int) -> int:
     """Lanes of the device's lane group per cache row: the next power of two >= ceil(d / 8)."""
     n, g = -(-d // 8), 1
@@ -133,9 +142,8 @@ class AttentionPartial(OpDef):
             if rope is None or not op.attr("causal"):
                 raise TilecError(f"op {op.name}: appending the new KV rows needs a causal attention "
                                  f"with its RoPE folded")
-            for cache, slot in zip(op.inputs[1:3], op.outputs[2:]):  # slot row i is cache row p + i
-                want = (cache.buffer, cache.offset, cache.strides, cache.strides[2])
-                if (slot.buffer, slot.offset, slot.strides, slot.pos_stride) != want:
+            for cache, slot in zip(op.inputs[1:3], op.outputs[2:]):
+                if not slot_at_position(slot, cache):
                     raise TilecError(f"op {op.name}: slot {slot.render()} is not {cache.render()} "
                                      f"at the position's rows")
         return [f32_bits(op.attr("scale")), int(op.attr("causal")), int(op.attr("chunk")),

@@ -1,10 +1,16 @@
-"""What the fold passes (``fold_cache_writes``, ``fold_rope``, ``fold_kv_append``) share: finding the ops that touch a
-buffer in a list being rewritten, and rebuilding the graph without the folded ops and buffers."""
+"""What the fold passes (``fold_cache_writes``, ``fold_rope``, ``fold_kv_append``) share: a view's dtype,
+finding the ops that touch a buffer in a list being rewritten, and rebuilding the graph without the
+folded ops and buffers."""
 from __future__ import annotations
 
 import dataclasses
 
 from ..ir import Op, OpGraph
+
+
+def dtype_of(graph: OpGraph, view):
+    """The dtype of the buffer ``view`` reads."""
+    return graph.buffers[view.buffer].dtype
 
 
 def touching(ops: list[Op | None], buf: str, views: str) -> list[int]:

@@ -28,9 +28,10 @@ same object).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..ir import BufferKind, Op, OpGraph
-from ._fold import rebuilt, touching
+from ._fold import dtype_of, rebuilt, touching
 
 
 def fold_cache_writes(graph: OpGraph, opts=None) -> OpGraph:
@@ -52,9 +53,7 @@ def fold_cache_writes(graph: OpGraph, opts=None) -> OpGraph:
         return graph
     ops: list[Op | None] = list(graph.ops)
     outputs = {v.buffer for v in graph.outputs}
-
-    def dtype(view):
-        return graph.buffers[view.buffer].dtype
+    dtype = functools.partial(dtype_of, graph)
 
     dropped: set[str] = set()
     for i, rope in enumerate(ops):

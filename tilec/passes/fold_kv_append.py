@@ -40,16 +40,17 @@ off) is returned unchanged (the same object).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..ir import Op, OpGraph, View
-from ._fold import rebuilt, touching
+from ..ops.attention_split import slot_at_position
+from ._fold import dtype_of, rebuilt, touching
 
 
 def _is_slot(slot: View, cache: View, positions: int) -> bool:
     """Whether ``slot`` is ``cache`` [B, H, S, D] at rows p .. p + Sq - 1 of the decode position p,
     for every p < ``positions``."""
-    return (slot.buffer == cache.buffer and slot.offset == cache.offset and slot.strides == cache.strides
-            and slot.pos_stride == cache.strides[2] and cache.pos_stride == 0
+    return (slot_at_position(slot, cache) and cache.pos_stride == 0
             and slot.shape[:2] + slot.shape[3:] == cache.shape[:2] + cache.shape[3:]
             and positions - 1 + slot.shape[2] <= cache.shape[2])
 
@@ -77,9 +78,7 @@ def fold_kv_append(graph: OpGraph, opts=None) -> OpGraph:
     if opts is not None and not getattr(opts, "fold_kv_append", True):
         return graph
     ops: list[Op | None] = list(graph.ops)
-
-    def dtype(view):
-        return graph.buffers[view.buffer].dtype
+    dtype = functools.partial(dtype_of, graph)
 
     for j, part in enumerate(ops):
         if (part is None or part.kind != "attention_partial" or part.attr("rope") != 0 or not part.attr("causal")

@@ -29,9 +29,10 @@ cache slot; ``fold_kv_append`` then moves it into the same tiles). A graph with 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..ir import BufferKind, Op, OpGraph
-from ._fold import rebuilt, touching
+from ._fold import dtype_of, rebuilt, touching
 
 
 def fold_rope(graph: OpGraph, opts=None) -> OpGraph:
@@ -49,9 +50,7 @@ def fold_rope(graph: OpGraph, opts=None) -> OpGraph:
         return graph
     ops: list[Op | None] = list(graph.ops)
     outputs = {v.buffer for v in graph.outputs}
-
-    def dtype(view):
-        return graph.buffers[view.buffer].dtype
+    dtype = functools.partial(dtype_of, graph)
 
     dropped: set[str] = set()
     for j, part in enumerate(ops):
