@@ -77,17 +77,21 @@ def test_generated_step_compiles(name, dtype, batch, tmp_path, monkeypatch):
 
 @needs_nvcc
 @pytest.mark.slow
-def test_generated_step_with_split_kv_attention_compiles(tmp_path, monkeypatch):
-    """A longer cache with attn_kv_chunk=32: the plan runs attention as split-KV partials + combine."""
+@pytest.mark.parametrize("fold_combine", [True, False])
+def test_generated_step_with_split_kv_attention_compiles(tmp_path, monkeypatch, fold_combine):
+    """A longer cache with attn_kv_chunk=32: the plan runs attention as split-KV partials, whose
+    last tile per head group combines them (``fold_combine``), or partials + a combine op."""
     monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
     model = make_model("llama-tiny", torch.bfloat16)
     cache, _ = prefill(model, 1, 40, 128)
-    plan = compile_decode_step(model, cache, 1, options=dict(workers=8, attn_kv_chunk=32)).program.plan
+    opts = dict(workers=8, attn_kv_chunk=32, fold_combine=fold_combine)
+    plan = compile_decode_step(model, cache, 1, options=opts).program.plan
     kinds = {op.kind for op in plan.graph.ops}
-    assert {"attention_partial", "attention_combine"} <= kinds and "attention" not in kinds
+    assert "attention_partial" in kinds and "attention" not in kinds
+    assert ("attention_combine" in kinds) != fold_combine
     src = codegen.render(plan)["program.cu"]
     assert "run_op<tilec::op_attention_partial<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, float, float>>(c)" in src
-    assert "run_op<tilec::op_attention_combine<float, float, __nv_bfloat16>>(c)" in src
+    assert ("run_op<tilec::op_attention_combine<float, float, __nv_bfloat16>>(c)" in src) != fold_combine
     lib = codegen.build(codegen.render(plan))
     assert lib.exists() and lib.stat().st_size > 0
 
@@ -95,18 +99,18 @@ def test_generated_step_with_split_kv_attention_compiles(tmp_path, monkeypatch):
 @needs_nvcc
 @pytest.mark.slow
 def test_executor_static_shared_memory_fits_beside_the_largest_dynamic_request(tmp_path):
-    """The executor's static shared memory (the decoded operands - 12 a row since the split-KV
-    attention appends the KV rows -, descriptors, barriers) fits in the room ``tilec.smem``
-    leaves beside MAX_DYNAMIC_SMEM of Hopper's 227 KiB, so a plan asking for that much still
-    launches. ptxas reports it (``--resource-usage``); the plan has split-KV attention with the
-    append fold."""
+    """The executor's static shared memory (the decoded operands - 13 a row since the split-KV
+    attention appends the KV rows and combines -, descriptors, barriers) fits in the room
+    ``tilec.smem`` leaves beside MAX_DYNAMIC_SMEM of Hopper's 227 KiB, so a plan asking for that
+    much still launches. ptxas reports it (``--resource-usage``); the plan has split-KV attention
+    with the append and combine folds."""
     from tilec import smem
     from tilec.codegen.build import flags, nvcc_path, runtime_dir
 
     model = make_model("llama-tiny", torch.bfloat16)
     cache, _ = prefill(model, 1, 40, 128)
     plan = compile_decode_step(model, cache, 1, options=dict(workers=8, attn_kv_chunk=32)).program.plan
-    assert any(op.attr("append") for op in plan.graph.ops)
+    assert any(op.attr("append") and op.attr("combine") for op in plan.graph.ops)
     for name, text in codegen.render(plan).items():
         (tmp_path / name).write_text(text)
     res = subprocess.run([nvcc_path(), *flags("sm_90a"), "--resource-usage", "-I", str(runtime_dir()), "-I",

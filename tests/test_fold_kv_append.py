@@ -15,7 +15,7 @@ from tilec import ops as opreg
 from tilec.errors import TilecError
 from tilec.hf import compile_decode_step
 from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
-from tilec.ops import POSITIONAL
+from tilec.ops import DYNAMIC
 from tilec.options import Options
 from tilec.passes import fold_kv_append
 from tilec.taskgraph import build_taskgraph
@@ -35,8 +35,8 @@ def test_decoder_appended_equals_unappended_and_eager(name, dtype):
     assert kinds(gu)["rope"] == kinds(gu)["cache_write"] == layers
     assert kinds(g)["rope"] == kinds(g)["cache_write"] == 0 and len(g.ops) == len(gu.ops) - 2 * layers
     parts = [op for op in g.ops if op.kind == "attention_partial"]
-    assert len(parts) == layers and all(op.attr("append") and len(op.inputs) == 7 and len(op.outputs) == 4
-                                        for op in parts)
+    assert len(parts) == layers and all(op.attr("append") and len(op.inputs) == 7 and len(op.outputs) == 5
+                                        for op in parts)  # o_part, ml, the slots, the folded combine's out
     assert all(op.outputs[2].pos_stride and op.outputs[2].buffer == op.inputs[1].buffer for op in parts)
     want = eager_step(model, eager_cache, tok, 6)
     got = on(tok, 6)
@@ -48,12 +48,12 @@ def test_decoder_appended_equals_unappended_and_eager(name, dtype):
 
 @pytest.fixture(scope="module")
 def llama_graph() -> OpGraph:
-    """llama-tiny's OpGraph after the gemv_groups stage without the append fold (2 layers, float32,
-    split-KV attention with the queries' RoPE folded)."""
+    """llama-tiny's OpGraph after the gemv_groups stage without the append and combine folds (2
+    layers, float32, split-KV attention with the queries' RoPE folded)."""
     model = make_model("llama-tiny", torch.float32, "cpu")
     cache, _ = prefill(model, 1, 4, 12, "cpu")
     rec = StageRecorder()
-    compile_decode_step(model, cache, 1, options=dict(SPLIT, fold_kv_append=False), hook=rec)
+    compile_decode_step(model, cache, 1, options=dict(SPLIT, fold_kv_append=False, fold_combine=False), hook=rec)
     return rec.stages["gemv_groups"]
 
 
@@ -76,13 +76,13 @@ def test_pass_folds_each_layer_and_respects_the_options(llama_graph):
 
 
 def test_the_attention_tiles_never_wait_for_one_another(llama_graph):
-    """Every tile declares the slots as positional writes (any split may hold the new rows); the
+    """Every tile declares the slots as dynamic writes (any split may hold the new rows); the
     task graph puts no event between tiles of one op over them, and the write check counts them once."""
     g = fold_kv_append(llama_graph)
     opts = Options(**SPLIT)
     part = next(op for op in g.ops if op.kind == "attention_partial")
     tiles = opreg.opdef(part.kind).tiles(part, opts)
-    assert len(tiles) > 2 and all([w[2] for w in t.writes[2:]] == [POSITIONAL] * 2 for t in tiles)
+    assert len(tiles) > 2 and all([w[2] for w in t.writes[2:]] == [DYNAMIC] * 2 for t in tiles)
     tg = build_taskgraph(g, opts)
     op_of = {t.id: t.op for t in tg.tasks}
     assert not [e for e in tg.events for p in e.preds for s in e.succs if op_of[p] == op_of[s]]
@@ -125,7 +125,7 @@ def test_pass_refuses_another_reader_a_writer_between_a_dtype_change_and_moving_
 def test_append_needs_the_folded_rope_and_a_causal_attention(llama_graph):
     part = next(op for op in fold_kv_append(llama_graph).ops if op.kind == "attention_partial")
     d = opreg.opdef(part.kind)
-    assert d.params(part)[3:] == [1, 1] and len(d.operands(part)) == 12
+    assert d.params(part)[3:] == [1, 1, -1] and len(d.operands(part)) == 12
     for attr in ("rope", "causal"):
         attrs = dict(part.attrs, **{attr: None if attr == "rope" else False})
         bad = dataclasses.replace(part, attrs=tuple(sorted(attrs.items())))
@@ -183,7 +183,7 @@ def test_new_rows_across_a_split_boundary_append_bitwise(dtype, position):
     outs = {}
     for fold in (True, False):
         plan = compile_opgraph(_decode_graph(b, hq, hkv, sq, s, d, dtype),
-                               Options(workers=5, attn_kv_chunk=8, fold_kv_append=fold)).plan
+                               Options(workers=5, attn_kv_chunk=8, fold_kv_append=fold, fold_combine=False)).plan
         assert [op.kind for op in plan.graph.ops] == (["attention_partial", "attention_combine"] if fold else
                                                       ["rope", "cache_write", "attention_partial", "attention_combine"])
         t = {k: v.clone() for k, v in inputs.items()}

@@ -74,13 +74,16 @@ CASES = [
 def test_partial_combine_matches_sdpa_and_single_pass(b, hq, hkv, sq, s, d, dv, chunk, p, causal):
     q, k, v = torch.randn(b, hq, sq, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, dv)
     graph = attention_graph(b, hq, hkv, sq, s, d, dv, causal)
-    out, compiled = run_graph(graph, Options(workers=5, attn_kv_chunk=chunk), q, k, v, p)
+    out, compiled = run_graph(graph, Options(workers=5, attn_kv_chunk=chunk, fold_combine=False), q, k, v, p)
     assert [op.kind for op in compiled.plan.graph.ops] == ["attention_partial", "attention_combine"]
     valid = p + 1 if causal else s
     assert_close(out, sdpa_reference(q, k, v, valid, causal, 0.125), 1e-5, "split-KV vs SDPA")
     single, c1 = run_graph(graph, Options(workers=5, attn_kv_chunk=s), q, k, v, p)
     assert [op.kind for op in c1.plan.graph.ops] == ["attention"]
     assert_close(out, single, 1e-5, "split-KV vs the single-pass attention op")
+    # the combine folded into the partials (tilec.passes.fold_combine): bitwise the same
+    folded, cf = run_graph(graph, Options(workers=5, attn_kv_chunk=chunk), q, k, v, p)
+    assert [op.kind for op in cf.plan.graph.ops] == ["attention_partial"] and torch.equal(folded, out)
 
 
 def test_bf16_rounding_matches_single_pass_when_one_split_sees_everything():
@@ -118,7 +121,7 @@ def test_empty_split_writes_neutral_partials():
 def test_split_kv_rewrites_attention_into_partial_and_combine():
     graph = attention_graph(2, 8, 2, 2, 100, 64, 32)
     rec = StageRecorder()
-    compiled = compile_opgraph(graph, Options(workers=8, attn_kv_chunk=32), hook=rec)
+    compiled = compile_opgraph(graph, Options(workers=8, attn_kv_chunk=32, fold_combine=False), hook=rec)
     assert list(rec.stages)[:6] == ["opgraph", "split_kv", "fuse_gemv", "fold_cache", "gemv_groups", "tasks"]
     assert rec.stages["opgraph"] is graph
     g = rec.stages["split_kv"]
@@ -213,8 +216,8 @@ def test_llama_step_with_split_kv_matches_eager():
               cache_position=torch.arange(prefill), use_cache=True)
     eager_cache = copy.deepcopy(cache)
     step = compile_decode_step(model, cache, batch_size=2, options=dict(workers=8, attn_kv_chunk=32))
-    kinds = [op.kind for op in step.program.graph.ops]
-    assert "attention" not in kinds and kinds.count("attention_partial") == kinds.count("attention_combine") == 2
+    kinds = [op.kind for op in step.program.graph.ops]  # the combines folded into the partials (fold_combine)
+    assert "attention" not in kinds and kinds.count("attention_partial") == 2 and "attention_combine" not in kinds
     part = next(op for op in step.program.graph.ops if op.kind == "attention_partial")
     assert step.program.graph.buffers[part.outputs[0].buffer].shape == (2, 8, 4, 32)  # 100 positions: 4 splits
     gen = torch.Generator().manual_seed(1)

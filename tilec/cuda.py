@@ -46,7 +46,8 @@ class CudaExecutor:
         lib.tilec_last_error.restype = ctypes.c_char_p
         self.lib = lib
         self.queues = plan.queues.to(device)
-        self.counters = torch.zeros(max(plan.events.shape[0], 1), dtype=torch.int64, device=device)
+        # the event counters, then the plan's arrival counters (tilec.plan)
+        self.counters = torch.zeros(max(plan.events.shape[0] + plan.arrivals, 1), dtype=torch.int64, device=device)
         self.err = torch.zeros(_ERR_INTS, dtype=torch.int32, device=device)
         # [steps completed, CTAs finished]: the device advances the epoch (CUDA-graph replays too)
         self.state = torch.zeros(2, dtype=torch.int64, device=device)
@@ -82,7 +83,7 @@ class CudaExecutor:
         self.ring_stages, self.smem_bytes = n, nbytes
 
     def reset(self) -> None:
-        """Zeroes the event counters and the error record (after an aborted step)."""
+        """Zeroes the event and arrival counters and the error record (after an aborted step)."""
         torch.cuda.synchronize(self.device)
         self.counters.zero_()
         self.state.zero_()

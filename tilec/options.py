@@ -47,6 +47,9 @@ class Options:
         whose split holds the step's cache rows write them (the keys' RoPE and both cache writes)
         before it reads them, instead of a ``rope`` and a ``cache_write`` op before the attention
         (``tilec.passes.fold_kv_append``; bitwise the same results, one dependent stage fewer per layer).
+    fold_combine: let the last split-KV attention tile of each (batch, KV head group) to finish run
+        the combine of the group's splits, instead of an ``attention_combine`` op after the partials
+        (``tilec.passes.fold_combine``; bitwise the same results, one dependent stage fewer per layer).
     gemv_groups: size the tiles of sibling GEMVs (same input rows, e.g. q/k/v or gate/up) by their
         total columns, so that together they make about ``workers`` tiles
         (``tilec.passes.gemv_groups``; the same results, fewer instructions per worker).
@@ -84,6 +87,7 @@ class Options:
     fold_cache_writes: bool = True
     fold_rope: bool = True
     fold_kv_append: bool = True
+    fold_combine: bool = True
     gemv_groups: bool = True
     fuse_fp8_quant: bool = True
     fp8_stream: bool = True

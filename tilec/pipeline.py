@@ -15,7 +15,9 @@
                 split-KV attention tiles (after the sizing:
                 q keeps tiles cut for its per-head RoPE),
                 and fold_kv_append: the keys' RoPE and the
-                cache writes into those tiles
+                cache writes into those tiles; fold_combine:
+                the split-KV combine into its partials (the
+                last tile of a head group runs it)
     tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
     fused       fuse_events                                (verify_taskgraph "fused")
     normalized  normalize                                  (verify_taskgraph "normalized")
@@ -34,8 +36,8 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import (fold_cache_writes, fold_kv_append, fold_rope, fuse_events, fuse_fp8_quant, fuse_gemv_chains,
-                     fuse_index_quant, linearize, normalize, schedule, size_gemv_groups, split_kv)
+from .passes import (fold_cache_writes, fold_combine, fold_kv_append, fold_rope, fuse_events, fuse_fp8_quant,
+                     fuse_gemv_chains, fuse_index_quant, linearize, normalize, schedule, size_gemv_groups, split_kv)
 from .plan import KernelPlan, encode
 from .stats import compile_stats
 from .taskgraph import build_taskgraph
@@ -66,8 +68,9 @@ def _size_gemvs(graph: OpGraph, opts: Options) -> OpGraph:
     after the fold, q's consumer would be the attention's 4-head tiles, and the sizing gave q 88
     tiles of ~24 columns and v 16 of 32 - v's cache write then ended the phase later than q's RoPE
     had (H200 trace, 2026-12-02, branch s14/fold-rope). Then the keys' RoPE and the step's cache
-    writes move into the same tiles (``fold_kv_append``, which needs the queries' fold)."""
-    return fold_kv_append(fold_rope(size_gemv_groups(graph, opts), opts), opts)
+    writes move into the same tiles (``fold_kv_append``, which needs the queries' fold), and the
+    combine into the partials (``fold_combine``)."""
+    return fold_combine(fold_kv_append(fold_rope(size_gemv_groups(graph, opts), opts), opts), opts)
 
 
 def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | None = None,

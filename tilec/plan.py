@@ -6,6 +6,9 @@
 * ``events``: int32 ``[E, 4]`` = (trigger count per step, first task, last task, unused);
   a wait in step ``epoch`` (1, 2, ...) is satisfied when the monotonic counter reaches
   ``epoch * count``, so consecutive steps need no reset;
+* ``arrivals``: how many arrival counters follow the E event counters in the executors' counter
+  array (``OpDef.arrivals``: a tile adds one and learns whether it arrived last in the step,
+  ``epoch * count`` again; the split-KV combine folded into its partials uses them);
 * an operand table: int64 ``[R, MAX_OPERANDS, OPERAND_FIELDS]``, one row per op: for each
   operand its address (bytes; or the value of a scalar), dtype code, rank, sizes and
   strides (elements), and how far it moves per decode position (``pos_step``). Addresses
@@ -34,7 +37,8 @@ PREFETCH_MAX_BYTES = 128 * 1024  # per instruction: 132 workers x 128 KiB stays 
 # Version of the descriptor encoding (the dispatch signature's packing above all): part of the
 # keys of the on-disk plan cache (tilec.backend), so a plan stored by another encoding is not reused.
 # 3: linear_fused's staged-x flag (param 4). 4: 12 operands a row (tilec.passes.fold_kv_append).
-PLAN_FORMAT = 4
+# 5: 13 operands a row and arrival counters (tilec.passes.fold_combine).
+PLAN_FORMAT = 5
 DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
     # (field, first word, number of words)
     ("opcode", 0, 1),
@@ -61,7 +65,7 @@ DESCRIPTOR: tuple[tuple[str, int, int], ...] = (
 F = {name: (start, n) for name, start, n in DESCRIPTOR}
 assert sum(n for _, _, n in DESCRIPTOR) == DESCRIPTOR_WORDS
 
-MAX_OPERANDS = 12  # attention_partial with both folds: q, K, V, o, ml, valid, cos, sin, k and v rows, K and V slots
+MAX_OPERANDS = 13  # attention_partial with its folds: q, K, V, o, ml, valid, cos, sin, k and v rows, K and V slots, out
 MAX_DIMS = 4
 OPERAND: tuple[tuple[str, int, int], ...] = (
     ("addr", 0, 1),  # byte address (or the scalar's value)
@@ -108,6 +112,7 @@ class KernelPlan:
     static_operands: torch.Tensor  # int64 [R, MAX_OPERANDS, OPERAND_FIELDS] (addr = 0)
     stats: dict = field(default_factory=dict)
     ring_stages: int = 0  # GEMV weight-ring stages per worker (tilec.smem); 0: nothing streamed
+    arrivals: int = 0  # arrival counters after the events (module docstring)
 
     @property
     def workers(self) -> int:
@@ -160,7 +165,8 @@ class KernelPlan:
                   "scalar": None if b.scalar is None else [b.scalar.base, b.scalar.pos_scale],
                   "elem_size": b.elem_size} for b in row] for row in self.operands]
         tensors = {"queues": self.queues, "events": self.events, "static_operands": self.static_operands}
-        return tensors, {"operands": rows, "op_names": list(self.op_names), "ring_stages": self.ring_stages}
+        return tensors, {"operands": rows, "op_names": list(self.op_names), "ring_stages": self.ring_stages,
+                         "arrivals": self.arrivals}
 
     @classmethod
     def from_tables(cls, graph: OpGraph, tensors: dict[str, torch.Tensor], meta: dict,
@@ -183,7 +189,8 @@ class KernelPlan:
                                 None if b["scalar"] is None else ScalarOperand(*b["scalar"]), b["elem_size"])
                  for b in row] for row in meta["operands"]]
         return cls(graph, tensors["queues"], tensors["events"], rows, list(meta["op_names"]),
-                   tensors["static_operands"], dict(stats or {}), int(meta.get("ring_stages", 0)))
+                   tensors["static_operands"], dict(stats or {}), int(meta.get("ring_stages", 0)),
+                   int(meta.get("arrivals", 0)))
 
     def render(self) -> str:
         lines = [f"kernelplan workers={self.queues.shape[0]} length={self.queues.shape[1]} "
@@ -251,6 +258,12 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
                 static[r, i, s0 + d] = size
                 static[r, i, t0 + d] = stride
         rows.append(row)
+    arrival_base, arrivals = {}, 0  # op index -> its first arrival counter (after the events)
+    for r, op in enumerate(graph.ops):
+        n = opreg.opdef(op.kind).arrivals(op)
+        if n:
+            arrival_base[r] = len(tg.events) + arrivals
+            arrivals += n
 
     length = max((len(q) for q in sched.queues), default=0) or 1
     queues = torch.zeros(len(sched.queues), length, DESCRIPTOR_WORDS, dtype=torch.int32)
@@ -293,6 +306,8 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
             p0 = F["params"][0]
             for k, v in enumerate(params):
                 d[p0 + k] = v
+            if op_index[t.op] in arrival_base:
+                d[p0 + od.arrival_param] = arrival_base[op_index[t.op]]
             stream = od.stream(op, t.tile, graph, scratch) if stages else 0
             d[F["stream"][0]] = stream
             x = od.staged_x(op, t.tile) if stream and not stream & opreg.STREAM_KOUTER else None
@@ -312,7 +327,7 @@ def encode(tg: TaskGraph, sched: Schedule) -> KernelPlan:
         events[e.id] = torch.tensor([len(e.preds), e.first, e.last, 0], dtype=torch.int32)
     # no ring when nothing streams: the shared memory it would take is the SM's L1 cache instead
     return KernelPlan(graph, queues, events, rows, [op.name for op in graph.ops], static,
-                      ring_stages=stages if bool((queues[..., F["stream"][0]] != 0).any()) else 0)
+                      ring_stages=stages if bool((queues[..., F["stream"][0]] != 0).any()) else 0, arrivals=arrivals)
 
 
 def variant_signature(graph: OpGraph, op) -> int:

@@ -6,7 +6,9 @@ operand tensors are rebuilt from the addresses, dtypes, sizes and strides in the
 until its next wait is unsatisfied; the sweep repeats until every queue is done. If a whole
 sweep makes no progress it raises :class:`DeadlockError` naming the cycle of
 ``(worker, instruction, event)``. Event counters are monotonic across calls: call ``k``
-(epoch ``k``) waits for ``epoch * count``, as the GPU executor does.
+(epoch ``k``) waits for ``epoch * count``, as the GPU executor does; so are the plan's arrival
+counters after them (a tile is the step's last of ``count`` arrivals when its add reaches
+``epoch * count``).
 
 This is the validation executor (and the fallback without CUDA); it is not fast.
 """
@@ -61,7 +63,7 @@ class ReferenceExecutor:
 
     def __init__(self, plan: KernelPlan):
         self.plan = plan
-        self.counters = torch.zeros(plan.events.shape[0], dtype=torch.int64)
+        self.counters = torch.zeros(plan.events.shape[0] + plan.arrivals, dtype=torch.int64)
         self.epoch = 0
 
     def run(self, tensors: dict[str, torch.Tensor], operand_table: torch.Tensor,
@@ -142,11 +144,23 @@ class ReferenceExecutor:
             strides = entry[OF["strides"][0]:OF["strides"][0] + n]
             operands.append(mem.view(entry[OF["addr"][0]], CODE_DTYPES[code], sizes, strides))
         try:
-            od.run_tile(TileArgs(decode_coords(d), decode_params(d), d[_W["variant"]], operands))
+            od.run_tile(TileArgs(decode_coords(d), decode_params(d), d[_W["variant"]], operands, self._arrive))
         except (IndexError, RuntimeError) as e:
             op = self.plan.graph.ops[d[F["op"][0]]]
             where = f" from {op.provenance.render()}" if op.provenance else ""
             raise TilecError(f"task {d[_W['task']]} (op {op.name}{where}) failed: {e}") from e
+
+    def _arrive(self, counter: int, count: int) -> bool:
+        """An arrival at ``counter`` (an index the plan gave the tile): whether it was the step's last of ``count``.
+
+        Raises:
+            TilecError: ``counter`` is not one of the plan's arrival counters.
+        """
+        n_events = self.plan.events.shape[0]
+        if not n_events <= counter < self.counters.shape[0]:
+            raise TilecError(f"arrival counter {counter} outside [{n_events}, {self.counters.shape[0]})")
+        self.counters[counter] += 1
+        return int(self.counters[counter]) == self.epoch * count
 
     def _deadlock(self, q, pcs, ends, events) -> DeadlockError:
         """Explains why no worker can progress.

@@ -11,7 +11,8 @@ in program order) and labelled with the pairing strategy of the seed (MegaRTP):
                   consumer waits for every producer tile that may overlap (conservative).
 
 Tiles of one op never wait for one another over their accumulations (split-K partials add in
-any order) or a :data:`~tilec.ops.POSITIONAL` write (run-time owned KV-cache rows).
+any order) or a :data:`~tilec.ops.DYNAMIC` write (a region whose writer among the op's tiles is
+chosen at run time).
 
 Before fusion there is one event per (consumer task, producer op); the passes in
 ``tilec.passes`` fuse, normalize and linearize them.
@@ -25,7 +26,7 @@ import torch
 
 from . import ops as opreg
 from .ir import Buffer, OpGraph, View, contiguous_strides
-from .ops import ACCUMULATE, POSITIONAL, Box, Tile
+from .ops import ACCUMULATE, DYNAMIC, Box, Tile
 
 _ENUM_LIMIT = 1 << 16
 
@@ -226,7 +227,7 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
                     continue
                 same_op = task_op[pt] == task_op[t.id]
                 conflict = (pmode != "read" or mode != "read") and not (
-                    same_op and (pmode == mode == ACCUMULATE or POSITIONAL in (pmode, mode)))
+                    same_op and (pmode == mode == ACCUMULATE or DYNAMIC in (pmode, mode)))
                 if conflict and boxes_overlap(box, pbox):
                     key = (t.id, task_op[pt])
                     deps.setdefault(key, set()).add(pt)

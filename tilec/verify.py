@@ -4,7 +4,7 @@
   position, every intermediate produced before it is read;
 * :func:`verify_taskgraph` - acyclic, every event has predecessors, every element of each
   intermediate/output written exactly once per step (cache slots at most once; an op's
-  positional writes once for the whole op),
+  dynamic writes once for the whole op),
   accumulations inside written regions; after normalization <= 1 wait and <= 1 trigger per
   task; after linearization a topological order with contiguous event ranges;
 * :func:`verify_plan` - queues follow the global order, every task encoded once, wait and
@@ -19,7 +19,7 @@ import torch
 from . import ops as opreg
 from .errors import DeadlockError, VerificationError
 from .ir import BufferKind, OpGraph, View
-from .ops import ACCUMULATE, NOOP, POSITIONAL, WRITE
+from .ops import ACCUMULATE, DYNAMIC, EMPTY, NOOP, WRITE
 from .plan import F, KernelPlan
 from .taskgraph import TaskGraph, map_box
 
@@ -58,7 +58,7 @@ def _check_writes(tg: TaskGraph, opts) -> None:
     for op in g.ops:
         d = opreg.opdef(op.kind)
         operands = d.operands(op)
-        positional: dict[str, torch.Tensor] = {}  # the op's POSITIONAL writes: counted once per element
+        dynamic: dict[str, torch.Tensor] = {}  # the op's DYNAMIC writes: counted once per element
         for tile in d.tiles(op, opts):
             for idx, box, access in tile.writes:
                 v = operands[idx]
@@ -73,10 +73,10 @@ def _check_writes(tg: TaskGraph, opts) -> None:
                     c[tuple(slice(lo, hi) for lo, hi in bbox)] += 1
                 elif access == ACCUMULATE:
                     accum.append((buf.name, bbox))
-                elif access == POSITIONAL:
-                    m = positional.setdefault(buf.name, torch.zeros(buf.shape, dtype=torch.int32))
+                elif access == DYNAMIC:
+                    m = dynamic.setdefault(buf.name, torch.zeros(buf.shape, dtype=torch.int32))
                     m[tuple(slice(lo, hi) for lo, hi in bbox)] = 1
-        for name, m in positional.items():
+        for name, m in dynamic.items():
             counts[name] = counts.get(name, torch.zeros_like(m)) + m
     for name, c in counts.items():
         buf = g.buffers[name]
@@ -178,6 +178,17 @@ def verify_plan(plan: KernelPlan, tg: TaskGraph) -> None:
     for e, n in enumerate(signals):
         if n != int(plan.events[e, 0]):
             raise VerificationError(f"event {e}: trigger count {int(plan.events[e, 0])} but {n} instructions signal it")
+    n_events, p0 = plan.events.shape[0], F["params"][0]
+    for w, qw in enumerate(q):  # arrival counters: each op's own range after the events
+        for i, d in enumerate(qw):
+            if d[op_w] in (NOOP, EMPTY):
+                continue
+            op = plan.graph.ops[d[F["op"][0]]]
+            od = opreg.opdef(op.kind)
+            n = od.arrivals(op)
+            if n and not n_events <= d[p0 + od.arrival_param] <= n_events + plan.arrivals - n:
+                raise VerificationError(f"worker {w}: instruction {i} (op {op.name}) counts arrivals at "
+                                        f"{d[p0 + od.arrival_param]}, outside [{n_events}, {n_events + plan.arrivals})")
     try:
         simulate(plan)
     except DeadlockError as err:

@@ -78,10 +78,17 @@ struct TileCtx {
   long long timeout_ns;
   int* go;                    // shared: 1 when the wait succeeded, 0 when it gave up
   bool waited;
+  unsigned long long epoch;   // this step's epoch (1, 2, ...)
+  int* last;                  // shared: arrive()'s answer
   __device__ void mark(int k) const;  // thread 0 records %globaltimer as mark k (1 or 2)
   // Every compute thread calls it at the same point: thread 0 waits for the event, then a block
   // barrier. Returns false when the wait gave up (watchdog or abort): the op must return at once.
   __device__ bool wait();
+  // Every compute thread calls it at the same point, after the tile's stores: thread 0 adds one to
+  // arrival counter k (counters[k], after the events: tilec/plan.py) with acquire-release
+  // semantics, then a block barrier. True (in every thread) when this tile was the step's last
+  // of `count` arrivals: it then sees every earlier arriver's stores (read them through L2).
+  __device__ bool arrive(int k, unsigned long long count);
   __device__ int lo(int k) const { return d[TILEC_W_COORDS + 2 * k]; }
   __device__ int hi(int k) const { return d[TILEC_W_COORDS + 2 * k + 1]; }
   __device__ int ncoords() const { return d[TILEC_W_NCOORDS]; }

@@ -101,13 +101,26 @@ __device__ bool TileCtx::wait() {
   return *go != 0;
 }
 
+// The add releases the CTA's stores that the barrier ordered before it (cumulativity, as for the
+// event signal) and acquires those of every earlier arrival (the adds form one release sequence).
+__device__ bool TileCtx::arrive(int k, unsigned long long count) {
+  block_sync();
+  if (threadIdx.x == 0) {
+    unsigned long long old;
+    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], 1;" : "=l"(old) : "l"(counters + k) : "memory");
+    *last = old + 1 == epoch * count;
+  }
+  block_sync();
+  return *last != 0;
+}
+
 template <void (*Dispatch)(TileCtx&, int, int)>
 __device__ void run_queue(const int* __restrict__ queues, int L, const long long* __restrict__ operands,
                           unsigned long long* counters, unsigned long long* state, ErrorRecord* err, long long timeout_ns,
                           int smem_bytes, int ring_stages, long long* stamps, long long position) {
   extern __shared__ float4 dyn_smem4[];
   __shared__ int desc[2][TILEC_DESCRIPTOR_WORDS];
-  __shared__ int go, ring_next, ring_gave_up, compute_done;
+  __shared__ int go, ring_next, ring_gave_up, compute_done, arrived_last;
   __shared__ unsigned long long ring_full[kMaxStages], ring_empty[kMaxStages];
   __shared__ WeightRing ring;
   __shared__ unsigned long long epoch;
@@ -156,7 +169,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     // profiling: %globaltimer when the instruction starts running (its wait satisfied) and ends
     long long* stamp = stamps ? stamps + ((size_t)worker * L + i) * 4 : nullptr;
     TileCtx c{d, scratch, smem_floats, &ring, stamp, false, false, counters,
-              epoch * (unsigned long long)wait_c, wait_e, i, err, timeout_ns, &go, false};
+              epoch * (unsigned long long)wait_c, wait_e, i, err, timeout_ns, &go, false, epoch, &arrived_last};
     // A GEMV sets itself up (row offsets, stream range, staging checks: ~2 us of serial code on
     // an H200) before its wait, which it then calls itself (TileCtx::wait); once the operands are
     // decoded (the barrier) it may read them. attention_partial likewise starts its K / V splits

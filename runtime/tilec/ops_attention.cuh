@@ -4,7 +4,8 @@
 //   op_attention_partial  per (batch, KV head, split of `chunk` cache positions) and every query
 //                         of the head group (G heads x Sq tokens): m = max score over the split,
 //                         l = sum exp(s - m), o = sum round_V(exp(s - m)) V  (float32, unnormalized);
-//                         With attr append it first writes the step's new K / V rows it holds into the cache.
+//                         With attr append it first writes the step's new K / V rows it holds into the cache;
+//                         with a folded combine the last tile of a head group to finish then combines it.
 //   op_attention_combine  out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s, M = max_s m_s.
 // o_part [B, Hq * Sq, NS, Dv] and ml [B, Hq * Sq, NS, 2] are float32 (row r = hq * Sq + i).
 // Shared memory is sized by OpDef.smem_bytes (the constants below are mirrored there).
@@ -508,24 +509,6 @@ __device__ void attn_append_rows(const TileCtx& c) {
   block_sync();
 }
 
-template <typename TQ, typename TK, typename TV, typename TP, typename TM>
-__device__ void op_attention_partial(TileCtx& c) {
-  // dispatched before its wait (executor.cuh): the splits stream into L2 while it waits. Measured
-  // on an H200 (variants_ab.py, Llama-3.2-1B batch 1, context 1024, same process): 1.459 ms a
-  // step against 1.467 ms without the prefetch, logits bitwise equal.
-  attn_prefetch_l2<TK, TV>(c);
-  if (!c.wait()) return;
-  if (c.param(4)) attn_append_rows<TQ, TK, TV>(c);
-  if constexpr (sizeof(TK) == 2 && sizeof(TV) == 2) {
-    const int seg = attn_staged_seg(c, c.param(2), operands()[1].sizes[3], operands()[2].sizes[3]);
-    if (seg > 0 && attn_vec_ok(operands()[1]) && attn_vec_ok(operands()[2])) {
-      attention_partial_impl<true, TQ, TK, TV, TP, TM>(c, seg);
-      return;
-    }
-  }
-  attention_partial_generic<TQ, TK, TV, TP, TM>(c);
-}
-
 // ---- attention_combine -----------------------------------------------------------------------
 // Rows r = hq * Sq + i of the tile's query heads, kWarps at a time: one warp per row computes
 // M, the split weights exp(m_s - M) and their normalizer sum_s w_s l_s into shared memory; then
@@ -534,18 +517,20 @@ __device__ void op_attention_partial(TileCtx& c) {
 // spare, a pass's o_s rows come into shared memory with 16-byte cp.async copies issued before
 // the statistics, whose m_s and l_s each lane loads together: the pass is one round trip to L2
 // (the partials were just written by other workers), not one for m, one for l and one per few
-// o_s. Same arithmetic in the same order either way.
+// o_s. Same arithmetic in the same order either way. combine_rows does batches b0 .. b1 - 1, query
+// heads qh0 .. qh1 - 1: for op_attention_combine's tile, or for a split-KV partial with a folded
+// combine (attn_combine_last).
 template <typename TP, typename TM, typename TO>
-__device__ void op_attention_combine(TileCtx& c) {
-  const Operand &op = operands()[0], &ml = operands()[1], &out = operands()[2];
+__device__ __forceinline__ void combine_rows(const TileCtx& c, const Operand& op, const Operand& ml, const Operand& out,
+                                             int b0, int b1, int qh0, int qh1) {
   const int NS = op.sizes[2], Sq = out.sizes[2], Dv = out.sizes[3];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const long long ms = ml.strides[2], m1 = ml.strides[3], os = op.strides[2];
   float* w = c.smem();                        // [kWarps][NS]
   float* ostage = w + (kWarps * NS + 3) / 4 * 4;  // fast: [nr][NS][Dv] o_s rows
 #pragma unroll 1
-  for (int b = c.lo(0); b < c.hi(0); ++b) {
-    const int r0 = c.lo(1) * Sq, r1 = c.hi(1) * Sq;
+  for (int b = b0; b < b1; ++b) {
+    const int r0 = qh0 * Sq, r1 = qh1 * Sq;
 #pragma unroll 1
     for (int rb = r0; rb < r1; rb += kWarps) {
       const int nr = min(kWarps, r1 - rb);
@@ -609,6 +594,46 @@ __device__ void op_attention_combine(TileCtx& c) {
       }
     }
   }
+}
+// With a folded combine (tilec/passes/fold_combine.py; param 5: the op's first arrival counter):
+// once its partials are stored, the tile adds one to its (batch, first KV head) counter, and the
+// group's last tile of NS combines the group's query heads into out (operand 6, after cos / sin
+// and the appended rows' operands when present) - the "last block" reduction, so no combine
+// instruction waits on the partials and the output projection waits on them directly.
+template <typename TQ, typename TP, typename TM>
+__device__ void attn_combine_last(TileCtx& c) {
+  const Operand &q = operands()[0], &k = operands()[1], &op = operands()[3];
+  const Operand& out = operands()[6 + (c.param(3) ? 2 : 0) + (c.param(4) ? 4 : 0)];
+  const int G = q.sizes[1] / k.sizes[1], Hkv = k.sizes[1], NS = op.sizes[2], h0 = c.lo(1);
+#pragma unroll 1
+  for (int b = c.lo(0); b < c.hi(0); ++b)
+    if (c.arrive(c.param(5) + b * Hkv + h0, NS))
+      combine_rows<TP, TM, TQ>(c, op, operands()[4], out, b, b + 1, h0 * G, c.hi(1) * G);
+}
+
+template <typename TQ, typename TK, typename TV, typename TP, typename TM>
+__device__ void op_attention_partial(TileCtx& c) {
+  // dispatched before its wait (executor.cuh): the splits stream into L2 while it waits. Measured
+  // on an H200 (variants_ab.py, Llama-3.2-1B batch 1, context 1024, same process): 1.459 ms a
+  // step against 1.467 ms without the prefetch, logits bitwise equal.
+  attn_prefetch_l2<TK, TV>(c);
+  if (!c.wait()) return;
+  if (c.param(4)) attn_append_rows<TQ, TK, TV>(c);
+  bool done = false;
+  if constexpr (sizeof(TK) == 2 && sizeof(TV) == 2) {
+    const int seg = attn_staged_seg(c, c.param(2), operands()[1].sizes[3], operands()[2].sizes[3]);
+    if (seg > 0 && attn_vec_ok(operands()[1]) && attn_vec_ok(operands()[2])) {
+      attention_partial_impl<true, TQ, TK, TV, TP, TM>(c, seg);
+      done = true;
+    }
+  }
+  if (!done) attention_partial_generic<TQ, TK, TV, TP, TM>(c);
+  if (c.param(5) >= 0) attn_combine_last<TQ, TP, TM>(c);
+}
+
+template <typename TP, typename TM, typename TO>
+__device__ void op_attention_combine(TileCtx& c) {
+  combine_rows<TP, TM, TO>(c, operands()[0], operands()[1], operands()[2], c.lo(0), c.hi(0), c.lo(1), c.hi(1));
 }
 
 }  // namespace tilec

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -27,12 +27,14 @@ from ..ir import BufferKind, Op, ScalarOperand, View
 
 Box = tuple[tuple[int, int], ...]
 WRITE, ACCUMULATE = "write", "accumulate"
-# A write whose writer among the op's tiles is chosen at run time by the decode position (the
+# A write whose writer among the op's tiles is chosen at run time: by the decode position (the
 # step's new KV-cache rows, appended by the split-KV attention tile whose positions hold them;
-# tilec.passes.fold_kv_append). Every tile of the op declares the whole region it may write,
-# each element is written once a step, and by the one tile that also reads it: the op's tiles
-# do not conflict with one another over it (tilec.taskgraph), only with other ops.
-POSITIONAL = "positional"
+# tilec.passes.fold_kv_append), or by the order in which the tiles finish (the split-KV
+# combine, run by the last partial tile of a head group to finish; tilec.passes.fold_combine).
+# Every tile of the op declares the whole region it may write and each element is written once a
+# step: the op's tiles do not conflict with one another over it (tilec.taskgraph), only with other
+# ops, which see every tile of the op as its writer.
+DYNAMIC = "dynamic"
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,8 @@ class Tile:
 
     ``coords`` are up to 4 half-open ranges in the op's iteration space (encoded in the
     descriptor); ``reads``/``writes`` are ``(operand index, box)`` and
-    ``(operand index, box, access)`` with ``access`` in ``{"write", "accumulate", "positional"}``
-    (:data:`POSITIONAL`).
+    ``(operand index, box, access)`` with ``access`` in ``{"write", "accumulate", "dynamic"}``
+    (:data:`DYNAMIC`).
     ``variant`` distinguishes tile flavours of one op (e.g. split-K init vs partial).
     """
 
@@ -60,6 +62,10 @@ class TileArgs:
     params: tuple[int, ...]
     variant: int
     operands: list  # torch.Tensor views (in the operand's view shape) or int scalars
+    # arrive(counter, count) -> bool: adds 1 to arrival counter ``counter`` (an index the plan
+    # gave the tile, :attr:`OpDef.arrival_param`) and says whether this tile was the step's last
+    # of ``count`` arrivals - the device's ``atom.add.acq_rel.gpu`` (None: the op has no counters)
+    arrive: Callable[[int, int], bool] | None = None
 
 
 class OpDef:
@@ -99,6 +105,13 @@ class OpDef:
         """The descriptor's ``stream`` word for a tile whose device code consumes its weights
         from the worker's shared-memory ring (``runtime/tilec/stream.cuh``), or 0. ``scratch``:
         the bytes of shared memory left to the tile beside the ring (``tilec.smem``)."""
+        return 0
+
+    arrival_param: int | None = None  # the param index the plan sets to the op's first arrival counter
+
+    def arrivals(self, op: Op) -> int:
+        """How many arrival counters the op's tiles count on (device ``atom.add``; the plan places them
+        after the events and puts the first one's index into param :attr:`arrival_param`)."""
         return 0
 
     def device_dtypes(self, op: Op, dtypes: list) -> list:

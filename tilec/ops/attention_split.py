@@ -32,8 +32,13 @@ rows k_new [B, Hkv, Sq, D] (before their RoPE, q's dtype), value rows v_new [B, 
 moving with the position). The tile whose split holds some of those rows first writes them -
 the keys rotated with the cos / sin rows of the queries (head stride 0), rounded to k's dtype
 - into the slots, then reads its split from the cache as usual; no other tile reads them.
-Params: scale bits, causal, chunk, RoPE style + 1 (0: none), append (0 / 1). Tiles: (batch,
-``attn_heads_per_tile`` KV heads, one split).
+With attr ``combine`` (set by ``tilec.passes.fold_combine``) one more output, the combine's out
+[B, Hq, Sq, Dv] (q's dtype), last among the operands: after storing its split, a tile adds one to
+its (batch, first KV head) arrival counter, and the tile that arrives last of the group's NS
+runs ``attention_combine`` over the group's query heads (the others' partials are complete
+then). Params: scale bits, causal, chunk, RoPE style + 1 (0: none), append (0 / 1), and the
+index of the op's first arrival counter (set by the plan; -1 without ``combine``). Tiles:
+(batch, ``attn_heads_per_tile`` KV heads, one split).
 
 ``attention_combine``: operands o_part, ml, out [B, Hq, Sq, Dv] (the original attention
 output view and dtype). Tiles: (batch, the query heads of ``attn_heads_per_tile`` KV heads).
@@ -44,7 +49,7 @@ import torch
 
 from ..errors import TilecError
 from ..ir import ScalarOperand
-from . import POSITIONAL, OpDef, Tile, TileArgs, bits_f32, chunks, f32_bits, register
+from . import DYNAMIC, OpDef, Tile, TileArgs, bits_f32, chunks, f32_bits, register
 from .rope import rope_rows
 
 # device constants of runtime/tilec/ops_attention.cuh (shared-memory sizing)
@@ -80,32 +85,43 @@ def num_splits(s: int, chunk: int) -> int:
 class AttentionPartial(OpDef):
     kind, opcode = "attention_partial", 15
 
+    arrival_param = 5
+
     def operands(self, op):
-        """q, k, v, o_part, ml, valid, then cos, sin (``rope``), k_new, v_new, k_slot, v_slot (``append``)."""
+        """q, k, v, o_part, ml, valid, then cos, sin (``rope``), k_new, v_new, k_slot, v_slot (``append``),
+        out (``combine``)."""
         s = op.inputs[1].shape[2]
         valid = ScalarOperand(1, 1) if op.attr("causal") else ScalarOperand(s, 0)
         return [*op.inputs[:3], *op.outputs[:2], valid, *op.inputs[3:], *op.outputs[2:]]
 
+    def arrivals(self, op):
+        """One arrival counter per (batch, KV head) with ``combine`` (the groups' first heads use theirs)."""
+        return op.inputs[1].shape[0] * op.inputs[1].shape[1] if op.attr("combine") else 0
+
     def device_dtypes(self, op, dtypes):
         """``op_attention_partial<TQ, TK, TV, TP, TM>``: the device reads cos, sin and k_new as q's
-        dtype, v_new and the slots as the caches' (the fold passes ensure it).
+        dtype, v_new and the slots as the caches', the combine's out as q's (the fold passes ensure
+        it).
 
         Raises:
-            TilecError: cos / sin / k_new / v_new / a slot of a dtype the device would misread.
+            TilecError: cos / sin / k_new / v_new / a slot / out of a dtype the device would misread.
         """
-        want = [dtypes[0]] * 2 + ([dtypes[0], dtypes[2], dtypes[1], dtypes[2]] if op.attr("append") else [])
+        names = (("cos", "sin") if op.attr("rope") is not None else ()) + (
+            ("k_new", "v_new", "k_slot", "v_slot") if op.attr("append") else ()) + (("out",) if op.attr("combine") else ())
+        want = {"cos": dtypes[0], "sin": dtypes[0], "k_new": dtypes[0], "v_new": dtypes[2], "k_slot": dtypes[1],
+                "v_slot": dtypes[2], "out": dtypes[0]}
         if op.attr("append") and dtypes[0] != dtypes[1]:
             raise TilecError(f"op {op.name}: appended keys need the cache's dtype {dtypes[1]}, queries are {dtypes[0]}")
-        names = ("cos", "sin", "k_new", "v_new", "k_slot", "v_slot")  # dtypes: the tensor operands (not valid)
-        for name, got, need in zip(names, dtypes[5:], want):
-            if got != need:
-                raise TilecError(f"op {op.name}: {name} is {got}, the device reads it as {need}")
+        for name, got in zip(names, dtypes[5:]):  # dtypes: the tensor operands (not valid)
+            if got != want[name]:
+                raise TilecError(f"op {op.name}: {name} is {got}, the device reads it as {want[name]}")
         return dtypes[:5]
 
     def tiles(self, op, opts):
         q, k, v = op.inputs[:3]
         rope = op.inputs[3:5]
-        append = op.attr("append")
+        append, combine = op.attr("append"), op.attr("combine")
+        out_idx = len(self.operands(op)) - 1
         o_part = op.outputs[0]
         b_, hq, sq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
@@ -123,7 +139,9 @@ class AttentionPartial(OpDef):
                     kbox = ((b, b + 1), (h0, h1), (0, sq), (0, d))
                     vbox = ((b, b + 1), (h0, h1), (0, sq), (0, dv))
                     new_rows = ((8, kbox), (9, vbox))
-                    slots = ((10, kbox, POSITIONAL), (11, vbox, POSITIONAL))
+                    slots = ((10, kbox, DYNAMIC), (11, vbox, DYNAMIC))
+                if combine:  # any split may arrive last and combine the group's query heads
+                    slots += ((out_idx, ((b, b + 1), (h0 * g, h1 * g), (0, sq), (0, dv)), DYNAMIC),)
                 for sp in range(o_part.shape[2]):
                     j0, j1 = sp * chunk, min(s, (sp + 1) * chunk)
                     tiles.append(Tile(((b, b + 1), (h0, h1), (sp, sp + 1)),
@@ -147,7 +165,7 @@ class AttentionPartial(OpDef):
                     raise TilecError(f"op {op.name}: slot {slot.render()} is not {cache.render()} "
                                      f"at the position's rows")
         return [f32_bits(op.attr("scale")), int(op.attr("causal")), int(op.attr("chunk")),
-                0 if rope is None else int(rope) + 1, int(bool(op.attr("append")))]
+                0 if rope is None else int(rope) + 1, int(bool(op.attr("append"))), -1]
 
     def smem_bytes(self, op):
         """runtime/tilec/ops_attention.cuh: ATTN_Q scaled queries (256 floats each), 32 floats of
@@ -172,11 +190,16 @@ class AttentionPartial(OpDef):
         if d + dv <= 256:  # larger heads would take the weight ring's room: staged when it fits
             n = min(chunk, ATTN_STAGE_POS)
             region = max(region, ATTN_Q * n + (d + dv) // 2 * n)
-        return 4 * (ATTN_Q * 256 + 32 + region)
+        partial = 4 * (ATTN_Q * 256 + 32 + region)
+        return max(partial, combine_smem_bytes(op.outputs[0].shape[2], dv)) if op.attr("combine") else partial
 
     def run_tile(self, t: TileArgs):
         q, k, v, o_part, ml, valid, *rest = t.operands
-        rope, append = rest[:2], rest[2:]
+        combine = t.params[5] >= 0
+        if combine:
+            *rest, out = rest
+        rope = rest[:2] if t.params[3] else []
+        append = rest[len(rope):]
         scale, causal, chunk = bits_f32(t.params[0]), t.params[1], t.params[2]
         (b0, b1), (h0, h1), (s0, s1) = t.coords
         g = q.shape[1] // k.shape[1]
@@ -206,6 +229,11 @@ class AttentionPartial(OpDef):
                     o_part[b, rows, sp].copy_(o.reshape(g * sq, dv))
                     ml[b, rows, sp, 0].copy_(m.reshape(g * sq))
                     ml[b, rows, sp, 1].copy_(e.sum(-1).reshape(g * sq))
+        if combine:  # the group's last tile to arrive combines its query heads (device: atom.add.acq_rel)
+            hkv = k.shape[1]
+            for b in range(b0, b1):
+                if t.arrive(t.params[5] + b * hkv + h0, o_part.shape[2]):
+                    _combine_rows(o_part, ml, out, b, h0 * g, h1 * g)
 
     def cost(self, op, tile):
         nbytes, _ = super().cost(op, tile)
@@ -214,7 +242,36 @@ class AttentionPartial(OpDef):
         chunk = op.attr("chunk")
         n = min(k.shape[2], (sp + 1) * chunk) - sp * chunk
         g = q.shape[1] // k.shape[1]
-        return nbytes, 2 * (b1 - b0) * (h1 - h0) * g * q.shape[2] * n * (q.shape[3] + v.shape[3])
+        flops = 2 * (b1 - b0) * (h1 - h0) * g * q.shape[2] * n * (q.shape[3] + v.shape[3])
+        if op.attr("combine"):  # one tile of the group combines: its reads, spread over the group's tiles
+            nbytes += 4 * (b1 - b0) * (h1 - h0) * g * q.shape[2] * (v.shape[3] + 2)
+            flops += 3 * (b1 - b0) * (h1 - h0) * g * q.shape[2] * v.shape[3]
+        return nbytes, flops
+
+
+def combine_smem_bytes(ns: int, dv: int) -> int:
+    """Shared memory (bytes) of the combine of ``ns`` float32 splits of Dv values a row
+    (``combine_rows``, runtime/tilec/ops_attention.cuh): the split weights of WARPS rows at a
+    time, then, when there are at most 32 splits and it takes at most COMBINE_STAGE_MAX bytes,
+    room to stage those rows' partials (WARPS x splits x Dv), which the device copies in one round
+    trip whenever they fit (and reads from global memory otherwise)."""
+    weights = 4 * (-(-WARPS * ns // 4) * 4)
+    staged = 4 * WARPS * ns * dv
+    return weights + (staged if ns <= 32 and staged <= COMBINE_STAGE_MAX else 0) + 64
+
+
+def _combine_rows(o_part, ml, out, b: int, h0: int, h1: int) -> None:
+    """``attention_combine`` of batch ``b``'s query heads h0 .. h1 - 1 (rows h0 * Sq .. h1 * Sq of
+    the partials) into ``out`` [B, Hq, Sq, Dv]."""
+    sq, dv = out.shape[2], out.shape[3]
+    rows = slice(h0 * sq, h1 * sq)
+    m, l = ml[b, rows, :, 0].float(), ml[b, rows, :, 1].float()  # [R, NS]
+    big = m.amax(-1, keepdim=True)
+    w = torch.exp(m - torch.where(torch.isfinite(big), big, torch.zeros_like(big)))  # 0 for empty splits
+    num = (w.unsqueeze(-1) * o_part[b, rows].float()).sum(1)  # [R, Dv]
+    den = (w * l).sum(-1, keepdim=True)
+    res = torch.where(den > 0, num / den, torch.zeros_like(num))
+    out[b, h0:h1].copy_(res.view(h1 - h0, sq, dv))
 
 
 def _append_rows(t: TileArgs, rope, k_new, v_new, k_slot, v_slot) -> None:
@@ -255,29 +312,14 @@ class AttentionCombine(OpDef):
         return tiles
 
     def smem_bytes(self, op):
-        """runtime/tilec/ops_attention.cuh: the split weights of WARPS rows at a time, then, when
-        there are at most 32 splits and it takes at most COMBINE_STAGE_MAX bytes, room to stage
-        those rows' partials (WARPS x splits x Dv; float32, as ``tilec.passes.split_kv`` makes
-        them), which the device copies in one round trip whenever they fit (and reads from
-        global memory otherwise)."""
-        ns, dv = op.inputs[0].shape[2], op.inputs[0].shape[3]
-        weights = 4 * (-(-WARPS * ns // 4) * 4)
-        staged = 4 * WARPS * ns * dv
-        return weights + (staged if ns <= 32 and staged <= COMBINE_STAGE_MAX else 0) + 64
+        """:func:`combine_smem_bytes` of the op's splits and Dv."""
+        return combine_smem_bytes(op.inputs[0].shape[2], op.inputs[0].shape[3])
 
     def run_tile(self, t: TileArgs):
         o_part, ml, out = t.operands
         (b0, b1), (r0, r1) = t.coords
-        sq, dv = out.shape[2], out.shape[3]
-        rows = slice(r0 * sq, r1 * sq)
         for b in range(b0, b1):
-            m, l = ml[b, rows, :, 0].float(), ml[b, rows, :, 1].float()  # [R, NS]
-            big = m.amax(-1, keepdim=True)
-            w = torch.exp(m - torch.where(torch.isfinite(big), big, torch.zeros_like(big)))  # 0 for empty splits
-            num = (w.unsqueeze(-1) * o_part[b, rows].float()).sum(1)  # [R, Dv]
-            den = (w * l).sum(-1, keepdim=True)
-            res = torch.where(den > 0, num / den, torch.zeros_like(num))
-            out[b, r0:r1].copy_(res.view(r1 - r0, sq, dv))
+            _combine_rows(o_part, ml, out, b, r0, r1)
 
     def cost(self, op, tile):
         nbytes, _ = super().cost(op, tile)

@@ -2,18 +2,20 @@
 (RMSNorm / SiLU-mul / residual-add fusion into GEMVs), ``fuse_fp8_quant`` / ``fuse_index_quant`` (FP8
 activation quantization into the FP8 GEMMs and the indexer score), ``fold_cache_writes`` (RoPE writing
 the KV-cache slot directly), ``fold_rope`` (the queries' RoPE into the split-KV attention tiles) and
-``fold_kv_append`` (the keys' RoPE and the step's cache writes into those tiles) rewrite the OpGraph,
+``fold_kv_append`` (the keys' RoPE and the step's cache writes into those tiles) and ``fold_combine``
+(the split-KV combine run by each head group's last partial tile) rewrite the OpGraph,
 and ``size_gemv_groups`` sizes sibling GEMVs' tiles by their total columns;
 the rest are MPK-style passes over the TaskGraph (Mirage Persistent Kernel, arXiv 2512.22219,
 section 4).
 
 The pipeline (``tilec.pipeline``) runs, in order:
   split_kv -> fuse_gemv_chains + fuse_fp8_quant -> fold_cache_writes -> size_gemv_groups + fold_rope + fold_kv_append
-  -> (build_taskgraph)
+  + fold_combine -> (build_taskgraph)
   -> fuse_events -> normalize -> linearize -> schedule
 and runs the stage verifier (``tilec.verify``) after each one when ``Options.verify`` is on.
 """
 from .fold_cache_write import fold_cache_writes
+from .fold_combine import fold_combine
 from .fold_kv_append import fold_kv_append
 from .fold_rope import fold_rope
 from .fuse_fp8_quant import fuse_fp8_quant, fuse_index_quant
@@ -26,4 +28,4 @@ from .schedule import Schedule, schedule
 from .split_kv import split_kv
 
 __all__ = ["split_kv", "fuse_gemv_chains", "fuse_fp8_quant", "fuse_index_quant", "fold_cache_writes", "fold_rope",
-           "fold_kv_append", "size_gemv_groups", "fuse_events", "normalize", "linearize", "schedule", "Schedule"]
+           "fold_kv_append", "fold_combine", "size_gemv_groups", "fuse_events", "normalize", "linearize", "schedule", "Schedule"]

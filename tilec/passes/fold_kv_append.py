@@ -16,7 +16,7 @@ rows p .. p + Sq - 1 reads them, so that tile can write them itself before it re
 
 keeping P's name and provenance; RK and CV are dropped (no buffer is: the slots are the cache's).
 Which tile writes the slots depends on p, so every tile declares them as
-:data:`~tilec.ops.POSITIONAL` writes (no events among the op's own tiles). The rewrite applies when
+:data:`~tilec.ops.DYNAMIC` writes (no events among the op's own tiles). The rewrite applies when
 
 (a) P is causal, its queries' RoPE is folded (rotate-half, attr ``rope`` 0), it reads the whole
     cache (K and V views that do not move with the position), and has no ``append`` yet;
@@ -112,8 +112,8 @@ def fold_kv_append(graph: OpGraph, opts=None) -> OpGraph:
                for w, read in moved for i in range(w + 1, j)):
             continue
         attrs = tuple(sorted(part.attrs + (("append", True),)))
-        ops[j] = dataclasses.replace(part, inputs=(*part.inputs, kx, vx), outputs=(*part.outputs, k_slot, v_slot),
-                                     attrs=attrs)
+        outputs = (*part.outputs[:2], k_slot, v_slot, *part.outputs[2:])  # before a folded combine's out
+        ops[j] = dataclasses.replace(part, inputs=(*part.inputs, kx, vx), outputs=outputs, attrs=attrs)
         for i in writers:
             ops[i] = None
     return rebuilt(graph, ops, set())

@@ -1,0 +1,221 @@
+"""Combine folding (``tilec.passes.fold_combine``): the last split-KV partial tile of each (batch, KV
+head group) to finish runs the combine, with bitwise the results of the plan with an
+``attention_combine`` op (reference executor, several worker counts and so arrival orders), no events
+among the partial's own tiles, consumers waiting on every partial tile, arrival counters that are
+monotonic across steps and rolled back with the events when a step fails, and the pass refusing
+what it must not fold."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from _helpers import SPLIT, StageRecorder, assert_steps_bitwise_equal, kinds
+from tilec import ops as opreg
+from tilec.errors import TilecError, VerificationError
+from tilec.hf import compile_decode_step
+from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
+from tilec.ops import DYNAMIC
+from tilec.options import Options
+from tilec.passes import fold_combine
+from tilec.pipeline import compile_opgraph
+from tilec.plan import F
+from tilec.refexec import ReferenceExecutor
+from tilec.taskgraph import build_taskgraph
+from tilec.verify import verify_plan, verify_taskgraph
+from tilec.zoo import eager_step, make_model, prefill
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_combined_equals_uncombined_and_eager(name, dtype):
+    model = make_model(name, dtype, "cpu")
+    cache, tok = prefill(model, 2, 6, 16, "cpu")
+    eager_cache, cache_off = copy.deepcopy(cache), copy.deepcopy(cache)
+    on = compile_decode_step(model, cache, 2, options=SPLIT)
+    off = compile_decode_step(model, cache_off, 2, options=dict(SPLIT, fold_combine=False))
+    layers = model.config.num_hidden_layers
+    g, gu = on.program.plan.graph, off.program.plan.graph
+    assert kinds(gu)["attention_combine"] == layers and kinds(g)["attention_combine"] == 0
+    assert len(g.ops) == len(gu.ops) - layers
+    combines = [op for op in gu.ops if op.kind == "attention_combine"]
+    parts = [op for op in g.ops if op.kind == "attention_partial"]
+    assert all(p.attr("combine") and p.outputs[-1] == c.outputs[0] for p, c in zip(parts, combines))
+    hkv = model.config.num_key_value_heads
+    assert on.program.plan.arrivals == layers * 2 * hkv and off.program.plan.arrivals == 0
+    want = eager_step(model, eager_cache, tok, 6)
+    got = on(tok, 6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
+    on.seek(6)
+    assert_steps_bitwise_equal((on, cache), (off, cache_off), tok, "combined and uncombined", steps=5)
+
+
+@pytest.fixture(scope="module")
+def llama_graph() -> OpGraph:
+    """llama-tiny's OpGraph after the gemv_groups stage without the combine fold (2 layers, float32,
+    split-KV attention with the RoPE and KV-append folds)."""
+    model = make_model("llama-tiny", torch.float32, "cpu")
+    cache, _ = prefill(model, 1, 4, 12, "cpu")
+    rec = StageRecorder()
+    compile_decode_step(model, cache, 1, options=dict(SPLIT, fold_combine=False), hook=rec)
+    return rec.stages["gemv_groups"]
+
+
+def combined(graph: OpGraph) -> int:
+    return sum(bool(op.attr("combine")) for op in graph.ops if op.kind == "attention_partial")
+
+
+def test_pass_folds_each_layer_and_respects_the_options(llama_graph):
+    g = fold_combine(llama_graph)
+    assert combined(llama_graph) == 0 and combined(g) == 2 and len(g.ops) == len(llama_graph.ops) - 2
+    assert g.buffers == llama_graph.buffers  # o_part and ml stay: the partials write and read them
+    comb = next(op for op in llama_graph.ops if op.kind == "attention_combine")
+    part = next(op for op in g.ops if op.kind == "attention_partial")
+    old = next(op for op in llama_graph.ops if op.name == part.name)
+    assert part.inputs == old.inputs and part.outputs == (*old.outputs, comb.outputs[0])
+    assert part.provenance == old.provenance and dict(part.attrs) == dict(old.attrs, combine=True)
+    d = opreg.opdef(part.kind)
+    assert len(d.operands(part)) == 13 and d.params(part)[5] == -1  # the plan sets the counter
+    assert fold_combine(llama_graph, Options(fold_combine=False)) is llama_graph
+    assert fold_combine(g) is g  # nothing left to fold
+
+
+def test_consumers_wait_for_every_partial_tile_and_the_partials_for_none(llama_graph):
+    """Every partial tile declares its group's out rows as dynamic writes (any split may arrive last):
+    no event between tiles of the op, and each o_proj tile waits on all of the layer's partial tiles."""
+    g = fold_combine(llama_graph)
+    opts = Options(**SPLIT)
+    part = next(op for op in g.ops if op.kind == "attention_partial")
+    tiles = opreg.opdef(part.kind).tiles(part, opts)
+    assert len(tiles) > 2 and all(t.writes[-1][0] == 12 and t.writes[-1][2] == DYNAMIC for t in tiles)
+    tg = build_taskgraph(g, opts)
+    verify_taskgraph(tg, "tasks", opts)
+    op_of = {t.id: t.op for t in tg.tasks}
+    assert not [e for e in tg.events for p in e.preds for s in e.succs if op_of[p] == op_of[s]]
+    part_tasks = {t.id for t in tg.tasks if t.op == part.name}
+    consumer = next(op for op in g.ops if any(v.buffer == part.outputs[-1].buffer for v in op.inputs))
+    waits = [e for e in tg.events if any(op_of[s] == consumer.name for s in e.succs)
+             and any(op_of[p] == part.name for p in e.preds)]
+    assert waits and all(part_tasks <= set(e.preds) for e in waits)
+
+
+def test_pass_refuses_another_reader_a_dtype_change_and_a_toucher_between(llama_graph):
+    comb = next(op for op in llama_graph.ops if op.kind == "attention_combine")
+    j = llama_graph.ops.index(comb)
+    o_part = comb.inputs[0]
+    peek_buf = Buffer("peek", o_part.shape, torch.float32, BufferKind.TEMP)
+    ops = list(llama_graph.ops)  # another op reads the partials
+    ops.append(Op("peek", "unary", (o_part,), (View.whole(peek_buf),), (("fn", "neg"),)))
+    read = dataclasses.replace(llama_graph, ops=tuple(ops), buffers={**llama_graph.buffers, "peek": peek_buf})
+    assert combined(fold_combine(read)) == 1  # the other layer still folds
+    out = comb.outputs[0]  # the first combine's out is not the queries' dtype
+    b = llama_graph.buffers[out.buffer]
+    bf16 = dataclasses.replace(llama_graph, buffers={**llama_graph.buffers,
+                                                     b.name: dataclasses.replace(b, dtype=torch.bfloat16)})
+    assert combined(fold_combine(bf16)) == 1
+    ops = list(llama_graph.ops)  # an op between the partial and the combine reads out's buffer
+    peek_out = Buffer("peek_out", out.shape, torch.float32, BufferKind.TEMP)
+    ops.insert(j, Op("peek_out", "unary", (View.whole(llama_graph.buffers[out.buffer]),),
+                     (View.whole(peek_out),), (("fn", "neg"),)))
+    between = dataclasses.replace(llama_graph, ops=tuple(ops), buffers={**llama_graph.buffers, "peek_out": peek_out})
+    assert combined(fold_combine(between)) == 1
+
+
+def test_a_combining_op_the_device_would_misread_is_an_error(llama_graph):
+    g = fold_combine(llama_graph)
+    part = next(op for op in g.ops if op.kind == "attention_partial")
+    d = opreg.opdef(part.kind)
+    f32 = [torch.float32] * 12  # the tensor operands (valid is a scalar)
+    assert d.device_dtypes(part, f32) == f32[:5]
+    with pytest.raises(TilecError, match=f"op {part.name}: out is torch.bfloat16, the device reads it as torch.float32"):
+        d.device_dtypes(part, f32[:11] + [torch.bfloat16])
+
+
+def _graph(b, hq, hkv, sq, s, d, dv) -> OpGraph:
+    """One causal decode ``attention`` op: q [b, hq, sq, d] (input), k / v [b, hkv, s, d | dv] (caches)."""
+    bufs = {"q": Buffer("q", (b, hq, sq, d), torch.float32, BufferKind.INPUT),
+            "k": Buffer("k", (b, hkv, s, d), torch.float32, BufferKind.STATE),
+            "v": Buffer("v", (b, hkv, s, dv), torch.float32, BufferKind.STATE),
+            "out": Buffer("out", (b, hq, sq, dv), torch.float32, BufferKind.OUTPUT)}
+    w = {n: View.whole(x) for n, x in bufs.items()}
+    op = Op("attn", "attention", (w["q"], w["k"], w["v"]), (w["out"],), (("causal", True), ("scale", 0.125)))
+    return OpGraph((op,), bufs, ("q", "k", "v", "<position>"), (w["out"],), max_positions=s - sq + 1)
+
+
+def _run(plan, inputs, position, executor=None):
+    t = {k: v.clone() for k, v in inputs.items()}
+    for name, buf in plan.graph.buffers.items():
+        t.setdefault(name, torch.full(buf.shape, float("nan"), dtype=buf.dtype))
+    (executor or ReferenceExecutor(plan)).run(t, plan.bind(t, position))
+    return t
+
+
+@pytest.mark.parametrize("workers", [1, 3, 7])
+@pytest.mark.parametrize("heads_per_tile", [1, 2])
+def test_any_arrival_order_combines_bitwise(workers, heads_per_tile):
+    """Batch 2, 8 query heads over 3 KV heads (2 per tile leaves a group of 1), Sq = 2, 8-position
+    splits: whichever tile arrives last (the worker count changes the order), out is bitwise the
+    unfolded plan's, over three steps of one executor (monotonic counters)."""
+    b, hq, hkv, sq, s, d, dv = 2, 6, 3, 2, 30, 16, 24
+    torch.manual_seed(0)
+    inputs = {"q": torch.randn(b, hq, sq, d), "k": torch.randn(b, hkv, s, d), "v": torch.randn(b, hkv, s, dv)}
+    plans = {fold: compile_opgraph(_graph(b, hq, hkv, sq, s, d, dv),
+                                   Options(workers=workers, attn_kv_chunk=8, attn_heads_per_tile=heads_per_tile,
+                                           fold_combine=fold)).plan for fold in (True, False)}
+    assert [op.kind for op in plans[True].graph.ops] == ["attention_partial"] and plans[True].arrivals == b * hkv
+    ex = ReferenceExecutor(plans[True])
+    for position in (5, 17, 27):
+        on, off = _run(plans[True], inputs, position, ex), _run(plans[False], inputs, position)
+        assert torch.isfinite(on["out"]).all() and torch.equal(on["out"], off["out"])
+    ns = plans[True].graph.buffers["attn_opart"].shape[2]
+    e = plans[True].events.shape[0]
+    groups = b * -(-hkv // heads_per_tile)
+    assert sorted(ex.counters[e:].tolist()) == [0] * (b * hkv - groups) + [3 * ns] * groups
+
+
+def test_a_failed_step_rolls_the_arrival_counters_back(monkeypatch):
+    """A step that fails midway leaves no arrivals behind: the next step combines at the right
+    tile and gives the unfolded plan's out."""
+    import tilec.ops.attention_split as asplit
+
+    b, hq, hkv, sq, s, d, dv = 1, 4, 2, 1, 40, 16, 16
+    torch.manual_seed(1)
+    inputs = {"q": torch.randn(b, hq, sq, d), "k": torch.randn(b, hkv, s, d), "v": torch.randn(b, hkv, s, dv)}
+    plan = compile_opgraph(_graph(b, hq, hkv, sq, s, d, dv), Options(workers=3, attn_kv_chunk=8)).plan
+    ex = ReferenceExecutor(plan)
+    _run(plan, inputs, 30, ex)
+    before = ex.counters.clone()
+    real = asplit._combine_rows
+
+    def fail(*args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(asplit, "_combine_rows", fail)
+    with pytest.raises(TilecError, match="injected"):
+        _run(plan, inputs, 31, ex)
+    assert torch.equal(ex.counters, before) and ex.epoch == 1
+    monkeypatch.setattr(asplit, "_combine_rows", real)
+    want = _run(compile_opgraph(_graph(b, hq, hkv, sq, s, d, dv),
+                                Options(workers=3, attn_kv_chunk=8, fold_combine=False)).plan, inputs, 31)
+    assert torch.equal(_run(plan, inputs, 31, ex)["out"], want["out"])
+
+
+def test_the_plan_places_the_counters_after_the_events_and_the_verifier_checks_them():
+    plan = compile_opgraph(_graph(2, 4, 2, 1, 40, 16, 16), Options(workers=4, attn_kv_chunk=8))
+    tg = plan.stages["linearized"]
+    plan = plan.plan
+    e, p5 = plan.events.shape[0], F["params"][0] + 5
+    q = plan.queues
+    firsts = {int(x) for x in q[..., p5][q[..., F["opcode"][0]] == opreg.opdef("attention_partial").opcode]}
+    assert firsts == {e} and plan.arrivals == 4
+    verify_plan(plan, tg)
+    w, i = (q[..., F["opcode"][0]] == opreg.opdef("attention_partial").opcode).nonzero()[0].tolist()
+    bad = dataclasses.replace(plan, queues=q.clone())
+    bad.queues[w, i, p5] = e - 1  # an event's counter
+    with pytest.raises(VerificationError, match="counts arrivals at"):
+        verify_plan(bad, tg)
+    tables, meta = plan.to_tables()
+    assert type(plan).from_tables(plan.graph, tables, meta).arrivals == 4
