@@ -91,11 +91,12 @@ def test_decode_matches_eager(name, batch, context, steps):
 
 
 @pytest.mark.parametrize("name,batch", [("llama-tiny", 1), ("qwen3-tiny", 2)])
-@pytest.mark.parametrize("option", ["fold_rope", "fold_kv_append"])
+@pytest.mark.parametrize("option", ["fold_rope", "fold_kv_append", "fold_combine"])
 def test_folds_are_bitwise(name, batch, option):
     """The queries' RoPE applied inside the split-KV attention tiles (``tilec.passes.fold_rope``),
-    and the step's new K / V rows written by those tiles (``fold_kv_append``, on by default with
-    it), give bitwise the logits and KV cache of the plan without the fold over 10 greedy steps
+    the step's new K / V rows written by those tiles (``fold_kv_append``, on by default with
+    it), and the combine run by each head group's last partial tile to finish (``fold_combine``)
+    give bitwise the logits and KV cache of the plan without the fold over 10 greedy steps
     from position 40 (16-position splits, so every head has several; at 48 the new row moves
     into the next split; Qwen3 also normalizes q and k before their RoPE)."""
     model = make_model(name, torch.bfloat16, DEV)
@@ -110,7 +111,7 @@ def test_folds_are_bitwise(name, batch, option):
         for i in range(10):
             logits.append(step(t, 40 + i).clone())
             t = logits[-1].argmax(-1)
-        out[fold] = (logits, c, kinds.count("rope") + kinds.count("cache_write"))
+        out[fold] = (logits, c, kinds.count("rope") + kinds.count("cache_write") + kinds.count("attention_combine"))
     assert out[True][2] < out[False][2]  # the folded ops are gone
     for i, (a, b) in enumerate(zip(out[True][0], out[False][0])):
         assert torch.equal(a, b), f"step {i} (position {40 + i}): logits differ"

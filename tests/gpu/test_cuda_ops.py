@@ -311,13 +311,18 @@ SPLIT_KV_CASES = [
 def test_split_kv_attention(b, hq, hkv, sq, s, p, d, dv, dtype, layout, chunk):
     """partial + combine on the device vs torch SDPA (float64 math on the same inputs; relative
     L2 <= 1e-2 for bf16, 1e-4 for float32) and vs the CPU reference executor of the same plan
-    (<= 5e-3 for bf16: the same p rounding, __expf vs exp)."""
+    (<= 5e-3 for bf16: the same p rounding, __expf vs exp); the combine folded into the partials
+    (``fold_combine``: the last tile of each head group combines it) bitwise the same on the device,
+    over two steps of one executor (its arrival counters carry over)."""
     from tilec.cuda import CudaExecutor
     from tilec.options import Options
     from tilec.refexec import ReferenceExecutor
 
-    plan = _attention_plan(b, hq, hkv, sq, s, d, dv, dtype, layout, workers=132, attn_kv_chunk=chunk)
+    plan = _attention_plan(b, hq, hkv, sq, s, d, dv, dtype, layout, workers=132, attn_kv_chunk=chunk,
+                           fold_combine=False)
     assert [op.kind for op in plan.graph.ops] == ["attention_partial", "attention_combine"]
+    folded = _attention_plan(b, hq, hkv, sq, s, d, dv, dtype, layout, workers=132, attn_kv_chunk=chunk)
+    assert [op.kind for op in folded.graph.ops] == ["attention_partial"]
     q = torch.randn(b, hq, sq, d, dtype=dtype, device=DEV)
     shape = (lambda dim: (b, s, hkv, dim)) if layout == "bshd" else (lambda dim: (b, hkv, s, dim))
     k, v = torch.randn(*shape(d), dtype=dtype, device=DEV), torch.randn(*shape(dv), dtype=dtype, device=DEV)
@@ -332,6 +337,9 @@ def test_split_kv_attention(b, hq, hkv, sq, s, p, d, dv, dtype, layout, chunk):
     assert rel(got, want) < (1e-4 if dtype == torch.float32 else 1e-2), rel(got, want)
     ref = _run_plan(plan, ReferenceExecutor(plan), q.cpu(), k.cpu(), v.cpu(), p)
     assert rel(got.cpu(), ref) < (1e-5 if dtype == torch.float32 else 5e-3), rel(got.cpu(), ref)
+    ex = CudaExecutor(folded, Options(executor="cuda"), torch.device(DEV))
+    for _ in range(2):
+        assert torch.equal(_run_plan(folded, ex, q, k, v, p), got)
 
 
 class Chain(torch.nn.Module):
