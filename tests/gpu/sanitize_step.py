@@ -31,9 +31,10 @@ for layer in cache.layers:
     if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
         layer.cumulative_length.fill_(32)
 # 16-position splits: the attention is split-KV, and its tiles append the step's K / V rows
-# (tilec.passes.fold_kv_append) - at position 32 the first row of split 2, at 40 one inside it
+# (tilec.passes.fold_kv_append) - at position 32 the first row of split 2, at 40 one inside it -
+# and the last tile of each KV head to finish combines the splits (tilec.passes.fold_combine)
 step = compile_decode_step(model, cache, 1, options=dict(watchdog_ms=600_000, attn_kv_chunk=16))
-assert any(op.attr("append") for op in step.program.plan.graph.ops)
+assert any(op.attr("append") and op.attr("combine") for op in step.program.plan.graph.ops)
 tok = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
 logits = step(tok, 32)
 step.seek(40)
