@@ -124,6 +124,22 @@ def test_pass_refuses_another_reader_a_dtype_change_and_a_toucher_between(llama_
     assert combined(fold_combine(between)) == 1
 
 
+def test_an_attention_writing_the_buffer_it_reads_is_not_folded():
+    """q and out are views of one state buffer, out one head further on (found by review): folded,
+    a group's last tile would overwrite queries other groups have not read yet, so the pass keeps
+    the combine op - and the results are the unfolded plan's."""
+    b, hq, hkv, s, d = 1, 4, 2, 24, 16
+    buf = Buffer("qo", (b, hq + 1, 1, d), torch.float32, BufferKind.STATE)
+    k = Buffer("k", (b, hkv, s, d), torch.float32, BufferKind.STATE)
+    v = Buffer("v", (b, hkv, s, d), torch.float32, BufferKind.STATE)
+    strides = (((hq + 1) * d, d, d, 1))
+    qv, ov = View("qo", (b, hq, 1, d), strides, 0, 0), View("qo", (b, hq, 1, d), strides, d, 0)
+    op = Op("attn", "attention", (qv, View.whole(k), View.whole(v)), (ov,), (("causal", True), ("scale", 0.25)))
+    g = OpGraph((op,), {"qo": buf, "k": k, "v": v}, ("qo", "k", "v", "<position>"), (), max_positions=s)
+    plan = compile_opgraph(g, Options(workers=3, attn_kv_chunk=8)).plan
+    assert [o.kind for o in plan.graph.ops] == ["attention_partial", "attention_combine"] and plan.arrivals == 0
+
+
 def test_a_combining_op_the_device_would_misread_is_an_error(llama_graph):
     g = fold_combine(llama_graph)
     part = next(op for op in g.ops if op.kind == "attention_partial")
@@ -156,7 +172,7 @@ def _run(plan, inputs, position, executor=None):
 @pytest.mark.parametrize("workers", [1, 3, 7])
 @pytest.mark.parametrize("heads_per_tile", [1, 2])
 def test_any_arrival_order_combines_bitwise(workers, heads_per_tile):
-    """Batch 2, 8 query heads over 3 KV heads (2 per tile leaves a group of 1), Sq = 2, 8-position
+    """Batch 2, 6 query heads over 3 KV heads (2 per tile leaves a group of 1), Sq = 2, 8-position
     splits: whichever tile arrives last (the worker count changes the order), out is bitwise the
     unfolded plan's, over three steps of one executor (monotonic counters)."""
     b, hq, hkv, sq, s, d, dv = 2, 6, 3, 2, 30, 16, 24
@@ -204,18 +220,68 @@ def test_a_failed_step_rolls_the_arrival_counters_back(monkeypatch):
 
 
 def test_the_plan_places_the_counters_after_the_events_and_the_verifier_checks_them():
-    plan = compile_opgraph(_graph(2, 4, 2, 1, 40, 16, 16), Options(workers=4, attn_kv_chunk=8))
-    tg = plan.stages["linearized"]
-    plan = plan.plan
-    e, p5 = plan.events.shape[0], F["params"][0] + 5
+    """Two attention ops: each owns its range of counters after the events; a plan whose tiles
+    count elsewhere (another op's range, outside the plan's, inconsistently within an op, or
+    arriving too often at one counter) is a verification error, as is a partial without the fold
+    that counts arrivals."""
+    b, hq, hkv, s, d = 2, 4, 2, 40, 16
+    g = _graph(b, hq, hkv, 1, s, d, d)
+    bufs = {**g.buffers, "q2": dataclasses.replace(g.buffers["q"], name="q2"),
+            "out2": dataclasses.replace(g.buffers["out"], name="out2")}
+    (op,) = g.ops
+    op2 = dataclasses.replace(op, name="attn2", inputs=(View.whole(bufs["q2"]), *op.inputs[1:]),
+                              outputs=(View.whole(bufs["out2"]),))
+    g2 = dataclasses.replace(g, ops=(op, op2), buffers=bufs, inputs=(*g.inputs[:-1], "q2", "<position>"),
+                             outputs=(*g.outputs, View.whole(bufs["out2"])))
+    compiled = compile_opgraph(g2, Options(workers=4, attn_kv_chunk=8))
+    tg, plan = compiled.stages["linearized"], compiled.plan
+    e, p5, oc = plan.events.shape[0], F["params"][0] + 5, F["opcode"][0]
     q = plan.queues
-    firsts = {int(x) for x in q[..., p5][q[..., F["opcode"][0]] == opreg.opdef("attention_partial").opcode]}
-    assert firsts == {e} and plan.arrivals == 4
+    part = q[..., oc] == opreg.opdef("attention_partial").opcode
+    ops_of = q[..., F["op"][0]]
+    assert plan.arrivals == 2 * b * hkv
+    assert {int(x) for x in q[..., p5][part & (ops_of == 0)]} == {e}
+    assert {int(x) for x in q[..., p5][part & (ops_of == 1)]} == {e + b * hkv}
     verify_plan(plan, tg)
-    w, i = (q[..., F["opcode"][0]] == opreg.opdef("attention_partial").opcode).nonzero()[0].tolist()
-    bad = dataclasses.replace(plan, queues=q.clone())
-    bad.queues[w, i, p5] = e - 1  # an event's counter
-    with pytest.raises(VerificationError, match="counts arrivals at"):
-        verify_plan(bad, tg)
+
+    def broken(edit):
+        bad = dataclasses.replace(plan, queues=q.clone())
+        edit(bad)
+        return bad
+
+    def shift(op_index, by):
+        def edit(bad):
+            sel = part & (ops_of == op_index)
+            bad.queues[..., p5][sel] += by
+        return edit
+
+    with pytest.raises(VerificationError, match="overlapping another op's or outside"):
+        verify_plan(broken(shift(0, 1)), tg)  # into op 1's range
+    with pytest.raises(VerificationError, match="overlapping another op's or outside"):
+        verify_plan(broken(shift(1, 1)), tg)  # past the plan's counters
+    w, i = part.nonzero()[0].tolist()
+
+    def one(bad):
+        bad.queues[w, i, p5] += 1
+    with pytest.raises(VerificationError, match="other tiles of its op"):
+        verify_plan(broken(one), tg)
+    c0 = F["coords"][0]
+
+    def other_batch(bad):  # a tile of batch 0 encoded as batch 1: its group's counters miscount
+        bad.queues[w, i, c0:c0 + 2] = torch.tensor([1, 2]) if int(q[w, i, c0]) == 0 else torch.tensor([0, 1])
+    with pytest.raises(VerificationError, match="tiles arrive a step"):
+        verify_plan(broken(other_batch), tg)
+    with pytest.raises(VerificationError, match="the plan has"):
+        verify_plan(dataclasses.replace(plan, arrivals=plan.arrivals + 1), tg)
+    unfolded = compile_opgraph(g2, Options(workers=4, attn_kv_chunk=8, fold_combine=False))
+    uq = unfolded.plan.queues
+    upart = uq[..., oc] == opreg.opdef("attention_partial").opcode
+    assert {int(x) for x in uq[..., p5][upart]} == {-1} and unfolded.plan.arrivals == 0
+    bad = dataclasses.replace(unfolded.plan, queues=uq.clone())
+    w, i = upart.nonzero()[0].tolist()
+    bad.queues[w, i, p5] = 0
+    with pytest.raises(VerificationError, match="but its op has no counters"):
+        verify_plan(bad, unfolded.stages["linearized"])
     tables, meta = plan.to_tables()
-    assert type(plan).from_tables(plan.graph, tables, meta).arrivals == 4
+    assert type(plan).from_tables(plan.graph, tables, meta).arrivals == plan.arrivals
+    assert f"arrivals={plan.arrivals} {{" in plan.render().splitlines()[0]

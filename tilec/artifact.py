@@ -317,7 +317,7 @@ def plan_json(plan: KernelPlan) -> dict:
         queues.append(instrs)
     events = [{"id": e, "count": c, "first": f, "last": last} for e, (c, f, last, _) in enumerate(plan.events.tolist())]
     return {"workers": plan.queues.shape[0], "length": plan.queues.shape[1], "queues": queues, "events": events,
-            "op_names": list(plan.op_names)}
+            "arrivals": plan.arrivals, "op_names": list(plan.op_names)}
 
 
 # ---- reading -----------------------------------------------------------------------------

@@ -194,7 +194,8 @@ class KernelPlan:
 
     def render(self) -> str:
         lines = [f"kernelplan workers={self.queues.shape[0]} length={self.queues.shape[1]} "
-                 f"events={self.events.shape[0]} operand_rows={len(self.operands)} {{"]
+                 f"events={self.events.shape[0]} operand_rows={len(self.operands)}"
+                 + (f" arrivals={self.arrivals}" if self.arrivals else "") + " {"]
         op_lo, op_n = F["opcode"]
         for w in range(self.queues.shape[0]):
             instrs = []

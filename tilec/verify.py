@@ -19,8 +19,8 @@ import torch
 from . import ops as opreg
 from .errors import DeadlockError, VerificationError
 from .ir import BufferKind, OpGraph, View
-from .ops import ACCUMULATE, DYNAMIC, EMPTY, NOOP, WRITE
-from .plan import F, KernelPlan
+from .ops import ACCUMULATE, DYNAMIC, EMPTY, NOOP, WRITE, Tile
+from .plan import F, KernelPlan, decode_coords
 from .taskgraph import TaskGraph, map_box
 
 
@@ -150,6 +150,50 @@ def simulate(plan: KernelPlan, queues: torch.Tensor | None = None) -> None:
         sim.run({}, plan.static_operands, queues)
 
 
+def _check_arrivals(plan: KernelPlan) -> None:
+    """Arrival counters (``tilec.plan``): each op that counts arrivals owns its own range after the
+    events, the ranges fill ``plan.arrivals``, every counter gets exactly its count of arrivals a
+    step (``OpDef.arrival`` of each tile), and an op without counters carries -1."""
+    n_events, p0, op_w = plan.events.shape[0], F["params"][0], F["opcode"][0]
+    first: dict[int, int] = {}  # op index -> its first counter
+    hits: dict[int, list[int]] = {}  # counter -> [count, arrivals]
+    for w, qw in enumerate(plan.queues.tolist()):
+        for i, d in enumerate(qw):
+            if d[op_w] in (NOOP, EMPTY):
+                continue
+            r = d[F["op"][0]]
+            op = plan.graph.ops[r]
+            od = opreg.opdef(op.kind)
+            if od.arrival_param is None:
+                continue
+            got, n = d[p0 + od.arrival_param], od.arrivals(op)
+            where = f"worker {w}: instruction {i} (op {op.name})"
+            if n == 0:
+                if got != -1:
+                    raise VerificationError(f"{where} counts arrivals at {got} but its op has no counters")
+                continue
+            if first.setdefault(r, got) != got:
+                raise VerificationError(f"{where} counts arrivals from {got}, other tiles of its op from {first[r]}")
+            arrival = od.arrival(op, Tile(decode_coords(d), (), ()))  # the tile the executors see
+            if arrival is not None:
+                counter, count = arrival
+                h = hits.setdefault(got + counter, [count, 0])
+                h[1] += 1
+    ranges = sorted((f, f + opreg.opdef(o.kind).arrivals(o), r) for r, f in first.items() for o in [plan.graph.ops[r]])
+    end = n_events
+    for lo, hi, r in ranges:
+        if lo < end or hi > n_events + plan.arrivals:
+            raise VerificationError(f"op {plan.graph.ops[r].name} counts arrivals at [{lo}, {hi}), overlapping "
+                                    f"another op's or outside [{n_events}, {n_events + plan.arrivals})")
+        end = hi
+    if sum(hi - lo for lo, hi, _ in ranges) != plan.arrivals:
+        raise VerificationError(f"the ops own {sum(hi - lo for lo, hi, _ in ranges)} arrival counters, "
+                                f"the plan has {plan.arrivals}")
+    for k, (count, n) in sorted(hits.items()):
+        if n != count:
+            raise VerificationError(f"arrival counter {k}: {n} tiles arrive a step, the last is expected at {count}")
+
+
 def verify_plan(plan: KernelPlan, tg: TaskGraph) -> None:
     q = plan.queues.tolist()
     op_w, task_w, sig_w, wait_w, cnt_w = (F[n][0] for n in ("opcode", "task", "signal_event", "wait_event", "wait_count"))
@@ -178,17 +222,7 @@ def verify_plan(plan: KernelPlan, tg: TaskGraph) -> None:
     for e, n in enumerate(signals):
         if n != int(plan.events[e, 0]):
             raise VerificationError(f"event {e}: trigger count {int(plan.events[e, 0])} but {n} instructions signal it")
-    n_events, p0 = plan.events.shape[0], F["params"][0]
-    for w, qw in enumerate(q):  # arrival counters: each op's own range after the events
-        for i, d in enumerate(qw):
-            if d[op_w] in (NOOP, EMPTY):
-                continue
-            op = plan.graph.ops[d[F["op"][0]]]
-            od = opreg.opdef(op.kind)
-            n = od.arrivals(op)
-            if n and not n_events <= d[p0 + od.arrival_param] <= n_events + plan.arrivals - n:
-                raise VerificationError(f"worker {w}: instruction {i} (op {op.name}) counts arrivals at "
-                                        f"{d[p0 + od.arrival_param]}, outside [{n_events}, {n_events + plan.arrivals})")
+    _check_arrivals(plan)
     try:
         simulate(plan)
     except DeadlockError as err:

@@ -14,7 +14,7 @@ from ..ir import ScalarOperand
 from ..plan import (DESCRIPTOR, DESCRIPTOR_WORDS, MAX_DIMS, MAX_OPERANDS, OPERAND, OPERAND_FIELDS, SCALAR_OPERAND,
                     UNUSED_OPERAND, KernelPlan, variant_signature)
 
-ABI_VERSION = 4
+ABI_VERSION = 5  # 5: the counters array holds the arrival counters after the events (tilec.plan)
 C_TYPES = {
     torch.float32: "float",
     torch.bfloat16: "__nv_bfloat16",
@@ -108,5 +108,5 @@ def render_tables(plan: KernelPlan) -> str:
     """``tables.h``: the plan's instruction queues, event table and operand-table template as
     C++ constant arrays (readable, and buildable on their own with ``tilec_layout.h``)."""
     return _render("tables.h.j2", version=__version__, workers=plan.queues.shape[0], length=plan.queues.shape[1],
-                   queues=plan.queues.tolist(), events=plan.events.tolist(), rows=len(plan.operands),
+                   queues=plan.queues.tolist(), events=plan.events.tolist(), arrivals=plan.arrivals, rows=len(plan.operands),
                    operands=plan.static_operands.tolist(), op_names=plan.op_names)

@@ -114,6 +114,13 @@ class OpDef:
         after the events and puts the first one's index into param :attr:`arrival_param`)."""
         return 0
 
+    def arrival(self, op: Op, tile: Tile) -> tuple[int, int] | None:
+        """``(counter, count)``: which of the op's arrival counters (0 .. arrivals - 1) ``tile`` adds
+        to, and how many tiles arrive there a step - what the device and the CPU reference compute
+        from the descriptor (``tilec.verify.verify_plan`` checks them against each other); None for
+        a tile that counts no arrival."""
+        return None
+
     def device_dtypes(self, op: Op, dtypes: list) -> list:
         """The dtypes (one per tensor operand, in operand order) that select the op's device
         template ``tilec::op_<kind><types...>``; ops with roles decided at run time narrow them."""

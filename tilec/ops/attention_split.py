@@ -98,6 +98,13 @@ class AttentionPartial(OpDef):
         """One arrival counter per (batch, KV head) with ``combine`` (the groups' first heads use theirs)."""
         return op.inputs[1].shape[0] * op.inputs[1].shape[1] if op.attr("combine") else 0
 
+    def arrival(self, op, tile):
+        """Counter b * Hkv + h0 of the tile's batch b and first KV head h0; the group's splits arrive."""
+        if not op.attr("combine"):
+            return None
+        (b, _), (h0, _), _ = tile.coords
+        return b * op.inputs[1].shape[1] + h0, op.outputs[0].shape[2]
+
     def device_dtypes(self, op, dtypes):
         """``op_attention_partial<TQ, TK, TV, TP, TM>``: the device reads cos, sin and k_new as q's
         dtype, v_new and the slots as the caches', the combine's out as q's (the fold passes ensure

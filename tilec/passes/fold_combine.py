@@ -24,7 +24,9 @@ needs no reset. The rewrite applies when
     writes those buffers; P has no ``combine`` yet;
 (b) C's out has P's queries' dtype and o_part / ml are float32 (the device instance reads out as
     the queries' type, the partials as ``split_kv`` makes them), C's ``kv_heads`` is P's;
-(c) no op between P and C touches out's buffer (the combine now runs at P's place).
+(c) no op between P and C touches out's buffer (the combine now runs at P's place), and P
+    itself neither reads nor writes it (a group's combine would run while other groups' tiles
+    still read their inputs: the task graph orders no op's tiles over their own dynamic writes).
 
 Results are bitwise those of the unfolded plan: the same ``attention_combine`` arithmetic
 (``combine_rows`` in runtime/tilec/ops_attention.cuh; ``_combine_rows`` on the CPU) over the same
@@ -84,7 +86,7 @@ def fold_combine(graph: OpGraph, opts=None) -> OpGraph:
         if comb.attr("kv_heads") != k.shape[1]:
             continue
         if any(ops[m] is not None and any(v.buffer == out.buffer for v in ops[m].inputs + ops[m].outputs)
-               for m in range(i + 1, j)):
+               for m in range(i, j)):
             continue
         attrs = tuple(sorted(part.attrs + (("combine", True),)))
         ops[i] = dataclasses.replace(part, outputs=(*part.outputs, out), attrs=attrs)
