@@ -146,7 +146,8 @@ def test_a_combining_op_the_device_would_misread_is_an_error(llama_graph):
     d = opreg.opdef(part.kind)
     f32 = [torch.float32] * 12  # the tensor operands (valid is a scalar)
     assert d.device_dtypes(part, f32) == f32[:5]
-    with pytest.raises(TilecError, match=f"op {part.name}: out is torch.bfloat16, the device reads it as torch.float32"):
+    want = f"op {part.name}: out is torch.bfloat16, the device reads it as torch.float32"
+    with pytest.raises(TilecError, match=want):
         d.device_dtypes(part, f32[:11] + [torch.bfloat16])
 
 

@@ -108,5 +108,6 @@ def render_tables(plan: KernelPlan) -> str:
     """``tables.h``: the plan's instruction queues, event table and operand-table template as
     C++ constant arrays (readable, and buildable on their own with ``tilec_layout.h``)."""
     return _render("tables.h.j2", version=__version__, workers=plan.queues.shape[0], length=plan.queues.shape[1],
-                   queues=plan.queues.tolist(), events=plan.events.tolist(), arrivals=plan.arrivals, rows=len(plan.operands),
+                   queues=plan.queues.tolist(), events=plan.events.tolist(), arrivals=plan.arrivals,
+                   rows=len(plan.operands),
                    operands=plan.static_operands.tolist(), op_names=plan.op_names)

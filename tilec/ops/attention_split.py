@@ -113,8 +113,9 @@ class AttentionPartial(OpDef):
         Raises:
             TilecError: cos / sin / k_new / v_new / a slot / out of a dtype the device would misread.
         """
-        names = (("cos", "sin") if op.attr("rope") is not None else ()) + (
-            ("k_new", "v_new", "k_slot", "v_slot") if op.attr("append") else ()) + (("out",) if op.attr("combine") else ())
+        names = ((("cos", "sin") if op.attr("rope") is not None else ())
+                 + (("k_new", "v_new", "k_slot", "v_slot") if op.attr("append") else ())
+                 + (("out",) if op.attr("combine") else ()))
         want = {"cos": dtypes[0], "sin": dtypes[0], "k_new": dtypes[0], "v_new": dtypes[2], "k_slot": dtypes[1],
                 "v_slot": dtypes[2], "out": dtypes[0]}
         if op.attr("append") and dtypes[0] != dtypes[1]:
