@@ -93,3 +93,31 @@ def assert_steps_bitwise_equal(a, b, tok: torch.Tensor, what: str, steps: int = 
         tok = x.argmax(-1)
     for la, lb in zip(ca.layers, cb.layers):
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+def fold_pair(name: str, dtype: torch.dtype, on: dict, off: dict, hook=None):
+    """A tiny zoo model's decode step (2 sequences, context 6, a 16-position cache) compiled on the CPU
+    with the options ``on`` and ``off`` (the fold tests: ``SPLIT`` plus a fold switched). Returns
+    ``(model, token, (on step, its cache), (off step, its cache), want)`` with ``want`` eager's logits at
+    position 6 from a third copy of the cache; ``hook`` sees the ``on`` compile's stages."""
+    import copy
+
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import eager_step, make_model, prefill
+
+    model = make_model(name, dtype, "cpu")
+    cache, tok = prefill(model, 2, 6, 16, "cpu")
+    eager_cache, cache_off = copy.deepcopy(cache), copy.deepcopy(cache)
+    step_on = compile_decode_step(model, cache, 2, options=on, hook=hook)
+    step_off = compile_decode_step(model, cache_off, 2, options=off)
+    return model, tok, (step_on, cache), (step_off, cache_off), eager_step(model, eager_cache, tok, 6)
+
+
+def assert_fold_pair_matches(tok, on, off, want, what: str, steps: int = 3) -> None:
+    """``on``'s step at position 6 within relative L2 1e-5 (float32) / 2e-2 (bf16) of ``want``, then
+    ``on`` and ``off`` (from :func:`fold_pair`) bitwise equal over ``steps`` greedy steps."""
+    got = on[0](tok, 6)
+    tol = 1e-5 if got.dtype == torch.float32 else 2e-2
+    assert rel_l2(got, want) < tol
+    on[0].seek(6)
+    assert_steps_bitwise_equal(on, off, tok, what, steps=steps)

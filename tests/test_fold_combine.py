@@ -6,13 +6,12 @@ monotonic across steps and rolled back with the events when a step fails, and th
 what it must not fold."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
 
-from _helpers import SPLIT, StageRecorder, assert_steps_bitwise_equal, kinds
+from _helpers import SPLIT, StageRecorder, assert_fold_pair_matches, fold_pair, kinds
 from tilec import ops as opreg
 from tilec.errors import TilecError, VerificationError
 from tilec.hf import compile_decode_step
@@ -25,32 +24,24 @@ from tilec.plan import F
 from tilec.refexec import ReferenceExecutor
 from tilec.taskgraph import build_taskgraph
 from tilec.verify import verify_plan, verify_taskgraph
-from tilec.zoo import eager_step, make_model, prefill
+from tilec.zoo import make_model, prefill
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decoder_combined_equals_uncombined_and_eager(name, dtype):
-    model = make_model(name, dtype, "cpu")
-    cache, tok = prefill(model, 2, 6, 16, "cpu")
-    eager_cache, cache_off = copy.deepcopy(cache), copy.deepcopy(cache)
-    on = compile_decode_step(model, cache, 2, options=SPLIT)
-    off = compile_decode_step(model, cache_off, 2, options=dict(SPLIT, fold_combine=False))
-    layers = model.config.num_hidden_layers
-    g, gu = on.program.plan.graph, off.program.plan.graph
+    model, tok, on, off, want = fold_pair(name, dtype, SPLIT, dict(SPLIT, fold_combine=False))
+    config = model.config
+    layers = config.num_hidden_layers
+    g, gu = on[0].program.plan.graph, off[0].program.plan.graph
     assert kinds(gu)["attention_combine"] == layers and kinds(g)["attention_combine"] == 0
     assert len(g.ops) == len(gu.ops) - layers
     combines = [op for op in gu.ops if op.kind == "attention_combine"]
     parts = [op for op in g.ops if op.kind == "attention_partial"]
     assert all(p.attr("combine") and p.outputs[-1] == c.outputs[0] for p, c in zip(parts, combines))
-    hkv = model.config.num_key_value_heads
-    assert on.program.plan.arrivals == layers * 2 * hkv and off.program.plan.arrivals == 0
-    want = eager_step(model, eager_cache, tok, 6)
-    got = on(tok, 6)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
-    on.seek(6)
-    assert_steps_bitwise_equal((on, cache), (off, cache_off), tok, "combined and uncombined", steps=5)
+    hkv = config.num_key_value_heads
+    assert on[0].program.plan.arrivals == layers * 2 * hkv and off[0].program.plan.arrivals == 0
+    assert_fold_pair_matches(tok, on, off, want, "combined and uncombined", steps=5)
 
 
 @pytest.fixture(scope="module")

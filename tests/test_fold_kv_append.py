@@ -4,13 +4,12 @@ bitwise the results of the plan with a rope and a cache_write op (reference exec
 among the attention's own tiles, and the pass refuses what it must not fold."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
 
-from _helpers import SPLIT, StageRecorder, assert_steps_bitwise_equal, kinds
+from _helpers import SPLIT, StageRecorder, assert_fold_pair_matches, fold_pair, kinds
 from tilec import ops as opreg
 from tilec.errors import TilecError
 from tilec.hf import compile_decode_step
@@ -19,18 +18,14 @@ from tilec.ops import DYNAMIC
 from tilec.options import Options
 from tilec.passes import fold_kv_append
 from tilec.taskgraph import build_taskgraph
-from tilec.zoo import eager_step, make_model, prefill
+from tilec.zoo import make_model, prefill
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decoder_appended_equals_unappended_and_eager(name, dtype):
-    model = make_model(name, dtype, "cpu")
-    cache, tok = prefill(model, 2, 6, 16, "cpu")
-    eager_cache, cache_off = copy.deepcopy(cache), copy.deepcopy(cache)
-    on = compile_decode_step(model, cache, 2, options=SPLIT)
-    off = compile_decode_step(model, cache_off, 2, options=dict(SPLIT, fold_kv_append=False))
+    model, tok, on, off, want = fold_pair(name, dtype, SPLIT, dict(SPLIT, fold_kv_append=False))
     layers = model.config.num_hidden_layers
-    g, gu = on.program.plan.graph, off.program.plan.graph
+    g, gu = on[0].program.plan.graph, off[0].program.plan.graph
     # per layer the key rope and the value cache_write are gone, the partial writes both slots
     assert kinds(gu)["rope"] == kinds(gu)["cache_write"] == layers
     assert kinds(g)["rope"] == kinds(g)["cache_write"] == 0 and len(g.ops) == len(gu.ops) - 2 * layers
@@ -38,12 +33,7 @@ def test_decoder_appended_equals_unappended_and_eager(name, dtype):
     assert len(parts) == layers and all(op.attr("append") and len(op.inputs) == 7 and len(op.outputs) == 5
                                         for op in parts)  # o_part, ml, the slots, the folded combine's out
     assert all(op.outputs[2].pos_stride and op.outputs[2].buffer == op.inputs[1].buffer for op in parts)
-    want = eager_step(model, eager_cache, tok, 6)
-    got = on(tok, 6)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
-    on.seek(6)
-    assert_steps_bitwise_equal((on, cache), (off, cache_off), tok, "appended and unappended", steps=5)
+    assert_fold_pair_matches(tok, on, off, want, "appended and unappended", steps=5)
 
 
 @pytest.fixture(scope="module")

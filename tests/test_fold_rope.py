@@ -3,31 +3,27 @@ RoPE themselves, with bitwise the results of the plan with a rope op (reference 
 the pass refuses what it must not fold."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
 import torch
 
-from _helpers import SPLIT, StageRecorder, assert_steps_bitwise_equal, kinds
+from _helpers import SPLIT, StageRecorder, assert_fold_pair_matches, fold_pair, kinds
 from tilec.hf import compile_decode_step
 from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
 from tilec.options import Options
 from tilec.passes import fold_rope
-from tilec.zoo import eager_step, make_model, prefill
+from tilec.zoo import make_model, prefill
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decoder_folded_equals_unfolded_and_eager(name, dtype):
-    model = make_model(name, dtype, "cpu")
-    cache, tok = prefill(model, 2, 6, 16, "cpu")
-    eager_cache, cache_off = copy.deepcopy(cache), copy.deepcopy(cache)
     rec = StageRecorder()
     # the append fold (on by default, tests/test_fold_kv_append.py) would take the key rope too
-    on = compile_decode_step(model, cache, 2, options=dict(SPLIT, fold_kv_append=False), hook=rec)
-    off = compile_decode_step(model, cache_off, 2, options=dict(SPLIT, fold_rope=False))
+    model, tok, on, off, want = fold_pair(name, dtype, dict(SPLIT, fold_kv_append=False), dict(SPLIT, fold_rope=False),
+                                   hook=rec)
     layers = model.config.num_hidden_layers
-    g, gu = on.program.plan.graph, off.program.plan.graph
+    g, gu = on[0].program.plan.graph, off[0].program.plan.graph
     # per layer: the q rope is gone (the k rope stays, writing the cache slot)
     assert kinds(gu)["rope"] == 2 * layers and kinds(g)["rope"] == layers
     parts = [op for op in g.ops if op.kind == "attention_partial"]
@@ -37,12 +33,7 @@ def test_decoder_folded_equals_unfolded_and_eager(name, dtype):
     # folded after the GEMV sizing: the q projection keeps the tiles cut for its per-head RoPE
     splits = [[op.attr("col_split") for op in gr.ops if op.kind.startswith("linear")] for gr in (g, gu)]
     assert splits[0] == splits[1] and any(s is not None for s in splits[0])
-    want = eager_step(model, eager_cache, tok, 6)
-    got = on(tok, 6)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < tol
-    on.seek(6)
-    assert_steps_bitwise_equal((on, cache), (off, cache_off), tok, "folded and unfolded")
+    assert_fold_pair_matches(tok, on, off, want, "folded and unfolded")
 
 
 @pytest.fixture(scope="module")
