@@ -8,8 +8,9 @@
   accumulations inside written regions; after normalization <= 1 wait and <= 1 trigger per
   task; after linearization a topological order with contiguous event ranges;
 * :func:`verify_plan` - queues follow the global order, every task encoded once, wait and
-  trigger counts equal the number of signalling instructions, and a simulation of the
-  queues (no tile math) completes without deadlock.
+  trigger counts equal the number of signalling instructions, each op's arrival counters its own
+  range with exactly its count of arrivals per counter, and a simulation of the queues (no tile
+  math) completes without deadlock.
 """
 from __future__ import annotations
 
