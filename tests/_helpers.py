@@ -121,3 +121,30 @@ def assert_fold_pair_matches(tok, on, off, want, what: str, steps: int = 3) -> N
     assert rel_l2(got, want) < tol
     on[0].seek(6)
     assert_steps_bitwise_equal(on, off, tok, what, steps=steps)
+
+
+def attention_graph(b, hq, hkv, sq, s, d, dv, causal=True, scale=0.125, dtype=torch.float32):
+    """One decode ``attention`` op: q [b, hq, sq, d] (input), k/v [b, hkv, s, d|dv] (caches)."""
+    from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
+
+    bufs = {"q": Buffer("q", (b, hq, sq, d), dtype, BufferKind.INPUT),
+            "k": Buffer("k", (b, hkv, s, d), dtype, BufferKind.STATE),
+            "v": Buffer("v", (b, hkv, s, dv), dtype, BufferKind.STATE),
+            "out": Buffer("out", (b, hq, sq, dv), dtype, BufferKind.OUTPUT)}
+    w = {n: View.whole(x) for n, x in bufs.items()}
+    op = Op("attn", "attention", (w["q"], w["k"], w["v"]), (w["out"],), (("causal", causal), ("scale", scale)))
+    return OpGraph((op,), bufs, ("q", "k", "v", "<position>"), (w["out"],),
+                   max_positions=s - sq + 1 if causal else 1)
+
+
+def gemv_groups_graph(**options):
+    """llama-tiny's OpGraph after the gemv_groups stage (2 layers, float32, prefilled to 4 of 12
+    positions, ``SPLIT``'s split-KV attention) compiled with ``options`` on top of ``SPLIT``."""
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import make_model, prefill
+
+    model = make_model("llama-tiny", torch.float32, "cpu")
+    cache, _ = prefill(model, 1, 4, 12, "cpu")
+    rec = StageRecorder()
+    compile_decode_step(model, cache, 1, options=dict(SPLIT, **options), hook=rec)
+    return rec.stages["gemv_groups"]

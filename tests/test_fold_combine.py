@@ -11,10 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from _helpers import SPLIT, StageRecorder, assert_fold_pair_matches, fold_pair, kinds
+from _helpers import SPLIT, assert_fold_pair_matches, attention_graph, fold_pair, gemv_groups_graph, kinds
 from tilec import ops as opreg
 from tilec.errors import TilecError, VerificationError
-from tilec.hf import compile_decode_step
 from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
 from tilec.ops import DYNAMIC
 from tilec.options import Options
@@ -24,7 +23,6 @@ from tilec.plan import F
 from tilec.refexec import ReferenceExecutor
 from tilec.taskgraph import build_taskgraph
 from tilec.verify import verify_plan, verify_taskgraph
-from tilec.zoo import make_model, prefill
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
@@ -48,11 +46,7 @@ def test_decoder_combined_equals_uncombined_and_eager(name, dtype):
 def llama_graph() -> OpGraph:
     """llama-tiny's OpGraph after the gemv_groups stage without the combine fold (2 layers, float32,
     split-KV attention with the RoPE and KV-append folds)."""
-    model = make_model("llama-tiny", torch.float32, "cpu")
-    cache, _ = prefill(model, 1, 4, 12, "cpu")
-    rec = StageRecorder()
-    compile_decode_step(model, cache, 1, options=dict(SPLIT, fold_combine=False), hook=rec)
-    return rec.stages["gemv_groups"]
+    return gemv_groups_graph(fold_combine=False)
 
 
 def combined(graph: OpGraph) -> int:
@@ -142,17 +136,6 @@ def test_a_combining_op_the_device_would_misread_is_an_error(llama_graph):
         d.device_dtypes(part, f32[:11] + [torch.bfloat16])
 
 
-def _graph(b, hq, hkv, sq, s, d, dv) -> OpGraph:
-    """One causal decode ``attention`` op: q [b, hq, sq, d] (input), k / v [b, hkv, s, d | dv] (caches)."""
-    bufs = {"q": Buffer("q", (b, hq, sq, d), torch.float32, BufferKind.INPUT),
-            "k": Buffer("k", (b, hkv, s, d), torch.float32, BufferKind.STATE),
-            "v": Buffer("v", (b, hkv, s, dv), torch.float32, BufferKind.STATE),
-            "out": Buffer("out", (b, hq, sq, dv), torch.float32, BufferKind.OUTPUT)}
-    w = {n: View.whole(x) for n, x in bufs.items()}
-    op = Op("attn", "attention", (w["q"], w["k"], w["v"]), (w["out"],), (("causal", True), ("scale", 0.125)))
-    return OpGraph((op,), bufs, ("q", "k", "v", "<position>"), (w["out"],), max_positions=s - sq + 1)
-
-
 def _run(plan, inputs, position, executor=None):
     t = {k: v.clone() for k, v in inputs.items()}
     for name, buf in plan.graph.buffers.items():
@@ -170,7 +153,7 @@ def test_any_arrival_order_combines_bitwise(workers, heads_per_tile):
     b, hq, hkv, sq, s, d, dv = 2, 6, 3, 2, 30, 16, 24
     torch.manual_seed(0)
     inputs = {"q": torch.randn(b, hq, sq, d), "k": torch.randn(b, hkv, s, d), "v": torch.randn(b, hkv, s, dv)}
-    plans = {fold: compile_opgraph(_graph(b, hq, hkv, sq, s, d, dv),
+    plans = {fold: compile_opgraph(attention_graph(b, hq, hkv, sq, s, d, dv),
                                    Options(workers=workers, attn_kv_chunk=8, attn_heads_per_tile=heads_per_tile,
                                            fold_combine=fold)).plan for fold in (True, False)}
     assert [op.kind for op in plans[True].graph.ops] == ["attention_partial"] and plans[True].arrivals == b * hkv
@@ -192,7 +175,7 @@ def test_a_failed_step_rolls_the_arrival_counters_back(monkeypatch):
     b, hq, hkv, sq, s, d, dv = 1, 4, 2, 1, 40, 16, 16
     torch.manual_seed(1)
     inputs = {"q": torch.randn(b, hq, sq, d), "k": torch.randn(b, hkv, s, d), "v": torch.randn(b, hkv, s, dv)}
-    plan = compile_opgraph(_graph(b, hq, hkv, sq, s, d, dv), Options(workers=3, attn_kv_chunk=8)).plan
+    plan = compile_opgraph(attention_graph(b, hq, hkv, sq, s, d, dv), Options(workers=3, attn_kv_chunk=8)).plan
     ex = ReferenceExecutor(plan)
     _run(plan, inputs, 30, ex)
     before = ex.counters.clone()
@@ -206,7 +189,7 @@ def test_a_failed_step_rolls_the_arrival_counters_back(monkeypatch):
         _run(plan, inputs, 31, ex)
     assert torch.equal(ex.counters, before) and ex.epoch == 1
     monkeypatch.setattr(asplit, "_combine_rows", real)
-    want = _run(compile_opgraph(_graph(b, hq, hkv, sq, s, d, dv),
+    want = _run(compile_opgraph(attention_graph(b, hq, hkv, sq, s, d, dv),
                                 Options(workers=3, attn_kv_chunk=8, fold_combine=False)).plan, inputs, 31)
     assert torch.equal(_run(plan, inputs, 31, ex)["out"], want["out"])
 
@@ -217,7 +200,7 @@ def test_the_plan_places_the_counters_after_the_events_and_the_verifier_checks_t
     arriving too often at one counter) is a verification error, as is a partial without the fold
     that counts arrivals."""
     b, hq, hkv, s, d = 2, 4, 2, 40, 16
-    g = _graph(b, hq, hkv, 1, s, d, d)
+    g = attention_graph(b, hq, hkv, 1, s, d, d)
     bufs = {**g.buffers, "q2": dataclasses.replace(g.buffers["q"], name="q2"),
             "out2": dataclasses.replace(g.buffers["out"], name="out2")}
     (op,) = g.ops

@@ -9,16 +9,14 @@ import dataclasses
 import pytest
 import torch
 
-from _helpers import SPLIT, StageRecorder, assert_fold_pair_matches, fold_pair, kinds
+from _helpers import SPLIT, assert_fold_pair_matches, fold_pair, gemv_groups_graph, kinds
 from tilec import ops as opreg
 from tilec.errors import TilecError
-from tilec.hf import compile_decode_step
 from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
 from tilec.ops import DYNAMIC
 from tilec.options import Options
 from tilec.passes import fold_kv_append
 from tilec.taskgraph import build_taskgraph
-from tilec.zoo import make_model, prefill
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -40,11 +38,7 @@ def test_decoder_appended_equals_unappended_and_eager(name, dtype):
 def llama_graph() -> OpGraph:
     """llama-tiny's OpGraph after the gemv_groups stage without the append and combine folds (2
     layers, float32, split-KV attention with the queries' RoPE folded)."""
-    model = make_model("llama-tiny", torch.float32, "cpu")
-    cache, _ = prefill(model, 1, 4, 12, "cpu")
-    rec = StageRecorder()
-    compile_decode_step(model, cache, 1, options=dict(SPLIT, fold_kv_append=False, fold_combine=False), hook=rec)
-    return rec.stages["gemv_groups"]
+    return gemv_groups_graph(fold_kv_append=False, fold_combine=False)
 
 
 def appended(graph: OpGraph) -> int:

@@ -8,12 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from _helpers import SPLIT, StageRecorder, assert_fold_pair_matches, fold_pair, kinds
-from tilec.hf import compile_decode_step
+from _helpers import SPLIT, StageRecorder, assert_fold_pair_matches, fold_pair, gemv_groups_graph, kinds
 from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
 from tilec.options import Options
 from tilec.passes import fold_rope
-from tilec.zoo import make_model, prefill
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -39,11 +37,7 @@ def test_decoder_folded_equals_unfolded_and_eager(name, dtype):
 @pytest.fixture(scope="module")
 def llama_graph() -> OpGraph:
     """llama-tiny's OpGraph just before fold_rope (2 layers, float32, split-KV attention)."""
-    model = make_model("llama-tiny", torch.float32, "cpu")
-    cache, _ = prefill(model, 1, 4, 12, "cpu")
-    rec = StageRecorder()
-    compile_decode_step(model, cache, 1, options=dict(SPLIT, fold_rope=False), hook=rec)
-    return rec.stages["gemv_groups"]
+    return gemv_groups_graph(fold_rope=False)
 
 
 def query_ropes(graph: OpGraph) -> list[Op]:

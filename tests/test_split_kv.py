@@ -13,28 +13,16 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import StageRecorder, assert_close
+from _helpers import StageRecorder, assert_close, attention_graph
 
 from tilec.errors import TilecError
 from tilec.hf import compile_decode_step
-from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
+from tilec.ir import Buffer, BufferKind
 from tilec.ops import opdef
 from tilec.options import Options
 from tilec.passes.split_kv import kv_chunk, split_kv
 from tilec.pipeline import compile_opgraph
 from tilec.refexec import ReferenceExecutor
-
-
-def attention_graph(b, hq, hkv, sq, s, d, dv, causal=True, scale=0.125, dtype=torch.float32):
-    """One decode ``attention`` op: q [b, hq, sq, d] (input), k/v [b, hkv, s, d|dv] (caches)."""
-    bufs = {"q": Buffer("q", (b, hq, sq, d), dtype, BufferKind.INPUT),
-            "k": Buffer("k", (b, hkv, s, d), dtype, BufferKind.STATE),
-            "v": Buffer("v", (b, hkv, s, dv), dtype, BufferKind.STATE),
-            "out": Buffer("out", (b, hq, sq, dv), dtype, BufferKind.OUTPUT)}
-    w = {n: View.whole(x) for n, x in bufs.items()}
-    op = Op("attn", "attention", (w["q"], w["k"], w["v"]), (w["out"],), (("causal", causal), ("scale", scale)))
-    return OpGraph((op,), bufs, ("q", "k", "v", "<position>"), (w["out"],),
-                   max_positions=s - sq + 1 if causal else 1)
 
 
 def run_graph(graph, opts, q, k, v, p):

@@ -151,14 +151,14 @@ def simulate(plan: KernelPlan, queues: torch.Tensor | None = None) -> None:
         sim.run({}, plan.static_operands, queues)
 
 
-def _check_arrivals(plan: KernelPlan) -> None:
+def _check_arrivals(plan: KernelPlan, q: list) -> None:
     """Arrival counters (``tilec.plan``): each op that counts arrivals owns its own range after the
     events, the ranges fill ``plan.arrivals``, every counter gets exactly its count of arrivals a
-    step (``OpDef.arrival`` of each tile), and an op without counters carries -1."""
+    step (``OpDef.arrival`` of each tile), and an op without counters carries -1. ``q``: the queues as lists."""
     n_events, p0, op_w = plan.events.shape[0], F["params"][0], F["opcode"][0]
     first: dict[int, int] = {}  # op index -> its first counter
     hits: dict[int, list[int]] = {}  # counter -> [count, arrivals]
-    for w, qw in enumerate(plan.queues.tolist()):
+    for w, qw in enumerate(q):
         for i, d in enumerate(qw):
             if d[op_w] in (NOOP, EMPTY):
                 continue
@@ -223,7 +223,7 @@ def verify_plan(plan: KernelPlan, tg: TaskGraph) -> None:
     for e, n in enumerate(signals):
         if n != int(plan.events[e, 0]):
             raise VerificationError(f"event {e}: trigger count {int(plan.events[e, 0])} but {n} instructions signal it")
-    _check_arrivals(plan)
+    _check_arrivals(plan, q)
     try:
         simulate(plan)
     except DeadlockError as err:
