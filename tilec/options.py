@@ -50,6 +50,11 @@ class Options:
     fold_combine: let the last split-KV attention tile of each (batch, KV head group) to finish run
         the combine of the group's splits, instead of an ``attention_combine`` op after the partials
         (``tilec.passes.fold_combine``; bitwise the same results, one dependent stage fewer per layer).
+    coarsen_forks: when a tile triggers several events that all wake tiles of one op (its columns
+        straddle two of that op's tiles' reads), merge those events into one that every such tile
+        waits on, instead of relaying the tile through empty tasks (``tilec.passes.fusion.coarsen_forks``;
+        the same results, one dependent stage fewer on those waiters' path); ``gemv_groups`` then
+        sizes sibling GEMVs by their total columns alone, straddling their consumers' tiles.
     gemv_groups: size the tiles of sibling GEMVs (same input rows, e.g. q/k/v or gate/up) by their
         total columns, so that together they make about ``workers`` tiles
         (``tilec.passes.gemv_groups``; the same results, fewer instructions per worker).
@@ -88,6 +93,7 @@ class Options:
     fold_rope: bool = True
     fold_kv_append: bool = True
     fold_combine: bool = True
+    coarsen_forks: bool = False
     gemv_groups: bool = True
     fuse_fp8_quant: bool = True
     fp8_stream: bool = True

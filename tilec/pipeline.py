@@ -19,7 +19,8 @@
                 the split-KV combine into its partials (the
                 last tile of a head group runs it)
     tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
-    fused       fuse_events                                (verify_taskgraph "fused")
+    fused       fuse_events (coarsen_forks: a tile's fan-out (verify_taskgraph "fused")
+                into one op's tiles becomes one event)
     normalized  normalize                                  (verify_taskgraph "normalized")
     linearized  linearize                                  (verify_taskgraph "linearized")
     schedule    schedule into W queues
@@ -115,7 +116,7 @@ def compile_opgraph(graph: OpGraph, opts: Options | None = None, hook: Hook | No
     tg = stage("tasks", build_taskgraph, graph, opts)
     if opts.verify:
         verify_taskgraph(tg, "tasks", opts)
-    tg = stage("fused", fuse_events, tg)
+    tg = stage("fused", fuse_events, tg, opts.coarsen_forks)
     if opts.verify:
         verify_taskgraph(tg, "fused", opts)
     tg = stage("normalized", normalize, tg)

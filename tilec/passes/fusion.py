@@ -81,20 +81,61 @@ def drop_implied_triggers(tg: TaskGraph, events: list[Event]) -> tuple[list[Even
     return out, dropped
 
 
-def fuse_events(tg: TaskGraph) -> TaskGraph:
+def coarsen_forks(tg: TaskGraph, events: list[Event]) -> tuple[list[Event], int]:
+    """``events`` with every fan-out into one op's tiles merged, and how many events went.
+
+    A task that triggers several events whose waiters are all tiles of the same op X (a GEMV
+    tile whose columns straddle two of X's tiles' reads) would get a relay through empty tasks
+    from normalization (a dependent stage more on those waiters' path); instead those events
+    become one, transitively (union-find over the tasks' triggers), whose waiters then wait on
+    all their producers. Every merged producer is an ancestor of some X tile and so of no X tile
+    a descendant (op-level dependencies are acyclic): the graph stays a DAG.
+    """
+    op_of = {t.id: t.op for t in tg.tasks}
+    parent = list(range(len(events)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    waiter = []
+    for e in events:
+        ops = {op_of[s] for s in e.succs}
+        waiter.append(next(iter(ops)) if len(ops) == 1 and None not in ops else None)
+    first: dict[tuple[int, str], int] = {}  # (task, waiter op) -> an event it triggers
+    for i, e in enumerate(events):
+        if waiter[i] is None:
+            continue
+        for p in e.preds:
+            j = first.setdefault((p, waiter[i]), i)
+            if j != i:
+                parent[find(i)] = find(j)
+    pos = {id(e): i for i, e in enumerate(events)}
+    out = _merge(events, lambda e: find(pos[id(e)]))
+    return out, len(events) - len(out)
+
+
+def fuse_events(tg: TaskGraph, coarsen: bool = False) -> TaskGraph:
     """Merges events with identical successor sets, drops implied triggers, then merges events
-    with identical successor or predecessor sets until nothing changes."""
+    with identical successor or predecessor sets until nothing changes; with ``coarsen``, also
+    merges each task's fan-out into one op's tiles (:func:`coarsen_forks`) between the rounds."""
     before_events, before_deps = len(tg.events), tg.dependency_count()
     events, implied = drop_implied_triggers(tg, _merge(list(tg.events), lambda e: e.succs))
+    coarsened = 0
     while True:
         n = len(events)
         events = _merge(events, lambda e: e.succs)
         events = _merge(events, lambda e: e.preds)
+        if coarsen:
+            events, k = coarsen_forks(tg, events)
+            coarsened += k
         if len(events) == n:
             break
     events = [dataclasses.replace(e, id=i) for i, e in enumerate(sorted(events, key=lambda e: (min(e.succs), e.id)))]
     out = dataclasses.replace(tg, events=tuple(events))
     stats = dict(tg.stats, events_before_fusion=before_events, deps_before_fusion=before_deps,
-                 implied_triggers_dropped=implied, events_after_fusion=len(events),
+                 implied_triggers_dropped=implied, forks_coarsened=coarsened, events_after_fusion=len(events),
                  deps_after_fusion=out.dependency_count())
     return dataclasses.replace(out, stats=stats)

@@ -108,7 +108,8 @@ def size_gemv_groups(graph: OpGraph, opts=None) -> OpGraph:
     splits = {}
     for members in groups.values():
         ops = [graph.ops[i] for i in members]
-        cuts = [consumer_cuts(graph, op, opts) for op in ops]
+        # with coarsen_forks a straddled consumer tile costs no relay (its events merge instead)
+        cuts = [None if opts.coarsen_forks else consumer_cuts(graph, op, opts) for op in ops]
         per_op = [gemv_col_ranges(op, opts) for op in ops]
         if len(members) == 1 and (cuts[0] is None or not straddles(per_op[0], cuts[0])):
             continue  # a lone GEMV whose per-op tiles straddle no consumer tile: leave it as it is
