@@ -1,6 +1,6 @@
 """Compile-option variants of one decode step, A/B in one process (benchmarks/lab: an experiment).
 
-Compiles the Llama-3.2-1B decode step (batch 1, bf16, random weights) once per variant, over
+Compiles the Llama-3.2-1B decode step (or ``--model``'s; batch 1 or ``--batch``, bf16, random weights) once per variant, over
 the same model and KV cache, then prints each variant's logits difference from the first and
 the median CUDA-graph replay time per round (variants alternate, so drifts of the GPU's clocks
 hit all of them alike).
@@ -31,6 +31,7 @@ def main():
     ap.add_argument("variants", nargs="+", metavar="NAME=JSON")
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
@@ -44,12 +45,12 @@ def main():
         if not name or name in variants or not isinstance(opts, dict):
             ap.error(f"variant {v!r}: needs a new name and a JSON object of options")
         variants[name] = opts
-    model, cache, tok = llama_model("options_ab.py", args.context, args.model)
+    model, cache, tok = llama_model("options_ab.py", args.context, args.model, args.batch)
     steps, graphs, ref = {}, {}, None
     for name, opts in variants.items():
         opts = dict(opts)
         with cost.measured_overrides(opts.pop("costs", {})):
-            step = compile_decode_step(model, cache, 1, options=dict(opts, check=False))
+            step = compile_decode_step(model, cache, args.batch, options=dict(opts, check=False))
         run = step_runner(step, tok, args.context)
         out = run().float()
         step.program.executor.check()
