@@ -45,18 +45,21 @@ def test_grouped_equals_ungrouped(name):
         assert_close(la.values, lb.values, 1e-6, "values")
 
 
-@pytest.mark.parametrize("tile_rows,qkv,empties", [(4, (88, 22, 22), 8), (1, (64, 32, 32), 0)])
-def test_llama_1b_qkv_and_gate_up_fill_the_workers_once(tile_rows, qkv, empties):
-    """Llama-3.2-1B shapes, 132 workers: gate/up make 66 + 66 tiles of 120-128 columns, q/k/v 132
-    tiles in 256-column blocks (RoPE / cache-write tiles of 4 heads) or 128 in 64-column blocks
-    (1 head), one instruction per worker each; per-op sizing made 128 + 128 and 128 + 64 + 64.
-    No tile straddles a consumer's: no empty task beyond those of per-op sizing."""
+@pytest.mark.parametrize("coarsen,tile_rows,qkv,empties", [(False, 4, (88, 22, 22), 8), (False, 1, (64, 32, 32), 0),
+                                                          (True, 4, (88, 22, 22), 0), (True, 1, (88, 22, 22), 0)])
+def test_llama_1b_qkv_and_gate_up_fill_the_workers_once(coarsen, tile_rows, qkv, empties):
+    """Llama-3.2-1B shapes, 132 workers: gate/up make 66 + 66 tiles of 120-128 columns; q/k/v, with
+    coarsen_forks (the default), 132 tiles of 16-24 columns sized by their total columns alone; without
+    it 132 tiles in 256-column blocks (RoPE / cache-write tiles of 4 heads) or 128 in 64-column blocks
+    (1 head), so that no tile straddles a consumer's; one instruction per worker each (per-op sizing
+    made 128 + 128 and 128 + 64 + 64). No empty task beyond those of per-op sizing (with coarsening
+    none at all)."""
     model = make_model("llama-3.2-1b", torch.bfloat16, "cpu", layers=1)
     cache, _ = prefill(model, 1, 4, 64, "cpu")
     counts, empty = {}, {}
     for groups in (True, False):
         step = compile_decode_step(model, cache, 1, options=dict(executor="reference", gemv_groups=groups,
-                                                                 tile_rows=tile_rows))
+                                                                 tile_rows=tile_rows, coarsen_forks=coarsen))
         g = step.program.plan.graph
         tiles = gemv_tiles(step)
         counts[groups] = [tiles[op.name] for op in g.ops if op.kind == "linear_fused"]

@@ -7,6 +7,7 @@ come from torch.export captured once and re-used (``[[name]]``), as FileCheck va
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -17,8 +18,9 @@ from tilec.api import compile_module
 from tilec.options import Options
 
 STAGES = ["opgraph", "split_kv", "fuse_gemv", "fold_cache", "gemv_groups", "tasks", "fused", "normalized", "linearized", "schedule", "plan"]
-# the task-graph goldens below pin the unfused op graph; GEMV fusion has its own golden
-OPTS = Options(workers=4, tile_n=32, tile_rows=1, scheduler="list", fuse_gemv=False)
+# the task-graph goldens below pin the unfused op graph (GEMV fusion has its own golden) and
+# MPK's normalization of fan-outs through empty tasks (fork coarsening has its own golden)
+OPTS = Options(workers=4, tile_n=32, tile_rows=1, scheduler="list", fuse_gemv=False, coarsen_forks=False)
 
 
 class MLPBlock(torch.nn.Module):
@@ -178,6 +180,25 @@ def test_events_after_fusion(block):
     assert parse_tasks(text) == parse_tasks(rec.render("tasks"))
 
 
+def test_events_after_fusion_with_coarsened_forks():
+    """coarsen_forks: the down tiles t12 / t13 fed both residual-add tiles' events (e5, e6 above),
+    whose waiters are tiles of one op: the two events become one, and normalization relays only the
+    fan-outs into different ops (t0, t1 -> RMSNorm and residual add)."""
+    m, args, prog, rec = compile_block(dataclasses.replace(OPTS, coarsen_forks=True))
+    filecheck(rec.render("fused"), [
+        r"^  e4 tile_cover: \{t10,t11\} -> \{t12,t13\}$",
+        r"^  e5 tile\+tile_cover: \{t0,t1,t12,t13\} -> \{t14,t15\}$",
+    ])
+    s = prog.stats
+    assert (s["forks_coarsened"], s["events_after_fusion"], s["empty_tasks_added"], s["events"]) == (1, 6, 4, 8)
+    filecheck(rec.render("normalized"), [
+        r"^  e5 tile\+tile_cover: \{t12,t13,t17,t19\} -> \{t14,t15\}$",
+        r"^  e6 fork: \{t0\} -> \{t16,t17\}$",
+        r"^  e7 fork: \{t1\} -> \{t18,t19\}$",
+    ])
+    assert_close(prog(*args), m(*args), 1e-5)
+
+
 def test_normalized_one_wait_one_trigger_and_empty_tasks(block):
     _, _, prog, rec = block
     text = rec.render("normalized")
@@ -268,7 +289,8 @@ def test_render_is_stable_across_compiles():
 
 
 def test_round_robin_plan_render():
-    _, _, prog, rec = compile_block(Options(workers=3, tile_n=32, tile_rows=1, scheduler="round_robin", fuse_gemv=False))
+    _, _, prog, rec = compile_block(Options(workers=3, tile_n=32, tile_rows=1, scheduler="round_robin", fuse_gemv=False,
+                                                 coarsen_forks=False))
     sched = rec.stages["schedule"]
     order = rec.stages["linearized"].order
     assert sched.queues == tuple(tuple(order[i] for i in range(w, len(order), 3)) for w in range(3))

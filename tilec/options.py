@@ -93,7 +93,7 @@ class Options:
     fold_rope: bool = True
     fold_kv_append: bool = True
     fold_combine: bool = True
-    coarsen_forks: bool = False
+    coarsen_forks: bool = True
     gemv_groups: bool = True
     fuse_fp8_quant: bool = True
     fp8_stream: bool = True

@@ -11,7 +11,7 @@ def compile_stats(graph: OpGraph, tg: TaskGraph, sched: Schedule) -> dict:
     """Counts and predictions (times in us).
 
     Keys: ops, tasks, empty_tasks_added, events_before_fusion, deps_before_fusion,
-    events_after_fusion, deps_after_fusion, events, deps_encoded, queue_len_max,
+    forks_coarsened, events_after_fusion, deps_after_fusion, events, deps_encoded, queue_len_max,
     queue_len_mean, critical_path_us, predicted_step_us, scheduler.
     """
     lens = [len(q) for q in sched.queues]
@@ -22,6 +22,7 @@ def compile_stats(graph: OpGraph, tg: TaskGraph, sched: Schedule) -> dict:
         "empty_tasks_added": tg.stats.get("empty_tasks_added", 0),
         "events_before_fusion": tg.stats.get("events_before_fusion", 0),
         "deps_before_fusion": tg.stats.get("deps_before_fusion", 0),
+        "forks_coarsened": tg.stats.get("forks_coarsened", 0),
         "events_after_fusion": tg.stats.get("events_after_fusion", 0),
         "deps_after_fusion": tg.stats.get("deps_after_fusion", 0),
         "events": len(tg.events),

@@ -1,6 +1,6 @@
 """Compile-time variants of the executor, A/B in one process (benchmarks/lab: an experiment).
 
-Compiles the Llama-3.2-1B decode step (batch 1 or ``--batch``, context 1024, bf16, random weights) once, then
+Compiles the Llama-3.2-1B decode step (or ``--model``'s; batch 1 or ``--batch``, context 1024, bf16, random weights) once, then
 builds its generated program again with each variant's ``#define`` lines prepended (nvcc runs in
 parallel), swaps each library in turn into the same compiled step and prints, per variant and
 weight-ring depth, the median CUDA-graph replay time (alternating variants, several rounds), the
@@ -61,14 +61,14 @@ def parse_variants(specs, ap) -> list[tuple[str, str]]:
     return variants
 
 
-def prebuild(variants, batch: int = 1) -> None:
+def prebuild(variants, batch: int = 1, name: str = "llama-3.2-1b") -> None:
     """Builds each variant's library of the step's program on the CPU (into the build cache)."""
     import torch
 
     from tilec.hf import compile_decode_step
     from tilec.zoo import make_model, prefill
 
-    model = make_model("llama-3.2-1b", torch.bfloat16, "cpu", layers=2)
+    model = make_model(name, torch.bfloat16, "cpu", layers=2)
     cache, _ = prefill(model, batch, 8, 1024 + 64, "cpu")
     step = compile_decode_step(model, cache, batch, options=dict(check=False, executor="reference"))
     srcs = codegen.render(step.program.compiled.plan)
@@ -86,15 +86,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--model", default="llama-3.2-1b", help="a tilec.zoo Llama-family model (e.g. llama-3.1-8b)")
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
     ap.add_argument("--trace", type=Path, metavar="DIR",
                     help="also write each variant's measured trace (its first run) to DIR/trace_NAME.json")
     args = ap.parse_args()
     variants = parse_variants(args.variants, ap)
     if args.prebuild:
-        prebuild(variants, args.batch)
+        prebuild(variants, args.batch, args.model)
         return
-    step, run = llama_step("variants_ab.py", batch=args.batch)
+    step, run = llama_step("variants_ab.py", batch=args.batch, name=args.model)
     base = step.program.executor
     opts = dataclasses.replace(base.opts, profile=True)
 

@@ -18,6 +18,12 @@ into ``k`` tiles of near-equal widths, multiples of 8: q/k/v become 64 + 32 + 32
 that would make more tiles than the workers (and than per-op sizing) are not used: a lone GEMV
 is then left as it is, a group sized by its total columns alone.
 
+With ``Options.coarsen_forks`` (the default) a straddle costs no relay - fusion merges the
+straddled consumer tiles' events instead (``tilec.passes.fusion.coarsen_forks``) - so the pass
+ignores the consumers' cuts: each group is sized by its total columns alone (Llama-3.2-1B's q/k/v:
+88 + 22 + 22 tiles of 16-24 columns, the split-KV partials then waiting on all of them), and a lone
+GEMV is left as it is.
+
 The pass sets attr ``col_split = (block, k)`` on each ``linear`` / ``linear_fused`` op it
 sizes (``tilec.ops.gemv_col_ranges`` cuts the tiles from it): members of a sibling group (two
 or more such ops with equal kind, prologue, residual epilogue (or none: a ``silu`` epilogue reads
