@@ -428,6 +428,7 @@ def test_ctrl_c_exits_130(facts, tmp_path, monkeypatch):
     r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build")
     assert r.exit_code == 130 and "tilec: interrupted" in r.stderr, r.output
     assert not (tmp_path / "a").exists()
+    assert "130 interrupted" in invoke("--help").output  # the help lists every exit code
 
 
 def test_compile_force_replaces_an_artifact(facts, tmp_path):

@@ -12,7 +12,7 @@ The artifact format is described in :mod:`tilec.artifact`.
 
 Exit codes: 0 ok; 1 ``run --check`` found a mismatch; 2 usage or bad input (arguments, options,
 factory, artifact, missing GPU); 3 compile error (including nvcc); 4 the step failed at run time,
-or an internal error.
+or an internal error; 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ class _Group(click.Group):
 def main(ctx: click.Context, quiet: bool) -> None:
     """Compile PyTorch decode steps to tile instruction streams for one persistent CUDA kernel.
 
-    Exit codes: 0 ok, 1 check mismatch, 2 usage or bad input, 3 compile error, 4 run-time error.
+    Exit codes: 0 ok, 1 check mismatch, 2 usage or bad input, 3 compile error, 4 run-time error,
+    130 interrupted.
     """
     ctx.obj = Progress(quiet)
     for category in (FutureWarning, DeprecationWarning):  # third-party noise (torch.export, transformers)
