@@ -102,10 +102,10 @@ def rehash(path: Path) -> None:
 @pytest.fixture(scope="module")
 def art(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "llama"
-    # the goldens below pin the unfused, unfolded plan (cache_write ops kept) with 64-column GEMV tiles
-    # and 4-row tiles of row-wise ops
+    # the goldens below pin the unfused, unfolded plan (cache_write ops kept) with 64-column GEMV tiles,
+    # 4-row tiles of row-wise ops and normalization's relays (no fork coarsening)
     r = invoke("compile", FACTORY, "-o", out, "-O", "workers=8", "-O", "tile_n=64", "-O", "fuse_gemv=false",
-               "-O", "fold_cache_writes=false", "-O", "tile_rows=4")
+               "-O", "fold_cache_writes=false", "-O", "tile_rows=4", "-O", "coarsen_forks=false")
     assert r.exit_code == 0, r.output
     assert re.search(r"wrote .*llama: 37 ops, 106 tasks, 36 events on 8 workers", r.stdout)
     return out
@@ -281,7 +281,8 @@ def test_inspect_matches_a_fresh_compile(art):
 
     fn, _ = cli.load_factory(FACTORY)
     module, args, positions, max_positions = cli.call_factory(fn, FACTORY)
-    opts = {"workers": 8, "tile_n": 64, "fuse_gemv": False, "fold_cache_writes": False, "tile_rows": 4}
+    opts = {"workers": 8, "tile_n": 64, "fuse_gemv": False, "fold_cache_writes": False, "tile_rows": 4,
+            "coarsen_forks": False}
     prog = compile_module(module, args, positions=positions, max_positions=max_positions, options=opts)
     st = prog.compiled.stages
     for name in artifact.STAGES:

@@ -28,7 +28,7 @@ def test_decoder_folded_equals_unfolded_and_eager(name, dtype):
     assert len(parts) == layers and all(op.attr("rope") == 0 and len(op.inputs) == 5 for op in parts)
     assert not any(op.attr("rope") is not None for op in gu.ops)
     assert "fold_cache" in rec.stages and len(g.ops) == len(gu.ops) - layers
-    # folded after the GEMV sizing: the q projection keeps the tiles cut for its per-head RoPE
+    # folded after the GEMV sizing: the q projection keeps the tiles sized before the fold
     splits = [[op.attr("col_split") for op in gr.ops if op.kind.startswith("linear")] for gr in (g, gu)]
     assert splits[0] == splits[1] and any(s is not None for s in splits[0])
     assert_fold_pair_matches(tok, on, off, want, "folded and unfolded")

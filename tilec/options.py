@@ -51,10 +51,11 @@ class Options:
         the combine of the group's splits, instead of an ``attention_combine`` op after the partials
         (``tilec.passes.fold_combine``; bitwise the same results, one dependent stage fewer per layer).
     coarsen_forks: when a tile triggers several events that all wake tiles of one op (its columns
-        straddle two of that op's tiles' reads), merge those events into one that every such tile
-        waits on, instead of relaying the tile through empty tasks (``tilec.passes.fusion.coarsen_forks``;
-        the same results, one dependent stage fewer on those waiters' path); ``gemv_groups`` then
-        sizes sibling GEMVs by their total columns alone, straddling their consumers' tiles.
+        straddle two of that op's tiles' reads), merge those events - and every event sharing a
+        producer with them - into one that every such tile waits on, instead of relaying the tile
+        through empty tasks (``tilec.passes.fusion.coarsen_forks``; the same results, one dependent
+        stage fewer on those waiters' path); ``gemv_groups`` then sizes sibling GEMVs whose outputs
+        one op reads by their total columns alone, straddling that op's tiles.
     gemv_groups: size the tiles of sibling GEMVs (same input rows, e.g. q/k/v or gate/up) by their
         total columns, so that together they make about ``workers`` tiles
         (``tilec.passes.gemv_groups``; the same results, fewer instructions per worker).

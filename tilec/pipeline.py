@@ -13,14 +13,15 @@
                 input rows) sized by their total columns;
                 then fold_rope: the queries' rope into the
                 split-KV attention tiles (after the sizing:
-                q keeps tiles cut for its per-head RoPE),
+                without coarsen_forks q keeps tiles cut
+                for its per-head RoPE),
                 and fold_kv_append: the keys' RoPE and the
                 cache writes into those tiles; fold_combine:
                 the split-KV combine into its partials (the
                 last tile of a head group runs it)
     tasks       build_taskgraph: tiles + events by overlap (verify_taskgraph "tasks")
-    fused       fuse_events (coarsen_forks: a tile's fan-out (verify_taskgraph "fused")
-                into one op's tiles becomes one event)
+    fused       fuse_events; coarsen_forks: a tile's    (verify_taskgraph "fused")
+                fan-out into one op's tiles becomes one event
     normalized  normalize                                  (verify_taskgraph "normalized")
     linearized  linearize                                  (verify_taskgraph "linearized")
     schedule    schedule into W queues

@@ -2,7 +2,8 @@
 
 Requires: a TaskGraph with events derived from region overlap.
 Guarantees: no two events have the same successor set, nor the same predecessor set;
-the semantics (which tasks must finish before which) are unchanged. Records the event
+the semantics (which tasks must finish before which) are unchanged - with ``coarsen``
+(:func:`coarsen_forks`), orderings are added, never removed. Records the event
 and dependency counts before and after in ``stats``.
 
 Between the merges, triggers that are implied by another trigger of the same event are
@@ -24,7 +25,7 @@ def _merge(events: list[Event], key) -> list[Event]:
         groups.setdefault(key(e), []).append(e)
     out = []
     for es in groups.values():
-        strategies = {e.strategy for e in es}
+        strategies = set().union(*(e.strategy.split("+") for e in es))
         out.append(Event(
             es[0].id,
             frozenset().union(*(e.preds for e in es)),
@@ -86,10 +87,13 @@ def coarsen_forks(tg: TaskGraph, events: list[Event]) -> tuple[list[Event], int]
 
     A task that triggers several events whose waiters are all tiles of the same op X (a GEMV
     tile whose columns straddle two of X's tiles' reads) would get a relay through empty tasks
-    from normalization (a dependent stage more on those waiters' path); instead those events
-    become one, transitively (union-find over the tasks' triggers), whose waiters then wait on
-    all their producers. Every merged producer is an ancestor of some X tile and so of no X tile
-    a descendant (op-level dependencies are acyclic): the graph stays a DAG.
+    from normalization (a dependent stage more on those waiters' path); instead those events,
+    and every event sharing a producer with them, become one (union-find over the tasks'
+    triggers), whose waiters then wait on all its producers. Orderings are only added, never
+    removed. An event one of whose producers is a tile of X that itself waits (a split-K init
+    tile reading a computed bias) is left alone. So each added edge runs from a task of an op
+    before X - a lower task id, as every edge of ``build_taskgraph`` - or from a task that waits
+    on nothing: the graph stays a DAG.
     """
     op_of = {t.id: t.op for t in tg.tasks}
     parent = list(range(len(events)))
@@ -100,10 +104,12 @@ def coarsen_forks(tg: TaskGraph, events: list[Event]) -> tuple[list[Event], int]
             i = parent[i]
         return i
 
+    waited = set().union(*(e.succs for e in events))
     waiter = []
     for e in events:
         ops = {op_of[s] for s in e.succs}
-        waiter.append(next(iter(ops)) if len(ops) == 1 and None not in ops else None)
+        own = any(op_of[p] in ops and p in waited for p in e.preds)  # see above: would risk a cycle
+        waiter.append(next(iter(ops)) if len(ops) == 1 and None not in ops and not own else None)
     first: dict[tuple[int, str], int] = {}  # (task, waiter op) -> an event it triggers
     for i, e in enumerate(events):
         if waiter[i] is None:

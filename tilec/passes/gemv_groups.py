@@ -18,11 +18,12 @@ into ``k`` tiles of near-equal widths, multiples of 8: q/k/v become 64 + 32 + 32
 that would make more tiles than the workers (and than per-op sizing) are not used: a lone GEMV
 is then left as it is, a group sized by its total columns alone.
 
-With ``Options.coarsen_forks`` (the default) a straddle costs no relay - fusion merges the
-straddled consumer tiles' events instead (``tilec.passes.fusion.coarsen_forks``) - so the pass
-ignores the consumers' cuts: each group is sized by its total columns alone (Llama-3.2-1B's q/k/v:
-88 + 22 + 22 tiles of 16-24 columns, the split-KV partials then waiting on all of them), and a lone
-GEMV is left as it is.
+With ``Options.coarsen_forks`` (the default) a straddle of the one op reading an output costs
+no relay - fusion merges the straddled tiles' events instead (``tilec.passes.fusion.coarsen_forks``)
+- so the pass ignores that op's cuts: such a group is sized by its total columns alone
+(Llama-3.2-1B's q/k/v: 88 + 22 + 22 tiles of 16-24 columns, the split-KV partials then waiting on
+all of them), and such a lone GEMV is left as it is. Outputs that several ops read are still cut
+in blocks.
 
 The pass sets attr ``col_split = (block, k)`` on each ``linear`` / ``linear_fused`` op it
 sizes (``tilec.ops.gemv_col_ranges`` cuts the tiles from it): members of a sibling group (two
@@ -90,6 +91,12 @@ def consumer_cuts(graph: OpGraph, op: Op, opts) -> set[int] | None:
     return cuts
 
 
+def readers(graph: OpGraph, op: Op) -> set[str]:
+    """The names of the other ops that read ``op``'s output buffer."""
+    buf = op.outputs[0].buffer
+    return {c.name for c in graph.ops if c is not op and any(v.buffer == buf for v in c.inputs)}
+
+
 def straddles(ranges, cuts: set[int]) -> bool:
     """Whether a cut falls strictly inside one of the column ranges."""
     return any(lo < c < hi for lo, hi in ranges for c in cuts)
@@ -114,8 +121,10 @@ def size_gemv_groups(graph: OpGraph, opts=None) -> OpGraph:
     splits = {}
     for members in groups.values():
         ops = [graph.ops[i] for i in members]
-        # with coarsen_forks a straddled consumer tile costs no relay (its events merge instead)
-        cuts = [None if opts.coarsen_forks else consumer_cuts(graph, op, opts) for op in ops]
+        # with coarsen_forks a straddled tile of the one op reading an output costs no relay (its
+        # events merge instead); readers of several ops would still get one
+        cuts = [None if opts.coarsen_forks and len(readers(graph, op)) == 1 else consumer_cuts(graph, op, opts)
+                for op in ops]
         per_op = [gemv_col_ranges(op, opts) for op in ops]
         if len(members) == 1 and (cuts[0] is None or not straddles(per_op[0], cuts[0])):
             continue  # a lone GEMV whose per-op tiles straddle no consumer tile: leave it as it is
