@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tilec.errors import TilecError  # noqa: E402
-from tilec.hf import compile_decode_step  # noqa: E402
+from tilec.hf import cache_kwargs, compile_decode_step  # noqa: E402
 from tilec.options import Options  # noqa: E402
 from tilec.timing import SmClock, cuda_graph, median_ms, need_gpu  # noqa: E402
 from tilec.zoo import make_model, prefill  # noqa: E402
@@ -89,7 +89,7 @@ def main():
 
     def eager():
         with torch.no_grad():
-            return model(tok, past_key_values=cache, cache_position=pos_t, use_cache=True).logits
+            return model(tok, **cache_kwargs(model, cache), cache_position=pos_t, use_cache=True).logits
 
     counters = [l for l in cache.layers if isinstance(getattr(l, "cumulative_length", None), torch.Tensor)]
 
@@ -114,7 +114,7 @@ def main():
         def inductor():
             rewind()
             with torch.no_grad():
-                return compiled(tok, past_key_values=cache, cache_position=pos_t, use_cache=True).logits
+                return compiled(tok, **cache_kwargs(compiled, cache), cache_position=pos_t, use_cache=True).logits
 
         for _ in range(3):
             inductor()

@@ -13,6 +13,7 @@ import torch
 import tilec.backend as backend
 from _helpers import assert_close
 from tilec.errors import UnsupportedNodeError
+from tilec.hf import cache_kwargs
 from tilec.zoo import eager_step, make_model, prefill
 
 
@@ -26,10 +27,13 @@ def _reset():
 def test_entry_point_in_fresh_process():
     """After ``pip install``, ``backend="tilec"`` resolves without importing tilec first."""
     code = textwrap.dedent("""
-        import copy, warnings, torch
+        import copy, inspect, warnings, torch
         warnings.simplefilter("ignore")
         assert "tilec" not in __import__("sys").modules
         from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+        # the cache keyword of this transformers version (tilec.hf.cache_kwargs, without importing tilec)
+        kw = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+        cache_kwargs = lambda model, c: {kw: c}
         torch.manual_seed(0)
         cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=32, vocab_size=500)
@@ -37,13 +41,13 @@ def test_entry_point_in_fresh_process():
         m = LlamaForCausalLM(cfg).eval()
         cache = StaticCache(config=cfg, max_cache_len=12)
         with torch.no_grad():
-            m(torch.randint(0, 500, (1, 4)), past_key_values=cache, cache_position=torch.arange(4), use_cache=True)
+            m(torch.randint(0, 500, (1, 4)), **cache_kwargs(m, cache), cache_position=torch.arange(4), use_cache=True)
         eager_cache = copy.deepcopy(cache)
         f = torch.compile(m, backend="tilec")
         tok = torch.tensor([[7]])
         with torch.no_grad():
-            got = f(tok, past_key_values=cache, cache_position=torch.tensor([4]), use_cache=True).logits
-            want = m(tok, past_key_values=eager_cache, cache_position=torch.tensor([4]), use_cache=True).logits
+            got = f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([4]), use_cache=True).logits
+            want = m(tok, **cache_kwargs(m, eager_cache), cache_position=torch.tensor([4]), use_cache=True).logits
         err = ((got - want).norm() / want.norm()).item()
         assert err < 1e-4, err
         print("OK", err)
@@ -64,7 +68,7 @@ def test_decode_steps_match_eager_without_recompiling(monkeypatch):
     for i in range(3):
         pos = 4 + i
         with torch.no_grad():
-            got = f(tok, past_key_values=cache, cache_position=torch.tensor([pos]), use_cache=True).logits
+            got = f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([pos]), use_cache=True).logits
         want = eager_step(model, eager_cache, tok, pos)
         assert_close(got, want, 1e-4, f"logits at position {pos}")
         for a, b in zip(cache.layers, eager_cache.layers):
@@ -265,7 +269,7 @@ def test_automatic_dynamic_shapes_run_eagerly_with_a_warning(caplog):
         cache, tok = prefill(model, batch, 4, 16)
         eager_cache = copy.deepcopy(cache)
         with torch.no_grad(), caplog.at_level("WARNING"):
-            got = f(tok, past_key_values=cache, cache_position=torch.tensor([4]), use_cache=True).logits
+            got = f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([4]), use_cache=True).logits
         assert_close(got, eager_step(model, eager_cache, tok, 4), 1e-4, f"batch {batch}")
     assert "dynamic=False" in caplog.text
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from tilec.api import compile_module
 from tilec.errors import TilecError, UnsupportedNodeError
+from tilec.hf import cache_kwargs
 from tilec.options import Options
 
 THIS_FILE = pathlib.Path(__file__).name
@@ -183,7 +184,7 @@ def test_unknown_option_through_the_hf_entry_point():
     model = transformers.LlamaForCausalLM(cfg).eval()
     cache = transformers.StaticCache(config=cfg, max_cache_len=8)
     with torch.no_grad():
-        model(torch.zeros(1, 2, dtype=torch.int64), past_key_values=cache, cache_position=torch.arange(2),
+        model(torch.zeros(1, 2, dtype=torch.int64), **cache_kwargs(model, cache), cache_position=torch.arange(2),
               use_cache=True)
     with pytest.raises(ValueError, match=r"unknown tilec option\(s\) \['schedular'\]; valid options: \["):
         compile_decode_step(model, cache, options=dict(schedular="list"))

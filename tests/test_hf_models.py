@@ -14,7 +14,7 @@ import torch
 
 from _helpers import assert_close, rel_l2
 from tilec.errors import TilecError
-from tilec.hf import compile_decode_step
+from tilec.hf import cache_kwargs, compile_decode_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,7 +55,7 @@ def build(arch: str, batch: int, seed: int = 0):
     cache = transformers.StaticCache(config=cfg, max_cache_len=MAX_CACHE_LEN)
     ids = torch.randint(0, cfg.vocab_size, (batch, PREFILL))
     with torch.no_grad():
-        model(ids, past_key_values=cache, cache_position=torch.arange(PREFILL), use_cache=True)
+        model(ids, **cache_kwargs(model, cache), cache_position=torch.arange(PREFILL), use_cache=True)
     return model, cache, cfg.vocab_size
 
 
@@ -69,7 +69,7 @@ def run_and_compare(arch: str, batch: int, options: dict):
     for s in range(STEPS):
         tok = torch.randint(0, vocab, (batch, 1), generator=gen)
         with torch.no_grad():
-            ref = model(tok, past_key_values=eager_cache, cache_position=torch.tensor([pos]), use_cache=True).logits
+            ref = model(tok, **cache_kwargs(model, eager_cache), cache_position=torch.tensor([pos]), use_cache=True).logits
         out = step(tok, pos)
         assert out.shape == ref.shape == (batch, 1, vocab)
         assert_close(out, ref, TOL, f"{arch} B={batch} step {s}: logits")
@@ -124,7 +124,7 @@ def test_seek_redecodes_a_position_and_skipping_one_is_an_error():
     again = step(tok, PREFILL)  # re-decoding gives the same logits
     assert torch.equal(first, again)
     with torch.no_grad():
-        ref = model(tok, past_key_values=eager_cache, cache_position=torch.tensor([PREFILL]), use_cache=True).logits
+        ref = model(tok, **cache_kwargs(model, eager_cache), cache_position=torch.tensor([PREFILL]), use_cache=True).logits
     assert_close(again, ref, TOL, "logits after seek")
     nxt = step(tok, PREFILL + 1)  # and decoding goes on from there
     assert nxt.shape == (1, 1, vocab)

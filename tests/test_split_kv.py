@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _helpers import StageRecorder, assert_close, attention_graph
 
 from tilec.errors import TilecError
-from tilec.hf import compile_decode_step
+from tilec.hf import cache_kwargs, compile_decode_step
 from tilec.ir import Buffer, BufferKind
 from tilec.ops import opdef
 from tilec.options import Options
@@ -200,7 +200,7 @@ def test_llama_step_with_split_kv_matches_eager():
     cache = transformers.StaticCache(config=cfg, max_cache_len=100)
     prefill = 40
     with torch.no_grad():
-        model(torch.randint(0, cfg.vocab_size, (2, prefill)), past_key_values=cache,
+        model(torch.randint(0, cfg.vocab_size, (2, prefill)), **cache_kwargs(model, cache),
               cache_position=torch.arange(prefill), use_cache=True)
     eager_cache = copy.deepcopy(cache)
     step = compile_decode_step(model, cache, batch_size=2, options=dict(workers=8, attn_kv_chunk=32))
@@ -212,5 +212,5 @@ def test_llama_step_with_split_kv_matches_eager():
     for pos in range(prefill, prefill + 3):
         tok = torch.randint(0, cfg.vocab_size, (2, 1), generator=gen)
         with torch.no_grad():
-            ref = model(tok, past_key_values=eager_cache, cache_position=torch.tensor([pos]), use_cache=True).logits
+            ref = model(tok, **cache_kwargs(model, eager_cache), cache_position=torch.tensor([pos]), use_cache=True).logits
         assert_close(step(tok, pos), ref, 1e-4, f"logits at position {pos}")

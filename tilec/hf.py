@@ -1,6 +1,7 @@
 """Hugging Face decoders with a ``StaticCache``: one decode step as a capturable module."""
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -8,6 +9,15 @@ import torch
 from .api import compile_module
 from .errors import TilecError
 from .options import Options
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that passes ``cache`` to an HF causal LM's ``forward``: ``{"cache": cache}`` where
+    the forward takes ``cache`` (transformers 5.24 renamed ``past_key_values``, warning that the old
+    name goes in 5.40), else ``{"past_key_values": cache}`` (earlier versions). ``model`` may be
+    wrapped by ``torch.compile``."""
+    forward = type(getattr(model, "_orig_mod", model)).forward
+    return {"cache": cache} if "cache" in inspect.signature(forward).parameters else {"past_key_values": cache}
 
 
 def _layers(cache):
@@ -46,8 +56,8 @@ class StaticCacheStep(torch.nn.Module):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                return self.model(input_ids, past_key_values=self.cache, cache_position=cache_position,
-                                  use_cache=True).logits
+                return self.model(input_ids, cache_position=cache_position, use_cache=True,
+                                  **cache_kwargs(self.model, self.cache)).logits
         finally:
             for layer, (k, v, c) in zip(_layers(self.cache), saved):
                 layer.keys, layer.values = k, v

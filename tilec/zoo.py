@@ -50,12 +50,14 @@ def prefill(model, batch: int, context: int, max_cache_len: int, device="cpu", s
 
     from transformers import StaticCache
 
+    from .hf import cache_kwargs
+
     g = torch.Generator().manual_seed(seed)
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g).to(device)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        out = model(ids, past_key_values=cache, cache_position=torch.arange(context, device=device), use_cache=True)
+        out = model(ids, cache_position=torch.arange(context, device=device), use_cache=True, **cache_kwargs(model, cache))
     return cache, out.logits[:, -1:].argmax(-1)
 
 
@@ -63,7 +65,9 @@ def eager_step(model, cache, tokens, position: int):
     """One eager HF decode step: logits [B, 1, V]; updates ``cache`` in place."""
     import warnings
 
+    from .hf import cache_kwargs
+
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return model(tokens, past_key_values=cache, use_cache=True,
+        return model(tokens, **cache_kwargs(model, cache), use_cache=True,
                      cache_position=torch.tensor([position], device=tokens.device)).logits
