@@ -3,10 +3,10 @@ fan-out into one op's tiles becomes one event instead of a relay through empty t
 ordering of the uncoarsened graph still holds, and the results are those of the uncoarsened plan."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 
+import networkx as nx
 import pytest
 import torch
 
@@ -19,23 +19,10 @@ from tilec.zoo import make_model, prefill
 
 def reaches(tg) -> dict[int, set[int]]:
     """Task -> the tasks that must finish before it (transitively), from ``tg``'s events."""
-    preds: dict[int, set[int]] = collections.defaultdict(set)
-    for e in tg.events:
-        for s in e.succs:
-            preds[s] |= e.preds
-    memo: dict[int, set[int]] = {}
-
-    def anc(t: int) -> set[int]:
-        if t not in memo:
-            out, stack = set(), list(preds[t])
-            while stack:
-                p = stack.pop()
-                if p not in out:
-                    out.add(p)
-                    stack.extend(preds[p])
-            memo[t] = out
-        return memo[t]
-    return {t.id: anc(t.id) for t in tg.tasks}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(t.id for t in tg.tasks)
+    dag.add_edges_from((p, s) for e in tg.events for p in e.preds for s in e.succs)
+    return {t.id: nx.ancestors(dag, t.id) for t in tg.tasks}
 
 
 @functools.lru_cache(maxsize=1)
