@@ -211,32 +211,37 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
             tasks.append(Task(len(tasks), op.name, op.kind, tile, tuple(reads), tuple(writes), exact, nbytes, flops))
             task_op.append(oi)
 
-    # earlier accesses per buffer: (task, box, mode, exact); reads and writes kept apart,
-    # since a read conflicts only with earlier writes
-    writes_of: dict[str, list[tuple[int, Box, str, bool]]] = {}
-    reads_of: dict[str, list[tuple[int, Box, str, bool]]] = {}
+    # earlier accesses per buffer, grouped by (op, mode): {(op index, mode): [(task, box, exact)]};
+    # reads and writes kept apart, since a read conflicts only with earlier writes. Whether two
+    # accesses conflict depends on their ops and modes alone, so a group that cannot conflict is
+    # skipped whole (an op's own tiles: a batch-16 Llama step's 640 split-KV partial tiles a layer
+    # read and dynamically write one KV cache; checking them pairwise made the build quadratic)
+    writes_of: dict[str, dict[tuple[int, str], list[tuple[int, Box, bool]]]] = {}
+    reads_of: dict[str, dict[tuple[int, str], list[tuple[int, Box, bool]]]] = {}
     deps: dict[tuple[int, int], set[int]] = {}  # (consumer task, producer op) -> producer tasks
     reduced: set[tuple[int, int]] = set()  # (consumer task, producer op) edges that see accumulations
     inexact: set[tuple[int, int]] = set()
     for t in tasks:
+        oi = task_op[t.id]
         accesses = [(b, box, "read") for b, box in t.reads] + [(b, box, mode) for b, box, mode in t.writes]
         for buf, box, mode in accesses:
-            earlier = writes_of.get(buf, []) if mode == "read" else writes_of.get(buf, []) + reads_of.get(buf, [])
-            for (pt, pbox, pmode, pexact) in earlier:
-                if pt == t.id:
-                    continue
-                same_op = task_op[pt] == task_op[t.id]
-                conflict = (pmode != "read" or mode != "read") and not (
-                    same_op and (pmode == mode == ACCUMULATE or DYNAMIC in (pmode, mode)))
-                if conflict and boxes_overlap(box, pbox):
-                    key = (t.id, task_op[pt])
-                    deps.setdefault(key, set()).add(pt)
-                    if pmode == ACCUMULATE:
-                        reduced.add(key)
-                    if not (pexact and t.exact):
-                        inexact.add(key)
+            groups = [writes_of.get(buf, {})] if mode == "read" else [writes_of.get(buf, {}), reads_of.get(buf, {})]
+            for group in groups:
+                for (pop, pmode), earlier in group.items():
+                    if pop == oi and (pmode == mode == ACCUMULATE or DYNAMIC in (pmode, mode)):
+                        continue  # an op's own accumulations / dynamic writes never order its tiles
+                    key = (t.id, pop)
+                    for pt, pbox, pexact in earlier:
+                        if pt == t.id or not boxes_overlap(box, pbox):
+                            continue
+                        deps.setdefault(key, set()).add(pt)
+                        if pmode == ACCUMULATE:
+                            reduced.add(key)
+                        if not (pexact and t.exact):
+                            inexact.add(key)
         for buf, box, mode in accesses:
-            (reads_of if mode == "read" else writes_of).setdefault(buf, []).append((t.id, box, mode, t.exact))
+            (reads_of if mode == "read" else writes_of).setdefault(buf, {}).setdefault((oi, mode), []).append(
+                (t.id, box, t.exact))
 
     events = []
     for (consumer, pop), preds in sorted(deps.items()):
