@@ -108,6 +108,21 @@ def test_swiglu_split_is_bitwise_the_silu_mul_prologue(dtype, m):
     assert torch.equal(split(xd), whole(xd))
 
 
+@pytest.mark.parametrize("m,stages", [(3, 3), (4, 2)])
+def test_wide_rows_keep_the_weight_ring(m, stages):
+    """Llama-3.2-1B's MLP at 3 / 4 rows: the down projection's scratch is its float rows alone (no
+    room for their bf16 copy), in which the ring consumer stages the bf16 x and side rows - at 4 x
+    8192 exactly filling it - so the weight ring keeps 3 / 2 stages and every GEMV streams."""
+    from tilec.ops import opdef
+    from tilec.plan import F
+
+    prog = check(SwiGLU(2048, 8192, torch.bfloat16), (torch.randn(m, 2048, dtype=torch.bfloat16),), torch.bfloat16)
+    assert prog.plan.ring_stages == stages and prog.executor.ring_stages == stages
+    q = prog.plan.queues
+    gemv = q[..., F["opcode"][0]] == opdef("linear_fused").opcode
+    assert bool((q[..., F["stream"][0]][gemv] != 0).all())
+
+
 class LinOfView(Lin):
     """The linear of a view of the input: transposed (K stride 16) or offset by one element
     (rows 2 bytes past 16-byte alignment) - the K-outer stream stages such rows one element at a

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import (row_cap, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_col_ranges, gemv_stream_word, out_tiles, register, sub,
+from . import (GEMV_RING_ROWS, row_cap, OpDef, Tile, TileArgs, bits_f32, f32_bits, gemv_col_ranges, gemv_stream_word, out_tiles, register, sub,
                weight_rows_prefetch)
 from .linear import gemv_flops
 from .silu_mul import silu
@@ -117,10 +117,23 @@ class LinearFused(OpDef):
         return [dtypes[0], dtypes[self.layout(op)[1]], dtypes[-1]]
 
     def smem_bytes(self, op):
+        """:func:`ring_staged_bytes` while the weight ring keeps its full depth beside it
+        (``tilec.smem.MAX_STAGES``), else :func:`staged_bytes`: the float rows alone, in which the
+        device's ring consumer stages bf16 x rows and the prologue's side rows too (``linear_impl``
+        in runtime/tilec/ops.cuh; it reads the float rows where bf16 ones cannot be staged). The
+        bf16 copy's room had cost Llama-3.2-1B's batch-4 plan its whole ring: the down projection's
+        4 x 8192 rows asked 199 KB, and no GEMV of the step streamed its weights (7.31 ms a step
+        on an H200, against 1.17 at batch 1 and 3.64 at batch 16)."""
+        from ..smem import MAX_DYNAMIC_SMEM, MAX_STAGES, STAGE_BYTES
+
         rows = 1
         for s in op.outputs[0].shape[:-1]:
             rows *= s
-        return ring_staged_bytes(rows, op.inputs[0].shape[-1])
+        k = op.inputs[0].shape[-1]
+        full = ring_staged_bytes(rows, k)
+        if rows > GEMV_RING_ROWS or full + MAX_STAGES * STAGE_BYTES <= MAX_DYNAMIC_SMEM:
+            return full  # (9..16 rows: the tensor-core consumer's cross-warp sums are not optional)
+        return staged_bytes(rows, k)
 
     def run_tile(self, t: TileArgs):
         k, pro, epi, eps = t.params[0], t.params[1], t.params[2], bits_f32(t.params[3])
