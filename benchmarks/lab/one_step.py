@@ -1,7 +1,7 @@
 """Runs a few steps of one compiled program for a profiler (``ncu``, ``nsys``) to catch:
 the GLM-5 DSA prelude (``glm5-fp8`` / ``glm5-bf16``: full size, ``tile_rows`` 4 and ``ring_stages`` 2 as
 ``benchmarks/glm5_prelude.py``) or the Llama-3.2-1B decode step (``llama-1b``: batch 1, context
-1024, as ``benchmarks/lab/variants_ab.py``). Prints the library's build-cache entry (its ``program.cu`` is what
+1024, as ``benchmarks/lab/variants_ab.py``; ``--batch`` another batch). Prints the library's build-cache entry (its ``program.cu`` is what
 ``benchmarks/lab/ncu_by_function.py --sources`` rebuilds as a cubin).
 
     ncu --section SourceCounters --section WarpStateStats -k regex:tilec_executor --launch-skip 2 -c 1 \\
@@ -26,12 +26,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("program", choices=["glm5-fp8", "glm5-bf16", "llama-1b"])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1, help="llama-1b: sequences per step")
     args = ap.parse_args()
     need_gpu("one_step.py")
     if args.program == "llama-1b":
         from _llama_step import llama_step
 
-        step, run = llama_step("one_step.py")
+        step, run = llama_step("one_step.py", batch=args.batch)
         for _ in range(args.steps):
             run()
         torch.cuda.synchronize()
