@@ -679,12 +679,27 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
     if (i == 0) c.mark(2);  // the first weight stage is in
     if (n < t.n1) {
       const uint4* row = reinterpret_cast<const uint4*>(shared_ptr(r.stages) + s * kStageBytes + warp * kRowPitch);
+      // A tile of exactly kR rows (a batch-4 step's 4) runs a loop without the per-row tests: with
+      // them nvcc branches around every row's dot product (BSSY / BSYNC; an ncu profile of a
+      // Llama-3.2-1B batch-4 step put 83 % of its stall samples in this instance, on branch
+      // resolution, short-scoreboard waits and a local-memory reload). H200, same process
+      // (benchmarks/lab/variants_ab.py --batch 4): 3.584 against 5.002 ms a step, gate / up tiles
+      // ~79 against ~124 us, logits bitwise equal. kR = 1 tiles keep the one loop.
+      if (kR > 1 && nr == kR) {
 #pragma unroll 2
-      for (int v = lane; v < len / 8; v += 32) {
-        const uint4 wv = row[v];
+        for (int v = lane; v < len / 8; v += 32) {
+          const uint4 wv = row[v];
 #pragma unroll
-        for (int m = 0; m < kR; ++m)
-          if (m < nr) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
+          for (int m = 0; m < kR; ++m) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
+        }
+      } else {
+#pragma unroll 2
+        for (int v = lane; v < len / 8; v += 32) {
+          const uint4 wv = row[v];
+#pragma unroll
+          for (int m = 0; m < kR; ++m)
+            if (m < nr) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
+        }
       }
     }
     mbar_arrive(r.empty + s);  // every thread releases its own reads (PTX: arrive releases the caller's)
