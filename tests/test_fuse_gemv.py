@@ -160,7 +160,7 @@ class WideMLP(torch.nn.Module):
 @pytest.mark.parametrize("rows,stages", [(1, 3), (3, 3), (4, 2)])
 def test_fused_rows_leave_the_weight_ring(rows, stages):
     """A fused GEMV's x rows must not take the weight ring's room: at 4 rows the down projection's
-    float rows plus their bf16 copy (4 x 8192) asked 199 KB of the CTA's 225, the ring got no stage
+    float rows plus their bf16 copy (4 x 8192) asked 194.5 KiB of the CTA's 225, the ring got no stage
     and no GEMV of Llama-3.2-1B's batch-4 step streamed its weights (7.31 ms a step on an H200
     against 1.17 at batch 1). Without the copy's room the ring keeps 2 stages and every GEMV
     streams; results as eager's."""

@@ -2,11 +2,12 @@
 (``tilec.verify``, ``tilec.taskgraph.build_taskgraph``): a cycle is named by its tasks and events, a
 linearized order that puts a waiter before its trigger is refused, and the write check allocates
 one count per written buffer - not one per tile write (it built a zero tensor of the KV cache's
-size for every split-KV partial tile, 45 of a 16-layer batch-16 Llama step's ~100 s of compile on
-2 CPU cores)."""
+size for every split-KV partial tile: 45 s of a 4-layer batch-16 Llama-3.2-1B step's 94 s compile
+on 2 CPU cores, under cProfile)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -58,8 +59,8 @@ def test_cycle_is_named_by_its_tasks_and_events(tasks):
     broken = dataclasses.replace(tg, events=tg.events + (back,))
     with pytest.raises(VerificationError, match="cycle") as info:
         verify_taskgraph(broken, "tasks", opts)
-    msg = str(info.value)
-    assert f"t{p}" in msg and f"t{s}" in msg and f"e{e.id}" in msg and f"e{back.id}" in msg, msg
+    toks = re.findall(r"[te]\d+", str(info.value))  # the cycle, closed: its first node again at the end
+    assert {f"t{p}", f"t{s}", f"e{back.id}"} <= set(toks) and toks[0] == toks[-1], info.value
 
 
 def test_linearized_order_with_a_waiter_before_its_trigger_is_refused():

@@ -123,6 +123,27 @@ def test_wide_rows_keep_the_weight_ring(m, stages):
     assert bool((q[..., F["stream"][0]][gemv] != 0).all())
 
 
+class NormLinOfView(torch.nn.Module):
+    """RMSNorm then a linear of a view of the input offset by one element: its bf16 rows are not
+    16-byte aligned, so the ring consumer cannot stage them as bf16."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(k, eps=1e-5, dtype=torch.bfloat16)
+        self.l = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, y):
+        return self.l(self.norm(y[:, 1:]))
+
+
+def test_wide_misaligned_rows_read_the_float_rows():
+    """4 x 8192 fused rows whose scratch is their float rows alone (the ring keeps 2 stages) and
+    that cannot be staged as bf16: the ring consumer reads the float rows."""
+    k = 8192
+    prog = check(NormLinOfView(k, 64), (torch.randn(4, k + 1, dtype=torch.bfloat16),), torch.bfloat16)
+    assert [op.kind for op in prog.plan.graph.ops] == ["linear_fused"] and prog.plan.ring_stages == 2
+
+
 class LinOfView(Lin):
     """The linear of a view of the input: transposed (K stride 16) or offset by one element
     (rows 2 bytes past 16-byte alignment) - the K-outer stream stages such rows one element at a

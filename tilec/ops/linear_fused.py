@@ -117,21 +117,21 @@ class LinearFused(OpDef):
         return [dtypes[0], dtypes[self.layout(op)[1]], dtypes[-1]]
 
     def smem_bytes(self, op):
-        """:func:`ring_staged_bytes` while the weight ring keeps its full depth beside it
-        (``tilec.smem.MAX_STAGES``), else :func:`staged_bytes`: the float rows alone, in which the
+        """:func:`ring_staged_bytes`, or for at most 8 rows :func:`staged_bytes` where that leaves
+        the weight ring more stages (``tilec.smem.ring_stages``): the float rows alone, in which the
         device's ring consumer stages bf16 x rows and the prologue's side rows too (``linear_impl``
         in runtime/tilec/ops.cuh; it reads the float rows where bf16 ones cannot be staged). The
         bf16 copy's room had cost Llama-3.2-1B's batch-4 plan its whole ring: the down projection's
-        4 x 8192 rows asked 199 KB, and no GEMV of the step streamed its weights (7.31 ms a step
-        on an H200, against 1.17 at batch 1 and 3.64 at batch 16)."""
-        from ..smem import MAX_DYNAMIC_SMEM, MAX_STAGES, STAGE_BYTES
+        4 x 8192 rows asked 194.5 KiB of the CTA's 225, and no GEMV of the step streamed its weights
+        (7.31 ms a step on an H200, against 1.17 at batch 1 and 3.64 at batch 16)."""
+        from ..smem import ring_stages
 
         rows = 1
         for s in op.outputs[0].shape[:-1]:
             rows *= s
         k = op.inputs[0].shape[-1]
         full = ring_staged_bytes(rows, k)
-        if rows > GEMV_RING_ROWS or full + MAX_STAGES * STAGE_BYTES <= MAX_DYNAMIC_SMEM:
+        if rows > GEMV_RING_ROWS or ring_stages(staged_bytes(rows, k)) <= ring_stages(full):
             return full  # (9..16 rows: the tensor-core consumer's cross-warp sums are not optional)
         return staged_bytes(rows, k)
 
