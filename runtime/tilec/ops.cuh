@@ -685,22 +685,17 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
       // resolution, short-scoreboard waits and a local-memory reload). H200, same process
       // (benchmarks/lab/variants_ab.py --batch 4): 3.584 against 5.002 ms a step, gate / up tiles
       // ~79 against ~124 us, logits bitwise equal. kR = 1 tiles keep the one loop.
-      if (kR > 1 && nr == kR) {
-#pragma unroll 2
-        for (int v = lane; v < len / 8; v += 32) {
-          const uint4 wv = row[v];
-#pragma unroll
-          for (int m = 0; m < kR; ++m) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
-        }
-      } else {
+      auto dots = [&](auto full) {  // full: every row of the instance in use (a compile-time bool)
 #pragma unroll 2
         for (int v = lane; v < len / 8; v += 32) {
           const uint4 wv = row[v];
 #pragma unroll
           for (int m = 0; m < kR; ++m)
-            if (m < nr) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
+            if (decltype(full)::value || m < nr) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
         }
-      }
+      };
+      if (kR > 1 && nr == kR) dots(std::true_type{});
+      else dots(std::false_type{});
     }
     mbar_arrive(r.empty + s);  // every thread releases its own reads (PTX: arrive releases the caller's)
     if (++s == r.nstages) s = 0, ph ^= 1u;

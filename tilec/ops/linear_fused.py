@@ -130,10 +130,10 @@ class LinearFused(OpDef):
         for s in op.outputs[0].shape[:-1]:
             rows *= s
         k = op.inputs[0].shape[-1]
-        full = ring_staged_bytes(rows, k)
-        if rows > GEMV_RING_ROWS or ring_stages(staged_bytes(rows, k)) <= ring_stages(full):
+        full, floats = ring_staged_bytes(rows, k), staged_bytes(rows, k)
+        if rows > GEMV_RING_ROWS or ring_stages(floats) <= ring_stages(full):
             return full  # (9..16 rows: the tensor-core consumer's cross-warp sums are not optional)
-        return staged_bytes(rows, k)
+        return floats
 
     def run_tile(self, t: TileArgs):
         k, pro, epi, eps = t.params[0], t.params[1], t.params[2], bits_f32(t.params[3])
