@@ -143,16 +143,19 @@ class _NormLinear(torch.nn.Module):
 
 
 def test_bf16_copy_of_ring_rows_is_reserved_but_does_not_limit_fusion():
-    """The ring consumer's bf16 copy of x (at most 8 rows) is part of the scratch the plan
-    reserves, but the fusion limit counts the float rows only: 8 rows x 4096 still fuse."""
+    """The CUDA-core ring consumer's bf16 copy of x (at most GEMV_RING_ROWS = 4 rows) is part of
+    the scratch the plan reserves, but the fusion limit counts the float rows only: 4 rows x 8192
+    still fuse."""
+    from tilec.ops import GEMV_RING_ROWS
     from tilec.ops.linear_fused import ring_staged_bytes, staged_bytes
     from tilec.passes.fuse_gemv import SMEM_LIMIT
 
-    assert staged_bytes(8, 4096) <= SMEM_LIMIT < ring_staged_bytes(8, 4096)
-    assert ring_staged_bytes(9, 4096) == staged_bytes(9, 4096) + 4096  # 9..16 rows: the cross-warp sums
+    assert GEMV_RING_ROWS == 4
+    assert staged_bytes(4, 8192) <= SMEM_LIMIT < ring_staged_bytes(4, 8192)
+    assert ring_staged_bytes(5, 4096) == staged_bytes(5, 4096) + 4096  # 5..16 rows: the cross-warp sums
     assert ring_staged_bytes(17, 4096) == staged_bytes(17, 4096)  # no ring
-    x = torch.randn(8, 4096, dtype=torch.bfloat16)
-    prog = compile_module(_NormLinear(4096, 64), (x,), options=dict(workers=8))
+    x = torch.randn(4, 8192, dtype=torch.bfloat16)
+    prog = compile_module(_NormLinear(8192, 64), (x,), options=dict(workers=8))
     assert [op.kind for op in prog.plan.graph.ops] == ["linear_fused"]
     x = torch.randn(1, 2048, dtype=torch.bfloat16)
     plan = compile_module(_NormLinear(2048, 64), (x,), options=dict(workers=8)).plan
@@ -180,10 +183,14 @@ class _Proj(torch.nn.Module):
     (12, 5000, 40, False, True),   # a ragged last K block
     (12, 1024, 96, False, False),  # K fits whole: the ordinary tensor-core ring consumer
     (16, 6144, 384, False, None),  # 64 columns a tile (tile_n 64): not streamed
-    (4, 4096, 96, False, False),   # <= 8 rows: the CUDA-core consumer, x staged whole
+    (8, 8192, 96, False, True),    # a batch-8 down projection (Llama-3.2-1B): tensor cores, K-outer
+    (5, 8192, 96, False, True),    # the fewest rows the tensor-core consumer takes
+    (4, 4096, 96, False, False),   # <= GEMV_RING_ROWS rows: the CUDA-core consumer, x staged whole
 ])
 def test_long_k_batches_stream_k_block_outer(rows, k, n, norm, kouter):
-    """9..16 bf16 rows over K > 4096: the stream word's K-outer flag, and scratch for one K block."""
+    """5..16 bf16 rows over K > 4096: the stream word's K-outer flag, and scratch for one K block.
+    Before, 5..8 rows went to the CUDA-core consumer, which stages x whole: Llama-3.2-1B's batch-8
+    down projection (8 x 8192, too wide to fuse) did not fit beside the ring and streamed nothing."""
     from tilec.ops import STREAM_KOUTER, kouter_bytes
 
     x = torch.randn(rows, k, dtype=torch.bfloat16)

@@ -30,7 +30,7 @@ MAX_STAGES = 3
 def scratch_bytes(graph: OpGraph) -> int:
     """Scratch (bytes, a multiple of 128) for the largest tile of ``graph``: attention scores and
     P.V partials (``op_attention``), staged GEMV x rows (up to 96 KiB; fused GEMVs always stage;
-    9..16 rows over a long K: one K block of them), and what ops state themselves (``OpDef.smem_bytes``).
+    tensor-core rows over a long K: one K block of them), and what ops state themselves (``OpDef.smem_bytes``).
 
     Raises:
         TilecError: an op needs more than a CTA has (naming the op), or an attention head dim

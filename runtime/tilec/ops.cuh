@@ -793,7 +793,7 @@ __device__ __noinline__ void gemv_bf16_mma(const TileCtx& c, const __nv_bfloat16
   }
 }
 
-// ---- streamed weights on tensor cores: 9..16 x rows ---------------------------------------
+// ---- streamed weights on tensor cores: TILEC_GEMV_RING_ROWS + 1 .. 16 x rows -------------
 // The ring's stages (8 weight rows = 8 output columns x a K block) feed mma.sync m16n8k16: warp w
 // takes K slice [w * kStreamK / kWarps, ...) of every stage - B is stage row g at k + 8q, one
 // 16-byte load per lane (rows kRowPitch apart: conflict-free, see stream.cuh), A the bf16 x rows
@@ -1121,7 +1121,7 @@ __device__ __forceinline__ int stage_side_floats(int pro, int nr, int kl) {
   return pro == 1 ? (kl / 2 + 3) / 4 * 4 : pro >= 2 ? (nr * kl / 2 + 3) / 4 * 4 : 0;
 }
 
-// ---- streamed weights on tensor cores, K blocks outer: 9..16 x rows over a long K ----------
+// ---- streamed weights on tensor cores, K blocks outer: the same rows over a long K ---------
 // For K ranges whose bf16 x rows do not fit in shared memory beside the ring (GLM-5's 16 x 6144
 // QKV-A projection): the stream is ordered K block outer (stream.cuh), x is staged one K block at
 // a time (xb [nr][kStreamK + 32], stage_bf16_rows) and every warp keeps the 16 x 8 partial
@@ -1275,7 +1275,8 @@ __device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, co
 // still in shared memory (c.x_staged_in), they are not staged again.
 template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap>
 __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f, bool reuse_x = false) {
-  constexpr bool kMmaRows = kRowCap == 0 || kRowCap > kRowsPerPass;  // 9..16 rows may occur
+  constexpr int kRingRows = TILEC_GEMV_RING_ROWS;                      // the CUDA-core ring consumer's rows at most
+  constexpr bool kMmaRows = kRowCap == 0 || kRowCap > kRingRows;      // tensor-core rows may occur
   constexpr int kR = kRowCap == 1 ? 1 : kRowCap == 4 ? 4 : 8;         // the widest row-register instance
   const Operand &x = operands()[0], &w = operands()[wi];
   const Operand &out = operands()[oi];
@@ -1319,12 +1320,12 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     const bool staged = (long long)nr * kl + 2304 / 4 <= (long long)c.smem_floats - 64;
     const GemvStore<TO> store{out, resid, ooff, roff, on, resid ? resid->strides[resid->ndim - 1] : 0, variant, epi == 2};
     // Streamed weights (the loader fills the ring): x as bf16 rows xb [nr][pitch] - pitch kl, or for
-    // the tensor-core consumer (9..16 rows) kl + 32, which puts rows 64 mod 128 bytes apart (for
+    // the tensor-core consumer (kRingRows + 1..16 rows) kl + 32, which puts rows 64 mod 128 bytes apart (for
     // kl % 64 == 0: conflict-free A loads), with room after them for its cross-warp sums (red).
     StreamTile t;
     const bool ring = std::is_same<TW, __nv_bfloat16>::value && c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t);
-    const bool mma = kMmaRows && nr > 8;
-    if (kMmaRows && ring && t.kouter) {  // 9..16 bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
+    const bool mma = kMmaRows && nr > kRingRows;
+    if (kMmaRows && ring && t.kouter) {  // tensor-core bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
       constexpr int kPitch = kStreamK + 32;
       if (std::is_same<TX, __nv_bfloat16>::value && mma && nr <= 16 && pro == 0 && variant != 1 &&
           t.n1 - t.n0 <= kWarps * kKouterGroups && 576 + nr * kPitch / 2 + kWarps * 128 <= c.smem_floats - 64) {

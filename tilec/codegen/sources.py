@@ -95,6 +95,7 @@ def render(plan: KernelPlan) -> dict[str, str]:
         operand_fields=OPERAND_FIELDS,
         operand=OPERAND,
         unused_operand=UNUSED_OPERAND,
+        gemv_ring_rows=opreg.GEMV_RING_ROWS,
         scalar_operand=SCALAR_OPERAND,
         noop=opreg.NOOP,
         empty=opreg.EMPTY,

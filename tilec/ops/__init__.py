@@ -223,7 +223,9 @@ def weight_rows_prefetch(graph, w: View, operand: int, n0: int, n1: int, k0: int
     return operand, first * esize, (last - first) * esize
 
 
-GEMV_RING_ROWS = 8  # runtime/tilec/ops.cuh kRowsPerPass: x rows of a CUDA-core ring-fed GEMV tile
+# x rows at most of a CUDA-core ring-fed GEMV tile; 5..16 rows go to the tensor-core consumer
+# (emitted into tilec_layout.h as TILEC_GEMV_RING_ROWS for runtime/tilec/ops.cuh linear_impl)
+GEMV_RING_ROWS = 4
 GEMV_RING_MMA_ROWS = 16  # x rows of a tensor-core ring-fed tile (ops.cuh gemv_bf16_ring_mma)
 GEMV_RING_MMA_K = 4096  # its K range at most with x staged whole (longer: K blocks outer, below)
 GEMV_KOUTER_COLS = 32  # output columns at most of a K-outer tile (ops.cuh gemv_bf16_ring_kouter: 4 groups of 8)
@@ -241,7 +243,8 @@ def kouter_bytes(rows: int) -> int:
 
 
 def mma_ring_rows(graph, x: View, rows: int) -> bool:
-    """Whether a GEMV tile of ``rows`` rows of x goes to a tensor-core ring consumer (9..16 bf16 rows);
+    """Whether a GEMV tile of ``rows`` rows of x goes to a tensor-core ring consumer (bf16 rows, more than
+    :data:`GEMV_RING_ROWS` and at most :data:`GEMV_RING_MMA_ROWS`);
     over a K range longer than :data:`GEMV_RING_MMA_K` it streams K block outer."""
     return GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and graph.buffers[x.buffer].dtype == torch.bfloat16
 
@@ -384,7 +387,7 @@ def box_rows(box: Box) -> int:
 
 # the row bounds GEMV device instances are specialized for: ops.cuh's gemv_bf16_ring<1 | 4 | 8>
 # instances, and the tensor-core consumer's 16 rows
-ROW_CAPS = (1, 4, GEMV_RING_ROWS, GEMV_RING_MMA_ROWS)
+ROW_CAPS = (1, 4, 8, GEMV_RING_MMA_ROWS)
 
 
 def row_cap(op: Op) -> int:

@@ -44,10 +44,11 @@ def staged_bytes(rows: int, k: int) -> int:
 
 
 def ring_staged_bytes(rows: int, k: int) -> int:
-    """:func:`staged_bytes` plus what a weight-ring tile adds: for at most 8 rows their bf16 copy,
-    which the CUDA-core consumer reads when it fits (else it reads the float rows); for 9..16
-    rows the tensor-core consumer's cross-warp sums (8 warps x 128 floats)."""
-    if rows <= 8:
+    """:func:`staged_bytes` plus what a weight-ring tile adds: for at most
+    :data:`~tilec.ops.GEMV_RING_ROWS` rows their bf16 copy, which the CUDA-core consumer reads
+    when it fits (else it reads the float rows); for more, up to 16 rows, the tensor-core
+    consumer's cross-warp sums (8 warps x 128 floats)."""
+    if rows <= GEMV_RING_ROWS:
         return staged_bytes(rows, k) + 2 * rows * k
     return staged_bytes(rows, k) + (4096 if rows <= 16 else 0)
 
@@ -117,8 +118,8 @@ class LinearFused(OpDef):
         return [dtypes[0], dtypes[self.layout(op)[1]], dtypes[-1]]
 
     def smem_bytes(self, op):
-        """:func:`ring_staged_bytes`, or for at most 8 rows :func:`staged_bytes` where that leaves
-        the weight ring more stages (``tilec.smem.ring_stages``): the float rows alone, in which the
+        """:func:`ring_staged_bytes`, or for the CUDA-core consumer's rows :func:`staged_bytes`
+        where that leaves the weight ring more stages (``tilec.smem.ring_stages``): the float rows alone, in which the
         device's ring consumer stages bf16 x rows and the prologue's side rows too (``linear_impl``
         in runtime/tilec/ops.cuh; it reads the float rows where bf16 ones cannot be staged). The
         bf16 copy's room had cost Llama-3.2-1B's batch-4 plan its whole ring: the down projection's
@@ -132,7 +133,7 @@ class LinearFused(OpDef):
         k = op.inputs[0].shape[-1]
         full, floats = ring_staged_bytes(rows, k), staged_bytes(rows, k)
         if rows > GEMV_RING_ROWS or ring_stages(floats) <= ring_stages(full):
-            return full  # (9..16 rows: the tensor-core consumer's cross-warp sums are not optional)
+            return full  # (the tensor-core consumer's cross-warp sums are not optional)
         return floats
 
     def run_tile(self, t: TileArgs):
