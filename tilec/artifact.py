@@ -60,8 +60,10 @@ from .trace import predicted_trace
 # format 2: the split_kv and fuse_gemv stages (ir/02, ir/03); 3: the fold_cache stage (ir/04);
 # 4: dispatch signatures pack dtype code + 1 (tilec.plan.dtype_signature); 5: plan format 3
 # (linear_fused's staged-x flag); 6: the gemv_groups stage (ir/05; later stages renumbered); 7: plan
-# format 4 (12 operands a row); 8: plan format 5 (13 operands a row, arrival counters)
-FORMAT, FORMAT_VERSION = "tilec-artifact", 8
+# format 4 (12 operands a row); 8: plan format 5 (13 operands a row, arrival counters); 9: 5..8-row
+# GEMV tiles stream to the tensor-core consumer (tilec.ops.GEMV_RING_ROWS 4: an older plan's stream
+# words for them would make the new runtime abort)
+FORMAT, FORMAT_VERSION = "tilec-artifact", 9
 MANIFEST = "manifest.json"
 STAGES = tuple(STAGE_FILES)  # opgraph, split_kv, fuse_gemv, fold_cache, gemv_groups, tasks, ..., schedule, plan
 LIBRARY = "cuda/libtilec.so"
