@@ -385,8 +385,9 @@ def box_rows(box: Box) -> int:
     return math.prod(hi - lo for lo, hi in box[:-1])
 
 
-# the row bounds GEMV device instances are specialized for: ops.cuh's gemv_bf16_ring<1 | 4 | 8>
-# instances, and the tensor-core consumer's 16 rows
+# the row bounds GEMV device instances are specialized for: ops.cuh's CUDA-core row-register
+# instances (<1>, <4>; <8> for 5..8 rows without the ring), and the tensor-core consumer's 16 rows
+# (ring-fed tiles of more than GEMV_RING_ROWS rows: the cap-8 instance carries it too)
 ROW_CAPS = (1, 4, 8, GEMV_RING_MMA_ROWS)
 
 
