@@ -610,6 +610,8 @@ def test_usage_errors_exit_2(art):
     for tol in ("-1", "0"):
         r = invoke("run", art, "--check", "--tol", tol)
         assert r.exit_code == 2 and "--tol" in r.stderr, r.output
+    r = invoke("run", art, "--tol", "1e-3")  # was silently ignored without --check
+    assert r.exit_code == 2 and "--tol is the tolerance of --check; pass --check too" in r.stderr, r.output
 
 
 def test_module_entry_point_and_console_script(copy):

@@ -431,6 +431,8 @@ def to_dot(art, stage: str) -> str:
 @click.pass_obj
 def run(progress: Progress, artifact_dir: Path, executor: str | None, check: bool, tol: float | None) -> None:
     """Run an artifact once on its stored example inputs."""
+    if tol is not None and not check:  # a tolerance with nothing to compare against: say so, don't ignore it
+        raise click.UsageError("--tol is the tolerance of --check; pass --check too")
     art = open_artifact(artifact_dir)
     program = build_program(art, executor, progress)
     args = art.inputs(program.device)
