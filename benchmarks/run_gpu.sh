@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run, in one go (results under $OUT when set).
 # usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|ncu|all]
-# ncu (not in all): an ncu source-counter profile of one GLM-5 FP8 prelude step, attributed to
-# the executor's device functions (benchmarks/lab/ncu_by_function.py).
+#        bash benchmarks/run_gpu.sh ncu [PROGRAM [FUNCTION]]
+# ncu (not in all): an ncu source-counter profile of one step of PROGRAM (a benchmarks/lab/one_step.py
+# program: glm5-fp8, the default, glm5-bf16 or llama-1b), attributed to the executor's device
+# functions (benchmarks/lab/ncu_by_function.py), with FUNCTION's hottest instructions (a regex;
+# default fp8_linear_quant for the GLM-5 programs, linear_fused for llama-1b).
 # quick: one ~9-minute pass for a device call - op and FP8 GEMM tests, the tiny steps, the GLM-5 and
 # Llama-3.2-1B (batch 1 and 16) benchmarks without Inductor, each under a time limit. Build the
 # GLM-5 libraries beforehand with benchmarks/prebuild.py and carry .tilec-cache
@@ -21,11 +24,13 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 failed=()  # parts whose command failed; the script exits 1 if any did
 trap '[[ $? -ne 0 ]] && failed+=("line $LINENO")' ERR
 if [[ $what == ncu ]]; then
+  program=${2:-glm5-fp8}
+  [[ $program == llama-1b ]] && fn=${3:-linear_fused} || fn=${3:-fp8_linear_quant}
   ncu --section SourceCounters --section WarpStateStats --section SpeedOfLight -k regex:tilec_executor \
-    --launch-skip 2 -c 1 -o "$OUT/step" -f python3 benchmarks/lab/one_step.py glm5-fp8 2>&1 | tee "$OUT/ncu_run.log" | tail -3
+    --launch-skip 2 -c 1 -o "$OUT/step" -f python3 benchmarks/lab/one_step.py "$program" 2>&1 | tee "$OUT/ncu_run.log" | tail -3
   ncu -i "$OUT/step.ncu-rep" --page source --csv --print-source sass > "$OUT/src.csv"
   entry=$(grep "^build-cache entry" "$OUT/ncu_run.log" | awk '{print $3}')
-  python3 benchmarks/lab/ncu_by_function.py "$OUT/src.csv" --sources "$entry" --function fp8_linear_quant \
+  python3 benchmarks/lab/ncu_by_function.py "$OUT/src.csv" --sources "$entry" --function "$fn" \
     2>&1 | tee "$OUT/ncu_by_function.log" | head -40
 fi
 if [[ $what == smoke || $what == all ]]; then
