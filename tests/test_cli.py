@@ -607,11 +607,13 @@ def test_usage_errors_exit_2(art):
     assert "unknown stage 'bogus'; stages: 01-opgraph, 02-split_kv, 03-fuse_gemv, 04-fold_cache, 05-gemv_groups, 06-tasks" in invoke("inspect", art, "-s", "bogus").stderr
     assert invoke("run", art, "--executor", "tpu").exit_code == 2
     assert invoke("compile", "x:y").exit_code == 2  # -o is required
-    for tol in ("-1", "0"):
+    for tol in ("-1", "0", "nan", "inf"):
         r = invoke("run", art, "--check", "--tol", tol)
         assert r.exit_code == 2 and "--tol" in r.stderr, r.output
     r = invoke("run", art, "--tol", "1e-3")  # was silently ignored without --check
     assert r.exit_code == 2 and "--tol is the tolerance of --check; pass --check too" in r.stderr, r.output
+    r = invoke("run", str(art) + "-missing", "--tol", "1e-3")  # refused before the artifact is opened
+    assert r.exit_code == 2 and "pass --check too" in r.stderr, r.output
 
 
 def test_module_entry_point_and_console_script(copy):

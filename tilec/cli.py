@@ -2,7 +2,7 @@
 
     tilec compile MODULE:FACTORY -o DIR [--option KEY=VALUE ...] [--force] [--no-build]
     tilec inspect DIR [--stage S] [--format text|json|dot]
-    tilec run DIR [--executor cuda|reference] [--check] [--tol X]
+    tilec run DIR [--executor cuda|reference] [--check [--tol X]]
     tilec bench DIR [--executor cuda|reference] [--iters N] [--warmup N]
 
 A factory is a function taking no arguments that returns ``(module, example_args)`` or
@@ -427,12 +427,15 @@ def to_dot(art, stage: str) -> str:
 @click.option("--check", is_flag=True, help="Compare outputs and updated state with eager PyTorch (re-runs the "
                                             "factory recorded in the manifest, with the artifact's weights).")
 @click.option("--tol", type=click.FloatRange(min=0.0, min_open=True), default=None,
-              help="Relative L2 tolerance of --check, > 0 (default 1e-4 for float32 results, 2e-2 otherwise).")
+              help="Relative L2 tolerance of --check (requires --check), finite and > 0 (default 1e-4 for "
+                   "float32 results, 2e-2 otherwise).")
 @click.pass_obj
 def run(progress: Progress, artifact_dir: Path, executor: str | None, check: bool, tol: float | None) -> None:
     """Run an artifact once on its stored example inputs."""
     if tol is not None and not check:  # a tolerance with nothing to compare against: say so, don't ignore it
         raise click.UsageError("--tol is the tolerance of --check; pass --check too")
+    if tol is not None and not math.isfinite(tol):  # FloatRange lets nan and inf through
+        raise click.BadParameter(f"{tol} is not a finite number", param_hint="'--tol'")
     art = open_artifact(artifact_dir)
     program = build_program(art, executor, progress)
     args = art.inputs(program.device)

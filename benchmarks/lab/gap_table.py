@@ -1,64 +1,102 @@
-"""Where the time between two instructions of a worker goes, from measured traces (benchmarks/lab).
+"""The time a worker spends between two instructions, from measured traces (benchmarks/lab).
 
-A worker whose producer finished last starts its next instruction a fixed time after its previous
-one ended, even though the event it waits for is already satisfied; that time is on the critical
-path of every phase of a decode step. This script reads traces written by
-``benchmarks/lab/variants_ab.py --trace DIR`` (or ``benchmarks/profile_step.py``) and prints, for
-the GEMV (``linear_fused``) and split-KV attention-partial instructions of the middle 60 % of the
-step, the median gap (µs) from the previous instruction's end to this one's start - over all
-instructions, and over the last eighth of each op's tiles to start (the late workers).
+An instruction starts once its worker is free (its previous instruction ended) and its event is
+ready (the last instruction signalling that event ended). For the GEMV (``linear_fused``) and
+split-KV attention-partial instructions that start in the middle 60 % of the step (their op's
+first tile does; all of that op's tiles count), this prints medians in µs of:
+
+* ``gap``: from the worker's previous instruction's end to this one's start;
+* ``ready->start``: from the later of the two readiness times to the start (what the executor
+  itself adds: the next descriptor, operand decoding, the op's setup, the event poll);
+* the same two over the *worker-bound* instructions (the event was ready by the previous
+  instruction's end), and over the last eighth of each op's tiles to start ("late"): the tiles
+  that end a phase, so what they add is on the step's critical path.
 
 On an H200 (Llama-3.2-1B batch 1, context 1024; ``profile_step.py``, twenty-second session call
-1) the late workers' GEMVs started 2.56 µs after their previous instruction ended (attention
-partials 1.86 µs): from one instruction's signal to the next one's event poll succeeding, a
-worker's fixed cost, paid on the critical path at each of a layer's five phase boundaries.
+1) worker-bound GEMVs started a median 2.56 µs after their previous instruction ended, while a
+GEMV whose worker was already waiting started 0.83 µs after its event was ready (the poll's hop).
 
     python benchmarks/lab/gap_table.py trace.json [more traces]
+
+Traces come from ``benchmarks/profile_step.py`` or ``benchmarks/lab/variants_ab.py --trace``
+(``otherData.clock`` "measured"); a predicted trace (an artifact's ``trace.json``) is refused.
+Exits 1 if a file cannot be read or is not a measured tilec trace.
 """
 import argparse
 import collections
 import json
 import statistics
+import sys
+
+KINDS = ("linear_fused", "attention_partial")
 
 
-def gap_lines(path: str) -> list[str]:
-    """The table's lines for one trace file (Chrome trace JSON with ``otherData.makespan_us``)."""
-    trace = json.load(open(path))
+def gap_lines(trace: dict) -> list[str]:
+    """The table's lines for one measured trace (Chrome trace JSON with ``otherData.makespan_us``;
+    slices with ``args.worker``, ``args.instruction``, ``args.wait_event``, ``args.signal_event``)."""
     slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    span = trace["otherData"]["makespan_us"]
     by_worker = collections.defaultdict(list)
+    ready = {}  # event -> when its last producer ended
     for e in slices:
-        by_worker[e["tid"]].append(e)
+        by_worker[e["args"]["worker"]].append(e)
+        sig = e["args"].get("signal_event", -1)
+        if sig is not None and sig >= 0:
+            ready[sig] = max(ready.get(sig, 0.0), e["ts"] + e["dur"])
     prev_end = {}
     for row in by_worker.values():
-        row.sort(key=lambda e: e["ts"])
+        row.sort(key=lambda e: e["args"]["instruction"])
         for a, b in zip(row, row[1:]):
             prev_end[id(b)] = a["ts"] + a["dur"]
-    span = trace["otherData"]["makespan_us"]
-    mid = [e for e in slices if 0.2 * span < e["ts"] < 0.8 * span and id(e) in prev_end]
-    lines = [f"{path}: makespan {span:.1f} us"]
-    for cat in ("linear_fused", "attention_partial"):
-        rows = [e for e in mid if e["cat"] == cat]
-        if not rows:
-            continue
+    lines = []
+    for cat in KINDS:
         by_op = collections.defaultdict(list)
-        for e in rows:
-            by_op[e["args"]["op"]].append(e)
-        late = []
+        for e in slices:
+            if e["cat"] == cat and id(e) in prev_end:
+                by_op[e["args"]["op"]].append(e)
+        rows, late = [], set()
         for tiles in by_op.values():
             tiles.sort(key=lambda e: e["ts"])
-            late += tiles[-max(1, len(tiles) // 8):]
-        for name, sel in (("all", rows), ("late 1/8", late)):
+            if 0.2 * span < tiles[0]["ts"] < 0.8 * span:
+                rows += tiles
+                late.update(id(e) for e in tiles[-max(1, len(tiles) // 8):])
+        if not rows:
+            lines.append(f"  {cat}: no instructions in the middle 60 % of the step")
+            continue
+
+        def event_ready(e):
+            return ready.get(e["args"].get("wait_event", -1), 0.0)
+
+        bound = [e for e in rows if event_ready(e) <= prev_end[id(e)]]
+        for name, sel in (("all", rows), ("worker-bound", bound), ("late 1/8", [e for e in rows if id(e) in late])):
+            if not sel:
+                continue
             gap = statistics.median(e["ts"] - prev_end[id(e)] for e in sel)
-            lines.append(f"  {cat:18s} {name:8s} n={len(sel):5d} gap {gap:5.2f} us")
+            to_start = statistics.median(e["ts"] - max(prev_end[id(e)], event_ready(e)) for e in sel)
+            lines.append(f"  {cat:18s} {name:12s} n={len(sel):5d}  gap {gap:5.2f}  ready->start {to_start:5.2f}")
     return lines
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="+")
+    status = 0
     for path in ap.parse_args().traces:
-        print("\n".join(gap_lines(path)))
+        try:
+            with open(path) as f:
+                trace = json.load(f)
+            clock = trace.get("otherData", {}).get("clock")
+            if clock != "measured":
+                raise ValueError(f"not a measured trace (clock {clock!r})")
+            lines = gap_lines(trace)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"{path}: makespan {trace['otherData']['makespan_us']:.1f} us (medians, us)")
+        print("\n".join(lines))
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
