@@ -183,16 +183,17 @@ def test_events_after_fusion(block):
 def test_events_after_fusion_with_coarsened_forks():
     """coarsen_forks: the down tiles t12 / t13 fed both residual-add tiles' events (e5, e6 above),
     whose waiters are tiles of one op: the two events become one, and normalization relays only the
-    fan-outs into different ops (t0, t1 -> RMSNorm and residual add)."""
+    fan-outs into different ops (t0, t1 -> RMSNorm and residual add). The merged event is labelled
+    ``coarse`` in the printed stages."""
     m, args, prog, rec = compile_block(dataclasses.replace(OPTS, coarsen_forks=True))
     filecheck(rec.render("fused"), [
         r"^  e4 tile_cover: \{t10,t11\} -> \{t12,t13\}$",
-        r"^  e5 tile\+tile_cover: \{t0,t1,t12,t13\} -> \{t14,t15\}$",
+        r"^  e5 coarse\+tile\+tile_cover: \{t0,t1,t12,t13\} -> \{t14,t15\}$",
     ])
     s = prog.stats
     assert (s["forks_coarsened"], s["events_after_fusion"], s["empty_tasks_added"], s["events"]) == (1, 6, 4, 8)
     filecheck(rec.render("normalized"), [
-        r"^  e5 tile\+tile_cover: \{t12,t13,t17,t19\} -> \{t14,t15\}$",
+        r"^  e5 coarse\+tile\+tile_cover: \{t12,t13,t17,t19\} -> \{t14,t15\}$",
         r"^  e6 fork: \{t0\} -> \{t16,t17\}$",
         r"^  e7 fork: \{t1\} -> \{t18,t19\}$",
     ])

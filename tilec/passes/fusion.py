@@ -15,6 +15,7 @@ it gives every consumer tile its own event and normalization an empty task per e
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from ..taskgraph import Event, TaskGraph
 
@@ -89,7 +90,8 @@ def coarsen_forks(tg: TaskGraph, events: list[Event]) -> tuple[list[Event], int]
     tile whose columns straddle two of X's tiles' reads) would get a relay through empty tasks
     from normalization (a dependent stage more on those waiters' path); instead those events,
     and every event sharing a producer with them, become one (union-find over the tasks'
-    triggers), whose waiters then wait on all its producers. Orderings are only added, never
+    triggers), whose waiters then wait on all its producers; its strategy gains ``coarse`` (printed
+    in the IR text, e.g. ``e7 coarse+tile``). Orderings are only added, never
     removed. An event one of whose producers is a tile of X that itself waits (a split-K init
     tile reading a computed bias) is left alone. So each added edge runs from a task of an op
     before X - a lower task id, as every edge of ``build_taskgraph`` - or from a task that waits
@@ -118,8 +120,14 @@ def coarsen_forks(tg: TaskGraph, events: list[Event]) -> tuple[list[Event], int]
             j = first.setdefault((p, waiter[i]), i)
             if j != i:
                 parent[find(i)] = find(j)
-    pos = {id(e): i for i, e in enumerate(events)}
-    out = _merge(events, lambda e: find(pos[id(e)]))
+    roots = [find(i) for i in range(len(events))]
+    size = Counter(roots)
+    # a merged event is labelled "coarse" (its strategy joins the members', e.g. "coarse+tile"), so the
+    # printed stages show which waiters wait on more producers than their reads need
+    marked = [dataclasses.replace(e, strategy=e.strategy + "+coarse") if size[roots[i]] > 1 else e
+              for i, e in enumerate(events)]
+    pos = {id(e): i for i, e in enumerate(marked)}
+    out = _merge(marked, lambda e: roots[pos[id(e)]])
     return out, len(events) - len(out)
 
 
