@@ -210,6 +210,27 @@ def wait_table(trace: dict) -> str:
     return "\n".join(lines)
 
 
+def readiness(trace: dict) -> list[tuple[dict, float, float | None]]:
+    """For each instruction of a measured trace that follows another on its worker: ``(slice,
+    free, ready)`` - ``free`` the end of the worker's previous instruction (µs), ``ready`` the end
+    of the last instruction that signals the event it waits for (None when it waits for none, or
+    for one the trace does not signal). One step's trace: no event is signaled for two steps in it."""
+    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    signaled: dict[int, float] = {}
+    by_worker: dict[int, list] = {}
+    for e in slices:
+        s = e["args"].get("signal_event", -1)
+        if s is not None and s >= 0:
+            signaled[s] = max(signaled.get(s, float("-inf")), e["ts"] + e["dur"])
+        by_worker.setdefault(e["args"]["worker"], []).append(e)
+    out = []
+    for es in by_worker.values():
+        es.sort(key=lambda e: e["args"]["instruction"])
+        for a, b in zip(es, es[1:]):
+            out.append((b, a["ts"] + a["dur"], signaled.get(b["args"].get("wait_event", -1))))
+    return out
+
+
 def hop_table(trace: dict) -> str:
     """Dependency hops in a measured trace: for each instruction with an event wait that follows
     another on its worker (a worker's first instruction has no previous end), its start minus the
@@ -222,25 +243,12 @@ def hop_table(trace: dict) -> str:
     is the next instruction's dispatch and wait). Count, median and 90th percentile (µs). An
     end is stamped after the instruction's signal, so a hop does not include the producer's
     release fence. One step's trace: no event is signaled for two steps in it."""
-    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    ready: dict[int, float] = {}
-    for e in slices:
-        s = e["args"].get("signal_event", -1)
-        if s is not None and s >= 0:
-            ready[s] = max(ready.get(s, float("-inf")), e["ts"] + e["dur"])
-    by_worker: dict[int, list] = {}
-    for e in slices:
-        by_worker.setdefault(e["args"]["worker"], []).append(e)
     hops: dict[tuple[str, str], list[float]] = {}
-    for es in by_worker.values():
-        es.sort(key=lambda e: e["args"]["instruction"])
-        for a, b in zip(es, es[1:]):
-            w = b["args"].get("wait_event", -1)
-            if w is None or w < 0 or w not in ready:
-                continue
-            free = a["ts"] + a["dur"]
-            bound = "event-bound" if ready[w] >= free else "worker-bound"
-            hops.setdefault((b["cat"], bound), []).append(b["ts"] - max(free, ready[w]))
+    for b, free, ready in readiness(trace):
+        if ready is None:
+            continue
+        bound = "event-bound" if ready >= free else "worker-bound"
+        hops.setdefault((b["cat"], bound), []).append(b["ts"] - max(free, ready))
     if not hops:
         return "no hops: no instruction waits, after another on its worker, for an event the trace signals"
     lines = [f"{'waiting kind':<18} {'bound by':<13} {'count':>6} {'median':>8} {'p90':>8}"]

@@ -1,7 +1,8 @@
 """The time a worker spends between two instructions, from measured traces (benchmarks/lab).
 
 An instruction starts once its worker is free (its previous instruction ended) and its event is
-ready (the last instruction signalling that event ended). For the GEMV (``linear_fused``) and
+ready (the last instruction signalling that event ended; both from ``tilec.trace.readiness``, as
+``hop_table`` uses them). For the GEMV (``linear_fused``) and
 split-KV attention-partial instructions that start in the middle 60 % of the step (their op's
 first tile does; all of that op's tiles count), this prints medians in µs of:
 
@@ -27,52 +28,39 @@ import collections
 import json
 import statistics
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tilec.trace import readiness  # noqa: E402
 
 KINDS = ("linear_fused", "attention_partial")
 
 
 def gap_lines(trace: dict) -> list[str]:
     """The table's lines for one measured trace (Chrome trace JSON with ``otherData.makespan_us``;
-    slices with ``args.worker``, ``args.instruction``, ``args.wait_event``, ``args.signal_event``)."""
-    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    worker readiness and event readiness from ``tilec.trace.readiness``)."""
     span = trace["otherData"]["makespan_us"]
-    by_worker = collections.defaultdict(list)
-    ready = {}  # event -> when its last producer ended
-    for e in slices:
-        by_worker[e["args"]["worker"]].append(e)
-        sig = e["args"].get("signal_event", -1)
-        if sig is not None and sig >= 0:
-            ready[sig] = max(ready.get(sig, 0.0), e["ts"] + e["dur"])
-    prev_end = {}
-    for row in by_worker.values():
-        row.sort(key=lambda e: e["args"]["instruction"])
-        for a, b in zip(row, row[1:]):
-            prev_end[id(b)] = a["ts"] + a["dur"]
     lines = []
     for cat in KINDS:
-        by_op = collections.defaultdict(list)
-        for e in slices:
-            if e["cat"] == cat and id(e) in prev_end:
-                by_op[e["args"]["op"]].append(e)
-        rows, late = [], set()
+        by_op = collections.defaultdict(list)  # op -> [(slice, free, ready)], ready -inf without an event
+        for e, free, ready in readiness(trace):
+            if e["cat"] == cat:
+                by_op[e["args"]["op"]].append((e, free, float("-inf") if ready is None else ready))
+        rows, late = [], []
         for tiles in by_op.values():
-            tiles.sort(key=lambda e: e["ts"])
-            if 0.2 * span < tiles[0]["ts"] < 0.8 * span:
+            tiles.sort(key=lambda t: t[0]["ts"])
+            if 0.2 * span < tiles[0][0]["ts"] < 0.8 * span:
                 rows += tiles
-                late.update(id(e) for e in tiles[-max(1, len(tiles) // 8):])
+                late += tiles[-max(1, len(tiles) // 8):]
         if not rows:
             lines.append(f"  {cat}: no instructions in the middle 60 % of the step")
             continue
-
-        def event_ready(e):
-            return ready.get(e["args"].get("wait_event", -1), 0.0)
-
-        bound = [e for e in rows if event_ready(e) <= prev_end[id(e)]]
-        for name, sel in (("all", rows), ("worker-bound", bound), ("late 1/8", [e for e in rows if id(e) in late])):
+        bound = [t for t in rows if t[2] <= t[1]]
+        for name, sel in (("all", rows), ("worker-bound", bound), ("late 1/8", late)):
             if not sel:
                 continue
-            gap = statistics.median(e["ts"] - prev_end[id(e)] for e in sel)
-            to_start = statistics.median(e["ts"] - max(prev_end[id(e)], event_ready(e)) for e in sel)
+            gap = statistics.median(e["ts"] - free for e, free, _ in sel)
+            to_start = statistics.median(e["ts"] - max(free, ready) for e, free, ready in sel)
             lines.append(f"  {cat:18s} {name:12s} n={len(sel):5d}  gap {gap:5.2f}  ready->start {to_start:5.2f}")
     return lines
 
