@@ -4,7 +4,7 @@
 #        bash benchmarks/run_gpu.sh ncu [PROGRAM [FUNCTION]]
 # ncu (not in all): an ncu source-counter profile of one step of PROGRAM (a benchmarks/lab/one_step.py
 # program: glm5-fp8, the default, glm5-bf16 or llama-1b), attributed to the executor's device
-# functions (benchmarks/lab/ncu_by_function.py), with FUNCTION's hottest instructions (a regex;
+# functions (benchmarks/lab/ncu_by_function.py), with FUNCTION's hottest instructions and source lines (a regex;
 # default fp8_linear_quant for the GLM-5 programs, linear_fused for llama-1b).
 # quick: one ~9-minute pass for a device call - op and FP8 GEMM tests, the tiny steps, the GLM-5 and
 # Llama-3.2-1B (batch 1 and 16) benchmarks without Inductor, each under a time limit. Build the
@@ -29,9 +29,10 @@ if [[ $what == ncu ]]; then
   ncu --section SourceCounters --section WarpStateStats --section SpeedOfLight -k regex:tilec_executor \
     --launch-skip 2 -c 1 -o "$OUT/step" -f python3 benchmarks/lab/one_step.py "$program" 2>&1 | tee "$OUT/ncu_run.log" | tail -3
   ncu -i "$OUT/step.ncu-rep" --page source --csv --print-source sass > "$OUT/src.csv"
+  ncu -i "$OUT/step.ncu-rep" --page source --csv --print-source cuda,sass > "$OUT/lines.csv"
   entry=$(grep "^build-cache entry" "$OUT/ncu_run.log" | awk '{print $3}')
   python3 benchmarks/lab/ncu_by_function.py "$OUT/src.csv" --sources "$entry" --function "$fn" \
-    2>&1 | tee "$OUT/ncu_by_function.log" | head -40
+    --lines "$OUT/lines.csv" 2>&1 | tee "$OUT/ncu_by_function.log" | head -70
 fi
 if [[ $what == smoke || $what == all ]]; then
   python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_cuda_ops.py 2>&1 | tee "$OUT/ops.log" | tail -15

@@ -12,12 +12,15 @@ stall reasons; with ``--function REGEX``, that function's hottest instructions.
     ncu --section SourceCounters --section WarpStateStats -k regex:tilec_executor --launch-skip 2 -c 1 \\
         -o step -f python3 my_step.py
     ncu -i step.ncu-rep --page source --csv --print-source sass > src.csv
+    ncu -i step.ncu-rep --page source --csv --print-source cuda,sass > lines.csv  # for --lines
     # anywhere with nvcc and binutils: the library's build-cache entry holds its program.cu
-    python benchmarks/lab/ncu_by_function.py src.csv --sources $TILEC_CACHE_DIR/<key> [--function bmm]
+    python benchmarks/lab/ncu_by_function.py src.csv --sources $TILEC_CACHE_DIR/<key> [--function bmm [--lines lines.csv]]
 
 Used on 2026-12-01 (H200, GLM-5 FP8 prelude): the absorption bmm's inner loop was generic loads
-from its shared-memory scratch. The cubin must come from the same sources and flags as the
-profiled library (the script checks that the sizes agree).
+from its shared-memory scratch. On 2026-12-03 (H200, Llama-3.2-1B batch 1, ``--lines``): 40 % of the
+loader warp's samples sat on its ring wait's read of the global abort flag, and the batch-1 GEMV's
+dot products and their shuffle sums were about a third of that op's samples. The cubin must come
+from the same sources and flags as the profiled library (the script checks that the sizes agree).
 """
 from __future__ import annotations
 
@@ -68,6 +71,24 @@ def functions(cubin: Path) -> list[tuple[int, int, str]]:
     return [(o, s, n) for (o, s, _), n in zip(syms, short)]
 
 
+def source_lines(path: Path, base: int) -> dict[int, str]:
+    """``{offset: "file:line"}`` from an ``ncu --page source --csv --print-source cuda,sass`` export
+    (its rows: a "File Path" row per source file, then each line's row followed by the rows of the
+    SASS instructions it produced; offsets from the kernel's first instruction at ``base``; the
+    innermost inlined line, as ``-lineinfo`` records it)."""
+    loc, where, line = {}, "?", 0
+    for r in csv.reader(open(path)):
+        if not r:
+            continue
+        if r[0] == "File Path":
+            where = Path(r[1]).name
+        elif r[0].isdigit():
+            line = int(r[0])
+        elif len(r) > 2 and r[2].startswith("0x"):
+            loc[int(r[2], 16) - base] = f"{where}:{line}"
+    return loc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
@@ -75,6 +96,8 @@ def main() -> None:
     g.add_argument("--cubin", type=Path, help="a cubin of the profiled program")
     g.add_argument("--sources", type=Path, help="a build-cache entry (program.cu, tilec_layout.h): builds the cubin")
     ap.add_argument("--function", help="also list the hottest instructions of the first function matching this regex")
+    ap.add_argument("--lines", type=Path, metavar="CSV",
+                    help="the same report's --print-source cuda,sass export: --function's hottest source lines too")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,6 +149,19 @@ def main() -> None:
         for n, off, src, reasons in sorted(mine, reverse=True)[:args.top]:
             top = sorted(((v, k) for k, v in reasons.items()), reverse=True)[:2]
             print(f"  +{off - off0:#7x} {n:6d}  {src[:64]:64s} " + ", ".join(f"{k} {v}" for v, k in top))
+        if args.lines:
+            loc = source_lines(args.lines, base)
+            per_line: dict[str, dict[str, int]] = {}
+            for n, off, _, reasons in mine:
+                d = per_line.setdefault(loc.get(off, "?"), {"n": 0})
+                d["n"] += n
+                for k, v in reasons.items():
+                    d[k] = d.get(k, 0) + v
+            own = sum(d["n"] for d in per_line.values())
+            print(f"\n{name[:90]}: hottest source lines (of {own} samples)")
+            for where, d in sorted(per_line.items(), key=lambda kv: -kv[1]["n"])[:args.top]:
+                top = sorted(((v, k) for k, v in d.items() if k != "n"), reverse=True)[:3]
+                print(f"  {d['n']:6d} {100 * d['n'] / own:5.1f}%  {where:28s} " + ", ".join(f"{k} {v}" for v, k in top))
 
 
 if __name__ == "__main__":
