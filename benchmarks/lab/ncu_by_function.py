@@ -100,6 +100,8 @@ def main() -> None:
                     help="the same report's --print-source cuda,sass export: --function's hottest source lines too")
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
+    if args.lines and not args.function:
+        ap.error("--lines lists the source lines of --function's instructions: pass --function too")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = args.cubin or build_cubin(args.sources, Path(tmp))
         syms = functions(cubin)
@@ -151,6 +153,8 @@ def main() -> None:
             print(f"  +{off - off0:#7x} {n:6d}  {src[:64]:64s} " + ", ".join(f"{k} {v}" for v, k in top))
         if args.lines:
             loc = source_lines(args.lines, base)
+            if not loc:
+                sys.exit(f"{args.lines}: no SASS rows under source lines (not a --print-source cuda,sass export?)")
             per_line: dict[str, dict[str, int]] = {}
             for n, off, _, reasons in mine:
                 d = per_line.setdefault(loc.get(off, "?"), {"n": 0})
