@@ -17,8 +17,8 @@ stall reasons; with ``--function REGEX``, that function's hottest instructions.
     python benchmarks/lab/ncu_by_function.py src.csv --sources $TILEC_CACHE_DIR/<key> [--function bmm [--lines lines.csv]]
 
 Used on 2026-12-01 (H200, GLM-5 FP8 prelude): the absorption bmm's inner loop was generic loads
-from its shared-memory scratch. On 2026-12-03 (H200, Llama-3.2-1B batch 1, ``--lines``): 40 % of the
-loader warp's samples sat on its ring wait's read of the global abort flag, and the batch-1 GEMV's
+from its shared-memory scratch. On 2026-12-03 (H200, Llama-3.2-1B batch 1, ``--lines``): 41 % of the
+loader warp's samples waited in ``mbarrier.try_wait`` for a free ring stage, and the batch-1 GEMV's
 dot products and their shuffle sums were about a third of that op's samples. The cubin must come
 from the same sources and flags as the profiled library (the script checks that the sizes agree).
 """
@@ -71,22 +71,41 @@ def functions(cubin: Path) -> list[tuple[int, int, str]]:
     return [(o, s, n) for (o, s, _), n in zip(syms, short)]
 
 
-def source_lines(path: Path, base: int) -> dict[int, str]:
-    """``{offset: "file:line"}`` from an ``ncu --page source --csv --print-source cuda,sass`` export
-    (its rows: a "File Path" row per source file, then each line's row followed by the rows of the
-    SASS instructions it produced; offsets from the kernel's first instruction at ``base``; the
-    innermost inlined line, as ``-lineinfo`` records it)."""
-    loc, where, line = {}, "?", 0
-    for r in csv.reader(open(path)):
-        if not r:
-            continue
-        if r[0] == "File Path":
-            where = Path(r[1]).name
-        elif r[0].isdigit():
-            line = int(r[0])
-        elif len(r) > 2 and r[2].startswith("0x"):
-            loc[int(r[2], 16) - base] = f"{where}:{line}"
+def source_lines(path: Path, base: int) -> dict[int, list[str]]:
+    """``{offset: ["file:line", ...]}`` from an ``ncu --page source --csv --print-source cuda,sass``
+    export (its rows: a "File Path" row per source file, then each line's row followed by the rows of
+    the SASS instructions ncu attributes to it; offsets from the kernel's first instruction at
+    ``base``). ncu lists an inlined instruction under every line of its inlining chain (the helper's
+    line and its call sites'), so an offset may map to several lines."""
+    loc: dict[int, list[str]] = {}
+    where, line = "?", 0
+    with open(path, newline="") as f:
+        for r in csv.reader(f):
+            if not r:
+                continue
+            if r[0] == "File Path":
+                where, line = Path(r[1]).name, 0
+            elif r[0].isdigit():
+                line = int(r[0])
+            elif len(r) > 2 and r[2].startswith("0x"):
+                loc.setdefault(int(r[2], 16) - base, []).append(f"{where}:{line}")
     return loc
+
+
+def line_table(hot: list, loc: dict[int, list[str]], top: int) -> list[tuple[str, int, dict[str, int]]]:
+    """The ``top`` source lines with the most stall samples among ``hot``'s instructions (``(samples,
+    offset, sass, reasons)`` each), as ``(file:line, samples, reasons)``: inclusive, as ncu's own line
+    rows count - an instruction counts for every line ``loc`` lists it under, so a call site's line
+    includes what was inlined into it and the lines' samples can add up to more than the function's."""
+    per: dict[str, dict[str, int]] = {}
+    for n, off, _, reasons in hot:
+        for where in loc.get(off, ["?"]):
+            d = per.setdefault(where, {"n": 0})
+            d["n"] += n
+            for k, v in reasons.items():
+                d[k] = d.get(k, 0) + v
+    rows = sorted(per.items(), key=lambda kv: -kv[1]["n"])[:top]
+    return [(where, d.pop("n"), d) for where, d in rows]
 
 
 def main() -> None:
@@ -98,15 +117,30 @@ def main() -> None:
     ap.add_argument("--function", help="also list the hottest instructions of the first function matching this regex")
     ap.add_argument("--lines", type=Path, metavar="CSV",
                     help="the same report's --print-source cuda,sass export: --function's hottest source lines too")
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--top", type=int, default=25, help="rows per table (default 25)")
     args = ap.parse_args()
+    if args.top < 1:
+        ap.error(f"--top {args.top}: must be at least 1")
     if args.lines and not args.function:
         ap.error("--lines lists the source lines of --function's instructions: pass --function too")
+    for what, path in (("csv", args.csv), ("--cubin", args.cubin), ("--lines", args.lines)):
+        if path is not None and not Path(path).is_file():
+            ap.error(f"{what} {path}: no such file")
+    if args.function:
+        try:
+            re.compile(args.function)
+        except re.error as e:
+            ap.error(f"--function {args.function!r}: not a regular expression ({e})")
+    with open(args.csv, newline="") as f:
+        rows = list(csv.reader(f))
+    head = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if head is None:
+        sys.exit(f"{args.csv}: no 'Address' header row (not an ncu --page source --csv --print-source sass export?)")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = args.cubin or build_cubin(args.sources, Path(tmp))
         syms = functions(cubin)
-    rows = list(csv.reader(open(args.csv)))
-    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    if not syms:
+        sys.exit(f"{cubin}: no FUNC symbols (not a cubin?)")
     hdr, data = rows[head], [r for r in rows[head + 1:] if r and r[0].startswith("0x")]
     ix = {h: i for i, h in enumerate(hdr)}
     stalls = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
@@ -155,17 +189,14 @@ def main() -> None:
             loc = source_lines(args.lines, base)
             if not loc:
                 sys.exit(f"{args.lines}: no SASS rows under source lines (not a --print-source cuda,sass export?)")
-            per_line: dict[str, dict[str, int]] = {}
-            for n, off, _, reasons in mine:
-                d = per_line.setdefault(loc.get(off, "?"), {"n": 0})
-                d["n"] += n
-                for k, v in reasons.items():
-                    d[k] = d.get(k, 0) + v
-            own = sum(d["n"] for d in per_line.values())
-            print(f"\n{name[:90]}: hottest source lines (of {own} samples)")
-            for where, d in sorted(per_line.items(), key=lambda kv: -kv[1]["n"])[:args.top]:
-                top = sorted(((v, k) for k, v in d.items() if k != "n"), reverse=True)[:3]
-                print(f"  {d['n']:6d} {100 * d['n'] / own:5.1f}%  {where:28s} " + ", ".join(f"{k} {v}" for v, k in top))
+            if set(loc) != {int(r[ix["Address"]], 16) - base for r in data}:
+                sys.exit(f"{args.lines}: its instructions are not those of {args.csv} (not the same report?)")
+            own = sum(h[0] for h in mine)
+            print(f"\n{name[:90]}: hottest source lines (of its {own} samples; inclusive: an inlined "
+                  f"instruction counts for its call sites' lines too)")
+            for where, n, reasons in line_table(mine, loc, args.top):
+                top = sorted(((v, k) for k, v in reasons.items()), reverse=True)[:3]
+                print(f"  {n:6d} {100 * n / own:5.1f}%  {where:28s} " + ", ".join(f"{k} {v}" for v, k in top))
 
 
 if __name__ == "__main__":
