@@ -1,6 +1,10 @@
-"""CPU tests of the lab's profile readers (benchmarks/lab)."""
+"""CPU tests of the lab's tools (benchmarks/lab): the profile readers, and that its CUDA programs compile."""
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
 from ncu_by_function import line_table, source_lines  # noqa: E402
@@ -39,3 +43,16 @@ def test_source_lines_maps_each_instruction_to_every_line_ncu_lists_it_under(tmp
            (4, 0x40, "?", {"barrier": 4})]
     assert line_table(hot, loc, 3) == [("ops.cuh:548", 5, {"short_sb": 3, "wait": 2}), ("?", 4, {"barrier": 4}),
                                        ("common.cuh:189", 2, {"wait": 2})]
+
+
+LAB_CU = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "lab").glob("*.cu"))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("src", LAB_CU, ids=[p.name for p in LAB_CU])
+def test_lab_cuda_programs_compile(src, tmp_path):
+    """The standalone labs include runtime/tilec/ptx.cuh: they must keep compiling as it changes (as
+    run_gpu.sh lab builds them, for sm_90a; compile only - running them needs an H200)."""
+    res = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", str(src),
+                          "-o", str(tmp_path / "lab.o")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -1,0 +1,148 @@
+// Release-signal lab: what does the executor's event signal (red.release.gpu after a store) cost
+// while the SM has loads in flight? Standalone (no tilec). In a Llama-3.2-1B batch-1 step on an
+// H200 the signal after a GEMV tile took 0.6-2.6 us while the loader warp streamed the next tile's
+// weights, and 0.03 us after the LM head, the last streamed tile (benchmarks/RESULTS.md, twenty-third
+// session): does the release wait for other warps' loads in flight?
+// One CTA per SM: warp 0 (lane 0) repeats "store a value, then time one release operation" with
+// clock64, while warp 1 keeps the SM's memory pipe busy, per mode:
+//   none    warp 1 idles
+//   bulk    warp 1 streams 32 KiB stages from a buffer larger than L2 into shared memory with
+//           cp.async.bulk (mbarrier-completed, kStages in flight: the executor's weight ring)
+//   ldg     warp 1 streams the same buffer with 16-byte ld.global.cg loads, 8 in flight per lane
+// and per release operation:
+//   red     red.release.gpu.global.add (the executor's signal)
+//   fence   fence.acq_rel.gpu (the release's fence alone)
+//   relaxed red.relaxed.gpu.global.add (no fence: the floor)
+// Prints the median and 90th percentile over all SMs' samples, in SM cycles and us.
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o fence_lab fence_lab.cu
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../../runtime/tilec/ptx.cuh"
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+using namespace tilec;  // the runtime's PTX wrappers (runtime/tilec/ptx.cuh): the same instructions
+
+constexpr int kStageBytes = 32 * 1024;
+constexpr int kStages = 3;
+constexpr int kSamples = 64;             // timed release operations per SM
+constexpr long long kGapNs = 2000;       // between two of them (the loads stay in flight meanwhile)
+constexpr long long kWarmNs = 20000;     // before the first (warp 1's stream reaches steady state)
+
+enum Mode { kNone, kBulk, kLdg };
+enum Op { kRed, kFence, kRelaxed };
+
+__device__ __forceinline__ void release_op(int op, unsigned long long* ctr) {
+  if (op == kRed) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
+  else if (op == kFence) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  else asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
+}
+
+// w: the streamed buffer, per_sm bytes per CTA (a multiple of kStageBytes); out: a word per CTA;
+// cycles: [gridDim.x][kSamples] clock64 deltas of the release operation
+__global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long per_sm, int mode, int op,
+                                                     unsigned long long* ctr, float* out, long long* cycles) {
+  extern __shared__ __align__(128) char ring[];
+  __shared__ unsigned long long full[kStages];
+  __shared__ volatile int done;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const char* mine = w + blockIdx.x * per_sm;
+  if (threadIdx.x == 0) {
+    done = 0;
+    for (int s = 0; s < kStages; ++s) mbar_init(full + s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 1) {  // the memory traffic
+    if (mode == kBulk && lane == 0) {
+      const unsigned long long policy = evict_first_policy();
+      long long off = 0;
+      int i = 0;  // item i fills stage i % kStages; its full barrier's phase parity is (i / kStages) & 1
+      for (; !done; ++i) {
+        const int s = i % kStages;
+        if (i >= kStages)  // the stage's previous copy (item i - kStages) has landed; its bytes are never read
+          while (!mbar_test(full + s, ((i - kStages) / kStages) & 1)) {
+          }
+        mbar_expect_tx(full + s, kStageBytes);
+        for (int r = 0; r < kStageBytes / 4096; ++r)
+          bulk_load(ring + s * kStageBytes + r * 4096, mine + off + r * 4096, 4096, full + s, policy);
+        off = (off + kStageBytes) % per_sm;
+      }
+      for (int j = i > kStages ? i - kStages : 0; j < i; ++j)  // drain: the copies write this CTA's shared memory
+        while (!mbar_test(full + j % kStages, (j / kStages) & 1)) {
+        }
+    } else if (mode == kLdg) {
+      uint4 acc = make_uint4(0u, 0u, 0u, 0u);
+      long long off = lane * 16;
+      while (!done) {
+        uint4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = __ldcg(reinterpret_cast<const uint4*>(mine + (off + u * 512) % per_sm));
+#pragma unroll
+        for (int u = 0; u < 8; ++u) acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
+        off = (off + 8 * 512) % per_sm;
+      }
+      if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) out[blockIdx.x] += 1.f;  // keeps the loads
+    }
+    return;
+  }
+  if (lane == 0) {  // warp 0: store, then time one release operation
+    const unsigned long long t0 = global_timer();
+    while (global_timer() - t0 < kWarmNs) {
+    }
+    for (int k = 0; k < kSamples; ++k) {
+      const unsigned long long t1 = global_timer();
+      while (global_timer() - t1 < kGapNs) {
+      }
+      out[blockIdx.x] = (float)k;  // the tile's output store the signal publishes
+      const long long c0 = clock64();
+      release_op(op, ctr);
+      const long long c1 = clock64();
+      cycles[blockIdx.x * kSamples + k] = c1 - c0;
+    }
+    done = 1;
+  }
+}
+
+int main() {
+  int dev = 0, sms = 0, l2 = 0, khz = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+  CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
+  // every CTA streams its own slice; together 4x L2, so the stream reads HBM
+  const long long per_sm = ((4LL * l2 / sms) / kStageBytes + 1) * kStageBytes;
+  char* w;
+  unsigned long long* ctr;
+  float* out;
+  long long* cycles;
+  CK(cudaMalloc(&w, per_sm * sms));
+  CK(cudaMemset(w, 1, per_sm * sms));
+  CK(cudaMalloc(&ctr, 8));
+  CK(cudaMalloc(&out, sms * sizeof(float)));
+  CK(cudaMalloc(&cycles, (size_t)sms * kSamples * sizeof(long long)));
+  CK(cudaFuncSetAttribute(fence_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStages * kStageBytes));
+  printf("%d SMs, L2 %d MiB, %lld KiB streamed per SM, clock rate attribute %.0f MHz (us below at that clock)\n",
+         sms, l2 >> 20, per_sm >> 10, khz / 1e3);
+  const char* modes[] = {"none", "bulk", "ldg"};
+  const char* ops[] = {"red.release", "fence.acq_rel", "red.relaxed"};
+  printf("%-6s %-14s %12s %12s %10s %10s\n", "loads", "operation", "median cyc", "p90 cyc", "median us", "p90 us");
+  std::vector<long long> h((size_t)sms * kSamples);
+  for (int mode = kNone; mode <= kLdg; ++mode)
+    for (int op = kRed; op <= kRelaxed; ++op) {
+      fence_kernel<<<sms, 64, kStages * kStageBytes>>>(w, per_sm, mode, op, ctr, out, cycles);
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      CK(cudaMemcpy(h.data(), cycles, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+      std::sort(h.begin(), h.end());
+      const long long med = h[h.size() / 2], p90 = h[h.size() * 9 / 10];
+      printf("%-6s %-14s %12lld %12lld %10.3f %10.3f\n", modes[mode], ops[op], med, p90, med / (khz / 1e3),
+             p90 / (khz / 1e3));
+    }
+  return 0;
+}
