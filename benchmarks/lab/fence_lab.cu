@@ -8,12 +8,15 @@
 //   none    warp 1 idles
 //   bulk    warp 1 streams 32 KiB stages from a buffer larger than L2 into shared memory with
 //           cp.async.bulk (mbarrier-completed, kStages in flight: the executor's weight ring)
-//   ldg     warp 1 streams the same buffer with 16-byte ld.global.cg loads, 8 in flight per lane
+//   ldg     warp 1 streams the same buffer with 16-byte ld.global.cg loads, 32 in flight per lane
+//           (16 KiB a warp: less than the bulk ring's 96 KiB)
 // and per release operation:
 //   red     red.release.gpu.global.add (the executor's signal)
-//   fence   fence.acq_rel.gpu (the release's fence alone)
-//   relaxed red.relaxed.gpu.global.add (no fence: the floor)
-// Prints the median and 90th percentile over all SMs' samples, in SM cycles and us.
+//   fence   fence.release.gpu (the release's fence alone; fence.acq_rel would also invalidate L1)
+//   relaxed red.relaxed.gpu.global.add (no fence: the floor; both adds are warp-aggregated alike)
+// Prints the median and 90th percentile over all SMs' samples, in SM cycles and in us at the
+// device's clock-rate attribute (its maximum clock). The dynamic shared memory (kSmemBytes) keeps
+// one CTA per SM.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o fence_lab fence_lab.cu
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -30,6 +33,8 @@ using namespace tilec;  // the runtime's PTX wrappers (runtime/tilec/ptx.cuh): t
 
 constexpr int kStageBytes = 32 * 1024;
 constexpr int kStages = 3;
+constexpr int kSmemBytes = 120 * 1024;  // the ring uses kStages x 32 KiB; the rest keeps a second CTA off the SM
+constexpr int kLdgLoads = 32;           // ld.global.cg per lane in flight (ldg mode)
 constexpr int kSamples = 64;             // timed release operations per SM
 constexpr long long kGapNs = 2000;       // between two of them (the loads stay in flight meanwhile)
 constexpr long long kWarmNs = 20000;     // before the first (warp 1's stream reaches steady state)
@@ -37,15 +42,17 @@ constexpr long long kWarmNs = 20000;     // before the first (warp 1's stream re
 enum Mode { kNone, kBulk, kLdg };
 enum Op { kRed, kFence, kRelaxed };
 
-__device__ __forceinline__ void release_op(int op, unsigned long long* ctr) {
-  if (op == kRed) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
-  else if (op == kFence) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+template <int kOp>
+__device__ __forceinline__ void release_op(unsigned long long* ctr) {
+  if constexpr (kOp == kRed) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
+  else if constexpr (kOp == kFence) asm volatile("fence.release.gpu;" ::: "memory");
   else asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
 }
 
 // w: the streamed buffer, per_sm bytes per CTA (a multiple of kStageBytes); out: a word per CTA;
 // cycles: [gridDim.x][kSamples] clock64 deltas of the release operation
-__global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long per_sm, int mode, int op,
+template <int kOp>
+__global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long per_sm, int mode,
                                                      unsigned long long* ctr, float* out, long long* cycles) {
   extern __shared__ __align__(128) char ring[];
   __shared__ unsigned long long full[kStages];
@@ -78,14 +85,16 @@ __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long p
         }
     } else if (mode == kLdg) {
       uint4 acc = make_uint4(0u, 0u, 0u, 0u);
-      long long off = lane * 16;
+      long long off = 0;  // per_sm is a multiple of kLdgLoads x 512 bytes: no wrap inside an iteration
       while (!done) {
-        uint4 v[8];
+        const uint4* p = reinterpret_cast<const uint4*>(mine + off) + lane;
+        uint4 v[kLdgLoads];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) v[u] = __ldcg(reinterpret_cast<const uint4*>(mine + (off + u * 512) % per_sm));
+        for (int u = 0; u < kLdgLoads; ++u) v[u] = __ldcg(p + u * 32);
 #pragma unroll
-        for (int u = 0; u < 8; ++u) acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
-        off = (off + 8 * 512) % per_sm;
+        for (int u = 0; u < kLdgLoads; ++u) acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
+        off += kLdgLoads * 512;
+        if (off >= per_sm) off = 0;
       }
       if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) out[blockIdx.x] += 1.f;  // keeps the loads
     }
@@ -101,7 +110,7 @@ __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long p
       }
       out[blockIdx.x] = (float)k;  // the tile's output store the signal publishes
       const long long c0 = clock64();
-      release_op(op, ctr);
+      release_op<kOp>(ctr);
       const long long c1 = clock64();
       cycles[blockIdx.x * kSamples + k] = c1 - c0;
     }
@@ -126,16 +135,19 @@ int main() {
   CK(cudaMalloc(&ctr, 8));
   CK(cudaMalloc(&out, sms * sizeof(float)));
   CK(cudaMalloc(&cycles, (size_t)sms * kSamples * sizeof(long long)));
-  CK(cudaFuncSetAttribute(fence_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStages * kStageBytes));
+  static_assert(kStageBytes % (kLdgLoads * 512) == 0 && kSmemBytes >= kStages * kStageBytes, "layout");
+  void (*kernels[])(const char*, long long, int, unsigned long long*, float*, long long*) = {
+      fence_kernel<kRed>, fence_kernel<kFence>, fence_kernel<kRelaxed>};
+  for (auto k : kernels) CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   printf("%d SMs, L2 %d MiB, %lld KiB streamed per SM, clock rate attribute %.0f MHz (us below at that clock)\n",
          sms, l2 >> 20, per_sm >> 10, khz / 1e3);
   const char* modes[] = {"none", "bulk", "ldg"};
-  const char* ops[] = {"red.release", "fence.acq_rel", "red.relaxed"};
+  const char* ops[] = {"red.release", "fence.release", "red.relaxed"};
   printf("%-6s %-14s %12s %12s %10s %10s\n", "loads", "operation", "median cyc", "p90 cyc", "median us", "p90 us");
   std::vector<long long> h((size_t)sms * kSamples);
   for (int mode = kNone; mode <= kLdg; ++mode)
     for (int op = kRed; op <= kRelaxed; ++op) {
-      fence_kernel<<<sms, 64, kStages * kStageBytes>>>(w, per_sm, mode, op, ctr, out, cycles);
+      kernels[op]<<<sms, 64, kSmemBytes>>>(w, per_sm, mode, ctr, out, cycles);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       CK(cudaMemcpy(h.data(), cycles, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
