@@ -4,7 +4,8 @@
 //
 // One CTA per SM (every SM of the GPU, co-resident by a cooperative launch), 8 compute warps plus
 // one warp that, per mode, streams 32 KiB stages of an HBM-sized buffer into shared memory with
-// bulk copies (as the executor's weight loader does) or idles. The compute warps run a chain of
+// bulk copies (as the executor's weight loader does: bulk, 3 stages in flight; bulk1, one at a
+// time) or idles. The compute warps run a chain of
 // kRounds rounds; in round r every CTA
 //   consumes: waits until all CTAs have written vector v[r-1] (kN bf16, 4 KiB: a decoder's
 //     hidden state), loads all of it, checks every value and sums it across the CTA (per warp,
@@ -50,7 +51,7 @@ static_assert(kN * 2 == kThreads * 16, "event mode: one 16-byte load per thread"
 static_assert(kN / 2 == kThreads * 4, "ll mode: four 8-byte words (two 16-byte loads) per thread");
 static_assert(kSmemBytes >= kStages * kStageBytes, "the streaming ring fits");
 
-enum Stream { kIdle, kBulk };
+enum Stream { kIdle, kBulk, kBulk1 };
 enum Proto { kEvent, kEventSleep, kLL };
 
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
@@ -86,15 +87,16 @@ hop_kernel(const char* w, long long per_sm, int stream, int slice, void* v, unsi
   }
   __syncthreads();
   if (warp == kThreads / 32) {  // the streaming warp (as fence_lab.cu's bulk mode)
-    if (stream == kBulk && lane == 0) {
+    if (stream != kIdle && lane == 0) {
+      const int ahead = stream == kBulk ? kStages : 1;  // stages in flight (kBulk1: one copy at a time)
       const unsigned long long policy = evict_first_policy();
       const char* mine = w + blockIdx.x * per_sm;
       long long off = 0;
       int i = 0;
       for (; !done; ++i) {
         const int s = i % kStages;
-        if (i >= kStages)
-          while (!mbar_test(full + s, ((i - kStages) / kStages) & 1)) {
+        if (i >= ahead)  // the copy `ahead` items back has landed (its stage's bytes are never read)
+          while (!mbar_test(full + (i - ahead) % kStages, ((i - ahead) / kStages) & 1)) {
           }
         mbar_expect_tx(full + s, kStageBytes);
         for (int q = 0; q < kStageBytes / 4096; ++q)
@@ -238,10 +240,10 @@ int main() {
   printf("%d CTAs (one per SM), %d bf16 per vector, %d per CTA slice, %d rounds (first %d left out)\n", sms, kN,
          slice, kRounds, kWarm);
   printf("%-6s %-6s %10s %10s %10s %8s\n", "stream", "proto", "median us", "p90 us", "mean us", "wrong");
-  const char* streams[] = {"idle", "bulk"};
+  const char* streams[] = {"idle", "bulk", "bulk1"};
   const char* protos[] = {"event", "sleep", "ll"};
   std::vector<unsigned long long> h(kRounds);
-  for (int s = kIdle; s <= kBulk; ++s)
+  for (int s = kIdle; s <= kBulk1; ++s)
     for (int p = kEvent; p <= kLL; ++p) {
       // every flag / counter of rounds >= 1 must read "not yet": ll flags are round numbers, so 0xff bytes
       CK(cudaMemset(vec, 0xff, (size_t)kRounds * kN * 4));
