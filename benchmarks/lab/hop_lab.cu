@@ -4,14 +4,15 @@
 //
 // One CTA per SM (every SM of the GPU, co-resident by a cooperative launch), 8 compute warps plus
 // one warp that, per mode, streams 32 KiB stages of an HBM-sized buffer into shared memory with
-// bulk copies (as the executor's weight loader does: bulk, 3 stages in flight; bulk1, one at a
-// time) or idles. The compute warps run a chain of
+// bulk copies (as the executor's weight loader does: bulk, 3 stages in flight; bulk1, one stage -
+// 8 bulk copies of 4 KiB - at a time) or idles. The compute warps run a chain of
 // kRounds rounds; in round r every CTA
 //   consumes: waits until all CTAs have written vector v[r-1] (kN bf16, 4 KiB: a decoder's
 //     hidden state), loads all of it, checks every value and sums it across the CTA (per warp,
 //     a barrier, then every thread adds the warps' sums: the x staging and RMSNorm sum of the
 //     next GEMV), then
-//   produces: writes its slice (`slice` elements, kN / CTAs rounded up to even) of v[r].
+//   produces: writes its slice (`slice` elements, kN / CTAs rounded up to even: with 132 CTAs 16,
+//     so CTAs 128-131 write nothing) of v[r].
 // So a round is one phase boundary without the GEMV work: the hop latency the streaming cannot hide.
 //   event: v as bf16; slice stores, CTA barrier, one red.release.gpu on counter[r] (the executor's
 //          signal); the consumer's thread 0 polls ld.acquire.gpu until counter[r-1] == CTAs, a CTA
@@ -23,8 +24,10 @@
 //          (ld.relaxed.gpu .v2.u64, both loads in flight) until their flags read r-1. Twice the bytes
 //          per vector, one CTA barrier a round (event: three).
 // Prints per mode the median, p90 and mean time of a round (CTA 0's %globaltimer at each round's
-// start, kept in shared memory until the chain ends; the first kWarm rounds left out) and the number of values that read wrong (must be 0). Every poll
-// has a watchdog (kTimeoutNs): a protocol bug ends the kernel and is reported, never hangs the GPU.
+// start, kept in shared memory until the chain ends; the first kWarm rounds left out; the timer's
+// tick, 32 ns on an H200, bounds the resolution) and the number of values that read wrong (must be
+// 0). Every protocol poll has a watchdog (kTimeoutNs): a protocol bug ends the kernel and is
+// reported instead of hanging the GPU.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o hop_lab hop_lab.cu
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
