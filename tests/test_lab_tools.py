@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
+from gap_table import gap_lines  # noqa: E402
 from ncu_by_function import line_table, source_lines  # noqa: E402
 
 # An excerpt in the shape of `ncu --page source --csv --print-source cuda,sass`: per source file a
@@ -56,3 +57,23 @@ def test_lab_cuda_programs_compile(src, tmp_path):
     res = subprocess.run(["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", str(src),
                           "-o", str(tmp_path / "lab.o")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_gap_table_splits_ties_like_hop_table():
+    """An instruction whose event became ready exactly when its worker freed is event-bound in
+    both tables (hand-made trace, makespan 100 us: event 0 signaled at 40; worker 1 frees at 40 and
+    starts its GEMV at 41 - a tie; worker 2 frees at 45 and starts at 46 - worker-bound)."""
+    def sl(w, j, ts, dur, cat, op, wait=-1, sig=-1):
+        return {"ph": "X", "ts": ts, "dur": dur, "cat": cat,
+                "args": {"worker": w, "instruction": j, "op": op, "wait_event": wait, "signal_event": sig}}
+    trace = {"otherData": {"makespan_us": 100.0}, "traceEvents": [
+        sl(0, 0, 0.0, 40.0, "linear", "p", sig=0),
+        sl(1, 0, 0.0, 40.0, "linear", "q"), sl(1, 1, 41.0, 5.0, "linear_fused", "a", wait=0),
+        sl(2, 0, 0.0, 45.0, "linear", "q"), sl(2, 1, 46.0, 5.0, "linear_fused", "a", wait=0)]}
+    lines = {ln.split()[1]: ln.split() for ln in gap_lines(trace) if ln.split()[0] == "linear_fused"}
+    assert lines["all"][2] == "n=" and lines["all"][3] == "2"
+    assert lines["worker-bound"][3] == "1" and lines["worker-bound"][5] == "1.00"  # worker 2 only: gap 46 - 45
+    from tilec.trace import hop_table
+    rows = [r.split() for r in hop_table(trace).splitlines()[1:]]
+    assert ["linear_fused", "event-bound", "1", "1.00", "1.00"] in rows
+    assert ["linear_fused", "worker-bound", "1", "1.00", "1.00"] in rows

@@ -231,6 +231,13 @@ def readiness(trace: dict) -> list[tuple[dict, float, float | None]]:
     return out
 
 
+def bound_by(free: float, ready: float) -> str:
+    """Which readiness came last for an instruction (times in µs): ``"event-bound"`` when its
+    event's last signal was no earlier than its worker's previous end (a tie counts as event-bound),
+    else ``"worker-bound"``. ``hop_table`` and ``benchmarks/lab/gap_table.py`` both split by it."""
+    return "event-bound" if ready >= free else "worker-bound"
+
+
 def hop_table(trace: dict) -> str:
     """Dependency hops in a measured trace: for each instruction with an event wait that follows
     another on its worker (a worker's first instruction has no previous end), its start minus the
@@ -247,8 +254,7 @@ def hop_table(trace: dict) -> str:
     for b, free, ready in readiness(trace):
         if ready is None:
             continue
-        bound = "event-bound" if ready >= free else "worker-bound"
-        hops.setdefault((b["cat"], bound), []).append(b["ts"] - max(free, ready))
+        hops.setdefault((b["cat"], bound_by(free, ready)), []).append(b["ts"] - max(free, ready))
     if not hops:
         return "no hops: no instruction waits, after another on its worker, for an event the trace signals"
     lines = [f"{'waiting kind':<18} {'bound by':<13} {'count':>6} {'median':>8} {'p90':>8}"]

@@ -9,9 +9,10 @@ first tile does; all of that op's tiles count), this prints medians in µs of:
 * ``gap``: from the worker's previous instruction's end to this one's start;
 * ``ready->start``: from the later of the two readiness times to the start (what the executor
   itself adds: the next descriptor, operand decoding, the op's setup, the event poll);
-* the same two over the *worker-bound* instructions (the event was ready by the previous
-  instruction's end), and over the last eighth of each op's tiles to start ("late"): the tiles
-  that end a phase, so what they add is on the step's critical path.
+* the same two over the *worker-bound* instructions (the event was ready before the previous
+  instruction ended; a tie counts as event-bound, as in ``hop_table``: ``tilec.trace.bound_by``),
+  and over the last eighth of each op's tiles to start ("late"): the tiles that end a phase, so
+  what they add is on the step's critical path.
 
 On an H200 (Llama-3.2-1B batch 1, context 1024; ``profile_step.py``, twenty-second session call
 1) worker-bound GEMVs started a median 2.56 µs after their previous instruction ended, while a
@@ -31,7 +32,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tilec.trace import readiness  # noqa: E402
+from tilec.trace import bound_by, readiness  # noqa: E402
 
 KINDS = ("linear_fused", "attention_partial")
 
@@ -55,7 +56,7 @@ def gap_lines(trace: dict) -> list[str]:
         if not rows:
             lines.append(f"  {cat}: no instructions in the middle 60 % of the step")
             continue
-        bound = [t for t in rows if t[2] <= t[1]]
+        bound = [t for t in rows if bound_by(t[1], t[2]) == "worker-bound"]
         for name, sel in (("all", rows), ("worker-bound", bound), ("late 1/8", late)):
             if not sel:
                 continue
