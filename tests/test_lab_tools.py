@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tilec.trace import hop_table
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
 from gap_table import gap_lines  # noqa: E402
 from ncu_by_function import line_table, source_lines  # noqa: E402
@@ -73,7 +75,6 @@ def test_gap_table_splits_ties_like_hop_table():
     lines = {ln.split()[1]: ln.split() for ln in gap_lines(trace) if ln.split()[0] == "linear_fused"}
     assert lines["all"][2] == "n=" and lines["all"][3] == "2"
     assert lines["worker-bound"][3] == "1" and lines["worker-bound"][5] == "1.00"  # worker 2 only: gap 46 - 45
-    from tilec.trace import hop_table
     rows = [r.split() for r in hop_table(trace).splitlines()[1:]]
     assert ["linear_fused", "event-bound", "1", "1.00", "1.00"] in rows
     assert ["linear_fused", "worker-bound", "1", "1.00", "1.00"] in rows
