@@ -56,12 +56,10 @@ fi
 if [[ $what == lab || $what == all ]]; then  # weight streaming, cold code, release cost, phase hops: outside the executor
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/gemv_stream_lab benchmarks/lab/gemv_stream_lab.cu &&
     /tmp/gemv_stream_lab 2>&1 | tee "$OUT/lab.log" | tail -8
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/icache_lab benchmarks/lab/icache_lab.cu &&
-    /tmp/icache_lab 2>&1 | tee "$OUT/icache_lab.log"
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/fence_lab benchmarks/lab/fence_lab.cu &&
-    /tmp/fence_lab 2>&1 | tee "$OUT/fence_lab.log"
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/hop_lab benchmarks/lab/hop_lab.cu &&
-    /tmp/hop_lab 2>&1 | tee "$OUT/hop_lab.log"
+  for lab in icache_lab fence_lab hop_lab; do
+    nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/$lab benchmarks/lab/$lab.cu &&
+      /tmp/$lab 2>&1 | tee "$OUT/$lab.log"
+  done
 fi
 if [[ $what == glm5 || $what == all ]]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_glm5_prelude.py 2>&1 | tee "$OUT/glm5_test.log" | tail -15

@@ -25,14 +25,10 @@
 #include <algorithm>
 #include <vector>
 
-#include "../../runtime/tilec/ptx.cuh"
-
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+#include "lab_stream.cuh"
 
 using namespace tilec;  // the runtime's PTX wrappers (runtime/tilec/ptx.cuh): the same instructions
 
-constexpr int kStageBytes = 32 * 1024;
-constexpr int kStages = 3;
 constexpr int kSmemBytes = 120 * 1024;  // the ring uses kStages x 32 KiB; the rest keeps a second CTA off the SM
 constexpr int kLdgLoads = 32;           // ld.global.cg per lane in flight (ldg mode)
 constexpr int kSamples = 64;             // timed release operations per SM
@@ -67,22 +63,7 @@ __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long p
   __syncthreads();
   if (warp == 1) {  // the memory traffic
     if (mode == kBulk && lane == 0) {
-      const unsigned long long policy = evict_first_policy();
-      long long off = 0;
-      int i = 0;  // item i fills stage i % kStages; its full barrier's phase parity is (i / kStages) & 1
-      for (; !done; ++i) {
-        const int s = i % kStages;
-        if (i >= kStages)  // the stage's previous copy (item i - kStages) has landed; its bytes are never read
-          while (!mbar_test(full + s, ((i - kStages) / kStages) & 1)) {
-          }
-        mbar_expect_tx(full + s, kStageBytes);
-        for (int r = 0; r < kStageBytes / 4096; ++r)
-          bulk_load(ring + s * kStageBytes + r * 4096, mine + off + r * 4096, 4096, full + s, policy);
-        off = (off + kStageBytes) % per_sm;
-      }
-      for (int j = i > kStages ? i - kStages : 0; j < i; ++j)  // drain: the copies write this CTA's shared memory
-        while (!mbar_test(full + j % kStages, (j / kStages) & 1)) {
-        }
+      stream_stages(ring, full, mine, per_sm, kStages, &done);
     } else if (mode == kLdg) {
       uint4 acc = make_uint4(0u, 0u, 0u, 0u);
       long long off = 0;  // per_sm is a multiple of kLdgLoads x 512 bytes: no wrap inside an iteration
@@ -124,8 +105,7 @@ int main() {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   CK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
   CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
-  // every CTA streams its own slice; together 4x L2, so the stream reads HBM
-  const long long per_sm = ((4LL * l2 / sms) / kStageBytes + 1) * kStageBytes;
+  const long long per_sm = stream_slice_bytes(l2, sms);  // every CTA streams its own slice
   char* w;
   unsigned long long* ctr;
   float* out;

@@ -37,9 +37,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "../../runtime/tilec/ptx.cuh"
-
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+#include "lab_stream.cuh"
 
 using namespace tilec;  // the runtime's PTX wrappers (runtime/tilec/ptx.cuh)
 
@@ -47,8 +45,6 @@ constexpr int kN = 2048;                  // bf16 elements of a vector
 constexpr int kThreads = 256;             // compute threads (8 warps); one more warp streams
 constexpr int kRounds = 256;
 constexpr int kWarm = 32;
-constexpr int kStageBytes = 32 * 1024;
-constexpr int kStages = 3;
 constexpr int kSmemBytes = 120 * 1024;    // one CTA per SM
 static_assert(kN * 2 == kThreads * 16, "event mode: one 16-byte load per thread");
 static_assert(kN / 2 == kThreads * 4, "ll mode: four 8-byte words (two 16-byte loads) per thread");
@@ -89,27 +85,9 @@ hop_kernel(const char* w, long long per_sm, int stream, int slice, void* v, unsi
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp == kThreads / 32) {  // the streaming warp (as fence_lab.cu's bulk mode)
-    if (stream != kIdle && lane == 0) {
-      const int ahead = stream == kBulk ? kStages : 1;  // stages in flight (kBulk1: one copy at a time)
-      const unsigned long long policy = evict_first_policy();
-      const char* mine = w + blockIdx.x * per_sm;
-      long long off = 0;
-      int i = 0;
-      for (; !done; ++i) {
-        const int s = i % kStages;
-        if (i >= ahead)  // the copy `ahead` items back has landed (its stage's bytes are never read)
-          while (!mbar_test(full + (i - ahead) % kStages, ((i - ahead) / kStages) & 1)) {
-          }
-        mbar_expect_tx(full + s, kStageBytes);
-        for (int q = 0; q < kStageBytes / 4096; ++q)
-          bulk_load(ring + s * kStageBytes + q * 4096, mine + off + q * 4096, 4096, full + s, policy);
-        off = (off + kStageBytes) % per_sm;
-      }
-      for (int j = i > kStages ? i - kStages : 0; j < i; ++j)  // drain: the copies write this CTA's smem
-        while (!mbar_test(full + j % kStages, (j / kStages) & 1)) {
-        }
-    }
+  if (warp == kThreads / 32) {  // the streaming warp (lab_stream.cuh)
+    if (stream != kIdle && lane == 0)  // kBulk: kStages stages in flight, kBulk1: one
+      stream_stages(ring, full, w + blockIdx.x * per_sm, per_sm, stream == kBulk ? kStages : 1, &done);
     return;
   }
   unsigned wrong = 0;
@@ -209,7 +187,7 @@ int main() {
   }
   int slice = (kN + sms - 1) / sms;
   slice += slice & 1;
-  const long long per_sm = ((4LL * l2 / sms) / kStageBytes + 1) * kStageBytes;  // together 4x L2: HBM
+  const long long per_sm = stream_slice_bytes(l2, sms);
   char* w;
   void* vec;
   unsigned long long *ctr, *stamps;

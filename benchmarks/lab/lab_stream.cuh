@@ -1,0 +1,42 @@
+// Shared by the standalone labs that stream weights beside the code they time (fence_lab.cu,
+// hop_lab.cu): the error check, the executor-like ring of bulk-copy stages, and the streaming warp.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "../../runtime/tilec/ptx.cuh"
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+constexpr int kStageBytes = 32 * 1024;  // one ring stage: 8 bulk copies of 4 KiB (the executor's rows)
+constexpr int kStages = 3;              // the executor's default ring depth
+
+// Bytes each of `sms` CTAs streams: a multiple of kStageBytes, together 4x the L2, so the stream reads HBM.
+inline long long stream_slice_bytes(int l2_bytes, int sms) {
+  return ((4LL * l2_bytes / sms) / kStageBytes + 1) * kStageBytes;
+}
+
+// The streaming warp's lane 0: copies this CTA's `mine` (per_sm bytes, wrapping) stage by stage into
+// `ring` (kStages stages, completing on `full`, initialized with count 1) with an evict-first policy,
+// at most `ahead` (1..kStages) stages in flight, until *done; then waits for its last copies to land
+// (they write this CTA's shared memory). The stages' bytes are never read.
+__device__ inline void stream_stages(char* ring, unsigned long long* full, const char* mine, long long per_sm,
+                                     int ahead, volatile int* done) {
+  const unsigned long long policy = tilec::evict_first_policy();
+  long long off = 0;
+  int i = 0;  // item i fills stage i % kStages; its full barrier's phase parity is (i / kStages) & 1
+  for (; !*done; ++i) {
+    const int s = i % kStages;
+    if (i >= ahead)  // the copy `ahead` items back has landed (with it every earlier one, and stage s's last)
+      while (!tilec::mbar_test(full + (i - ahead) % kStages, ((i - ahead) / kStages) & 1)) {
+      }
+    tilec::mbar_expect_tx(full + s, kStageBytes);
+    for (int q = 0; q < kStageBytes / 4096; ++q)
+      tilec::bulk_load(ring + s * kStageBytes + q * 4096, mine + off + q * 4096, 4096, full + s, policy);
+    off = (off + kStageBytes) % per_sm;
+  }
+  for (int j = i > kStages ? i - kStages : 0; j < i; ++j)  // drain
+    while (!tilec::mbar_test(full + j % kStages, (j / kStages) & 1)) {
+    }
+}
