@@ -78,3 +78,28 @@ def test_gap_table_splits_ties_like_hop_table():
     rows = [r.split() for r in hop_table(trace).splitlines()[1:]]
     assert ["linear_fused", "event-bound", "1", "1.00", "1.00"] in rows
     assert ["linear_fused", "worker-bound", "1", "1.00", "1.00"] in rows
+
+
+def test_phase_table_names_and_times_the_layer_phases():
+    """Hand-made trace of one layer: q / k / v (siblings starting 1 us apart), the attention, o_proj,
+    gate / up, down (the same source line as gate / up), each phase's tiles on two workers."""
+    from phase_table import phase_rows
+
+    def sl(w, ts, dur, op, src, mark1=None):
+        args = {"worker": w, "op": op, "source": src}
+        if mark1 is not None:
+            args["mark1_us"] = mark1
+        return {"ph": "X", "ts": ts, "dur": dur, "cat": "linear_fused", "args": args}
+    mlp = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
+    ev = [sl(0, 0.0, 5.0, "q", "q = self.q_proj(h)", 1.0), sl(1, 1.0, 5.0, "k", "k = self.k_proj(h)", 1.0),
+          sl(0, 7.0, 8.0, "attn", "o, w = attention_interface(", 2.0), sl(1, 8.0, 8.0, "attn", "o, w = attention_interface("),
+          sl(0, 17.0, 4.0, "o", "a = self.o_proj(a)"), sl(1, 19.0, 4.0, "o", "a = self.o_proj(a)"),
+          sl(0, 24.0, 10.0, "gate", mlp), sl(1, 25.0, 10.0, "up", mlp),
+          sl(0, 36.0, 6.0, "down", mlp), sl(1, 38.0, 6.0, "down", mlp)]
+    rows = phase_rows({"traceEvents": ev})
+    assert list(rows) == ["qkv", "attn", "o", "gateup", "down"]
+    assert rows["qkv"]["span"] == 6.0 and rows["qkv"]["mark1"] == 1.0 and rows["qkv"]["n"] == 1
+    assert rows["attn"]["first"] == 1.0 and rows["attn"]["last"] == 2.0 and rows["attn"]["mark1"] == 2.0
+    assert rows["o"]["first"] == 1.0 and rows["o"]["last"] == 3.0
+    assert rows["gateup"]["span"] == 11.0 and rows["gateup"]["first"] == 1.0
+    assert rows["down"]["first"] == 1.0 and rows["down"]["last"] == 3.0 and rows["down"]["tile"] == 6.0

@@ -1,0 +1,116 @@
+"""A Llama-family decode step's layer phases, from measured traces (benchmarks/lab).
+
+A phase is one op's tiles, or sibling ops' tiles that start within ``SIBLING_US`` of each other
+(q / k / v, gate / up). Phases are named by the FX source line their tiles carry (``args.source``:
+HF Llama / Qwen3 ``modeling_*.py``): q / k / v projections ``qkv``, the attention call ``attn``,
+``o_proj`` ``o``, the MLP line ``gateup`` right after ``o`` and ``down`` otherwise (gate / up and
+down share the line), ``lm_head`` ``lm``. For each name this prints medians in µs over its phases:
+
+* ``span``: from the phase's first tile start to its last tile end;
+* ``tile``: the median tile (instruction) time;
+* ``mark1``: the median time from start to mark 1 (a GEMV's x staged, a partial's queries staged);
+* ``first`` / ``last``: from the previous phase's last end to this phase's first / last start
+  (what a phase boundary costs; the last start is usually a worker that ran the previous phase's
+  last tile).
+
+Used on 2026-12-03 (H200, Llama-3.2-1B batch 1, context 1024; twenty-fifth session) to see why
+GEMVs staging x from LL words lost: their phases' last tiles had x staged (``last`` + ``mark1``)
+0.5-1.9 µs later than with the event protocol.
+
+    python benchmarks/lab/phase_table.py trace.json[.gz] [more traces]
+
+Traces come from ``benchmarks/profile_step.py`` or ``benchmarks/lab/variants_ab.py --trace``
+(``otherData.clock`` "measured"). Exits 1 if a file cannot be read or is not a measured trace.
+"""
+import argparse
+import collections
+import gzip
+import json
+import re
+import statistics
+import sys
+
+SIBLING_US = 3.0
+SOURCES = (("qkv", r"\b[qkv]_proj\("), ("attn", r"attention_interface\(|scaled_dot_product_attention\("),
+           ("o", r"\bo_proj\("), ("mlp", r"\bdown_proj\("), ("lm", r"\blm_head\("))
+NAMES = ("qkv", "attn", "o", "gateup", "down", "lm")
+COLUMNS = ("span", "tile", "mark1", "first", "last")
+
+
+def _source_class(e: dict) -> str | None:
+    src = e["args"].get("source", "")
+    return next((name for name, rx in SOURCES if re.search(rx, src)), None)
+
+
+def phases(trace: dict) -> list[tuple[str, list[dict]]]:
+    """The trace's phases in start order: (name, tiles); tiles of unnamed ops are left out."""
+    by_op = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and "op" in e.get("args", {}):
+            by_op[e["args"]["op"]].append(e)
+    ops = sorted(((min(e["ts"] for e in es), _source_class(es[0]), es) for es in by_op.values()), key=lambda r: r[0])
+    merged: list[list] = []
+    for t0, cls, es in ops:
+        if cls is None:
+            continue
+        if merged and merged[-1][1] == cls and t0 - merged[-1][0] < SIBLING_US:
+            merged[-1][2].extend(es)
+        else:
+            merged.append([t0, cls, list(es)])
+    out, prev = [], None
+    for _, cls, es in merged:
+        name = ("gateup" if prev == "o" else "down") if cls == "mlp" else cls
+        out.append((name, es))
+        prev = name
+    return out
+
+
+def phase_rows(trace: dict) -> dict[str, dict[str, float]]:
+    """{phase name: {column: median µs}} (module docstring); a column without values is NaN."""
+    cols = collections.defaultdict(lambda: collections.defaultdict(list))
+    prev_end = None
+    for name, es in phases(trace):
+        starts, ends = [e["ts"] for e in es], [e["ts"] + e["dur"] for e in es]
+        c = cols[name]
+        c["span"].append(max(ends) - min(starts))
+        c["tile"].append(statistics.median(e["dur"] for e in es))
+        m1 = [e["args"]["mark1_us"] for e in es if e["args"].get("mark1_us") is not None]
+        if m1:
+            c["mark1"].append(statistics.median(m1))
+        if prev_end is not None:
+            c["first"].append(min(starts) - prev_end)
+            c["last"].append(max(starts) - prev_end)
+        prev_end = max(ends)
+    return {name: {k: statistics.median(c[k]) if c[k] else float("nan") for k in COLUMNS} | {"n": len(c["span"])}
+            for name, c in cols.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="+")
+    status, tables = 0, []
+    for path in ap.parse_args().traces:
+        try:
+            with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+                trace = json.load(f)
+            clock = trace.get("otherData", {}).get("clock")
+            if clock != "measured":
+                raise ValueError(f"not a measured trace (clock {clock!r})")
+            tables.append((path, trace["otherData"].get("makespan_us", float("nan")), phase_rows(trace)))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError) as e:
+            print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)
+            status = 1
+    for path, span, _ in tables:
+        print(f"{path}: makespan {span:.1f} us")
+    for name in NAMES:
+        rows = [(path, t[name]) for path, _, t in tables if name in t]
+        if not rows:
+            continue
+        print(f"\n{name} (medians over its phases, us)\n{'trace':40s} " + " ".join(f"{k:>7s}" for k in COLUMNS) + "    n")
+        for path, r in rows:
+            print(f"{path[-40:]:40s} " + " ".join(f"{r[k]:7.2f}" for k in COLUMNS) + f" {r['n']:4d}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
