@@ -51,6 +51,7 @@ if [[ $what == perf || $what == all ]]; then
   python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --skip-inductor --gemv 2>&1 | tee "$OUT/perf.log" | tail -16
   python3 benchmarks/profile_step.py --model llama-3.2-1b --context 1024 --out "$OUT/trace.json" 2>&1 | tee "$OUT/profile.log" | tail -16
   python3 benchmarks/lab/gap_table.py "$OUT/trace.json" 2>&1 | tee "$OUT/gap_table.log"
+  python3 benchmarks/lab/layer_phases.py "$OUT/trace.json" 2>&1 | tee "$OUT/layer_phases.log"
   python3 benchmarks/fit_cost.py "$OUT/trace.json" 2>&1 | tee "$OUT/fit_cost.log"
 fi
 if [[ $what == lab || $what == all ]]; then  # weight streaming, cold code, release cost, phase hops: outside the executor

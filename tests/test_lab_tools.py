@@ -1,4 +1,5 @@
 """CPU tests of the lab's tools (benchmarks/lab): the profile readers, and that its CUDA programs compile."""
+import math
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from tilec.trace import hop_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
 from gap_table import gap_lines  # noqa: E402
+from layer_phases import phase_rows as layer_phase_rows  # noqa: E402
 from ncu_by_function import line_table, source_lines  # noqa: E402
 
 # An excerpt in the shape of `ncu --page source --csv --print-source cuda,sass`: per source file a
@@ -80,26 +82,35 @@ def test_gap_table_splits_ties_like_hop_table():
     assert ["linear_fused", "worker-bound", "1", "1.00", "1.00"] in rows
 
 
-def test_phase_table_names_and_times_the_layer_phases():
-    """Hand-made trace of one layer: q / k / v (siblings starting 1 us apart), the attention, o_proj,
-    gate / up, down (the same source line as gate / up), each phase's tiles on two workers."""
-    from phase_table import phase_rows
 
+def test_layer_phases_names_and_times_the_layer_phases():
+    """Hand-made trace of an embedding (no phase) and two layers on two workers: q / k / v (siblings
+    starting up to 2 us apart), the attention, o_proj, gate / up and down (both on the MLP's source
+    line), with tiles of unequal times; every column is checked on its own values."""
     def sl(w, ts, dur, op, src, mark1=None):
         args = {"worker": w, "op": op, "source": src}
         if mark1 is not None:
             args["mark1_us"] = mark1
         return {"ph": "X", "ts": ts, "dur": dur, "cat": "linear_fused", "args": args}
     mlp = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
-    ev = [sl(0, 0.0, 5.0, "q", "q = self.q_proj(h)", 1.0), sl(1, 1.0, 5.0, "k", "k = self.k_proj(h)", 1.0),
-          sl(0, 7.0, 8.0, "attn", "o, w = attention_interface(", 2.0), sl(1, 8.0, 8.0, "attn", "o, w = attention_interface("),
-          sl(0, 17.0, 4.0, "o", "a = self.o_proj(a)"), sl(1, 19.0, 4.0, "o", "a = self.o_proj(a)"),
-          sl(0, 24.0, 10.0, "gate", mlp), sl(1, 25.0, 10.0, "up", mlp),
-          sl(0, 36.0, 6.0, "down", mlp), sl(1, 38.0, 6.0, "down", mlp)]
-    rows = phase_rows({"traceEvents": ev})
+    ev = [sl(0, 0.0, 2.0, "emb", "inputs_embeds = self.embed_tokens(input_ids)")]
+    for layer, t in enumerate((3.0, 53.0)):
+        n = f"{layer}"
+        ev += [sl(0, t, 5.0, "q" + n, "q = self.q_proj(h)", 1.0), sl(1, t + 1, 3.0, "k" + n, "k = self.k_proj(h)", 3.0),
+               sl(0, t + 2, 2.0, "v" + n, "v = self.v_proj(h)", 1.0),
+               sl(0, t + 7, 8.0, "attn" + n, "o, w = attention_interface(", 2.0),
+               sl(1, t + 8, 10.0, "attn" + n, "o, w = attention_interface("),
+               sl(0, t + 19, 4.0, "o" + n, "a = self.o_proj(a)"), sl(1, t + 21, 2.0, "o" + n, "a = self.o_proj(a)", 0.5),
+               sl(0, t + 24, 10.0, "gate" + n, mlp), sl(1, t + 25, 12.0, "up" + n, mlp),
+               sl(0, t + 38, 6.0, "down" + n, mlp, 2.0), sl(1, t + 40 + layer, 4.0, "down" + n, mlp)]
+    rows = layer_phase_rows({"traceEvents": ev})
     assert list(rows) == ["qkv", "attn", "o", "gateup", "down"]
-    assert rows["qkv"]["span"] == 6.0 and rows["qkv"]["mark1"] == 1.0 and rows["qkv"]["n"] == 1
-    assert rows["attn"]["first"] == 1.0 and rows["attn"]["last"] == 2.0 and rows["attn"]["mark1"] == 2.0
-    assert rows["o"]["first"] == 1.0 and rows["o"]["last"] == 3.0
-    assert rows["gateup"]["span"] == 11.0 and rows["gateup"]["first"] == 1.0
-    assert rows["down"]["first"] == 1.0 and rows["down"]["last"] == 3.0 and rows["down"]["tile"] == 6.0
+    assert all(r["n"] == 2 for r in rows.values())
+    q, a, o, gu, d = (rows[k] for k in ("qkv", "attn", "o", "gateup", "down"))
+    assert (q["span"], q["tile"], q["mark1"]) == (5.0, 3.0, 1.0)
+    assert (q["first"], q["last"], q["last_m1"]) == (6.0, 8.0, 9.0)  # layer 1 only: after layer 0's down (ends at 47)
+    assert (a["span"], a["tile"], a["mark1"], a["first"], a["last"]) == (11.0, 9.0, 2.0, 2.0, 3.0)
+    assert math.isnan(a["last_m1"])  # the attention's last tile has no mark 1
+    assert (o["tile"], o["first"], o["last"], o["last_m1"]) == (3.0, 1.0, 3.0, 3.5)
+    assert (gu["span"], gu["tile"], gu["first"], gu["last"]) == (13.0, 11.0, 1.0, 2.0)
+    assert (d["span"], d["tile"], d["first"], d["last"]) == (6.5, 5.0, 1.0, 3.5)  # down's last start: 40, 41

@@ -1,40 +1,48 @@
 """A Llama-family decode step's layer phases, from measured traces (benchmarks/lab).
 
-A phase is one op's tiles, or sibling ops' tiles that start within ``SIBLING_US`` of each other
-(q / k / v, gate / up). Phases are named by the FX source line their tiles carry (``args.source``:
-HF Llama / Qwen3 ``modeling_*.py``): q / k / v projections ``qkv``, the attention call ``attn``,
-``o_proj`` ``o``, the MLP line ``gateup`` right after ``o`` and ``down`` otherwise (gate / up and
-down share the line), ``lm_head`` ``lm``. For each name this prints medians in µs over its phases:
+A phase is one op's tiles, joined by the tiles of sibling ops (q / k / v, gate / up) that start
+within ``SIBLING_US`` of the phase's first op. Phases are named by the FX source line their tiles
+carry (``args.source``, HF Llama / Qwen3 ``modeling_*.py``): q / k / v projections ``qkv``, the
+attention call ``attn``, ``o_proj`` ``o``, the MLP line ``gateup`` right after ``o`` and ``down``
+otherwise (gate / up and down share the line), ``lm_head`` ``lm``; other ops' tiles (the
+embedding) belong to no phase. For each name this prints medians in µs over its phases:
 
 * ``span``: from the phase's first tile start to its last tile end;
 * ``tile``: the median tile (instruction) time;
-* ``mark1``: the median time from start to mark 1 (a GEMV's x staged, a partial's queries staged);
-* ``first`` / ``last``: from the previous phase's last end to this phase's first / last start
-  (what a phase boundary costs; the last start is usually a worker that ran the previous phase's
-  last tile).
+* ``mark1``: the median time from a tile's start to its mark 1 (a GEMV's x staged, a split-KV
+  partial's queries staged; a tile's start is when its event wait returned);
+* ``first`` / ``last``: from the previous phase's last end to this phase's first / last tile start
+  (the step's first phase has no previous one);
+* ``last_m1``: ``last`` plus that last-starting tile's own mark 1 - when the tile that ends the
+  boundary had its rows (NaN without a mark 1).
 
-Used on 2026-12-03 (H200, Llama-3.2-1B batch 1, context 1024; twenty-fifth session) to see why
-GEMVs staging x from LL words lost: their phases' last tiles had x staged (``last`` + ``mark1``)
-0.5-1.9 µs later than with the event protocol.
+Not a per-instruction phase table: ``benchmarks/profile_step.py``'s ``phase_table`` splits one
+instruction at its marks. Used on 2026-12-03 (H200, Llama-3.2-1B batch 1, context 1024;
+twenty-fifth session) on GEMVs that took x from LL words (branch ``s25/lab``, whose LL tiles stamp
+their start once x is staged): each phase's last-starting tile had its rows later than with the
+event protocol.
 
-    python benchmarks/lab/phase_table.py trace.json[.gz] [more traces]
+    python benchmarks/lab/layer_phases.py trace.json[.gz] [more traces]
 
 Traces come from ``benchmarks/profile_step.py`` or ``benchmarks/lab/variants_ab.py --trace``
-(``otherData.clock`` "measured"). Exits 1 if a file cannot be read or is not a measured trace.
+(``otherData.clock`` "measured"). Exits 1 if a file cannot be read, is not a measured trace or
+holds no named phase.
 """
 import argparse
 import collections
 import gzip
 import json
+import math
 import re
 import statistics
 import sys
+import zlib
 
 SIBLING_US = 3.0
 SOURCES = (("qkv", r"\b[qkv]_proj\("), ("attn", r"attention_interface\(|scaled_dot_product_attention\("),
            ("o", r"\bo_proj\("), ("mlp", r"\bdown_proj\("), ("lm", r"\blm_head\("))
 NAMES = ("qkv", "attn", "o", "gateup", "down", "lm")
-COLUMNS = ("span", "tile", "mark1", "first", "last")
+COLUMNS = ("span", "tile", "mark1", "first", "last", "last_m1")
 
 
 def _source_class(e: dict) -> str | None:
@@ -43,7 +51,7 @@ def _source_class(e: dict) -> str | None:
 
 
 def phases(trace: dict) -> list[tuple[str, list[dict]]]:
-    """The trace's phases in start order: (name, tiles); tiles of unnamed ops are left out."""
+    """The trace's phases in start order: (name, tiles)."""
     by_op = collections.defaultdict(list)
     for e in trace["traceEvents"]:
         if e.get("ph") == "X" and "op" in e.get("args", {}):
@@ -66,22 +74,26 @@ def phases(trace: dict) -> list[tuple[str, list[dict]]]:
 
 
 def phase_rows(trace: dict) -> dict[str, dict[str, float]]:
-    """{phase name: {column: median µs}} (module docstring); a column without values is NaN."""
+    """{phase name: {column: median µs, "n": phases}} (module docstring); a column without values is NaN."""
     cols = collections.defaultdict(lambda: collections.defaultdict(list))
     prev_end = None
     for name, es in phases(trace):
         starts, ends = [e["ts"] for e in es], [e["ts"] + e["dur"] for e in es]
         c = cols[name]
+        c["n"].append(1)
         c["span"].append(max(ends) - min(starts))
         c["tile"].append(statistics.median(e["dur"] for e in es))
         m1 = [e["args"]["mark1_us"] for e in es if e["args"].get("mark1_us") is not None]
         if m1:
             c["mark1"].append(statistics.median(m1))
         if prev_end is not None:
+            last = max(es, key=lambda e: e["ts"])
             c["first"].append(min(starts) - prev_end)
-            c["last"].append(max(starts) - prev_end)
+            c["last"].append(last["ts"] - prev_end)
+            if last["args"].get("mark1_us") is not None:
+                c["last_m1"].append(last["ts"] - prev_end + last["args"]["mark1_us"])
         prev_end = max(ends)
-    return {name: {k: statistics.median(c[k]) if c[k] else float("nan") for k in COLUMNS} | {"n": len(c["span"])}
+    return {name: {k: statistics.median(c[k]) if c[k] else math.nan for k in COLUMNS} | {"n": len(c["n"])}
             for name, c in cols.items()}
 
 
@@ -96,19 +108,22 @@ def main() -> int:
             clock = trace.get("otherData", {}).get("clock")
             if clock != "measured":
                 raise ValueError(f"not a measured trace (clock {clock!r})")
-            tables.append((path, trace["otherData"].get("makespan_us", float("nan")), phase_rows(trace)))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError) as e:
+            rows = phase_rows(trace)
+            if not rows:
+                raise ValueError("no named phases (tiles with a Llama-family FX source line)")
+            tables.append((path, trace["otherData"]["makespan_us"], rows))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, zlib.error) as e:
             print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)
             status = 1
     for path, span, _ in tables:
         print(f"{path}: makespan {span:.1f} us")
     for name in NAMES:
         rows = [(path, t[name]) for path, _, t in tables if name in t]
-        if not rows:
-            continue
-        print(f"\n{name} (medians over its phases, us)\n{'trace':40s} " + " ".join(f"{k:>7s}" for k in COLUMNS) + "    n")
-        for path, r in rows:
-            print(f"{path[-40:]:40s} " + " ".join(f"{r[k]:7.2f}" for k in COLUMNS) + f" {r['n']:4d}")
+        if rows:
+            print(f"\n{name} (medians over its phases, us)")
+            print("  ".join(f"{k:>7s}" for k in COLUMNS) + "    n  trace")
+            for path, r in rows:
+                print("  ".join(f"{r[k] + 0.0:7.2f}" for k in COLUMNS) + f" {r['n']:4d}  {path}")
     return status
 
 
