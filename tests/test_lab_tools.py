@@ -11,7 +11,7 @@ from tilec.trace import hop_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
 from gap_table import gap_lines  # noqa: E402
-from layer_phases import phase_rows as layer_phase_rows  # noqa: E402
+from layer_phases import main as layer_phases_main, phase_rows as layer_phase_rows  # noqa: E402
 from ncu_by_function import line_table, source_lines  # noqa: E402
 
 # An excerpt in the shape of `ncu --page source --csv --print-source cuda,sass`: per source file a
@@ -85,8 +85,8 @@ def test_gap_table_splits_ties_like_hop_table():
 
 def test_layer_phases_names_and_times_the_layer_phases():
     """Hand-made trace of an embedding (no phase) and two layers on two workers: q / k / v (siblings
-    starting up to 2 us apart), the attention, o_proj, gate / up and down (both on the MLP's source
-    line), with tiles of unequal times; every column is checked on its own values."""
+    overlapping in time), the attention, o_proj, gate / up and down (both on the MLP's source line),
+    with tiles of unequal times; every column is checked on its own values."""
     def sl(w, ts, dur, op, src, mark1=None):
         args = {"worker": w, "op": op, "source": src}
         if mark1 is not None:
@@ -108,9 +108,39 @@ def test_layer_phases_names_and_times_the_layer_phases():
     assert all(r["n"] == 2 for r in rows.values())
     q, a, o, gu, d = (rows[k] for k in ("qkv", "attn", "o", "gateup", "down"))
     assert (q["span"], q["tile"], q["mark1"]) == (5.0, 3.0, 1.0)
-    assert (q["first"], q["last"], q["last_m1"]) == (6.0, 8.0, 9.0)  # layer 1 only: after layer 0's down (ends at 47)
+    # layer 0's after the embedding (ends at 2), layer 1's after layer 0's down (ends at 47)
+    assert (q["first"], q["last"], q["last_m1"]) == (3.5, 5.5, 6.5)
     assert (a["span"], a["tile"], a["mark1"], a["first"], a["last"]) == (11.0, 9.0, 2.0, 2.0, 3.0)
     assert math.isnan(a["last_m1"])  # the attention's last tile has no mark 1
     assert (o["tile"], o["first"], o["last"], o["last_m1"]) == (3.0, 1.0, 3.0, 3.5)
     assert (gu["span"], gu["tile"], gu["first"], gu["last"]) == (13.0, 11.0, 1.0, 2.0)
     assert (d["span"], d["tile"], d["first"], d["last"]) == (6.5, 5.0, 1.0, 3.5)  # down's last start: 40, 41
+
+
+def test_layer_phases_cli_refuses_what_it_cannot_read(tmp_path, monkeypatch, capsys):
+    """Exit 1 with one line per bad file (not measured, no named phase, a corrupt gzip), the good
+    file's table still printed; a gzip file is recognized by its bytes, not its name."""
+    import gzip
+    import json
+
+    def write(name, trace, gz=True):
+        path = tmp_path / name
+        raw = json.dumps(trace).encode()
+        path.write_bytes(gzip.compress(raw) if gz else raw)
+        return str(path)
+    tile = {"ph": "X", "ts": 0.0, "dur": 5.0, "args": {"worker": 0, "op": "q", "source": "q = self.q_proj(h)"}}
+    good = write("good.json", {"otherData": {"clock": "measured"}, "traceEvents": [tile]})  # gzip under a .json name
+    predicted = write("pred.json.gz", {"otherData": {"clock": "predicted by tilec.cost"}, "traceEvents": [tile]})
+    other = dict(tile, args={"worker": 0, "op": "x", "source": "y = self.mlp(x)"})
+    unnamed = write("none.json", {"otherData": {"clock": "measured"}, "traceEvents": [other]}, gz=False)
+    corrupt = tmp_path / "bad.json.gz"
+    corrupt.write_bytes(gzip.compress(b"{}" * 100)[:30])
+    monkeypatch.setattr(sys, "argv", ["layer_phases.py", good, predicted, unnamed, str(corrupt)])
+    assert layer_phases_main() == 1
+    out, err = capsys.readouterr()
+    assert "qkv" in out and "good.json: last instruction ends at 5.0 us" in out
+    bad = err.strip().splitlines()
+    assert len(bad) == 3
+    assert "pred.json.gz" in bad[0] and "not a measured trace" in bad[0]
+    assert "none.json" in bad[1] and "no named phases" in bad[1]
+    assert "bad.json.gz" in bad[2]

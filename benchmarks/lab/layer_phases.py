@@ -1,32 +1,35 @@
 """A Llama-family decode step's layer phases, from measured traces (benchmarks/lab).
 
-A phase is one op's tiles, joined by the tiles of sibling ops (q / k / v, gate / up) that start
-within ``SIBLING_US`` of the phase's first op. Phases are named by the FX source line their tiles
+A phase is one op's tiles, joined by the tiles of the ops of its kind that start before its first
+tile ends (sibling ops: q / k / v, gate / up; the next phase's tiles wait for the previous one's). Phases are named by the FX source line their tiles
 carry (``args.source``, HF Llama / Qwen3 ``modeling_*.py``): q / k / v projections ``qkv``, the
 attention call ``attn``, ``o_proj`` ``o``, the MLP line ``gateup`` right after ``o`` and ``down``
-otherwise (gate / up and down share the line), ``lm_head`` ``lm``; other ops' tiles (the
-embedding) belong to no phase. For each name this prints medians in µs over its phases:
+otherwise (gate / up and down share the line), ``lm_head`` ``lm``. Other ops (the embedding,
+Qwen3's q / k norms) are not reported but count as the previous phase of what follows them. For
+each name this prints medians in µs over its phases:
 
 * ``span``: from the phase's first tile start to its last tile end;
 * ``tile``: the median tile (instruction) time;
 * ``mark1``: the median time from a tile's start to its mark 1 (a GEMV's x staged, a split-KV
   partial's queries staged; a tile's start is when its event wait returned);
 * ``first`` / ``last``: from the previous phase's last end to this phase's first / last tile start
-  (the step's first phase has no previous one);
+  (the step's first op has no previous one: ``n`` counts phases, these columns may have one value
+  fewer). ``first`` is negative when a tile's own producers finished before the previous phase's
+  last tile (split-KV partials wait on their own heads' q / k / v tiles);
 * ``last_m1``: ``last`` plus that last-starting tile's own mark 1 - when the tile that ends the
   boundary had its rows (NaN without a mark 1).
 
-Not a per-instruction phase table: ``benchmarks/profile_step.py``'s ``phase_table`` splits one
+``n``: how many phases had the name. Not a per-instruction phase table: ``benchmarks/profile_step.py``'s ``phase_table`` splits one
 instruction at its marks. Used on 2026-12-03 (H200, Llama-3.2-1B batch 1, context 1024;
 twenty-fifth session) on GEMVs that took x from LL words (branch ``s25/lab``, whose LL tiles stamp
 their start once x is staged): each phase's last-starting tile had its rows later than with the
-event protocol.
+event protocol (in those traces a tile's start is its x staged, so ``first`` can be negative there too).
 
     python benchmarks/lab/layer_phases.py trace.json[.gz] [more traces]
 
 Traces come from ``benchmarks/profile_step.py`` or ``benchmarks/lab/variants_ab.py --trace``
-(``otherData.clock`` "measured"). Exits 1 if a file cannot be read, is not a measured trace or
-holds no named phase.
+(``otherData.clock`` "measured"; gzip files are recognized by their first bytes). Exits 1 if a file
+cannot be read, is not a measured trace or holds no named phase.
 """
 import argparse
 import collections
@@ -38,7 +41,6 @@ import statistics
 import sys
 import zlib
 
-SIBLING_US = 3.0
 SOURCES = (("qkv", r"\b[qkv]_proj\("), ("attn", r"attention_interface\(|scaled_dot_product_attention\("),
            ("o", r"\bo_proj\("), ("mlp", r"\bdown_proj\("), ("lm", r"\blm_head\("))
 NAMES = ("qkv", "attn", "o", "gateup", "down", "lm")
@@ -50,23 +52,23 @@ def _source_class(e: dict) -> str | None:
     return next((name for name, rx in SOURCES if re.search(rx, src)), None)
 
 
-def phases(trace: dict) -> list[tuple[str, list[dict]]]:
-    """The trace's phases in start order: (name, tiles)."""
+def phases(trace: dict) -> list[tuple[str | None, list[dict]]]:
+    """The trace's phases in start order: (name, tiles); name None for an op of no phase."""
     by_op = collections.defaultdict(list)
     for e in trace["traceEvents"]:
         if e.get("ph") == "X" and "op" in e.get("args", {}):
             by_op[e["args"]["op"]].append(e)
     ops = sorted(((min(e["ts"] for e in es), _source_class(es[0]), es) for es in by_op.values()), key=lambda r: r[0])
-    merged: list[list] = []
+    merged: list[list] = []  # [class, tiles, first tile end]
     for t0, cls, es in ops:
-        if cls is None:
-            continue
-        if merged and merged[-1][1] == cls and t0 - merged[-1][0] < SIBLING_US:
-            merged[-1][2].extend(es)
+        end = min(e["ts"] + e["dur"] for e in es)
+        if cls is not None and merged and merged[-1][0] == cls and t0 < merged[-1][2]:
+            merged[-1][1].extend(es)
+            merged[-1][2] = min(merged[-1][2], end)
         else:
-            merged.append([t0, cls, list(es)])
+            merged.append([cls, list(es), end])
     out, prev = [], None
-    for _, cls, es in merged:
+    for cls, es, _ in merged:
         name = ("gateup" if prev == "o" else "down") if cls == "mlp" else cls
         out.append((name, es))
         prev = name
@@ -79,6 +81,9 @@ def phase_rows(trace: dict) -> dict[str, dict[str, float]]:
     prev_end = None
     for name, es in phases(trace):
         starts, ends = [e["ts"] for e in es], [e["ts"] + e["dur"] for e in es]
+        if name is None:  # not reported; the boundary of what follows starts at its end
+            prev_end = max(ends)
+            continue
         c = cols[name]
         c["n"].append(1)
         c["span"].append(max(ends) - min(starts))
@@ -103,27 +108,31 @@ def main() -> int:
     status, tables = 0, []
     for path in ap.parse_args().traces:
         try:
-            with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-                trace = json.load(f)
-            clock = trace.get("otherData", {}).get("clock")
+            with open(path, "rb") as f:
+                raw = f.read()
+            trace = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+            if not isinstance(trace, dict) or not isinstance(trace.get("otherData"), dict):
+                raise ValueError("not a Chrome trace object with otherData")
+            clock = trace["otherData"].get("clock")
             if clock != "measured":
                 raise ValueError(f"not a measured trace (clock {clock!r})")
             rows = phase_rows(trace)
             if not rows:
                 raise ValueError("no named phases (tiles with a Llama-family FX source line)")
-            tables.append((path, trace["otherData"]["makespan_us"], rows))
+            span = max(e["ts"] + e["dur"] for e in trace["traceEvents"] if e.get("ph") == "X")
+            tables.append((path, float(span), rows))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, zlib.error) as e:
             print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)
             status = 1
     for path, span, _ in tables:
-        print(f"{path}: makespan {span:.1f} us")
+        print(f"{path}: last instruction ends at {span:.1f} us")
     for name in NAMES:
         rows = [(path, t[name]) for path, _, t in tables if name in t]
         if rows:
             print(f"\n{name} (medians over its phases, us)")
             print("  ".join(f"{k:>7s}" for k in COLUMNS) + "    n  trace")
             for path, r in rows:
-                print("  ".join(f"{r[k] + 0.0:7.2f}" for k in COLUMNS) + f" {r['n']:4d}  {path}")
+                print("  ".join(f"{r[k]:7.2f}".replace("-0.00", " 0.00") for k in COLUMNS) + f" {r['n']:4d}  {path}")
     return status
 
 
