@@ -100,7 +100,8 @@ def test_layer_phases_names_and_times_the_layer_phases():
                sl(0, t + 2, 2.0, "v" + n, "v = self.v_proj(h)", 1.0),
                sl(0, t + 7, 8.0, "attn" + n, "o, w = attention_interface(", 2.0),
                sl(1, t + 8, 10.0, "attn" + n, "o, w = attention_interface("),
-               sl(0, t + 19, 4.0, "o" + n, "a = self.o_proj(a)"), sl(1, t + 21, 2.0, "o" + n, "a = self.o_proj(a)", 0.5),
+               sl(0, t + 19, 4.0, "o" + n, "a = self.o_proj(a)"),
+               sl(1, t + 21, 2.0, "o" + n, "a = self.o_proj(a)", 0.5),
                sl(0, t + 24, 10.0, "gate" + n, mlp), sl(1, t + 25, 12.0, "up" + n, mlp),
                sl(0, t + 38, 6.0, "down" + n, mlp, 2.0), sl(1, t + 40 + layer, 4.0, "down" + n, mlp)]
     rows = layer_phase_rows({"traceEvents": ev})

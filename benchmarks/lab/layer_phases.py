@@ -1,29 +1,30 @@
 """A Llama-family decode step's layer phases, from measured traces (benchmarks/lab).
 
 A phase is one op's tiles, joined by the tiles of the ops of its kind that start before its first
-tile ends (sibling ops: q / k / v, gate / up; the next phase's tiles wait for the previous one's). Phases are named by the FX source line their tiles
-carry (``args.source``, HF Llama / Qwen3 ``modeling_*.py``): q / k / v projections ``qkv``, the
-attention call ``attn``, ``o_proj`` ``o``, the MLP line ``gateup`` right after ``o`` and ``down``
-otherwise (gate / up and down share the line), ``lm_head`` ``lm``. Other ops (the embedding,
-Qwen3's q / k norms) are not reported but count as the previous phase of what follows them. For
-each name this prints medians in µs over its phases:
+tile ends (sibling ops: q / k / v, gate / up; a next phase's tiles wait for the previous one's).
+Phases are named by the FX source line their tiles carry (``args.source``, HF Llama / Qwen3
+``modeling_*.py``): q / k / v projections ``qkv``, the attention call ``attn``, ``o_proj`` ``o``,
+the MLP line ``gateup`` right after ``o`` and ``down`` otherwise (gate / up and down share the
+line), ``lm_head`` ``lm``. Other ops (the embedding, Qwen3's q / k norms) are not reported but end
+the previous phase of what follows them. For each name this prints, over its ``n`` phases, the
+medians in µs of:
 
 * ``span``: from the phase's first tile start to its last tile end;
 * ``tile``: the median tile (instruction) time;
 * ``mark1``: the median time from a tile's start to its mark 1 (a GEMV's x staged, a split-KV
   partial's queries staged; a tile's start is when its event wait returned);
 * ``first`` / ``last``: from the previous phase's last end to this phase's first / last tile start
-  (the step's first op has no previous one: ``n`` counts phases, these columns may have one value
-  fewer). ``first`` is negative when a tile's own producers finished before the previous phase's
-  last tile (split-KV partials wait on their own heads' q / k / v tiles);
+  (the step's first op has none: these columns may have one value fewer than ``n``). ``first`` is
+  negative when a tile's own producers finished before the previous phase's last tile (split-KV
+  partials wait on their own heads' q / k / v tiles);
 * ``last_m1``: ``last`` plus that last-starting tile's own mark 1 - when the tile that ends the
   boundary had its rows (NaN without a mark 1).
 
-``n``: how many phases had the name. Not a per-instruction phase table: ``benchmarks/profile_step.py``'s ``phase_table`` splits one
+Not a per-instruction table: ``benchmarks/profile_step.py``'s ``phase_table`` splits one
 instruction at its marks. Used on 2026-12-03 (H200, Llama-3.2-1B batch 1, context 1024;
 twenty-fifth session) on GEMVs that took x from LL words (branch ``s25/lab``, whose LL tiles stamp
-their start once x is staged): each phase's last-starting tile had its rows later than with the
-event protocol (in those traces a tile's start is its x staged, so ``first`` can be negative there too).
+their start once x is staged, so their ``first`` can be negative too): each phase's last-starting
+tile had its rows later than with the event protocol.
 
     python benchmarks/lab/layer_phases.py trace.json[.gz] [more traces]
 
