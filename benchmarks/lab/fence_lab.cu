@@ -101,9 +101,7 @@ __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long p
 
 int main() {
   int dev = 0, sms = 0, l2 = 0, khz = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  CK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+  lab_device(dev, sms, l2);
   CK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
   const long long per_sm = stream_slice_bytes(l2, sms);  // every CTA streams its own slice
   char* w;

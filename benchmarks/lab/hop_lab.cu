@@ -177,9 +177,7 @@ hop_kernel(const char* w, long long per_sm, int stream, int slice, void* v, unsi
 
 int main() {
   int dev = 0, sms = 0, l2 = 0, coop = 0;
-  CK(cudaGetDevice(&dev));
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  CK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+  lab_device(dev, sms, l2);
   CK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
   if (!coop) {
     printf("needs cooperative launch (every CTA spins on the others)\n");

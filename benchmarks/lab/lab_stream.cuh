@@ -1,5 +1,6 @@
 // Shared by the standalone labs that stream weights beside the code they time (fence_lab.cu,
-// hop_lab.cu): the error check, the executor-like ring of bulk-copy stages, and the streaming warp.
+// hop_lab.cu): the error check, the device query, the executor-like ring of bulk-copy stages, and the
+// streaming warp.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -11,6 +12,13 @@
 
 constexpr int kStageBytes = 32 * 1024;  // one ring stage: 8 bulk copies of 4 KiB (the executor's rows)
 constexpr int kStages = 3;              // the executor's default ring depth
+
+// The current device, its SM count and its L2 size in bytes (what stream_slice_bytes sizes by).
+inline void lab_device(int& dev, int& sms, int& l2_bytes) {
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, dev));
+}
 
 // Bytes each of `sms` CTAs streams: a multiple of kStageBytes, together 4x the L2, so the stream reads HBM.
 inline long long stream_slice_bytes(int l2_bytes, int sms) {
