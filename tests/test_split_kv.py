@@ -173,17 +173,20 @@ def test_head_dim_over_256_is_rejected_for_cuda():
 
 
 @pytest.mark.parametrize("d,dv,chunk,want", [
-    # queries 4 x 256 floats + 32 statistics, then the largest region (floats):
-    (64, 64, 128, 4 * 128 + 64 * 128),   # Llama-3.2-1B: staged scores + K/V rows of the split
-    (128, 128, 96, 4 * 96 + 128 * 96),   # Qwen3-0.6B at the automatic 96-position splits
-    (64, 64, 3000, 4 * 128 + 64 * 128),  # long splits: 128 staged rows (> 2048 scores)
+    # queries 4 x 256 floats + 32 statistics, then the largest region (floats); a staged segment
+    # of n positions: 4 x (39 + 19) floats of padding, then per position 4 scores, 2 words of
+    # probabilities and a K and a V row 16 bytes longer than (d + dv) / 2 floats
+    (64, 64, 128, 4 * 58 + (4 + 2 + 72) * 128),    # Llama-3.2-1B: staged scores + K/V rows of the split
+    (128, 128, 96, 4 * 58 + (4 + 2 + 136) * 96),   # Qwen3-0.6B at the automatic 96-position splits
+    (64, 64, 3000, 4 * 58 + (4 + 2 + 72) * 128),   # long splits: 128 staged rows (> 2048 scores)
     (16, 16, 3000, 4 * 2048),            # small heads: a 2048-score segment
     (256, 256, 128, 8 * 4 * 256),        # 256-dim heads reserve no staging (the ring keeps its room)
     (64, 32, 8, 8 * 4 * 32),             # short splits: the per-warp P.V partials
 ])
 def test_partial_reserves_room_to_stage_its_rows(d, dv, chunk, want):
     """runtime/tilec/ops_attention.cuh stages a segment's 2-byte K / V rows in shared memory when
-    they fit; the op reserves min(chunk, 128) positions of them (scores, K rows, V rows)."""
+    they fit; the op reserves min(chunk, 128) positions of them (scores, probabilities, K rows, V
+    rows, padded against bank conflicts)."""
     graph = split_kv(attention_graph(1, 8, 2, 1, 4096, d, dv), Options(attn_kv_chunk=chunk))
     assert opdef("attention_partial").smem_bytes(graph.ops[0]) == 4 * (4 * 256 + 32 + want)
 

@@ -50,14 +50,14 @@ template <> __device__ __forceinline__ float attn_half_of<__half>(unsigned int w
 }
 
 // Elements d0 .. d0 + 7 of one cache row (zeros past the row's n elements, or when !ok).
-// kStaged: the row sits in shared memory (16-byte rows of 2-byte elements, staged by the tile:
-// row jj of the segment at rows + jj * n); otherwise 8 strided scalar loads from global memory
+// kStaged: the row sits in shared memory (rows of 2-byte elements staged by the tile: row jj of
+// the segment at rows + jj * pitch); otherwise 8 strided scalar loads from global memory
 // converted to float.
 template <bool kStaged, typename T> struct AttnRow8;
 template <typename T> struct AttnRow8<true, T> {
   uint4 raw;
-  __device__ __forceinline__ void load(const T* rows, int jj, int n, int d0, bool ok) {
-    raw = ok && d0 < n ? *reinterpret_cast<const uint4*>(rows + (long long)jj * n + d0) : make_uint4(0u, 0u, 0u, 0u);
+  __device__ __forceinline__ void load(const T* rows, int jj, int n, int pitch, int d0, bool ok) {
+    raw = ok && d0 < n ? *reinterpret_cast<const uint4*>(rows + (long long)jj * pitch + d0) : make_uint4(0u, 0u, 0u, 0u);
   }
   __device__ __forceinline__ float operator[](int e) const {  // e: a compile-time constant after unrolling
     const unsigned int w = e < 2 ? raw.x : e < 4 ? raw.y : e < 6 ? raw.z : raw.w;
@@ -80,11 +80,24 @@ __device__ __forceinline__ int attn_split_end(int s, int chunk, int S, int causa
   return causal ? (int)max((long long)j0, min((long long)j1, valid + Sq - 1)) : j1;
 }
 
+// Shared-memory pitches of a staged segment of seg positions, chosen so that the tensor-core
+// paths' fragment loads (8 rows x 4 lanes of 32-bit words) hit 32 different banks: a K or V row
+// of n elements takes n + 8 (16 bytes more: row r + 1 starts 4 banks after row r); a query's
+// scores take attn_score_pitch(seg) floats (8 more than a multiple of 32); its probabilities, as
+// bf16 pairs, attn_p_pitch(seg) words (4 more than a multiple of 8, covering seg rounded up to
+// 16). Unpadded, those loads were 4- to 8-way bank conflicts. Measured on an H200 (Llama-3.2-1B
+// batch 1, context 1024, traces of benchmarks/lab/variants_ab.py): a 96-position split's scores
+// took 0.83 against 1.41 us, its P.V 0.96 against 1.60, the tile 7.33 against 8.45; the step
+// 1.157 ms against 1.175 / 1.178 for the unpadded runtime in processes before and after it.
+__device__ __forceinline__ int attn_score_pitch(int seg) { return (seg + 31) / 32 * 32 + 8; }
+__device__ __forceinline__ int attn_p_pitch(int seg) { return ((seg + 15) / 16 * 8 + 7) / 8 * 8 + 4; }
 // Cache positions per segment when the tile stages its K / V rows in shared memory: what fits
-// beside the queries, the statistics and the segment's scores (0: too few, stage nothing).
+// beside the queries, the statistics and the segment's scores (0: too few, stage nothing). The
+// padding is bounded per query by 39 score floats and 19 probability words (attn_score_pitch,
+// attn_p_pitch), per position by 8 floats (16 bytes of a K and of a V row).
 __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int D, int Dv) {
-  const int per_pos = kAttnQ + (D + Dv) / 2;  // floats: one score per query, a K and a V row
-  const int fit = (c.smem_floats - kAttnQ * 256 - 32) / per_pos;
+  const int per_pos = kAttnQ + kAttnQ / 2 + (D + Dv + 16) / 2;  // floats: scores, p pairs, a K and a V row
+  const int fit = (c.smem_floats - kAttnQ * 256 - 32 - kAttnQ * (39 + 19)) / per_pos;
   const int seg = min(min(chunk, kAttnSegMax), fit);
   return seg >= min(chunk, 32) ? seg : 0;
 }
@@ -114,8 +127,10 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 // process): a step 1.297 against 1.308 ms with the lane-group paths, the partial tile 7.0
 // against 8.0 us (medians; scores + softmax 2.1 against 2.5 us); logits max |diff| 3.1e-2 (bf16 noise:
 // the greedy checks of tests/gpu/test_cuda_models.py pass).
-// Shared memory: queries [kAttnQ][256] floats, statistics (32 floats), scores [kAttnQ][seg]
-// (at the end the per-warp P.V partials), then with kStaged K rows [seg][D] and V rows [seg][Dv].
+// Shared memory: queries [kAttnQ][256] floats (bf16 [kAttnQ][D + 8] for the tensor-core scores),
+// statistics (32 floats), scores [kAttnQ][seg] (at the end the per-warp P.V partials), then with
+// kStaged K rows [seg][D + 8], V rows [seg][Dv + 8] and the bf16 probabilities of the tensor-core
+// P.V, the staged layouts padded as attn_score_pitch says.
 // Query element qi[3] of row qi (b, head, token) with the folded rotate-half RoPE applied
 // (tilec/passes/fold_rope.py; rotate-half only - AttentionPartial.params refuses another style;
 // also a new key's element, tilec/passes/fold_kv_append.py, with q = k_new and a KV head):
@@ -148,14 +163,20 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
   const int lk = attn_log2(LK), lv = attn_log2(LV);  // LK, LV are powers of two: shifts, not divisions
   const int gk = lane >> lk, ik = lane & (LK - 1), gv = lane >> lv, iv = lane & (LV - 1);
   const long long kj = k.strides[2], kd = k.strides[3], vj = v.strides[2], vd = v.strides[3];
-  float* qs = c.smem();             // [kAttnQ][256] queries (scaled unless mma_qk), zero past D
-  float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]
-  float* sc = st + 32;            // [kAttnQ][seg] scores -> p; at the end [kWarps][kAttnQ][DVP] P.V partials
-  TK* ks = reinterpret_cast<TK*>(sc + kAttnQ * seg);  // kStaged: [seg][D]
+  // staged rows and scores are padded (attn_score_pitch): pitches DP, DVP2 elements, scp floats
+  const int DP = kStaged ? D + 8 : D, DVP2 = kStaged ? Dv + 8 : Dv, scp = kStaged ? attn_score_pitch(seg) : seg;
+  float* qs = c.smem();             // [kAttnQ][256] queries (scaled unless mma_qk), zero past D; mma_qk:
+                                    // bf16 [kAttnQ][D + 8]
+  float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]; 16 zero bytes at st + 28
+  float* sc = st + 32;            // [kAttnQ][scp] scores -> p; at the end [kWarps][kAttnQ][DVP] P.V partials
+  TK* ks = reinterpret_cast<TK*>(sc + kAttnQ * scp);  // kStaged: [seg][DP]
   // bf16 queries and staged bf16 K rows: the scores on tensor cores (phase 1 above)
   const bool mma_qk = kStaged && std::is_same<TQ, __nv_bfloat16>::value && std::is_same<TK, __nv_bfloat16>::value &&
                       D % 16 == 0;
-  TV* vs = reinterpret_cast<TV*>(ks + (long long)seg * D);  // kStaged: [seg][Dv]
+  TV* vs = reinterpret_cast<TV*>(ks + (long long)seg * DP);  // kStaged: [seg][DVP2]
+  unsigned* pb = reinterpret_cast<unsigned*>(vs + (long long)seg * DVP2);  // kMmaPV: p as bf16 pairs [kAttnQ][pbw]
+  const int pbw = attn_p_pitch(seg);
+  __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(qs);  // mma_qk: the queries as bf16, pitch D + 8
 #pragma unroll 1
   for (int b = c.lo(0); b < c.hi(0); ++b)
 #pragma unroll 1
@@ -173,12 +194,12 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
 #pragma unroll 1
             for (int e = threadIdx.x; e < len * kv; e += kThreads) {
               const int jj = e >> sk, d = (e & (kv - 1)) * 8;
-              cp_async16(ks + jj * D + d, base<TK>(k) + kb + (long long)(p0 + jj) * kj + d);
+              cp_async16(ks + jj * DP + d, base<TK>(k) + kb + (long long)(p0 + jj) * kj + d);
             }
 #pragma unroll 1
             for (int e = threadIdx.x; e < len * vv; e += kThreads) {
               const int jj = e >> sv, d = (e & (vv - 1)) * 8;
-              cp_async16(vs + jj * Dv + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
+              cp_async16(vs + jj * DVP2 + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
             }
             return;
           }
@@ -186,10 +207,10 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
           for (int e = threadIdx.x; e < len * (kv + vv); e += kThreads) {
             if (e < len * kv) {
               const int jj = e / kv, d = (e - jj * kv) * 8;
-              cp_async16(ks + jj * D + d, base<TK>(k) + kb + (long long)(p0 + jj) * kj + d);
+              cp_async16(ks + jj * DP + d, base<TK>(k) + kb + (long long)(p0 + jj) * kj + d);
             } else {
               const int f = e - len * kv, jj = f / vv, d = (f - jj * vv) * 8;
-              cp_async16(vs + jj * Dv + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
+              cp_async16(vs + jj * DVP2 + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
             }
           }
         };
@@ -208,12 +229,14 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               int qi[4] = {b, h * G + (q0 + qq) / Sq, (q0 + qq) % Sq, d};
               val = (rope ? rope_query<TQ>(q, qi, D) : ldf<TQ>(q, offset4(q, qi))) * (mma_qk ? 1.f : scale);
             }
-            qs[qq * 256 + d] = val;
+            if (!mma_qk) qs[qq * 256 + d] = val;
+            else if (d < D) qb[qq * (D + 8) + d] = __float2bfloat16(val);  // exact: a bf16 value
           }
           if (threadIdx.x < kAttnQ) {
             st[threadIdx.x] = -INFINITY;
             st[kAttnQ + threadIdx.x] = 0.f;
           }
+          if (threadIdx.x < 4) st[28 + threadIdx.x] = 0.f;  // the zero row of P.V's fragment loads past len
           float acc[kAttnQ][8];
           // staged bf16 V rows: P.V on tensor cores (phase 3 above); pv[i][0..1] = O[query lane / 4]
           // [8 (w + kWarps i) + 2 (lane % 4) + 0..1] (rows 8..15 and queries >= qc are zero padding)
@@ -257,7 +280,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               for (int t0 = 0; t0 < len; t0 += kWarps * PK) {
                 const int jj = t0 + warp * PK + gk;
                 AttnRow8<kStaged, TK> kr;
-                if constexpr (kStaged) kr.load(ks, jj, D, ik * 8, jj < len);
+                if constexpr (kStaged) kr.load(ks, jj, D, DP, ik * 8, jj < len);
                 else kr.load(k, kb + (long long)(p0 + jj) * kj, kd, ik * 8, D, jj < len);
 #pragma unroll
                 for (int qq = 0; qq < kAttnQ; ++qq) {
@@ -269,7 +292,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
 #pragma unroll
                     for (int o = 16; o > 0; o >>= 1)  // LK / 2, LK / 4, .., 1: the lane group's sum
                       if (o < (kLK > 0 ? kLK : LK)) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                    if (ik == 0 && jj < len) sc[qq * seg + jj] = jj < seen[qq] ? dot : -INFINITY;
+                    if (ik == 0 && jj < len) sc[qq * scp + jj] = jj < seen[qq] ? dot : -INFINITY;
                   }
                 }
               }
@@ -279,8 +302,10 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               const long long limq = causal ? valid + (q0 + qr) % Sq : 0x7fffffffffffffffLL;
               const int seenq = (int)max(0LL, min((long long)len, limq - p0));
               const unsigned short* kbits = reinterpret_cast<const unsigned short*>(ks);
-              // A: query qr's elements d, d + 1 as bf16x2 (exact: qs holds bf16 values; 0 for padding rows)
-              auto qa = [&](int d) -> unsigned { return qr < qc ? pack_bf16x2(qs[qr * 256 + d], qs[qr * 256 + d + 1]) : 0u; };
+              // A: query qr's elements d, d + 1 as bf16x2 (0 for padding rows)
+              auto qa = [&](int d) -> unsigned {
+                return qr < qc ? *reinterpret_cast<const unsigned*>(qb + qr * (D + 8) + d) : 0u;
+              };
 #pragma unroll 1
               for (int t = warp; t * 8 < len; t += kWarps) {
                 float d4[4] = {0.f, 0.f, 0.f, 0.f};
@@ -288,13 +313,13 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
 #pragma unroll 1
                 for (int k0 = 0; k0 < D; k0 += 16) {
                   const unsigned a[4] = {qa(k0 + kq), 0u, qa(k0 + kq + 8), 0u};
-                  const unsigned b0 = pos < len ? *reinterpret_cast<const unsigned*>(kbits + pos * D + k0 + kq) : 0u;
-                  const unsigned b1 = pos < len ? *reinterpret_cast<const unsigned*>(kbits + pos * D + k0 + kq + 8) : 0u;
+                  const unsigned b0 = pos < len ? *reinterpret_cast<const unsigned*>(kbits + pos * DP + k0 + kq) : 0u;
+                  const unsigned b1 = pos < len ? *reinterpret_cast<const unsigned*>(kbits + pos * DP + k0 + kq + 8) : 0u;
                   mma_16816(d4, a, b0, b1);
                 }
                 const int j = t * 8 + kq;  // C: query qr's scores at positions j, j + 1
-                if (qr < qc && j < len) sc[qr * seg + j] = j < seenq ? d4[0] * scale : -INFINITY;
-                if (qr < qc && j + 1 < len) sc[qr * seg + j + 1] = j + 1 < seenq ? d4[1] * scale : -INFINITY;
+                if (qr < qc && j < len) sc[qr * scp + j] = j < seenq ? d4[0] * scale : -INFINITY;
+                if (qr < qc && j + 1 < len) sc[qr * scp + j + 1] = j + 1 < seenq ? d4[1] * scale : -INFINITY;
               }
             } else if (LK == 8) scores(std::integral_constant<int, 8>{});  // 64-element heads
             else scores(std::integral_constant<int, 0>{});
@@ -302,19 +327,30 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             // (2) softmax statistics, one warp per query
 #pragma unroll 1
             for (int qq = warp; qq < qc; qq += kWarps) {
-              float* row = sc + qq * seg;
+              float* row = sc + qq * scp;
               float mx = -INFINITY;
 #pragma unroll 1
               for (int j = lane; j < len; j += 32) mx = fmaxf(mx, row[j]);
               mx = warp_max(mx);
               const float m_old = st[qq], m_new = fmaxf(m_old, mx);
               float sum = 0.f;
+              if constexpr (kMmaPV) {  // p as bf16 into pb, zeros up to len rounded to 16 (the last k step)
+                __nv_bfloat16* prow = reinterpret_cast<__nv_bfloat16*>(pb + qq * pbw);
 #pragma unroll 1
-              for (int j = lane; j < len; j += 32) {
-                const float x = row[j];
-                const float p = x == -INFINITY ? 0.f : __expf(x - m_new);
-                sum += p;
-                row[j] = round_to<TV>(p);
+                for (int j = lane; j < (len + 15) / 16 * 16; j += 32) {
+                  const float x = j < len ? row[j] : -INFINITY;
+                  const float p = x == -INFINITY ? 0.f : __expf(x - m_new);
+                  sum += p;
+                  prow[j] = __float2bfloat16(p);  // round_to<TV>(p), TV bf16
+                }
+              } else {
+#pragma unroll 1
+                for (int j = lane; j < len; j += 32) {
+                  const float x = row[j];
+                  const float p = x == -INFINITY ? 0.f : __expf(x - m_new);
+                  sum += p;
+                  row[j] = round_to<TV>(p);
+                }
               }
               sum = warp_sum(sum);
               __syncwarp();  // every lane has read st[qq] (m_old) before lane 0 replaces it (racecheck)
@@ -326,7 +362,6 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               }
             }
             block_sync();
-            c.mark(2);  // profiling: scores and softmax statistics done
             // (3) P.V
             if constexpr (kMmaPV) {
               const int qr = lane >> 2, kq = (lane & 3) * 2, ntiles = Dv >> 3;
@@ -336,25 +371,25 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                 pv[i][0] *= alpha;
                 pv[i][1] *= alpha;
               }
-              const unsigned short* vbits = reinterpret_cast<const unsigned short*>(vs);
-              // A: p of query qr at positions j, j + 1 (bf16 values: packing is exact; 0 past len)
-              auto pa = [&](int j) -> unsigned {
-                const float x0 = qr < qc && j < len ? sc[qr * seg + j] : 0.f;
-                const float x1 = qr < qc && j + 1 < len ? sc[qr * seg + j + 1] : 0.f;
-                return pack_bf16x2(x0, x1);
-              };
-              // B: V[j][n], V[j + 1][n] (0 past len: stale rows never meet a 0 * inf)
-              auto vb2 = [&](int j, int n) -> unsigned {
-                const unsigned lo = j < len ? vbits[j * Dv + n] : 0u, hi = j + 1 < len ? vbits[(j + 1) * Dv + n] : 0u;
-                return lo | (hi << 16);
-              };
+              // A: p of query qr at positions j, j + 1 (bf16 pairs, zero past len; 0 for padding rows)
+              auto pa = [&](int j) -> unsigned { return qr < qc ? pb[qr * pbw + (j >> 1)] : 0u; };
+              // B: V[k0 + 2 (lane % 4) + 0..1][8 t + lane / 4] and 8 positions on, with one ldmatrix.trans
+              // (lanes 0..15 address rows k0 + lane of the 8-column block; a row past len reads the zero
+              // row at st + 28, so stale rows never meet a 0 * inf)
+              const int vrow = lane & 15;
 #pragma unroll 1
               for (int k0 = 0; k0 < len; k0 += 16) {
                 const unsigned a[4] = {pa(k0 + kq), 0u, pa(k0 + kq + 8), 0u};
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                   const int t = warp + kWarps * i;
-                  if (t < ntiles) mma_16816(pv[i], a, vb2(k0 + kq, t * 8 + qr), vb2(k0 + kq + 8, t * 8 + qr));
+                  if (t < ntiles) {
+                    const void* rp = k0 + vrow < len ? static_cast<const void*>(vs + (k0 + vrow) * DVP2 + t * 8)
+                                                     : static_cast<const void*>(st + 28);
+                    unsigned b0, b1;
+                    ldsm_x2_trans(b0, b1, rp);
+                    mma_16816(pv[i], a, b0, b1);
+                  }
                 }
               }
               continue;  // the next segment (its block_sync orders these reads of sc and vs)
@@ -371,13 +406,13 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             for (int t0 = 0; t0 < len; t0 += kWarps * PV) {
               const int jj = t0 + warp * PV + gv;
               AttnRow8<kStaged, TV> vr;
-              if constexpr (kStaged) vr.load(vs, jj, Dv, iv * 8, jj < len);
+              if constexpr (kStaged) vr.load(vs, jj, Dv, DVP2, iv * 8, jj < len);
               else vr.load(v, vb + (long long)(p0 + jj) * vj, vd, iv * 8, Dv, jj < len);
               if (jj < len) {
 #pragma unroll
                 for (int qq = 0; qq < kAttnQ; ++qq) {
                   if (qq < qc) {
-                    const float p = sc[qq * seg + jj];
+                    const float p = sc[qq * scp + jj];
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[qq][e] += p * vr[e];
                   }

@@ -55,6 +55,13 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p, unsigned long long p
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(policy));
   return r;
 }
+// Two 8x8 matrices of 16-bit elements from shared memory, transposed (ldmatrix .x2 .trans): lanes
+// 0..7 give the 16-byte row addresses of matrix 0, lanes 8..15 those of matrix 1; lane l receives
+// elements (2 (l % 4) + 0..1, l / 4) of matrix 0 in r0 and of matrix 1 in r1 - the B fragment of a
+// bf16 mma.m16n8k16 when the rows are K's 16 values of 8 columns.
+__device__ __forceinline__ void ldsm_x2_trans(unsigned& r0, unsigned& r1, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(smem_u32(p)));
+}
 // 16-byte asynchronous copy global -> shared, L2 only (cp.async.cg: data other CTAs wrote, read
 // after an acquire); a rolled loop of them keeps every copy in flight. cp_async_wait_all waits
 // for the calling thread's copies.

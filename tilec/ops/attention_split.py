@@ -180,7 +180,8 @@ class AttentionPartial(OpDef):
         softmax statistics, then one region holding either a segment of scores (ATTN_Q x
         min(chunk, ATTN_SEG_MAX)) or the per-warp P.V partials (WARPS x ATTN_Q x padded Dv).
         For heads with D + Dv <= 256, also room for a segment of min(chunk, ATTN_STAGE_POS)
-        positions staged in shared memory (their scores, 2-byte K rows and V rows; reserved for
+        positions staged in shared memory (their scores and probabilities, 2-byte K rows and V
+        rows, each padded against bank conflicts as ``attn_staged_seg`` counts them; reserved for
         any dtype, the op sees no dtypes): with 2-byte K and V the device stages its rows
         whenever a segment of at least min(chunk, 32) positions fits (segments as long as the
         scratch allows) and reads them from global memory otherwise.
@@ -197,7 +198,9 @@ class AttentionPartial(OpDef):
         region = max(ATTN_Q * min(chunk, ATTN_SEG_MAX), WARPS * ATTN_Q * dvp)
         if d + dv <= 256:  # larger heads would take the weight ring's room: staged when it fits
             n = min(chunk, ATTN_STAGE_POS)
-            region = max(region, ATTN_Q * n + (d + dv) // 2 * n)
+            # padded against bank conflicts (attn_staged_seg): per query 39 score floats and 19
+            # probability words, per position 16 bytes of a K and of a V row
+            region = max(region, ATTN_Q * (39 + 19) + (ATTN_Q + ATTN_Q // 2 + (d + dv + 16) // 2) * n)
         partial = 4 * (ATTN_Q * 256 + 32 + region)
         return max(partial, combine_smem_bytes(op.outputs[0].shape[2], dv)) if op.attr("combine") else partial
 
