@@ -314,3 +314,36 @@ def test_measured_overrides_restore_the_cost_figures():
         with cost.measured_overrides({"rope": [1.0]}):
             pass
     assert cost.MEASURED == before
+
+
+def test_read_trace_reads_what_write_trace_writes_plain_or_gzip(tmp_path):
+    """read_trace round-trips write_trace's file and its gzip (told apart by its bytes, not its name);
+    it refuses a predicted trace unless asked, a corrupt gzip, JSON that is no trace object and a
+    missing file, each with its error type."""
+    import gzip
+
+    from tilec.trace import read_trace
+
+    trace = {"otherData": {"clock": "measured", "makespan_us": 12.5},
+             "traceEvents": [{"ph": "X", "ts": 1.0, "dur": 2.5, "name": "linear", "args": {"worker": 3}}]}
+    plain = tmp_path / "t.json"
+    write_trace(plain, trace)
+    assert read_trace(plain) == trace
+    packed = tmp_path / "t.trace"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_trace(packed) == trace
+    predicted = tmp_path / "p.json"
+    write_trace(predicted, dict(trace, otherData={"clock": "predicted by tilec.cost"}))
+    with pytest.raises(ValueError, match="not a measured trace"):
+        read_trace(predicted)
+    assert read_trace(predicted, measured=False)["otherData"]["clock"] == "predicted by tilec.cost"
+    corrupt = tmp_path / "c.json.gz"
+    corrupt.write_bytes(gzip.compress(plain.read_bytes())[:30])
+    with pytest.raises(ValueError, match="gzip"):
+        read_trace(corrupt)
+    listed = tmp_path / "l.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="otherData"):
+        read_trace(listed)
+    with pytest.raises(OSError):
+        read_trace(tmp_path / "missing.json")

@@ -82,6 +82,28 @@ def test_gap_table_splits_ties_like_hop_table():
     assert ["linear_fused", "worker-bound", "1", "1.00", "1.00"] in rows
 
 
+def test_gap_table_cli_reads_gzip_and_refuses_a_predicted_trace(tmp_path, monkeypatch, capsys):
+    """gap_table.py reads a gzip-compressed measured trace (tilec.trace.read_trace) and exits 1 on a
+    predicted one, naming that file, with the good file's table still printed."""
+    import gzip
+    import json
+
+    from gap_table import main as gap_table_main
+
+    tile = {"ph": "X", "ts": 10.0, "dur": 5.0, "cat": "linear_fused",
+            "args": {"worker": 0, "instruction": 1, "op": "a", "wait_event": -1, "signal_event": -1}}
+    first = dict(tile, ts=0.0, cat="linear", args=dict(tile["args"], instruction=0, op="p"))
+    trace = {"otherData": {"clock": "measured", "makespan_us": 20.0}, "traceEvents": [first, tile]}
+    good = tmp_path / "good.json.gz"
+    good.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    predicted = tmp_path / "pred.json"
+    predicted.write_text(json.dumps(dict(trace, otherData={"clock": "predicted by tilec.cost", "makespan_us": 20.0})))
+    monkeypatch.setattr(sys, "argv", ["gap_table.py", str(good), str(predicted)])
+    assert gap_table_main() == 1
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{good}: makespan 20.0 us")
+    assert err.strip() == f"{predicted}: ValueError: not a measured trace (clock 'predicted by tilec.cost')"
+
 
 def test_layer_phases_names_and_times_the_layer_phases():
     """Hand-made trace of an embedding (no phase) and two layers on two workers: q / k / v (siblings

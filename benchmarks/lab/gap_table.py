@@ -18,21 +18,21 @@ On an H200 (Llama-3.2-1B batch 1, context 1024; ``profile_step.py``, twenty-seco
 1) worker-bound GEMVs started a median 2.56 µs after their previous instruction ended, while a
 GEMV whose worker was already waiting started 0.83 µs after its event was ready (the poll's hop).
 
-    python benchmarks/lab/gap_table.py trace.json [more traces]
+    python benchmarks/lab/gap_table.py trace.json[.gz] [more traces]
 
 Traces come from ``benchmarks/profile_step.py`` or ``benchmarks/lab/variants_ab.py --trace``
-(``otherData.clock`` "measured"); a predicted trace (an artifact's ``trace.json``) is refused.
+(``otherData.clock`` "measured"; plain or gzip-compressed JSON, ``tilec.trace.read_trace``); a
+predicted trace (an artifact's ``trace.json``) is refused.
 Exits 1 if a file cannot be read or is not a measured tilec trace.
 """
 import argparse
 import collections
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tilec.trace import bound_by, readiness  # noqa: E402
+from tilec.trace import bound_by, read_trace, readiness  # noqa: E402
 
 KINDS = ("linear_fused", "attention_partial")
 
@@ -72,11 +72,7 @@ def main() -> int:
     status = 0
     for path in ap.parse_args().traces:
         try:
-            with open(path) as f:
-                trace = json.load(f)
-            clock = trace.get("otherData", {}).get("clock")
-            if clock != "measured":
-                raise ValueError(f"not a measured trace (clock {clock!r})")
+            trace = read_trace(path)
             lines = gap_lines(trace)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)

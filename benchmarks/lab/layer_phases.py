@@ -29,18 +29,20 @@ tile had its rows later than with the event protocol.
     python benchmarks/lab/layer_phases.py trace.json[.gz] [more traces]
 
 Traces come from ``benchmarks/profile_step.py`` or ``benchmarks/lab/variants_ab.py --trace``
-(``otherData.clock`` "measured"; gzip files are recognized by their first bytes). Exits 1 if a file
-cannot be read, is not a measured trace or holds no named phase.
+(``otherData.clock`` "measured"; plain or gzip-compressed JSON, recognized by its first bytes:
+``tilec.trace.read_trace``). Exits 1 if a file cannot be read, is not a measured trace or holds
+no named phase.
 """
 import argparse
 import collections
-import gzip
-import json
 import math
 import re
 import statistics
 import sys
-import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tilec.trace import read_trace  # noqa: E402
 
 SOURCES = (("qkv", r"\b[qkv]_proj\("), ("attn", r"attention_interface\(|scaled_dot_product_attention\("),
            ("o", r"\bo_proj\("), ("mlp", r"\bdown_proj\("), ("lm", r"\blm_head\("))
@@ -109,20 +111,13 @@ def main() -> int:
     status, tables = 0, []
     for path in ap.parse_args().traces:
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
-            trace = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-            if not isinstance(trace, dict) or not isinstance(trace.get("otherData"), dict):
-                raise ValueError("not a Chrome trace object with otherData")
-            clock = trace["otherData"].get("clock")
-            if clock != "measured":
-                raise ValueError(f"not a measured trace (clock {clock!r})")
+            trace = read_trace(path)
             rows = phase_rows(trace)
             if not rows:
                 raise ValueError("no named phases (tiles with a Llama-family FX source line)")
             span = max(e["ts"] + e["dur"] for e in trace["traceEvents"] if e.get("ph") == "X")
             tables.append((path, float(span), rows))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, EOFError, zlib.error) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)
             status = 1
     for path, span, _ in tables:
