@@ -82,19 +82,21 @@ __device__ __forceinline__ int attn_split_end(int s, int chunk, int S, int causa
 
 // Shared-memory pitches of a staged segment of seg positions, chosen so that the tensor-core
 // paths' fragment loads (8 rows x 4 lanes of 32-bit words) hit 32 different banks: a K or V row
-// of n elements takes n + 8 (16 bytes more: row r + 1 starts 4 banks after row r); a query's
-// scores take attn_score_pitch(seg) floats (8 more than a multiple of 32); its probabilities, as
-// bf16 pairs, attn_p_pitch(seg) words (4 more than a multiple of 8, covering seg rounded up to
-// 16). Unpadded, those loads were 4- to 8-way bank conflicts. Measured on an H200 (Llama-3.2-1B
-// batch 1, context 1024, traces of benchmarks/lab/variants_ab.py): a 96-position split's scores
-// took 0.83 against 1.41 us, its P.V 0.96 against 1.60, the tile 7.33 against 8.45; the step
-// 1.157 ms against 1.175 / 1.178 for the unpadded runtime in processes before and after it.
+// of n elements takes n + 8 (16 bytes more: with 64- or 128-element rows, row r + 1 starts 4
+// banks after row r); a query's scores take attn_score_pitch(seg) floats (8 more than a multiple
+// of 32); its probabilities, as bf16 pairs, attn_p_pitch(seg) words (4 more than a multiple of 8,
+// covering seg rounded up to 16). Unpadded, 64-element rows (128 bytes) all start in bank 0 and
+// those loads were 4- to 8-way conflicts (by the layout; no profiler counts). Measured on an H200
+// (Llama-3.2-1B batch 1, context 1024, traces of benchmarks/lab/variants_ab.py from two leases):
+// a 96-position split's scores took 0.83 against 1.41 us, its P.V 0.96 against 1.60, the tile 7.33
+// against 8.45; the step 1.157 ms against 1.175 / 1.178 for the unpadded runtime in processes of
+// the same lease before and after it.
 __device__ __forceinline__ int attn_score_pitch(int seg) { return (seg + 31) / 32 * 32 + 8; }
-__device__ __forceinline__ int attn_p_pitch(int seg) { return ((seg + 15) / 16 * 8 + 7) / 8 * 8 + 4; }
+__device__ __forceinline__ int attn_p_pitch(int seg) { return (seg + 15) / 16 * 8 + 4; }
 // Cache positions per segment when the tile stages its K / V rows in shared memory: what fits
 // beside the queries, the statistics and the segment's scores (0: too few, stage nothing). The
-// padding is bounded per query by 39 score floats and 19 probability words (attn_score_pitch,
-// attn_p_pitch), per position by 8 floats (16 bytes of a K and of a V row).
+// padding is bounded per query by 39 score floats and (loosely) 19 probability words
+// (attn_score_pitch, attn_p_pitch), per position by 8 floats (16 bytes of a K and of a V row).
 __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int D, int Dv) {
   const int per_pos = kAttnQ + kAttnQ / 2 + (D + Dv + 16) / 2;  // floats: scores, p pairs, a K and a V row
   const int fit = (c.smem_floats - kAttnQ * 256 - 32 - kAttnQ * (39 + 19)) / per_pos;
@@ -163,18 +165,19 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
   const int lk = attn_log2(LK), lv = attn_log2(LV);  // LK, LV are powers of two: shifts, not divisions
   const int gk = lane >> lk, ik = lane & (LK - 1), gv = lane >> lv, iv = lane & (LV - 1);
   const long long kj = k.strides[2], kd = k.strides[3], vj = v.strides[2], vd = v.strides[3];
-  // staged rows and scores are padded (attn_score_pitch): pitches DP, DVP2 elements, scp floats
-  const int DP = kStaged ? D + 8 : D, DVP2 = kStaged ? Dv + 8 : Dv, scp = kStaged ? attn_score_pitch(seg) : seg;
+  // staged rows and scores are padded (attn_score_pitch): pitches DP, VP elements, scp floats
+  const int DP = kStaged ? D + 8 : D, VP = kStaged ? Dv + 8 : Dv, scp = kStaged ? attn_score_pitch(seg) : seg;
   float* qs = c.smem();             // [kAttnQ][256] queries (scaled unless mma_qk), zero past D; mma_qk:
                                     // bf16 [kAttnQ][D + 8]
   float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]; 16 zero bytes at st + 28
-  float* sc = st + 32;            // [kAttnQ][scp] scores -> p; at the end [kWarps][kAttnQ][DVP] P.V partials
+  float* sc = st + 32;            // [kAttnQ][scp] scores -> p (the tensor-core P.V's p: pb); at the end
+                                  // [kWarps][kAttnQ][DVP] P.V partials
   TK* ks = reinterpret_cast<TK*>(sc + kAttnQ * scp);  // kStaged: [seg][DP]
   // bf16 queries and staged bf16 K rows: the scores on tensor cores (phase 1 above)
   const bool mma_qk = kStaged && std::is_same<TQ, __nv_bfloat16>::value && std::is_same<TK, __nv_bfloat16>::value &&
                       D % 16 == 0;
-  TV* vs = reinterpret_cast<TV*>(ks + (long long)seg * DP);  // kStaged: [seg][DVP2]
-  unsigned* pb = reinterpret_cast<unsigned*>(vs + (long long)seg * DVP2);  // kMmaPV: p as bf16 pairs [kAttnQ][pbw]
+  TV* vs = reinterpret_cast<TV*>(ks + (long long)seg * DP);  // kStaged: [seg][VP]
+  unsigned* pb = reinterpret_cast<unsigned*>(vs + (long long)seg * VP);  // kMmaPV: p as bf16 pairs [kAttnQ][pbw]
   const int pbw = attn_p_pitch(seg);
   __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(qs);  // mma_qk: the queries as bf16, pitch D + 8
 #pragma unroll 1
@@ -199,7 +202,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
 #pragma unroll 1
             for (int e = threadIdx.x; e < len * vv; e += kThreads) {
               const int jj = e >> sv, d = (e & (vv - 1)) * 8;
-              cp_async16(vs + jj * DVP2 + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
+              cp_async16(vs + jj * VP + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
             }
             return;
           }
@@ -210,7 +213,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               cp_async16(ks + jj * DP + d, base<TK>(k) + kb + (long long)(p0 + jj) * kj + d);
             } else {
               const int f = e - len * kv, jj = f / vv, d = (f - jj * vv) * 8;
-              cp_async16(vs + jj * DVP2 + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
+              cp_async16(vs + jj * VP + d, base<TV>(v) + vb + (long long)(p0 + jj) * vj + d);
             }
           }
         };
@@ -362,6 +365,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               }
             }
             block_sync();
+            c.mark(2);  // profiling: scores and softmax statistics done
             // (3) P.V
             if constexpr (kMmaPV) {
               const int qr = lane >> 2, kq = (lane & 3) * 2, ntiles = Dv >> 3;
@@ -384,7 +388,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                 for (int i = 0; i < 4; ++i) {
                   const int t = warp + kWarps * i;
                   if (t < ntiles) {
-                    const void* rp = k0 + vrow < len ? static_cast<const void*>(vs + (k0 + vrow) * DVP2 + t * 8)
+                    const void* rp = k0 + vrow < len ? static_cast<const void*>(vs + (k0 + vrow) * VP + t * 8)
                                                      : static_cast<const void*>(st + 28);
                     unsigned b0, b1;
                     ldsm_x2_trans(b0, b1, rp);
@@ -392,7 +396,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                   }
                 }
               }
-              continue;  // the next segment (its block_sync orders these reads of sc and vs)
+              continue;  // the next segment (its block_sync orders these reads of pb and vs)
             }
 #pragma unroll
             for (int qq = 0; qq < kAttnQ; ++qq) {
@@ -406,7 +410,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
             for (int t0 = 0; t0 < len; t0 += kWarps * PV) {
               const int jj = t0 + warp * PV + gv;
               AttnRow8<kStaged, TV> vr;
-              if constexpr (kStaged) vr.load(vs, jj, Dv, DVP2, iv * 8, jj < len);
+              if constexpr (kStaged) vr.load(vs, jj, Dv, VP, iv * 8, jj < len);
               else vr.load(v, vb + (long long)(p0 + jj) * vj, vd, iv * 8, Dv, jj < len);
               if (jj < len) {
 #pragma unroll

@@ -176,8 +176,8 @@ class AttentionPartial(OpDef):
                 0 if rope is None else int(rope) + 1, int(bool(op.attr("append"))), -1]
 
     def smem_bytes(self, op):
-        """runtime/tilec/ops_attention.cuh: ATTN_Q scaled queries (256 floats each), 32 floats of
-        softmax statistics, then one region holding either a segment of scores (ATTN_Q x
+        """runtime/tilec/ops_attention.cuh: ATTN_Q queries (256 floats each, or bf16 rows), 32
+        floats of softmax statistics, then one region holding either a segment of scores (ATTN_Q x
         min(chunk, ATTN_SEG_MAX)) or the per-warp P.V partials (WARPS x ATTN_Q x padded Dv).
         For heads with D + Dv <= 256, also room for a segment of min(chunk, ATTN_STAGE_POS)
         positions staged in shared memory (their scores and probabilities, 2-byte K rows and V
