@@ -318,11 +318,11 @@ def test_measured_overrides_restore_the_cost_figures():
 
 def test_read_trace_reads_what_write_trace_writes_plain_or_gzip(tmp_path):
     """read_trace round-trips write_trace's file and its gzip (told apart by its bytes, not its name);
-    it refuses a predicted trace unless asked, a corrupt gzip, JSON that is no trace object and a
-    missing file, each with its error type."""
+    it refuses a predicted trace unless asked, an empty file, truncated or corrupt gzip, JSON nested
+    too deeply, JSON that is no trace object and a missing file - ValueError or OSError only."""
     import gzip
 
-    from tilec.trace import read_trace
+    from tilec.tracefile import read_trace
 
     trace = {"otherData": {"clock": "measured", "makespan_us": 12.5},
              "traceEvents": [{"ph": "X", "ts": 1.0, "dur": 2.5, "name": "linear", "args": {"worker": 3}}]}
@@ -337,10 +337,19 @@ def test_read_trace_reads_what_write_trace_writes_plain_or_gzip(tmp_path):
     with pytest.raises(ValueError, match="not a measured trace"):
         read_trace(predicted)
     assert read_trace(predicted, measured=False)["otherData"]["clock"] == "predicted by tilec.cost"
-    corrupt = tmp_path / "c.json.gz"
-    corrupt.write_bytes(gzip.compress(plain.read_bytes())[:30])
-    with pytest.raises(ValueError, match="gzip"):
-        read_trace(corrupt)
+    packed_bytes = gzip.compress(plain.read_bytes())
+    flipped = bytearray(packed_bytes)
+    flipped[-6] ^= 0xFF  # the CRC
+    for name, data in (("truncated", packed_bytes[:30]), ("appended", packed_bytes + b"garbage"),
+                       ("crc", bytes(flipped)), ("deep", b"[" * 5000 + b"]" * 5000)):
+        bad = tmp_path / f"{name}.json.gz"
+        bad.write_bytes(data)
+        with pytest.raises(ValueError, match="not JSON or gzip-compressed JSON"):
+            read_trace(bad)
+    empty = tmp_path / "e.json"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty file"):
+        read_trace(empty)
     listed = tmp_path / "l.json"
     listed.write_text("[1, 2]")
     with pytest.raises(ValueError, match="otherData"):

@@ -83,7 +83,7 @@ def test_gap_table_splits_ties_like_hop_table():
 
 
 def test_gap_table_cli_reads_gzip_and_refuses_a_predicted_trace(tmp_path, monkeypatch, capsys):
-    """gap_table.py reads a gzip-compressed measured trace (tilec.trace.read_trace) and exits 1 on a
+    """gap_table.py reads a gzip-compressed measured trace (tilec.tracefile.read_trace) and exits 1 on a
     predicted one, naming that file, with the good file's table still printed."""
     import gzip
     import json

@@ -23,12 +23,10 @@ Two ways to get the times:
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import statistics
 import tempfile
-import zlib
 from pathlib import Path
 
 import torch
@@ -273,30 +271,6 @@ def write_trace(path: str | os.PathLike, trace: dict) -> None:
     rest = {k: v for k, v in trace.items() if k != "traceEvents"}
     head = json.dumps(rest, sort_keys=True)[1:-1]
     write_atomic(path, "{" + head + (", " if head else "") + '"traceEvents": [\n' + events + "\n]}\n")
-
-
-def read_trace(path: str | os.PathLike, measured: bool = True) -> dict:
-    """The trace in ``path``: JSON as :func:`write_trace` writes it, or gzip-compressed JSON
-    (recognized by its first two bytes, whatever the file's name).
-
-    Raises:
-        OSError: the file cannot be read.
-        ValueError: it is not a trace object with ``otherData`` (bad JSON or a corrupt gzip
-            stream included), or, with ``measured``, its ``otherData.clock`` is not "measured"
-            (a predicted trace, such as an artifact's ``trace.json``).
-    """
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        trace = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    except (EOFError, zlib.error, UnicodeDecodeError) as e:
-        raise ValueError(f"not JSON or gzip-compressed JSON: {e}") from e
-    if not isinstance(trace, dict) or not isinstance(trace.get("otherData"), dict):
-        raise ValueError("not a Chrome trace object with otherData")
-    clock = trace["otherData"].get("clock")
-    if measured and clock != "measured":
-        raise ValueError(f"not a measured trace (clock {clock!r})")
-    return trace
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:

@@ -21,7 +21,7 @@ GEMV whose worker was already waiting started 0.83 µs after its event was ready
     python benchmarks/lab/gap_table.py trace.json[.gz] [more traces]
 
 Traces come from ``benchmarks/profile_step.py`` or ``benchmarks/lab/variants_ab.py --trace``
-(``otherData.clock`` "measured"; plain or gzip-compressed JSON, ``tilec.trace.read_trace``); a
+(``otherData.clock`` "measured"; plain or gzip-compressed JSON, ``tilec.tracefile.read_trace``); a
 predicted trace (an artifact's ``trace.json``) is refused.
 Exits 1 if a file cannot be read or is not a measured tilec trace.
 """
@@ -32,7 +32,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tilec.trace import bound_by, read_trace, readiness  # noqa: E402
+from tilec.trace import bound_by, readiness  # noqa: E402
+from tilec.tracefile import read_trace  # noqa: E402
 
 KINDS = ("linear_fused", "attention_partial")
 
@@ -58,7 +59,8 @@ def gap_lines(trace: dict) -> list[str]:
             continue
         bound = [t for t in rows if bound_by(t[1], t[2]) == "worker-bound"]
         for name, sel in (("all", rows), ("worker-bound", bound), ("late 1/8", late)):
-            if not sel:
+            if not sel:  # (on recent traces no GEMV is worker-bound: every event comes later)
+                lines.append(f"  {cat:18s} {name:12s} n={0:5d}")
                 continue
             gap = statistics.median(e["ts"] - free for e, free, _ in sel)
             to_start = statistics.median(e["ts"] - max(free, ready) for e, free, ready in sel)
@@ -73,12 +75,13 @@ def main() -> int:
     for path in ap.parse_args().traces:
         try:
             trace = read_trace(path)
+            head = f"{path}: makespan {float(trace['otherData']['makespan_us']):.1f} us (medians, us)"
             lines = gap_lines(trace)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)
             status = 1
             continue
-        print(f"{path}: makespan {trace['otherData']['makespan_us']:.1f} us (medians, us)")
+        print(head)
         print("\n".join(lines))
     return status
 

@@ -30,7 +30,7 @@ tile had its rows later than with the event protocol.
 
 Traces come from ``benchmarks/profile_step.py`` or ``benchmarks/lab/variants_ab.py --trace``
 (``otherData.clock`` "measured"; plain or gzip-compressed JSON, recognized by its first bytes:
-``tilec.trace.read_trace``). Exits 1 if a file cannot be read, is not a measured trace or holds
+``tilec.tracefile.read_trace``). Exits 1 if a file cannot be read, is not a measured trace or holds
 no named phase.
 """
 import argparse
@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tilec.trace import read_trace  # noqa: E402
+from tilec.tracefile import read_trace  # noqa: E402  (no torch)
 
 SOURCES = (("qkv", r"\b[qkv]_proj\("), ("attn", r"attention_interface\(|scaled_dot_product_attention\("),
            ("o", r"\bo_proj\("), ("mlp", r"\bdown_proj\("), ("lm", r"\blm_head\("))
