@@ -59,7 +59,7 @@ def gap_lines(trace: dict) -> list[str]:
             continue
         bound = [t for t in rows if bound_by(t[1], t[2]) == "worker-bound"]
         for name, sel in (("all", rows), ("worker-bound", bound), ("late 1/8", late)):
-            if not sel:  # (on recent traces no GEMV is worker-bound: every event comes later)
+            if not sel:  # the count still shows (on recent traces no GEMV is worker-bound)
                 lines.append(f"  {cat:18s} {name:12s} n={0:5d}")
                 continue
             gap = statistics.median(e["ts"] - free for e, free, _ in sel)
