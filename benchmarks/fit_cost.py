@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tilec.tracefile import read_trace  # noqa: E402
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -31,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="a measured trace.json written by benchmarks/profile_step.py")
     args = ap.parse_args()
-    events = [e for e in json.load(open(args.trace))["traceEvents"] if e.get("ph") == "X"]
+    events = [e for e in read_trace(args.trace, measured=False)["traceEvents"] if e.get("ph") == "X"]
     by_kind: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     for e in events:
         by_kind[e["cat"]].append((float(e["args"]["bytes"]), float(e["dur"])))

@@ -28,7 +28,7 @@ def read_trace(path: str | os.PathLike, measured: bool = True) -> dict:
         raise ValueError("empty file")
     try:
         trace = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    except (EOFError, zlib.error, gzip.BadGzipFile, UnicodeDecodeError, RecursionError, ValueError) as e:
+    except (EOFError, zlib.error, gzip.BadGzipFile, RecursionError, ValueError) as e:  # (UnicodeDecodeError: a ValueError)
         raise ValueError(f"not JSON or gzip-compressed JSON: {e}") from e
     if not isinstance(trace, dict) or not isinstance(trace.get("otherData"), dict):
         raise ValueError("not a Chrome trace object with otherData")

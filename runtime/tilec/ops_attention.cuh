@@ -169,7 +169,8 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
   const int DP = kStaged ? D + 8 : D, VP = kStaged ? Dv + 8 : Dv, scp = kStaged ? attn_score_pitch(seg) : seg;
   float* qs = c.smem();             // [kAttnQ][256] queries (scaled unless mma_qk), zero past D; mma_qk:
                                     // bf16 [kAttnQ][D + 8]
-  float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]; 16 zero bytes at st + 28
+  float* st = qs + kAttnQ * 256;  // m[kAttnQ], l[kAttnQ], alpha[kAttnQ]; zrow at st + 28
+  float* zrow = st + 28;          // 16 zero bytes: the tensor-core P.V's V row past len
   float* sc = st + 32;            // [kAttnQ][scp] scores -> p (the tensor-core P.V's p: pb); at the end
                                   // [kWarps][kAttnQ][DVP] P.V partials
   TK* ks = reinterpret_cast<TK*>(sc + kAttnQ * scp);  // kStaged: [seg][DP]
@@ -179,7 +180,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
   TV* vs = reinterpret_cast<TV*>(ks + (long long)seg * DP);  // kStaged: [seg][VP]
   unsigned* pb = reinterpret_cast<unsigned*>(vs + (long long)seg * VP);  // kMmaPV: p as bf16 pairs [kAttnQ][pbw]
   const int pbw = attn_p_pitch(seg);
-  __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(qs);  // mma_qk: the queries as bf16, pitch D + 8
+  __nv_bfloat16* qb = reinterpret_cast<__nv_bfloat16*>(qs);  // mma_qk (so kStaged): the queries as bf16, pitch DP
 #pragma unroll 1
   for (int b = c.lo(0); b < c.hi(0); ++b)
 #pragma unroll 1
@@ -233,13 +234,13 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               val = (rope ? rope_query<TQ>(q, qi, D) : ldf<TQ>(q, offset4(q, qi))) * (mma_qk ? 1.f : scale);
             }
             if (!mma_qk) qs[qq * 256 + d] = val;
-            else if (d < D) qb[qq * (D + 8) + d] = __float2bfloat16(val);  // exact: a bf16 value
+            else if (d < D) qb[qq * DP + d] = __float2bfloat16(val);  // exact: a bf16 value
           }
           if (threadIdx.x < kAttnQ) {
             st[threadIdx.x] = -INFINITY;
             st[kAttnQ + threadIdx.x] = 0.f;
           }
-          if (threadIdx.x < 4) st[28 + threadIdx.x] = 0.f;  // the zero row of P.V's fragment loads past len
+          if (threadIdx.x < 4) zrow[threadIdx.x] = 0.f;  // the zero row of P.V's fragment loads past len
           float acc[kAttnQ][8];
           // staged bf16 V rows: P.V on tensor cores (phase 3 above); pv[i][0..1] = O[query lane / 4]
           // [8 (w + kWarps i) + 2 (lane % 4) + 0..1] (rows 8..15 and queries >= qc are zero padding)
@@ -307,7 +308,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               const unsigned short* kbits = reinterpret_cast<const unsigned short*>(ks);
               // A: query qr's elements d, d + 1 as bf16x2 (0 for padding rows)
               auto qa = [&](int d) -> unsigned {
-                return qr < qc ? *reinterpret_cast<const unsigned*>(qb + qr * (D + 8) + d) : 0u;
+                return qr < qc ? *reinterpret_cast<const unsigned*>(qb + qr * DP + d) : 0u;
               };
 #pragma unroll 1
               for (int t = warp; t * 8 < len; t += kWarps) {
@@ -379,7 +380,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
               auto pa = [&](int j) -> unsigned { return qr < qc ? pb[qr * pbw + (j >> 1)] : 0u; };
               // B: V[k0 + 2 (lane % 4) + 0..1][8 t + lane / 4] and 8 positions on, with one ldmatrix.trans
               // (lanes 0..15 address rows k0 + lane of the 8-column block; a row past len reads the zero
-              // row at st + 28, so stale rows never meet a 0 * inf)
+              // row zrow, so stale rows never meet a 0 * inf)
               const int vrow = lane & 15;
 #pragma unroll 1
               for (int k0 = 0; k0 < len; k0 += 16) {
@@ -389,7 +390,7 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
                   const int t = warp + kWarps * i;
                   if (t < ntiles) {
                     const void* rp = k0 + vrow < len ? static_cast<const void*>(vs + (k0 + vrow) * VP + t * 8)
-                                                     : static_cast<const void*>(st + 28);
+                                                     : static_cast<const void*>(zrow);
                     unsigned b0, b1;
                     ldsm_x2_trans(b0, b1, rp);
                     mma_16816(pv[i], a, b0, b1);
