@@ -10,7 +10,7 @@ import pytest
 from tilec.trace import hop_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
-from gap_table import gap_lines  # noqa: E402
+from gap_table import gap_lines, self_signaled  # noqa: E402
 from layer_phases import main as layer_phases_main, phase_rows as layer_phase_rows  # noqa: E402
 from ncu_by_function import line_table, source_lines  # noqa: E402
 
@@ -80,6 +80,24 @@ def test_gap_table_splits_ties_like_hop_table():
     rows = [r.split() for r in hop_table(trace).splitlines()[1:]]
     assert ["linear_fused", "event-bound", "1", "1.00", "1.00"] in rows
     assert ["linear_fused", "worker-bound", "1", "1.00", "1.00"] in rows
+
+
+def test_gap_table_counts_an_event_completed_by_the_waiting_worker_as_self_signaled():
+    """Worker 0's first instruction is event 0's last signal (ends at 40, after worker 1's at 30)
+    and its next one waits for event 0, starting at 42.5: self-signaled, gap 2.5 - unlike worker
+    1's waiter (its own signal was not the last) and worker 2's (it signals nothing)."""
+    def sl(w, j, ts, dur, cat, op, wait=-1, sig=-1):
+        return {"ph": "X", "ts": ts, "dur": dur, "cat": cat,
+                "args": {"worker": w, "instruction": j, "op": op, "wait_event": wait, "signal_event": sig}}
+    trace = {"otherData": {"makespan_us": 100.0}, "traceEvents": [
+        sl(0, 0, 0.0, 40.0, "linear_fused", "p", sig=0), sl(0, 1, 42.5, 5.0, "linear_fused", "a", wait=0),
+        sl(1, 0, 0.0, 30.0, "linear_fused", "p", sig=0), sl(1, 1, 41.0, 5.0, "linear_fused", "a", wait=0),
+        sl(2, 0, 0.0, 45.0, "linear", "q"), sl(2, 1, 46.0, 5.0, "linear_fused", "a", wait=0)]}
+    assert self_signaled(trace) == {(0, 1)}
+    lines = {ln.split()[1]: ln.split() for ln in gap_lines(trace) if ln.split()[0] == "linear_fused"}
+    assert lines["self-signaled"][3] == "1" and lines["self-signaled"][5] == "2.50"
+    assert lines["self-signaled"][7] == "2.50"  # ready->start: the event was ready when worker 0 freed
+    assert lines["worker-bound"][3] == "1" and lines["worker-bound"][5] == "1.00"  # worker 2: 46 - 45
 
 
 def test_gap_table_cli_reads_gzip_and_refuses_a_predicted_trace(tmp_path, monkeypatch, capsys):

@@ -11,12 +11,17 @@ first tile does; all of that op's tiles count), this prints medians in µs of:
   itself adds: the next descriptor, operand decoding, the op's setup, the event poll);
 * the same two over the *worker-bound* instructions (the event was ready before the previous
   instruction ended; a tie counts as event-bound, as in ``hop_table``: ``tilec.trace.bound_by``),
-  and over the last eighth of each op's tiles to start ("late"): the tiles that end a phase, so
-  what they add is on the step's critical path.
+  over the *self-signaled* ones (the worker's previous instruction was the event's last signal:
+  the worker completes the event itself, so the whole gap - its signal's way to L2, the next
+  descriptor and operands, the op's setup, the poll - lies on the phase boundary's critical
+  path), and over the last eighth of each op's tiles to start ("late"): the tiles that end a
+  phase, so what they add is on the step's critical path.
 
 On an H200 (Llama-3.2-1B batch 1, context 1024; ``profile_step.py``, twenty-second session call
 1) worker-bound GEMVs started a median 2.56 µs after their previous instruction ended, while a
 GEMV whose worker was already waiting started 0.83 µs after its event was ready (the poll's hop).
+In the twenty-seventh session (calls 1-5) self-signaled GEMVs started a median 2.53-2.56 µs after
+their own signal, and each op's last tile to start was usually one of them.
 
     python benchmarks/lab/gap_table.py trace.json[.gz] [more traces]
 
@@ -38,10 +43,36 @@ from tilec.tracefile import read_trace  # noqa: E402
 KINDS = ("linear_fused", "attention_partial")
 
 
+def self_signaled(trace: dict) -> set[tuple[int, int]]:
+    """``(worker, instruction)`` of the instructions whose worker's previous instruction was the
+    last to signal the event they wait for (its end is the event's readiness)."""
+    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    last: dict[int, tuple[float, int, int]] = {}  # event -> (end, worker, instruction) of its last signal
+    by_worker = collections.defaultdict(list)
+    for e in slices:
+        a = e["args"]
+        s = a.get("signal_event", -1)
+        if s is not None and s >= 0 and (s not in last or e["ts"] + e["dur"] > last[s][0]):
+            last[s] = (e["ts"] + e["dur"], a["worker"], a["instruction"])
+        by_worker[a["worker"]].append(a["instruction"])
+    prev = {}  # (worker, instruction) -> the worker's previous instruction
+    for w, js in by_worker.items():
+        js.sort()
+        prev.update({(w, j): p for p, j in zip(js, js[1:])})
+    out = set()
+    for e in slices:
+        key = (e["args"]["worker"], e["args"]["instruction"])
+        sig = last.get(e["args"].get("wait_event", -1))
+        if sig is not None and key in prev and sig[1:] == (key[0], prev[key]):
+            out.add(key)
+    return out
+
+
 def gap_lines(trace: dict) -> list[str]:
     """The table's lines for one measured trace (Chrome trace JSON with ``otherData.makespan_us``;
     worker readiness and event readiness from ``tilec.trace.readiness``)."""
     span = trace["otherData"]["makespan_us"]
+    own = self_signaled(trace)
     lines = []
     for cat in KINDS:
         by_op = collections.defaultdict(list)  # op -> [(slice, free, ready)], ready -inf without an event
@@ -58,13 +89,14 @@ def gap_lines(trace: dict) -> list[str]:
             lines.append(f"  {cat}: no instructions in the middle 60 % of the step")
             continue
         bound = [t for t in rows if bound_by(t[1], t[2]) == "worker-bound"]
-        for name, sel in (("all", rows), ("worker-bound", bound), ("late 1/8", late)):
+        mine = [t for t in rows if (t[0]["args"]["worker"], t[0]["args"]["instruction"]) in own]
+        for name, sel in (("all", rows), ("worker-bound", bound), ("self-signaled", mine), ("late 1/8", late)):
             if not sel:  # the count still shows (on recent traces no GEMV is worker-bound)
-                lines.append(f"  {cat:18s} {name:12s} n={0:5d}")
+                lines.append(f"  {cat:18s} {name:13s} n={0:5d}")
                 continue
             gap = statistics.median(e["ts"] - free for e, free, _ in sel)
             to_start = statistics.median(e["ts"] - max(free, ready) for e, free, ready in sel)
-            lines.append(f"  {cat:18s} {name:12s} n={len(sel):5d}  gap {gap:5.2f}  ready->start {to_start:5.2f}")
+            lines.append(f"  {cat:18s} {name:13s} n={len(sel):5d}  gap {gap:5.2f}  ready->start {to_start:5.2f}")
     return lines
 
 
