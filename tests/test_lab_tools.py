@@ -83,21 +83,25 @@ def test_gap_table_splits_ties_like_hop_table():
 
 
 def test_gap_table_counts_an_event_completed_by_the_waiting_worker_as_self_signaled():
-    """Worker 0's first instruction is event 0's last signal (ends at 40, after worker 1's at 30)
-    and its next one waits for event 0, starting at 42.5: self-signaled, gap 2.5 - unlike worker
-    1's waiter (its own signal was not the last) and worker 2's (it signals nothing)."""
+    """Event 0's last signals are worker 0's and worker 3's first instructions (both end at 40,
+    after worker 1's at 30); each of them then waits for event 0: self-signaled, whatever the
+    order of the trace's events. Worker 0's waiter starts at 42.5 (gap 2.5), worker 3's at 43.5
+    after a skipped instruction index (gap 3.5). Worker 1's waiter is not self-signaled (its signal
+    was not the last), nor is worker 2's (its previous instruction signals nothing: None)."""
     def sl(w, j, ts, dur, cat, op, wait=-1, sig=-1):
         return {"ph": "X", "ts": ts, "dur": dur, "cat": cat,
                 "args": {"worker": w, "instruction": j, "op": op, "wait_event": wait, "signal_event": sig}}
-    trace = {"otherData": {"makespan_us": 100.0}, "traceEvents": [
+    events = [
         sl(0, 0, 0.0, 40.0, "linear_fused", "p", sig=0), sl(0, 1, 42.5, 5.0, "linear_fused", "a", wait=0),
         sl(1, 0, 0.0, 30.0, "linear_fused", "p", sig=0), sl(1, 1, 41.0, 5.0, "linear_fused", "a", wait=0),
-        sl(2, 0, 0.0, 45.0, "linear", "q"), sl(2, 1, 46.0, 5.0, "linear_fused", "a", wait=0)]}
-    assert self_signaled(trace) == {(0, 1)}
-    lines = {ln.split()[1]: ln.split() for ln in gap_lines(trace) if ln.split()[0] == "linear_fused"}
-    assert lines["self-signaled"][3] == "1" and lines["self-signaled"][5] == "2.50"
-    assert lines["self-signaled"][7] == "2.50"  # ready->start: the event was ready when worker 0 freed
-    assert lines["worker-bound"][3] == "1" and lines["worker-bound"][5] == "1.00"  # worker 2: 46 - 45
+        sl(2, 0, 0.0, 45.0, "linear", "q", sig=None), sl(2, 1, 46.0, 5.0, "linear_fused", "a", wait=0),
+        sl(3, 0, 10.0, 30.0, "linear_fused", "p", sig=0), sl(3, 2, 43.5, 5.0, "linear_fused", "a", wait=0)]
+    for order in (events, events[::-1]):
+        trace = {"otherData": {"makespan_us": 100.0}, "traceEvents": order}
+        assert self_signaled(trace) == {(0, 1), (3, 2)}
+        lines = {ln.split()[1]: ln.split() for ln in gap_lines(trace) if ln.split()[0] == "linear_fused"}
+        assert lines["self-signaled"][3] == "2" and lines["self-signaled"][5] == "3.00"  # median of 2.5, 3.5
+        assert lines["worker-bound"][3] == "1" and lines["worker-bound"][5] == "1.00"  # worker 2: 46 - 45
 
 
 def test_gap_table_cli_reads_gzip_and_refuses_a_predicted_trace(tmp_path, monkeypatch, capsys):
@@ -121,6 +125,13 @@ def test_gap_table_cli_reads_gzip_and_refuses_a_predicted_trace(tmp_path, monkey
     out, err = capsys.readouterr()
     assert out.startswith(f"{good}: makespan 20.0 us")
     assert err.strip() == f"{predicted}: ValueError: not a measured trace (clock 'predicted by tilec.cost')"
+    # a measured trace without the makespan it is written with: one line naming the file, no table
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(dict(trace, otherData={"clock": "measured"})))
+    monkeypatch.setattr(sys, "argv", ["gap_table.py", str(bare)])
+    assert gap_table_main() == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"{bare}: ValueError: no otherData.makespan_us (tilec.trace.measured_trace writes it)"
 
 
 def test_layer_phases_names_and_times_the_layer_phases():

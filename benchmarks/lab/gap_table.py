@@ -12,16 +12,18 @@ first tile does; all of that op's tiles count), this prints medians in µs of:
 * the same two over the *worker-bound* instructions (the event was ready before the previous
   instruction ended; a tie counts as event-bound, as in ``hop_table``: ``tilec.trace.bound_by``),
   over the *self-signaled* ones (the worker's previous instruction was the event's last signal:
-  the worker completes the event itself, so the whole gap - its signal's way to L2, the next
-  descriptor and operands, the op's setup, the poll - lies on the phase boundary's critical
-  path), and over the last eighth of each op's tiles to start ("late"): the tiles that end a
-  phase, so what they add is on the step's critical path.
+  the worker completes the event itself, so nothing overlaps the gap - its signal's way to L2,
+  the next descriptor and operands, the op's setup, the poll - which is on the phase boundary's
+  critical path when that tile is the op's last to start), and over the last eighth of each op's
+  tiles to start ("late"): the tiles that end a phase, so what they add is on the step's
+  critical path.
 
 On an H200 (Llama-3.2-1B batch 1, context 1024; ``profile_step.py``, twenty-second session call
 1) worker-bound GEMVs started a median 2.56 µs after their previous instruction ended, while a
 GEMV whose worker was already waiting started 0.83 µs after its event was ready (the poll's hop).
-In the twenty-seventh session's traces (calls 1-5) self-signaled GEMVs started a median 2.53-2.59
-µs after their own signal, and an op's last tile to start often was one of them.
+In the twenty-seventh session's traces (calls 1-5) self-signaled GEMVs started a median 2.53-2.58
+µs after their own signal, and an op's last tile to start often was one of them (about one GEMV op
+in three).
 
     python benchmarks/lab/gap_table.py trace.json[.gz] [more traces]
 
@@ -44,34 +46,33 @@ KINDS = ("linear_fused", "attention_partial")
 
 
 def self_signaled(trace: dict) -> set[tuple[int, int]]:
-    """``(worker, instruction)`` of the instructions whose worker's previous instruction was the
-    last to signal the event they wait for (its end is the event's readiness)."""
+    """``(worker, instruction)`` of the instructions whose worker's previous traced instruction was
+    a last signal of the event they wait for: its end is the event's readiness (every signal ending
+    at that same time counts, as a tie counts as event-bound in ``tilec.trace.bound_by``)."""
     slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    last: dict[int, tuple[float, int, int]] = {}  # event -> (end, worker, instruction) of its last signal
+    ends: dict[int, float] = {}  # event -> its last signal's end
     by_worker = collections.defaultdict(list)
     for e in slices:
-        a = e["args"]
-        s = a.get("signal_event", -1)
-        if s is not None and s >= 0 and (s not in last or e["ts"] + e["dur"] > last[s][0]):
-            last[s] = (e["ts"] + e["dur"], a["worker"], a["instruction"])
-        by_worker[a["worker"]].append(a["instruction"])
-    prev = {}  # (worker, instruction) -> the worker's previous instruction
-    for w, js in by_worker.items():
-        js.sort()
-        prev.update({(w, j): p for p, j in zip(js, js[1:])})
+        s = e["args"].get("signal_event", -1)
+        if s is not None and s >= 0:
+            ends[s] = max(ends.get(s, float("-inf")), e["ts"] + e["dur"])
+        by_worker[e["args"]["worker"]].append(e)
     out = set()
-    for e in slices:
-        key = (e["args"]["worker"], e["args"]["instruction"])
-        sig = last.get(e["args"].get("wait_event", -1))
-        if sig is not None and key in prev and sig[1:] == (key[0], prev[key]):
-            out.add(key)
+    for es in by_worker.values():
+        es.sort(key=lambda e: e["args"]["instruction"])
+        for a, b in zip(es, es[1:]):
+            w = b["args"].get("wait_event", -1)
+            if w is not None and w >= 0 and a["args"].get("signal_event", -1) == w and ends[w] == a["ts"] + a["dur"]:
+                out.add((b["args"]["worker"], b["args"]["instruction"]))
     return out
 
 
 def gap_lines(trace: dict) -> list[str]:
     """The table's lines for one measured trace (Chrome trace JSON with ``otherData.makespan_us``;
     worker readiness and event readiness from ``tilec.trace.readiness``)."""
-    span = trace["otherData"]["makespan_us"]
+    span = trace["otherData"].get("makespan_us")
+    if not isinstance(span, (int, float)):
+        raise ValueError("no otherData.makespan_us (tilec.trace.measured_trace writes it)")
     own = self_signaled(trace)
     lines = []
     for cat in KINDS:
@@ -92,7 +93,7 @@ def gap_lines(trace: dict) -> list[str]:
         mine = [t for t in rows if (t[0]["args"]["worker"], t[0]["args"]["instruction"]) in own]
         for name, sel in (("all", rows), ("worker-bound", bound), ("self-signaled", mine), ("late 1/8", late)):
             if not sel:  # the count still shows (on recent traces no GEMV is worker-bound)
-                lines.append(f"  {cat:18s} {name:13s} n={0:5d}")
+                lines.append(f"  {cat:18s} {name:13s} n={0:5d}  (none)")
                 continue
             gap = statistics.median(e["ts"] - free for e, free, _ in sel)
             to_start = statistics.median(e["ts"] - max(free, ready) for e, free, ready in sel)
@@ -102,13 +103,13 @@ def gap_lines(trace: dict) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("traces", nargs="+")
+    ap.add_argument("traces", nargs="+", help="measured traces (JSON, plain or gzip-compressed)")
     status = 0
     for path in ap.parse_args().traces:
         try:
             trace = read_trace(path)
-            head = f"{path}: makespan {float(trace['otherData']['makespan_us']):.1f} us (medians, us)"
             lines = gap_lines(trace)
+            head = f"{path}: makespan {float(trace['otherData']['makespan_us']):.1f} us (medians, us)"
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             print(f"{path}: {type(e).__name__}: {e}", file=sys.stderr)
             status = 1

@@ -106,8 +106,8 @@ def phase_rows(trace: dict) -> dict[str, dict[str, float]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("traces", nargs="+")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+", help="measured traces (JSON, plain or gzip-compressed)")
     status, tables = 0, []
     for path in ap.parse_args().traces:
         try:
