@@ -131,7 +131,8 @@ def test_gap_table_cli_reads_gzip_and_refuses_a_predicted_trace(tmp_path, monkey
     monkeypatch.setattr(sys, "argv", ["gap_table.py", str(bare)])
     assert gap_table_main() == 1
     out, err = capsys.readouterr()
-    assert out == "" and err.strip() == f"{bare}: ValueError: no otherData.makespan_us (tilec.trace.measured_trace writes it)"
+    assert out == ""
+    assert err.strip() == f"{bare}: ValueError: no otherData.makespan_us (tilec.trace.measured_trace writes it)"
 
 
 def test_layer_phases_names_and_times_the_layer_phases():

@@ -21,7 +21,7 @@ first tile does; all of that op's tiles count), this prints medians in µs of:
 On an H200 (Llama-3.2-1B batch 1, context 1024; ``profile_step.py``, twenty-second session call
 1) worker-bound GEMVs started a median 2.56 µs after their previous instruction ended, while a
 GEMV whose worker was already waiting started 0.83 µs after its event was ready (the poll's hop).
-In the twenty-seventh session's traces (calls 1-5) self-signaled GEMVs started a median 2.53-2.58
+In the twenty-seventh session's traces (calls 1-5) self-signaled GEMVs started a median 2.53-2.59
 µs after their own signal, and an op's last tile to start often was one of them (about one GEMV op
 in three).
 
