@@ -48,23 +48,12 @@ KINDS = ("linear_fused", "attention_partial")
 def self_signaled(trace: dict) -> set[tuple[int, int]]:
     """``(worker, instruction)`` of the instructions whose worker's previous traced instruction was
     a last signal of the event they wait for: its end is the event's readiness (every signal ending
-    at that same time counts, as a tie counts as event-bound in ``tilec.trace.bound_by``)."""
-    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    ends: dict[int, float] = {}  # event -> its last signal's end
-    by_worker = collections.defaultdict(list)
-    for e in slices:
-        s = e["args"].get("signal_event", -1)
-        if s is not None and s >= 0:
-            ends[s] = max(ends.get(s, float("-inf")), e["ts"] + e["dur"])
-        by_worker[e["args"]["worker"]].append(e)
-    out = set()
-    for es in by_worker.values():
-        es.sort(key=lambda e: e["args"]["instruction"])
-        for a, b in zip(es, es[1:]):
-            w = b["args"].get("wait_event", -1)
-            if w is not None and w >= 0 and a["args"].get("signal_event", -1) == w and ends[w] == a["ts"] + a["dur"]:
-                out.add((b["args"]["worker"], b["args"]["instruction"]))
-    return out
+    at that same time counts, as a tie counts as event-bound in ``tilec.trace.bound_by``). Built
+    on ``tilec.trace.readiness``: a worker's previous instruction is its one slice ending at ``free``."""
+    signals = {(e["args"]["worker"], e["args"].get("signal_event"), e["ts"] + e["dur"])
+               for e in trace["traceEvents"] if e.get("ph") == "X"}
+    return {(b["args"]["worker"], b["args"]["instruction"]) for b, free, ready in readiness(trace)
+            if ready == free and (b["args"]["worker"], b["args"].get("wait_event"), free) in signals}
 
 
 def gap_lines(trace: dict) -> list[str]:
