@@ -14,9 +14,10 @@ from .ir import OpGraph
 from .ops import GEMV_RING_MMA_K, kouter_bytes, mma_ring_rows
 from .ops.linear_fused import ring_staged_bytes, staged_bytes
 
-# Hopper's 227 KiB per CTA less room for the executor's static shared memory (1440 bytes with 13-operand
-# rows, nvcc 13: tests/test_codegen.py checks it fits; the 1 KiB the system reserves is outside the 227)
-MAX_DYNAMIC_SMEM = 227 * 1024 - 2048
+# Hopper's 227 KiB per CTA less room for the executor's static shared memory (3984 bytes with 13-operand
+# rows and the controller warp's second operand slot and GEMV row offsets, nvcc 13: tests/test_codegen.py
+# checks it fits; the 1 KiB the system reserves is outside the 227)
+MAX_DYNAMIC_SMEM = 227 * 1024 - 4096
 STAGE_BYTES = 8 * (2048 * 2 + 64)  # stream.cuh: kWarps rows of kStreamK bf16, 64 bytes of padding each
 # Three stages (96 KiB in flight per SM). Measured on an H200 on 2026-11-29 (session 6, call 3,
 # benchmarks/decode.py --ring-stages): a Llama-3.2-1B step (batch 1, context 1024) took 1.769 /

@@ -11,11 +11,12 @@
 namespace tilec {
 
 // A worker CTA is kThreads compute threads (kWarps warps, which run the tile ops) plus one
-// loader warp that streams GEMV weights ahead of them (executor.cuh). Ops synchronize the
-// compute threads only, with block_sync(): the loader warp never joins those barriers.
+// loader warp that streams GEMV weights ahead of them and one controller warp that decodes the
+// next instruction and waits on its event (executor.cuh). Ops synchronize the compute threads
+// only, with block_sync(): the loader and controller warps never join those barriers.
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kCtaThreads = kThreads + 32;
+constexpr int kCtaThreads = kThreads + 64;
 static_assert(TILEC_MAX_DIMS == 4, "the index helpers and ops hold 4-dim boxes");
 constexpr int kMaxRows = 64;  // rows of one GEMV tile (flattened leading dims of the out box)
 
@@ -38,6 +39,11 @@ struct WeightRing;  // stream.cuh
 // them through operands(): the compiler then knows they are this array, not the scratch or global
 // memory an op stores to, and keeps their fields in registers across those stores.
 __shared__ Operand tilec_ops[TILEC_MAX_OPERANDS];
+// The weight ring's depth (executor.cuh sets it): read by the GEMV setup from here rather than
+// through the per-thread TileCtx, whose fields live in local memory (a dependent LDL, then a
+// generic load). H200, Llama-3.2-1B batch 1 (benchmarks/lab/variants_ab.py, same process): a step
+// 1.143 against 1.152 ms, Llama-3.1-8B 4.975 against 4.987.
+__shared__ int tilec_ring_stages;
 
 // The CTA's dynamic shared memory: the weight ring's stages, then the ops' scratch (executor.cuh).
 // A pointer the compiler sees formed from this array is a shared-memory pointer and its accesses

@@ -1273,6 +1273,35 @@ __device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, co
 // reuse_x: the worker's previous instruction staged the same bf16 x rows (tilec/plan.py sets it
 // from OpDef.staged_x; same x, prologue, rows and K range): when the executor confirms they are
 // still in shared memory (c.x_staged_in), they are not staged again.
+// A GEMV tile's row offsets, computed ahead by the executor's controller warp (executor.cuh
+// control) for instruction slot `slot` while the compute warps still run the previous
+// instruction: tilec_rowoff[slot][k][r] = element offset of row r of the out box in operand k
+// (k < kPrepOps covers linear's x, W, out and linear_fused's x, side, W, resid, out), and
+// tilec_rowinfo[slot] = rows | out dims << 16, or 0 when the tile has more than kPrepRows rows (it
+// then computes them itself). Thread 0's offset4 arithmetic was ~0.4 us before each GEMV's wait on
+// an H200 (TILEC_LAB_SETUP_AT marks, the twenty-eighth session); with it a GEMV tile whose own
+// worker completed its event starts 1.60 instead of 2.11 us after it (median, Llama-3.2-1B).
+constexpr int kPrepRows = 8, kPrepOps = 5;
+__shared__ long long tilec_rowoff[2][kPrepOps][kPrepRows];
+__shared__ int tilec_rowinfo[2];
+// One warp: descriptor d's row offsets in operands ops (decoded) into slot `slot`.
+__device__ __forceinline__ void gemv_row_offsets(const int* d, const Operand* ops, int slot) {
+  const int nd = d[TILEC_W_NCOORDS] - 1;  // the out box's dims, then the K range
+  int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (k < nd) lo[k] = d[TILEC_W_COORDS + 2 * k], hi[k] = d[TILEC_W_COORDS + 2 * k + 1];
+  const int rows = box_rows(nd, lo, hi);
+  if (rows <= kPrepRows)
+    for (int e = threadIdx.x & 31; e < kPrepOps * rows; e += 32) {
+      const int k = e / rows, r = e - k * rows;
+      int idx[4];
+      row_index(r, nd, lo, hi, idx);
+      tilec_rowoff[slot][k][r] = offset4(ops[k], idx);
+    }
+  if ((threadIdx.x & 31) == 0) tilec_rowinfo[slot] = rows <= kPrepRows ? rows | nd << 16 : 0;
+}
+
 template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap>
 __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f, bool reuse_x = false) {
   constexpr int kRingRows = TILEC_GEMV_RING_ROWS;                      // the CUDA-core ring consumer's rows at most
@@ -1294,6 +1323,14 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
   long long* soff = roff + kMaxRows;
   float* rscale = reinterpret_cast<float*>(soff + kMaxRows);  // per-row RMSNorm factors
   float* xs_smem = rscale + kMaxRows;                          // 16-byte aligned (2304 bytes in)
+  const int slot = c.instr & 1;
+  const bool prepared = tilec_rowinfo[slot] == (rows | nd << 16);  // the controller's row offsets
+  if (prepared) {
+    xoff = tilec_rowoff[slot][0];
+    ooff = tilec_rowoff[slot][oi];
+    if (resid) roff = tilec_rowoff[slot][wi + 1];
+    soff = tilec_rowoff[slot][1];
+  }
   const long long xk = x.strides[x.ndim - 1], wn = w.strides[0], wk = w.strides[1], on = out.strides[nd - 1];
   const int kl = k1 - k0;
   if (kRowCap != 0 && rows > kRowCap) {  // the plan promised fewer rows: fail loudly
@@ -1305,16 +1342,18 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
   // wait below reads only the descriptor and the operand table, never a producer's data.
   for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
     const int nr = min(kMaxRows, rows - r0);
-    if (r0 > 0) block_sync();  // the previous chunk is done with the row offsets
-    for (int r = threadIdx.x; r < nr; r += kThreads) {
-      int idx[4] = {0, 0, 0, 0};
-      row_index(r0 + r, nd, lo, hi, idx);
-      xoff[r] = offset4(x, idx);
-      ooff[r] = offset4(out, idx);
-      if (resid) roff[r] = offset4(*resid, idx);
-      if (pro >= 2) soff[r] = offset4(operands()[1], idx);
+    if (!prepared) {
+      if (r0 > 0) block_sync();  // the previous chunk is done with the row offsets
+      for (int r = threadIdx.x; r < nr; r += kThreads) {
+        int idx[4] = {0, 0, 0, 0};
+        row_index(r0 + r, nd, lo, hi, idx);
+        xoff[r] = offset4(x, idx);
+        ooff[r] = offset4(out, idx);
+        if (resid) roff[r] = offset4(*resid, idx);
+        if (pro >= 2) soff[r] = offset4(operands()[1], idx);
+      }
+      block_sync();
     }
-    block_sync();
     // stage this chunk's x rows (K range) in shared memory as float when they fit (fused
     // tiles always fit: the fusion pass checks)
     const bool staged = (long long)nr * kl + 2304 / 4 <= (long long)c.smem_floats - 64;
@@ -1323,7 +1362,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     // the tensor-core consumer (kRingRows + 1..16 rows) kl + 32, which puts rows 64 mod 128 bytes apart (for
     // kl % 64 == 0: conflict-free A loads), with room after them for its cross-warp sums (red).
     StreamTile t;
-    const bool ring = std::is_same<TW, __nv_bfloat16>::value && c.ring->nstages > 0 && stream_range(c.d, w.ptr, wn, t);
+    const bool ring = std::is_same<TW, __nv_bfloat16>::value && tilec_ring_stages > 0 && stream_range(c.d, w.ptr, wn, t);
     const bool mma = kMmaRows && nr > kRingRows;
     if (kMmaRows && ring && t.kouter) {  // tensor-core bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
       constexpr int kPitch = kStreamK + 32;

@@ -695,7 +695,7 @@ __device__ void op_fp8_linear_quant(TileCtx& c) {
   for (int e = threadIdx.x; e < nb * KB; e += kThreads)
     ws_s[e] = ldf<TWS>(ws, (long long)(n0 / BN + e / KB) * wsn + (e % KB) * wsk);
   StreamTile t;
-  const bool ring = c.ring->nstages > 0 && stream_range(c.d, wq.ptr, wn, t);
+  const bool ring = tilec_ring_stages > 0 && stream_range(c.d, wq.ptr, wn, t);
   if (ring && t.kblocks() > 1 && t.kitem() % G != 0) {  // a K block across two items: the plan rules it out
     if (threadIdx.x == 0) atomicCAS(c.ring->abort, 0, 2);
     *c.ring->gave_up = 1;
