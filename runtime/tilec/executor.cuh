@@ -3,7 +3,7 @@
 // The loader warp streams the queue's GEMV weights into the shared-memory ring ahead of the
 // compute warps (stream.cuh). The controller warp runs one instruction ahead of the compute
 // warps (control() below): it loads instruction i's 32-int descriptor into slot i & 1, decodes
-// its operands, computes a GEMV's row offsets, then waits on its event (device watchdog) while
+// its operands, sets up a GEMV (row offsets, stream range), then waits on its event (device watchdog) while
 // the compute warps still run instruction i - 1. The compute warps walk the queue:
 //   copy the decoded operands -> barrier -> wait for the controller's "event done" (one thread,
 //   shared memory) -> barrier -> run the tile op -> barrier -> one thread: red.release.gpu.
@@ -114,8 +114,8 @@ __device__ bool wait_event(unsigned long long* counters, int e, unsigned long lo
 
 // The controller warp's loop (see the top of this file). Slot i & 1 is free for instruction i once
 // the compute warps have finished instruction i - 2. Decoding (one lane per operand) and a GEMV's
-// row offsets happen while the compute warps run instruction i - 1, so neither sits between one
-// instruction's signal and the next one's start. Measured on an H200 (benchmarks/lab/
+// row offsets and stream range happen while the compute warps run instruction i - 1, so none of
+// them sits between one instruction's signal and the next one's start. Measured on an H200 (benchmarks/lab/
 // variants_ab.py, batch 1, context 1024, same process, logits bitwise equal): Llama-3.2-1B 1.130
 // against 1.152 ms a step, Llama-3.1-8B 4.875 against 4.987; a GEMV tile whose worker's own last
 // instruction completed its event started 1.60 instead of 2.53 us after it (median).
@@ -141,7 +141,7 @@ __device__ __noinline__ void control(int (*desc)[TILEC_DESCRIPTOR_WORDS], const 
                      ctrl_ops[slot][lane], position);
     __syncwarp();
     if (opcode == TILEC_OP_LINEAR || opcode == TILEC_OP_LINEAR_FUSED) {
-      gemv_row_offsets(d, ctrl_ops[slot], slot);
+      gemv_prepare(d, ctrl_ops[slot], slot);
       __syncwarp();
     }
     if (lane == 0) {
@@ -256,8 +256,8 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     long long* stamp = stamps ? stamps + ((size_t)worker * L + i) * 4 : nullptr;
     TileCtx c{d, scratch, smem_floats, &ring, stamp, false, false, counters,
               epoch * (unsigned long long)wait_c, wait_e, i, err, timeout_ns, &go, false, epoch, &arrived_last};
-    // A GEMV sets itself up (stream range, staging checks; its row offsets come from the
-    // controller: ~1.5 us of serial code on an H200) before its wait, which it then calls itself
+    // A GEMV sets itself up (staging checks; its row offsets and stream range come from the
+    // controller) before its wait, which it then calls itself
     // (TileCtx::wait); once the operands are copied (the barrier) it may read them.
     // attention_partial likewise starts its K / V splits into L2 first (ops_attention.cuh).
     // Every other op runs after the wait. Measured on an

@@ -1273,19 +1273,21 @@ __device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, co
 // reuse_x: the worker's previous instruction staged the same bf16 x rows (tilec/plan.py sets it
 // from OpDef.staged_x; same x, prologue, rows and K range): when the executor confirms they are
 // still in shared memory (c.x_staged_in), they are not staged again.
-// A GEMV tile's row offsets, computed ahead by the executor's controller warp (executor.cuh
-// control) for instruction slot `slot` while the compute warps still run the previous
-// instruction: tilec_rowoff[slot][k][r] = element offset of row r of the out box in operand k
-// (k < kPrepOps covers linear's x, W, out and linear_fused's x, side, W, resid, out), and
-// tilec_rowinfo[slot] = rows | out dims << 16, or 0 when the tile has more than kPrepRows rows (it
-// then computes them itself). Thread 0's offset4 arithmetic was ~0.4 us before each GEMV's wait on
-// an H200 (TILEC_LAB_SETUP_AT marks, the twenty-eighth session); with it a GEMV tile whose own
-// worker completed its event starts 1.60 instead of 2.11 us after it (median, Llama-3.2-1B).
+// A GEMV tile's setup, done ahead by the executor's controller warp (executor.cuh control) for
+// instruction slot `slot` while the compute warps still run the previous instruction:
+// tilec_rowoff[slot][k][r] = element offset of row r of the out box in operand k (k < kPrepOps
+// covers linear's x, W, out and linear_fused's x, side, W, resid, out), tilec_stream[slot] and
+// tilec_stream_ok[slot] = its weight stream's range (stream_range), and tilec_rowinfo[slot] = rows |
+// out dims << 16, or 0 when the tile has more than kPrepRows rows (it then sets itself up). Thread
+// 0's offset4 arithmetic was ~0.4 us before each GEMV's wait on an H200, the stream range ~0.5 us
+// (lab marks, the twenty-eighth session; benchmarks/RESULTS.md).
 constexpr int kPrepRows = 8, kPrepOps = 5;
 __shared__ long long tilec_rowoff[2][kPrepOps][kPrepRows];
 __shared__ int tilec_rowinfo[2];
-// One warp: descriptor d's row offsets in operands ops (decoded) into slot `slot`.
-__device__ __forceinline__ void gemv_row_offsets(const int* d, const Operand* ops, int slot) {
+__shared__ StreamTile tilec_stream[2];
+__shared__ int tilec_stream_ok[2];
+// One warp: descriptor d's row offsets and stream range in operands ops (decoded) into slot `slot`.
+__device__ __forceinline__ void gemv_prepare(const int* d, const Operand* ops, int slot) {
   const int nd = d[TILEC_W_NCOORDS] - 1;  // the out box's dims, then the K range
   int lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -1299,7 +1301,13 @@ __device__ __forceinline__ void gemv_row_offsets(const int* d, const Operand* op
       row_index(r, nd, lo, hi, idx);
       tilec_rowoff[slot][k][r] = offset4(ops[k], idx);
     }
-  if ((threadIdx.x & 31) == 0) tilec_rowinfo[slot] = rows <= kPrepRows ? rows | nd << 16 : 0;
+  if ((threadIdx.x & 31) == 0) {
+    const int s = d[TILEC_W_STREAM], wo = (s & 15) - 1;  // the streamed weight's operand
+    StreamTile t{};
+    tilec_stream_ok[slot] = wo >= 0 && stream_range(d, ops[wo].ptr, ops[wo].strides[0], t);
+    tilec_stream[slot] = t;
+    tilec_rowinfo[slot] = rows <= kPrepRows ? rows | nd << 16 : 0;
+  }
 }
 
 template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap>
@@ -1324,7 +1332,7 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
   float* rscale = reinterpret_cast<float*>(soff + kMaxRows);  // per-row RMSNorm factors
   float* xs_smem = rscale + kMaxRows;                          // 16-byte aligned (2304 bytes in)
   const int slot = c.instr & 1;
-  const bool prepared = tilec_rowinfo[slot] == (rows | nd << 16);  // the controller's row offsets
+  const bool prepared = tilec_rowinfo[slot] == (rows | nd << 16);  // the controller's setup (gemv_prepare)
   if (prepared) {
     xoff = tilec_rowoff[slot][0];
     ooff = tilec_rowoff[slot][oi];
@@ -1362,7 +1370,15 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
     // the tensor-core consumer (kRingRows + 1..16 rows) kl + 32, which puts rows 64 mod 128 bytes apart (for
     // kl % 64 == 0: conflict-free A loads), with room after them for its cross-warp sums (red).
     StreamTile t;
-    const bool ring = std::is_same<TW, __nv_bfloat16>::value && tilec_ring_stages > 0 && stream_range(c.d, w.ptr, wn, t);
+    bool ring = false;
+    if (std::is_same<TW, __nv_bfloat16>::value && tilec_ring_stages > 0) {
+      if (prepared) {
+        t = tilec_stream[slot];
+        ring = tilec_stream_ok[slot] != 0;
+      } else {
+        ring = stream_range(c.d, w.ptr, wn, t);
+      }
+    }
     const bool mma = kMmaRows && nr > kRingRows;
     if (kMmaRows && ring && t.kouter) {  // tensor-core bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
       constexpr int kPitch = kStreamK + 32;
