@@ -115,10 +115,11 @@ __device__ bool wait_event(unsigned long long* counters, int e, unsigned long lo
 // The controller warp's loop (see the top of this file). Slot i & 1 is free for instruction i once
 // the compute warps have finished instruction i - 2. Decoding (one lane per operand) and a GEMV's
 // row offsets and stream range happen while the compute warps run instruction i - 1, so none of
-// them sits between one instruction's signal and the next one's start. Measured on an H200 (benchmarks/lab/
-// variants_ab.py, batch 1, context 1024, same process, logits bitwise equal): Llama-3.2-1B 1.130
-// against 1.152 ms a step, Llama-3.1-8B 4.875 against 4.987; a GEMV tile whose worker's own last
-// instruction completed its event started 1.60 instead of 2.53 us after it (median).
+// them sits between one instruction's signal and the next one's start. Measured on an H200
+// (benchmarks/lab/variants_ab.py, batch 1, context 1024; the previous runtime in its own process
+// of the same lease): Llama-3.2-1B 1.137 against 1.153 ms a step, Llama-3.1-8B 4.915 against
+// 4.984; a GEMV tile whose worker's own last instruction completed its event started 1.50 instead
+// of 2.53 us after it (median, benchmarks/lab/gap_table.py).
 __device__ __noinline__ void control(int (*desc)[TILEC_DESCRIPTOR_WORDS], const int* q, int L,
                                      const long long* operands, long long position, unsigned long long* counters,
                                      unsigned long long epoch, ErrorRecord* err, long long timeout_ns,

@@ -1278,9 +1278,10 @@ __device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, co
 // tilec_rowoff[slot][k][r] = element offset of row r of the out box in operand k (k < kPrepOps
 // covers linear's x, W, out and linear_fused's x, side, W, resid, out), tilec_stream[slot] and
 // tilec_stream_ok[slot] = its weight stream's range (stream_range), and tilec_rowinfo[slot] = rows |
-// out dims << 16, or 0 when the tile has more than kPrepRows rows (it then sets itself up). Thread
-// 0's offset4 arithmetic was ~0.4 us before each GEMV's wait on an H200, the stream range ~0.5 us
-// (lab marks, the twenty-eighth session; benchmarks/RESULTS.md).
+// out dims << 16, or 0 when the tile has more than kPrepRows rows (it then sets itself up). On an
+// H200 the two took ~0.9 us of a GEMV's setup before its wait (lab marks, benchmarks/RESULTS.md,
+// twenty-eighth session); with the stream range from here too the Llama-3.2-1B step took 1.132
+// against 1.178 ms with the row offsets alone (one process, logits bitwise equal).
 constexpr int kPrepRows = 8, kPrepOps = 5;
 __shared__ long long tilec_rowoff[2][kPrepOps][kPrepRows];
 __shared__ int tilec_rowinfo[2];
