@@ -14,8 +14,8 @@ from .ir import OpGraph
 from .ops import GEMV_RING_MMA_K, kouter_bytes, mma_ring_rows
 from .ops.linear_fused import ring_staged_bytes, staged_bytes
 
-# Hopper's 227 KiB per CTA less room for the executor's static shared memory (3984 bytes with 13-operand
-# rows and the controller warp's second operand slot and GEMV row offsets, nvcc 13: tests/test_codegen.py
+# Hopper's 227 KiB per CTA less room for the executor's static shared memory (4064 bytes with 13-operand
+# rows and the controller warp's second operand slot and GEMV setups, nvcc 13: tests/test_codegen.py
 # checks it fits; the 1 KiB the system reserves is outside the 227)
 MAX_DYNAMIC_SMEM = 227 * 1024 - 4096
 STAGE_BYTES = 8 * (2048 * 2 + 64)  # stream.cuh: kWarps rows of kStreamK bf16, 64 bytes of padding each

@@ -1259,20 +1259,6 @@ __device__ __noinline__ void gemv_generic(const TileCtx& c, const Operand& x, co
   }
 }
 
-// GEMV tile. `wi`/`oi`: operand indices of W and out. Fused (linear_fused) tiles also apply
-// a prologue to the staged rows - pro 1: RMSNorm with weight operand 1 (eps), pro 2: SiLU(x)
-// times operand 1, pro 3: x times operand 1 - and an epilogue (epi 1: + resid, operand wi + 1;
-// epi 2: SiLU of the rounded value), with the rounding
-// points of the unfused rmsnorm / silu_mul / binary-add ops (tilec/ops/linear_fused.py).
-// kRowCap: a bound on the op's rows that the plan guarantees (1, 4, 8 or 16; 0 = any,
-// tilec.ops.row_cap); the instance keeps only the paths its rows can take. Llama-3.2-1B's
-// linear_fused instance went from 185 to 82 KB of SASS, and 8 independent M = 1 GEMVs from
-// 2.13 / 3.01 / 3.04 to 2.44 / 3.31 / 3.39 TB/s on an H200 (2048 x 8192, 4096 x 14336,
-// 128256 x 2048; same run, 2 ring stages). A tile with more rows than promised is a plan bug:
-// the worker aborts the step (the host raises a WatchdogError).
-// reuse_x: the worker's previous instruction staged the same bf16 x rows (tilec/plan.py sets it
-// from OpDef.staged_x; same x, prologue, rows and K range): when the executor confirms they are
-// still in shared memory (c.x_staged_in), they are not staged again.
 // A GEMV tile's setup, done ahead by the executor's controller warp (executor.cuh control) for
 // instruction slot `slot` while the compute warps still run the previous instruction:
 // tilec_rowoff[slot][k][r] = element offset of row r of the out box in operand k (k < kPrepOps
@@ -1311,6 +1297,21 @@ __device__ __forceinline__ void gemv_prepare(const int* d, const Operand* ops, i
   }
 }
 
+// GEMV tile. `wi`/`oi`: operand indices of W and out. Fused (linear_fused) tiles also apply
+// a prologue to the staged rows - pro 1: RMSNorm with weight operand 1 (eps), pro 2: SiLU(x)
+// times operand 1, pro 3: x times operand 1 - and an epilogue (epi 1: + resid, operand wi + 1;
+// epi 2: SiLU of the rounded value), with the rounding
+// points of the unfused rmsnorm / silu_mul / binary-add ops (tilec/ops/linear_fused.py).
+// kRowCap: a bound on the op's rows that the plan guarantees (1, 4, 8 or 16; 0 = any,
+// tilec.ops.row_cap); the instance keeps only the paths its rows can take. Llama-3.2-1B's
+// linear_fused instance went from 185 to 82 KB of SASS, and 8 independent M = 1 GEMVs from
+// 2.13 / 3.01 / 3.04 to 2.44 / 3.31 / 3.39 TB/s on an H200 (2048 x 8192, 4096 x 14336,
+// 128256 x 2048; same run, 2 ring stages). A tile with more rows than promised is a plan bug:
+// the worker aborts the step (the host raises a WatchdogError).
+// reuse_x: the worker's previous instruction staged the same bf16 x rows (tilec/plan.py sets it
+// from OpDef.staged_x; same x, prologue, rows and K range): when the executor confirms they are
+// still in shared memory (c.x_staged_in), they are not staged again. A tile of at most kPrepRows rows
+// takes its row offsets and stream range from the controller (gemv_prepare).
 template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap>
 __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f, bool reuse_x = false) {
   constexpr int kRingRows = TILEC_GEMV_RING_ROWS;                      // the CUDA-core ring consumer's rows at most
