@@ -459,7 +459,7 @@ BAD_COMPILES = [
     ("missing/dir/model.py:make", [], 2, "no such file"),
     ("examples/factories.py", [], 2, "expected MODULE:FACTORY"),
     ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: linear, raises, returns_bad_arg"),
-    ("{facts}:not_callable", [], 2, "not_callable is a int, not a callable factory"),
+    ("{facts}:not_callable", [], 2, "not_callable is not a callable factory (it is of type int)"),
     ("{facts}:returns_none", [], 2, "returned None; expected (module, example_args) or (module, example_args, dict("),
     ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),
     ("{facts}:returns_not_a_module", [], 2, "returned a str as the module"),

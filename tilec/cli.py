@@ -261,7 +261,7 @@ def load_factory(spec: str, cwd: str | None = None):
         raise Failure(f"factory module {mod_part} has no {name!r}"
                       + (f"; functions defined there: {', '.join(defined)}" if defined else ""))
     if not callable(fn):
-        raise Failure(f"{spec}: {name} is a {type(fn).__name__}, not a callable factory")
+        raise Failure(f"{spec}: {name} is not a callable factory (it is of type {type(fn).__name__})")
     return fn, info
 
 

@@ -81,7 +81,9 @@ def prebuild(variants, batch: int = 1, name: str = "llama-3.2-1b") -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("variants", nargs="+")
+    ap.add_argument("variants", nargs="+",
+                    help="NAME=DEFINE[,DEFINE...] (DEFINE as MACRO or MACRO=VALUE); 'base=' builds the runtime as it is. "
+                         "Lab macros come from a patch in benchmarks/lab/patches/ (git apply it first)")
     ap.add_argument("--stages", default="", help="weight-ring depths to time, e.g. 2,3 (default: the plan's)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
