@@ -3,8 +3,8 @@
 // The loader warp streams the queue's GEMV weights into the shared-memory ring ahead of the
 // compute warps (stream.cuh). The controller warp runs one instruction ahead of the compute
 // warps (control() below): it loads instruction i's 32-int descriptor into slot i & 1, decodes
-// its operands, sets up a GEMV (row offsets, stream range), then waits on its event (device watchdog) while
-// the compute warps still run instruction i - 1. The compute warps walk the queue:
+// its operands, sets up a GEMV (row offsets, stream range), then waits on its event (device
+// watchdog) while the compute warps still run instruction i - 1. The compute warps walk the queue:
 //   copy the decoded operands -> barrier -> wait for the controller's "event done" (one thread,
 //   shared memory) -> barrier -> run the tile op -> barrier -> one thread: red.release.gpu.
 // A GEMV (linear, linear_fused) is dispatched before its wait and calls it itself
@@ -13,8 +13,10 @@
 // Event counters are monotonic: step `epoch` waits for epoch * count, so no reset between
 // steps. The epoch lives on the device (state[0] = steps completed), so a launch replayed from
 // a CUDA graph advances it too: every CTA reads it at start, and the last CTA to finish the
-// step (state[1] counts finished CTAs) publishes epoch + 1. A wait past `timeout_ns` writes an ErrorRecord, raises the abort flag (which every
-// spinning thread polls, the loader's too) and exits, so a bad plan never hangs the GPU.
+// step (state[1] counts finished CTAs) publishes epoch + 1. A wait past `timeout_ns` writes an
+// ErrorRecord, raises the abort flag (which the controller's and the loader's waits and the ring
+// waits poll) and exits; the controller then hands the compute warps "gave up" (ctrl_ready = -1),
+// so a bad plan never hangs the GPU.
 #pragma once
 #include "common.cuh"
 #include "stream.cuh"
