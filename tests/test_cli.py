@@ -82,6 +82,38 @@ def returns_bad_position():
 def raises():
     raise RuntimeError("boom in the factory")
 
+class CacheWrite(torch.nn.Module):
+    """Embeds T tokens and writes them into a KV cache [1, 2, 16, 8] at rows pos..pos+T-1."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 16)
+
+    def forward(self, ids, pos, cache):
+        k = self.emb(ids).view(1, -1, 2, 8).transpose(1, 2)
+        cache.index_copy_(2, pos + torch.arange(ids.shape[1]), k)
+        return k * 2
+
+def cache_write(tokens=1, positions=(1,), max_positions=16):
+    torch.manual_seed(0)
+    args = (torch.arange(tokens).view(1, tokens), torch.tensor([4]), torch.zeros(1, 2, 16, 8))
+    return CacheWrite(), args, dict(positions=list(positions), max_positions=max_positions)
+
+def cache_too_short():
+    return cache_write(max_positions=32)
+
+def three_tokens():
+    return cache_write(tokens=3)
+
+def three_tokens_fit():
+    return cache_write(tokens=3, max_positions=14)
+
+def wrong_positions():
+    return cache_write(positions=[0])
+
+def too_many_args():
+    return torch.nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4))
+
 not_callable = 42
 '''
 
@@ -458,7 +490,7 @@ BAD_COMPILES = [
     ("no_such_module_xyz:make", [], 2, "cannot import factory module 'no_such_module_xyz': no module named"),
     ("missing/dir/model.py:make", [], 2, "no such file"),
     ("examples/factories.py", [], 2, "expected MODULE:FACTORY"),
-    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: linear, raises, returns_bad_arg"),
+    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_too_short, cache_write, linear, raises"),
     ("{facts}:not_callable", [], 2, "not_callable is not a callable factory (it is of type int)"),
     ("{facts}:returns_none", [], 2, "returned None; expected (module, example_args) or (module, example_args, dict("),
     ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),
@@ -472,6 +504,16 @@ BAD_COMPILES = [
     ("{facts}:linear", ["-O", "workers=0"], 2, "workers=0: must be in 1..1024"),
     ("{facts}:linear", ["-O", "workers"], 2, "--option 'workers': expected KEY=VALUE"),
     ("{facts}:unsupported", [], 3, "compile failed: tilec cannot lower"),
+    ("{facts}:cache_too_short", [], 2, "max_positions 32 exceeds the KV cache length 16 of argument 2 (cache) "
+                                       "float32[1, 2, 16, 8] (dim 2): use max_positions <= 16"),
+    ("{facts}:three_tokens", [], 2, "max_positions 16 with 3 tokens per step writes cache rows up to 17, past the KV "
+                                    "cache length 16 of argument 2 (cache) float32[1, 2, 16, 8] (dim 2): check the "
+                                    "example arguments' token count, or use max_positions <= 14"),
+    ("{facts}:wrong_positions", [], 2, "positions [0] does not list argument 1 (pos), from which the cache write into "
+                                       "argument 2 (cache) takes its index: positions must list every argument "
+                                       "holding the decode position (an integer tensor)"),
+    ("{facts}:too_many_args", [], 2, "the 2 example argument(s) [(2, 4) torch.float32, (2, 4) torch.float32] do not "
+                                     "fit Linear.forward(input) ("),
 ]
 
 
@@ -485,6 +527,26 @@ def test_bad_compile_inputs(facts, tmp_path, spec, extra, code, message):
     assert message in r.stderr, r.stderr
     assert r.stderr.count("tilec: error:") == 1
     assert os.listdir(parent) == []
+
+
+@pytest.mark.parametrize("name", ["cache_too_short", "three_tokens", "wrong_positions", "too_many_args"])
+def test_bad_input_names_the_factory_and_its_line(facts, tmp_path, name):
+    """Example arguments, positions or max_positions that do not fit the module are bad input
+    (exit 2) named at the user's factory and line, not at a tilec op or source line."""
+    r = invoke("compile", f"{facts}:{name}", "-o", tmp_path / "art", "--no-build")
+    line = FACTORIES.splitlines().index(f"def {name}():") + 1
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith(f"tilec: error: bad input from {name}() at {facts}:{line}: "), r.stderr
+    assert "cache_write_index_copy" not in r.stderr and "tilec/capture.py" not in r.stderr
+
+
+def test_a_cache_write_that_fits_compiles(facts, tmp_path):
+    """The bound is exact: T tokens per step fit a cache of L rows for max_positions <= L - T + 1."""
+    for name in ("cache_write", "three_tokens_fit"):
+        r = invoke("compile", f"{facts}:{name}", "-o", tmp_path / name, "--no-build", "-O", "workers=2")
+        assert r.exit_code == 0, r.output
+        m = json.loads((tmp_path / name / "manifest.json").read_text())
+        assert m["call"]["positions"] == [1] and m["call"]["max_positions"] == (16 if name == "cache_write" else 14)
 
 
 def test_compile_error_names_the_node_and_source_line(facts, tmp_path):

@@ -29,6 +29,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
 
     Raises:
         UnsupportedNodeError: the graph has ops tilec cannot lower (names node and source line).
+        InputError: ``args``, ``positions`` or ``max_positions`` do not fit the module (naming the
+            argument and the shapes or values); :class:`ExampleInputError` when it fails on ``args``.
         VerificationError: a stage broke an invariant (a tilec bug: please report it).
     """
     opts = options if isinstance(options, Options) else Options.from_dict(options)

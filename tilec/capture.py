@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import traceback
 import warnings
@@ -111,16 +112,36 @@ def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
 
 def _check_runs_eagerly(module: torch.nn.Module, args) -> None:
     """Runs ``module(*args)`` eagerly (after a failed export) and raises
-    :class:`ExampleInputError` naming the argument shapes and the user's failing source line if
-    it fails there too; returns if it runs (the failure is then tilec's or export's). It runs on
-    copies of the tensor arguments, so a module that updates a cache in place leaves the
-    caller's untouched."""
+    :class:`ExampleInputError` naming the argument shapes and the user's failing source line (or
+    the forward's signature, when they do not fit it) if it fails there too; returns if it runs
+    (the failure is then tilec's or export's). It runs on copies of the tensor arguments, so a
+    module that updates a cache in place leaves the caller's untouched."""
     try:
         with torch.no_grad():
             module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     except Exception as e:  # noqa: BLE001 - any failure of the user's module on its own inputs
+        shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else repr(a) for a in args)
+        _check_signature(module, args, shapes, e)
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename.replace("\\", "/")]
         where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
-        shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else repr(a) for a in args)
         raise ExampleInputError(f"the module fails on its example arguments [{shapes}]{where}: "
                                 f"{type(e).__name__}: {e}") from e
+
+
+def _check_signature(module: torch.nn.Module, args, shapes: str, cause: Exception) -> None:
+    """Raises :class:`ExampleInputError` naming ``module.forward`` (its parameters, file and line)
+    when it cannot take ``args`` (too many or too few of them); returns when it can, or when
+    the forward has no inspectable signature. ``cause`` is the eager failure that prompted it."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # no signature (a builtin): the eager failure says what is wrong
+        return
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+        plain = sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
+        code = getattr(module.forward, "__code__", None)
+        where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+        raise ExampleInputError(f"the {len(args)} example argument(s) [{shapes}] do not fit "
+                                f"{type(module).__name__}.forward{plain}{where}: {e}") from cause

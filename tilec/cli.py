@@ -41,7 +41,7 @@ from .codegen.build import cache_root, extra_flags
 from .dump import OPGRAPH_STAGES, check_dump_root
 from .artifact import STAGES, ArtifactError, resolve_stage
 from .timing import cuda_graph, step_times
-from .errors import ExampleInputError, TilecError
+from .errors import InputError, TilecError
 from .ir import BufferKind
 from .options import Options
 
@@ -169,8 +169,8 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
         try:
             program = compile_module(module, tuple(args), positions=positions, max_positions=max_positions,
                                      options=opts, hook=hook)
-        except ExampleInputError as e:  # the factory's module does not run on its own example arguments
-            raise Failure(f"bad example arguments from {factory}: {e}") from e
+        except InputError as e:  # its example arguments, positions or max_positions do not fit the module
+            raise Failure(f"bad input from {_defined_at(fn, factory)}: {e}") from e
         except TilecError as e:
             raise Failure(f"compile failed: {e}", EXIT_COMPILE) from e
         except Exception as e:  # torch.export and friends
@@ -300,6 +300,12 @@ def call_factory(fn, spec: str):
     if not isinstance(max_positions, int) or max_positions < 1:
         raise Failure(f"factory {spec}: max_positions={max_positions!r} must be an int >= 1")
     return module, tuple(args), positions, max_positions
+
+
+def _defined_at(fn, spec: str) -> str:
+    """``name() at FILE:LINE`` for a factory function, else ``spec`` (a callable without source)."""
+    code = getattr(fn, "__code__", None)
+    return f"{fn.__name__}() at {code.co_filename}:{code.co_firstlineno}" if code else spec
 
 
 def _describe(x) -> str:

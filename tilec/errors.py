@@ -20,9 +20,15 @@ class UnsupportedNodeError(TilecError):
         super().__init__(head + "\n" + "\n".join(lines))
 
 
-class ExampleInputError(TilecError):
-    """The module fails when run eagerly on its own example arguments (wrong shapes or dtypes):
-    the message names the argument shapes and the user's source line that raised."""
+class InputError(TilecError):
+    """The inputs of a compile call do not fit the module: its example arguments, ``positions``
+    or ``max_positions``. The message names the argument and the shapes or values involved."""
+
+
+class ExampleInputError(InputError):
+    """The module fails when run eagerly on its own example arguments (wrong count, shapes or
+    dtypes): the message names the argument shapes and the user's source line that raised, or
+    the signature of the ``forward`` they do not fit."""
 
 
 class VerificationError(TilecError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .errors import UnsupportedNodeError
+from .errors import InputError, UnsupportedNodeError
 from .ir import DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides
 from .ops.ewise import BINARY_FNS
 from .ops.rope import INTERLEAVED, ROTATE_HALF
@@ -236,6 +236,12 @@ class Lowering:
 
     def _prov(self, node: fx.Node) -> Provenance:
         return Provenance(node.name, target_name(node), source_of(node))
+
+    def _argument(self, name: str) -> str:
+        """How the user knows placeholder ``name``: ``argument 2 (state_0)``, or ``buffer b_cache``."""
+        if name in self.b.user_inputs:
+            return f"argument {self.b.user_inputs.index(name)} ({name})"
+        return f"buffer {name}"
 
     def _unsupported(self, node: fx.Node, reason: str = ""):
         raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason)
@@ -708,6 +714,22 @@ class Lowering:
                 self._unsupported(node, f"cache write index at position {p} is {val.table[p].tolist()}, "
                                         f"expected positions p..p+{sq - 1}")
 
+    def _check_cache_length(self, cache: View, dim: int, sq: int) -> None:
+        """Raises :class:`InputError` when the steps at ``p < max_positions``, each writing rows
+        ``p..p+sq-1`` of ``cache`` along ``dim``, run past its end: max_positions is larger than
+        the cache, or the example arguments carry more tokens than a step should."""
+        length, last = cache.shape[dim], self.max_positions + sq - 2
+        if last < length:
+            return
+        buf = self.buffers[cache.buffer]
+        what = (f"the KV cache length {length} of {self._argument(buf.name)} "
+                f"{str(buf.dtype).removeprefix('torch.')}{list(buf.shape)} (dim {dim})")
+        if sq == 1:
+            raise InputError(f"max_positions {self.max_positions} exceeds {what}: use max_positions <= {length}")
+        raise InputError(f"max_positions {self.max_positions} with {sq} tokens per step writes cache rows up to "
+                         f"{last}, past {what}: check the example arguments' token count, or use "
+                         f"max_positions <= {length - sq + 1}")
+
     def _index_write(self, node: fx.Node):
         t = node.target
         dst_node = node.args[0]
@@ -726,6 +748,7 @@ class Lowering:
         src = self.view_of(src_n)
         sq = src.shape[dim]
         self._check_slot_index(node, idx, sq)
+        self._check_cache_length(dst, dim, sq)
         shape = list(dst.shape)
         shape[dim] = sq
         slot = View(dst.buffer, tuple(shape), dst.strides, dst.offset, dst.strides[dim])
@@ -971,6 +994,26 @@ class Lowering:
                            (permute(whole, out, batch + fa + fb),), attrs, self._prov(node)))
         return whole
 
+    def _check_positions_listed(self, idx_n: fx.Node, cache: View) -> None:
+        """Raises :class:`InputError` when the index of a write into ``cache`` is computed from
+        integer arguments that ``positions`` does not list (the write is then taken for a slot
+        write at a per-call index, which its layout rules out): positions names the wrong
+        arguments, or none."""
+        seen, stack = set(), [idx_n]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack += n.all_input_nodes
+        names = {n.name for n in seen if n.op == "placeholder" and _val(n) is not None
+                 and not _val(n).dtype.is_floating_point}
+        unlisted = [self._argument(a) for a in self.b.user_inputs if a in names and a not in self.b.positions]
+        if unlisted:
+            listed = sorted(self.b.user_inputs.index(a) for a in self.b.positions)
+            raise InputError(f"positions {listed} does not list {', '.join(unlisted)}, from which the cache write "
+                             f"into {self._argument(cache.buffer)} takes its index: positions must list every "
+                             f"argument holding the decode position (an integer tensor)")
+
     def _paged_cache_write(self, node: fx.Node):
         """``cache.view(-1, D)[slot_mapping] = src`` (``index_put`` / ``index_copy`` along dim 0 at a
         per-call slot tensor) -> ``paged_cache_write``, in place into the caller's cache."""
@@ -997,6 +1040,7 @@ class Lowering:
         rows = _val(node.args[0]).shape[0]
         if dim % _val(node.args[0]).dim() != 0 or len(feat) > 1 or len(idx.shape) != 1 or src.shape[0] != idx.shape[0] \
                 or rows != _val(base).numel() // max(1, math.prod(feat)) or len(dst.shape) - len(feat) > 3:
+            self._check_positions_listed(idx_n, dst)
             self._unsupported(node, f"slot write of {list(src.shape)} at {list(idx.shape)} slots into "
                                     f"{list(_val(node.args[0]).shape)}: expected src [T, D] (or [T]) and slots [T] "
                                     f"along dim 0")
@@ -1110,6 +1154,8 @@ def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 
 
     Raises:
         UnsupportedNodeError: naming the FX node, its target and source line.
+        InputError: a KV-cache write runs past the cache for some p < max_positions, or its
+            index comes from an integer argument that ``binding.positions`` leaves out.
     """
     low = _lower(gm, binding, max_positions)
     outputs = low.outputs
