@@ -114,6 +114,15 @@ def wrong_positions():
 def too_many_args():
     return torch.nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4))
 
+class PerTokenWrite(torch.nn.Module):
+    def forward(self, k, pos, cache):
+        cache.index_copy_(2, pos, k)
+        return k * 2
+
+def per_token_positions():
+    args = (torch.randn(1, 2, 3, 8), torch.tensor([4, 5, 6]), torch.zeros(1, 2, 16, 8))
+    return PerTokenWrite(), args, dict(positions=[1], max_positions=8)
+
 not_callable = 42
 '''
 
@@ -490,7 +499,7 @@ BAD_COMPILES = [
     ("no_such_module_xyz:make", [], 2, "cannot import factory module 'no_such_module_xyz': no module named"),
     ("missing/dir/model.py:make", [], 2, "no such file"),
     ("examples/factories.py", [], 2, "expected MODULE:FACTORY"),
-    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_too_short, cache_write, linear, raises"),
+    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_too_short, cache_write, linear, per_token_positions, raises"),
     ("{facts}:not_callable", [], 2, "not_callable is not a callable factory (it is of type int)"),
     ("{facts}:returns_none", [], 2, "returned None; expected (module, example_args) or (module, example_args, dict("),
     ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),
@@ -514,6 +523,10 @@ BAD_COMPILES = [
                                        "holding the decode position (an integer tensor)"),
     ("{facts}:too_many_args", [], 2, "the 2 example argument(s) [(2, 4) torch.float32, (2, 4) torch.float32] do not "
                                      "fit Linear.forward(input) ("),
+    ("{facts}:per_token_positions", [], 2, "positions: argument 1 (int64[3]) holds [4, 5, 6], not one value: tilec plans "
+                                           "every element of a position argument as the step's position p, so pass the "
+                                           "position alone (e.g. [p]) and compute per-token positions p, p + 1, ... "
+                                           "inside the module"),
 ]
 
 

@@ -7,7 +7,7 @@ import torch
 
 from .capture import export_graph
 from .dump import with_dump
-from .errors import UnsupportedNodeError
+from .errors import InputError, UnsupportedNodeError
 from .frontend import find_unsupported, lower_graph
 from .options import Options
 from .pipeline import Hook, compile_opgraph
@@ -53,15 +53,23 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
 
 
 def check_positions(args: tuple, positions, max_positions: int) -> None:
-    """Raises ``ValueError`` unless every index in ``positions`` names an integer tensor argument
-    and ``max_positions >= 1``."""
+    """Raises :class:`InputError` (a ``ValueError``) unless ``max_positions >= 1`` and every index
+    in ``positions`` names an integer tensor argument whose elements all hold one value: tilec plans
+    each element of a position argument as the step's position p (``tilec.frontend``), so a tensor
+    of per-token positions ``[p, p + 1, ...]`` would silently become ``[p, p, ...]``."""
     if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 1:
-        raise ValueError(f"max_positions={max_positions!r}: must be an int >= 1")
+        raise InputError(f"max_positions={max_positions!r}: must be an int >= 1")
     for i in positions:
         if not isinstance(i, int) or not 0 <= i < len(args):
-            raise ValueError(f"positions: {i!r} is not an argument index (the module takes {len(args)} arguments)")
+            raise InputError(f"positions: {i!r} is not an argument index (the module takes {len(args)} arguments)")
         a = args[i]
         if not isinstance(a, torch.Tensor) or a.dtype.is_floating_point or a.dtype.is_complex or a.dtype == torch.bool:
             got = f"{a.dtype} tensor" if isinstance(a, torch.Tensor) else type(a).__name__
-            raise ValueError(f"positions: argument {i} must be an integer tensor holding the decode position, "
+            raise InputError(f"positions: argument {i} must be an integer tensor holding the decode position, "
                              f"got a {got}")
+        if a.numel() > 1 and bool((a != a.reshape(-1)[0]).any()):
+            shown = a.reshape(-1)[:8].tolist()
+            raise InputError(f"positions: argument {i} ({str(a.dtype).removeprefix('torch.')}{list(a.shape)}) holds "
+                             f"{shown}{' ...' if a.numel() > 8 else ''}, not one value: tilec plans every element "
+                             f"of a position argument as the step's position p, so pass the position alone (e.g. "
+                             f"[p]) and compute per-token positions p, p + 1, ... inside the module")

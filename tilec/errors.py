@@ -20,9 +20,10 @@ class UnsupportedNodeError(TilecError):
         super().__init__(head + "\n" + "\n".join(lines))
 
 
-class InputError(TilecError):
+class InputError(TilecError, ValueError):
     """The inputs of a compile call do not fit the module: its example arguments, ``positions``
-    or ``max_positions``. The message names the argument and the shapes or values involved."""
+    or ``max_positions``. The message names the argument and the shapes or values involved. Also a
+    ``ValueError``, which :func:`tilec.api.compile_module` raised for such inputs before."""
 
 
 class ExampleInputError(InputError):
