@@ -111,6 +111,28 @@ def three_tokens_fit():
 def wrong_positions():
     return cache_write(positions=[0])
 
+def cache_one_too_long():
+    return cache_write(max_positions=17)
+
+def three_tokens_one_too_long():
+    return cache_write(tokens=3, max_positions=15)
+
+class Decorated(torch.nn.Module):
+    @torch.no_grad()
+    def forward(self, x):
+        return x * 2
+
+def decorated_too_many_args():
+    return Decorated(), (torch.randn(2, 4), torch.randn(2, 4))
+
+class Scatter(torch.nn.Module):
+    def forward(self, k, slots, cache):
+        cache.index_copy_(2, slots, k)
+        return k * 2
+
+def scatter_slots():  # a per-call scatter into two slots: unsupported, and not a positions mistake
+    return Scatter(), (torch.randn(1, 2, 2, 8), torch.tensor([3, 9]), torch.zeros(1, 2, 16, 8))
+
 def too_many_args():
     return torch.nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4))
 
@@ -499,7 +521,7 @@ BAD_COMPILES = [
     ("no_such_module_xyz:make", [], 2, "cannot import factory module 'no_such_module_xyz': no module named"),
     ("missing/dir/model.py:make", [], 2, "no such file"),
     ("examples/factories.py", [], 2, "expected MODULE:FACTORY"),
-    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_too_short, cache_write, linear, per_token_positions, raises"),
+    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_one_too_long, cache_too_short, cache_write, decorated_too_many_args, linear"),
     ("{facts}:not_callable", [], 2, "not_callable is not a callable factory (it is of type int)"),
     ("{facts}:returns_none", [], 2, "returned None; expected (module, example_args) or (module, example_args, dict("),
     ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),
@@ -518,9 +540,14 @@ BAD_COMPILES = [
     ("{facts}:three_tokens", [], 2, "max_positions 16 with 3 tokens per step writes cache rows up to 17, past the KV "
                                     "cache length 16 of argument 2 (cache) float32[1, 2, 16, 8] (dim 2): check the "
                                     "example arguments' token count, or use max_positions <= 14"),
-    ("{facts}:wrong_positions", [], 2, "positions [0] does not list argument 1 (pos), from which the cache write into "
-                                       "argument 2 (cache) takes its index: positions must list every argument "
-                                       "holding the decode position (an integer tensor)"),
+    ("{facts}:wrong_positions", [], 2, "the cache write into argument 2 (cache) takes its index from argument 1 (pos), "
+                                       "which positions [0] does not list: if it holds the decode position, list it in "
+                                       "positions (tilec cannot lower a write at an index that is not a position)"),
+    ("{facts}:cache_one_too_long", [], 2, "max_positions 17 exceeds the KV cache length 16 of argument 2 (cache) "
+                                          "float32[1, 2, 16, 8] (dim 2): use max_positions <= 16"),
+    ("{facts}:three_tokens_one_too_long", [], 2, "max_positions 15 with 3 tokens per step writes cache rows up to "
+                                                 "16, past the KV cache length 16"),
+    ("{facts}:scatter_slots", [], 3, "compile failed: tilec cannot lower"),
     ("{facts}:too_many_args", [], 2, "the 2 example argument(s) [(2, 4) torch.float32, (2, 4) torch.float32] do not "
                                      "fit Linear.forward(input) ("),
     ("{facts}:per_token_positions", [], 2, "positions: argument 1 (int64[3]) holds [4, 5, 6], not one value: tilec plans "
@@ -551,6 +578,15 @@ def test_bad_input_names_the_factory_and_its_line(facts, tmp_path, name):
     assert r.exit_code == 2, r.output
     assert r.stderr.startswith(f"tilec: error: bad input from {name}() at {facts}:{line}: "), r.stderr
     assert "cache_write_index_copy" not in r.stderr and "tilec/capture.py" not in r.stderr
+
+
+def test_a_decorated_forward_is_named_at_its_own_line(facts, tmp_path):
+    """A forward under a decorator (``@torch.no_grad()``) is located at its own definition, not
+    at the decorator's wrapper inside torch."""
+    r = invoke("compile", f"{facts}:decorated_too_many_args", "-o", tmp_path / "art", "--no-build")
+    line = FACTORIES.splitlines().index("    @torch.no_grad()") + 1  # a decorated def starts at its decorator
+    assert r.exit_code == 2, r.output
+    assert f"do not fit Decorated.forward(x) ({facts}:{line}): too many positional arguments" in r.stderr, r.stderr
 
 
 def test_a_cache_write_that_fits_compiles(facts, tmp_path):

@@ -201,8 +201,10 @@ def _has_symbolic_shapes(example_inputs) -> bool:
 
 
 def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
-    """The Dynamo backend entry point. Raises ``ValueError`` for unknown options and
-    :class:`UnsupportedNodeError` (listing every unsupported node) when ``fallback=False``."""
+    """The Dynamo backend entry point. Raises ``ValueError`` for unknown options,
+    :class:`UnsupportedNodeError` (listing every unsupported node) when ``fallback=False``, and
+    :class:`tilec.errors.InputError` when a graph's cache writes do not fit its inputs (e.g. a
+    step of several tokens with the default ``max_positions``, the cache length)."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     opts = BackendOptions.from_dict({**(options or {}), **kwargs})

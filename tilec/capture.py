@@ -141,7 +141,7 @@ def _check_signature(module: torch.nn.Module, args, shapes: str, cause: Exceptio
     except TypeError as e:
         params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
         plain = sig.replace(parameters=params, return_annotation=inspect.Signature.empty)
-        code = getattr(module.forward, "__code__", None)
+        code = getattr(inspect.unwrap(module.forward), "__code__", None)  # a decorated forward: its own code
         where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
         raise ExampleInputError(f"the {len(args)} example argument(s) [{shapes}] do not fit "
                                 f"{type(module).__name__}.forward{plain}{where}: {e}") from cause

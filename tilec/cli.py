@@ -304,7 +304,7 @@ def call_factory(fn, spec: str):
 
 def _defined_at(fn, spec: str) -> str:
     """``name() at FILE:LINE`` for a factory function, else ``spec`` (a callable without source)."""
-    code = getattr(fn, "__code__", None)
+    code = getattr(pyinspect.unwrap(fn), "__code__", None)
     return f"{fn.__name__}() at {code.co_filename}:{code.co_firstlineno}" if code else spec
 
 

@@ -724,6 +724,8 @@ class Lowering:
         buf = self.buffers[cache.buffer]
         what = (f"the KV cache length {length} of {self._argument(buf.name)} "
                 f"{str(buf.dtype).removeprefix('torch.')}{list(buf.shape)} (dim {dim})")
+        if sq > length:
+            raise InputError(f"a step writes {sq} rows, more than {what}: check the example arguments' token count")
         if sq == 1:
             raise InputError(f"max_positions {self.max_positions} exceeds {what}: use max_positions <= {length}")
         raise InputError(f"max_positions {self.max_positions} with {sq} tokens per step writes cache rows up to "
@@ -995,24 +997,27 @@ class Lowering:
         return whole
 
     def _check_positions_listed(self, idx_n: fx.Node, cache: View) -> None:
-        """Raises :class:`InputError` when the index of a write into ``cache`` is computed from
-        integer arguments that ``positions`` does not list (the write is then taken for a slot
-        write at a per-call index, which its layout rules out): positions names the wrong
-        arguments, or none."""
+        """Raises :class:`InputError` when the index of a write into ``cache`` that tilec cannot
+        lower as a slot write is computed from one-element integer arguments that ``positions``
+        does not list: such an argument is most likely the decode position, which positions names
+        wrongly or not at all. Returns otherwise (a per-call index of several slots, say), and the
+        caller reports the node as unsupported."""
         seen, stack = set(), [idx_n]
         while stack:
             n = stack.pop()
             if n not in seen:
                 seen.add(n)
                 stack += n.all_input_nodes
-        names = {n.name for n in seen if n.op == "placeholder" and _val(n) is not None
-                 and not _val(n).dtype.is_floating_point}
+        names = {n.name for n in seen if n.op == "placeholder" and isinstance(_val(n), torch.Tensor)
+                 and _val(n).numel() == 1 and not _val(n).dtype.is_floating_point
+                 and not _val(n).dtype.is_complex and _val(n).dtype != torch.bool}
         unlisted = [self._argument(a) for a in self.b.user_inputs if a in names and a not in self.b.positions]
         if unlisted:
             listed = sorted(self.b.user_inputs.index(a) for a in self.b.positions)
-            raise InputError(f"positions {listed} does not list {', '.join(unlisted)}, from which the cache write "
-                             f"into {self._argument(cache.buffer)} takes its index: positions must list every "
-                             f"argument holding the decode position (an integer tensor)")
+            raise InputError(f"the cache write into {self._argument(cache.buffer)} takes its index from "
+                             f"{', '.join(unlisted)}, which positions {listed} does not list: if it holds the decode "
+                             f"position, list it in positions (tilec cannot lower a write at an index that is not "
+                             f"a position)")
 
     def _paged_cache_write(self, node: fx.Node):
         """``cache.view(-1, D)[slot_mapping] = src`` (``index_put`` / ``index_copy`` along dim 0 at a
@@ -1138,7 +1143,8 @@ def find_unsupported(gm: fx.GraphModule, binding: GraphBinding, max_positions: i
     """Every node the lowering cannot handle: ``(node, target, source line, reason)``.
 
     Runs the lowering in probe mode, where an unsupported node is recorded and replaced by
-    an input of its shape, so one pass finds them all (not just the first).
+    an input of its shape, so one pass finds them all (not just the first). Raises
+    :class:`InputError` as :func:`lower_graph` does (the inputs do not fit the module).
     """
     return _lower(gm, binding, max_positions, probe=True).unsupported
 
