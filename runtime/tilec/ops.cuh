@@ -655,8 +655,9 @@ __device__ __noinline__ void gemv_bf16_stream(const TileCtx& c, const __nv_bfloa
 // The ring's fields are copied into registers once per tile: read through c.ring, every item
 // loaded several of them from the shared WeightRing with dependent generic loads before its wait
 // and its release. Measured on an H200 (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1,
-// context 1024, one process, logits bitwise equal): 1.162 against 1.173 ms a step; the LM-head
-// tiles 126.1 against 128.8 us, gate / up 20.4 against 20.8.
+// context 1024, one process, logits bitwise equal; TILEC_LAB_RREG of benchmarks/lab/patches/
+// s29-labs.patch): 1.162 against 1.173 ms a step; the LM-head tiles 126.1 against 128.8 us,
+// gate / up 20.4 against 20.8. Llama-3.1-8B: unchanged (5.213 ms).
 template <int kR, typename TB, typename TO, bool kBias, typename TXS>
 __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTile& t, const TXS* xs, int nr,
                                                const GemvStore<TO>& store) {
