@@ -111,6 +111,33 @@ def three_tokens_fit():
 def wrong_positions():
     return cache_write(positions=[0])
 
+def positions_not_a_list():
+    m, args, extra = cache_write()
+    return m, args, dict(extra, positions=1)
+
+def positions_twice():
+    return cache_write(positions=[1, 1])
+
+def positions_bool():
+    return cache_write(positions=[True])
+
+def positions_float_arg():
+    return cache_write(positions=[2])
+
+def max_positions_bool():
+    return cache_write(max_positions=True)
+
+def position_past_max():
+    return cache_write(max_positions=2)
+
+def positions_disagree():
+    m, args, extra = cache_write()
+    return m, (*args, torch.tensor(5)), dict(extra, positions=[1, 3])
+
+def exits():
+    import sys
+    sys.exit(0)
+
 def cache_one_too_long():
     return cache_write(max_positions=17)
 
@@ -521,7 +548,7 @@ BAD_COMPILES = [
     ("no_such_module_xyz:make", [], 2, "cannot import factory module 'no_such_module_xyz': no module named"),
     ("missing/dir/model.py:make", [], 2, "no such file"),
     ("examples/factories.py", [], 2, "expected MODULE:FACTORY"),
-    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_one_too_long, cache_too_short, cache_write, decorated_too_many_args, linear"),
+    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_one_too_long, cache_too_short, cache_write, decorated_too_many_args, exits, linear"),
     ("{facts}:not_callable", [], 2, "not_callable is not a callable factory (it is of type int)"),
     ("{facts}:returns_none", [], 2, "returned None; expected (module, example_args) or (module, example_args, dict("),
     ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),
@@ -529,7 +556,18 @@ BAD_COMPILES = [
     ("{facts}:returns_bare_tensor", [], 2, "returned a Tensor float32[2, 4] as example_args; expected (module, "),
     ("{facts}:returns_bad_arg", [], 2, "example argument 1 is a object; arguments must be tensors or plain numbers"),
     ("{facts}:returns_bad_extra", [], 2, "unknown key(s) ['position'] in its third element"),
-    ("{facts}:returns_bad_position", [], 2, "positions entry 3 must index an int64 tensor argument"),
+    ("{facts}:returns_bad_position", [], 2, "positions entry 3 is not an argument index (0..0)"),
+    ("{facts}:positions_not_a_list", [], 2, "positions=1 must be a list of argument indices"),
+    ("{facts}:positions_twice", [], 2, "positions [1, 1] lists an argument twice"),
+    ("{facts}:positions_bool", [], 2, "positions entry True is not an argument index (0..2)"),
+    ("{facts}:positions_float_arg", [], 2, "positions entry 2 must index an int64 or int32 tensor argument; argument "
+                                           "2 is a Tensor float32[1, 2, 16, 8]"),
+    ("{facts}:max_positions_bool", [], 2, "max_positions=True must be an int >= 1"),
+    ("{facts}:position_past_max", [], 2, "argument 1 (a positions entry) holds position 4, outside the planned range "
+                                         "[0, 2) of max_positions=2"),
+    ("{facts}:positions_disagree", [], 2, "the position arguments disagree (argument 1 holds 4, argument 3 holds 5): "
+                                          "each must hold the example's decode position"),
+    ("{facts}:exits", [], 2, "raised SystemExit: 0"),
     ("{facts}:raises", [], 2, "raised RuntimeError: boom in the factory"),
     ("{facts}:linear", ["-O", "bogus=1"], 2, "unknown tilec option(s) ['bogus']; valid options: ['workers'"),
     ("{facts}:linear", ["-O", "workers=0"], 2, "workers=0: must be in 1..1024"),

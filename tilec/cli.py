@@ -266,39 +266,58 @@ def load_factory(spec: str, cwd: str | None = None):
 
 
 def call_factory(fn, spec: str):
-    """Calls the factory and checks what it returns: ``(module, args, positions, max_positions)``."""
+    """Calls the factory and checks what it returns: ``(module, args, positions, max_positions)``.
+    Raises :class:`Failure` (exit 2) naming the factory's file and line for anything else, and for a
+    factory that raises or calls ``sys.exit``."""
+    at = _defined_at(fn, spec)
     try:
         res = fn()
-    except Exception as e:
-        raise Failure(f"factory {spec} raised {type(e).__name__}: {e}") from e
+    except (Exception, SystemExit) as e:  # SystemExit: a factory's sys.exit() must not end tilec as a success
+        raise Failure(f"factory {at} raised {type(e).__name__}: {e}") from e
     if not isinstance(res, (tuple, list)) or len(res) not in (2, 3):
-        raise Failure(f"factory {spec} returned {_describe(res)}; {EXPECTED_RETURN}")
+        raise Failure(f"factory {at} returned {_describe(res)}; {EXPECTED_RETURN}")
     module, args = res[0], res[1]
     extra = res[2] if len(res) == 3 else {}
     if not isinstance(module, torch.nn.Module):
-        raise Failure(f"factory {spec} returned {_describe(module)} as the module; {EXPECTED_RETURN}")
+        raise Failure(f"factory {at} returned {_describe(module)} as the module; {EXPECTED_RETURN}")
     if not isinstance(args, (tuple, list)):
-        raise Failure(f"factory {spec} returned {_describe(args)} as example_args; {EXPECTED_RETURN}"
+        raise Failure(f"factory {at} returned {_describe(args)} as example_args; {EXPECTED_RETURN}"
                       + (" (wrap a single tensor as (x,))" if isinstance(args, torch.Tensor) else ""))
     for i, a in enumerate(args):
         if not (isinstance(a, torch.Tensor) or a is None or isinstance(a, (bool, int, float, str))):
-            raise Failure(f"factory {spec}: example argument {i} is {_describe(a)}; arguments must be tensors "
+            raise Failure(f"factory {at}: example argument {i} is {_describe(a)}; arguments must be tensors "
                           f"or plain numbers")
     if not isinstance(extra, dict):
-        raise Failure(f"factory {spec} returned {_describe(extra)} as its third element; {EXPECTED_RETURN}")
+        raise Failure(f"factory {at} returned {_describe(extra)} as its third element; {EXPECTED_RETURN}")
     unknown = sorted(set(extra) - {"positions", "max_positions"})
     if unknown:
-        raise Failure(f"factory {spec}: unknown key(s) {unknown} in its third element; valid keys: "
+        raise Failure(f"factory {at}: unknown key(s) {unknown} in its third element; valid keys: "
                       f"['max_positions', 'positions']")
-    positions = list(extra.get("positions", ()))
+    positions = extra.get("positions", ())
+    if not isinstance(positions, (list, tuple)):
+        raise Failure(f"factory {at}: positions={positions!r} must be a list of argument indices")
+    positions = list(positions)
     for p in positions:
-        if not isinstance(p, int) or not 0 <= p < len(args) or not isinstance(args[p], torch.Tensor) \
-                or args[p].dtype not in (torch.int64, torch.int32):
-            raise Failure(f"factory {spec}: positions entry {p!r} must index an int64 tensor argument "
-                          f"(0..{len(args) - 1})")
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(args):
+            raise Failure(f"factory {at}: positions entry {p!r} is not an argument index (0..{len(args) - 1})")
+        if not isinstance(args[p], torch.Tensor) or args[p].dtype not in (torch.int64, torch.int32):
+            raise Failure(f"factory {at}: positions entry {p} must index an int64 or int32 tensor argument; "
+                          f"argument {p} is {_describe(args[p])}")
+    if len(set(positions)) != len(positions):
+        raise Failure(f"factory {at}: positions {positions} lists an argument twice")
     max_positions = extra.get("max_positions", 1)
-    if not isinstance(max_positions, int) or max_positions < 1:
-        raise Failure(f"factory {spec}: max_positions={max_positions!r} must be an int >= 1")
+    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
+        raise Failure(f"factory {at}: max_positions={max_positions!r} must be an int >= 1")
+    # the artifact keeps the example arguments as its run input (`tilec run --check`): their
+    # position must be one the program plans for, the same in every position argument
+    held = {p: args[p].reshape(-1)[0].item() for p in positions if args[p].numel() > 0}
+    for p, v in held.items():
+        if not 0 <= v < max_positions:
+            raise Failure(f"factory {at}: argument {p} (a positions entry) holds position {v}, outside the planned "
+                          f"range [0, {max_positions}) of max_positions={max_positions}")
+    if len(set(held.values())) > 1:
+        raise Failure(f"factory {at}: the position arguments disagree ({', '.join(f'argument {p} holds {v}' for p, v in held.items())}): "
+                      f"each must hold the example's decode position")
     return module, tuple(args), positions, max_positions
 
 
