@@ -138,6 +138,13 @@ def exits():
     import sys
     sys.exit(0)
 
+def position_past_default_max():
+    m, args, extra = cache_write()
+    return m, args, dict(positions=[1])
+
+def huge_max_positions():  # refused before anything is tabulated per position
+    return cache_write(max_positions=10**12)
+
 def cache_one_too_long():
     return cache_write(max_positions=17)
 
@@ -548,7 +555,7 @@ BAD_COMPILES = [
     ("no_such_module_xyz:make", [], 2, "cannot import factory module 'no_such_module_xyz': no module named"),
     ("missing/dir/model.py:make", [], 2, "no such file"),
     ("examples/factories.py", [], 2, "expected MODULE:FACTORY"),
-    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_one_too_long, cache_too_short, cache_write, decorated_too_many_args, exits, linear"),
+    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_one_too_long, cache_too_short, cache_write, decorated_too_many_args, exits, huge_max_positions, linear"),
     ("{facts}:not_callable", [], 2, "not_callable is not a callable factory (it is of type int)"),
     ("{facts}:returns_none", [], 2, "returned None; expected (module, example_args) or (module, example_args, dict("),
     ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),
@@ -568,6 +575,10 @@ BAD_COMPILES = [
     ("{facts}:positions_disagree", [], 2, "the position arguments disagree (argument 1 holds 4, argument 3 holds 5): "
                                           "each must hold the example's decode position"),
     ("{facts}:exits", [], 2, "raised SystemExit: 0"),
+    ("{facts}:position_past_default_max", [], 2, "holds position 4, outside the planned range [0, 1) of "
+                                                 "max_positions=1 (the default: give max_positions in the factory's "
+                                                 "third element)"),
+    ("{facts}:huge_max_positions", [], 2, "max_positions 1000000000000 exceeds the KV cache length 16"),
     ("{facts}:raises", [], 2, "raised RuntimeError: boom in the factory"),
     ("{facts}:linear", ["-O", "bogus=1"], 2, "unknown tilec option(s) ['bogus']; valid options: ['workers'"),
     ("{facts}:linear", ["-O", "workers=0"], 2, "workers=0: must be in 1..1024"),

@@ -173,8 +173,8 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
             raise Failure(f"bad input from {_defined_at(fn, factory)}: {e}") from e
         except TilecError as e:
             raise Failure(f"compile failed: {e}", EXIT_COMPILE) from e
-        except Exception as e:  # torch.export and friends
-            raise Failure(f"compile failed: {type(e).__name__}: {e}", EXIT_COMPILE) from e
+        except (Exception, SystemExit) as e:  # torch.export and friends; a sys.exit() in the module's forward
+            raise Failure(f"compile failed: {_raised(e)}", EXIT_COMPILE) from e
     with progress.step(f"writing {output}" + ("" if no_build else " (nvcc when present)")):
         try:
             path = art_mod.save(output, program, snapshot, factory=info, positions=positions,
@@ -238,8 +238,8 @@ def load_factory(spec: str, cwd: str | None = None):
             sys.path.insert(0, str(file.parent))
         try:
             spec_obj.loader.exec_module(module)
-        except Exception as e:
-            raise Failure(f"importing factory module {file} failed: {type(e).__name__}: {e}") from e
+        except (Exception, SystemExit) as e:  # a module-level sys.exit() must not end tilec as a success
+            raise Failure(f"importing factory module {file} failed: {_raised(e)}") from e
         info = {"spec": spec, "module": None, "file": str(file), "name": name, "cwd": cwd}
     else:
         if cwd not in sys.path:
@@ -251,8 +251,8 @@ def load_factory(spec: str, cwd: str | None = None):
                 raise Failure(f"cannot import factory module {mod_part!r}: no module named {e.name!r} (searched "
                               f"{cwd} and sys.path; a path to a .py file works too)") from e
             raise Failure(f"importing factory module {mod_part} failed: {e}") from e
-        except Exception as e:
-            raise Failure(f"importing factory module {mod_part} failed: {type(e).__name__}: {e}") from e
+        except (Exception, SystemExit) as e:
+            raise Failure(f"importing factory module {mod_part} failed: {_raised(e)}") from e
         info = {"spec": spec, "module": mod_part, "file": None, "name": name, "cwd": cwd}
     fn = getattr(module, name, None)
     if fn is None:
@@ -273,7 +273,7 @@ def call_factory(fn, spec: str):
     try:
         res = fn()
     except (Exception, SystemExit) as e:  # SystemExit: a factory's sys.exit() must not end tilec as a success
-        raise Failure(f"factory {at} raised {type(e).__name__}: {e}") from e
+        raise Failure(f"factory {at} raised {_raised(e)}") from e
     if not isinstance(res, (tuple, list)) or len(res) not in (2, 3):
         raise Failure(f"factory {at} returned {_describe(res)}; {EXPECTED_RETURN}")
     module, args = res[0], res[1]
@@ -299,7 +299,8 @@ def call_factory(fn, spec: str):
     positions = list(positions)
     for p in positions:
         if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(args):
-            raise Failure(f"factory {at}: positions entry {p!r} is not an argument index (0..{len(args) - 1})")
+            raise Failure(f"factory {at}: positions entry {p!r} is not an argument index "
+                          + (f"(0..{len(args) - 1})" if args else "(the example arguments are empty)"))
         if not isinstance(args[p], torch.Tensor) or args[p].dtype not in (torch.int64, torch.int32):
             raise Failure(f"factory {at}: positions entry {p} must index an int64 or int32 tensor argument; "
                           f"argument {p} is {_describe(args[p])}")
@@ -314,11 +315,18 @@ def call_factory(fn, spec: str):
     for p, v in held.items():
         if not 0 <= v < max_positions:
             raise Failure(f"factory {at}: argument {p} (a positions entry) holds position {v}, outside the planned "
-                          f"range [0, {max_positions}) of max_positions={max_positions}")
+                          f"range [0, {max_positions}) of max_positions={max_positions}"
+                          + ("" if "max_positions" in extra else " (the default: give max_positions in the factory's "
+                                                                   "third element)"))
     if len(set(held.values())) > 1:
         raise Failure(f"factory {at}: the position arguments disagree ({', '.join(f'argument {p} holds {v}' for p, v in held.items())}): "
                       f"each must hold the example's decode position")
     return module, tuple(args), positions, max_positions
+
+
+def _raised(e: BaseException) -> str:
+    """``Type: message`` of an exception from the user's code (``Type (no message)`` without one)."""
+    return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (no message)"
 
 
 def _defined_at(fn, spec: str) -> str:

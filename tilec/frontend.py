@@ -732,6 +732,17 @@ class Lowering:
                          f"{last}, past {what}: check the example arguments' token count, or use "
                          f"max_positions <= {length - sq + 1}")
 
+    def check_cache_writes(self) -> None:
+        """Runs :meth:`_check_cache_length` on every ``index_copy`` into a graph input before any
+        value is tabulated per position, so a ``max_positions`` far past the cache fails at once
+        rather than after ``max_positions`` evaluations."""
+        for n in self.gm.graph.nodes:
+            if n.op == "call_function" and n.target in (aten.index_copy.default, aten.index_copy_.default) \
+                    and n.args[0].op == "placeholder" and _val(n.args[3]) is not None:
+                dst = self.view_of(n.args[0])
+                dim = n.args[1] % len(dst.shape)
+                self._check_cache_length(dst, dim, _val(n.args[3]).shape[dim])
+
     def _index_write(self, node: fx.Node):
         t = node.target
         dst_node = node.args[0]
@@ -749,8 +760,8 @@ class Lowering:
         dim = dim % len(dst.shape)
         src = self.view_of(src_n)
         sq = src.shape[dim]
-        self._check_slot_index(node, idx, sq)
         self._check_cache_length(dst, dim, sq)
+        self._check_slot_index(node, idx, sq)
         shape = list(dst.shape)
         shape[dim] = sq
         slot = View(dst.buffer, tuple(shape), dst.strides, dst.offset, dst.strides[dim])
@@ -1267,6 +1278,7 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
     old = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old, 20000))
     try:
+        low.check_cache_writes()
         outputs = []
         for i, r in enumerate(results):
             if i < binding.mutation_outputs:
