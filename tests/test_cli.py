@@ -138,6 +138,12 @@ def exits():
     import sys
     sys.exit(0)
 
+class OwnBaseException(BaseException):
+    pass
+
+def raises_base_exception():
+    raise OwnBaseException("not an Exception")
+
 def position_past_default_max():
     m, args, extra = cache_write()
     return m, args, dict(positions=[1])
@@ -561,7 +567,7 @@ BAD_COMPILES = [
     ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),
     ("{facts}:returns_not_a_module", [], 2, "returned a str as the module"),
     ("{facts}:returns_bare_tensor", [], 2, "returned a Tensor float32[2, 4] as example_args; expected (module, "),
-    ("{facts}:returns_bad_arg", [], 2, "example argument 1 is a object; arguments must be tensors or plain numbers"),
+    ("{facts}:returns_bad_arg", [], 2, "example argument 1 is an object; arguments must be tensors or plain numbers"),
     ("{facts}:returns_bad_extra", [], 2, "unknown key(s) ['position'] in its third element"),
     ("{facts}:returns_bad_position", [], 2, "positions entry 3 is not an argument index (0..0)"),
     ("{facts}:positions_not_a_list", [], 2, "positions=1 must be a list of argument indices"),
@@ -575,12 +581,14 @@ BAD_COMPILES = [
     ("{facts}:positions_disagree", [], 2, "the position arguments disagree (argument 1 holds 4, argument 3 holds 5): "
                                           "each must hold the example's decode position"),
     ("{facts}:exits", [], 2, "raised SystemExit: 0"),
+    ("{facts}:raises_base_exception", [], 2, "raised OwnBaseException: not an Exception"),
     ("{facts}:position_past_default_max", [], 2, "holds position 4, outside the planned range [0, 1) of "
                                                  "max_positions=1 (the default: give max_positions in the factory's "
                                                  "third element)"),
     ("{facts}:huge_max_positions", [], 2, "max_positions 1000000000000 exceeds the KV cache length 16"),
     ("{facts}:raises", [], 2, "raised RuntimeError: boom in the factory"),
     ("{facts}:linear", ["-O", "bogus=1"], 2, "unknown tilec option(s) ['bogus']; valid options: ['workers'"),
+    ("{facts}:linear", ["-O", "Workers=8"], 2, "unknown tilec option(s) ['Workers']; did you mean 'workers' for 'Workers'?"),
     ("{facts}:linear", ["-O", "workers=0"], 2, "workers=0: must be in 1..1024"),
     ("{facts}:linear", ["-O", "workers"], 2, "--option 'workers': expected KEY=VALUE"),
     ("{facts}:unsupported", [], 3, "compile failed: tilec cannot lower"),

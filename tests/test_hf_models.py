@@ -150,3 +150,21 @@ def test_uninitialized_cache_is_rejected():
 def test_rel_l2_helper_rejects_zero_reference():
     with pytest.raises(AssertionError, match="zeros"):
         rel_l2(torch.zeros(3), torch.zeros(3))
+
+
+@pytest.mark.parametrize("extra", [-1, 1])
+def test_static_cache_step_checks_its_state_count(extra):
+    """One state tensor too few or too many is an InputError naming both counts (it was an
+    IndexError inside tilec/hf.py, or silently ignored)."""
+    from tilec.errors import InputError
+    from tilec.hf import StaticCacheStep
+
+    model, cache, vocab = build("llama", 1)
+    mod = StaticCacheStep(model, cache)
+    state = mod.state()
+    want = len(state)
+    state = state[:-1] if extra < 0 else state + [state[0]]
+    ids = torch.randint(0, vocab, (1, 1))
+    with pytest.raises(InputError, match=f"takes {want} state tensors .*; got {want + extra}$"):
+        mod(ids, torch.tensor([PREFILL]), *state)
+    assert mod(ids, torch.tensor([PREFILL]), *mod.state()).shape == (1, 1, vocab)

@@ -173,7 +173,9 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
             raise Failure(f"bad input from {_defined_at(fn, factory)}: {e}") from e
         except TilecError as e:
             raise Failure(f"compile failed: {e}", EXIT_COMPILE) from e
-        except (Exception, SystemExit) as e:  # torch.export and friends; a sys.exit() in the module's forward
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
             raise Failure(f"compile failed: {_raised(e)}", EXIT_COMPILE) from e
     with progress.step(f"writing {output}" + ("" if no_build else " (nvcc when present)")):
         try:
@@ -238,7 +240,9 @@ def load_factory(spec: str, cwd: str | None = None):
             sys.path.insert(0, str(file.parent))
         try:
             spec_obj.loader.exec_module(module)
-        except (Exception, SystemExit) as e:  # a module-level sys.exit() must not end tilec as a success
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
             raise Failure(f"importing factory module {file} failed: {_raised(e)}") from e
         info = {"spec": spec, "module": None, "file": str(file), "name": name, "cwd": cwd}
     else:
@@ -251,7 +255,9 @@ def load_factory(spec: str, cwd: str | None = None):
                 raise Failure(f"cannot import factory module {mod_part!r}: no module named {e.name!r} (searched "
                               f"{cwd} and sys.path; a path to a .py file works too)") from e
             raise Failure(f"importing factory module {mod_part} failed: {e}") from e
-        except (Exception, SystemExit) as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
             raise Failure(f"importing factory module {mod_part} failed: {_raised(e)}") from e
         info = {"spec": spec, "module": mod_part, "file": None, "name": name, "cwd": cwd}
     fn = getattr(module, name, None)
@@ -272,7 +278,9 @@ def call_factory(fn, spec: str):
     at = _defined_at(fn, spec)
     try:
         res = fn()
-    except (Exception, SystemExit) as e:  # SystemExit: a factory's sys.exit() must not end tilec as a success
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
         raise Failure(f"factory {at} raised {_raised(e)}") from e
     if not isinstance(res, (tuple, list)) or len(res) not in (2, 3):
         raise Failure(f"factory {at} returned {_describe(res)}; {EXPECTED_RETURN}")
@@ -339,8 +347,13 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"a Tensor {str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
     if isinstance(x, (tuple, list)):
-        return f"a {type(x).__name__} of {len(x)} element(s)"
-    return "None" if x is None else f"a {type(x).__name__}"
+        return f"{_article(type(x).__name__)} of {len(x)} element(s)"
+    return "None" if x is None else _article(type(x).__name__)
+
+
+def _article(noun: str) -> str:
+    """``a list``, ``an int``."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _param_sources(module: torch.nn.Module, program) -> dict[str, str]:

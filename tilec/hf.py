@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from .api import compile_module
-from .errors import TilecError
+from .errors import InputError, TilecError
 from .options import Options
 
 
@@ -44,6 +44,13 @@ class StaticCacheStep(torch.nn.Module):
         return out
 
     def forward(self, input_ids, cache_position, *state):
+        """Raises InputError when ``state`` does not hold one tensor per cache tensor (``state()``)."""
+        want = 2 * len(self.has_counter) + sum(self.has_counter)
+        if len(state) != want:
+            raise InputError(f"StaticCacheStep takes {want} state tensors after input_ids and cache_position "
+                             f"(keys and values of {len(self.has_counter)} cache layers"
+                             + (", each with its cumulative_length" if any(self.has_counter) else "")
+                             + f", as StaticCacheStep.state() lists them); got {len(state)}")
         i = 0
         saved = []
         for layer, counter in zip(_layers(self.cache), self.has_counter):

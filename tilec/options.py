@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -150,14 +151,18 @@ class Options:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "Options":
-        """Build from a user dict; an unknown key raises ``ValueError`` listing the valid keys."""
+        """Build from a user dict; an unknown key raises ``ValueError`` listing the valid keys (and the
+        nearest valid key where one is close, e.g. ``Workers`` -> ``workers``)."""
         if d is not None and not isinstance(d, dict) and not hasattr(d, "keys"):
             raise ValueError(f"tilec options must be a dict such as {{'workers': 8}}, not {type(d).__name__} {d!r}")
         d = dict(d or {})
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(valid))
         if unknown:
-            raise ValueError(f"unknown tilec option(s) {unknown}; valid options: {valid}")
+            near = {u: m[0] for u in unknown if isinstance(u, str)
+                    for m in [difflib.get_close_matches(u.lower(), valid, n=1, cutoff=0.6)] if m}
+            hint = "".join(f"; did you mean {m!r} for {u!r}?" for u, m in near.items())
+            raise ValueError(f"unknown tilec option(s) {unknown}{hint}; valid options: {valid}")
         return cls(**d)
 
     def digest(self) -> str:
