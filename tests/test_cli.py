@@ -138,6 +138,14 @@ def exits():
     import sys
     sys.exit(0)
 
+def meta_weights():
+    with torch.device("meta"):
+        m = torch.nn.Linear(8, 4)
+    return m, (torch.randn(1, 8),)
+
+def meta_input():
+    return torch.nn.Linear(8, 4), (torch.randn(1, 8, device="meta"),)
+
 class OwnBaseException(BaseException):
     pass
 
@@ -582,6 +590,8 @@ BAD_COMPILES = [
                                           "each must hold the example's decode position"),
     ("{facts}:exits", [], 2, "raised SystemExit: 0"),
     ("{facts}:raises_base_exception", [], 2, "raised OwnBaseException: not an Exception"),
+    ("{facts}:meta_weights", [], 2, "weight, bias are meta-device tensors (no data): tilec needs real weights"),
+    ("{facts}:meta_input", [], 2, "example argument 0 is a meta-device tensor (no data)"),
     ("{facts}:position_past_default_max", [], 2, "holds position 4, outside the planned range [0, 1) of "
                                                  "max_positions=1 (the default: give max_positions in the factory's "
                                                  "third element)"),

@@ -295,6 +295,13 @@ def call_factory(fn, spec: str):
         if not (isinstance(a, torch.Tensor) or a is None or isinstance(a, (bool, int, float, str))):
             raise Failure(f"factory {at}: example argument {i} is {_describe(a)}; arguments must be tensors "
                           f"or plain numbers")
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    meta += [f"example argument {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_meta]
+    if meta:
+        raise Failure(f"factory {at}: {', '.join(meta[:3])}{' and more' if len(meta) > 3 else ''} "
+                      f"{'is a' if len(meta) == 1 else 'are'} meta-device tensor{'' if len(meta) == 1 else 's'} "
+                      f"(no data): tilec needs real weights and inputs (load or initialize them, e.g. "
+                      f"module.to_empty(device=...) and then the weights)")
     if not isinstance(extra, dict):
         raise Failure(f"factory {at} returned {_describe(extra)} as its third element; {EXPECTED_RETURN}")
     unknown = sorted(set(extra) - {"positions", "max_positions"})
