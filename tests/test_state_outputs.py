@@ -93,3 +93,25 @@ def test_a_tuple_of_one_stays_a_tuple():
     x = torch.randn(4, 8)
     got = compile_module(OneTuple(), (x,), options=dict(executor="reference"))(x)
     assert isinstance(got, tuple) and len(got) == 1 and torch.equal(got[0], x * 2)
+
+
+class IndexPutStep(torch.nn.Module):
+    """cache[:, :, pos] = k: torch.export makes it an index_put whose value lost its leading unit
+    (batch) dim; tilec once read the slot count from the wrong dim (8 rows, not 1)."""
+
+    def forward(self, k, pos, cache):
+        cache[:, :, pos] = k
+        return cache * 2
+
+
+def test_index_put_cache_write_with_broadcast_value():
+    k, cache = torch.randn(1, H, 1, D), torch.randn(1, H, S, D)
+    m = IndexPutStep()
+    prog = compile_module(m, (k, torch.tensor([0]), cache.clone()), positions=[1], max_positions=S,
+                          options=dict(workers=3, executor="reference"))
+    for p in (0, S - 1):
+        mine, ref = cache.clone(), cache.clone()
+        want = m(k, torch.tensor([p]), ref)
+        got = prog(k, torch.tensor([p]), mine)
+        assert torch.equal(mine, ref)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -759,6 +759,14 @@ class Lowering:
             dim, idx = dims[0], indices[dims[0]]
         dim = dim % len(dst.shape)
         src = self.view_of(src_n)
+        pad = len(dst.shape) - len(src.shape)
+        if pad > 0:  # index_put's value broadcasts from the right: torch.export drops its leading unit dims
+            src = View(src.buffer, (1,) * pad + src.shape, (0,) * pad + src.strides, src.offset, src.pos_stride)
+        if len(src.shape) != len(dst.shape) or any(a != b for i, (a, b) in enumerate(zip(src.shape, dst.shape))
+                                                   if i != dim):
+            self._unsupported(node, f"cache write of a value of shape {list(_val(src_n).shape)} into "
+                                    f"{list(dst.shape)} at dim {dim}: the value must have the cache's shape "
+                                    f"outside dim {dim} (no broadcasting)")
         sq = src.shape[dim]
         self._check_cache_length(dst, dim, sq)
         self._check_slot_index(node, idx, sq)
