@@ -181,6 +181,14 @@ class Scatter(torch.nn.Module):
 def scatter_slots():  # a per-call scatter into two slots: unsupported, and not a positions mistake
     return Scatter(), (torch.randn(1, 2, 2, 8), torch.tensor([3, 9]), torch.zeros(1, 2, 16, 8))
 
+class FixedSlotWrite(torch.nn.Module):
+    def forward(self, k, cache):
+        cache[:, :, 3] = k[:, :, 0]
+        return k * 2
+
+def fixed_slot_write():  # a write at a fixed index: unsupported, with the forms tilec plans
+    return FixedSlotWrite(), (torch.randn(1, 2, 1, 8), torch.zeros(1, 2, 16, 8))
+
 def too_many_args():
     return torch.nn.Linear(4, 4), (torch.randn(2, 4), torch.randn(2, 4))
 
@@ -615,6 +623,8 @@ BAD_COMPILES = [
     ("{facts}:three_tokens_one_too_long", [], 2, "max_positions 15 with 3 tokens per step writes cache rows up to "
                                                  "16, past the KV cache length 16"),
     ("{facts}:scatter_slots", [], 3, "compile failed: tilec cannot lower"),
+    ("{facts}:fixed_slot_write", [], 3, "not a KV-cache write (tilec plans writes at the decode position: "
+                                        "cache.index_copy_(dim, pos, new) or cache[..., pos, ...] = new"),
     ("{facts}:too_many_args", [], 2, "the 2 example argument(s) [(2, 4) torch.float32, (2, 4) torch.float32] do not "
                                      "fit Linear.forward(input) ("),
     ("{facts}:per_token_positions", [], 2, "positions: argument 1 (int64[3]) holds [4, 5, 6], not one value: tilec plans "

@@ -1296,7 +1296,9 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
                     continue
                 v = low.value(r)
                 if not (isinstance(v, View) and v.buffer == target and target in low.state_writes):
-                    low._unsupported(r, f"in-place update of input {target} that is not a KV-cache write")
+                    low._unsupported(r, f"in-place update of input {target} that is not a KV-cache write (tilec "
+                                        f"plans writes at the decode position: {target}.index_copy_(dim, pos, new) "
+                                        f"or {target}[..., pos, ...] = new with pos a position argument)")
                 continue
             v = low.value(r)
             outputs.append(low.as_view(v, r) if not isinstance(v, View) else v)
