@@ -77,6 +77,22 @@ def test_unsupported_op_names_node_target_and_source_line(module, node, target, 
     assert isinstance(err, TilecError)
 
 
+class FixedWriteAndCumsum(torch.nn.Module):
+    """Two unsupported nodes, one of them an in-place write into an input that is not a planned cache
+    write: the report lists both (the write's error once masked the other)."""
+
+    def forward(self, k, cache):
+        cache[:, :, 3] = k[:, :, 0]
+        return torch.cumsum(k, dim=-1)
+
+
+def test_unsupported_in_place_write_is_listed_with_the_others():
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(FixedWriteAndCumsum(), (torch.randn(1, 2, 1, 8), torch.randn(1, 2, 16, 8)))
+    names = [n for n, _, _ in info.value.nodes]
+    assert "cumsum" in names and "select_scatter" in names and len(names) == len(set(names)), info.value.nodes
+
+
 class SoftmaxDim0(torch.nn.Module):
     def forward(self, x):
         return torch.softmax(x, dim=0)  # MARK-softmax0

@@ -1165,7 +1165,10 @@ def find_unsupported(gm: fx.GraphModule, binding: GraphBinding, max_positions: i
     an input of its shape, so one pass finds them all (not just the first). Raises
     :class:`InputError` as :func:`lower_graph` does (the inputs do not fit the module).
     """
-    return _lower(gm, binding, max_positions, probe=True).unsupported
+    first = {}
+    for n in _lower(gm, binding, max_positions, probe=True).unsupported:
+        first.setdefault(n[0], n)  # once per node, with its first report
+    return list(first.values())
 
 
 def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 1) -> OpGraph:
@@ -1291,14 +1294,19 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
         for i, r in enumerate(results):
             if i < binding.mutation_outputs:
                 target = binding.mutations[r.name]
-                if target in binding.positions:
-                    low.position_update(r, target, r)
-                    continue
-                v = low.value(r)
-                if not (isinstance(v, View) and v.buffer == target and target in low.state_writes):
-                    low._unsupported(r, f"in-place update of input {target} that is not a KV-cache write (tilec "
-                                        f"plans writes at the decode position: {target}.index_copy_(dim, pos, new) "
-                                        f"or {target}[..., pos, ...] = new with pos a position argument)")
+                try:
+                    if target in binding.positions:
+                        low.position_update(r, target, r)
+                        continue
+                    v = low.value(r)
+                    if not (isinstance(v, View) and v.buffer == target and target in low.state_writes):
+                        low._unsupported(r, f"in-place update of input {target} that is not a KV-cache write "
+                                            f"(tilec plans writes at the decode position: {target}.index_copy_(dim, "
+                                            f"pos, new) or {target}[..., pos, ...] = new with pos a position argument)")
+                except UnsupportedNodeError as e:
+                    if not probe:
+                        raise
+                    low.unsupported.append(e.nodes[0] + (e.reason,))  # probe mode: keep going, as value() does
                 continue
             v = low.value(r)
             outputs.append(low.as_view(v, r) if not isinstance(v, View) else v)
