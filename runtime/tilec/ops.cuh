@@ -554,6 +554,27 @@ __device__ __forceinline__ float dot8_bf16(const uint4& w, const __nv_bfloat16* 
          __uint_as_float(a.w & 0xffff0000u) * __uint_as_float(w.w & 0xffff0000u);
 }
 
+// ---- tensor-core helpers: mma.sync m16n8k16 (bf16 in, float32 accumulate) ----
+__device__ __forceinline__ void mma_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+// Two m16n8k16 products over 32 consecutive k: lane (g = lane / 4, q = lane % 4) brings 8
+// consecutive k of A rows g and g + 8 (alo, ahi) and of B column g (b), and the k order inside
+// each product is permuted the same way for A and B (slot 2q + j <-> k 8q + j, slot 2q + 8 + j
+// <-> k 8q + 2 + j), so each operand is one 16-byte load per lane instead of four.
+__device__ __forceinline__ void mma_k32(float* acc, const uint4& alo, const uint4& ahi, const uint4& b) {
+  const unsigned a1[4] = {alo.x, ahi.x, alo.y, ahi.y}, a2[4] = {alo.z, ahi.z, alo.w, ahi.w};
+  mma_16816(acc, a1, b.x, b.y);
+  mma_16816(acc, a2, b.z, b.w);
+}
+
 // The output side of a GEMV tile: the fused epilogue - a residual add, or SiLU of the rounded
 // value (tilec/ops/linear_fused.py epilogues 1, 2) - then store.
 // ooff/roff: per-row element offsets of out/resid; on/rn: their column strides.
@@ -671,6 +692,17 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
   float acc[kR];
 #pragma unroll
   for (int m = 0; m < kR; ++m) acc[m] = 0.f;
+  // 2..8 bf16 x rows on tensor cores (kDiag, below). H200, Llama-3.2-1B context 1024, one process
+  // (benchmarks/lab/variants_ab.py): batch 4 2.872 against 3.391 ms a step on CUDA cores. One row
+  // stays on CUDA cores: on tensor cores a batch-1 step took 1.172 against 1.112 ms (the LM-head
+  // tiles 130.4 against 119.8 us) and a Llama-3.1-8B one 5.039 against 4.824.
+  constexpr bool kDiag = kR > 1 && std::is_same<TXS, __nv_bfloat16>::value;
+  constexpr int kPairs = (kR + 1) / 2;  // kDiag: x rows 2p (A rows 0..7) and 2p + 1 (A rows 8..15) share an mma
+  float dA[kPairs][4], dB[kPairs][4];   // two accumulator chains per row pair
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dA[p][e] = dB[p][e] = 0.f;
   int g = 0, kb = 0;  // item i = (column group g, K block kb), kb fastest
 #pragma unroll 1
   for (int i = 0; i < items; ++i) {
@@ -690,7 +722,8 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
       // Llama-3.2-1B batch-4 step put 83 % of its stall samples in this instance, on branch
       // resolution, short-scoreboard waits and a local-memory reload). H200, same process
       // (benchmarks/lab/variants_ab.py --batch 4): 3.584 against 5.002 ms a step, gate / up tiles
-      // ~79 against ~124 us, logits bitwise equal. kR = 1 tiles keep the one loop.
+      // ~79 against ~124 us, logits bitwise equal. kR = 1 tiles keep the one loop. (bf16 rows of
+      // kR > 1 tiles now take the tensor cores, kDiag; float32 rows still this loop.)
       auto dots = [&](auto full) {  // full: every row of the instance in use (a compile-time bool)
 #pragma unroll 2
         for (int v = lane; v < len / 8; v += 32) {
@@ -700,15 +733,52 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
             if (decltype(full)::value || m < nr) acc[m] += dot8_bf16(wv, xs + m * kl + kk + v * 8);
         }
       };
-      if (kR > 1 && nr == kR) dots(std::true_type{});
-      else dots(std::false_type{});
+      if constexpr (kDiag) {
+        // x rows on tensor cores, the warp's own weight row split into 8 chunks: lane (g, q)
+        // loads the same 16 bytes (k 8 lane..) of each 256-k segment as the loop below, and
+        // m16n8k16 multiplies x chunk g of row 2p (A row g) and of row 2p + 1 (A row g + 8) by
+        // weight chunk n (B column n); the diagonals D[g][g] and D[g + 8][g] hold chunk g's dot
+        // products (see mma_k32's k permutation).
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll 2
+        for (int v0 = 0; v0 < len / 8; v0 += 32) {
+          const bool in = v0 + lane < len / 8;
+          const uint4 wv = in ? row[v0 + lane] : zero;
+#pragma unroll
+          for (int p = 0; p < kPairs; ++p) {
+            const uint4 lo = in && 2 * p < nr ? reinterpret_cast<const uint4*>(xs + 2 * p * kl + kk)[v0 + lane] : zero;
+            const uint4 hi = in && 2 * p + 1 < nr ? reinterpret_cast<const uint4*>(xs + (2 * p + 1) * kl + kk)[v0 + lane] : zero;
+            const unsigned a1[4] = {lo.x, hi.x, lo.y, hi.y}, a2[4] = {lo.z, hi.z, lo.w, hi.w};
+            mma_16816(dA[p], a1, wv.x, wv.y);
+            mma_16816(dB[p], a2, wv.z, wv.w);
+          }
+        }
+      } else if (kR > 1 && nr == kR) {
+        dots(std::true_type{});
+      } else {
+        dots(std::false_type{});
+      }
     }
     mbar_arrive(r.empty + s);  // every thread releases its own reads (PTX: arrive releases the caller's)
     if (++s == r.nstages) s = 0, ph ^= 1u;
     if (kb == kblocks - 1) {
 #pragma unroll
       for (int m = 0; m < kR; ++m)
-        if (m < nr) acc[m] = warp_sum(acc[m]);
+        if (!kDiag && m < nr) acc[m] = warp_sum(acc[m]);
+      if constexpr (kDiag) {
+        // lane (g, q) holds D[g][2q], D[g][2q + 1] (row 2p) and D[g + 8][2q], D[g + 8][2q + 1] (row
+        // 2p + 1): the diagonal where g / 2 == q
+        const int gg = lane >> 2;
+        const bool diag = (gg >> 1) == (lane & 3), odd = gg & 1;
+#pragma unroll
+        for (int p = 0; p < kPairs; ++p) {
+          if (2 * p < nr) acc[2 * p] = warp_sum(diag ? (odd ? dA[p][1] + dB[p][1] : dA[p][0] + dB[p][0]) : 0.f);
+          if (2 * p + 1 < kR && 2 * p + 1 < nr)
+            acc[2 * p + 1] = warp_sum(diag ? (odd ? dA[p][3] + dB[p][3] : dA[p][2] + dB[p][2]) : 0.f);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dA[p][e] = dB[p][e] = 0.f;
+        }
+      }
       if (lane == 0 && n < t.n1) {
         float b = 0.f;
         if (kBias && store.variant == 0) b = to_f<TB>(base<TB>(operands()[2])[(long long)n * operands()[2].strides[0]]);
@@ -726,27 +796,7 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
   if (threadIdx.x == 0) *r.next = first + items;
 }
 
-// ---- tensor-core GEMV for 9..64 rows: mma.sync m16n8k16 (bf16 in, float32 accumulate) ----
-__device__ __forceinline__ void mma_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
-// Two m16n8k16 products over 32 consecutive k: lane (g = lane / 4, q = lane % 4) brings 8
-// consecutive k of A rows g and g + 8 (alo, ahi) and of B column g (b), and the k order inside
-// each product is permuted the same way for A and B (slot 2q + j <-> k 8q + j, slot 2q + 8 + j
-// <-> k 8q + 2 + j), so each operand is one 16-byte load per lane instead of four.
-__device__ __forceinline__ void mma_k32(float* acc, const uint4& alo, const uint4& ahi, const uint4& b) {
-  const unsigned a1[4] = {alo.x, ahi.x, alo.y, ahi.y}, a2[4] = {alo.z, ahi.z, alo.w, ahi.w};
-  mma_16816(acc, a1, b.x, b.y);
-  mma_16816(acc, a2, b.z, b.w);
-}
-
+// ---- tensor-core GEMV for 9..64 rows ----
 // Rows [0, nr <= 16) x columns [n0, n1) of bf16 W [N, K] (unit K stride, 16-byte aligned rows,
 // (k1 - k0) % 32 == 0) with tensor cores: warp w owns column groups of 8, streaming its 8 rows of
 // W with kU 16-byte loads per lane in flight. A comes from the staged float rows xs [nr][kl]
