@@ -42,7 +42,7 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     except UnsupportedNodeError as first:
         every = find_unsupported(gm, binding, max_positions)  # report all of them, not just the first
         if len(every) > 1:
-            raise UnsupportedNodeError([n[:3] for n in every]) from first
+            raise UnsupportedNodeError(every) from first
         raise
     compiled = compile_opgraph(graph, opts, with_dump(hook, opts), opgraph_seconds=time.perf_counter() - t0)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")

@@ -243,7 +243,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             outs, single = _outputs(aot_gm)
             return _runner(program, user_idx, len(outs), False)
         if not opts.fallback:
-            raise UnsupportedNodeError([b[:3] for b in bad], "fallback is off (options={'fallback': False})")
+            raise UnsupportedNodeError(bad, "fallback is off (options={'fallback': False})")
         for name, target, src, reason in bad:
             log.warning("running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "",
                         f": {reason}" if reason else "")

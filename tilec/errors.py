@@ -9,13 +9,15 @@ class TilecError(Exception):
 class UnsupportedNodeError(TilecError):
     """One or more FX nodes cannot be lowered to tilec ops.
 
-    ``nodes`` holds ``(node name, target, source line)`` for each.
+    ``nodes`` holds ``(node name, target, source line)`` for each; an entry given with a fourth
+    element (that node's own reason) prints it after the node's line.
     """
 
-    def __init__(self, nodes: list[tuple[str, str, str]], reason: str = ""):
-        self.nodes = nodes
+    def __init__(self, nodes: list[tuple[str, ...]], reason: str = ""):
+        self.nodes = [tuple(n[:3]) for n in nodes]
         self.reason = reason
-        lines = [f"  {name} ({target})" + (f" at {src}" if src else "") for name, target, src in nodes]
+        lines = [f"  {n[0]} ({n[1]})" + (f" at {n[2]}" if n[2] else "") + (f"\n    why: {n[3]}" if n[3:4] and n[3] else "")
+                 for n in nodes]
         head = f"tilec cannot lower {len(nodes)} FX node(s)" + (f": {reason}" if reason else "")
         super().__init__(head + "\n" + "\n".join(lines))
 

@@ -1167,7 +1167,8 @@ def find_unsupported(gm: fx.GraphModule, binding: GraphBinding, max_positions: i
     """
     first = {}
     for n in _lower(gm, binding, max_positions, probe=True).unsupported:
-        first.setdefault(n[0], n)  # once per node, with its first report
+        if n[0] not in first or not first[n[0]][3]:  # once per node: its first report that gives a reason
+            first[n[0]] = n
     return list(first.values())
 
 
