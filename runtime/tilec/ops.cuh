@@ -692,10 +692,11 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
   float acc[kR];
 #pragma unroll
   for (int m = 0; m < kR; ++m) acc[m] = 0.f;
-  // 2..8 bf16 x rows on tensor cores (kDiag, below). H200, Llama-3.2-1B context 1024, one process
-  // (benchmarks/lab/variants_ab.py): batch 4 2.872 against 3.391 ms a step on CUDA cores. One row
+  // 2..4 bf16 x rows on tensor cores (kDiag, below; 5..8 rows go to gemv_bf16_ring_mma, so the
+  // kR = 8 instance's bf16 path is not reached). H200, Llama-3.2-1B context 1024, one process
+  // (benchmarks/lab/variants_ab.py): batch 4 2.891 against 3.399 ms a step on CUDA cores. One row
   // stays on CUDA cores: on tensor cores a batch-1 step took 1.172 against 1.112 ms (the LM-head
-  // tiles 130.4 against 119.8 us) and a Llama-3.1-8B one 5.039 against 4.824.
+  // tiles 130.4 against 119.8 us; TILEC_LAB_MMA1_DIAG of benchmarks/lab/patches/s30-labs.patch).
   constexpr bool kDiag = kR > 1 && std::is_same<TXS, __nv_bfloat16>::value;
   constexpr int kPairs = (kR + 1) / 2;  // kDiag: x rows 2p (A rows 0..7) and 2p + 1 (A rows 8..15) share an mma
   float dA[kPairs][4], dB[kPairs][4];   // two accumulator chains per row pair
@@ -735,7 +736,7 @@ __device__ __forceinline__ void gemv_bf16_ring(const TileCtx& c, const StreamTil
       };
       if constexpr (kDiag) {
         // x rows on tensor cores, the warp's own weight row split into 8 chunks: lane (g, q)
-        // loads the same 16 bytes (k 8 lane..) of each 256-k segment as the loop below, and
+        // loads the same 16 bytes (k 8 lane..) of each 256-k segment as the CUDA-core loop (dots), and
         // m16n8k16 multiplies x chunk g of row 2p (A row g) and of row 2p + 1 (A row g + 8) by
         // weight chunk n (B column n); the diagonals D[g][g] and D[g + 8][g] hold chunk g's dot
         // products (see mma_k32's k permutation).
