@@ -598,7 +598,7 @@ BAD_COMPILES = [
                                           "each must hold the example's decode position"),
     ("{facts}:exits", [], 2, "raised SystemExit: 0"),
     ("{facts}:raises_base_exception", [], 2, "raised OwnBaseException: not an Exception"),
-    ("{facts}:meta_weights", [], 2, "weight, bias are meta-device tensors (no data): tilec needs real weights"),
+    ("{facts}:meta_weights", [], 2, "weight and bias are meta-device tensors (no data): tilec needs real weights"),
     ("{facts}:meta_input", [], 2, "example argument 0 is a meta-device tensor (no data)"),
     ("{facts}:position_past_default_max", [], 2, "holds position 4, outside the planned range [0, 1) of "
                                                  "max_positions=1 (the default: give max_positions in the factory's "
@@ -606,7 +606,7 @@ BAD_COMPILES = [
     ("{facts}:huge_max_positions", [], 2, "max_positions 1000000000000 exceeds the KV cache length 16"),
     ("{facts}:raises", [], 2, "raised RuntimeError: boom in the factory"),
     ("{facts}:linear", ["-O", "bogus=1"], 2, "unknown tilec option(s) ['bogus']; valid options: ['workers'"),
-    ("{facts}:linear", ["-O", "Workers=8"], 2, "unknown tilec option(s) ['Workers']; did you mean 'workers' for 'Workers'?"),
+    ("{facts}:linear", ["-O", "Workers=8"], 2, "unknown tilec option(s) ['Workers'] (did you mean 'workers' for 'Workers'?); valid options"),
     ("{facts}:linear", ["-O", "workers=0"], 2, "workers=0: must be in 1..1024"),
     ("{facts}:linear", ["-O", "workers"], 2, "--option 'workers': expected KEY=VALUE"),
     ("{facts}:unsupported", [], 3, "compile failed: tilec cannot lower"),

@@ -202,7 +202,7 @@ def test_unknown_option_through_the_hf_entry_point():
     with torch.no_grad():
         model(torch.zeros(1, 2, dtype=torch.int64), **cache_kwargs(model, cache), cache_position=torch.arange(2),
               use_cache=True)
-    with pytest.raises(ValueError, match=r"unknown tilec option\(s\) \['schedular'\]; did you mean 'scheduler' for 'schedular'\?; valid options: \["):
+    with pytest.raises(ValueError, match=r"unknown tilec option\(s\) \['schedular'\] \(did you mean 'scheduler' for 'schedular'\?\); valid options: \["):
         compile_decode_step(model, cache, options=dict(schedular="list"))
 
 

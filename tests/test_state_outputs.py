@@ -115,3 +115,17 @@ def test_index_put_cache_write_with_broadcast_value():
         got = prog(k, torch.tensor([p]), mine)
         assert torch.equal(mine, ref)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class BroadcastWrite(torch.nn.Module):
+    def forward(self, k, pos, cache):
+        cache[:, :, pos] = k  # k [1, 1, 1, D] broadcasts over the heads
+        return cache * 2
+
+
+def test_broadcasting_cache_write_is_reported():
+    from tilec.errors import UnsupportedNodeError
+
+    with pytest.raises(UnsupportedNodeError, match=r"the value must have the cache's shape outside dim 2"):
+        compile_module(BroadcastWrite(), (torch.randn(1, 1, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
+                       positions=[1], max_positions=S, options=dict(executor="reference"))

@@ -298,7 +298,9 @@ def call_factory(fn, spec: str):
     meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     meta += [f"example argument {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_meta]
     if meta:
-        raise Failure(f"factory {at}: {', '.join(meta[:3])}{' and more' if len(meta) > 3 else ''} "
+        named = meta[0] if len(meta) == 1 else f"{', '.join(meta[:-1])} and {meta[-1]}" if len(meta) <= 3 else \
+            f"{', '.join(meta[:3])} and {len(meta) - 3} more"
+        raise Failure(f"factory {at}: {named} "
                       f"{'is a' if len(meta) == 1 else 'are'} meta-device tensor{'' if len(meta) == 1 else 's'} "
                       f"(no data): tilec needs real weights and inputs (load or initialize them, e.g. "
                       f"module.to_empty(device=...) and then the weights)")

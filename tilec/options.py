@@ -161,7 +161,7 @@ class Options:
         if unknown:
             near = {u: m[0] for u in unknown if isinstance(u, str)
                     for m in [difflib.get_close_matches(u.lower(), valid, n=1, cutoff=0.6)] if m}
-            hint = "".join(f"; did you mean {m!r} for {u!r}?" for u, m in near.items())
+            hint = f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in near.items())}?)" if near else ""
             raise ValueError(f"unknown tilec option(s) {unknown}{hint}; valid options: {valid}")
         return cls(**d)
 
