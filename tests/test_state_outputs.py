@@ -129,3 +129,34 @@ def test_broadcasting_cache_write_is_reported():
     with pytest.raises(UnsupportedNodeError, match=r"the value must have the cache's shape outside dim 2"):
         compile_module(BroadcastWrite(), (torch.randn(1, 1, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
                        positions=[1], max_positions=S, options=dict(executor="reference"))
+
+
+def test_cache_write_of_another_dtype_is_reported():
+    """Eager refuses an index_put whose value's dtype differs from the cache's; tilec once cast it silently."""
+    from tilec.errors import UnsupportedNodeError
+
+    class CastWrite(torch.nn.Module):
+        def forward(self, k, pos, cache):
+            cache[:, :, pos] = k.to(torch.bfloat16)
+            return cache * 2
+
+    with pytest.raises(UnsupportedNodeError, match=r"cache write of a bfloat16 value into a float32 cache"):
+        compile_module(CastWrite(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
+                       positions=[1], max_positions=S, options=dict(executor="reference"))
+
+
+def test_index_put_write_at_an_unlisted_position_gets_the_positions_hint():
+    from tilec.errors import InputError
+
+    with pytest.raises(InputError, match=r"takes its index from argument 1 \(pos\), which positions \[\] does not list"):
+        compile_module(IndexPutStep(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
+                       positions=[], max_positions=S, options=dict(executor="reference"))
+
+
+def test_meta_tensors_are_input_errors():
+    from tilec.errors import InputError
+
+    with torch.device("meta"):
+        lin = torch.nn.Linear(8, 8)
+    with pytest.raises(InputError, match=r"^weight, bias, argument 0: meta-device tensor\(s\) with no data"):
+        compile_module(lin, (torch.randn(1, 8, device="meta"),))

@@ -29,11 +29,17 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
 
     Raises:
         UnsupportedNodeError: the graph has ops tilec cannot lower (names node and source line).
-        InputError: ``args``, ``positions`` or ``max_positions`` do not fit the module (naming the
-            argument and the shapes or values); :class:`ExampleInputError` when it fails on ``args``.
+        InputError: meta-device weights or arguments; ``args``, ``positions`` or ``max_positions``
+            do not fit the module (naming the argument and the shapes or values);
+            :class:`ExampleInputError` when it fails on ``args``.
         VerificationError: a stage broke an invariant (a tilec bug: please report it).
     """
     opts = options if isinstance(options, Options) else Options.from_dict(options)
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    meta += [f"argument {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_meta]
+    if meta:
+        raise InputError(f"{', '.join(meta[:3])}{f' and {len(meta) - 3} more' if len(meta) > 3 else ''}: "
+                         f"meta-device tensor(s) with no data; tilec needs real weights and inputs")
     check_positions(args, positions, max_positions)
     t0 = time.perf_counter()
     gm, binding = export_graph(module, args, set(positions))

@@ -705,9 +705,11 @@ class Lowering:
             if not torch.equal(allowed.expand(bsz, hq, sq, s), want.expand(bsz, hq, sq, s)):
                 self._unsupported(node, f"attention mask at position {p} is not the causal mask over the static cache")
 
-    def _check_slot_index(self, node, idx_node, sq):
+    def _check_slot_index(self, node, idx_node, sq, cache: View):
         val = self.value(idx_node)
         if not isinstance(val, Positional):
+            if isinstance(idx_node, fx.Node):
+                self._check_positions_listed(idx_node, cache)
             self._unsupported(node, "cache write at an index that is not the decode position")
         for p in range(self.max_positions):
             if not torch.equal(val.table[p].flatten(), torch.arange(sq) + p):
@@ -758,6 +760,10 @@ class Lowering:
                 self._unsupported(node, "index_put with more than one index tensor or accumulate=True")
             dim, idx = dims[0], indices[dims[0]]
         dim = dim % len(dst.shape)
+        if _val(src_n).dtype != _val(dst_node).dtype:  # eager raises ("source and destination dtypes match")
+            self._unsupported(node, f"cache write of a {str(_val(src_n).dtype).removeprefix('torch.')} value into "
+                                    f"a {str(_val(dst_node).dtype).removeprefix('torch.')} cache: eager PyTorch "
+                                    f"requires the same dtype (cast the value to the cache's dtype)")
         src = self.view_of(src_n)
         pad = len(dst.shape) - len(src.shape)
         if pad > 0:  # index_put's value broadcasts from the right: torch.export drops its leading unit dims
@@ -769,7 +775,7 @@ class Lowering:
                                     f"outside dim {dim} (no broadcasting)")
         sq = src.shape[dim]
         self._check_cache_length(dst, dim, sq)
-        self._check_slot_index(node, idx, sq)
+        self._check_slot_index(node, idx, sq, dst)
         shape = list(dst.shape)
         shape[dim] = sq
         slot = View(dst.buffer, tuple(shape), dst.strides, dst.offset, dst.strides[dim])
