@@ -168,3 +168,34 @@ def test_static_cache_step_checks_its_state_count(extra):
     with pytest.raises(InputError, match=f"takes {want} state tensors .*; got {want + extra}$"):
         mod(ids, torch.tensor([PREFILL]), *state)
     assert mod(ids, torch.tensor([PREFILL]), *mod.state()).shape == (1, 1, vocab)
+
+
+
+def test_static_cache_step_needs_a_prefilled_static_cache():
+    from tilec.errors import InputError
+    from tilec.hf import StaticCacheStep
+
+    cfg = llama_config()
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with pytest.raises(InputError, match="needs a transformers StaticCache prefilled eagerly.*got NoneType$"):
+        StaticCacheStep(model, None)
+    fresh = transformers.StaticCache(config=cfg, max_cache_len=MAX_CACHE_LEN)
+    if not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in fresh.layers):  # lazily allocated
+        with pytest.raises(InputError, match="unallocated layers: run a prefill step first"):
+            StaticCacheStep(model, fresh)
+
+
+def test_state_count_error_passes_through_compile_module():
+    """The wrapper's own InputError reaches the user as it is, not as 'the module fails on its example
+    arguments at tilec/hf.py'."""
+    from tilec.api import compile_module
+    from tilec.errors import ExampleInputError, InputError
+    from tilec.hf import StaticCacheStep
+
+    model, cache, vocab = build("llama", 1)
+    mod = StaticCacheStep(model, cache)
+    state = mod.state()
+    with pytest.raises(InputError, match=f"takes {len(state)} state tensors") as info:
+        compile_module(mod, (torch.randint(0, vocab, (1, 1)), torch.tensor([PREFILL]), *state[:-1]),
+                       positions=[1], max_positions=MAX_CACHE_LEN)
+    assert not isinstance(info.value, ExampleInputError)

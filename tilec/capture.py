@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from .errors import ExampleInputError, TilecError
+from .errors import ExampleInputError, InputError, TilecError
 from .frontend import GraphBinding
 
 
@@ -119,6 +119,8 @@ def _check_runs_eagerly(module: torch.nn.Module, args) -> None:
     try:
         with torch.no_grad():
             module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    except InputError:  # tilec's own wrapper modules (tilec.hf.StaticCacheStep) name the problem themselves
+        raise
     except Exception as e:  # noqa: BLE001 - any failure of the user's module on its own inputs
         shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else repr(a) for a in args)
         _check_signature(module, args, shapes, e)

@@ -33,7 +33,13 @@ class StaticCacheStep(torch.nn.Module):
     """
 
     def __init__(self, model, cache):
+        """Raises InputError unless ``cache`` is a prefilled transformers ``StaticCache``."""
         super().__init__()
+        layers = _layers(cache) if cache is not None else None
+        if not layers or not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
+            raise InputError(f"StaticCacheStep needs a transformers StaticCache prefilled eagerly (its layers' keys "
+                             f"and values allocated); got {type(cache).__name__}"
+                             + (" with unallocated layers: run a prefill step first" if layers else ""))
         self.model, self.cache = model, cache
         self.has_counter = [isinstance(getattr(l, "cumulative_length", None), torch.Tensor) for l in _layers(cache)]
 
