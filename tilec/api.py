@@ -35,8 +35,7 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         VerificationError: a stage broke an invariant (a tilec bug: please report it).
     """
     opts = options if isinstance(options, Options) else Options.from_dict(options)
-    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
-    meta += [f"argument {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_meta]
+    meta = meta_tensors(module, args)
     if meta:
         raise InputError(f"{', '.join(meta[:3])}{f' and {len(meta) - 3} more' if len(meta) > 3 else ''}: "
                          f"meta-device tensor(s) with no data; tilec needs real weights and inputs")
@@ -56,6 +55,13 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     single = n_user == 1 if binding.single_output is None else binding.single_output and n_user == 1
     return CompiledProgram(compiled, binding, single_output=single, opts=opts,
                            example_args=args)
+
+
+def meta_tensors(module: torch.nn.Module, args, label: str = "argument") -> list[str]:
+    """The names of ``module``'s parameters and buffers and the ``args`` (``"{label} {i}"``) that are
+    meta-device tensors (shapes without data), in that order."""
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    return meta + [f"{label} {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_meta]
 
 
 def check_positions(args: tuple, positions, max_positions: int) -> None:

@@ -295,8 +295,9 @@ def call_factory(fn, spec: str):
         if not (isinstance(a, torch.Tensor) or a is None or isinstance(a, (bool, int, float, str))):
             raise Failure(f"factory {at}: example argument {i} is {_describe(a)}; arguments must be tensors "
                           f"or plain numbers")
-    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
-    meta += [f"example argument {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_meta]
+    from .api import meta_tensors
+
+    meta = meta_tensors(module, args, "example argument")
     if meta:
         named = meta[0] if len(meta) == 1 else f"{', '.join(meta[:-1])} and {meta[-1]}" if len(meta) <= 3 else \
             f"{', '.join(meta[:3])} and {len(meta) - 3} more"

@@ -16,8 +16,8 @@ class UnsupportedNodeError(TilecError):
     def __init__(self, nodes: list[tuple[str, ...]], reason: str = ""):
         self.nodes = [tuple(n[:3]) for n in nodes]
         self.reason = reason
-        lines = [f"  {n[0]} ({n[1]})" + (f" at {n[2]}" if n[2] else "") + (f"\n    why: {n[3]}" if n[3:4] and n[3] else "")
-                 for n in nodes]
+        lines = [f"  {n[0]} ({n[1]})" + (f" at {n[2]}" if n[2] else "")
+                 + (f"\n    why: {n[3]}" if n[3:4] and n[3] else "") for n in nodes]
         head = f"tilec cannot lower {len(nodes)} FX node(s)" + (f": {reason}" if reason else "")
         super().__init__(head + "\n" + "\n".join(lines))
 

@@ -301,6 +301,10 @@ class Lowering:
         raise _OperandError(f"an operand ({node.name if node is not None else value!r}) is not a tensor tilec "
                             f"produced")
 
+    def record(self, e: UnsupportedNodeError) -> None:
+        """Probe mode: notes ``e``'s node and reason in ``unsupported`` (lowering goes on)."""
+        self.unsupported.append(e.nodes[0] + (e.reason,))
+
     # ---- demand-driven lowering ------------------------------------------------------
     def value(self, node):
         if not isinstance(node, fx.Node):
@@ -317,7 +321,7 @@ class Lowering:
             except (UnsupportedNodeError, _OperandError) as e:
                 # probe mode: note the node, stand in an input of its shape, keep going
                 if isinstance(e, UnsupportedNodeError):
-                    self.unsupported.append(e.nodes[0] + (e.reason,))
+                    self.record(e)
                 elif node.target is not operator.getitem:  # an element of an unsupported tuple is not news
                     self.unsupported.append((node.name, target_name(node), source_of(node), str(e)))
                 for inp in node.all_input_nodes:  # find unsupported ancestors too
@@ -1313,7 +1317,7 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
                 except UnsupportedNodeError as e:
                     if not probe:
                         raise
-                    low.unsupported.append(e.nodes[0] + (e.reason,))  # probe mode: keep going, as value() does
+                    low.record(e)  # probe mode: keep going, as value() does
                 continue
             v = low.value(r)
             outputs.append(low.as_view(v, r) if not isinstance(v, View) else v)
