@@ -8,8 +8,8 @@
 //   copy the decoded operands -> barrier -> wait for the controller's "event done" (one thread,
 //   shared memory) -> barrier -> run the tile op -> barrier -> one thread: red.release.gpu.
 // A GEMV (linear, linear_fused) is dispatched before its wait and calls it itself
-// (TileCtx::wait) once its setup is done, so that setup overlaps the wait; so is
-// attention_partial, which first starts its K / V splits into L2, and fp8_linear_quant.
+// (TileCtx::wait) once its setup is done, so that setup overlaps the wait; so are
+// attention_partial (its call) and fp8_linear_quant.
 // Event counters are monotonic: step `epoch` waits for epoch * count, so no reset between
 // steps. The epoch lives on the device (state[0] = steps completed), so a launch replayed from
 // a CUDA graph advances it too: every CTA reads it at start, and the last CTA to finish the
@@ -262,7 +262,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     // A GEMV sets itself up (staging checks; its row offsets and stream range come from the
     // controller) before its wait, which it then calls itself
     // (TileCtx::wait); once the operands are copied (the barrier) it may read them.
-    // attention_partial likewise starts its K / V splits into L2 first (ops_attention.cuh).
+    // attention_partial is dispatched before its wait too (its call overlaps the wait).
     // Every other op runs after the wait. Measured on an
     // H200 (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1, context 1024, same process):
     // 1.689 ms a step with the GEMV setup before the wait, 1.792 ms after it.

@@ -493,32 +493,6 @@ __device__ __noinline__ void attention_partial_generic(TileCtx& c) {
   attention_partial_impl<false, TQ, TK, TV, TP, TM>(c, seg);
 }
 
-// Thread 0 starts pulling the tile's K and V split rows [j0, jend) into L2. They were written by
-// earlier steps (the new position's row, written by this step's cache write or by the tile itself
-// after its wait, may not be there yet: L2 is the point of coherence, so a prefetch never hides
-// that write), and the tile's wait (the layer's q / k / v projections) is longer than the fetch.
-// Contiguous rows only (a row stride equal to the row length); a hint, nothing completes.
-template <typename TK, typename TV>
-__device__ __forceinline__ void attn_prefetch_l2(const TileCtx& c) {
-  if (threadIdx.x != 0) return;
-  const Operand &q = operands()[0], &k = operands()[1], &v = operands()[2];
-  const long long valid = operands()[5].scalar;
-  const int causal = c.param(1), chunk = c.param(2), Sq = q.sizes[2], S = k.sizes[2];
-#pragma unroll 1
-  for (int b = c.lo(0); b < c.hi(0); ++b)
-#pragma unroll 1
-    for (int h = c.lo(1); h < c.hi(1); ++h)
-#pragma unroll 1
-      for (int s = c.lo(2); s < c.hi(2); ++s) {
-        const int j0 = s * chunk, jend = attn_split_end(s, chunk, S, causal, valid, Sq);
-        int idx[4] = {b, h, j0, 0};
-        if (jend > j0 && k.strides[3] == 1 && k.strides[2] == k.sizes[3])
-          prefetch_l2(base<TK>(k) + offset4(k, idx), (long long)(jend - j0) * k.sizes[3] * sizeof(TK));
-        if (jend > j0 && v.strides[3] == 1 && v.strides[2] == v.sizes[3])
-          prefetch_l2(base<TV>(v) + offset4(v, idx), (long long)(jend - j0) * v.sizes[3] * sizeof(TV));
-      }
-}
-
 // The step's new cache rows p + i (i < Sq) that the tile's splits hold, written into the cache
 // slots (attr append, tilec.passes.fold_kv_append): the keys rotated from k_new with the queries'
 // cos / sin rows (their head stride is 0) in op_rope's arithmetic (rope_query), the values copied
@@ -653,10 +627,13 @@ __device__ void attn_combine_last(TileCtx& c) {
 
 template <typename TQ, typename TK, typename TV, typename TP, typename TM>
 __device__ void op_attention_partial(TileCtx& c) {
-  // dispatched before its wait (executor.cuh): the splits stream into L2 while it waits. Measured
-  // on an H200 (variants_ab.py, Llama-3.2-1B batch 1, context 1024, same process): 1.459 ms a
-  // step against 1.467 ms without the prefetch, logits bitwise equal.
-  attn_prefetch_l2<TK, TV>(c);
+  // Dispatched before its wait (executor.cuh), so the call and its first code overlap the wait.
+  // It no longer pulls its K / V splits into L2 first (cp.async.bulk.prefetch.L2 from thread 0):
+  // right after the layer's q / k / v tile the loader warp has just queued its next stages' bulk
+  // copies, and the prefetches' issue waited behind them - 0.77 us of the worker's path to its
+  // wait, on the worker whose q / k / v tile finished last. Without them, on an H200
+  // (variants_ab.py, batch 1, context 1024, one process, logits bitwise equal): Llama-3.2-1B
+  // 1.103 against 1.111 ms a step, Llama-3.1-8B 4.789 against 4.802.
   if (!c.wait()) return;
   if (c.param(4)) attn_append_rows<TQ, TK, TV>(c);
   bool done = false;
