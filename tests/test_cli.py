@@ -197,6 +197,25 @@ class PerTokenWrite(torch.nn.Module):
         cache.index_copy_(2, pos, k)
         return k * 2
 
+class Exits(torch.nn.Module):
+    def forward(self, x):
+        import sys
+        sys.exit(3)
+
+def module_exits():  # sys.exit in forward: bad input named at its line (it was exit 3 without one)
+    return Exits(), (torch.randn(2, 4),)
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+class RaisesUnprintable(torch.nn.Module):
+    def forward(self, x):
+        raise Unprintable()
+
+def module_raises_unprintable():  # an exception whose __str__ raises (it was an internal error, exit 4)
+    return RaisesUnprintable(), (torch.randn(2, 4),)
+
 def per_token_positions():
     args = (torch.randn(1, 2, 3, 8), torch.tensor([4, 5, 6]), torch.zeros(1, 2, 16, 8))
     return PerTokenWrite(), args, dict(positions=[1], max_positions=8)
@@ -605,10 +624,19 @@ BAD_COMPILES = [
                                                  "third element)"),
     ("{facts}:huge_max_positions", [], 2, "max_positions 1000000000000 exceeds the KV cache length 16"),
     ("{facts}:raises", [], 2, "raised RuntimeError: boom in the factory"),
+    ("{facts}:module_exits", [], 2, "the module fails on its example arguments [(2, 4) torch.float32] at "),
+    ("{facts}:module_exits", [], 2, "(sys.exit(3)): SystemExit: 3"),
+    ("{facts}:module_raises_unprintable", [], 2, "Unprintable (its message cannot be printed: RuntimeError in "
+                                                 "__str__)"),
     ("{facts}:linear", ["-O", "bogus=1"], 2, "unknown tilec option(s) ['bogus']; valid options: ['workers'"),
     ("{facts}:linear", ["-O", "Workers=8"], 2, "unknown tilec option(s) ['Workers'] (did you mean 'workers' for 'Workers'?); valid options"),
     ("{facts}:linear", ["-O", "workers=0"], 2, "workers=0: must be in 1..1024"),
     ("{facts}:linear", ["-O", "workers"], 2, "--option 'workers': expected KEY=VALUE"),
+    ("{facts}:linear", ["-O", "workers=1e3"], 2, "--option workers=1e3: tilec option workers=1000.0: must be an int"),
+    ("{facts}:linear", ["-O", "fallback=false"], 2, '--option fallback=false: fallback is an option of '
+                                                    'torch.compile(backend="tilec") only'),
+    ("{facts}:linear", ["-O", "max_positions=4"], 2, "--option max_positions=4: max_positions is a key of the "
+                                                     "factory's returned dict"),
     ("{facts}:unsupported", [], 3, "compile failed: tilec cannot lower"),
     ("{facts}:cache_too_short", [], 2, "max_positions 32 exceeds the KV cache length 16 of argument 2 (cache) "
                                        "float32[1, 2, 16, 8] (dim 2): use max_positions <= 16"),

@@ -329,3 +329,19 @@ def test_hf_empty_dynamic_cache_is_rejected_clearly():
 
     with pytest.raises(ValueError, match="StaticCache"):
         compile_decode_step(make_model("llama-tiny"), transformers.DynamicCache(), 1)
+
+
+def test_a_branch_on_a_tensor_value_names_the_users_line(capfd):
+    """torch.export fails on data-dependent control flow with a message about guards and symbols and
+    prints its partial graph to stderr twice; tilec names the user's line and prints no graph."""
+
+    class Branches(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # the line the error names
+                return x * 2
+            return x
+
+    with pytest.raises(TilecError, match=r"depends on a tensor's value at .*test_frontend_errors\.py:\d+ "
+                                         r"\(if x\.sum\(\) > 0:  # the line the error names\)"):
+        compile_module(Branches(), (torch.randn(2, 4),), options=dict(executor="reference"))
+    assert "def forward" not in capfd.readouterr().err

@@ -179,6 +179,9 @@ def test_static_cache_step_needs_a_prefilled_static_cache():
     model = transformers.LlamaForCausalLM(cfg).eval()
     with pytest.raises(InputError, match="needs a transformers StaticCache prefilled eagerly.*got NoneType$"):
         StaticCacheStep(model, None)
+    dynamic = transformers.DynamicCache()
+    with pytest.raises(InputError, match="got DynamicCache, whose tensors grow every step"):  # it said "got 0" later
+        StaticCacheStep(model, dynamic)
     fresh = transformers.StaticCache(config=cfg, max_cache_len=MAX_CACHE_LEN)
     if not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in fresh.layers):  # lazily allocated
         with pytest.raises(InputError, match="unallocated layers: run a prefill step first"):

@@ -160,3 +160,19 @@ def test_meta_tensors_are_input_errors():
         lin = torch.nn.Linear(8, 8)
     with pytest.raises(InputError, match=r"^weight, bias, argument 0: meta-device tensor\(s\) with no data"):
         compile_module(lin, (torch.randn(1, 8, device="meta"),))
+
+
+def test_cache_write_past_the_position_names_the_expected_rows():
+    """A write at pos + 1 is not the step's row: the report gives the index it saw and the one expected
+    ([p] for a one-token step; it once said "expected positions p..p+0")."""
+    from tilec.errors import UnsupportedNodeError
+
+    class ShiftedWrite(torch.nn.Module):
+        def forward(self, k, pos, cache):
+            cache.index_copy_(2, pos + 1, k)
+            return cache * 2
+
+    with pytest.raises(UnsupportedNodeError, match=r"cache write index at position 0 is \[1\], expected \[0\] "
+                                                   r"\(the step's positions\)"):
+        compile_module(ShiftedWrite(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
+                       positions=[1], max_positions=S - 1, options=dict(executor="reference"))

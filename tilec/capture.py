@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
+import sys
 import traceback
 import warnings
 
 import torch
 
-from .errors import ExampleInputError, InputError, TilecError
+from .errors import ExampleInputError, InputError, TilecError, describe_exception
 from .frontend import GraphBinding
 
 
@@ -30,12 +32,19 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     with torch.no_grad(), warnings.catch_warnings(), _quiet_fake_tensor_log():
         # torch's own pytree deprecation notice (LeafSpec), raised inside export: not the user's
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        err = io.StringIO()
         try:
-            ep = torch.export.export(module, tuple(args), strict=False).run_decompositions({})
-        except Exception as e:
+            with contextlib.redirect_stderr(err):
+                ep = torch.export.export(module, tuple(args), strict=False).run_decompositions({})
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # also a sys.exit() or a BaseException subclass of the user's forward
+            _replay_stderr(err.getvalue(), e)
             _check_runs_eagerly(module, args)  # the user's own error, named as such
             _check_not_aliased(module, args, e)
+            _check_data_dependent(e)
             raise
+        _replay_stderr(err.getvalue(), None)
     sig = ep.graph_signature
     state = dict(module.state_dict(keep_vars=True))
     state.update(dict(module.named_buffers(remove_duplicate=False)))
@@ -74,14 +83,46 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
 @contextlib.contextmanager
 def _quiet_fake_tensor_log():
     """Mutes torch's fake-tensor logger, which logs a full traceback at ERROR level for an
-    exception tilec then reports itself (once, with the user's source line)."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+    exception tilec then reports itself (once, with the user's source line), and its symbolic-shapes
+    logger, which prints the partial graph (twice) when a forward branches on a tensor's value."""
+    logs = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+def _replay_stderr(text: str, cause: BaseException | None) -> None:
+    """Writes what the module and torch.export wrote to stderr during the export, less the partial
+    graph that torch.export prints (twice, unconditionally) for an export error that carries one:
+    tilec reports that error itself, with the user's source line."""
+    graph = getattr(cause, "partial_fx_graph", None)
+    if graph is not None:
+        text = text.replace(f"{graph}\n", "")
+    if text:
+        sys.stderr.write(text)
+
+
+def _check_data_dependent(cause: BaseException) -> None:
+    """After a failed export of a module that runs eagerly: raises :class:`TilecError` naming the
+    user's source line when export failed on a value-dependent branch or size (torch's
+    ``GuardOnDataDependentSymNode``, whose own message is about guards and symbols); returns
+    otherwise."""
+    from torch.fx.experimental import symbolic_shapes
+
+    kind = getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None)
+    if kind is None or not isinstance(cause, kind):
+        return
+    frames = [f for f in traceback.extract_tb(cause.__traceback__) if "/torch/" not in f.filename.replace("\\", "/")]
+    user = [f for f in frames if "/tilec/" not in f.filename.replace("\\", "/")]
+    where = f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})" if user else ""
+    raise TilecError(f"torch.export cannot capture the module: it depends on a tensor's value{where} (a branch, "
+                     f"a loop count or a size read from data). tilec compiles one static graph per step: compute "
+                     f"both branches and select with torch.where, or decide outside forward") from cause
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
@@ -119,15 +160,15 @@ def _check_runs_eagerly(module: torch.nn.Module, args) -> None:
     try:
         with torch.no_grad():
             module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    except InputError:  # tilec's own wrapper modules (tilec.hf.StaticCacheStep) name the problem themselves
+    except (InputError, KeyboardInterrupt):  # tilec's own wrappers (tilec.hf.StaticCacheStep) name the problem
         raise
-    except Exception as e:  # noqa: BLE001 - any failure of the user's module on its own inputs
+    except BaseException as e:  # noqa: BLE001 - any failure of the user's module on its own inputs, sys.exit too
         shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else repr(a) for a in args)
         _check_signature(module, args, shapes, e)
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename.replace("\\", "/")]
         where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
         raise ExampleInputError(f"the module fails on its example arguments [{shapes}]{where}: "
-                                f"{type(e).__name__}: {e}") from e
+                                f"{describe_exception(e)}") from e
 
 
 def _check_signature(module: torch.nn.Module, args, shapes: str, cause: Exception) -> None:

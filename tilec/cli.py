@@ -41,7 +41,7 @@ from .codegen.build import cache_root, extra_flags
 from .dump import OPGRAPH_STAGES, check_dump_root
 from .artifact import STAGES, ArtifactError, resolve_stage
 from .timing import cuda_graph, step_times
-from .errors import InputError, TilecError
+from .errors import InputError, TilecError, describe_exception
 from .ir import BufferKind
 from .options import Options
 
@@ -176,7 +176,7 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
-            raise Failure(f"compile failed: {_raised(e)}", EXIT_COMPILE) from e
+            raise Failure(f"compile failed: {describe_exception(e)}", EXIT_COMPILE) from e
     with progress.step(f"writing {output}" + ("" if no_build else " (nvcc when present)")):
         try:
             path = art_mod.save(output, program, snapshot, factory=info, positions=positions,
@@ -193,14 +193,32 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
                f"{'cuda/libtilec.so (' + program.opts.arch + ')' if lib else 'not built'}")
 
 
+# Options of ``torch.compile(backend="tilec")`` and keys of a factory's dict, not compile options.
+_NOT_CLI_OPTIONS = {"fallback": "an option of torch.compile(backend=\"tilec\") only: `tilec compile` reports "
+                                "every unsupported node and writes nothing",
+                    "max_positions": "a key of the factory's returned dict (module, args, dict(positions=..., "
+                                     "max_positions=...)), not a compile option",
+                    "positions": "a key of the factory's returned dict (module, args, dict(positions=..., "
+                                 "max_positions=...)), not a compile option"}
+
+
 def parse_options(pairs) -> Options:
-    """``("workers=8", "tile_cols=none")`` -> Options; values parse as int, float, bool, none, else str."""
+    """``("workers=8", "tile_cols=none")`` -> Options; values parse as int, float, bool, none, else str.
+
+    Raises :class:`Failure` naming the ``--option`` as typed (``workers=1e3``, not the parsed 1000.0)."""
     d = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise Failure(f"--option {pair!r}: expected KEY=VALUE, e.g. --option workers=8")
-        d[key.strip()] = _parse_value(value.strip())
+        if key in _NOT_CLI_OPTIONS:
+            raise Failure(f"--option {pair}: {key} is {_NOT_CLI_OPTIONS[key]}")
+        d[key] = _parse_value(value.strip())
+        try:
+            Options.from_dict({key: d[key]})  # each option's own checks, reported with the option as typed
+        except (TypeError, ValueError) as e:
+            raise Failure(f"--option {pair}: {e}") from e
     try:
         return Options.from_dict(d)
     except (TypeError, ValueError) as e:
@@ -243,7 +261,7 @@ def load_factory(spec: str, cwd: str | None = None):
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
-            raise Failure(f"importing factory module {file} failed: {_raised(e)}") from e
+            raise Failure(f"importing factory module {file} failed: {describe_exception(e)}") from e
         info = {"spec": spec, "module": None, "file": str(file), "name": name, "cwd": cwd}
     else:
         if cwd not in sys.path:
@@ -258,7 +276,7 @@ def load_factory(spec: str, cwd: str | None = None):
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
-            raise Failure(f"importing factory module {mod_part} failed: {_raised(e)}") from e
+            raise Failure(f"importing factory module {mod_part} failed: {describe_exception(e)}") from e
         info = {"spec": spec, "module": mod_part, "file": None, "name": name, "cwd": cwd}
     fn = getattr(module, name, None)
     if fn is None:
@@ -281,7 +299,7 @@ def call_factory(fn, spec: str):
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
-        raise Failure(f"factory {at} raised {_raised(e)}") from e
+        raise Failure(f"factory {at} raised {describe_exception(e)}") from e
     if not isinstance(res, (tuple, list)) or len(res) not in (2, 3):
         raise Failure(f"factory {at} returned {_describe(res)}; {EXPECTED_RETURN}")
     module, args = res[0], res[1]
@@ -340,11 +358,6 @@ def call_factory(fn, spec: str):
         raise Failure(f"factory {at}: the position arguments disagree ({', '.join(f'argument {p} holds {v}' for p, v in held.items())}): "
                       f"each must hold the example's decode position")
     return module, tuple(args), positions, max_positions
-
-
-def _raised(e: BaseException) -> str:
-    """``Type: message`` of an exception from the user's code (``Type (no message)`` without one)."""
-    return f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} (no message)"
 
 
 def _defined_at(fn, spec: str) -> str:

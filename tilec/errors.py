@@ -34,6 +34,17 @@ class ExampleInputError(InputError):
     the signature of the ``forward`` they do not fit."""
 
 
+def describe_exception(e: BaseException) -> str:
+    """``Type: message`` of an exception raised by the user's code, ``Type (no message)`` without a
+    message, and ``Type (its message cannot be printed: ...)`` when its ``__str__`` itself raises
+    (such a report once ended ``tilec compile`` with an internal error)."""
+    try:
+        text = str(e)
+    except Exception as inner:  # noqa: BLE001 - a broken __str__ of the user's exception class
+        return f"{type(e).__name__} (its message cannot be printed: {type(inner).__name__} in __str__)"
+    return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__} (no message)"
+
+
 class VerificationError(TilecError):
     """A stage verifier found a broken invariant (a compiler bug, or a corrupted plan)."""
 

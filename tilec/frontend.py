@@ -718,7 +718,7 @@ class Lowering:
         for p in range(self.max_positions):
             if not torch.equal(val.table[p].flatten(), torch.arange(sq) + p):
                 self._unsupported(node, f"cache write index at position {p} is {val.table[p].tolist()}, "
-                                        f"expected positions p..p+{sq - 1}")
+                                        f"expected {list(range(p, p + sq))} (the step's positions)")
 
     def _check_cache_length(self, cache: View, dim: int, sq: int) -> None:
         """Raises :class:`InputError` when the steps at ``p < max_positions``, each writing rows

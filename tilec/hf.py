@@ -24,6 +24,17 @@ def _layers(cache):
     return cache.layers if hasattr(cache, "layers") else None
 
 
+def _is_static(cache) -> bool:
+    """A transformers StaticCache (by class, or by its layers' classes on versions that keep one
+    Cache class with per-layer kinds)."""
+    import transformers
+
+    if isinstance(cache, getattr(transformers, "StaticCache", ())):
+        return True
+    layers = _layers(cache)
+    return bool(layers) and all("Static" in type(layer).__name__ for layer in layers)
+
+
 class StaticCacheStep(torch.nn.Module):
     """``forward(input_ids [B, S] int64, cache_position [S] int64, *state) -> logits [B, S, V]``.
 
@@ -35,6 +46,11 @@ class StaticCacheStep(torch.nn.Module):
     def __init__(self, model, cache):
         """Raises InputError unless ``cache`` is a prefilled transformers ``StaticCache``."""
         super().__init__()
+        if cache is not None and not _is_static(cache):
+            raise InputError(f"StaticCacheStep needs a transformers StaticCache prefilled eagerly; got "
+                             f"{type(cache).__name__}, whose tensors grow every step (tilec plans fixed buffers): "
+                             f"build it as transformers.StaticCache(config=model.config, max_cache_len=...) and "
+                             f"prefill with it")
         layers = _layers(cache) if cache is not None else None
         if not layers or not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
             raise InputError(f"StaticCacheStep needs a transformers StaticCache prefilled eagerly (its layers' keys "
