@@ -23,8 +23,9 @@ On an H200 (Llama-3.2-1B batch 1, context 1024; ``profile_step.py``, twenty-seco
 GEMV whose worker was already waiting started 0.83 µs after its event was ready (the poll's hop).
 In the twenty-seventh session's traces (calls 1-5) self-signaled GEMVs started a median 2.53-2.59
 µs after their own signal, and an op's last tile to start often was one of them (about one GEMV op
-in three). In the thirty-first session's (call 8) self-signaled GEMVs took 1.54 µs, and self-signaled
-split-KV partials 0.77 instead of 1.57 µs once they no longer issued L2 prefetches before their wait.
+in three). In the thirty-first session's call 8, self-signaled GEMVs started a median 1.54 µs after
+their own signal, and self-signaled split-KV partials 0.77 instead of 1.57 µs once they no longer
+issued L2 prefetches before their wait.
 
     python benchmarks/lab/gap_table.py trace.json[.gz] [more traces]
 

@@ -72,10 +72,10 @@ struct TileCtx {
   long long* stamp;        // profiling (nullable): [start, end, mark 1, mark 2] of this instruction
   bool x_staged_in;        // the previous instruction left bf16 GEMV x rows in smem (linear_impl)
   bool x_staged_out;       // set by an op that leaves them (the executor passes it on)
-  // The instruction's event wait (executor.cuh). The GEMVs (linear, linear_fused) and
-  // attention_partial are dispatched before it, set themselves up (or start L2 prefetches) and
-  // call wait() before they read any producer's data; for every other op the executor has
-  // waited before dispatching it.
+  // The instruction's event wait (executor.cuh). The GEMVs (linear, linear_fused),
+  // attention_partial and fp8_linear_quant are dispatched before it and call wait() themselves
+  // (the GEMVs after their setup) before they read any producer's data; for every other op the
+  // executor has waited before dispatching it.
   unsigned long long* counters;
   unsigned long long target;  // the event's count for this step
   int wait_e;                 // the event (-1: none)

@@ -109,7 +109,7 @@ __device__ __forceinline__ int attn_staged_seg(const TileCtx& c, int chunk, int 
 // visible positions (online softmax between segments; one segment whenever the split fits):
 //  (0) kStaged: the segment's K and V rows come into shared memory with 16-byte cp.async copies,
 //      all in flight at once (a split of 128 positions of a 64-dim bf16 head is 32 KB: one round
-//      trip instead of one per 32 rows; the rows were pulled into L2 before the tile's wait);
+//      trip instead of one per 32 rows);
 //  (1) scores: with bf16 queries and staged bf16 K rows (D % 16 == 0) on tensor cores - mma
 //      m16n8k16, A = the unscaled queries (exact in bf16; rows >= the pass's queries zero), B =
 //      8 staged K rows, warp w taking the 8-position tiles w, w + kWarps, ..; each score then
@@ -630,7 +630,7 @@ __device__ void op_attention_partial(TileCtx& c) {
   // Dispatched before its wait (executor.cuh), so the call and its first code overlap the wait.
   // It no longer pulls its K / V splits into L2 first (cp.async.bulk.prefetch.L2 from thread 0):
   // right after the layer's q / k / v tile the loader warp has just queued its next stages' bulk
-  // copies, and the prefetches' issue waited behind them - 0.77 us of the worker's path to its
+  // copies, and the prefetches' issue apparently waited behind them - 0.77 us of the path to its
   // wait, on the worker whose q / k / v tile finished last. Without them, on an H200
   // (variants_ab.py, batch 1, context 1024, one process, logits bitwise equal): Llama-3.2-1B
   // 1.103 against 1.111 ms a step, Llama-3.1-8B 4.789 against 4.802.
