@@ -345,3 +345,20 @@ def test_a_branch_on_a_tensor_value_names_the_users_line(capfd):
                                          r"\(if x\.sum\(\) > 0:  # the line the error names\)"):
         compile_module(Branches(), (torch.randn(2, 4),), options=dict(executor="reference"))
     assert "def forward" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda m, x: compile_module(lambda t: t * 2, (x,)), r"needs a torch\.nn\.Module, got a function"),
+    (lambda m, x: compile_module(m, x), r"args must be a tuple of example arguments, got a Tensor \(wrap a single "
+                                        r"tensor as \(x,\)\)"),
+    (lambda m, x: compile_module(m, (x,), positions=1), r"positions=1 must be a list of argument indices"),
+    (lambda m, x: compile_module(m, (x,), options={"fallback": False}),
+     r"'fallback' is an option of torch\.compile\(backend=\"tilec\"\) only"),
+    (lambda m, x: compile_module(m, (x,), options={"max_positions": 4}),
+     r"'max_positions' is an argument of compile_module"),
+])
+def test_compile_module_call_mistakes_are_named(call, pattern):
+    """Mistakes the CLI already caught, now through the Python API too (they were a raw TypeError or
+    AttributeError, an unexplained unknown option, or - a bare tensor - iterated row by row)."""
+    with pytest.raises(ValueError, match=pattern):
+        call(torch.nn.Linear(4, 4), torch.randn(2, 4))

@@ -163,8 +163,8 @@ def test_meta_tensors_are_input_errors():
 
 
 def test_cache_write_past_the_position_names_the_expected_rows():
-    """A write at pos + 1 is not the step's row: the report gives the index it saw and the one expected
-    ([p] for a one-token step; it once said "expected positions p..p+0")."""
+    """A write at pos + 1 is not the step's row: the report gives the index it saw, the one expected
+    ([p] for a one-token step; it once said "expected positions p..p+0") and the forms tilec plans."""
     from tilec.errors import UnsupportedNodeError
 
     class ShiftedWrite(torch.nn.Module):
@@ -172,7 +172,8 @@ def test_cache_write_past_the_position_names_the_expected_rows():
             cache.index_copy_(2, pos + 1, k)
             return cache * 2
 
-    with pytest.raises(UnsupportedNodeError, match=r"cache write index at position 0 is \[1\], expected \[0\] "
-                                                   r"\(the step's positions\)"):
+    with pytest.raises(UnsupportedNodeError, match=r"index is not the step's position: at decode position 0 it is "
+                                                   r"\[1\], not \[0\]; tilec plans writes at exactly the step's "
+                                                   r"positions \(cache\.index_copy_\(dim, pos, new\)"):
         compile_module(ShiftedWrite(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
                        positions=[1], max_positions=S - 1, options=dict(executor="reference"))

@@ -35,6 +35,7 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         VerificationError: a stage broke an invariant (a tilec bug: please report it).
     """
     opts = options if isinstance(options, Options) else Options.from_dict(options)
+    check_call(module, args, positions)
     meta = meta_tensors(module, args)
     if meta:
         raise InputError(f"{', '.join(meta[:3])}{f' and {len(meta) - 3} more' if len(meta) > 3 else ''}: "
@@ -62,6 +63,20 @@ def meta_tensors(module: torch.nn.Module, args, label: str = "argument") -> list
     meta-device tensors (shapes without data), in that order."""
     meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     return meta + [f"{label} {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_meta]
+
+
+def check_call(module, args, positions) -> None:
+    """Raises :class:`InputError` unless ``module`` is a ``torch.nn.Module``, ``args`` a tuple or list
+    of example arguments (a bare tensor would be iterated row by row) and ``positions`` a list or
+    tuple of argument indices."""
+    if not isinstance(module, torch.nn.Module):
+        raise InputError(f"compile_module needs a torch.nn.Module, got a {type(module).__name__} (wrap a function "
+                         f"in a Module's forward)")
+    if not isinstance(args, (tuple, list)):
+        hint = " (wrap a single tensor as (x,))" if isinstance(args, torch.Tensor) else ""
+        raise InputError(f"args must be a tuple of example arguments, got a {type(args).__name__}{hint}")
+    if not isinstance(positions, (tuple, list)):
+        raise InputError(f"positions={positions!r} must be a list of argument indices, e.g. [1]")
 
 
 def check_positions(args: tuple, positions, max_positions: int) -> None:

@@ -121,8 +121,9 @@ def _check_data_dependent(cause: BaseException) -> None:
     user = [f for f in frames if "/tilec/" not in f.filename.replace("\\", "/")]
     where = f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})" if user else ""
     raise TilecError(f"torch.export cannot capture the module: it depends on a tensor's value{where} (a branch, "
-                     f"a loop count or a size read from data). tilec compiles one static graph per step: compute "
-                     f"both branches and select with torch.where, or decide outside forward") from cause
+                     f"a loop count or a size read from data). tilec compiles one static graph per step: make the "
+                     f"computation independent of tensor values (e.g. both branches selected with torch.where, a "
+                     f"fixed loop count), or decide outside forward") from cause
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

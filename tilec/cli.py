@@ -206,7 +206,7 @@ def parse_options(pairs) -> Options:
     """``("workers=8", "tile_cols=none")`` -> Options; values parse as int, float, bool, none, else str.
 
     Raises :class:`Failure` naming the ``--option`` as typed (``workers=1e3``, not the parsed 1000.0)."""
-    d = {}
+    d, raw = {}, {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip()
@@ -214,11 +214,14 @@ def parse_options(pairs) -> Options:
             raise Failure(f"--option {pair!r}: expected KEY=VALUE, e.g. --option workers=8")
         if key in _NOT_CLI_OPTIONS:
             raise Failure(f"--option {pair}: {key} is {_NOT_CLI_OPTIONS[key]}")
-        d[key] = _parse_value(value.strip())
+        if key in d:
+            raise Failure(f"--option {pair}: {key} is given twice (the first: {key}={raw[key]})")
+        d[key], raw[key] = _parse_value(value.strip()), value.strip()
         try:
             Options.from_dict({key: d[key]})  # each option's own checks, reported with the option as typed
         except (TypeError, ValueError) as e:
-            raise Failure(f"--option {pair}: {e}") from e
+            msg = str(e).removeprefix(f"tilec option {key}={d[key]!r}: ")  # not the parsed value (1e3 -> 1000.0)
+            raise Failure(f"--option {pair}: {msg}") from e
     try:
         return Options.from_dict(d)
     except (TypeError, ValueError) as e:

@@ -717,8 +717,10 @@ class Lowering:
             self._unsupported(node, "cache write at an index that is not the decode position")
         for p in range(self.max_positions):
             if not torch.equal(val.table[p].flatten(), torch.arange(sq) + p):
-                self._unsupported(node, f"cache write index at position {p} is {val.table[p].tolist()}, "
-                                        f"expected {list(range(p, p + sq))} (the step's positions)")
+                self._unsupported(node, f"the cache write's index is not the step's position: at decode position {p} "
+                                        f"it is {val.table[p].tolist()}, not {list(range(p, p + sq))}; tilec plans "
+                                        f"writes at exactly the step's positions (cache.index_copy_(dim, pos, new) or "
+                                        f"cache[..., pos, ...] = new)")
 
     def _check_cache_length(self, cache: View, dim: int, sq: int) -> None:
         """Raises :class:`InputError` when the steps at ``p < max_positions``, each writing rows

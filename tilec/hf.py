@@ -47,10 +47,11 @@ class StaticCacheStep(torch.nn.Module):
         """Raises InputError unless ``cache`` is a prefilled transformers ``StaticCache``."""
         super().__init__()
         if cache is not None and not _is_static(cache):
+            grows = ", whose tensors grow every step (tilec plans fixed buffers)" if "Dynamic" in type(cache).__name__ \
+                else ""
             raise InputError(f"StaticCacheStep needs a transformers StaticCache prefilled eagerly; got "
-                             f"{type(cache).__name__}, whose tensors grow every step (tilec plans fixed buffers): "
-                             f"build it as transformers.StaticCache(config=model.config, max_cache_len=...) and "
-                             f"prefill with it")
+                             f"{type(cache).__name__}{grows}: build it as transformers.StaticCache(config=model.config, "
+                             f"max_cache_len=...) and prefill with it")
         layers = _layers(cache) if cache is not None else None
         if not layers or not all(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
             raise InputError(f"StaticCacheStep needs a transformers StaticCache prefilled eagerly (its layers' keys "
@@ -107,10 +108,10 @@ class HFDecodeStep:
         if not layers or not all(hasattr(layer, "keys") and hasattr(layer, "is_initialized") for layer in layers) \
                 or type(cache).__name__ != "StaticCache" and not all(
                     type(layer).__name__.startswith("Static") for layer in layers):
-            raise ValueError(f"tilec compiles decode steps over a transformers StaticCache; got {type(cache).__name__} "
+            raise InputError(f"tilec compiles decode steps over a transformers StaticCache; got {type(cache).__name__} "
                              f"(create one with StaticCache(config=model.config, max_cache_len=...))")
         if not all(l.is_initialized for l in _layers(cache)):
-            raise ValueError("the StaticCache is not initialized: run a prefill step eagerly first")
+            raise InputError("the StaticCache is not initialized: run a prefill step eagerly first")
         cache_batch = int(_layers(cache)[0].keys.shape[0])
         if batch_size != cache_batch:
             raise ValueError(f"batch_size={batch_size}, but the StaticCache holds {cache_batch} sequences")

@@ -13,6 +13,15 @@ SCHEDULERS = ("list", "round_robin")
 EXECUTORS = ("auto", "cuda", "reference")
 
 
+# Names users pass as options that belong elsewhere: what to do instead (Options.from_dict's error).
+NOT_COMPILE_OPTIONS = {
+    "fallback": "'fallback' is an option of torch.compile(backend=\"tilec\") only",
+    "max_positions": "'max_positions' is an argument of compile_module (and a key of a tilec compile factory's "
+                     "dict; an option of torch.compile(backend=\"tilec\"))",
+    "positions": "'positions' is an argument of compile_module (and a key of a tilec compile factory's dict)",
+}
+
+
 @dataclass(frozen=True)
 class Options:
     """Compile options.
@@ -162,6 +171,8 @@ class Options:
             near = {u: m[0] for u in unknown if isinstance(u, str)
                     for m in [difflib.get_close_matches(u.lower(), valid, n=1, cutoff=0.6)] if m}
             hint = f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in near.items())}?)" if near else ""
+            elsewhere = [NOT_COMPILE_OPTIONS[u] for u in unknown if u in NOT_COMPILE_OPTIONS]
+            hint += "".join(f"; {e}" for e in elsewhere)
             raise ValueError(f"unknown tilec option(s) {unknown}{hint}; valid options: {valid}")
         return cls(**d)
 
