@@ -301,3 +301,30 @@ def test_index_put_cache_plans_every_position():
             want = m(x, torch.tensor([p]), ref)
         assert_close(got, want, 1e-5, f"output at position {p}")
         assert torch.equal(mine, ref)
+
+
+class ThreeRowWrite(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, x, pos, cache):  # x [B, 3, 32], pos [1] = p: the step writes rows p, p + 1, p + 2
+        cache.index_copy_(2, pos + torch.arange(3), self.proj(x).view(x.shape[0], 3, 2, 16).transpose(1, 2))
+        return cache * 2
+
+
+def test_multi_token_step_plans_the_positions_that_fit():
+    """By default the backend planned max_positions = the cache length, so a step writing 3 rows
+    always failed the cache-length check (naming a lifted argument); it now plans length - 3 + 1."""
+    torch.manual_seed(0)
+    m = ThreeRowWrite().eval()
+    cache = torch.randn(2, 2, 8, 16)
+    f = torch.compile(m, backend="tilec", options={"workers": 4, "fallback": False})
+    x = torch.randn(2, 3, 32)
+    for p in (0, 5):  # 5: the last step that fits (rows 5..7 of 8)
+        mine, ref = cache.clone(), cache.clone()
+        with torch.no_grad():
+            got = f(x, torch.tensor([p]), mine)
+            want = m(x, torch.tensor([p]), ref)
+        assert_close(got, want, 1e-5, f"output at position {p}")
+        assert_close(mine, ref, 1e-5, f"cache at position {p}")

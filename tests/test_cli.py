@@ -525,7 +525,7 @@ def test_compile_into_an_unwritable_place_is_bad_input_before_compiling(facts):
     """Exit 2 with the path named, before the compile runs (not an internal error after it)."""
     r = invoke("compile", f"{facts}:linear", "-o", "/proc/tilec-out/art", "--no-build", "-O", "workers=2")
     assert r.exit_code == 2, r.output
-    assert "cannot write the artifact /proc/tilec-out/art: /proc is not writable" in r.stderr
+    assert "cannot write the artifact /proc/tilec-out/art: cannot create a directory in /proc (" in r.stderr
     assert "internal error" not in r.stderr and "calling" not in r.stderr
 
 

@@ -198,8 +198,9 @@ def check_target(final: Path, force: bool) -> None:
                 raise ArtifactError(f"{parent} is not a directory: cannot write the artifact {final}")
             try:
                 os.rmdir(tempfile.mkdtemp(prefix=".tilec-probe-", dir=parent))
-            except OSError as e:
-                raise ArtifactError(f"cannot write the artifact {final}: {parent} is not writable ({e.strerror})") from e
+            except OSError as e:  # e.g. EACCES, EROFS; ENOENT under /proc: no new entries there at all
+                raise ArtifactError(f"cannot write the artifact {final}: cannot create a directory in {parent} "
+                                    f"({e.strerror})") from e
             break
     if not final.exists():
         return

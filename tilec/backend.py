@@ -101,19 +101,27 @@ def _classify(dynamo_gm: fx.GraphModule, example_inputs) -> list[str]:
 
 
 def _cache_length(gm: fx.GraphModule) -> int:
-    """The longest cache an ``index_copy`` / ``index_put`` (one index tensor) writes along its
-    indexed dim: the decode positions to plan for (1 when there is none)."""
+    """The decode positions to plan for (1 when there is none): for the longest cache an
+    ``index_copy`` / ``index_put`` (one index tensor) writes along its indexed dim, the positions p
+    whose step still fits, ``length - rows + 1`` for a step that writes ``rows`` rows (the cache
+    length itself for one token; a multi-token step once hit the cache-length error by default)."""
     aten = torch.ops.aten
     best = 1
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         if n.target in (aten.index_copy.default, aten.index_copy_.default):
-            best = max(best, int(n.args[0].meta["val"].shape[n.args[1]]))
+            length, index = int(n.args[0].meta["val"].shape[n.args[1]]), n.args[2]
         elif n.target in (aten.index_put.default, aten.index_put_.default):
             dims = [i for i, ix in enumerate(n.args[1]) if ix is not None]
-            if len(dims) == 1:
-                best = max(best, int(n.args[0].meta["val"].shape[dims[0]]))
+            if len(dims) != 1:
+                continue
+            length, index = int(n.args[0].meta["val"].shape[dims[0]]), n.args[1][dims[0]]
+        else:
+            continue
+        val = index.meta.get("val") if isinstance(index, fx.Node) else None
+        rows = int(val.numel()) if isinstance(val, torch.Tensor) else 1
+        best = max(best, length - rows + 1)
     return best
 
 
