@@ -47,8 +47,9 @@ class BackendOptions:
     """Backend options: every :class:`tilec.options.Options` field plus
 
     fallback: run unsupported nodes eagerly (True, default) or raise one error listing them.
-    max_positions: decode positions to plan for; default: the static KV-cache length found
-        in the graph (the size of the dim the cache writes index), or 1 without a cache.
+    max_positions: decode positions to plan for; default: those whose step fits the static KV
+        cache found in the graph (the size of the dim the cache writes index, less the step's
+        rows - 1), or 1 without a cache.
     """
 
     compile: Options
@@ -212,7 +213,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
     """The Dynamo backend entry point. Raises ``ValueError`` for unknown options,
     :class:`UnsupportedNodeError` (listing every unsupported node) when ``fallback=False``, and
     :class:`tilec.errors.InputError` when a graph's cache writes do not fit its inputs (e.g. a
-    step of several tokens with the default ``max_positions``, the cache length)."""
+    ``max_positions`` option past the cache length)."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     opts = BackendOptions.from_dict({**(options or {}), **kwargs})
