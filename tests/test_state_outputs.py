@@ -177,3 +177,17 @@ def test_cache_write_past_the_position_names_the_expected_rows():
                                                    r"positions \(cache\.index_copy_\(dim, pos, new\)"):
         compile_module(ShiftedWrite(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
                        positions=[1], max_positions=S - 1, options=dict(executor="reference"))
+
+
+def test_multi_row_write_past_the_position_names_the_multi_row_form():
+    from tilec.errors import UnsupportedNodeError
+
+    class ShiftedRows(torch.nn.Module):
+        def forward(self, k, pos, cache):
+            cache.index_copy_(2, pos + torch.arange(3) + 1, k)
+            return cache * 2
+
+    with pytest.raises(UnsupportedNodeError, match=r"it is \[1, 2, 3\], not \[0, 1, 2\]; .*; for 3 tokens, "
+                                                   r"pos \+ torch\.arange\(3\)\)"):
+        compile_module(ShiftedRows(), (torch.randn(1, H, 3, D), torch.tensor([0]), torch.randn(1, H, S, D)),
+                       positions=[1], max_positions=S - 3, options=dict(executor="reference"))

@@ -88,7 +88,8 @@ def check_positions(args: tuple, positions, max_positions: int) -> None:
         raise InputError(f"max_positions={max_positions!r}: must be an int >= 1")
     for i in positions:
         if not isinstance(i, int) or not 0 <= i < len(args):
-            raise InputError(f"positions: {i!r} is not an argument index (the module takes {len(args)} arguments)")
+            raise InputError(f"positions: {i!r} is not an argument index (the module takes {len(args)} "
+                             f"argument{'' if len(args) == 1 else 's'})")
         a = args[i]
         if not isinstance(a, torch.Tensor) or a.dtype.is_floating_point or a.dtype.is_complex or a.dtype == torch.bool:
             got = f"{a.dtype} tensor" if isinstance(a, torch.Tensor) else type(a).__name__

@@ -720,7 +720,8 @@ class Lowering:
                 self._unsupported(node, f"the cache write's index is not the step's position: at decode position {p} "
                                         f"it is {val.table[p].tolist()}, not {list(range(p, p + sq))}; tilec plans "
                                         f"writes at exactly the step's positions (cache.index_copy_(dim, pos, new) or "
-                                        f"cache[..., pos, ...] = new)")
+                                        f"cache[..., pos, ...] = new"
+                                        + (f"; for {sq} tokens, pos + torch.arange({sq})" if sq > 1 else "") + ")")
 
     def _check_cache_length(self, cache: View, dim: int, sq: int) -> None:
         """Raises :class:`InputError` when the steps at ``p < max_positions``, each writing rows
