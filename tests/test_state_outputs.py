@@ -191,3 +191,17 @@ def test_multi_row_write_past_the_position_names_the_multi_row_form():
                                                    r"pos \+ torch\.arange\(3\)\)"):
         compile_module(ShiftedRows(), (torch.randn(1, H, 3, D), torch.tensor([0]), torch.randn(1, H, S, D)),
                        positions=[1], max_positions=S - 3, options=dict(executor="reference"))
+
+
+def test_constant_write_index_names_the_planned_forms():
+    from tilec.errors import UnsupportedNodeError
+
+    class ConstantRow(torch.nn.Module):
+        def forward(self, k, pos, cache):
+            cache.index_copy_(2, torch.tensor([2]), k)
+            return cache * 2 + pos
+
+    with pytest.raises(UnsupportedNodeError, match=r"not the decode position \(tilec plans writes at the step's "
+                                                   r"positions: cache\.index_copy_\(dim, pos, new\)"):
+        compile_module(ConstantRow(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
+                       positions=[1], max_positions=S, options=dict(executor="reference"))

@@ -714,7 +714,9 @@ class Lowering:
         if not isinstance(val, Positional):
             if isinstance(idx_node, fx.Node):
                 self._check_positions_listed(idx_node, cache)
-            self._unsupported(node, "cache write at an index that is not the decode position")
+            self._unsupported(node, "cache write at an index that is not the decode position (tilec plans writes "
+                                    "at the step's positions: cache.index_copy_(dim, pos, new) or "
+                                    "cache[..., pos, ...] = new, with pos an argument listed in positions)")
         for p in range(self.max_positions):
             if not torch.equal(val.table[p].flatten(), torch.arange(sq) + p):
                 self._unsupported(node, f"the cache write's index is not the step's position: at decode position {p} "
