@@ -205,3 +205,21 @@ def test_constant_write_index_names_the_planned_forms():
                                                    r"positions: cache\.index_copy_\(dim, pos, new\)"):
         compile_module(ConstantRow(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
                        positions=[1], max_positions=S, options=dict(executor="reference"))
+
+
+def test_two_writes_into_one_cache_are_named_as_such():
+    """The second write's target is the first write's result; it was reported as "a tensor that is
+    not a graph input"."""
+    from tilec.errors import UnsupportedNodeError
+
+    class TwoWrites(torch.nn.Module):
+        def forward(self, k, v, pos, cache):
+            cache.index_copy_(2, pos, k)
+            cache.index_copy_(2, pos, v)
+            return cache * 2
+
+    with pytest.raises(UnsupportedNodeError, match=r"a second write into 'cache' in one step \(tilec plans one "
+                                                   r"in-place write per cache and step"):
+        compile_module(TwoWrites(), (torch.randn(1, H, 1, D), torch.randn(1, H, 1, D), torch.tensor([0]),
+                                     torch.randn(1, H, S, D)), positions=[2], max_positions=S,
+                       options=dict(executor="reference"))

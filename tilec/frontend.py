@@ -758,6 +758,12 @@ class Lowering:
         t = node.target
         dst_node = node.args[0]
         if dst_node.op != "placeholder":
+            root = dst_node
+            while root.op == "call_function" and root.target in _INDEX_WRITES:
+                root = root.args[0]
+            if root is not dst_node and root.op == "placeholder":  # a write into an earlier write's result
+                self._unsupported(node, f"a second write into {root.name!r} in one step (tilec plans one "
+                                        f"in-place write per cache and step: write all of the step's rows at once)")
             self._unsupported(node, "index write into a tensor that is not a graph input (static cache)")
         dst = self.view_of(dst_node)
         if t in (aten.index_copy.default, aten.index_copy_.default):
