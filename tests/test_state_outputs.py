@@ -162,49 +162,34 @@ def test_meta_tensors_are_input_errors():
         compile_module(lin, (torch.randn(1, 8, device="meta"),))
 
 
-def test_cache_write_past_the_position_names_the_expected_rows():
-    """A write at pos + 1 is not the step's row: the report gives the index it saw, the one expected
-    ([p] for a one-token step; it once said "expected positions p..p+0") and the forms tilec plans."""
+class IndexedWrite(torch.nn.Module):
+    """``cache.index_copy_(2, index(pos), k)`` for a test's ``index``."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.index = index
+
+    def forward(self, k, pos, cache):
+        cache.index_copy_(2, self.index(pos), k)
+        return cache * 2
+
+
+@pytest.mark.parametrize("index, tokens, max_positions, pattern", [
+    # pos + 1: the index it saw, the one expected ([p] for one token; it once said "expected positions p..p+0")
+    (lambda pos: pos + 1, 1, S - 1, r"index is not the step's position: at decode position 0 it is \[1\], not "
+                                    r"\[0\]; tilec plans writes at exactly the step's positions "
+                                    r"\(cache\.index_copy_\(dim, pos, new\)"),
+    (lambda pos: pos + torch.arange(3) + 1, 3, S - 3, r"it is \[1, 2, 3\], not \[0, 1, 2\]; .*; for 3 tokens, "
+                                                      r"pos \+ torch\.arange\(3\)\)"),
+    (lambda pos: torch.tensor([2]), 1, S, r"not the decode position \(tilec plans writes at the step's "
+                                          r"positions: cache\.index_copy_\(dim, pos, new\)"),
+], ids=["pos_plus_1", "three_rows_shifted", "constant_index"])
+def test_cache_write_at_a_wrong_index_names_what_tilec_plans(index, tokens, max_positions, pattern):
     from tilec.errors import UnsupportedNodeError
 
-    class ShiftedWrite(torch.nn.Module):
-        def forward(self, k, pos, cache):
-            cache.index_copy_(2, pos + 1, k)
-            return cache * 2
-
-    with pytest.raises(UnsupportedNodeError, match=r"index is not the step's position: at decode position 0 it is "
-                                                   r"\[1\], not \[0\]; tilec plans writes at exactly the step's "
-                                                   r"positions \(cache\.index_copy_\(dim, pos, new\)"):
-        compile_module(ShiftedWrite(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
-                       positions=[1], max_positions=S - 1, options=dict(executor="reference"))
-
-
-def test_multi_row_write_past_the_position_names_the_multi_row_form():
-    from tilec.errors import UnsupportedNodeError
-
-    class ShiftedRows(torch.nn.Module):
-        def forward(self, k, pos, cache):
-            cache.index_copy_(2, pos + torch.arange(3) + 1, k)
-            return cache * 2
-
-    with pytest.raises(UnsupportedNodeError, match=r"it is \[1, 2, 3\], not \[0, 1, 2\]; .*; for 3 tokens, "
-                                                   r"pos \+ torch\.arange\(3\)\)"):
-        compile_module(ShiftedRows(), (torch.randn(1, H, 3, D), torch.tensor([0]), torch.randn(1, H, S, D)),
-                       positions=[1], max_positions=S - 3, options=dict(executor="reference"))
-
-
-def test_constant_write_index_names_the_planned_forms():
-    from tilec.errors import UnsupportedNodeError
-
-    class ConstantRow(torch.nn.Module):
-        def forward(self, k, pos, cache):
-            cache.index_copy_(2, torch.tensor([2]), k)
-            return cache * 2 + pos
-
-    with pytest.raises(UnsupportedNodeError, match=r"not the decode position \(tilec plans writes at the step's "
-                                                   r"positions: cache\.index_copy_\(dim, pos, new\)"):
-        compile_module(ConstantRow(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
-                       positions=[1], max_positions=S, options=dict(executor="reference"))
+    with pytest.raises(UnsupportedNodeError, match=pattern):
+        compile_module(IndexedWrite(index), (torch.randn(1, H, tokens, D), torch.tensor([0]), torch.randn(1, H, S, D)),
+                       positions=[1], max_positions=max_positions, options=dict(executor="reference"))
 
 
 def test_two_writes_into_one_cache_are_named_as_such():

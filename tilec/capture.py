@@ -107,6 +107,14 @@ def _replay_stderr(text: str, cause: BaseException | None) -> None:
         sys.stderr.write(text)
 
 
+def _raised_at(e: BaseException, skip: tuple[str, ...]) -> str:
+    """`` at FILE:LINE (code)`` of the innermost frame of ``e``'s traceback whose file path holds
+    none of ``skip`` (e.g. ``"/torch/"``): the user's line that raised; ``""`` without one."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not any(part in f.filename.replace("\\", "/") for part in skip)]
+    return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+
+
 def _check_data_dependent(cause: BaseException) -> None:
     """After a failed export of a module that runs eagerly: raises :class:`TilecError` naming the
     user's source line when export failed on a value-dependent branch or size (torch's
@@ -117,9 +125,7 @@ def _check_data_dependent(cause: BaseException) -> None:
     kind = getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None)
     if kind is None or not isinstance(cause, kind):
         return
-    frames = [f for f in traceback.extract_tb(cause.__traceback__) if "/torch/" not in f.filename.replace("\\", "/")]
-    user = [f for f in frames if "/tilec/" not in f.filename.replace("\\", "/")]
-    where = f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})" if user else ""
+    where = _raised_at(cause, ("/torch/", "/tilec/"))
     raise TilecError(f"torch.export cannot capture the module: it depends on a tensor's value{where} (a branch, "
                      f"a loop count or a size read from data). tilec compiles one static graph per step: make the "
                      f"computation independent of tensor values (e.g. both branches selected with torch.where, a "
@@ -166,8 +172,7 @@ def _check_runs_eagerly(module: torch.nn.Module, args) -> None:
     except BaseException as e:  # noqa: BLE001 - any failure of the user's module on its own inputs, sys.exit too
         shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else repr(a) for a in args)
         _check_signature(module, args, shapes, e)
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename.replace("\\", "/")]
-        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        where = _raised_at(e, ("/torch/",))
         raise ExampleInputError(f"the module fails on its example arguments [{shapes}]{where}: "
                                 f"{describe_exception(e)}") from e
 

@@ -106,8 +106,7 @@ class HFDecodeStep:
     def __init__(self, model, cache, batch_size: int, options=None, hook=None):
         layers = _layers(cache)
         if not layers or not all(hasattr(layer, "keys") and hasattr(layer, "is_initialized") for layer in layers) \
-                or type(cache).__name__ != "StaticCache" and not all(
-                    type(layer).__name__.startswith("Static") for layer in layers):
+                or not _is_static(cache):
             raise InputError(f"tilec compiles decode steps over a transformers StaticCache; got {type(cache).__name__} "
                              f"(create one with StaticCache(config=model.config, max_cache_len=...))")
         if not all(l.is_initialized for l in _layers(cache)):
