@@ -1,8 +1,8 @@
-"""Builds the CUDA libraries of the GLM-5 prelude benchmark here, without a GPU, so a GPU call
-can skip nvcc: compile the plans on the CPU, build each ``libtilec.so`` into the build cache,
-and carry the cache to the GPU machine.
+"""Builds the CUDA libraries of the GLM-5 prelude benchmark (and with ``--gpu-tests`` those of
+tests/gpu) here, without a GPU, so a GPU call can skip nvcc: compile the plans on the CPU, build
+each ``libtilec.so`` into the build cache, and carry the cache to the GPU machine.
 
-    TILEC_CACHE_DIR=$PWD/.tilec-cache python benchmarks/prebuild.py [--gpu-tests]
+    TILEC_CACHE_DIR=$PWD/.tilec-cache python benchmarks/prebuild.py [--no-prelude] [--gpu-tests [FILE ...]]
     # then, on the GPU machine, with .tilec-cache carried along:
     TILEC_CACHE_DIR=$PWD/.tilec-cache python benchmarks/glm5_prelude.py ...
 
@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,10 +32,9 @@ from tilec.codegen.sources import render  # noqa: E402
 
 
 def gpu_test_programs():
-    """``(label, plan)`` of the programs tests/gpu builds that take longest to compile there: the
-    decode steps of ``test_cuda_models.py`` (its CASES; a short prefill plans the same program) and
-    the fused and unfused FP8 GEMMs of ``test_cuda_glm5_prelude.py`` (one program each whatever the
-    shape: the generated source depends on the op variants only)."""
+    """``(label, plan)`` of the decode steps of ``tests/gpu/test_cuda_models.py`` (its CASES), which take
+    longest to compile there; a two-layer model with a short prefill plans the same program as the test's
+    full-size one."""
     from tilec.hf import compile_decode_step
     from tilec.zoo import make_model, prefill
 
@@ -48,48 +48,118 @@ def gpu_test_programs():
         cache, _ = prefill(model, batch, 8, context + steps + 8, "cpu")
         step = compile_decode_step(model, cache, batch, options=dict(executor="reference"))
         yield f"{name} batch {batch}", step.program.compiled.plan
-    for fuse in (True, False):
-        lin = glm.Linear(2048, 136, fp8=True)
-        lin.set_weight(torch.randn(136, 2048) * 0.05)
 
-        class Gemm(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lin = lin
 
-            def forward(self, x):
-                return self.lin(glm.act_quant(x), out_dtype=x.dtype)
+# tests/gpu files whose libraries --gpu-tests builds by running their tests on the CPU (BuildOnly), with a
+# pytest -k expression: the model decode steps are gpu_test_programs' (quicker from two layers); the
+# full-size GLM-5 prelude test is left out (its inputs and oracle on the CPU take minutes).
+TEST_FILES = (("test_cuda_ops.py", ""), ("test_cuda_models.py", "not decode_matches_eager"),
+              ("test_cuda_glm5_prelude.py", "not (prelude and full)"))
 
-        x = torch.randn(16, 2048, dtype=torch.bfloat16)
-        prog = compile_module(Gemm(), (x,), options=dict(executor="reference", fuse_fp8_quant=fuse))
-        yield f"FP8 GEMM {'fused' if fuse else 'unfused'}", prog.plan
+
+class BuildOnly:
+    """A pytest plugin: tests/gpu's tests run on the CPU until they create a CUDA executor; its plan's
+    library is then built into the build cache and the test stops there (skipped, naming the library).
+
+    Without a GPU, tests/gpu/conftest.py marks every test skipped; this plugin runs after it and lifts
+    those marks, points the test modules' ``DEV`` at the CPU, and has ``compile_module`` /
+    ``compile_decode_step`` plan with the reference executor (the same plan, hence the same library)
+    and build it. A test that fails before it builds anything is left to the GPU run."""
+
+    def __init__(self):
+        self.libs: set = set()
+
+    def build(self, plan):
+        lib = build(render(plan))
+        self.libs.add(lib)
+        pytest.skip(f"built {lib}")
+
+    def wrap(self, compile_fn, plan_of):
+        def run(*args, options=None, **kwargs):
+            result = compile_fn(*args, options={**(options or {}), "executor": "reference"}, **kwargs)
+            self.build(plan_of(result))
+        run.build_only = True
+        return run
+
+    @pytest.hookimpl(trylast=True)  # after tests/gpu/conftest.py has marked the tests skipped
+    def pytest_collection_modifyitems(self, items):
+        import tilec.cuda
+
+        plugin = self
+
+        class Executor:  # tests that make a CudaExecutor themselves
+            def __init__(self, plan, *args, **kwargs):
+                plugin.build(plan)
+
+        self.saved = tilec.cuda.CudaExecutor
+        tilec.cuda.CudaExecutor = Executor
+        for item in items:
+            item.own_markers = [m for m in item.own_markers if m.name != "skip"]
+            mod = item.module
+            if getattr(mod, "DEV", None) == "cuda":
+                mod.DEV = "cpu"
+            for name, plan_of in (("compile_module", lambda prog: prog.plan),
+                                  ("compile_decode_step", lambda step: step.program.compiled.plan)):
+                fn = getattr(mod, name, None)
+                if fn is not None and not getattr(fn, "build_only", False):
+                    setattr(mod, name, self.wrap(fn, plan_of))
+
+    def pytest_sessionfinish(self):
+        import tilec.cuda
+
+        if hasattr(self, "saved"):
+            tilec.cuda.CudaExecutor = self.saved
+
+
+def build_test_libraries(files) -> None:
+    """Builds the libraries of the tests of ``files`` (names in TEST_FILES) with BuildOnly, one pytest run per
+    file."""
+    for name, keyword in TEST_FILES:
+        if name not in files:
+            continue
+        plugin = BuildOnly()
+        t0 = time.time()
+        args = [str(ROOT / "tests" / "gpu" / name), "-q", "-p", "no:cacheprovider", "-rN",
+                "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+        code = pytest.main(args + (["-k", keyword] if keyword else []), plugins=[plugin])
+        failed = "" if code in (0, 5) else f"; pytest exit {code}: a test failed before its build (left to the GPU)"
+        print(f"{name}: {len(plugin.libs)} libraries ({time.time() - t0:.1f} s{failed})", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=132, help="as benchmarks/glm5_prelude.py --workers")
     ap.add_argument("--reduced", action="store_true", help="the CI configuration instead of GLM-5's sizes")
-    ap.add_argument("--gpu-tests", action="store_true",
-                    help="also the libraries of tests/gpu's model decode steps and FP8 GEMMs (gpu_test_programs)")
+    ap.add_argument("--no-prelude", action="store_true", help="skip the GLM-5 prelude benchmark's libraries")
+    names = [name for name, _ in TEST_FILES]
+    ap.add_argument("--gpu-tests", nargs="*", metavar="FILE", choices=names,
+                    help="also the libraries of tests/gpu: the model decode steps (gpu_test_programs) and every other "
+                         "test's (each run on the CPU up to its build); with FILEs, only those files' (of "
+                         f"{', '.join(names)}). All of them take ~115 MB, more than the GPU tool carries (64 MiB): "
+                         "split them over TILEC_CACHE_DIRs")
     args = ap.parse_args()
-    cfg = glm.REDUCED if args.reduced else glm.FULL
     print(f"build cache: {cache_root()}")
-    for fp8 in (False, True):
-        name = "FP8" if fp8 else "bf16"
-        t0 = time.time()
-        mod = glm.make_prelude(cfg, fp8, torch.bfloat16, "cpu")
-        inputs = glm.make_inputs(cfg, fp8, torch.bfloat16, "cpu")
-        prog = compile_module(mod, inputs, options=dict(workers=args.workers, check=False,
-                                                            executor="reference", tile_rows=4))
-        lib = build(render(prog.plan), progress=lambda m: print(f"  {m}", flush=True))
-        print(f"GLM-5 prelude {name}: {lib} ({time.time() - t0:.1f} s)", flush=True)
-    if args.gpu_tests:
-        from concurrent.futures import ThreadPoolExecutor
+    if not args.no_prelude:
+        cfg = glm.REDUCED if args.reduced else glm.FULL
+        for fp8 in (False, True):
+            name = "FP8" if fp8 else "bf16"
+            t0 = time.time()
+            mod = glm.make_prelude(cfg, fp8, torch.bfloat16, "cpu")
+            inputs = glm.make_inputs(cfg, fp8, torch.bfloat16, "cpu")
+            prog = compile_module(mod, inputs, options=dict(workers=args.workers, check=False,
+                                                                executor="reference", tile_rows=4))
+            lib = build(render(prog.plan), progress=lambda m: print(f"  {m}", flush=True))
+            print(f"GLM-5 prelude {name}: {lib} ({time.time() - t0:.1f} s)", flush=True)
+    if args.gpu_tests is not None:
+        files = args.gpu_tests or names
+        if "test_cuda_models.py" in files:
+            from concurrent.futures import ThreadPoolExecutor
 
-        programs = [(label, render(plan)) for label, plan in gpu_test_programs()]
-        with ThreadPoolExecutor(2) as pool:  # nvcc is single-threaded
-            for (label, _), lib in zip(programs, pool.map(lambda p: build(p[1]), programs)):
-                print(f"{label}: {lib}", flush=True)
+            programs = [(label, render(plan)) for label, plan in gpu_test_programs()]
+            with ThreadPoolExecutor(2) as pool:  # nvcc is single-threaded
+                for (label, _), lib in zip(programs, pool.map(lambda p: build(p[1]), programs)):
+                    print(f"{label}: {lib}", flush=True)
+        build_test_libraries(files)
 
 
 if __name__ == "__main__":

@@ -197,3 +197,52 @@ def test_layer_phases_cli_refuses_what_it_cannot_read(tmp_path, monkeypatch, cap
     assert "pred.json.gz" in bad[0] and "not a measured trace" in bad[0]
     assert "none.json" in bad[1] and "no named phases" in bad[1]
     assert "bad.json.gz" in bad[2]
+
+
+BUILD_ONLY_CONFTEST = '''import pytest
+
+
+def pytest_collection_modifyitems(config, items):  # as tests/gpu/conftest.py does without CUDA
+    for item in items:
+        item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+'''
+BUILD_ONLY_TEST = '''import torch
+
+from tilec.api import compile_module
+
+DEV = "cuda"
+
+
+def test_linear():
+    lin = torch.nn.Linear(64, 32).to(DEV)
+    prog = compile_module(lin, (torch.randn(2, 64, device=DEV),), options=dict(executor="cuda"))
+    raise AssertionError(f"not reached: the plugin stops the test at its build ({prog})")
+'''
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_prebuild_builds_a_gpu_tests_library_without_a_gpu(tmp_path, monkeypatch):
+    """benchmarks/prebuild.py --gpu-tests runs tests/gpu's tests on the CPU up to their CUDA executor (its
+    BuildOnly plugin), although tests/gpu/conftest.py marks them skipped there: the plan's library lands in the
+    build cache, the test stops there as skipped, and tilec.cuda.CudaExecutor is restored afterwards."""
+    import importlib.util
+
+    import tilec.cuda
+
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+    gpu = tmp_path / "tests" / "gpu"
+    gpu.mkdir(parents=True)
+    (gpu / "conftest.py").write_text(BUILD_ONLY_CONFTEST)
+    (gpu / "test_build_only.py").write_text(BUILD_ONLY_TEST)
+    spec = importlib.util.spec_from_file_location("prebuild", Path(__file__).resolve().parents[1] / "benchmarks" /
+                                                  "prebuild.py")
+    prebuild = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prebuild)
+    executor = tilec.cuda.CudaExecutor
+    plugin = prebuild.BuildOnly()
+    code = pytest.main([str(gpu / "test_build_only.py"), "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)],
+                       plugins=[plugin])
+    assert code == 0  # every test skipped (none failed)
+    (lib,) = plugin.libs
+    assert lib.name == "libtilec.so" and lib.is_file() and (tmp_path / "cache") in lib.parents
+    assert tilec.cuda.CudaExecutor is executor
