@@ -1,5 +1,6 @@
 """CPU tests of the lab's tools (benchmarks/lab): the profile readers, and that its CUDA programs compile."""
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from tilec.trace import hop_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "lab"))
 from gap_table import gap_lines, self_signaled  # noqa: E402
+from hot_loops import main as hot_loops_main, parse as hot_loops_parse  # noqa: E402
 from layer_phases import main as layer_phases_main, phase_rows as layer_phase_rows  # noqa: E402
 from ncu_by_function import line_table, source_lines  # noqa: E402
 
@@ -246,3 +248,41 @@ def test_prebuild_builds_a_gpu_tests_library_without_a_gpu(tmp_path, monkeypatch
     (lib,) = plugin.libs
     assert lib.name == "libtilec.so" and lib.is_file() and (tmp_path / "cache") in lib.parents
     assert tilec.cuda.CudaExecutor is executor
+
+
+# An excerpt in the shape of `nvdisasm -g -c`: two functions, a loop in the second (a branch back to .L_x_2),
+# a forward branch, and a back branch from a stub far after its target.
+SASS = '''        .type           $_ZN5k14tilec_executorEv$_ZN5tilec12op_embeddingI13__nv_bfloat16EEvRNS_7TileCtxE,@function
+$_ZN5k14tilec_executorEv$_ZN5tilec12op_embeddingI13__nv_bfloat16EEvRNS_7TileCtxE:
+        /*0100*/                   IMAD.MOV.U32 R1, RZ, RZ, R2 ;
+        /*0110*/                   RET.REL.NODEC R20 `(_ZN5k14tilec_executorEv) ;
+        .type           $_ZN5k14tilec_executorEv$_ZN5tilec14stream_weightsEPKiRKNS_10WeightRingE,@function
+$_ZN5k14tilec_executorEv$_ZN5tilec14stream_weightsEPKiRKNS_10WeightRingE:
+        /*0120*/                   MOV R2, RZ ;
+.L_x_2:
+	//## File "/work/main/runtime/tilec/stream.cuh", line 158
+        /*0130*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0140*/                   ISETP.GE.AND P0, PT, R2, 0x8, PT ;
+        /*0150*/               @!P0 BRA `(.L_x_2) ;
+        /*0160*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*0170*/                   EXIT ;
+        /*5000*/                   BRA `(.L_x_2) ;
+'''
+
+
+def test_hot_loops_finds_functions_and_the_loops_between_back_branches(tmp_path, capsys):
+    functions, loops = hot_loops_parse(SASS)
+    assert functions == [(0x100, "op_embedding"), (0x120, "stream_weights")]
+    assert loops == [("stream_weights", 0x130, 0x150, "stream.cuh:158"), ("stream_weights", 0x130, 0x5000,
+                                                                          "stream.cuh:158")]
+    path = tmp_path / "p.sass"
+    path.write_text(SASS)
+    assert hot_loops_main(["--sass", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "0x120  stream_weights" in out
+    assert re.search(r"stream_weights +0x130 \.\. +0x150 +48 B +48 +stream\.cuh:158", out)
+    assert "0x5000" not in out  # longer than --max-bytes' 8192: a stub's jump back, not a loop
+    (tmp_path / "empty.sass").write_text("nothing")
+    assert hot_loops_main(["--sass", str(tmp_path / "empty.sass")]) == 1
+    assert "no functions found" in capsys.readouterr().err
