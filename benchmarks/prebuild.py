@@ -2,7 +2,7 @@
 tests/gpu) here, without a GPU, so a GPU call can skip nvcc: compile the plans on the CPU, build
 each ``libtilec.so`` into the build cache, and carry the cache to the GPU machine.
 
-    TILEC_CACHE_DIR=$PWD/.tilec-cache python benchmarks/prebuild.py [--no-prelude] [--gpu-tests [FILE ...]]
+    TILEC_CACHE_DIR=$PWD/.tilec-cache python benchmarks/prebuild.py [--no-prelude] [--gpu-tests [FILE ...] [-k EXPR]]
     # then, on the GPU machine, with .tilec-cache carried along:
     TILEC_CACHE_DIR=$PWD/.tilec-cache python benchmarks/glm5_prelude.py ...
 
@@ -15,6 +15,7 @@ under 10 s.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,26 +59,27 @@ TEST_FILES = (("test_cuda_ops.py", ""), ("test_cuda_models.py", "not decode_matc
 
 
 class BuildOnly:
-    """A pytest plugin: tests/gpu's tests run on the CPU until they create a CUDA executor; its plan's
-    library is then built into the build cache and the test stops there (skipped, naming the library).
+    """A pytest plugin: tests/gpu's tests run on the CPU until they create a CUDA executor; the plan's
+    sources are kept (``sources``, built afterwards) and the test stops there, skipped.
 
-    Without a GPU, tests/gpu/conftest.py marks every test skipped; this plugin runs after it and lifts
-    those marks, points the test modules' ``DEV`` at the CPU, and has ``compile_module`` /
-    ``compile_decode_step`` plan with the reference executor (the same plan, hence the same library)
-    and build it. A test that fails before it builds anything is left to the GPU run."""
+    Without a GPU, tests/gpu/conftest.py marks every test skipped ("needs a CUDA GPU" / "needs nvcc");
+    this plugin runs after it and lifts those marks (no other skip), points the test modules' ``DEV``
+    at the CPU, and has ``compile_module`` / ``compile_decode_step`` plan with the reference executor
+    (the same plan, hence the same library). Only a test's first program is kept: a test that compiles
+    two (a fold on and off, say) builds its second on the GPU, and so does a test that fails before
+    its first."""
 
     def __init__(self):
-        self.libs: set = set()
+        self.sources: list[dict] = []
 
-    def build(self, plan):
-        lib = build(render(plan))
-        self.libs.add(lib)
-        pytest.skip(f"built {lib}")
+    def keep(self, plan):
+        self.sources.append(render(plan))
+        pytest.skip("sources kept for the build")
 
     def wrap(self, compile_fn, plan_of):
         def run(*args, options=None, **kwargs):
             result = compile_fn(*args, options={**(options or {}), "executor": "reference"}, **kwargs)
-            self.build(plan_of(result))
+            self.keep(plan_of(result))
         run.build_only = True
         return run
 
@@ -89,12 +91,13 @@ class BuildOnly:
 
         class Executor:  # tests that make a CudaExecutor themselves
             def __init__(self, plan, *args, **kwargs):
-                plugin.build(plan)
+                plugin.keep(plan)
 
         self.saved = tilec.cuda.CudaExecutor
         tilec.cuda.CudaExecutor = Executor
         for item in items:
-            item.own_markers = [m for m in item.own_markers if m.name != "skip"]
+            item.own_markers = [m for m in item.own_markers
+                                if not (m.name == "skip" and str(m.kwargs.get("reason", "")).startswith("needs "))]
             mod = item.module
             if getattr(mod, "DEV", None) == "cuda":
                 mod.DEV = "cpu"
@@ -111,33 +114,51 @@ class BuildOnly:
             tilec.cuda.CudaExecutor = self.saved
 
 
-def build_test_libraries(files) -> None:
-    """Builds the libraries of the tests of ``files`` (names in TEST_FILES) with BuildOnly, one pytest run per
-    file."""
-    for name, keyword in TEST_FILES:
+def build_all(sources: list[dict]) -> list[Path]:
+    """Builds each rendered program (two nvcc at a time: nvcc is single-threaded); their libraries."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(build, sources))
+
+
+def build_test_libraries(files, keyword: str | None = None) -> None:
+    """Builds the libraries of the tests of ``files`` (names in TEST_FILES; ``keyword``: a further pytest
+    -k expression) with BuildOnly, one pytest run per file. Raises SystemExit when pytest cannot run
+    (a usage, collection or internal error)."""
+    for name, own in TEST_FILES:
         if name not in files:
             continue
         plugin = BuildOnly()
         t0 = time.time()
+        expr = " and ".join(f"({k})" for k in (own, keyword) if k)
         args = [str(ROOT / "tests" / "gpu" / name), "-q", "-p", "no:cacheprovider", "-rN",
                 "-W", "ignore::pytest.PytestAssertRewriteWarning"]
-        code = pytest.main(args + (["-k", keyword] if keyword else []), plugins=[plugin])
-        failed = "" if code in (0, 5) else f"; pytest exit {code}: a test failed before its build (left to the GPU)"
-        print(f"{name}: {len(plugin.libs)} libraries ({time.time() - t0:.1f} s{failed})", flush=True)
+        code = pytest.main(args + (["-k", expr] if expr else []), plugins=[plugin])
+        if code not in (0, 1, 5):
+            raise SystemExit(f"prebuild.py: pytest could not run {name} (exit {code})")
+        libs = set(build_all(plugin.sources))
+        failed = "" if code != 1 else "; some tests failed before their first build: the GPU run builds theirs"
+        print(f"{name}: {len(libs)} libraries ({time.time() - t0:.1f} s{failed})", flush=True)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="Builds tilec's CUDA libraries for a GPU machine, without a GPU.")
     ap.add_argument("--workers", type=int, default=132, help="as benchmarks/glm5_prelude.py --workers")
     ap.add_argument("--reduced", action="store_true", help="the CI configuration instead of GLM-5's sizes")
     ap.add_argument("--no-prelude", action="store_true", help="skip the GLM-5 prelude benchmark's libraries")
     names = [name for name, _ in TEST_FILES]
     ap.add_argument("--gpu-tests", nargs="*", metavar="FILE", choices=names,
-                    help="also the libraries of tests/gpu: the model decode steps (gpu_test_programs) and every other "
-                         "test's (each run on the CPU up to its build); with FILEs, only those files' (of "
-                         f"{', '.join(names)}). All of them take ~115 MB, more than the GPU tool carries (64 MiB): "
-                         "split them over TILEC_CACHE_DIRs")
+                    help="also the libraries of tests/gpu: the model decode steps (gpu_test_programs) and the other "
+                         "tests' (each run on the CPU up to its first build); with FILEs (names, not paths), only "
+                         f"those files' (of {', '.join(names)}). All of them take ~115 MB, more than the GPU tool "
+                         "carries (64 MiB): split them over TILEC_CACHE_DIRs, with -k for test_cuda_ops.py")
+    ap.add_argument("-k", dest="keyword", metavar="EXPR", help="with --gpu-tests: only the tests pytest -k EXPR selects")
     args = ap.parse_args()
+    if args.gpu_tests is None and (args.no_prelude or args.keyword):
+        ap.error("--no-prelude and -k go with --gpu-tests")
+    # the test session's conftest.py points an unset TILEC_CACHE_DIR at a temporary directory
+    os.environ.setdefault("TILEC_CACHE_DIR", str(cache_root()))
     print(f"build cache: {cache_root()}")
     if not args.no_prelude:
         cfg = glm.REDUCED if args.reduced else glm.FULL
@@ -152,14 +173,11 @@ def main() -> None:
             print(f"GLM-5 prelude {name}: {lib} ({time.time() - t0:.1f} s)", flush=True)
     if args.gpu_tests is not None:
         files = args.gpu_tests or names
-        if "test_cuda_models.py" in files:
-            from concurrent.futures import ThreadPoolExecutor
-
+        if "test_cuda_models.py" in files and not args.keyword:
             programs = [(label, render(plan)) for label, plan in gpu_test_programs()]
-            with ThreadPoolExecutor(2) as pool:  # nvcc is single-threaded
-                for (label, _), lib in zip(programs, pool.map(lambda p: build(p[1]), programs)):
-                    print(f"{label}: {lib}", flush=True)
-        build_test_libraries(files)
+            for (label, _), lib in zip(programs, build_all([src for _, src in programs])):
+                print(f"{label}: {lib}", flush=True)
+        build_test_libraries(files, args.keyword)
 
 
 if __name__ == "__main__":
