@@ -125,7 +125,8 @@ def build_all(sources: list[dict]) -> list[Path]:
 def build_test_libraries(files, keyword: str | None = None) -> None:
     """Builds the libraries of the tests of ``files`` (names in TEST_FILES; ``keyword``: a further pytest
     -k expression) with BuildOnly, one pytest run per file. Raises SystemExit when pytest cannot run
-    (a usage, collection or internal error)."""
+    (a usage, collection or internal error; a malformed -k) or when ``keyword`` selects no test at all."""
+    selected = False
     for name, own in TEST_FILES:
         if name not in files:
             continue
@@ -136,10 +137,17 @@ def build_test_libraries(files, keyword: str | None = None) -> None:
                 "-W", "ignore::pytest.PytestAssertRewriteWarning"]
         code = pytest.main(args + (["-k", expr] if expr else []), plugins=[plugin])
         if code not in (0, 1, 5):
-            raise SystemExit(f"prebuild.py: pytest could not run {name} (exit {code})")
-        libs = set(build_all(plugin.sources))
+            given = f" (check -k {keyword!r})" if keyword else ""
+            raise SystemExit(f"prebuild.py: pytest could not run {name} (exit {code}){given}")
+        selected |= code != 5
+        libs = sorted(set(build_all(plugin.sources)))
         failed = "" if code != 1 else "; some tests failed before their first build: the GPU run builds theirs"
-        print(f"{name}: {len(libs)} libraries ({time.time() - t0:.1f} s{failed})", flush=True)
+        print(f"{name}: {len(libs)} {'library' if len(libs) == 1 else 'libraries'} ({time.time() - t0:.1f} s{failed})",
+              flush=True)
+        for lib in libs:
+            print(f"  {lib}", flush=True)
+    if keyword and not selected:
+        raise SystemExit(f"prebuild.py: -k {keyword!r} selects no test in {', '.join(files)}")
 
 
 def main() -> None:
@@ -153,7 +161,9 @@ def main() -> None:
                          "tests' (each run on the CPU up to its first build); with FILEs (names, not paths), only "
                          f"those files' (of {', '.join(names)}). All of them take ~115 MB, more than the GPU tool "
                          "carries (64 MiB): split them over TILEC_CACHE_DIRs, with -k for test_cuda_ops.py")
-    ap.add_argument("-k", dest="keyword", metavar="EXPR", help="with --gpu-tests: only the tests pytest -k EXPR selects")
+    ap.add_argument("-k", dest="keyword", metavar="EXPR",
+                    help="with --gpu-tests: only the tests pytest -k EXPR selects (the model decode steps are then "
+                         "left out)")
     args = ap.parse_args()
     if args.gpu_tests is None and (args.no_prelude or args.keyword):
         ap.error("--no-prelude and -k go with --gpu-tests")
@@ -173,7 +183,9 @@ def main() -> None:
             print(f"GLM-5 prelude {name}: {lib} ({time.time() - t0:.1f} s)", flush=True)
     if args.gpu_tests is not None:
         files = args.gpu_tests or names
-        if "test_cuda_models.py" in files and not args.keyword:
+        if "test_cuda_models.py" in files and args.keyword:
+            print("prebuild.py: with -k, the model decode steps (test_decode_matches_eager) are not built", flush=True)
+        elif "test_cuda_models.py" in files:
             programs = [(label, render(plan)) for label, plan in gpu_test_programs()]
             for (label, _), lib in zip(programs, build_all([src for _, src in programs])):
                 print(f"{label}: {lib}", flush=True)

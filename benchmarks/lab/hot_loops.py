@@ -114,13 +114,17 @@ def disassemble(program: Path, defines: list[str]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("program", nargs="?", type=Path, help="a build-cache entry's program.cu")
-    ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME[=VALUE]")
+    ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME[=VALUE]",
+                    help="a #define for the build (as variants_ab.py's variants), e.g. -D TILEC_LAB_PAD=4")
     ap.add_argument("--sass", type=Path, help="read nvdisasm -g output instead of compiling")
     ap.add_argument("--all", action="store_true", help="every function's loops")
     ap.add_argument("--max-bytes", type=int, default=8192, help="longest loop shown (default 8192)")
     args = ap.parse_args(argv)
     if (args.program is None) == (args.sass is None):
-        ap.error("give a program.cu or --sass FILE")
+        ap.error("give a program.cu or --sass FILE" + ("" if args.program is None else ", not both"))
+    if args.program is not None and not args.program.is_file():
+        print(f"hot_loops.py: {args.program}: no such file", file=sys.stderr)
+        return 1
     try:
         text = args.sass.read_text() if args.sass else disassemble(args.program, args.defines)
     except OSError as e:
