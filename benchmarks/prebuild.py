@@ -71,6 +71,7 @@ class BuildOnly:
 
     def __init__(self):
         self.sources: list[dict] = []
+        self.saved = None  # tilec.cuda.CudaExecutor while the plugin's stand-in replaces it
 
     def keep(self, plan):
         self.sources.append(render(plan))
@@ -110,7 +111,7 @@ class BuildOnly:
     def pytest_sessionfinish(self):
         import tilec.cuda
 
-        if hasattr(self, "saved"):
+        if self.saved is not None:
             tilec.cuda.CudaExecutor = self.saved
 
 

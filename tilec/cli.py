@@ -193,13 +193,13 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
                f"{'cuda/libtilec.so (' + program.opts.arch + ')' if lib else 'not built'}")
 
 
-# Options of ``torch.compile(backend="tilec")`` and keys of a factory's dict, not compile options.
+# Options of ``torch.compile(backend="tilec")`` and keys of a factory's dict, not compile options (the
+# names of options.NOT_COMPILE_OPTIONS, told to a command-line user).
+_FACTORY_KEY = "a key of the factory's returned dict (module, args, dict(positions=..., max_positions=...)), not a " \
+               "compile option"
 _NOT_CLI_OPTIONS = {"fallback": "an option of torch.compile(backend=\"tilec\") only: `tilec compile` reports "
                                 "every unsupported node and writes nothing",
-                    "max_positions": "a key of the factory's returned dict (module, args, dict(positions=..., "
-                                     "max_positions=...)), not a compile option",
-                    "positions": "a key of the factory's returned dict (module, args, dict(positions=..., "
-                                 "max_positions=...)), not a compile option"}
+                    "max_positions": _FACTORY_KEY, "positions": _FACTORY_KEY}
 
 
 def parse_options(pairs) -> Options:

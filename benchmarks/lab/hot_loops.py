@@ -93,8 +93,8 @@ def disassemble(program: Path, defines: list[str]) -> str:
     nvcc = os.environ.get("TILEC_NVCC") or shutil.which("nvcc")
     if not nvcc:
         raise SystemExit("hot_loops.py: nvcc not found (set TILEC_NVCC or PATH)")
-    nvdisasm = os.environ.get("NVDISASM") or (str(Path(nvcc).with_name("nvdisasm"))
-                                              if Path(nvcc).with_name("nvdisasm").exists() else shutil.which("nvdisasm"))
+    beside = Path(nvcc).with_name("nvdisasm")
+    nvdisasm = os.environ.get("NVDISASM") or (str(beside) if beside.exists() else shutil.which("nvdisasm"))
     if not nvdisasm:
         raise SystemExit("hot_loops.py: nvdisasm not found (set NVDISASM, or install it beside nvcc)")
     with tempfile.TemporaryDirectory() as tmp:
