@@ -25,10 +25,10 @@ def step_runner(step, tok, ctx: int):
     return run
 
 
-def llama_step(script: str, ctx: int = 1024, batch: int = 1, name: str = "llama-3.2-1b"):
+def llama_step(script: str, ctx: int = 1024, batch: int = 1, name: str = "llama-3.2-1b", options: dict | None = None):
     """Returns ``(step, run)``: zoo model ``name``'s step of ``batch`` sequences compiled with
-    ``check=False`` at context ``ctx`` and its :func:`step_runner`. Exits (``need_gpu``, naming
-    ``script``) without a CUDA device."""
+    ``check=False`` (and ``options``) at context ``ctx`` and its :func:`step_runner`. Exits
+    (``need_gpu``, naming ``script``) without a CUDA device."""
     model, cache, tok = llama_model(script, ctx, name=name, batch=batch)
-    step = compile_decode_step(model, cache, batch, options=dict(check=False))
+    step = compile_decode_step(model, cache, batch, options=dict(options or {}, check=False))
     return step, step_runner(step, tok, ctx)

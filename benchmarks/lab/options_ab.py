@@ -6,12 +6,14 @@ the median CUDA-graph replay time per round (variants alternate, so drifts of th
 hit all of them alike).
 
     PYTHONPATH=. python benchmarks/lab/options_ab.py 'groups={}' 'no groups={"gemv_groups": false}'
+    PYTHONPATH=. python benchmarks/lab/options_ab.py 'base={}' 'c128={"attn_kv_chunk": 128}' --trace /tmp/traces
 
 A variant is NAME=JSON (tilec compile options, as ``decode.py --options`` takes them; under a
 "costs" key, ``tilec.cost.MEASURED`` figures to plan with instead, e.g.
 'refit={"costs": {"linear_fused": [3.42, 31.8e3]}}', null for the roofline).
 """
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -22,8 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _llama_step import llama_model, step_runner  # noqa: E402
 from decode import time_cuda  # noqa: E402
 from tilec import cost  # noqa: E402
+from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
 from tilec.timing import SmClock, cuda_graph  # noqa: E402
+from tilec.trace import measured_trace, write_trace  # noqa: E402
 
 
 def main():
@@ -34,6 +38,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--trace", type=Path, metavar="DIR",
+                    help="also write each variant's measured trace (one profiled run) to DIR/trace_NAME.json")
     args = ap.parse_args()
     variants = {}
     for v in args.variants:
@@ -58,6 +64,16 @@ def main():
         print(f"{name:14s} logits max|diff| vs {next(iter(variants))}: {float((out - ref).abs().max()):.3e}; "
               f"tasks {step.program.plan.stats['tasks']}, queue length max {step.program.plan.stats['queue_len_max']}",
               flush=True)
+        if args.trace:  # one run with the per-instruction stamps, on the same library
+            ex = step.program.executor
+            prof = CudaExecutor(ex.plan, dataclasses.replace(ex.opts, profile=True), ex.device, lib_path=ex.lib_path)
+            step.program.executor = prof
+            run()
+            prof.check()
+            args.trace.mkdir(parents=True, exist_ok=True)
+            write_trace(args.trace / f"trace_{name}.json",
+                        measured_trace(ex.plan, prof.stamps.cpu(), step.program.compiled.stages["linearized"]))
+            step.program.executor = ex
         steps[name], graphs[name] = step, cuda_graph(run)
     res = {name: [] for name in variants}
     with SmClock() as clk:

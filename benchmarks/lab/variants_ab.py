@@ -10,6 +10,7 @@ start to its mark 1 (stamps[..., 2]) for tiles that stage x and tiles that reuse
     PYTHONPATH=. python benchmarks/lab/variants_ab.py 'base=' 'other=TILEC_MY_SWITCH,TILEC_N=2' --stages 3,4
     TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/variants_ab.py --prebuild 'base=' ...
 
+``--options JSON`` compiles the step with those tilec options (e.g. a lab patch's opt-in pass).
 ``--prebuild`` builds the variants' libraries into the build cache without a GPU (a 2-layer step
 generates the same program as 16 layers), to carry to the GPU machine with the cache.
 
@@ -21,6 +22,7 @@ tensor-core consumer for 1..8 rows (1.751 vs 1.734 ms: dropped) and relaxed even
 """
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +37,7 @@ from tilec import codegen  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.errors import TilecError  # noqa: E402
 from tilec.ops import opdef  # noqa: E402
+from tilec.options import Options  # noqa: E402
 from tilec.plan import F  # noqa: E402
 from tilec.timing import SmClock, cuda_graph  # noqa: E402
 from tilec.trace import measured_trace, write_trace  # noqa: E402
@@ -46,6 +49,21 @@ def define_lines(macros: list[str]) -> tuple[str, list[str]]:
     runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
     unknown = [d.split("=")[0] for d in macros if d.split("=")[0] not in runtime]
     return "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros), unknown
+
+
+def json_options(text: str) -> dict:
+    """``--options``: a JSON object of tilec compile options (``argparse.ArgumentTypeError`` otherwise)."""
+    try:
+        opts = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(opts, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object of tilec options: {text!r}")
+    try:
+        Options.from_dict(opts)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return opts
 
 
 def parse_variants(specs, ap) -> list[tuple[str, str]]:
@@ -61,7 +79,7 @@ def parse_variants(specs, ap) -> list[tuple[str, str]]:
     return variants
 
 
-def prebuild(variants, batch: int = 1, name: str = "llama-3.2-1b") -> None:
+def prebuild(variants, batch: int = 1, name: str = "llama-3.2-1b", options: dict | None = None) -> None:
     """Builds each variant's library of the step's program on the CPU (into the build cache)."""
     import torch
 
@@ -70,7 +88,7 @@ def prebuild(variants, batch: int = 1, name: str = "llama-3.2-1b") -> None:
 
     model = make_model(name, torch.bfloat16, "cpu", layers=2)
     cache, _ = prefill(model, batch, 8, 1024 + 64, "cpu")
-    step = compile_decode_step(model, cache, batch, options=dict(check=False, executor="reference"))
+    step = compile_decode_step(model, cache, batch, options=dict(options or {}, check=False, executor="reference"))
     srcs = codegen.render(step.program.compiled.plan)
     with ThreadPoolExecutor(2) as pool:
         libs = pool.map(lambda lines: codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, "sm_90a"),
@@ -90,14 +108,16 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--model", default="llama-3.2-1b", help="a tilec.zoo Llama-family model (e.g. llama-3.1-8b)")
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
+    ap.add_argument("--options", type=json_options, default={}, metavar="JSON",
+                    help='tilec compile options of the step, e.g. \'{"attn_kv_chunk": 128}\' (default: none)')
     ap.add_argument("--trace", type=Path, metavar="DIR",
                     help="also write each variant's measured trace (its first run) to DIR/trace_NAME.json")
     args = ap.parse_args()
     variants = parse_variants(args.variants, ap)
     if args.prebuild:
-        prebuild(variants, args.batch, args.model)
+        prebuild(variants, args.batch, args.model, args.options)
         return
-    step, run = llama_step("variants_ab.py", batch=args.batch, name=args.model)
+    step, run = llama_step("variants_ab.py", batch=args.batch, name=args.model, options=args.options)
     base = step.program.executor
     opts = dataclasses.replace(base.opts, profile=True)
 
