@@ -19,6 +19,9 @@
 // it: the next weights stream while the consumers wait. Prints us per layer, TB/s of weight bytes,
 // the max |y - y_2P| (all layers with dep = 1; layer 0 without) and layer 0's max error against the host's
 // double-precision reference.
+// Then R (dep = 1) again with tilec's runtime choices one at a time: 3 ring stages instead of 4, the ring
+// waits of runtime/tilec/stream.cuh (abort flag and timer polled while waiting), x as bf16, a tenth warp
+// polling a counter as the executor's controller warp does while the compute warps work.
 // The split-K partial sums over CTAs are float32 atomics: their order (the last bit) varies run to run.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o mlp_split_lab mlp_split_lab.cu
 #include <cuda_bf16.h>
@@ -39,6 +42,11 @@ struct Prob {
   const float* x0;                           // [H]
   float* hbuf;                               // [L][I] (2P)
   int* counter;                              // zeroed; CTAs add 1 per finished phase
+  int nst = kNst;          // ring stages (2..kNst)
+  int tw = 0;              // 1: the ring waits of runtime/tilec/stream.cuh (abort flag and timer polled while waiting)
+  int bx = 0;              // 1: x staged as bf16 (as tilec's ring consumer reads it), else float
+  int* abort = nullptr;    // tw: a global flag the waits poll (never set)
+  int pw = 0;              // 1: a tenth warp polls a global counter as tilec's controller warp waits on an event
 };
 
 __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
@@ -47,6 +55,17 @@ __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
          a.z * __uint_as_float(w.y << 16) + a.w * __uint_as_float(w.y & 0xffff0000u) +
          b.x * __uint_as_float(w.z << 16) + b.y * __uint_as_float(w.z & 0xffff0000u) +
          b.z * __uint_as_float(w.w << 16) + b.w * __uint_as_float(w.w & 0xffff0000u);
+}
+// dot8 against bf16 x (8 values, 16 bytes): both unpacked, as tilec's ring consumer reads bf16 rows
+__device__ __forceinline__ float dot8b(const uint4& w, const __nv_bfloat16* x) {
+  const uint4 xv = *reinterpret_cast<const uint4*>(x);
+  const unsigned a[4] = {w.x, w.y, w.z, w.w}, b[4] = {xv.x, xv.y, xv.z, xv.w};
+  float r = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    r += __uint_as_float(a[i] << 16) * __uint_as_float(b[i] << 16) +
+         __uint_as_float(a[i] & 0xffff0000u) * __uint_as_float(b[i] & 0xffff0000u);
+  return r;
 }
 __device__ __forceinline__ float wsum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -106,28 +125,50 @@ __device__ Item item_of(const Prob& p, const Plan& q, int j) {
   return Item{kDownRow, j / q.kbi, j % q.kbi};
 }
 
-__global__ void __launch_bounds__(288, 1) kern(Prob p) {
+__global__ void __launch_bounds__(320, 1) kern(Prob p) {
   extern __shared__ float4 sm4[];
   char* ring = reinterpret_cast<char*>(sm4);
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + kNst * kStage);
   unsigned long long* empty = full + kNst;
   float* xs = reinterpret_cast<float*>(empty + kNst);  // [max(H, I)] staged x (or h for 2P phase B)
   float* hs = xs + 16384;                              // [c1 - c0] this CTA's h (S: [2048..2056) junk)
+  __nv_bfloat16* xbf = reinterpret_cast<__nv_bfloat16*>(hs + 2064);  // [H] bf16 x (bx)
+  __shared__ int done;
   const Plan q = plan_of(p);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = layer_items(p, q);
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
     for (int s = 0; s < kNst; ++s) mbar_init(full + s, 1), mbar_init(empty + s, kThreads);
+    done = 0;
+  }
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncthreads();
+  if (warp == kWarps + 1) {  // executor.cuh wait_event's poll: relaxed counter load, error flag, 32 ns sleep
+    if (lane == 0)
+      while (!*((volatile int*)&done)) {
+        int v;
+        asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p.counter) : "memory");
+        if (v < 0 || *((volatile int*)p.abort)) break;
+        __nanosleep(32);
+      }
+    return;
+  }
   if (warp == kWarps) {  // the loader
     const unsigned long long pol = evict_first_policy();
     int it = 0, s = 0;
     unsigned ph = 0;
     for (int l = 0; l < p.L; ++l)
       for (int j = 0; j < n; ++j, ++it) {
-        if (it >= kNst)
-          while (!mbar_test(empty + s, ph ^ 1u)) {
+        if (it >= p.nst) {
+          if (p.tw) {  // stream.cuh loader_wait: the abort flag (global) and the consumers' done flag (shared)
+            while (!mbar_test(empty + s, ph ^ 1u)) {
+              if (*((volatile int*)p.abort)) break;
+              if (*((volatile int*)&done)) break;
+            }
+          } else {
+            while (!mbar_test(empty + s, ph ^ 1u)) {
+            }
           }
+        }
         const Item m = item_of(p, q, j);
         char* st = ring + s * kStage;
         if (m.kind == kDownCol) {
@@ -151,11 +192,11 @@ __global__ void __launch_bounds__(288, 1) kern(Prob p) {
           for (int r = 0; r < 8; ++r) bulk_load(st + r * kPitch, w + (size_t)(row0 + r) * K + k0, bytes, full + s, pol);
         }
         __syncwarp();
-        if (++s == kNst) s = 0, ph ^= 1u;
+        if (++s == p.nst) s = 0, ph ^= 1u;
       }
     if (lane == 0)
-      for (int j = max(0, it - kNst); j < it; ++j)
-        while (!mbar_test(full + j % kNst, (j / kNst) & 1)) {
+      for (int j = max(0, it - p.nst); j < it; ++j)
+        while (!mbar_test(full + j % p.nst, (j / p.nst) & 1)) {
         }
     return;
   }
@@ -171,7 +212,10 @@ __global__ void __launch_bounds__(288, 1) kern(Prob p) {
       cbar();
     }
     const float* x = p.dep && l > 0 ? p.y + (size_t)(l - 1) * p.H : p.x0;
-    for (int k = threadIdx.x; k < p.H; k += kThreads) xs[k] = __ldcg(x + k);
+    for (int k = threadIdx.x; k < p.H; k += kThreads) {
+      xs[k] = __ldcg(x + k);
+      xbf[k] = __float2bfloat16_rn(xs[k]);
+    }
     cbar();
     float acc[2][8] = {};  // R: thread t's outputs kb * 2048 + 8 t + e (H <= 4096)
     float g = 0.f, dsum = 0.f;
@@ -196,14 +240,29 @@ __global__ void __launch_bounds__(288, 1) kern(Prob p) {
           cbar();
         }
       }
-      while (!mbar_test(full + s, ph)) {
+      if (p.tw) {  // stream.cuh mbar_wait: one test, then the timer and the abort flag polled with each test
+        bool in = mbar_test(full + s, ph);
+        if (!in) {
+          const unsigned long long start = global_timer();
+          while (!(in = mbar_test(full + s, ph))) {
+            if (*((volatile int*)p.abort)) break;
+            if ((long long)(global_timer() - start) > 2000000000ll) break;
+          }
+        }
+        if (!__all_sync(0xffffffffu, in)) break;
+      } else {
+        while (!mbar_test(full + s, ph)) {
+        }
       }
       const char* st = ring + s * kStage;
       if (m.kind == kGate || m.kind == kUp || m.kind == kDownRow) {
         const int K = m.kind == kDownRow ? p.I : p.H, len = min(kSK, K - m.kb * kSK);
         const uint4* row = reinterpret_cast<const uint4*>(st + warp * kPitch);
         float a = 0.f;
-        for (int v = lane; v < len / 8; v += 32) a += dot8(row[v], xs + m.kb * kSK + v * 8);
+        if (p.bx && m.kind != kDownRow)
+          for (int v = lane; v < len / 8; v += 32) a += dot8b(row[v], xbf + m.kb * kSK + v * 8);
+        else
+          for (int v = lane; v < len / 8; v += 32) a += dot8(row[v], xs + m.kb * kSK + v * 8);
         dsum += a;
         const int kbs = m.kind == kDownRow ? q.kbi : nH;
         if (m.kb == kbs - 1) {
@@ -248,7 +307,7 @@ __global__ void __launch_bounds__(288, 1) kern(Prob p) {
         }
       }
       mbar_arrive(empty + s);
-      if (++s == kNst) s = 0, ph ^= 1u;
+      if (++s == p.nst) s = 0, ph ^= 1u;
     }
     if (p.mode == 1 || p.mode == 3)
 #pragma unroll
@@ -263,6 +322,7 @@ __global__ void __launch_bounds__(288, 1) kern(Prob p) {
       atomicAdd(p.counter, 1);
     }
   }
+  if (threadIdx.x == 0) done = 1;
 }
 
 __global__ void init_bf16(__nv_bfloat16* w, size_t n, unsigned seed) {
@@ -283,7 +343,7 @@ int main() {
   int dev, sms, l2;
   lab_device(dev, sms, l2);
   const int shapes[][3] = {{2048, 8192, 16}, {4096, 14336, 8}};  // H, I, layers: Llama-3.2-1B, Llama-3.1-8B
-  const int smem = kNst * kStage + 2 * kNst * 8 + 16384 * 4 + 2064 * 4;
+  const int smem = kNst * kStage + 2 * kNst * 8 + 16384 * 4 + 2064 * 4 + 4096 * 2;
   CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
@@ -334,36 +394,56 @@ int main() {
       }
     }
     std::vector<float> href((size_t)L * H), hy((size_t)L * H);
+    int* abort_flag;
+    CK(cudaMalloc(&abort_flag, 4));
+    CK(cudaMemset(abort_flag, 0, 4));
+    auto time_layer = [&](Prob p) {  // median us per layer over 10 launches (2 warm-up); y left in hy
+      std::vector<float> ts;
+      for (int r = 0; r < 12; ++r) {
+        CK(cudaMemsetAsync(y, 0, (size_t)L * H * 4));
+        CK(cudaMemsetAsync(counter, 0, 4));
+        CK(cudaEventRecord(e0));
+        kern<<<sms, p.pw ? 320 : 288, smem>>>(p);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaGetLastError());
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 2) ts.push_back(ms);
+      }
+      std::sort(ts.begin(), ts.end());
+      CK(cudaMemcpy(hy.data(), y, hy.size() * 4, cudaMemcpyDeviceToHost));
+      return ts[ts.size() / 2] * 1000.0 / L;
+    };
+    auto layer0_err = [&]() {
+      double e = 0;
+      for (int i = 0; i < H; ++i) e = std::max(e, (double)fabsf(hy[i] - y0[i]));
+      return e;
+    };
+    char name[64];
+    snprintf(name, sizeof name, "%d, %d, %d", H, I, L);
     for (int dep : {1, 0})
       for (int mode : {0, 1, 2, 3, 4}) {
         if (mode == 0 && dep == 0) continue;  // 2P's down phase needs every h
-        Prob p{H, I, L, mode, dep, wg, wu, wd, wdt, y, x0, hbuf, counter};
-        std::vector<float> ts;
-        for (int r = 0; r < 12; ++r) {
-          CK(cudaMemsetAsync(y, 0, (size_t)L * H * 4));
-          CK(cudaMemsetAsync(counter, 0, 4));
-          CK(cudaEventRecord(e0));
-          kern<<<sms, 288, smem>>>(p);
-          CK(cudaEventRecord(e1));
-          CK(cudaEventSynchronize(e1));
-          CK(cudaGetLastError());
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          if (r >= 2) ts.push_back(ms);
-        }
-        std::sort(ts.begin(), ts.end());
-        const double us = ts[ts.size() / 2] * 1000.0 / L;
-        CK(cudaMemcpy(hy.data(), y, hy.size() * 4, cudaMemcpyDeviceToHost));
+        const double us = time_layer(Prob{H, I, L, mode, dep, wg, wu, wd, wdt, y, x0, hbuf, counter});
         if (mode == 0) href = hy;
         double err = 0, mag = 0;
         for (size_t i = 0; i < (dep ? hy.size() : (size_t)H); ++i) err = std::max(err, (double)fabsf(hy[i] - href[i])), mag = std::max(mag, (double)fabsf(href[i]));
-        double e0 = 0;
-        for (int i = 0; i < H; ++i) e0 = std::max(e0, (double)fabsf(hy[i] - y0[i]));
-        char name[64];
-        snprintf(name, sizeof name, "%d, %d, %d", H, I, L);
         printf("%-22s %4s %3d %10.2f %10.2f %8.2f %10.2e %10.2e (|y| <= %.2e)\n", name, (const char*[]){"2P", "R", "C", "R2", "S"}[mode], dep, us,
-               bytes / 4.0e6, bytes / us / 1e6, err, e0, mag);
+               bytes / 4.0e6, bytes / us / 1e6, err, layer0_err(), mag);
       }
+    // R (dep 1) moved towards tilec's runtime one step at a time: ring depth, its ring waits, bf16 x
+    printf("%-22s %6s %6s %6s %6s %10s %8s %10s\n", "R, dep 1", "stages", "waits", "x", "poller", "us/layer", "TB/s",
+           "layer0 err");
+    const int vs[][4] = {{4, 0, 0, 0}, {3, 0, 0, 0}, {4, 1, 0, 0}, {4, 0, 1, 0}, {4, 0, 0, 1}, {3, 1, 1, 1}};
+    for (auto& v : vs) {
+      Prob p{H, I, L, 1, 1, wg, wu, wd, wdt, y, x0, hbuf, counter};
+      p.nst = v[0], p.tw = v[1], p.bx = v[2], p.pw = v[3], p.abort = abort_flag;
+      const double us = time_layer(p);
+      printf("%-22s %6d %6s %6s %6s %10.2f %8.2f %10.2e\n", name, v[0], v[1] ? "tilec" : "plain", v[2] ? "bf16" : "float",
+             v[3] ? "yes" : "no", us, bytes / us / 1e6, layer0_err());
+    }
+    CK(cudaFree(abort_flag));
     CK(cudaFree(wg));
     CK(cudaFree(wu));
     CK(cudaFree(wd));
