@@ -26,18 +26,21 @@ from decode import time_cuda  # noqa: E402
 from tilec import cost  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
+from tilec.options import Options  # noqa: E402
 from tilec.timing import SmClock, cuda_graph  # noqa: E402
 from tilec.trace import measured_trace, write_trace  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("variants", nargs="+", metavar="NAME=JSON")
-    ap.add_argument("--model", default="llama-3.2-1b")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=50)
+    ap = argparse.ArgumentParser(description="Compile-option variants of one decode step, timed in one process.")
+    ap.add_argument("variants", nargs="+", metavar="NAME=JSON",
+                    help='a variant: a new name and a JSON object of tilec options, e.g. \'c128={"attn_kv_chunk": 128}\' '
+                         '(a "costs" key: tilec.cost.MEASURED figures to plan with)')
+    ap.add_argument("--model", default="llama-3.2-1b", help="a tilec.zoo Llama-family model (default: llama-3.2-1b)")
+    ap.add_argument("--context", type=int, default=1024, help="positions in the KV cache before the step (default 1024)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds, the variants alternating (default 5)")
+    ap.add_argument("--iters", type=int, default=50, help="CUDA-graph replays timed per round (default 50)")
     ap.add_argument("--trace", type=Path, metavar="DIR",
                     help="also write each variant's measured trace (one profiled run) to DIR/trace_NAME.json")
     args = ap.parse_args()
@@ -48,8 +51,14 @@ def main():
             opts = json.loads(text or "{}")
         except json.JSONDecodeError as e:
             ap.error(f"variant {v!r}: options are not JSON ({e})")
-        if not name or name in variants or not isinstance(opts, dict):
-            ap.error(f"variant {v!r}: needs a new name and a JSON object of options")
+        if not name or name in variants:
+            ap.error(f"variant {v!r}: needs a name, and one no other variant has")
+        if not isinstance(opts, dict):
+            ap.error(f"variant {v!r}: the options must be a JSON object")
+        try:  # before the GPU check and the model's load
+            Options.from_dict({k: x for k, x in opts.items() if k != "costs"})
+        except ValueError as e:
+            ap.error(f"variant {v!r}: {e}")
         variants[name] = opts
     model, cache, tok = llama_model("options_ab.py", args.context, args.model, args.batch)
     steps, graphs, ref = {}, {}, None

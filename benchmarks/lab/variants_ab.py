@@ -23,6 +23,7 @@ tensor-core consumer for 1..8 rows (1.751 vs 1.734 ms: dropped) and relaxed even
 import argparse
 import dataclasses
 import json
+import re
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +48,8 @@ def define_lines(macros: list[str]) -> tuple[str, list[str]]:
     """The ``#define`` lines of ``macros`` (each NAME or NAME=VALUE), and the names among them that
     runtime/tilec never tests (a typo would silently build the unchanged executor)."""
     runtime = "".join(f.read_text() for f in (Path(__file__).resolve().parents[2] / "runtime" / "tilec").glob("*.cuh"))
-    unknown = [d.split("=")[0] for d in macros if d.split("=")[0] not in runtime]
+    names = [d.split("=")[0] for d in macros]
+    unknown = [n for n in names if not n.startswith("TILEC_") or not re.search(rf"\b{re.escape(n)}\b", runtime)]
     return "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros), unknown
 
 
@@ -68,13 +70,17 @@ def json_options(text: str) -> dict:
 
 def parse_variants(specs, ap) -> list[tuple[str, str]]:
     """``(name, #define lines)`` of each NAME=DEFINE[,DEFINE...] spec (DEFINE as NAME or
-    NAME=VALUE); ``ap.error`` for a repeated or empty name or a macro runtime/tilec never tests."""
+    NAME=VALUE); ``ap.error`` for a repeated or empty name or a macro runtime/tilec never tests (a
+    ``TILEC_`` name that appears as a whole word in runtime/tilec/*.cuh)."""
     variants = []
     for v in specs:
         name, _, defs = v.partition("=")
         lines, unknown = define_lines([d for d in defs.split(",") if d])
-        if not name or name in (n for n, _ in variants) or unknown:
-            ap.error(f"variant {v!r}: needs a new name, and macros runtime/tilec tests (unknown: {unknown})")
+        if not name or name in (n for n, _ in variants):
+            ap.error(f"variant {v!r}: needs a name, and one no other variant has")
+        if unknown:
+            ap.error(f"variant {v!r}: {unknown} not a TILEC_ macro that runtime/tilec tests (a typo would build the "
+                     f"unchanged runtime)")
         variants.append((name, lines))
     return variants
 
@@ -90,8 +96,9 @@ def prebuild(variants, batch: int = 1, name: str = "llama-3.2-1b", options: dict
     cache, _ = prefill(model, batch, 8, 1024 + 64, "cpu")
     step = compile_decode_step(model, cache, batch, options=dict(options or {}, check=False, executor="reference"))
     srcs = codegen.render(step.program.compiled.plan)
+    arch = step.program.opts.arch
     with ThreadPoolExecutor(2) as pool:
-        libs = pool.map(lambda lines: codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, "sm_90a"),
+        libs = pool.map(lambda lines: codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, arch),
                         (lines for _, lines in variants))
         for (name, _), lib in zip(variants, libs):
             print(f"{name}: {lib}", flush=True)
@@ -109,7 +116,7 @@ def main():
     ap.add_argument("--model", default="llama-3.2-1b", help="a tilec.zoo Llama-family model (e.g. llama-3.1-8b)")
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
     ap.add_argument("--options", type=json_options, default={}, metavar="JSON",
-                    help='tilec compile options of the step, e.g. \'{"attn_kv_chunk": 128}\' (default: none)')
+                    help='tilec compile options of the step, e.g. \'{"fuse_gemv": false}\' (default: none; no "costs" key)')
     ap.add_argument("--trace", type=Path, metavar="DIR",
                     help="also write each variant's measured trace (its first run) to DIR/trace_NAME.json")
     args = ap.parse_args()
