@@ -16,9 +16,7 @@
 #include <vector>
 #include <algorithm>
 
-#include "../../runtime/tilec/ptx.cuh"
-
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
+#include "lab_stream.cuh"  // CK, dot8, warp_sum (and runtime/tilec/ptx.cuh)
 
 constexpr int kConsumers = 8;
 constexpr int kMats = 8;
@@ -27,17 +25,6 @@ using namespace tilec;  // the runtime's PTX wrappers (runtime/tilec/ptx.cuh): t
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
   while (!mbar_test(bar, parity)) {
   }
-}
-__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
-  const float4 a = reinterpret_cast<const float4*>(x)[0], b = reinterpret_cast<const float4*>(x)[1];
-  return a.x * __uint_as_float(w.x << 16) + a.y * __uint_as_float(w.x & 0xffff0000u) +
-         a.z * __uint_as_float(w.y << 16) + a.w * __uint_as_float(w.y & 0xffff0000u) +
-         b.x * __uint_as_float(w.z << 16) + b.y * __uint_as_float(w.z & 0xffff0000u) +
-         b.z * __uint_as_float(w.w << 16) + b.w * __uint_as_float(w.w & 0xffff0000u);
-}
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 
 struct Prob {

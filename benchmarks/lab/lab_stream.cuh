@@ -1,6 +1,6 @@
 // Shared by the standalone labs that stream weights beside the code they time (fence_lab.cu,
-// hop_lab.cu): the error check, the device query, the executor-like ring of bulk-copy stages, and the
-// streaming warp.
+// hop_lab.cu, gemv_stream_lab.cu, mlp_split_lab.cu): the error check, the device query, the executor-like
+// ring of bulk-copy stages, the streaming warp, and a bf16-row GEMV's dot product and warp sum.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -47,4 +47,17 @@ __device__ inline void stream_stages(char* ring, unsigned long long* full, const
   for (int j = i > kStages ? i - kStages : 0; j < i; ++j)  // drain
     while (!tilec::mbar_test(full + j % kStages, (j / kStages) & 1)) {
     }
+}
+
+// 8 bf16 weights (a 16-byte vector) times 8 float x values.
+__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
+  const float4 a = reinterpret_cast<const float4*>(x)[0], b = reinterpret_cast<const float4*>(x)[1];
+  return a.x * __uint_as_float(w.x << 16) + a.y * __uint_as_float(w.x & 0xffff0000u) +
+         a.z * __uint_as_float(w.y << 16) + a.w * __uint_as_float(w.y & 0xffff0000u) +
+         b.x * __uint_as_float(w.z << 16) + b.y * __uint_as_float(w.z & 0xffff0000u) +
+         b.z * __uint_as_float(w.w << 16) + b.w * __uint_as_float(w.w & 0xffff0000u);
+}
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }

@@ -49,13 +49,6 @@ struct Prob {
   int pw = 0;              // 1: a tenth warp polls a global counter as tilec's controller warp waits on an event
 };
 
-__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
-  const float4 a = reinterpret_cast<const float4*>(x)[0], b = reinterpret_cast<const float4*>(x)[1];
-  return a.x * __uint_as_float(w.x << 16) + a.y * __uint_as_float(w.x & 0xffff0000u) +
-         a.z * __uint_as_float(w.y << 16) + a.w * __uint_as_float(w.y & 0xffff0000u) +
-         b.x * __uint_as_float(w.z << 16) + b.y * __uint_as_float(w.z & 0xffff0000u) +
-         b.z * __uint_as_float(w.w << 16) + b.w * __uint_as_float(w.w & 0xffff0000u);
-}
 // dot8 against bf16 x (8 values, 16 bytes): both unpacked, as tilec's ring consumer reads bf16 rows
 __device__ __forceinline__ float dot8b(const uint4& w, const __nv_bfloat16* x) {
   const uint4 xv = *reinterpret_cast<const uint4*>(x);
@@ -66,10 +59,6 @@ __device__ __forceinline__ float dot8b(const uint4& w, const __nv_bfloat16* x) {
     r += __uint_as_float(a[i] << 16) * __uint_as_float(b[i] << 16) +
          __uint_as_float(a[i] & 0xffff0000u) * __uint_as_float(b[i] & 0xffff0000u);
   return r;
-}
-__device__ __forceinline__ float wsum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
 }
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 __device__ __forceinline__ int ld_acq(const int* p) {
@@ -266,7 +255,7 @@ __global__ void __launch_bounds__(320, 1) kern(Prob p) {
         dsum += a;
         const int kbs = m.kind == kDownRow ? q.kbi : nH;
         if (m.kb == kbs - 1) {
-          const float r = wsum(dsum);
+          const float r = warp_sum(dsum);
           dsum = 0.f;
           if (m.g >= groups) {  // S: a Wd^T row as a dot row (stream rate only)
             if (lane == 0) hs[2048 + warp] = r;
