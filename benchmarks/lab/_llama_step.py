@@ -1,7 +1,11 @@
 """The compiled Llama-3.2-1B decode step the lab's A/B scripts time (batch 1 unless asked, bf16, random weights)."""
+import argparse
+import json
+
 import torch
 
 from tilec.hf import compile_decode_step
+from tilec.options import Options
 from tilec.timing import need_gpu
 from tilec.zoo import make_model, prefill
 
@@ -32,3 +36,19 @@ def llama_step(script: str, ctx: int = 1024, batch: int = 1, name: str = "llama-
     model, cache, tok = llama_model(script, ctx, name=name, batch=batch)
     step = compile_decode_step(model, cache, batch, options=dict(options or {}, check=False))
     return step, step_runner(step, tok, ctx)
+
+
+def json_options(text: str, extra: tuple[str, ...] = ()) -> dict:
+    """A JSON object of tilec compile options (keys in ``extra`` are passed through unchecked), for an
+    argparse ``type=`` or a variant's text; ``argparse.ArgumentTypeError`` naming what is wrong."""
+    try:
+        opts = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(opts, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object of tilec options: {text!r}")
+    try:
+        Options.from_dict({k: v for k, v in opts.items() if k not in extra})
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return opts

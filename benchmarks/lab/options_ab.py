@@ -14,19 +14,17 @@ A variant is NAME=JSON (tilec compile options, as ``decode.py --options`` takes 
 """
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from _llama_step import llama_model, step_runner  # noqa: E402
+from _llama_step import json_options, llama_model, step_runner  # noqa: E402
 from decode import time_cuda  # noqa: E402
 from tilec import cost  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.options import Options  # noqa: E402
 from tilec.timing import SmClock, cuda_graph  # noqa: E402
 from tilec.trace import measured_trace, write_trace  # noqa: E402
 
@@ -47,19 +45,12 @@ def main():
     variants = {}
     for v in args.variants:
         name, _, text = v.partition("=")
-        try:
-            opts = json.loads(text or "{}")
-        except json.JSONDecodeError as e:
-            ap.error(f"variant {v!r}: options are not JSON ({e})")
         if not name or name in variants:
             ap.error(f"variant {v!r}: needs a name, and one no other variant has")
-        if not isinstance(opts, dict):
-            ap.error(f"variant {v!r}: the options must be a JSON object")
-        try:  # before the GPU check and the model's load
-            Options.from_dict({k: x for k, x in opts.items() if k != "costs"})
-        except ValueError as e:
+        try:  # checked before the GPU check and the model's load
+            variants[name] = json_options(text or "{}", extra=("costs",))
+        except argparse.ArgumentTypeError as e:
             ap.error(f"variant {v!r}: {e}")
-        variants[name] = opts
     model, cache, tok = llama_model("options_ab.py", args.context, args.model, args.batch)
     steps, graphs, ref = {}, {}, None
     for name, opts in variants.items():

@@ -22,7 +22,6 @@ tensor-core consumer for 1..8 rows (1.751 vs 1.734 ms: dropped) and relaxed even
 """
 import argparse
 import dataclasses
-import json
 import re
 import statistics
 import sys
@@ -32,13 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from _llama_step import llama_step  # noqa: E402
+from _llama_step import json_options, llama_step  # noqa: E402
 from decode import time_cuda  # noqa: E402
 from tilec import codegen  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.errors import TilecError  # noqa: E402
 from tilec.ops import opdef  # noqa: E402
-from tilec.options import Options  # noqa: E402
 from tilec.plan import F  # noqa: E402
 from tilec.timing import SmClock, cuda_graph  # noqa: E402
 from tilec.trace import measured_trace, write_trace  # noqa: E402
@@ -51,21 +49,6 @@ def define_lines(macros: list[str]) -> tuple[str, list[str]]:
     names = [d.split("=")[0] for d in macros]
     unknown = [n for n in names if not n.startswith("TILEC_") or not re.search(rf"\b{re.escape(n)}\b", runtime)]
     return "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in macros), unknown
-
-
-def json_options(text: str) -> dict:
-    """``--options``: a JSON object of tilec compile options (``argparse.ArgumentTypeError`` otherwise)."""
-    try:
-        opts = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(opts, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object of tilec options: {text!r}")
-    try:
-        Options.from_dict(opts)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return opts
 
 
 def parse_variants(specs, ap) -> list[tuple[str, str]]:
