@@ -81,7 +81,7 @@ struct Plan {  // per CTA per layer
   int n0, n1;         // 2P phase B output rows
   int kbh, kbi;       // K blocks of an H row and of an I row
   int crows, cpitch;  // colslice: rows per item, smem pitch
-  __device__ int gu_items() const { return (c1 - c0) / 8 * 2 * kbh; }
+  int groups;         // 8-column groups of h: (c1 - c0) / 8
 };
 __device__ Plan plan_of(const Prob& p) {
   Plan q;
@@ -92,18 +92,18 @@ __device__ Plan plan_of(const Prob& p) {
   q.kbh = (p.H + kSK - 1) / kSK, q.kbi = (p.I + kSK - 1) / kSK;
   q.cpitch = (q.c1 - q.c0) * 2 + 16;
   q.crows = min(256, (kStage / q.cpitch) & ~31);
+  q.groups = (q.c1 - q.c0) / 8;
   return q;
 }
 // Item j of a layer (loader and consumer agree). Phase A (gate/up by group, kb fastest): for R the
 // group's Wd^T items follow its up items. Then phase B: C's column-slice items, 2P's row items.
 __device__ int layer_items(const Prob& p, const Plan& q) {
-  const int groups = (q.c1 - q.c0) / 8;
-  if (p.mode == 1 || p.mode >= 3) return groups * 3 * q.kbh;
-  if (p.mode == 2) return groups * 2 * q.kbh + (p.H + q.crows - 1) / q.crows;
-  return groups * 2 * q.kbh + (q.n1 - q.n0) / 8 * q.kbi;
+  if (p.mode == 1 || p.mode >= 3) return q.groups * 3 * q.kbh;
+  if (p.mode == 2) return q.groups * 2 * q.kbh + (p.H + q.crows - 1) / q.crows;
+  return q.groups * 2 * q.kbh + (q.n1 - q.n0) / 8 * q.kbi;
 }
 __device__ Item item_of(const Prob& p, const Plan& q, int j) {
-  const int per = p.mode == 1 ? 3 * q.kbh : 2 * q.kbh, groups = (q.c1 - q.c0) / 8;
+  const int per = p.mode == 1 ? 3 * q.kbh : 2 * q.kbh, groups = q.groups;
   if (j < groups * per) {
     const int g = j / per, r = j % per;
     return Item{r / q.kbh == 0 ? kGate : r / q.kbh == 1 ? kUp : kDownT, g, r % q.kbh};
@@ -171,10 +171,9 @@ __global__ void __launch_bounds__(320, 1) kern(Prob p) {
           int row0, K;
           if (m.kind == kDownRow) w = p.wd + (size_t)l * p.H * p.I, row0 = q.n0 + m.g * 8, K = p.I;
           else {
-            const int groups = (q.c1 - q.c0) / 8;
-            const bool late = m.g >= groups;  // R2 / S: the Wd^T items after all gate / up items
+            const bool late = m.g >= q.groups;  // R2 / S: the Wd^T items after all gate / up items
             w = (late || m.kind == kDownT ? p.wdt : m.kind == kGate ? p.wg : p.wu) + (size_t)l * p.I * p.H;
-            row0 = q.c0 + (late ? m.g - groups : m.g) * 8, K = p.H;
+            row0 = q.c0 + (late ? m.g - q.groups : m.g) * 8, K = p.H;
           }
           const int k0 = m.kb * kSK, bytes = min(kSK, K - k0) * 2;
           mbar_expect_tx(full + s, 8 * bytes);
@@ -192,7 +191,7 @@ __global__ void __launch_bounds__(320, 1) kern(Prob p) {
   // consumers
   int it = 0, s = 0;
   unsigned ph = 0;
-  const int nH = (p.H + kSK - 1) / kSK;
+  const int nH = (p.H + kSK - 1) / kSK, groups = q.groups;
   for (int l = 0; l < p.L; ++l) {
     if (p.dep && l > 0) {  // every CTA finished layer l - 1 (2P: both of its phases)
       if (threadIdx.x == 0)
@@ -211,7 +210,6 @@ __global__ void __launch_bounds__(320, 1) kern(Prob p) {
     bool phase_b = false;
     for (int j = 0; j < n; ++j, ++it) {
       const Item m = item_of(p, q, j);
-      const int groups = (q.c1 - q.c0) / 8;
       if ((m.kind == kDownRow || m.kind == kDownCol || m.g >= groups) && !phase_b) {  // h complete in hs / hbuf
         phase_b = true;
         cbar();  // every warp's h of the last group is in hs
@@ -343,14 +341,13 @@ int main() {
     const int H = sh[0], I = sh[1], L = sh[2];
     const size_t per = (size_t)L * H * I;
     __nv_bfloat16 *wg, *wu, *wd, *wdt;
-    float *y, *x0, *hbuf, *yref;
+    float *y, *x0, *hbuf;
     int* counter;
     CK(cudaMalloc(&wg, per * 2));
     CK(cudaMalloc(&wu, per * 2));
     CK(cudaMalloc(&wd, per * 2));
     CK(cudaMalloc(&wdt, per * 2));
     CK(cudaMalloc(&y, (size_t)L * H * 4));
-    CK(cudaMalloc(&yref, (size_t)L * H * 4));
     CK(cudaMalloc(&x0, H * 4));
     CK(cudaMalloc(&hbuf, (size_t)L * I * 4));
     CK(cudaMalloc(&counter, 4));
@@ -438,7 +435,6 @@ int main() {
     CK(cudaFree(wd));
     CK(cudaFree(wdt));
     CK(cudaFree(y));
-    CK(cudaFree(yref));
     CK(cudaFree(x0));
     CK(cudaFree(hbuf));
     CK(cudaFree(counter));
