@@ -24,12 +24,23 @@ CONFIGS = {
 }
 
 
-def make_model(name: str, dtype=torch.float32, device="cpu", layers: int | None = None, seed: int = 0):
-    """An HF causal LM with the named shapes and random weights (``attn_implementation="sdpa"``)."""
+def make_model(name: str, dtype=torch.float32, device="cpu", layers: int | None = None, seed: int = 0,
+               **overrides):
+    """An HF causal LM with the named shapes and random weights (``attn_implementation="sdpa"``).
+
+    ``overrides`` replace config fields of the named shapes (e.g. ``num_attention_heads=16``).
+
+    Raises:
+        KeyError: an unknown name or a field the named shapes do not have.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     kw = dict(CONFIGS[name])
     arch = kw.pop("arch")
+    unknown = sorted(set(overrides) - set(kw))
+    if unknown:
+        raise KeyError(f"make_model({name!r}): no config field(s) {unknown} to override; it has {sorted(kw)}")
+    kw.update(overrides)
     if layers is not None:
         kw["num_hidden_layers"] = layers
     cls_cfg, cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)

@@ -118,6 +118,29 @@ def test_folds_are_bitwise(name, batch, option):
     assert cache_rel(out[True][1], out[False][1]) == 0.0
 
 
+@pytest.mark.parametrize("heads", [8, 16])  # 2 KV heads: 4 or 8 queries a head group, one or two passes of 4
+def test_append_in_later_segment_is_bitwise(heads):
+    """An appending split-KV tile writes the step's new K / V rows into its staged rows as it
+    stages them (and into the cache on its first pass of queries): in the first segment of its
+    split or a later one. With 256-position splits llama-tiny's tiles stage 128 positions at a
+    time (``attn_staged_seg`` with its scratch), so steps at positions 124..133 append in both
+    segments of split 0; logits and cache bitwise those of the plan with separate cache writes."""
+    model = make_model("llama-tiny", torch.bfloat16, DEV, num_attention_heads=heads)
+    cache, tok = prefill(model, 1, 124, 300, DEV)
+    out = {}
+    for fold in (True, False):
+        c = copy.deepcopy(cache)
+        step = compile_decode_step(model, c, 1, options={"fold_kv_append": fold, "attn_kv_chunk": 256})
+        logits, t = [], tok
+        for i in range(10):
+            logits.append(step(t, 124 + i).clone())
+            t = logits[-1].argmax(-1)
+        out[fold] = (logits, c)
+    for i, (a, b) in enumerate(zip(out[True][0], out[False][0])):
+        assert torch.equal(a, b), f"step {i} (position {124 + i}): logits differ"
+    assert cache_rel(out[True][1], out[False][1]) == 0.0
+
+
 def test_repeatable_bitwise():
     model = make_model("llama-3.2-1b", torch.bfloat16, DEV, layers=2)
     cache, tok = prefill(model, 1, 64, 80, DEV)

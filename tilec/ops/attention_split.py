@@ -286,7 +286,8 @@ def _combine_rows(o_part, ml, out, b: int, h0: int, h1: int) -> None:
 
 
 def _append_rows(t: TileArgs, rope, k_new, v_new, k_slot, v_slot) -> None:
-    """What an ``append`` tile does first (``op_attention_partial``): the new rows p + i of the
+    """What an ``append`` tile does before it reads its splits (``op_attention_partial``, which on
+    the device writes them as it stages its rows): the new rows p + i of the
     tile's heads that its splits hold into the cache slots, the keys rotated (``rope_rows``, the
     queries' cos / sin rows, whose head stride is 0) and rounded to the cache's dtype."""
     valid, chunk = t.operands[5], t.params[2]
