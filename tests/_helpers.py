@@ -137,6 +137,95 @@ def attention_graph(b, hq, hkv, sq, s, d, dv, causal=True, scale=0.125, dtype=to
                    max_positions=s - sq + 1 if causal else 1)
 
 
+def rope_append_graph(b, hq, hkv, sq, s, d, dv, dtype=torch.float32):
+    """A decode step's attention with its cache writes: the queries' and the new keys' rotate-half
+    RoPE (ops ``rope``; cos / sin [b, sq, d] inputs broadcast over the heads), the new keys and
+    values written into the caches at the step's position (k through the rope op's output view,
+    v by a ``cache_write``), then a causal ``attention`` over the caches - what
+    ``fold_rope`` / ``fold_kv_append`` fold into the split-KV tiles. Inputs x [b, hq, sq, d],
+    kx [b, hkv, sq, d], vx [b, hkv, sq, dv], cos, sin, and the caches k [b, hkv, s, d], v [b, hkv,
+    s, dv] (state); output out [b, hq, sq, dv]."""
+    from tilec.ir import Buffer, BufferKind, Op, OpGraph, View
+
+    inp, state = BufferKind.INPUT, BufferKind.STATE
+    bufs = {"x": Buffer("x", (b, hq, sq, d), dtype, inp), "kx": Buffer("kx", (b, hkv, sq, d), dtype, inp),
+            "vx": Buffer("vx", (b, hkv, sq, dv), dtype, inp), "cos": Buffer("cos", (b, sq, d), dtype, inp),
+            "sin": Buffer("sin", (b, sq, d), dtype, inp), "q": Buffer("q", (b, hq, sq, d), dtype, BufferKind.TEMP),
+            "k": Buffer("k", (b, hkv, s, d), dtype, state), "v": Buffer("v", (b, hkv, s, dv), dtype, state),
+            "out": Buffer("out", (b, hq, sq, dv), dtype, BufferKind.OUTPUT)}
+    w = {n: View.whole(x) for n, x in bufs.items()}
+    rot = {(n, h): View(n, (b, h, sq, d), (sq * d, 0, d, 1), 0, 0) for n in ("cos", "sin") for h in (hq, hkv)}
+    cache = {n: View(n, (b, hkv, s, e), (hkv * s * e, s * e, e, 1), 0, 0) for n, e in (("k", d), ("v", dv))}
+    slot = {n: View(n, (b, hkv, sq, e), (hkv * s * e, s * e, e, 1), 0, e) for n, e in (("k", d), ("v", dv))}
+    style = (("style", 0),)
+    ops = (Op("rope_q", "rope", (w["x"], rot["cos", hq], rot["sin", hq]), (w["q"],), style),
+           Op("rope_k", "rope", (w["kx"], rot["cos", hkv], rot["sin", hkv]), (slot["k"],), style),
+           Op("write_v", "cache_write", (w["vx"],), (slot["v"],)),
+           Op("attn", "attention", (w["q"], cache["k"], cache["v"]), (w["out"],),
+              (("causal", True), ("scale", d ** -0.5))))
+    return OpGraph(ops, bufs, ("x", "kx", "vx", "cos", "sin", "k", "v", "<position>"), (w["out"],),
+                   max_positions=s - sq + 1)
+
+
+def rope_append_inputs(b, hq, hkv, sq, s, d, dv, dtype, device, seed=0):
+    """Random inputs of :func:`rope_append_graph` (cos / sin of random angles, rotate-half
+    layout: the two halves of a row share their angles)."""
+    g = torch.Generator().manual_seed(seed)
+    angles = (torch.randn(b, sq, d // 2, generator=g) * 3).repeat(1, 1, 2)
+    t = {"x": torch.randn(b, hq, sq, d, generator=g), "kx": torch.randn(b, hkv, sq, d, generator=g),
+         "vx": torch.randn(b, hkv, sq, dv, generator=g), "cos": angles.cos(), "sin": angles.sin(),
+         "k": torch.randn(b, hkv, s, d, generator=g), "v": torch.randn(b, hkv, s, dv, generator=g)}
+    return {n: x.to(dtype).to(device) for n, x in t.items()}
+
+
+# (batch, Hq, Hkv, Sq, S, D, Dv, dtype, attn_kv_chunk, positions): appended rows spanning two
+# splits or (where the split is longer than a staged segment) two segments, D != Dv, fp16, several
+# passes of 4 queries (G x Sq = 12, 8), short splits
+APPEND_CASES = [
+    (2, 8, 2, 3, 300, 32, 32, torch.bfloat16, 256, (125, 126, 127, 128, 254, 255)),
+    (1, 8, 2, 3, 300, 96, 32, torch.bfloat16, 256, (60, 126, 254)),
+    (2, 8, 2, 3, 300, 64, 64, torch.float16, 256, (40, 126, 127, 254)),
+    (1, 16, 2, 2, 300, 64, 64, torch.bfloat16, 200, (63, 127, 198, 199)),
+    (2, 12, 4, 3, 100, 32, 32, torch.bfloat16, 8, (6, 7, 50)),
+]
+
+
+def append_fold_results(case, executor: str, device: str):
+    """For each position of an :data:`APPEND_CASES` case, the buffers ``out``, ``k``, ``v`` after
+    one run of the plan with ``fold_kv_append`` on and off (``{True: {...}, False: {...}}``), on
+    ``executor`` ("reference" or "cuda"), 16 workers."""
+    from tilec.options import Options
+    from tilec.pipeline import compile_opgraph
+
+    b, hq, hkv, sq, s, d, dv, dtype, chunk, positions = case
+    inputs = rope_append_inputs(b, hq, hkv, sq, s, d, dv, dtype, device)
+    runs = {}
+    for fold in (True, False):
+        plan = compile_opgraph(rope_append_graph(b, hq, hkv, sq, s, d, dv, dtype),
+                               Options(executor=executor, workers=16, attn_kv_chunk=chunk,
+                                       fold_kv_append=fold)).plan
+        if executor == "cuda":
+            from tilec.cuda import CudaExecutor
+            ex = CudaExecutor(plan, Options(executor="cuda"), torch.device(device))
+        else:
+            from tilec.refexec import ReferenceExecutor
+            ex = ReferenceExecutor(plan)
+        appends = [op for op in plan.graph.ops if op.kind == "attention_partial" and op.attr("append")]
+        assert len(appends) == (1 if fold else 0), "the case must (only) fold with fold_kv_append"
+        runs[fold] = (plan, ex)
+    out = []
+    for p in positions:
+        res = {}
+        for fold, (plan, ex) in runs.items():
+            t = {n: x.clone() for n, x in inputs.items()}
+            for n, buf in plan.graph.buffers.items():
+                t.setdefault(n, torch.full(buf.shape, float("nan"), dtype=buf.dtype, device=device))
+            ex.run(t, plan.bind(t, p))
+            res[fold] = {n: t[n] for n in ("out", "k", "v")}
+        out.append((p, res))
+    return out
+
+
 def gemv_groups_graph(**options):
     """llama-tiny's OpGraph after the gemv_groups stage (2 layers, float32, prefilled to 4 of 12
     positions, ``SPLIT``'s split-KV attention) compiled with ``options`` on top of ``SPLIT``."""

@@ -55,7 +55,7 @@ class Options:
         dependent stage fewer per layer).
     fold_kv_append: with ``fold_rope`` and ``fold_cache_writes``, let the split-KV attention tile
         whose split holds the step's cache rows write them (the keys' RoPE and both cache writes)
-        before it reads them, instead of a ``rope`` and a ``cache_write`` op before the attention
+        as it reads its split, instead of a ``rope`` and a ``cache_write`` op before the attention
         (``tilec.passes.fold_kv_append``; bitwise the same results, one dependent stage fewer per layer).
     fold_combine: let the last split-KV attention tile of each (batch, KV head group) to finish run
         the combine of the group's splits, instead of an ``attention_combine`` op after the partials

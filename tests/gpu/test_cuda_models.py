@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from tilec import smem
 from tilec.hf import compile_decode_step
 from tilec.zoo import eager_step, make_model, prefill
 
@@ -131,6 +132,10 @@ def test_append_in_later_segment_is_bitwise(heads):
     for fold in (True, False):
         c = copy.deepcopy(cache)
         step = compile_decode_step(model, c, 1, options={"fold_kv_append": fold, "attn_kv_chunk": 256})
+        # the staged segment: runtime/tilec/ops_attention.cuh attn_staged_seg (4 queries, D = Dv = 32)
+        floats = smem.scratch_bytes(step.program.plan.graph) // 4
+        seg = min(256, (floats - 4 * 256 - 32 - 4 * (39 + 19)) // (4 + 4 // 2 + (32 + 32 + 16) // 2))
+        assert 124 < seg <= 133, f"segment of {seg} positions: positions 124..133 no longer cross one"
         logits, t = [], tok
         for i in range(10):
             logits.append(step(t, 124 + i).clone())

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _helpers import APPEND_CASES, append_fold_results
 from tilec.api import compile_module
 
 DEV = "cuda"
@@ -381,6 +382,19 @@ def test_split_kv_attention(b, hq, hkv, sq, s, p, d, dv, dtype, layout, chunk):
     ex = CudaExecutor(folded, Options(executor="cuda"), torch.device(DEV))
     for _ in range(2):
         assert torch.equal(_run_plan(folded, ex, q, k, v, p), got)
+
+
+@pytest.mark.parametrize("case", APPEND_CASES, ids=lambda c: f"sq{c[3]}-d{c[5]}-dv{c[6]}-{str(c[7])[6:]}-chunk{c[8]}")
+def test_appended_rows_bitwise(case):
+    """The split-KV tiles that write the step's new K / V rows into their staged rows (and the
+    cache) as they stage them: several rows a step (Sq 2-3) straddling two splits, D != Dv (96 /
+    32, whose 12 16-byte chunks a row take the staging's general loop), fp16 (the lane-group
+    P.V), 12 queries a head group (three passes): output and caches bitwise those of the plan with
+    a rope and a cache_write op, over positions on both sides of split boundaries."""
+    for p, res in append_fold_results(case, "cuda", DEV):
+        for n in ("out", "k", "v"):
+            assert torch.equal(res[True][n], res[False][n]), f"position {p}: {n} differs"
+        assert res[True]["out"].float().isfinite().all()
 
 
 class Chain(torch.nn.Module):

@@ -29,9 +29,12 @@ rounded to q's dtype as the rope op's store was). With attr ``append`` (set by
 ``tilec.passes.fold_kv_append``; causal, after the RoPE fold) four more: the step's new key
 rows k_new [B, Hkv, Sq, D] (before their RoPE, q's dtype), value rows v_new [B, Hkv, Sq, Dv]
 (v's dtype), and the cache slots they go to, k_slot and v_slot (k / v at rows p .. p + Sq - 1,
-moving with the position). The tile whose split holds some of those rows first writes them -
-the keys rotated with the cos / sin rows of the queries (head stride 0), rounded to k's dtype
-- into the slots, then reads its split from the cache as usual; no other tile reads them.
+moving with the position). The tile whose split holds some of those rows writes them - the
+keys rotated with the cos / sin rows of the queries (head stride 0), rounded to k's dtype - into
+the slots and uses them for its split: on the device, when it stages its rows in shared memory,
+it writes them there as it stages the others (their loads in the queries' round trip), and
+otherwise into the slots first, then reads its split from the cache as usual (the reference
+writes the slots first); no other tile reads them.
 With attr ``combine`` (set by ``tilec.passes.fold_combine``) one more output, the combine's out
 [B, Hq, Sq, Dv] (q's dtype), last among the operands: after storing its split, a tile adds one to
 its (batch, first KV head) arrival counter, and the tile that arrives last of the group's NS
@@ -64,7 +67,7 @@ def slot_at_position(slot, cache) -> bool:
     """Whether view ``slot`` is view ``cache`` [B, H, S, D] at rows p .. p + Sq - 1 of the decode
     position p (same buffer, offset and strides, moving one cache row a position): the geometry
     the device relies on when an appending partial writes row i of the slot as cache row
-    valid - 1 + i (``attn_append_rows``)."""
+    valid - 1 + i (``attn_append_rows`` and the staged rows of ``attention_partial_impl``)."""
     return ((slot.buffer, slot.offset, slot.strides, slot.pos_stride)
             == (cache.buffer, cache.offset, cache.strides, cache.strides[2]))
 

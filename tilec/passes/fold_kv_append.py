@@ -10,7 +10,8 @@ temporary that a cache_write copies) a Llama decode layer runs
 
 and every partial tile waits for RK and CV: one more dependent stage (~1.5 us a layer on an H200,
 trace of 2026-12-02) for a few hundred bytes. Only the tile whose split of cache positions holds
-rows p .. p + Sq - 1 reads them, so that tile can write them itself before it reads its split:
+rows p .. p + Sq - 1 reads them, so that tile can write them itself as it reads its split (on the
+device straight into its staged rows too, runtime/tilec/ops_attention.cuh):
 
     P = attention_partial(qx, K, V, cos, sin, kx, vx; rope, append) -> o_part, ml, K[p:], V[p:]
 
