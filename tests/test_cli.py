@@ -581,6 +581,20 @@ def test_compile_force_replaces_an_artifact(facts, tmp_path):
     assert os.listdir(tmp_path) == ["a"]
 
 
+def test_compile_with_a_missing_codegen_template_fails_loudly(facts, tmp_path, monkeypatch):
+    """A template missing from the installation (a wheel built without its package data) is an
+    error naming it, not a "library not built" note in the manifest; nothing is written."""
+    import jinja2
+
+    from tilec.codegen import sources
+
+    monkeypatch.setattr(sources._ENV, "loader", jinja2.FileSystemLoader(tmp_path / "no-templates"))
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build")
+    assert r.exit_code == 3, r.output
+    assert "codegen template layout.h.j2 is missing from tilec's installation" in r.stderr and "reinstall" in r.stderr
+    assert not (tmp_path / "a").exists()
+
+
 def test_compile_force_never_replaces_a_folder_that_is_not_an_artifact(facts, tmp_path):
     out = tmp_path / "precious"
     out.mkdir()

@@ -14,3 +14,15 @@ def test_make_model_overrides_a_config_field():
 def test_make_model_names_an_unknown_field():
     with pytest.raises(KeyError, match=r"no config field\(s\) \['heads'\].*num_attention_heads"):
         make_model("llama-tiny", heads=3)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (dict(name="llama-7b"), KeyError, r"no model named 'llama-7b'; the zoo has \[.*'llama-tiny'"),
+    (dict(name="llama-tiny", arch="qwen3"), KeyError, r"\['arch'\].*its architecture, llama, comes with the name"),
+    (dict(name="llama-tiny", layers=1, num_hidden_layers=3), ValueError, "layer count given twice"),
+    (dict(name="llama-tiny", layers=0), ValueError, "0 layers; at least 1"),
+    (dict(name="llama-tiny", num_key_value_heads=3), ValueError, "8 query heads are not a multiple of 3 KV heads"),
+])
+def test_make_model_refuses_bad_shapes(call, error, message):
+    with pytest.raises(error, match=message):
+        make_model(**call)

@@ -39,6 +39,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+import jinja2
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -104,8 +105,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     Raises:
         ArtifactError: ``path`` holds an artifact (without ``force``) or other files, or an example
             argument is neither a tensor nor a plain number.
-        TilecError: nvcc failed, or ``TILEC_NVCC`` names a program that does not run as nvcc
-            (nothing is written).
+        TilecError: nvcc failed, ``TILEC_NVCC`` names a program that does not run as nvcc, or a
+            codegen template is missing or broken (nothing is written).
     """
     final = Path(path)
     check_target(final, force)
@@ -117,6 +118,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     try:
         sources, cuda_note = codegen.render(plan), None
     except TilecError as e:  # e.g. a dtype without a CUDA implementation: still runs on the reference executor
+        if isinstance(e.__cause__, jinja2.TemplateError):  # a broken installation or template: not a note
+            raise
         sources, cuda_note = {}, str(e)
     lib = None
     if build and sources:

@@ -28,21 +28,36 @@ def make_model(name: str, dtype=torch.float32, device="cpu", layers: int | None 
                **overrides):
     """An HF causal LM with the named shapes and random weights (``attn_implementation="sdpa"``).
 
-    ``overrides`` replace config fields of the named shapes (e.g. ``num_attention_heads=16``).
+    ``layers`` replaces the number of decoder layers; ``overrides`` replace other config fields of
+    the named shapes (e.g. ``num_attention_heads=16``).
 
     Raises:
-        KeyError: an unknown name or a field the named shapes do not have.
+        KeyError: an unknown name, or a field the named shapes do not have (``arch`` comes with
+            the name).
+        ValueError: ``layers`` below 1 or given twice (also as ``num_hidden_layers``), or query
+            heads that are not a multiple of the KV heads.
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    if name not in CONFIGS:
+        raise KeyError(f"make_model: no model named {name!r}; the zoo has {sorted(CONFIGS)}")
     kw = dict(CONFIGS[name])
     arch = kw.pop("arch")
     unknown = sorted(set(overrides) - set(kw))
     if unknown:
-        raise KeyError(f"make_model({name!r}): no config field(s) {unknown} to override; it has {sorted(kw)}")
+        raise KeyError(f"make_model({name!r}): no config field(s) {unknown} to override; it has {sorted(kw)} "
+                       f"(its architecture, {arch}, comes with the name)")
+    if layers is not None and "num_hidden_layers" in overrides:
+        raise ValueError(f"make_model({name!r}): the layer count given twice (layers={layers}, "
+                         f"num_hidden_layers={overrides['num_hidden_layers']})")
     kw.update(overrides)
     if layers is not None:
         kw["num_hidden_layers"] = layers
+    if kw["num_hidden_layers"] < 1:
+        raise ValueError(f"make_model({name!r}): {kw['num_hidden_layers']} layers; at least 1")
+    if kw["num_attention_heads"] % kw["num_key_value_heads"]:
+        raise ValueError(f"make_model({name!r}): {kw['num_attention_heads']} query heads are not a multiple of "
+                         f"{kw['num_key_value_heads']} KV heads")
     cls_cfg, cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
     cfg = cls_cfg(max_position_embeddings=8192, **kw)
     cfg._attn_implementation = "sdpa"

@@ -24,8 +24,9 @@ C_TYPES = {
     torch.bool: "bool",
     torch.float8_e4m3fn: "__nv_fp8_e4m3",  # <cuda_fp8.h>
 }
+_TEMPLATES = Path(__file__).parent / "templates"
 _ENV = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+    loader=jinja2.FileSystemLoader(_TEMPLATES),
     undefined=jinja2.StrictUndefined,
     keep_trailing_newline=True,
     trim_blocks=True,
@@ -78,6 +79,9 @@ def variants(plan: KernelPlan) -> list[Variant]:
 def _render(name: str, **ctx) -> str:
     try:
         return _ENV.get_template(name).render(**ctx)
+    except jinja2.TemplateNotFound as e:
+        raise TilecError(f"codegen template {name} is missing from tilec's installation ({_TEMPLATES}): "
+                         f"reinstall tilec") from e
     except jinja2.TemplateError as e:
         where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         raise TilecError(f"codegen template {name}{where}: {e}; context keys: {sorted(ctx)}") from e
