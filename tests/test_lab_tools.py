@@ -141,10 +141,12 @@ def test_layer_phases_names_and_times_the_layer_phases():
     """Hand-made trace of an embedding (no phase) and two layers on two workers: q / k / v (siblings
     overlapping in time), the attention, o_proj, gate / up and down (both on the MLP's source line),
     with tiles of unequal times; every column is checked on its own values."""
-    def sl(w, ts, dur, op, src, mark1=None):
+    def sl(w, ts, dur, op, src, mark1=None, mark2=None):
         args = {"worker": w, "op": op, "source": src}
         if mark1 is not None:
             args["mark1_us"] = mark1
+        if mark2 is not None:
+            args["mark2_us"] = mark2
         return {"ph": "X", "ts": ts, "dur": dur, "cat": "linear_fused", "args": args}
     mlp = "down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))"
     ev = [sl(0, 0.0, 2.0, "emb", "inputs_embeds = self.embed_tokens(input_ids)")]
@@ -157,7 +159,7 @@ def test_layer_phases_names_and_times_the_layer_phases():
                sl(0, t + 19, 4.0, "o" + n, "a = self.o_proj(a)"),
                sl(1, t + 21, 2.0, "o" + n, "a = self.o_proj(a)", 0.5),
                sl(0, t + 24, 10.0, "gate" + n, mlp), sl(1, t + 25, 12.0, "up" + n, mlp),
-               sl(0, t + 38, 6.0, "down" + n, mlp, 2.0), sl(1, t + 40 + layer, 4.0, "down" + n, mlp)]
+               sl(0, t + 38, 6.0, "down" + n, mlp, 2.0, 3.0 + layer), sl(1, t + 40 + layer, 4.0, "down" + n, mlp, None, 2.0)]
     rows = layer_phase_rows({"traceEvents": ev})
     assert list(rows) == ["qkv", "attn", "o", "gateup", "down"]
     assert all(r["n"] == 2 for r in rows.values())
@@ -170,6 +172,7 @@ def test_layer_phases_names_and_times_the_layer_phases():
     assert (o["tile"], o["first"], o["last"], o["last_m1"]) == (3.0, 1.0, 3.0, 3.5)
     assert (gu["span"], gu["tile"], gu["first"], gu["last"]) == (13.0, 11.0, 1.0, 2.0)
     assert (d["span"], d["tile"], d["first"], d["last"]) == (6.5, 5.0, 1.0, 3.5)  # down's last start: 40, 41
+    assert d["mark2"] == 2.75 and math.isnan(q["mark2"])  # medians 2.5 and 3.0 over the two layers; q has none
 
 
 def test_layer_phases_cli_refuses_what_it_cannot_read(tmp_path, monkeypatch, capsys):

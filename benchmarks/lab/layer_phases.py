@@ -13,6 +13,9 @@ medians in µs of:
 * ``tile``: the median tile (instruction) time;
 * ``mark1``: the median time from a tile's start to its mark 1 (a GEMV's x staged, a split-KV
   partial's queries staged; a tile's start is when its event wait returned);
+* ``mark2``: the same to its mark 2 (a GEMV's first weight stage in, a split-KV partial's scores
+  and softmax done; with ``benchmarks/lab/patches/s34-tail-marks.patch`` a batch-1 ring GEMV's mark 1
+  is its last weight stage in and mark 2 the barrier after every warp's last item);
 * ``first`` / ``last``: from the previous phase's last end to this phase's first / last tile start
   (the step's first op has none: these columns may have one value fewer than ``n``). ``first`` is
   negative when a tile's own producers finished before the previous phase's last tile (split-KV
@@ -47,7 +50,7 @@ from tilec.tracefile import read_trace  # noqa: E402  (no torch)
 SOURCES = (("qkv", r"\b[qkv]_proj\("), ("attn", r"attention_interface\(|scaled_dot_product_attention\("),
            ("o", r"\bo_proj\("), ("mlp", r"\bdown_proj\("), ("lm", r"\blm_head\("))
 NAMES = ("qkv", "attn", "o", "gateup", "down", "lm")
-COLUMNS = ("span", "tile", "mark1", "first", "last", "last_m1")
+COLUMNS = ("span", "tile", "mark1", "mark2", "first", "last", "last_m1")
 
 
 def _source_class(e: dict) -> str | None:
@@ -91,9 +94,10 @@ def phase_rows(trace: dict) -> dict[str, dict[str, float]]:
         c["n"].append(1)
         c["span"].append(max(ends) - min(starts))
         c["tile"].append(statistics.median(e["dur"] for e in es))
-        m1 = [e["args"]["mark1_us"] for e in es if e["args"].get("mark1_us") is not None]
-        if m1:
-            c["mark1"].append(statistics.median(m1))
+        for k in ("mark1", "mark2"):
+            m = [e["args"][f"{k}_us"] for e in es if e["args"].get(f"{k}_us") is not None]
+            if m:
+                c[k].append(statistics.median(m))
         if prev_end is not None:
             last = max(es, key=lambda e: e["ts"])
             c["first"].append(min(starts) - prev_end)
