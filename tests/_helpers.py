@@ -137,6 +137,16 @@ def attention_graph(b, hq, hkv, sq, s, d, dv, causal=True, scale=0.125, dtype=to
                    max_positions=s - sq + 1 if causal else 1)
 
 
+def run_plan(plan, executor, tensors: dict, position: int, device) -> dict:
+    """Runs ``plan`` once on ``executor`` at decode ``position`` over ``tensors`` (name -> tensor),
+    adding every other buffer of the plan filled with NaN (so a read of an unwritten element
+    shows); returns ``tensors``."""
+    for name, buf in plan.graph.buffers.items():
+        tensors.setdefault(name, torch.full(buf.shape, float("nan"), dtype=buf.dtype, device=device))
+    executor.run(tensors, plan.bind(tensors, position))
+    return tensors
+
+
 def rope_append_graph(b, hq, hkv, sq, s, d, dv, dtype=torch.float32):
     """A decode step's attention with its cache writes: the queries' and the new keys' rotate-half
     RoPE (ops ``rope``; cos / sin [b, sq, d] inputs broadcast over the heads), the new keys and
@@ -217,10 +227,7 @@ def append_fold_results(case, executor: str, device: str):
     for p in positions:
         res = {}
         for fold, (plan, ex) in runs.items():
-            t = {n: x.clone() for n, x in inputs.items()}
-            for n, buf in plan.graph.buffers.items():
-                t.setdefault(n, torch.full(buf.shape, float("nan"), dtype=buf.dtype, device=device))
-            ex.run(t, plan.bind(t, p))
+            t = run_plan(plan, ex, {n: x.clone() for n, x in inputs.items()}, p, device)
             res[fold] = {n: t[n] for n in ("out", "k", "v")}
         out.append((p, res))
     return out

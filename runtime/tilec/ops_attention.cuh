@@ -200,8 +200,9 @@ __device__ void attention_partial_impl(TileCtx& c, int seg) {
         // phase 10.46 against 10.67 us), Llama-3.1-8B 4.775 against 4.777.
         const int a0 = kAppend ? (int)max((long long)j0, valid - 1) : 0;
         const int a1 = kAppend ? (int)min((long long)jend, valid - 1 + Sq) : 0;
-        // the new rows jj0 <= jj < jj1 of the segment at p0 (len rows) or, with wglob, also the slots:
-        // element e of (jj1 - jj0) x (D + Dv): its value (loads only) and its stores
+        // Element e of the new rows staged from row jj0 of the segment at p0, in rows of D + Dv (a
+        // K row, then its V row): append_val loads its value (and says its staged row jj and
+        // element d), append_store writes it there and, with wglob, into the cache slot.
         auto append_val = [&](int p0, int jj0, int e, int& jj, int& d) -> float {
           const int r = e / (D + Dv);
           jj = jj0 + r;

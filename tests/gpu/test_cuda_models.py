@@ -91,6 +91,29 @@ def test_decode_matches_eager(name, batch, context, steps):
     assert c < 2e-2
 
 
+def greedy_on_off(model, cache, tok, batch: int, position: int, options, steps: int = 10) -> dict:
+    """For fold True and False: the decode step compiled with ``options(fold)`` over a copy of
+    ``cache``, run ``steps`` greedy steps from ``position``: ``{fold: (logits per step, the cache
+    copy, the step)}``."""
+    out = {}
+    for fold in (True, False):
+        c = copy.deepcopy(cache)
+        step = compile_decode_step(model, c, batch, options=options(fold))
+        logits, t = [], tok
+        for i in range(steps):
+            logits.append(step(t, position + i).clone())
+            t = logits[-1].argmax(-1)
+        out[fold] = (logits, c, step)
+    return out
+
+
+def assert_on_off_bitwise(out: dict, position: int) -> None:
+    """:func:`greedy_on_off`'s two runs gave bitwise the same logits at every step and the same caches."""
+    for i, (a, b) in enumerate(zip(out[True][0], out[False][0])):
+        assert torch.equal(a, b), f"step {i} (position {position + i}): logits differ"
+    assert cache_rel(out[True][1], out[False][1]) == 0.0
+
+
 @pytest.mark.parametrize("name,batch", [("llama-tiny", 1), ("qwen3-tiny", 2)])
 @pytest.mark.parametrize("option", ["fold_rope", "fold_kv_append", "fold_combine"])
 def test_folds_are_bitwise(name, batch, option):
@@ -102,21 +125,14 @@ def test_folds_are_bitwise(name, batch, option):
     into the next split; Qwen3 also normalizes q and k before their RoPE)."""
     model = make_model(name, torch.bfloat16, DEV)
     cache, tok = prefill(model, batch, 40, 56, DEV)
-    out = {}
-    for fold in (True, False):
-        c = copy.deepcopy(cache)
-        step = compile_decode_step(model, c, batch, options={option: fold, "attn_kv_chunk": 16})
+    out = greedy_on_off(model, cache, tok, batch, 40, lambda fold: {option: fold, "attn_kv_chunk": 16})
+    folded = {}
+    for fold, (_, _, step) in out.items():
         kinds = [op.kind for op in step.program.compiled.stages["gemv_groups"].ops]
         assert kinds.count("attention_partial") == model.config.num_hidden_layers
-        logits, t = [], tok
-        for i in range(10):
-            logits.append(step(t, 40 + i).clone())
-            t = logits[-1].argmax(-1)
-        out[fold] = (logits, c, kinds.count("rope") + kinds.count("cache_write") + kinds.count("attention_combine"))
-    assert out[True][2] < out[False][2]  # the folded ops are gone
-    for i, (a, b) in enumerate(zip(out[True][0], out[False][0])):
-        assert torch.equal(a, b), f"step {i} (position {40 + i}): logits differ"
-    assert cache_rel(out[True][1], out[False][1]) == 0.0
+        folded[fold] = kinds.count("rope") + kinds.count("cache_write") + kinds.count("attention_combine")
+    assert folded[True] < folded[False]  # the folded ops are gone
+    assert_on_off_bitwise(out, 40)
 
 
 @pytest.mark.parametrize("heads", [8, 16])  # 2 KV heads: 4 or 8 queries a head group, one or two passes of 4
@@ -128,22 +144,13 @@ def test_append_in_later_segment_is_bitwise(heads):
     segments of split 0; logits and cache bitwise those of the plan with separate cache writes."""
     model = make_model("llama-tiny", torch.bfloat16, DEV, num_attention_heads=heads)
     cache, tok = prefill(model, 1, 124, 300, DEV)
-    out = {}
-    for fold in (True, False):
-        c = copy.deepcopy(cache)
-        step = compile_decode_step(model, c, 1, options={"fold_kv_append": fold, "attn_kv_chunk": 256})
+    out = greedy_on_off(model, cache, tok, 1, 124, lambda fold: {"fold_kv_append": fold, "attn_kv_chunk": 256})
+    for _, _, step in out.values():
         # the staged segment: runtime/tilec/ops_attention.cuh attn_staged_seg (4 queries, D = Dv = 32)
         floats = smem.scratch_bytes(step.program.plan.graph) // 4
         seg = min(256, (floats - 4 * 256 - 32 - 4 * (39 + 19)) // (4 + 4 // 2 + (32 + 32 + 16) // 2))
         assert 124 < seg <= 133, f"segment of {seg} positions: positions 124..133 no longer cross one"
-        logits, t = [], tok
-        for i in range(10):
-            logits.append(step(t, 124 + i).clone())
-            t = logits[-1].argmax(-1)
-        out[fold] = (logits, c)
-    for i, (a, b) in enumerate(zip(out[True][0], out[False][0])):
-        assert torch.equal(a, b), f"step {i} (position {124 + i}): logits differ"
-    assert cache_rel(out[True][1], out[False][1]) == 0.0
+    assert_on_off_bitwise(out, 124)
 
 
 def test_repeatable_bitwise():

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _helpers import APPEND_CASES, append_fold_results
+from _helpers import APPEND_CASES, append_fold_results, run_plan
 from tilec.api import compile_module
 
 DEV = "cuda"
@@ -322,12 +322,7 @@ def _attention_plan(b, hq, hkv, sq, s, d, dv, dtype, kv_layout, **opts):
 
 
 def _run_plan(plan, executor, q, k, v, p):
-    tensors = {"q": q, "k": k, "v": v}
-    for name, buf in plan.graph.buffers.items():
-        if name not in tensors:
-            tensors[name] = torch.full(buf.shape, float("nan"), dtype=buf.dtype, device=q.device)
-    executor.run(tensors, plan.bind(tensors, p))
-    return tensors["out"]
+    return run_plan(plan, executor, {"q": q, "k": k, "v": v}, p, q.device)["out"]
 
 
 # (batch, Hq, Hkv, Sq, S, position p, D, Dv, dtype, cache layout, attn_kv_chunk: None = auto)
