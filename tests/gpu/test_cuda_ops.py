@@ -262,6 +262,35 @@ def test_embedding_concat_copy(dtype):
     check(Emb(dtype), (torch.randint(0, 1000, (3, 1)), torch.randn(5, 7, dtype=dtype)), dtype, tile_cols=40)
 
 
+class Gather(torch.nn.Module):
+    def __init__(self, rows, dim, dtype):
+        super().__init__()
+        self.e = torch.nn.Embedding(rows, dim, dtype=dtype)
+
+    def forward(self, ids):
+        return self.e(ids)
+
+
+@pytest.mark.parametrize("dtype,dim,tile_cols", [(torch.bfloat16, 2048, 1024), (torch.bfloat16, 96, 40),
+                                                  (torch.float16, 64, None), (torch.float32, 96, 40),
+                                                  (torch.bfloat16, 12, None), (torch.bfloat16, 96, 36)])
+def test_embedding_rows(dtype, dim, tile_cols):
+    """The gather's 16-byte path (rows a multiple of 8 wide, tiles starting on a 16-byte boundary)
+    and its element-by-element fallback (rows of 12; tiles of 36 columns) copy eager's rows
+    exactly, and an id outside the table gives a NaN row (no out-of-bounds read)."""
+    torch.manual_seed(0)
+    m = Gather(1000, dim, dtype).to(DEV)
+    ids = torch.tensor([[3], [999], [0], [517]], device=DEV)
+    prog = compile_module(m, (ids,), options=dict(executor="cuda", workers=7, tile_cols=tile_cols))
+    with torch.no_grad():
+        want = m(ids)
+    assert torch.equal(prog(ids), want)
+    bad = torch.tensor([[5], [1000], [-1], [2]], device=DEV)
+    got = prog(bad)
+    assert torch.isnan(got[1:3].float()).all()
+    assert torch.equal(got[0], m.e.weight[5:6]) and torch.equal(got[3], m.e.weight[2:3])
+
+
 class VIntoCache(torch.nn.Module):
     """v = 2 x as heads (exact in any dtype, so eager and tilec agree bitwise), written into
     ``cache`` at ``pos`` (a ``cache_write`` op)."""
