@@ -362,3 +362,32 @@ def test_compile_module_call_mistakes_are_named(call, pattern):
     AttributeError, an unexplained unknown option, or - a bare tensor - iterated row by row)."""
     with pytest.raises(ValueError, match=pattern):
         call(torch.nn.Linear(4, 4), torch.randn(2, 4))
+
+
+class TwoCounters(torch.nn.Module):
+    """Two position inputs advanced in place (HF caches' per-layer ``cumulative_length += 1``)."""
+
+    def forward(self, x, pos, c1, c2):
+        c1.add_(1)
+        c2.add_(1)
+        return x * 2 + pos
+
+
+def test_position_arguments_as_ints_tensors_and_one_shared_counter():
+    """The decode position may come as an int or a one-element tensor; each counter argument ends
+    at position + 1, also when one tensor is passed for both (updated once, as eager leaves it);
+    arguments holding different positions are refused before anything runs."""
+    torch.manual_seed(0)
+    m, x = TwoCounters(), torch.randn(1, 8)
+    prog = compile_module(m, (x, torch.tensor([3]), torch.tensor(3), torch.tensor(3)), positions=[1, 2, 3],
+                          max_positions=16)
+    a, b = torch.tensor(4), torch.tensor(4)
+    assert torch.equal(prog(x, torch.tensor([4]), a, b), x * 2 + 4)
+    assert int(a) == int(b) == 5
+    shared = torch.tensor(6)
+    assert torch.equal(prog(x, 6, shared, shared), x * 2 + 6)
+    assert int(shared) == 7
+    c1, c2 = torch.tensor(6), torch.tensor(7)
+    with pytest.raises(TilecError, match=r"position arguments disagree: \[6, 7\]"):
+        prog(x, 6, c1, c2)
+    assert int(c1) == 6 and int(c2) == 7

@@ -137,10 +137,10 @@ class HFDecodeStep:
             if bad:
                 raise ValueError(f"position {position}, but the cache holds {bad[0]} tokens: "
                                  f"decode steps must write consecutive positions")
-        pos = torch.tensor([position], dtype=torch.int64)
-        counter = torch.tensor(position)  # every layer's counter argument (a host scalar)
-        state = [counter if t.dim() == 0 else t for t in self.module.state()]
-        logits = self.program(input_ids, pos, *state)
+        # the position argument and every layer's counter argument as the int (no host tensors to
+        # parse; the cache's own counters are advanced below)
+        state = [position if t.dim() == 0 else t for t in self.module.state()]
+        logits = self.program(input_ids, position, *state)
         if counters:  # advance the cache's own counters as eager HF would (two kernels, no sync)
             torch._foreach_zero_(counters)
             torch._foreach_add_(counters, position + input_ids.shape[1])

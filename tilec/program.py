@@ -12,6 +12,7 @@ from .refexec import ReferenceExecutor
 
 
 STAGE_INPUT_BYTES = 64 * 1024  # read-only inputs up to this size are copied, larger ones bound in place
+_TENSOR, _POSITION, _IGNORED = range(3)  # what an argument of the compiled step is (CompiledProgram._arg_specs)
 
 
 class CompiledProgram:
@@ -60,6 +61,14 @@ class CompiledProgram:
             else:
                 continue
             self.tensors[name] = t.contiguous()
+        # per argument: (kind, buffer name, shape, dtype, staged, updated in place)
+        self._arg_specs = [(_POSITION if name == POSITION else _IGNORED, name, None, None, False, False)
+                           if name in (POSITION, IGNORED) else
+                           (_TENSOR, name, self.graph.buffers[name].shape, self.graph.buffers[name].dtype,
+                            name in self.staged_inputs,
+                            self.graph.buffers[name].kind is BufferKind.STATE or name in written)
+                           for name in self.graph.inputs]
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         # buffers bound from the call's arguments (the rest are bound once, above)
         self._arg_buffers = [n for n in self.graph.inputs if n in self.graph.buffers and n not in self.tensors]
         self._tables: dict[tuple, torch.Tensor] = {}
@@ -76,39 +85,39 @@ class CompiledProgram:
 
     def bind_args(self, args) -> tuple[dict[str, torch.Tensor], int]:
         """Checks the call arguments and returns (buffer tensors, decode position)."""
-        want = self.graph.inputs
-        if len(args) != len(want):
-            raise TilecError(f"compiled step takes {len(want)} arguments, got {len(args)}")
+        if len(args) != len(self._arg_specs):
+            raise TilecError(f"compiled step takes {len(self._arg_specs)} arguments, got {len(args)}")
         tensors = dict(self.tensors)
-        positions = set()
-        for i, (name, a) in enumerate(zip(want, args)):
-            if name == IGNORED:
+        p_seen = None
+        for i, a in enumerate(args):
+            kind, name, shape, dtype, staged, inplace = self._arg_specs[i]
+            if kind == _IGNORED:
                 continue
-            if name == POSITION:
-                p = int(torch.as_tensor(a).reshape(-1)[0])
+            if kind == _POSITION:
+                p = a if type(a) is int else int(a.reshape(-1)[0]) if isinstance(a, torch.Tensor) \
+                    else int(torch.as_tensor(a).reshape(-1)[0])
                 if not 0 <= p < self.graph.max_positions:
                     raise TilecError(f"argument {i} holds decode position {p}, outside the planned range "
                                      f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
                                      f"as the decode position; recompile with a larger max_positions)")
-                positions.add(p)
+                if p_seen is not None and p != p_seen:
+                    raise TilecError(f"position arguments disagree: {sorted({p, p_seen})}")
+                p_seen = p
                 continue
-            b = self.graph.buffers[name]
-            if not isinstance(a, torch.Tensor) or tuple(a.shape) != b.shape or a.dtype != b.dtype:
+            if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
-                raise TilecError(f"argument {i} ({name}): expected {b.dtype}{list(b.shape)}, got {got}")
-            if a.device != self.device:
+                raise TilecError(f"argument {i} ({name}): expected {dtype}{list(shape)}, got {got}")
+            if a.get_device() != self._device_index or (self._device_index < 0 and not a.is_cpu):
                 raise TilecError(f"argument {i} ({name}) is on {a.device}, the compiled step runs on {self.device}")
-            if name in self.staged_inputs:
+            if staged:
                 tensors[name].copy_(a)  # a small read-only input: into the program's own buffer
                 continue
             if not a.is_contiguous():
-                if b.kind is BufferKind.STATE or name in self._written:
+                if inplace:
                     raise TilecError(f"argument {i} ({name}) is updated in place and must be contiguous")
                 a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             tensors[name] = a
-        if len(positions) > 1:
-            raise TilecError(f"position arguments disagree: {sorted(positions)}")
-        return tensors, positions.pop() if positions else 0
+        return tensors, 0 if p_seen is None else p_seen
 
     def _table(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The operand table for this call's tensors: only buffers bound from the call's arguments
@@ -128,9 +137,12 @@ class CompiledProgram:
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
                     tensors[name].fill_(float("nan"))
         self.executor.run(tensors, self._table(tensors), position=p)
-        for idx, values in self.graph.position_updates:
-            if isinstance(args[idx], torch.Tensor):
-                args[idx].copy_(values[p].reshape(args[idx].shape))
+        updated = set()  # one tensor passed for several arguments: its last update is what eager leaves
+        for idx, values in reversed(self.graph.position_updates):
+            a = args[idx]
+            if isinstance(a, torch.Tensor) and id(a) not in updated:
+                updated.add(id(a))
+                a.copy_(values[p].reshape(a.shape))
         outs = []
         for v in self.graph.outputs:
             whole = tensors[v.buffer]
