@@ -375,8 +375,10 @@ class TwoCounters(torch.nn.Module):
 
 def test_position_arguments_as_ints_tensors_and_one_shared_counter():
     """The decode position may come as an int or a one-element tensor; each counter argument ends
-    at position + 1, also when one tensor is passed for both (updated once, as eager leaves it);
-    arguments holding different positions are refused before anything runs."""
+    at position + 1, also when one tensor is passed for both (tilec tabulates each counter's new
+    value from the position, so it writes position + 1 there; eager, adding 1 twice to the one
+    tensor, would leave position + 2); arguments holding different positions are refused before
+    anything runs."""
     torch.manual_seed(0)
     m, x = TwoCounters(), torch.randn(1, 8)
     prog = compile_module(m, (x, torch.tensor([3]), torch.tensor(3), torch.tensor(3)), positions=[1, 2, 3],

@@ -88,7 +88,7 @@ class CompiledProgram:
         if len(args) != len(self._arg_specs):
             raise TilecError(f"compiled step takes {len(self._arg_specs)} arguments, got {len(args)}")
         tensors = dict(self.tensors)
-        p_seen = None
+        positions = set()
         for i, a in enumerate(args):
             kind, name, shape, dtype, staged, inplace = self._arg_specs[i]
             if kind == _IGNORED:
@@ -100,14 +100,12 @@ class CompiledProgram:
                     raise TilecError(f"argument {i} holds decode position {p}, outside the planned range "
                                      f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
                                      f"as the decode position; recompile with a larger max_positions)")
-                if p_seen is not None and p != p_seen:
-                    raise TilecError(f"position arguments disagree: {sorted({p, p_seen})}")
-                p_seen = p
+                positions.add(p)
                 continue
             if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
                 raise TilecError(f"argument {i} ({name}): expected {dtype}{list(shape)}, got {got}")
-            if a.get_device() != self._device_index or (self._device_index < 0 and not a.is_cpu):
+            if not (a.is_cuda and a.get_device() == self._device_index if self._device_index >= 0 else a.is_cpu):
                 raise TilecError(f"argument {i} ({name}) is on {a.device}, the compiled step runs on {self.device}")
             if staged:
                 tensors[name].copy_(a)  # a small read-only input: into the program's own buffer
@@ -117,7 +115,9 @@ class CompiledProgram:
                     raise TilecError(f"argument {i} ({name}) is updated in place and must be contiguous")
                 a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             tensors[name] = a
-        return tensors, 0 if p_seen is None else p_seen
+        if len(positions) > 1:
+            raise TilecError(f"position arguments disagree: {sorted(positions)}")
+        return tensors, positions.pop() if positions else 0
 
     def _table(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The operand table for this call's tensors: only buffers bound from the call's arguments
@@ -137,11 +137,12 @@ class CompiledProgram:
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
                     tensors[name].fill_(float("nan"))
         self.executor.run(tensors, self._table(tensors), position=p)
-        updated = set()  # one tensor passed for several arguments: its last update is what eager leaves
-        for idx, values in reversed(self.graph.position_updates):
+        # in order, but one tensor passed for several arguments gets only its last update (they all
+        # write a value tabulated from p, so the same value as writing each in turn)
+        last = {id(args[idx]): k for k, (idx, _) in enumerate(self.graph.position_updates)}
+        for k, (idx, values) in enumerate(self.graph.position_updates):
             a = args[idx]
-            if isinstance(a, torch.Tensor) and id(a) not in updated:
-                updated.add(id(a))
+            if isinstance(a, torch.Tensor) and last[id(a)] == k:
                 a.copy_(values[p].reshape(a.shape))
         outs = []
         for v in self.graph.outputs:

@@ -271,17 +271,20 @@ class Gather(torch.nn.Module):
         return self.e(ids)
 
 
-@pytest.mark.parametrize("dtype,dim,tile_cols", [(torch.bfloat16, 2048, 1024), (torch.bfloat16, 96, 40),
-                                                  (torch.float16, 64, None), (torch.float32, 96, 40),
-                                                  (torch.bfloat16, 12, None), (torch.bfloat16, 96, 36)])
-def test_embedding_rows(dtype, dim, tile_cols):
+@pytest.mark.parametrize("dtype,dim,tile_cols,tile_rows", [
+    (torch.bfloat16, 2048, 1024, 1), (torch.bfloat16, 96, 40, 1), (torch.float16, 64, None, 1),
+    (torch.float32, 96, 40, 1), (torch.bfloat16, 12, None, 1), (torch.bfloat16, 96, 36, 1), (torch.float32, 12, None, 1),
+    (torch.bfloat16, 2048, 2048, 4), (torch.bfloat16, 1100, 2048, 4)])
+def test_embedding_rows(dtype, dim, tile_cols, tile_rows):
     """The gather's 16-byte path (rows a multiple of 8 wide, tiles starting on a 16-byte boundary)
-    and its element-by-element fallback (rows of 12; tiles of 36 columns) copy eager's rows
-    exactly, and an id outside the table gives a NaN row (no out-of-bounds read)."""
+    and its element-by-element fallback (rows of 12 or 1100; tiles of 36 columns), each also over
+    a box of more than 4096 elements (tiles of 4 rows of 2048 / 1100: the batched loops), copy
+    eager's rows exactly, and an id outside the table gives a NaN row (no out-of-bounds read)."""
     torch.manual_seed(0)
     m = Gather(1000, dim, dtype).to(DEV)
     ids = torch.tensor([[3], [999], [0], [517]], device=DEV)
-    prog = compile_module(m, (ids,), options=dict(executor="cuda", workers=7, tile_cols=tile_cols))
+    prog = compile_module(m, (ids,), options=dict(executor="cuda", workers=7, tile_cols=tile_cols,
+                                                         tile_rows=tile_rows))
     with torch.no_grad():
         want = m(ids)
     assert torch.equal(prog(ids), want)
@@ -482,3 +485,26 @@ def test_bmm(dtype, eq, b, m, k, n, tile_n):
     w = torch.randn(*(size[ch] for ch in lhs[1]), dtype=dtype) / k ** 0.5
     prog = check(Einsum(eq, w), (a,), dtype, tile_n=tile_n)
     assert [op.kind for op in prog.graph.ops] == ["bmm"]
+
+
+def test_refused_launch_leaves_the_program_usable():
+    """A launch refused by the co-residency check (far more workers than the GPU holds) after the
+    kernel was set up for another shared-memory size must not leave a later launch of the plan
+    failing: the launcher caches its set-up only once the checks pass (a reviewer's reproducer)."""
+    from tilec.errors import TilecError
+
+    torch.manual_seed(0)
+    m = Lin(2048, 2048, False, torch.bfloat16).to(DEV)
+    x = torch.randn(1, 2048, dtype=torch.bfloat16, device=DEV)
+    prog = compile_module(m, (x,), options=dict(executor="cuda"))
+    want = prog(x)
+    ex = prog.executor
+    if not ex.plan.ring_stages:
+        pytest.skip("the plan streams no weights (no ring depth to change)")
+    depth = ex.ring_stages
+    ex.use_ring_stages(3 if depth == 2 else 2)
+    with pytest.raises(TilecError, match="cannot be co-resident"):
+        ex.run({}, ex._last_table, queues=ex.queues.repeat(200, 1, 1))
+    ex.use_ring_stages(depth)
+    assert torch.equal(prog(x), want)
+    assert torch.equal(prog(x), want)
