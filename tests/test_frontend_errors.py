@@ -393,3 +393,23 @@ def test_position_arguments_as_ints_tensors_and_one_shared_counter():
     with pytest.raises(TilecError, match=r"position arguments disagree: \[6, 7\]"):
         prog(x, 6, c1, c2)
     assert int(c1) == 6 and int(c2) == 7
+
+
+class BufferCache(torch.nn.Module):
+    """A cache kept as a module buffer and written in place (a fresh user's module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(2, 16, 8))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(1, pos, x)
+        return self.cache[:, :4] * 2
+
+
+def test_in_place_update_of_a_module_buffer_is_refused_at_compile_time():
+    """Nothing would bind the buffer when the program runs ("no tensor bound" on every call), so
+    the compile refuses it, naming the write's source line and what to do instead."""
+    with pytest.raises(UnsupportedNodeError, match=r"(?s)in-place update of b_cache, a buffer of the module rather "
+                                                   r"than a forward argument.*index_copy_\(1, pos, x\)"):
+        compile_module(BufferCache(), (torch.randn(2, 1, 8), torch.tensor([3])), positions=[1], max_positions=16)

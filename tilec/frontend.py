@@ -1320,6 +1320,11 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
                     if target in binding.positions:
                         low.position_update(r, target, r)
                         continue
+                    if target in binding.consts:  # no argument binds it, so the program could never run
+                        low._unsupported(r, f"in-place update of {target}, a buffer of the module rather than a "
+                                            f"forward argument: tilec updates state its caller passes in (a KV "
+                                            f"cache argument, as HF's StaticCache layers are); pass the tensor to "
+                                            f"forward instead of keeping it as a module buffer")
                     v = low.value(r)
                     if not (isinstance(v, View) and v.buffer == target and target in low.state_writes):
                         low._unsupported(r, f"in-place update of input {target} that is not a KV-cache write "
