@@ -500,6 +500,22 @@ def test_bench_on_cpu_labels_the_reference_executor(art):
     assert re.search(r"tilec \(CPU reference executor\) +│ +\d+\.\d+ │ .*validation executor, not a speed", out)
 
 
+def test_bench_exits_4_when_the_tilec_step_fails(art, monkeypatch):
+    """The table is still printed (eager's rows timed), but a failed tilec step is a run-time error."""
+    from tilec.errors import TilecError
+    from tilec.program import CompiledProgram
+
+    def broken(self, *args):
+        raise TilecError("no tensor bound for buffer(s) ['b_cache']")
+
+    monkeypatch.setattr(CompiledProgram, "__call__", broken)
+    r = invoke("bench", art, "--iters", 2, "--warmup", 0, "--executor", "reference")
+    assert r.exit_code == 4, r.output
+    assert re.search(r"eager PyTorch \(cpu\) +│ +\d+\.\d+ │", r.stdout)
+    assert re.search(r"tilec \(CPU reference executor\) +│ +n/a │", r.stdout)
+    assert "tilec: error: tilec step: the step failed: no tensor bound for buffer(s) ['b_cache']" in r.stderr
+
+
 def test_compile_run_a_factory_without_positions(facts, tmp_path):
     out = tmp_path / "linear"
     r = invoke("compile", f"{facts}:linear", "-o", out, "-O", "workers=4", "-O", "tile_cols=none", "--no-build")

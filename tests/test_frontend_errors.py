@@ -413,3 +413,24 @@ def test_in_place_update_of_a_module_buffer_is_refused_at_compile_time():
     with pytest.raises(UnsupportedNodeError, match=r"(?s)in-place update of b_cache, a buffer of the module rather "
                                                    r"than a forward argument.*index_copy_\(1, pos, x\)"):
         compile_module(BufferCache(), (torch.randn(2, 1, 8), torch.tensor([3])), positions=[1], max_positions=16)
+
+
+@pytest.mark.parametrize("pos,got", [(torch.tensor([7.6]), r"torch.float32\[1\]"), (torch.tensor([True]), r"torch.bool\[1\]"),
+                                     (torch.tensor([5, 9]), r"torch.int64\[2\]"), (7.0, "float"), (True, "bool"),
+                                     ([4], "list")])
+def test_a_position_argument_must_be_one_integer(pos, got):
+    """A float, a bool or several elements are refused (eager refuses them as indices too), before
+    anything runs; ints, numpy ints and one-element integer tensors of any shape are read."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    m, x = TwoCounters(), torch.randn(1, 8)
+    prog = compile_module(m, (x, torch.tensor([3]), torch.tensor(3), torch.tensor(3)), positions=[1, 2, 3],
+                          max_positions=16)
+    c1, c2 = torch.tensor(4), torch.tensor(4)
+    with pytest.raises(TilecError, match=rf"argument 1 holds the decode position: expected an int or an integer "
+                                         rf"tensor of one element, got {got}$"):
+        prog(x, pos, c1, c2)
+    assert int(c1) == int(c2) == 4
+    for ok in (np.int64(4), torch.tensor([[4]], dtype=torch.int32)):
+        assert torch.equal(prog(x, ok, torch.tensor(4), torch.tensor(4)), x * 2 + 4)

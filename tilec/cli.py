@@ -673,6 +673,7 @@ def bench(progress: Progress, artifact_dir: Path, executor: str | None, iters: i
         label = "tilec (persistent CUDA kernel)" if cuda else "tilec (CPU reference executor)"
         times, note = _try_time(tilec_step, iters, warmup, program.device)
         rows.append((label, times, note or ("" if cuda else "validation executor, not a speed measurement")))
+    tilec_failed = times is None
     base = rows[0][1]
     table = Table(title=f"tilec bench {art.path} ({iters} steps, median)")
     for col, just in (("step", "left"), ("median ms", "right"), ("min ms", "right"), ("vs eager", "right"),
@@ -686,6 +687,8 @@ def bench(progress: Progress, artifact_dir: Path, executor: str | None, iters: i
         speed = f"{statistics.median(base) / med:.2f}x" if base else ""
         table.add_row(label, f"{med * 1e3:.3f}", f"{min(times) * 1e3:.3f}", speed, note)
     Console(width=140).print(table)
+    if tilec_failed:  # the table is still printed, but the command failed (a run-time error)
+        raise Failure(f"tilec step: {rows[-1][2].removeprefix('n/a: ')}", EXIT_ERROR)
 
 
 def _repeatable(fn, args: list, positions: list[int]):

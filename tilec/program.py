@@ -1,6 +1,8 @@
 """A compiled program: the KernelPlan plus the tensors it binds, callable like the module."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .errors import TilecError
@@ -13,6 +15,22 @@ from .refexec import ReferenceExecutor
 
 STAGE_INPUT_BYTES = 64 * 1024  # read-only inputs up to this size are copied, larger ones bound in place
 _TENSOR, _POSITION, _IGNORED = range(3)  # what an argument of the compiled step is (CompiledProgram._arg_specs)
+
+
+def _position_of(i: int, a) -> int:
+    """The decode position argument ``a`` (argument ``i``) holds: an integer, or an integer tensor
+    of one element. Raises TilecError for anything else (a float, a bool, several elements), which
+    eager PyTorch would refuse as an index too."""
+    if isinstance(a, torch.Tensor):
+        if a.numel() == 1 and not a.dtype.is_floating_point and not a.dtype.is_complex and a.dtype != torch.bool:
+            return int(a.reshape(-1)[0])
+        got = f"{a.dtype}{list(a.shape)}"
+    elif isinstance(a, numbers.Integral) and not isinstance(a, bool):
+        return int(a)
+    else:
+        got = type(a).__name__
+    raise TilecError(f"argument {i} holds the decode position: expected an int or an integer tensor of one element, "
+                     f"got {got}")
 
 
 class CompiledProgram:
@@ -94,8 +112,7 @@ class CompiledProgram:
             if kind == _IGNORED:
                 continue
             if kind == _POSITION:
-                p = a if type(a) is int else int(a.reshape(-1)[0]) if isinstance(a, torch.Tensor) \
-                    else int(torch.as_tensor(a).reshape(-1)[0])
+                p = a if type(a) is int else _position_of(i, a)
                 if not 0 <= p < self.graph.max_positions:
                     raise TilecError(f"argument {i} holds decode position {p}, outside the planned range "
                                      f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
