@@ -434,3 +434,12 @@ def test_a_position_argument_must_be_one_integer(pos, got):
     assert int(c1) == int(c2) == 4
     for ok in (np.int64(4), torch.tensor([[4]], dtype=torch.int32)):
         assert torch.equal(prog(x, ok, torch.tensor(4), torch.tensor(4)), x * 2 + 4)
+
+
+def test_linear_of_mixed_dtypes_is_refused_like_eager():
+    """Eager raises for a float16 input into float32 weights; tilec refused nothing and computed a
+    float32 result (a fresh user's finding): now the compile names the node and the dtypes."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with pytest.raises(UnsupportedNodeError, match=r"linear of mixed dtypes \(input float16, weight float32, bias "
+                                                   r"float32\): eager PyTorch requires one dtype"):
+        compile_module(m, (torch.randn(2, 8, dtype=torch.float16),))

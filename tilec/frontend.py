@@ -501,6 +501,12 @@ class Lowering:
             if len(bv.shape) != 1:
                 self._unsupported(node, "bias that is not 1-D")
             inputs.append(bv)
+        dtypes = [self.buffers[v.buffer].dtype for v in inputs]
+        if len(set(dtypes)) > 1:  # eager raises ("expected m1 and m2 to have the same dtype")
+            names = ["input", "weight", "bias"]
+            got = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for n, d in zip(names, dtypes))
+            self._unsupported(node, f"linear of mixed dtypes ({got}): eager PyTorch requires one dtype (cast the "
+                                    f"input to the weight's dtype)")
         return self._emit(node, "linear", inputs)
 
     def _layernorm(self, node: fx.Node):
