@@ -328,3 +328,22 @@ def test_multi_token_step_plans_the_positions_that_fit():
             want = m(x, torch.tensor([p]), ref)
         assert_close(got, want, 1e-5, f"output at position {p}")
         assert_close(mine, ref, 1e-5, f"cache at position {p}")
+
+
+def test_a_float64_model_runs_eagerly_under_fallback():
+    """Inputs of a dtype tilec has no code for used to end the compile (the probe raised on the
+    placeholder: BackendCompilerFailed, a fresh user's finding); now they and every node touching
+    them run eagerly, and the result is eager's. Without fallback the error names the inputs."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).double().eval()
+    x = torch.randn(2, 8, dtype=torch.float64)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.allclose(torch.compile(m, backend="tilec")(x), m(x), rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info, torch.no_grad():
+        torch.compile(m, backend="tilec", options={"fallback": False})(x)
+    err = info.value
+    while err is not None and not isinstance(err, UnsupportedNodeError):
+        err = err.__cause__ or err.__context__
+    assert isinstance(err, UnsupportedNodeError) and "dtype torch.float64 is not supported" in str(err)

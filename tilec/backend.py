@@ -29,6 +29,7 @@ from . import __version__, plancache
 from .dump import with_dump
 from .errors import UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
+from .ir import DTYPE_CODES
 from .options import Options
 from .pipeline import compile_opgraph
 from .plan import PLAN_FORMAT
@@ -256,13 +257,26 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         for name, target, src, reason in bad:
             log.warning("running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "",
                         f": {reason}" if reason else "")
-        return _partitioned(aot_gm, flat, kinds, opts, {b[0] for b in bad})
+        return _partitioned(aot_gm, flat, kinds, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
 
     # tilec compiles inference: trace under no_grad so AOTAutograd makes an inference graph
     # (outputs carry no autograd history, also when called with grad mode on)
     with torch.no_grad():
         return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
                                      keep_inference_input_mutations=True)
+
+
+def _foreign_dtype_nodes(gm: fx.GraphModule) -> set[str]:
+    """The call nodes that read or produce a tensor of a dtype tilec has no code for (a float64
+    model): they run eagerly too, so that no tilec region gets such a tensor at its boundary (an
+    unsupported input is refused by the region's lowering, not run eagerly)."""
+    def foreign(n) -> bool:
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+        return any(isinstance(v, torch.Tensor) and v.dtype not in DTYPE_CODES for v in vals)
+
+    return {n.name for n in gm.graph.nodes if n.op == "call_function"
+            and (foreign(n) or any(foreign(a) for a in n.all_input_nodes))}
 
 
 def _partitioned(aot_gm: fx.GraphModule, flat, kinds, opts: BackendOptions, bad: set[str]):

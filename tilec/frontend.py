@@ -259,6 +259,16 @@ class Lowering:
         self.buffers[buf.name] = buf
         return buf
 
+    def _opaque(self, node: fx.Node) -> View:
+        """Probe mode: an input standing in for ``node``'s value, whatever its shape and dtype (the
+        node itself is reported), so that lowering goes on to find every unsupported node - also
+        the consumers of a value of a dtype tilec has no code for (a float64 model, a complex FFT),
+        which must run eagerly too."""
+        val = _val(node)
+        buf = Buffer(self._name(f"opaque_{node.name}"), tuple(int(s) for s in val.shape), val.dtype, BufferKind.INPUT)
+        self.buffers[buf.name] = buf
+        return View.whole(buf)
+
     def _emit(self, node: fx.Node, kind: str, inputs, out_shape=None, out_dtype=None, attrs=(), name=None) -> View:
         val = _val(node)
         shape = tuple(val.shape) if out_shape is None else tuple(out_shape)
@@ -314,7 +324,13 @@ class Lowering:
         if self.cls[node] in ("static", "pos"):
             out = self._fold(node)
         elif node.op == "placeholder":
-            out = self._placeholder(node)
+            try:
+                out = self._placeholder(node)
+            except UnsupportedNodeError as e:  # an input of a dtype / shape tilec has no code for
+                if not self.probe:
+                    raise
+                self.record(e)
+                out = self._opaque(node)
         elif self.probe:
             try:
                 out = self._lower(node)
@@ -326,9 +342,7 @@ class Lowering:
                     self.unsupported.append((node.name, target_name(node), source_of(node), str(e)))
                 for inp in node.all_input_nodes:  # find unsupported ancestors too
                     self.value(inp)
-                val = _val(node)
-                out = None if val is None else View.whole(self._new_buffer(f"opaque_{node.name}", tuple(val.shape),
-                                                                           val.dtype, BufferKind.INPUT, node=node))
+                out = None if _val(node) is None else self._opaque(node)
         else:
             out = self._lower(node)
         self.env[node] = out
@@ -1196,7 +1210,8 @@ def find_unsupported(gm: fx.GraphModule, binding: GraphBinding, max_positions: i
     for n in _lower(gm, binding, max_positions, probe=True).unsupported:
         if n[0] not in first or not first[n[0]][3]:  # once per node: its first report that gives a reason
             first[n[0]] = n
-    return list(first.values())
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}  # in graph order: a cause before its consumers
+    return sorted(first.values(), key=lambda n: order.get(n[0], len(order)))
 
 
 def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 1) -> OpGraph:
