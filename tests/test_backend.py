@@ -136,7 +136,9 @@ def test_fallback_off_lists_every_unsupported_node():
 
 
 def test_unknown_option_lists_valid_keys():
-    with pytest.raises(Exception, match="valid options: .*fallback"), torch.no_grad():
+    """The valid keys include the backend's own, and a near miss is named (as the CLI does)."""
+    with pytest.raises(Exception, match=r"unknown tilec option\(s\) \['wrokers'\] \(did you mean 'workers' for "
+                                        r"'wrokers'\?\); valid options: .*fallback"), torch.no_grad():
         torch.compile(torch.nn.Linear(4, 4), backend="tilec", options={"wrokers": 3})(torch.randn(2, 4))
 
 

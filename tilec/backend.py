@@ -30,7 +30,7 @@ from .dump import with_dump
 from .errors import UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
 from .ir import DTYPE_CODES
-from .options import Options
+from .options import Options, unknown_options_message
 from .pipeline import compile_opgraph
 from .plan import PLAN_FORMAT
 from .program import CompiledProgram
@@ -66,8 +66,7 @@ class BackendOptions:
         except ValueError as e:
             if "unknown tilec option" in str(e):
                 valid = [f.name for f in dataclasses.fields(Options)] + list(BACKEND_KEYS)
-                raise ValueError(f"unknown tilec option(s) {sorted(set(d) - set(valid))}; valid options: {valid}") \
-                    from None
+                raise ValueError(unknown_options_message(sorted(set(d) - set(valid)), valid)) from None
             raise
         if not isinstance(extra.get("fallback", True), bool):
             raise ValueError(f"tilec option fallback={extra['fallback']!r}: must be True or False")

@@ -22,6 +22,16 @@ NOT_COMPILE_OPTIONS = {
 }
 
 
+def unknown_options_message(unknown: list, valid: list[str]) -> str:
+    """The error for option names not in ``valid``: lists them, the nearest valid name of each
+    where one is close (``Workers`` -> ``workers``), where a name belongs if not here, and ``valid``."""
+    near = {u: m[0] for u in unknown if isinstance(u, str)
+            for m in [difflib.get_close_matches(u.lower(), valid, n=1, cutoff=0.6)] if m}
+    hint = f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in near.items())}?)" if near else ""
+    hint += "".join(f"; {NOT_COMPILE_OPTIONS[u]}" for u in unknown if u in NOT_COMPILE_OPTIONS)
+    return f"unknown tilec option(s) {unknown}{hint}; valid options: {valid}"
+
+
 @dataclass(frozen=True)
 class Options:
     """Compile options.
@@ -168,12 +178,7 @@ class Options:
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(valid))
         if unknown:
-            near = {u: m[0] for u in unknown if isinstance(u, str)
-                    for m in [difflib.get_close_matches(u.lower(), valid, n=1, cutoff=0.6)] if m}
-            hint = f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in near.items())}?)" if near else ""
-            elsewhere = [NOT_COMPILE_OPTIONS[u] for u in unknown if u in NOT_COMPILE_OPTIONS]
-            hint += "".join(f"; {e}" for e in elsewhere)
-            raise ValueError(f"unknown tilec option(s) {unknown}{hint}; valid options: {valid}")
+            raise ValueError(unknown_options_message(unknown, valid))
         return cls(**d)
 
     def digest(self) -> str:
