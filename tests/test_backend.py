@@ -262,9 +262,10 @@ def test_fallback_reports_unsupported_ancestors():
     assert sorted(n[1] for n in err.nodes) == ["aten.clamp.default", "aten.cumsum.default"]
 
 
-def test_automatic_dynamic_shapes_run_eagerly_with_a_warning(caplog):
+def test_automatic_dynamic_shapes_run_eagerly_with_a_warning(caplog, monkeypatch):
     """A batch change makes Dynamo pass a shape-generic graph; tilec plans static shapes, so
     that graph runs eagerly (correct, with one warning naming the remedy) instead of failing."""
+    monkeypatch.setattr(backend, "_warned_dynamic", False)
     model = make_model("llama-tiny")
     f = torch.compile(model, backend="tilec", options={"workers": 8})
     for batch in (1, 3):
@@ -349,3 +350,40 @@ def test_a_float64_model_runs_eagerly_under_fallback():
     while err is not None and not isinstance(err, UnsupportedNodeError):
         err = err.__cause__ or err.__context__
     assert isinstance(err, UnsupportedNodeError) and "dtype torch.float64 is not supported" in str(err)
+
+
+class WriteAtInt(torch.nn.Module):
+    def forward(self, x, pos: int, cache):
+        cache[:, pos] = x
+        return cache * 2
+
+
+def test_the_symbolic_shapes_warning_is_given_once():
+    """A Python int position makes Dynamo compile a new graph per value, symbolic ones after the
+    first (5 graphs for 5 positions); each runs eagerly and correctly, and the warning says so once
+    per process, not per graph (it came 4 times: a fresh user's finding)."""
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    log = logging.getLogger("tilec")
+    log.addHandler(handler)
+    old, backend._warned_dynamic = backend._warned_dynamic, False
+    try:
+        torch._dynamo.reset()
+        f = torch.compile(WriteAtInt(), backend="tilec")
+        cache, want = torch.zeros(2, 16, 8), torch.zeros(2, 16, 8)
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            for p in range(3, 8):
+                assert torch.equal(f(x, p, cache), WriteAtInt()(x, p, want))
+        assert torch.equal(cache, want)
+    finally:
+        log.removeHandler(handler)
+        backend._warned_dynamic = old
+    assert sum("symbolic (dynamic) shapes" in r for r in records) == 1, records

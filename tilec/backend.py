@@ -41,6 +41,7 @@ BACKEND_KEYS = ("fallback", "max_positions")
 _PLAN_CACHE: dict[str, object] = {}
 CACHE_STATS = {"memory_hits": 0, "disk_hits": 0, "compiles": 0}
 _warned_cpu = False
+_warned_dynamic = False  # the symbolic-shapes warning was given (once per process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +220,12 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
     opts = BackendOptions.from_dict({**(options or {}), **kwargs})
     if _has_symbolic_shapes(example_inputs):
         # Dynamo made the graph shape-generic after a shape changed ("automatic dynamic");
-        # a tilec plan is static, so this graph runs eagerly rather than failing
+        # a tilec plan is static, so this graph runs eagerly rather than failing. Said once per
+        # process: a Python int argument brings a new graph per value, each one symbolic.
+        global _warned_dynamic
+        if _warned_dynamic:
+            return gm.forward
+        _warned_dynamic = True
         log.warning("tilec: torch.compile passed symbolic (dynamic) shapes; tilec plans static shapes, so "
                     "this graph runs eagerly. Use torch.compile(..., dynamic=False) to recompile per shape.")
         return gm.forward
