@@ -333,7 +333,7 @@ def test_multi_token_step_plans_the_positions_that_fit():
         assert_close(mine, ref, 1e-5, f"cache at position {p}")
 
 
-def test_a_float64_model_runs_eagerly_under_fallback():
+def test_a_float64_model_runs_eagerly_under_fallback(caplog):
     """Inputs of a dtype tilec has no code for used to end the compile (the probe raised on the
     placeholder: BackendCompilerFailed, a fresh user's finding); now they and every node touching
     them run eagerly, and the result is eager's. Without fallback the error names the inputs."""
@@ -341,8 +341,10 @@ def test_a_float64_model_runs_eagerly_under_fallback():
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).double().eval()
     x = torch.randn(2, 8, dtype=torch.float64)
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level("WARNING"):
         assert torch.allclose(torch.compile(m, backend="tilec")(x), m(x), rtol=1e-12, atol=1e-12)
+    assert "graph input arg0_1: dtype torch.float64 is not supported; the nodes reading it run eagerly" in caplog.text
+    assert "running arg0_1" not in caplog.text and "running addmm (aten.addmm.default) eagerly" in caplog.text
     torch._dynamo.reset()
     with pytest.raises(Exception) as info, torch.no_grad():
         torch.compile(m, backend="tilec", options={"fallback": False})(x)

@@ -259,7 +259,11 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             return _runner(program, user_idx, len(outs), False)
         if not opts.fallback:
             raise UnsupportedNodeError(bad, "fallback is off (options={'fallback': False})")
+        inputs = {n.name for n in aot_gm.graph.nodes if n.op == "placeholder"}
         for name, target, src, reason in bad:
+            if name in inputs:  # an input is not run: what reads it is (listed too)
+                log.warning("graph input %s: %s; the nodes reading it run eagerly", name, reason)
+                continue
             log.warning("running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "",
                         f": {reason}" if reason else "")
         return _partitioned(aot_gm, flat, kinds, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
