@@ -633,7 +633,8 @@ BAD_COMPILES = [
     ("{facts}:returns_not_a_module", [], 2, "returned a str as the module"),
     ("{facts}:returns_bare_tensor", [], 2, "returned a Tensor float32[2, 4] as example_args; expected (module, "),
     ("{facts}:returns_bad_arg", [], 2, "example argument 1 is an object; arguments must be tensors or plain numbers"),
-    ("{facts}:returns_bad_extra", [], 2, "unknown key(s) ['position'] in its third element"),
+    ("{facts}:returns_bad_extra", [], 2, "unknown key(s) ['position'] in its third element (did you mean 'positions' for "
+                                          "'position'?); valid keys: ['max_positions', 'positions']"),
     ("{facts}:returns_bad_position", [], 2, "positions entry 3 is not an argument index (0..0)"),
     ("{facts}:positions_not_a_list", [], 2, "positions=1 must be a list of argument indices"),
     ("{facts}:positions_twice", [], 2, "positions [1, 1] lists an argument twice"),

@@ -444,3 +444,13 @@ def test_linear_of_mixed_dtypes_is_refused_like_eager():
     with pytest.raises(UnsupportedNodeError, match=r"linear of mixed dtypes \(input float16, weight float32, bias "
                                                    r"float32\): eager PyTorch requires one dtype"):
         compile_module(m, (torch.randn(2, 8, dtype=torch.float16),))
+
+
+def test_keyword_arguments_are_refused_clearly():
+    """A compiled step binds its arguments by position (a raw TypeError before: a re-check trial's finding)."""
+    torch.manual_seed(0)
+    m, x = TwoCounters(), torch.randn(1, 8)
+    prog = compile_module(m, (x, torch.tensor([3]), torch.tensor(3), torch.tensor(3)), positions=[1, 2, 3],
+                          max_positions=16)
+    with pytest.raises(TilecError, match=r"takes its arguments by position, .*got keyword argument\(s\) pos, x$"):
+        prog(x=x, pos=4)

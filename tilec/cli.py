@@ -17,6 +17,7 @@ or an internal error; 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -328,9 +329,12 @@ def call_factory(fn, spec: str):
                       f"module.to_empty(device=...) and then the weights)")
     if not isinstance(extra, dict):
         raise Failure(f"factory {at} returned {_describe(extra)} as its third element; {EXPECTED_RETURN}")
-    unknown = sorted(set(extra) - {"positions", "max_positions"})
+    unknown = sorted(set(extra) - {"positions", "max_positions"}, key=str)
     if unknown:
-        raise Failure(f"factory {at}: unknown key(s) {unknown} in its third element; valid keys: "
+        near = {u: m[0] for u in unknown if isinstance(u, str)
+                for m in [difflib.get_close_matches(u.lower(), ["max_positions", "positions"], n=1, cutoff=0.6)] if m}
+        hint = f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in near.items())}?)" if near else ""
+        raise Failure(f"factory {at}: unknown key(s) {unknown} in its third element{hint}; valid keys: "
                       f"['max_positions', 'positions']")
     positions = extra.get("positions", ())
     if not isinstance(positions, (list, tuple)):

@@ -147,7 +147,10 @@ class CompiledProgram:
             table = self._tables[key] = self.plan.bind_base(tensors)
         return table
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise TilecError(f"a compiled step takes its arguments by position, in the order of the example "
+                             f"arguments it was compiled with; got keyword argument(s) {', '.join(sorted(kwargs))}")
         tensors, p = self.bind_args(args)
         if self.executor_kind == "reference":
             for name, b in self.graph.buffers.items():
