@@ -454,3 +454,15 @@ def test_keyword_arguments_are_refused_clearly():
                           max_positions=16)
     with pytest.raises(TilecError, match=r"takes its arguments by position, .*got keyword argument\(s\) pos, x$"):
         prog(x=x, pos=4)
+
+
+def test_an_example_failing_inside_torch_names_no_tilec_frame():
+    """nn.Linear refusing its example fails inside torch: no user line to name, and tilec's own
+    frame (the eager re-run in tilec/capture.py) must not stand in for one (a re-check trial's finding)."""
+    from tilec.errors import ExampleInputError
+
+    with pytest.raises(ExampleInputError) as info:
+        compile_module(torch.nn.Linear(4, 4), (torch.randn(1, 5),))
+    msg = str(info.value)
+    assert msg == ("the module fails on its example arguments [(1, 5) torch.float32]: RuntimeError: mat1 and mat2 "
+                   "shapes cannot be multiplied (1x5 and 4x4)"), msg

@@ -5,6 +5,7 @@ import contextlib
 import inspect
 import io
 import logging
+import os
 import sys
 import traceback
 import warnings
@@ -107,11 +108,16 @@ def _replay_stderr(text: str, cause: BaseException | None) -> None:
         sys.stderr.write(text)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # tilec's own frames are never the user's
+
+
 def _raised_at(e: BaseException, skip: tuple[str, ...]) -> str:
-    """`` at FILE:LINE (code)`` of the innermost frame of ``e``'s traceback whose file path holds
-    none of ``skip`` (e.g. ``"/torch/"``): the user's line that raised; ``""`` without one."""
+    """`` at FILE:LINE (code)`` of the innermost frame of ``e``'s traceback outside tilec whose
+    file path holds none of ``skip`` (e.g. ``"/torch/"``): the user's line that raised; ``""``
+    without one (a failure inside torch's own modules)."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not any(part in f.filename.replace("\\", "/") for part in skip)]
+              if not any(part in f.filename.replace("\\", "/") for part in skip)
+              and not os.path.abspath(f.filename).startswith(_PACKAGE_DIR)]
     return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
 
 
