@@ -466,3 +466,15 @@ def test_an_example_failing_inside_torch_names_no_tilec_frame():
     msg = str(info.value)
     assert msg == ("the module fails on its example arguments [(1, 5) torch.float32]: RuntimeError: mat1 and mat2 "
                    "shapes cannot be multiplied (1x5 and 4x4)"), msg
+
+
+def test_an_example_position_outside_max_positions_is_refused():
+    """The step could never run at its own example (the CLI refused it already; compile_module
+    did not: a re-check trial's finding)."""
+    from tilec.errors import InputError
+
+    m, x = TwoCounters(), torch.randn(1, 8)
+    with pytest.raises(InputError, match=r"positions: argument 1 holds position 20, outside the planned range "
+                                         r"\[0, 16\) of max_positions=16"):
+        compile_module(m, (x, torch.tensor([20]), torch.tensor(20), torch.tensor(20)), positions=[1, 2, 3],
+                       max_positions=16)

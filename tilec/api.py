@@ -83,7 +83,8 @@ def check_positions(args: tuple, positions, max_positions: int) -> None:
     """Raises :class:`InputError` (a ``ValueError``) unless ``max_positions >= 1`` and every index
     in ``positions`` names an integer tensor argument whose elements all hold one value: tilec plans
     each element of a position argument as the step's position p (``tilec.frontend``), so a tensor
-    of per-token positions ``[p, p + 1, ...]`` would silently become ``[p, p, ...]``."""
+    of per-token positions ``[p, p + 1, ...]`` would silently become ``[p, p, ...]``; that value
+    must lie in ``[0, max_positions)``, or the step could not run at its own example."""
     if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 1:
         raise InputError(f"max_positions={max_positions!r}: must be an int >= 1")
     for i in positions:
@@ -101,3 +102,7 @@ def check_positions(args: tuple, positions, max_positions: int) -> None:
                              f"{shown}{' ...' if a.numel() > 8 else ''}, not one value: tilec plans every element "
                              f"of a position argument as the step's position p, so pass the position alone (e.g. "
                              f"[p]) and compute per-token positions p, p + 1, ... inside the module")
+        if a.numel() and not 0 <= int(a.reshape(-1)[0]) < max_positions:
+            raise InputError(f"positions: argument {i} holds position {int(a.reshape(-1)[0])}, outside the planned "
+                             f"range [0, {max_positions}) of max_positions={max_positions}: the compiled step could "
+                             f"never run at its own example (raise max_positions, or pass an example position inside it)")
