@@ -11,7 +11,7 @@ from .errors import InputError, UnsupportedNodeError
 from .frontend import find_unsupported, lower_graph
 from .options import Options
 from .pipeline import Hook, compile_opgraph
-from .program import CompiledProgram
+from .program import CompiledProgram, is_integer
 
 
 def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_positions: int = 1,
@@ -92,7 +92,7 @@ def check_positions(args: tuple, positions, max_positions: int) -> None:
             raise InputError(f"positions: {i!r} is not an argument index (the module takes {len(args)} "
                              f"argument{'' if len(args) == 1 else 's'})")
         a = args[i]
-        if not isinstance(a, torch.Tensor) or a.dtype.is_floating_point or a.dtype.is_complex or a.dtype == torch.bool:
+        if not isinstance(a, torch.Tensor) or not is_integer(a.dtype):
             got = f"{a.dtype} tensor" if isinstance(a, torch.Tensor) else type(a).__name__
             raise InputError(f"positions: argument {i} must be an integer tensor holding the decode position, "
                              f"got a {got}")

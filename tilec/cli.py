@@ -17,7 +17,6 @@ or an internal error; 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -44,7 +43,7 @@ from .artifact import STAGES, ArtifactError, resolve_stage
 from .timing import cuda_graph, step_times
 from .errors import InputError, TilecError, describe_exception
 from .ir import BufferKind
-from .options import Options
+from .options import Options, did_you_mean
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_COMPILE, EXIT_ERROR = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
@@ -331,9 +330,7 @@ def call_factory(fn, spec: str):
         raise Failure(f"factory {at} returned {_describe(extra)} as its third element; {EXPECTED_RETURN}")
     unknown = sorted(set(extra) - {"positions", "max_positions"}, key=str)
     if unknown:
-        near = {u: m[0] for u in unknown if isinstance(u, str)
-                for m in [difflib.get_close_matches(u.lower(), ["max_positions", "positions"], n=1, cutoff=0.6)] if m}
-        hint = f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in near.items())}?)" if near else ""
+        hint = did_you_mean(unknown, ["max_positions", "positions"])
         raise Failure(f"factory {at}: unknown key(s) {unknown} in its third element{hint}; valid keys: "
                       f"['max_positions', 'positions']")
     positions = extra.get("positions", ())

@@ -22,12 +22,18 @@ NOT_COMPILE_OPTIONS = {
 }
 
 
+def did_you_mean(unknown: list, valid: list[str]) -> str:
+    """`` (did you mean 'workers' for 'Workers'?)`` naming the nearest valid name of each unknown
+    name where one is close, or ``""``."""
+    near = {u: m[0] for u in unknown if isinstance(u, str)
+            for m in [difflib.get_close_matches(u.lower(), valid, n=1, cutoff=0.6)] if m}
+    return f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in near.items())}?)" if near else ""
+
+
 def unknown_options_message(unknown: list, valid: list[str]) -> str:
     """The error for option names not in ``valid``: lists them, the nearest valid name of each
     where one is close (``Workers`` -> ``workers``), where a name belongs if not here, and ``valid``."""
-    near = {u: m[0] for u in unknown if isinstance(u, str)
-            for m in [difflib.get_close_matches(u.lower(), valid, n=1, cutoff=0.6)] if m}
-    hint = f" (did you mean {', '.join(f'{m!r} for {u!r}' for u, m in near.items())}?)" if near else ""
+    hint = did_you_mean(unknown, valid)
     hint += "".join(f"; {NOT_COMPILE_OPTIONS[u]}" for u in unknown if u in NOT_COMPILE_OPTIONS)
     return f"unknown tilec option(s) {unknown}{hint}; valid options: {valid}"
 

@@ -17,12 +17,17 @@ STAGE_INPUT_BYTES = 64 * 1024  # read-only inputs up to this size are copied, la
 _TENSOR, _POSITION, _IGNORED = range(3)  # what an argument of the compiled step is (CompiledProgram._arg_specs)
 
 
+def is_integer(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds integers (not floating point, complex or bool): a position's dtype."""
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
 def _position_of(i: int, a) -> int:
     """The decode position argument ``a`` (argument ``i``) holds: an integer, or an integer tensor
     of one element. Raises TilecError for anything else (a float, a bool, several elements), which
     eager PyTorch would refuse as an index too."""
     if isinstance(a, torch.Tensor):
-        if a.numel() == 1 and not a.dtype.is_floating_point and not a.dtype.is_complex and a.dtype != torch.bool:
+        if a.numel() == 1 and is_integer(a.dtype):
             return int(a.reshape(-1)[0])
         got = f"{a.dtype}{list(a.shape)}"
     elif isinstance(a, numbers.Integral) and not isinstance(a, bool):
@@ -64,7 +69,7 @@ class CompiledProgram:
             raise TilecError("executor='cuda' needs the model on a CUDA device (its parameters are on the CPU)")
         self.executor_kind = kind
         self.tensors: dict[str, torch.Tensor] = {}
-        self._written = written = {v.buffer for op in self.graph.ops for v in op.outputs}
+        written = {v.buffer for op in self.graph.ops for v in op.outputs}
         # small read-only inputs (token ids, ...) are copied into program-owned buffers, so new
         # input tensors every step keep the same operand table (nothing to rebind or upload)
         self.staged_inputs = {name for name, b in self.graph.buffers.items()
