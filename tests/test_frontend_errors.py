@@ -314,8 +314,8 @@ def test_seek_checks_its_position_before_changing_anything():
     step = compile_decode_step(model, cache, 1, options=dict(workers=4))
     before = [int(l.cumulative_length) for l in cache.layers if isinstance(getattr(l, "cumulative_length", None),
                                                                             torch.Tensor)]
-    for bad in (8.0, True, "3"):
-        with pytest.raises(ValueError, match="position must be an int"):
+    for bad in (8.0, True, "3", torch.tensor(4.0), torch.tensor([True]), torch.tensor([4, 5])):
+        with pytest.raises(ValueError, match="position must be an int or an integer tensor of one element"):
             step.seek(bad)
     after = [int(l.cumulative_length) for l in cache.layers if isinstance(getattr(l, "cumulative_length", None),
                                                                            torch.Tensor)]

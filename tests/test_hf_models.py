@@ -120,8 +120,8 @@ def test_seek_redecodes_a_position_and_skipping_one_is_an_error():
             step(tok, PREFILL)  # the same position again, without seek
         with pytest.raises(ValueError, match="consecutive positions"):
             step(tok, PREFILL + 2)  # a skipped position
-    step.seek(PREFILL)
-    again = step(tok, PREFILL)  # re-decoding gives the same logits
+    step.seek(torch.tensor(PREFILL))  # a 0-d integer tensor is a position too
+    again = step(tok, torch.tensor([PREFILL]))  # re-decoding gives the same logits
     assert torch.equal(first, again)
     with torch.no_grad():
         ref = model(tok, **cache_kwargs(model, eager_cache), cache_position=torch.tensor([PREFILL]), use_cache=True).logits

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 import warnings
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from .api import compile_module
 from .errors import InputError, TilecError
 from .options import Options
+from .program import is_integer
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -126,10 +128,11 @@ class HFDecodeStep:
         self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
                                       max_positions=self.max_len, options=options, hook=hook)
 
-    def __call__(self, input_ids: torch.Tensor, position: int) -> torch.Tensor:
-        """Raises ``ValueError`` if ``position`` is not an int, or does not equal the number of
+    def __call__(self, input_ids: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+        """``position``: an int, or an integer tensor of one element (read on the host: a device
+        tensor costs a sync). Raises ``ValueError`` if it is neither, or does not equal the number of
         tokens the cache holds (on transformers versions whose cache counts them)."""
-        self._check_position(position)
+        position = self._check_position(position)
         counters = self._counters()
         if counters and position != self._expected:  # checked on the device only when in doubt
             held = torch.stack([c.reshape(()) for c in counters]).tolist()
@@ -147,23 +150,30 @@ class HFDecodeStep:
         self._expected = position + input_ids.shape[1]
         return logits
 
-    def seek(self, position: int) -> None:
-        """Rewinds (or advances) the cache's own token counters to ``position`` without a host
-        sync, so the next step may write there (re-decoding a position, e.g. when a speculative
+    def seek(self, position: int | torch.Tensor) -> None:
+        """Rewinds (or advances) the cache's own token counters to ``position`` (as for a step) without
+        a host sync, so the next step may write there (re-decoding a position, e.g. when a speculative
         token is rejected, or timing the same step repeatedly). Cache contents are untouched."""
-        self._check_position(position)
+        position = self._check_position(position)
         counters = self._counters()
         if counters:
             torch._foreach_zero_(counters)
             torch._foreach_add_(counters, position)
         self._expected = position
 
-    def _check_position(self, position) -> None:
-        if not isinstance(position, int) or isinstance(position, bool):
-            raise ValueError(f"position must be an int, got {position!r}")
+    def _check_position(self, position) -> int:
+        """``position`` as an int, checked against the cache's length."""
+        if isinstance(position, torch.Tensor) and position.numel() == 1 and is_integer(position.dtype):
+            position = int(position.reshape(-1)[0])
+        elif not isinstance(position, numbers.Integral) or isinstance(position, bool):
+            got = f"a {position.dtype} tensor of shape {list(position.shape)}" if isinstance(position, torch.Tensor) \
+                else repr(position)
+            raise ValueError(f"position must be an int or an integer tensor of one element, got {got}")
+        position = int(position)
         if not 0 <= position < self.max_len:
             raise TilecError(f"decode position {position} outside the planned range [0, {self.max_len}) "
                              f"(the static cache holds {self.max_len} positions)")
+        return position
 
     def _counters(self) -> list[torch.Tensor]:
         return [layer.cumulative_length for layer, counter in zip(_layers(self.cache), self.module.has_counter)
