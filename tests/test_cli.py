@@ -863,6 +863,9 @@ def test_usage_errors_exit_2(art):
     assert r.exit_code == 2 and "--tol is the tolerance of --check; pass --check too" in r.stderr, r.output
     r = invoke("run", str(art) + "-missing", "--tol", "1e-3")  # refused before the artifact is opened
     assert r.exit_code == 2 and "pass --check too" in r.stderr, r.output
+    for cmd in (["compile", "x:y", "-o", ""], ["run", ""], ["inspect", ""], ["bench", ""]):
+        r = invoke(*cmd)  # an empty path was taken as the current directory
+        assert r.exit_code == 2 and "an empty path" in r.stderr, (cmd, r.output)
 
 
 def test_module_entry_point_and_console_script(copy):

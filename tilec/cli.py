@@ -119,11 +119,19 @@ def main(ctx: click.Context, quiet: bool) -> None:
         warnings.filterwarnings("ignore", category=category)
 
 
+def _path(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    """A path option's value as a Path; an empty one is a usage error (``Path("")`` would be the
+    current directory)."""
+    if not value:
+        raise click.BadParameter("an empty path; give a directory (\".\" for the current one)")
+    return Path(value)
+
+
 # ---- compile -----------------------------------------------------------------------------
 
 @main.command("compile")
 @click.argument("factory", metavar="MODULE:FACTORY")
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Artifact directory to write.")
+@click.option("-o", "--output", required=True, type=click.Path(), callback=_path, help="Artifact directory to write.")
 @click.option("-O", "--option", "option_pairs", multiple=True, metavar="KEY=VALUE",
               help="A tilec option (tilec.options.Options), e.g. workers=8; repeatable.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact at the output path.")
@@ -401,7 +409,7 @@ def _param_sources(module: torch.nn.Module, program) -> dict[str, str]:
 # ---- inspect -----------------------------------------------------------------------------
 
 @main.command()
-@click.argument("artifact_dir", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("artifact_dir", metavar="DIR", type=click.Path(), callback=_path)
 @click.option("-s", "--stage", default=None,
               help=f"One stage: {', '.join(f'{i:02d}-{n}' for i, n in enumerate(STAGES, 1))} (name or number).")
 @click.option("-f", "--format", "fmt", type=click.Choice(["text", "json", "dot"]), default="text", show_default=True,
@@ -494,7 +502,7 @@ def to_dot(art, stage: str) -> str:
 # ---- run ---------------------------------------------------------------------------------
 
 @main.command()
-@click.argument("artifact_dir", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("artifact_dir", metavar="DIR", type=click.Path(), callback=_path)
 @click.option("--executor", type=click.Choice(["cuda", "reference"]), default=None,
               help="Default: cuda when a GPU is available, else the CPU reference executor.")
 @click.option("--check", is_flag=True, help="Compare outputs and updated state with eager PyTorch (re-runs the "
@@ -632,7 +640,7 @@ def eager_reference(art, progress: Progress):
 # ---- bench -------------------------------------------------------------------------------
 
 @main.command()
-@click.argument("artifact_dir", metavar="DIR", type=click.Path(path_type=Path))
+@click.argument("artifact_dir", metavar="DIR", type=click.Path(), callback=_path)
 @click.option("--executor", type=click.Choice(["cuda", "reference"]), default=None,
               help="Default: cuda when a GPU is available, else the CPU reference executor.")
 @click.option("--iters", type=click.IntRange(1), default=None, help="Timed steps (default 100 on CUDA, 10 on CPU).")
