@@ -12,7 +12,7 @@ import torch
 
 import tilec.backend as backend
 from _helpers import assert_close
-from tilec.errors import UnsupportedNodeError
+from tilec.errors import TilecError, UnsupportedNodeError
 from tilec.hf import cache_kwargs
 from tilec.zoo import eager_step, make_model, prefill
 
@@ -389,3 +389,33 @@ def test_the_symbolic_shapes_warning_is_given_once():
         log.removeHandler(handler)
         backend._warned_dynamic = old
     assert sum("symbolic (dynamic) shapes" in r for r in records) == 1, records
+
+
+def test_errors_name_the_users_argument_not_a_graph_placeholder():
+    """Under torch.compile, a position past the plan was named "argument 1" (the AOT graph's
+    placeholder order), which the user never wrote (a fresh-user trial's finding)."""
+    m = SlotWrite().eval()
+    f = torch.compile(m, backend="tilec", options={"workers": 4, "fallback": False})
+    cache, x = torch.randn(2, 2, 8, 16), torch.randn(2, 1, 32)
+    with torch.no_grad():
+        f(x, torch.tensor([3]), cache)
+        with pytest.raises(TilecError, match=r"^pos holds decode position 8, outside the planned range \[0, 8\)"):
+            f(x, torch.tensor([8]), cache)
+
+
+@pytest.mark.parametrize("source, label", [
+    ("L['kwargs']['past_key_values'].layers[0].keys", "past_key_values.layers[0].keys"),
+    ("L['args'][0]._modules['model']._modules['layers']._modules['0']._parameters['weight']",
+     "self.model.layers[0].weight"),
+    ("L['args'][1]", "args[1]"),
+    ("L['pos']", "pos"),
+    ("", "graph input arg3_1"),
+])
+def test_user_labels_of_dynamo_sources(source, label):
+    class Node:
+        name, meta = "arg3_1", {}
+
+    node = Node()
+    if source:
+        node.meta["grapharg"] = type("GraphArg", (), {"source": type("Source", (), {"name": lambda self: source})()})()
+    assert backend._user_label(node) == label

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import warnings
 
 import torch
@@ -81,6 +82,22 @@ def _source_name(node: fx.Node) -> str:
     ga = node.meta.get("grapharg")
     src = getattr(ga, "source", None)
     return src.name() if callable(getattr(src, "name", None)) else str(getattr(src, "name", "") or "")
+
+
+def _user_label(node: fx.Node) -> str:
+    """The user's name of a Dynamo graph input, for errors: its source written as Python
+    (``L['kwargs']['past_key_values'].layers[0].keys`` -> ``past_key_values.layers[0].keys``,
+    ``L['args'][0]._modules['layers']._modules['0']._parameters['weight']`` -> ``self.layers[0].weight``),
+    else the node's name."""
+    src = _source_name(node)
+    if not src:
+        return f"graph input {node.name}"
+    # the compiled module itself (Dynamo passes it as the first argument of its call)
+    src = re.sub(r"^L\['args'\]\[0\](?=\._(?:modules|parameters|buffers)\[)", "self", src)
+    src = re.sub(r"\._modules\['(\d+)'\]", r"[\1]", src)  # a ModuleList entry
+    src = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", src)
+    src = re.sub(r"^L\['kwargs'\]\['([^']*)'\]", r"\1", src)
+    return re.sub(r"^L\['([^']*)'\]", r"\1", src)
 
 
 def _classify(dynamo_gm: fx.GraphModule, example_inputs) -> list[str]:
@@ -146,8 +163,9 @@ def _consts_digest(flat_args, kinds) -> str:
     return h.hexdigest()
 
 
-def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions):
-    """Compiles one aten graph whose placeholders bind to ``flat_args`` (classified by ``kinds``)."""
+def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, labels: list[str]):
+    """Compiles one aten graph whose placeholders bind to ``flat_args`` (classified by ``kinds``;
+    ``labels`` name them in errors)."""
     global _warned_cpu
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     binding = GraphBinding()
@@ -175,7 +193,8 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions):
             plancache.store(key, compiled)
         _PLAN_CACHE[key] = compiled
     user_args = [t for t, k in zip(flat_args, kinds) if k != "const"]
-    program = CompiledProgram(compiled, binding, single_output=False, opts=opts.compile, example_args=user_args)
+    program = CompiledProgram(compiled, binding, single_output=False, opts=opts.compile, example_args=user_args,
+                              arg_labels=[label for label, k in zip(labels, kinds) if k != "const"])
     if program.executor_kind == "reference" and not _warned_cpu:
         _warned_cpu = True
         warnings.warn("tilec: no CUDA device; running the CPU reference executor (for validation, not speed)",
@@ -230,6 +249,8 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
                     "this graph runs eagerly. Use torch.compile(..., dynamic=False) to recompile per shape.")
         return gm.forward
     kinds = [*("param" for _ in gm.parameters()), *("const" for _ in gm.buffers()), *_classify(gm, example_inputs)]
+    labels = [*(name for name, _ in gm.named_parameters()), *(name for name, _ in gm.named_buffers()),
+              *(_user_label(n) for n in gm.graph.nodes if n.op == "placeholder")]
 
     def fw_compiler(aot_gm: fx.GraphModule, aot_inputs):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -254,7 +275,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         max_positions = opts.max_positions or _cache_length(aot_gm)
         bad = find_unsupported(aot_gm, binding, max_positions)
         if not bad:
-            program, user_idx = _compile_region(aot_gm, flat, kinds, opts)
+            program, user_idx = _compile_region(aot_gm, flat, kinds, opts, labels)
             outs, single = _outputs(aot_gm)
             return _runner(program, user_idx, len(outs), False)
         if not opts.fallback:
@@ -266,7 +287,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
                 continue
             log.warning("running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "",
                         f": {reason}" if reason else "")
-        return _partitioned(aot_gm, flat, kinds, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
+        return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
 
     # tilec compiles inference: trace under no_grad so AOTAutograd makes an inference graph
     # (outputs carry no autograd history, also when called with grad mode on)
@@ -288,7 +309,7 @@ def _foreign_dtype_nodes(gm: fx.GraphModule) -> set[str]:
             and (foreign(n) or any(foreign(a) for a in n.all_input_nodes))}
 
 
-def _partitioned(aot_gm: fx.GraphModule, flat, kinds, opts: BackendOptions, bad: set[str]):
+def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions, bad: set[str]):
     """Splits the graph: supported regions become tilec programs, the rest runs eagerly."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupportBase
@@ -301,6 +322,7 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, opts: BackendOptions, bad:
     fused = part.fuse_partitions(part.propose_partitions())
     outer_ph = [n for n in fused.graph.nodes if n.op == "placeholder"]
     kind_of = {n.name: k for n, k in zip(outer_ph, kinds)}
+    label_of = {n.name: label for n, label in zip(outer_ph, labels)}
     value_of = {n.name: t for n, t in zip(outer_ph, flat)}
     # run the split graph once on (copies of) the example inputs to learn each region's arguments
     recorded: dict[str, list] = {}
@@ -317,16 +339,18 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, opts: BackendOptions, bad:
         if node.op != "call_module":
             continue
         sub = getattr(fused, node.target)
-        sub_kinds = []
+        sub_kinds, sub_labels = [], []
         for a in node.args:
             if isinstance(a, fx.Node) and a.op == "placeholder":
                 sub_kinds.append(kind_of[a.name])
+                sub_labels.append(label_of[a.name])
             else:
                 sub_kinds.append("input")
+                sub_labels.append(f"the value of node {getattr(a, 'name', a)} (computed eagerly)")
         args = [value_of.get(a.name) if isinstance(a, fx.Node) and a.op == "placeholder" else r
                 for a, r in zip(node.args, recorded.get(node.target, []))]
         try:
-            program, user_idx = _compile_region(sub, args, sub_kinds, opts)
+            program, user_idx = _compile_region(sub, args, sub_kinds, opts, sub_labels)
         except UnsupportedNodeError as e:
             log.warning("region %s runs eagerly: %s", node.target, " ".join(str(e).split()))
             continue

@@ -22,10 +22,10 @@ def is_integer(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
-def _position_of(i: int, a) -> int:
-    """The decode position argument ``a`` (argument ``i``) holds: an integer, or an integer tensor
-    of one element. Raises TilecError for anything else (a float, a bool, several elements), which
-    eager PyTorch would refuse as an index too."""
+def _position_of(label: str, a) -> int:
+    """The decode position argument ``a`` (named ``label`` in errors) holds: an integer, or an
+    integer tensor of one element. Raises TilecError for anything else (a float, a bool, several
+    elements), which eager PyTorch would refuse as an index too."""
     if isinstance(a, torch.Tensor):
         if a.numel() == 1 and is_integer(a.dtype):
             return int(a.reshape(-1)[0])
@@ -34,7 +34,7 @@ def _position_of(i: int, a) -> int:
         return int(a)
     else:
         got = type(a).__name__
-    raise TilecError(f"argument {i} holds the decode position: expected an int or an integer tensor of one element, "
+    raise TilecError(f"{label} holds the decode position: expected an int or an integer tensor of one element, "
                      f"got {got}")
 
 
@@ -46,13 +46,15 @@ class CompiledProgram:
     and poisoned with NaN before each reference run, so an unwritten element cannot pass a test.
     Returns the outputs as new tensors (a tuple, or one tensor when the module returns one).
     ``library``: a prebuilt shared library of this plan for the CUDA executor (else built with nvcc).
+    ``arg_labels``: how errors name each argument (default ``argument i (its buffer)``); the
+    ``torch.compile`` backend passes the user's names, e.g. ``past_key_values.layers[0].keys``.
 
     Raises:
         TilecError: an argument has the wrong shape/dtype/layout, or positions disagree.
     """
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
-                 progress=None, example_args=(), library=None):
+                 progress=None, example_args=(), library=None, arg_labels=None):
         self.opts = opts = opts or Options()
         self.compiled = compiled
         self.plan = compiled.plan
@@ -91,6 +93,8 @@ class CompiledProgram:
                             name in self.staged_inputs,
                             self.graph.buffers[name].kind is BufferKind.STATE or name in written)
                            for name in self.graph.inputs]
+        self._labels = list(arg_labels) if arg_labels is not None and len(arg_labels) == len(self.graph.inputs) else \
+            [f"argument {i}" + ("" if name in (POSITION, IGNORED) else f" ({name})") for i, name in enumerate(self.graph.inputs)]
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         # buffers bound from the call's arguments (the rest are bound once, above)
         self._arg_buffers = [n for n in self.graph.inputs if n in self.graph.buffers and n not in self.tensors]
@@ -117,24 +121,24 @@ class CompiledProgram:
             if kind == _IGNORED:
                 continue
             if kind == _POSITION:
-                p = a if type(a) is int else _position_of(i, a)
+                p = a if type(a) is int else _position_of(self._labels[i], a)
                 if not 0 <= p < self.graph.max_positions:
-                    raise TilecError(f"argument {i} holds decode position {p}, outside the planned range "
+                    raise TilecError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
                                      f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
                                      f"as the decode position; recompile with a larger max_positions)")
                 positions.add(p)
                 continue
             if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
-                raise TilecError(f"argument {i} ({name}): expected {dtype}{list(shape)}, got {got}")
+                raise TilecError(f"{self._labels[i]}: expected {dtype}{list(shape)}, got {got}")
             if not (a.is_cuda and a.get_device() == self._device_index if self._device_index >= 0 else a.is_cpu):
-                raise TilecError(f"argument {i} ({name}) is on {a.device}, the compiled step runs on {self.device}")
+                raise TilecError(f"{self._labels[i]} is on {a.device}, the compiled step runs on {self.device}")
             if staged:
                 tensors[name].copy_(a)  # a small read-only input: into the program's own buffer
                 continue
             if not a.is_contiguous():
                 if inplace:
-                    raise TilecError(f"argument {i} ({name}) is updated in place and must be contiguous")
+                    raise TilecError(f"{self._labels[i]} is updated in place and must be contiguous")
                 a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             tensors[name] = a
         if len(positions) > 1:
