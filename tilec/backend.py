@@ -93,7 +93,7 @@ def _user_label(node: fx.Node) -> str:
     if not src:
         return f"graph input {node.name}"
     # the compiled module itself (Dynamo passes it as the first argument of its call)
-    src = re.sub(r"^L\['args'\]\[0\](?=\._(?:modules|parameters|buffers)\[)", "self", src)
+    src = re.sub(r"^L\['(?:fn|self)'\]|^L\['args'\]\[0\](?=\._(?:modules|parameters|buffers)\[)", "self", src)
     src = re.sub(r"\._modules\['(\d+)'\]", r"[\1]", src)  # a ModuleList entry
     src = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", src)
     src = re.sub(r"^L\['kwargs'\]\['([^']*)'\]", r"\1", src)
@@ -280,13 +280,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             return _runner(program, user_idx, len(outs), False)
         if not opts.fallback:
             raise UnsupportedNodeError(bad, "fallback is off (options={'fallback': False})")
-        inputs = {n.name for n in aot_gm.graph.nodes if n.op == "placeholder"}
-        for name, target, src, reason in bad:
-            if name in inputs:  # an input is not run: what reads it is (listed too)
-                log.warning("graph input %s: %s; the nodes reading it run eagerly", name, reason)
-                continue
-            log.warning("running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "",
-                        f": {reason}" if reason else "")
+        _log_fallback(bad, {n.name: label for n, label in zip(placeholders, labels)})
         return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
 
     # tilec compiles inference: trace under no_grad so AOTAutograd makes an inference graph
@@ -294,6 +288,36 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
     with torch.no_grad():
         return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
                                      keep_inference_input_mutations=True)
+
+
+FALLBACK_LINES = 4  # graph inputs or nodes run eagerly for one reason that are logged one line each
+
+
+def _log_fallback(bad: list[tuple], label_of: dict[str, str]) -> None:
+    """Logs what runs eagerly: the graph inputs tilec cannot take (by the user's names) and the
+    nodes, one line each up to FALLBACK_LINES per reason, then one line for the rest (a float64
+    model once logged every weight and every node of its graph)."""
+    inputs: dict[str, list[str]] = {}
+    nodes: dict[str, list[tuple]] = {}
+    for name, target, src, reason in bad:
+        if name in label_of:  # an input is not run: what reads it is (listed too)
+            inputs.setdefault(reason, []).append(label_of[name])
+        else:
+            nodes.setdefault(reason, []).append((name, target, src))
+    for reason, labels in inputs.items():
+        for label in labels[:FALLBACK_LINES]:
+            log.warning("graph input %s: %s; the nodes reading it run eagerly", label, reason)
+        if len(labels) > FALLBACK_LINES:
+            log.warning("%d more graph input(s): %s; the nodes reading them run eagerly",
+                        len(labels) - FALLBACK_LINES, reason)
+    for reason, group in nodes.items():
+        why = f": {reason}" if reason else ""
+        for name, target, src in group[:FALLBACK_LINES]:
+            log.warning("running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "", why)
+        rest = group[FALLBACK_LINES:]
+        if rest:
+            log.warning("running %d more node(s) eagerly%s: %s", len(rest), why,
+                        ", ".join(n[0] for n in rest[:8]) + (", ..." if len(rest) > 8 else ""))
 
 
 def _foreign_dtype_nodes(gm: fx.GraphModule) -> set[str]:

@@ -447,7 +447,7 @@ class Lowering:
                 out = meta.view(_val(node).shape)
             else:
                 out = node.target(*args, **node.kwargs)
-        except RuntimeError:
+        except (RuntimeError, ValueError):  # torch's meta view raises either, by version
             # not expressible as a strided view: materialize a contiguous copy, then view it
             copy = self._emit(node, "copy", [src], out_shape=src.shape, out_dtype=buf.dtype, name=f"{node.name}_contig")
             return View(copy.buffer, tuple(_val(node).shape), contiguous_strides(tuple(_val(node).shape)))
