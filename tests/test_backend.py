@@ -390,6 +390,7 @@ def test_the_symbolic_shapes_warning_is_given_once():
         log.removeHandler(handler)
         backend._warned_dynamic = old
     assert sum("symbolic (dynamic) shapes" in r for r in records) == 1, records
+    assert "pass it as an integer tensor of one element" in next(r for r in records if "symbolic" in r)
 
 
 def test_errors_name_the_users_argument_not_a_graph_placeholder():

@@ -245,8 +245,11 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         if _warned_dynamic:
             return gm.forward
         _warned_dynamic = True
+        ints = any(isinstance(t, torch.SymInt) for t in example_inputs)
         log.warning("tilec: torch.compile passed symbolic (dynamic) shapes; tilec plans static shapes, so "
-                    "this graph runs eagerly. Use torch.compile(..., dynamic=False) to recompile per shape.")
+                    "this graph runs eagerly. Use torch.compile(..., dynamic=False) to recompile per shape."
+                    + (" A Python int argument (e.g. a decode position) makes a graph per value: pass it as an "
+                       "integer tensor of one element, which tilec reads as the decode position." if ints else ""))
         return gm.forward
     kinds = [*("param" for _ in gm.parameters()), *("const" for _ in gm.buffers()), *_classify(gm, example_inputs)]
     labels = [*(name for name, _ in gm.named_parameters()), *(name for name, _ in gm.named_buffers()),
