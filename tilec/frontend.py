@@ -15,10 +15,7 @@ are checked against the causal / slot semantics and absorbed into the ops.
 from __future__ import annotations
 
 import heapq
-import math
 import operator
-import os
-import re
 import sys
 from dataclasses import dataclass, field
 
@@ -26,11 +23,13 @@ import torch
 import torch.fx as fx
 
 from .errors import InputError, UnsupportedNodeError
+from .frontend_dsa import DsaLowering
+from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
+                      Positional, Static, aten, is_call, source_of, target_name, val_of)
 from .ir import DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides
 from .ops.ewise import BINARY_FNS
 from .ops.rope import INTERLEAVED, ROTATE_HALF
 
-aten = torch.ops.aten
 POSITION, IGNORED = "<position>", "<ignored>"
 
 
@@ -59,98 +58,11 @@ class GraphBinding:
     single_output: bool | None = None
 
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def source_of(node: fx.Node) -> str:
-    """The innermost user source line recorded in ``node.meta["stack_trace"]``.
-
-    Frames inside torch itself (``nn.Module`` library code such as ``nn.GroupNorm.forward``)
-    are skipped when a frame outside torch exists: the user's line is the one calling them.
-    """
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines()]
-    frames = []
-    for i, ln in enumerate(lines):
-        if ln.startswith("File "):
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-            m = re.match(r'File "([^"]+)"', ln)
-            in_torch = bool(m) and os.path.abspath(m.group(1)).startswith(_TORCH_DIR)
-            frames.append((in_torch, f"{ln.removeprefix('File ')}: {code}".strip()))
-    for in_torch, text in reversed(frames):
-        if not in_torch:
-            return text
-    return frames[-1][1] if frames else ""
-
-
-def target_name(node: fx.Node) -> str:
-    t = node.target
-    return getattr(t, "__name__", None) or str(t) if not isinstance(t, torch._ops.OpOverload) else str(t)
-
-
 class _OperandError(TypeError):
     """An operand that is not a tensor value (e.g. the output of a node probe mode skipped)."""
 
 
-@dataclass(frozen=True)
-class Static:
-    """A folded constant value."""
-
-    value: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Positional:
-    """A position-dependent value tabulated over p: ``table[p]`` is its value at position p."""
-
-    table: torch.Tensor
-
-
-_VIEW_OPS = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
-    aten.permute.default, aten.t.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.alias.default,
-    aten.detach.default, aten.narrow.default,
-}
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
-_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-_IDENTITY = {aten.alias.default, aten.detach.default, aten.clone.default, aten.contiguous.default,
-             aten.lift_fresh_copy.default}
-_CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device}
-_SKIP = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
-_UNARY = {
-    aten.neg.default: "neg", aten.silu.default: "silu", aten.relu.default: "relu", aten.sigmoid.default: "sigmoid",
-    aten.tanh.default: "tanh", aten.exp.default: "exp", aten.rsqrt.default: "rsqrt", aten.sqrt.default: "sqrt",
-    aten.cos.default: "cos", aten.sin.default: "sin", aten.abs.default: "abs",
-}
-_BINARY = {
-    aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
-    aten.maximum.default: "maximum", aten.minimum.default: "minimum",
-}
-_SCALAR_OF = {"add": "add_scalar", "mul": "mul_scalar", "div": "div_scalar"}
-# positional argument names of SDPA and of the fused variants AOTAutograd dispatches it to
-_SDPA_ARGS = {
-    aten.scaled_dot_product_attention.default: ("attn_mask", "dropout_p", "is_causal"),
-    aten._scaled_dot_product_flash_attention_for_cpu.default: ("dropout_p", "is_causal"),
-    aten._scaled_dot_product_efficient_attention.default: ("attn_mask", "compute_log_sumexp", "dropout_p",
-                                                           "is_causal"),
-    aten._scaled_dot_product_flash_attention.default: ("dropout_p", "is_causal", "return_debug_mask"),
-    aten._scaled_dot_product_cudnn_attention.default: ("attn_mask", "compute_log_sumexp", "dropout_p", "is_causal",
-                                                       "return_debug_mask"),
-}
-_INDEX_WRITES = {aten.index_copy.default, aten.index_copy_.default, aten.index_put.default, aten.index_put_.default}
-
-
-def _val(node) -> torch.Tensor | None:
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _is(node, *targets) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
-
-
-class Lowering:
+class Lowering(DsaLowering):
     """Lowers one aten graph; see the module docstring. Use :func:`lower_graph`."""
 
     def __init__(self, gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe: bool = False):
@@ -186,7 +98,7 @@ class Lowering:
                 cls[n] = "static"
             elif n.op == "call_function":
                 kinds = {cls[a] for a in n.all_input_nodes}
-                if n.target in _INDEX_WRITES or n.target in (aten.copy_.default,):
+                if n.target in INDEX_WRITES or n.target in (aten.copy_.default,):
                     cls[n] = "runtime"
                 elif "runtime" in kinds:
                     cls[n] = "runtime"
@@ -204,7 +116,7 @@ class Lowering:
             return cache[node]
         if node.op == "placeholder":
             if node.name in self.b.positions:
-                ex = _val(node)
+                ex = val_of(node)
                 out = torch.full(tuple(ex.shape), p, dtype=ex.dtype)
             else:
                 out = self.b.consts[node.name].cpu()
@@ -264,13 +176,13 @@ class Lowering:
         node itself is reported), so that lowering goes on to find every unsupported node - also
         the consumers of a value of a dtype tilec has no code for (a float64 model, a complex FFT),
         which must run eagerly too."""
-        val = _val(node)
+        val = val_of(node)
         buf = Buffer(self._name(f"opaque_{node.name}"), tuple(int(s) for s in val.shape), val.dtype, BufferKind.INPUT)
         self.buffers[buf.name] = buf
         return View.whole(buf)
 
     def _emit(self, node: fx.Node, kind: str, inputs, out_shape=None, out_dtype=None, attrs=(), name=None) -> View:
-        val = _val(node)
+        val = val_of(node)
         shape = tuple(val.shape) if out_shape is None else tuple(out_shape)
         dtype = val.dtype if out_dtype is None else out_dtype
         for v in inputs:
@@ -342,7 +254,7 @@ class Lowering:
                     self.unsupported.append((node.name, target_name(node), source_of(node), str(e)))
                 for inp in node.all_input_nodes:  # find unsupported ancestors too
                     self.value(inp)
-                out = None if _val(node) is None else self._opaque(node)
+                out = None if val_of(node) is None else self._opaque(node)
         else:
             out = self._lower(node)
         self.env[node] = out
@@ -352,7 +264,7 @@ class Lowering:
         return self.as_view(self.value(node), node)
 
     def _placeholder(self, node: fx.Node) -> View:
-        val = _val(node)
+        val = val_of(node)
         if node.name in self.b.params:
             kind = BufferKind.PARAM
         elif node.name in self.b.consts:
@@ -370,7 +282,7 @@ class Lowering:
 
     def _lower(self, node: fx.Node):
         t = node.target
-        if t in _SKIP:
+        if t in SKIP:
             return None
         if t is operator.getitem:
             src = self.value(node.args[0])
@@ -383,28 +295,28 @@ class Lowering:
             out = pattern(node)
             if out is not None:
                 return out
-        if t in _VIEW_OPS:
+        if t in VIEW_OPS:
             return self._view(node)
-        if t in _SPLITS:
+        if t in SPLITS:
             return self._split(node)
-        if t in _IDENTITY:
+        if t in IDENTITY:
             src = self.value(node.args[0])
             if isinstance(src, View) and t is not aten.clone.default and t is not aten.contiguous.default:
                 return src
             if isinstance(src, View) and src.is_contiguous():
                 return src
             return self._emit(node, "copy", [self.as_view(src, node.args[0])])
-        if t in _CASTS or t is aten.type_as.default:
+        if t in CASTS or t is aten.type_as.default:
             src = self.view_of(node.args[0])
-            want = _val(node).dtype if t is aten.type_as.default else (node.kwargs.get("dtype") or _val(node).dtype)
+            want = val_of(node).dtype if t is aten.type_as.default else (node.kwargs.get("dtype") or val_of(node).dtype)
             if self.buffers[src.buffer].dtype == want:
                 return src
             return self._emit(node, "unary", [src], attrs=(("fn", "cast"), ("scalar", 0.0)))
         if t in (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default):
             return self._linear(node)
-        if t in _SDPA_ARGS:
+        if t in SDPA_ARGS:
             return self._attention(node)
-        if t in _INDEX_WRITES:
+        if t in INDEX_WRITES:
             return self._index_write(node)
         if t is aten.copy_.default:
             return self._copy_(node)
@@ -413,7 +325,7 @@ class Lowering:
             return self._emit(node, "embedding", [w, ids])
         if t in (aten._softmax.default, aten.softmax.int):
             dim = node.args[1]
-            if dim not in (-1, len(_val(node).shape) - 1):
+            if dim not in (-1, len(val_of(node).shape) - 1):
                 self._unsupported(node, "softmax over a dim other than the last")
             return self._emit(node, "softmax", [self.view_of(node.args[0])])
         if t in (aten.layer_norm.default, aten.native_layer_norm.default):
@@ -422,15 +334,15 @@ class Lowering:
             return self._rms_norm_op(node)
         if t is aten.cat.default:
             return self._cat(node)
-        if t in _UNARY:
-            return self._emit(node, "unary", [self._bcast(node.args[0], node)], attrs=(("fn", _UNARY[t]), ("scalar", 0.0)))
+        if t in UNARY:
+            return self._emit(node, "unary", [self._bcast(node.args[0], node)], attrs=(("fn", UNARY[t]), ("scalar", 0.0)))
         if t is aten.gelu.default:
             fn = "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
             return self._emit(node, "unary", [self._bcast(node.args[0], node)], attrs=(("fn", fn), ("scalar", 0.0)))
         if t is aten.pow.Tensor_Scalar:
             return self._emit(node, "unary", [self._bcast(node.args[0], node)],
                               attrs=(("fn", "pow_scalar"), ("scalar", float(node.args[1]))))
-        if t in _BINARY or t in (aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar):
+        if t in BINARY or t in (aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar):
             return self._binary(node)
         self._unsupported(node)
 
@@ -443,14 +355,14 @@ class Lowering:
         meta = torch.empty(buf.numel, dtype=buf.dtype, device="meta").as_strided(src.shape, src.strides, src.offset)
         args = [meta, *node.args[1:]]
         try:
-            if node.target in _RESHAPES:
-                out = meta.view(_val(node).shape)
+            if node.target in RESHAPES:
+                out = meta.view(val_of(node).shape)
             else:
                 out = node.target(*args, **node.kwargs)
         except (RuntimeError, ValueError):  # torch's meta view raises either, by version
             # not expressible as a strided view: materialize a contiguous copy, then view it
             copy = self._emit(node, "copy", [src], out_shape=src.shape, out_dtype=buf.dtype, name=f"{node.name}_contig")
-            return View(copy.buffer, tuple(_val(node).shape), contiguous_strides(tuple(_val(node).shape)))
+            return View(copy.buffer, tuple(val_of(node).shape), contiguous_strides(tuple(val_of(node).shape)))
         return View(src.buffer, tuple(out.shape), tuple(out.stride()), out.storage_offset(), src.pos_stride)
 
     def _split(self, node: fx.Node) -> tuple[View, ...]:
@@ -467,7 +379,7 @@ class Lowering:
     def _bcast(self, arg, node: fx.Node) -> View:
         """An operand expanded (stride 0) to the output shape of ``node``."""
         v = self.as_view(self.value(arg), arg if isinstance(arg, fx.Node) else None)
-        shape = tuple(_val(node).shape)
+        shape = tuple(val_of(node).shape)
         if v.shape == shape:
             return v
         k = len(shape) - len(v.shape)
@@ -479,7 +391,7 @@ class Lowering:
         a, b = node.args[0], node.args[1]
         if node.kwargs.get("alpha", 1) != 1:
             self._unsupported(node, "alpha != 1")
-        fn = _BINARY.get(t) or {aten.add.Scalar: "add", aten.mul.Scalar: "mul", aten.sub.Scalar: "sub",
+        fn = BINARY.get(t) or {aten.add.Scalar: "add", aten.mul.Scalar: "mul", aten.sub.Scalar: "sub",
                                 aten.div.Scalar: "div", aten.rsub.Scalar: "rsub"}[t]
         scalars = [x if not isinstance(x, fx.Node) else (self.value(x).value.item() if self.cls[x] == "static"
                                                          and self.value(x).value.numel() == 1 else None)
@@ -530,7 +442,7 @@ class Lowering:
             self._unsupported(node, "layer_norm over more than the last dim")
         args = list(node.args) + [None] * (5 - len(node.args))
         w, b, eps = args[2], args[3], args[4] if args[4] is not None else node.kwargs.get("eps", 1e-5)
-        val = _val(node) if node.target is aten.layer_norm.default else node.meta["val"][0]
+        val = val_of(node) if node.target is aten.layer_norm.default else node.meta["val"][0]
         inputs = [x, self.view_of(w) if w is not None else self.as_view(Static(torch.ones(shape[0], dtype=val.dtype)), node)]
         if b is not None:
             inputs.append(self.view_of(b))
@@ -542,7 +454,7 @@ class Lowering:
         args = list(node.args) + [None] * (4 - len(node.args))
         x, shape, w = args[0], args[1], args[2]
         eps = args[3] if args[3] is not None else node.kwargs.get("eps")
-        val = _val(node)
+        val = val_of(node)
         if len(shape) != 1:
             self._unsupported(node, "rms_norm over more than the last dim")
         if eps is None:
@@ -553,43 +465,43 @@ class Lowering:
     def _cat(self, node: fx.Node):
         parts = [self.view_of(a) for a in node.args[0]]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        dim = dim % len(_val(node).shape)
+        dim = dim % len(val_of(node).shape)
         return self._emit(node, "concat", parts, attrs=(("dim", dim),))
 
     # ---- patterns --------------------------------------------------------------------
     def _strip_casts(self, n):
-        while _is(n, *_CASTS, aten.alias.default):
+        while is_call(n, *CASTS, aten.alias.default):
             n = n.args[0]
         return n
 
     def _norm_core(self, n):
         """``mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim), eps)))`` -> (x, eps) or None."""
         n = self._strip_casts(n)
-        if not _is(n, aten.mul.Tensor):
+        if not is_call(n, aten.mul.Tensor):
             return None
         for x, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
-            if not _is(r, aten.rsqrt.default):
+            if not is_call(r, aten.rsqrt.default):
                 continue
             add = r.args[0]
-            if not _is(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
+            if not is_call(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
                 continue
             mean = add.args[0]
-            if not _is(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [len(_val(mean).shape) - 1]):
+            if not is_call(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [len(val_of(mean).shape) - 1]):
                 continue
             pw = mean.args[0]
-            if _is(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2 and pw.args[0] is x:
+            if is_call(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2 and pw.args[0] is x:
                 return x, float(add.args[1])
-            if _is(pw, aten.mul.Tensor) and pw.args[0] is x and pw.args[1] is x:
+            if is_call(pw, aten.mul.Tensor) and pw.args[0] is x and pw.args[1] is x:
                 return x, float(add.args[1])
         return None
 
     def _rmsnorm(self, node: fx.Node):
-        if not _is(node, aten.mul.Tensor):
+        if not is_call(node, aten.mul.Tensor):
             return None
         for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
             m = self._norm_core(core) if isinstance(core, fx.Node) else None
-            wv = _val(w)
-            if m is None or wv is None or wv.dim() != 1 or wv.shape[0] != _val(node).shape[-1]:
+            wv = val_of(w)
+            if m is None or wv is None or wv.dim() != 1 or wv.shape[0] != val_of(node).shape[-1]:
                 continue
             x, eps = m
             x = self._strip_casts(x)
@@ -598,17 +510,17 @@ class Lowering:
         if m is not None and self._strip_casts(node) is node:
             x, eps = m
             x = self._strip_casts(x)
-            ones = self.as_view(Static(torch.ones(_val(node).shape[-1], dtype=_val(x).dtype)), node)
+            ones = self.as_view(Static(torch.ones(val_of(node).shape[-1], dtype=val_of(x).dtype)), node)
             return self._emit(node, "rmsnorm", [self.view_of(x), ones], attrs=(("eps", eps),))
         return None
 
     def _silu_mul(self, node: fx.Node):
-        if not _is(node, aten.mul.Tensor):
+        if not is_call(node, aten.mul.Tensor):
             return None
         a, b = node.args
         for g, u in ((a, b), (b, a)):
-            if _is(g, aten.silu.default) and isinstance(u, fx.Node) and self.cls[u] == "runtime" \
-                    and tuple(_val(g).shape) == tuple(_val(u).shape) == tuple(_val(node).shape):
+            if is_call(g, aten.silu.default) and isinstance(u, fx.Node) and self.cls[u] == "runtime" \
+                    and tuple(val_of(g).shape) == tuple(val_of(u).shape) == tuple(val_of(node).shape):
                 return self._emit(node, "silu_mul", [self.view_of(g.args[0]), self.view_of(u)])
         return None
 
@@ -617,7 +529,7 @@ class Lowering:
         x = self.view_of(x_node)
         if len(x.shape) > 4:
             return None
-        shape = tuple(_val(node).shape)
+        shape = tuple(val_of(node).shape)
         lead = shape[:-1]
         def table(arg):
             v = self.as_view(self.value(arg), arg)
@@ -628,44 +540,44 @@ class Lowering:
 
     def _rope_rotate_half(self, node: fx.Node):
         """``x * cos + cat([-x[..., h:], x[..., :h]]) * sin`` (HF ``apply_rotary_pos_emb``)."""
-        if not _is(node, aten.add.Tensor):
+        if not is_call(node, aten.add.Tensor):
             return None
         for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            if not (_is(m1, aten.mul.Tensor) and _is(m2, aten.mul.Tensor)):
+            if not (is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor)):
                 continue
             for cat, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
-                if not _is(cat, aten.cat.default) or len(cat.args[0]) != 2:
+                if not is_call(cat, aten.cat.default) or len(cat.args[0]) != 2:
                     continue
                 neg, lo = cat.args[0]
-                if not (_is(neg, aten.neg.default) and _is(neg.args[0], aten.slice.Tensor) and _is(lo, aten.slice.Tensor)):
+                if not (is_call(neg, aten.neg.default) and is_call(neg.args[0], aten.slice.Tensor) and is_call(lo, aten.slice.Tensor)):
                     continue
                 hi = neg.args[0]
                 x = hi.args[0]
                 if lo.args[0] is not x:
                     continue
                 for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
-                    if xx is x and _val(x).shape[-1] % 2 == 0 and _val(cos).shape[-1] == _val(x).shape[-1]:
+                    if xx is x and val_of(x).shape[-1] % 2 == 0 and val_of(cos).shape[-1] == val_of(x).shape[-1]:
                         return self._rope_args(node, x, (cos, sin), ROTATE_HALF)
         return None
 
     def _rope_interleaved(self, node: fx.Node):
         """``cat([x1*c - x2*s, x2*c + x1*s])`` with ``x1, x2 = x[..., 0::2], x[..., 1::2]``
         (HF ``apply_rotary_pos_emb_interleave``, DeepSeek-V3 / GLM)."""
-        if not _is(node, aten.cat.default) or len(node.args[0]) != 2:
+        if not is_call(node, aten.cat.default) or len(node.args[0]) != 2:
             return None
         first, second = node.args[0]
-        if not (_is(first, aten.sub.Tensor) and _is(second, aten.add.Tensor)):
+        if not (is_call(first, aten.sub.Tensor) and is_call(second, aten.add.Tensor)):
             return None
         def prod(m):
-            return (m.args[0], m.args[1]) if _is(m, aten.mul.Tensor) else None
+            return (m.args[0], m.args[1]) if is_call(m, aten.mul.Tensor) else None
         a, b, c, d = prod(first.args[0]), prod(first.args[1]), prod(second.args[0]), prod(second.args[1])
         if None in (a, b, c, d):
             return None
         x1, cos = a
         x2, sin = b
-        if not (_is(x1, aten.slice.Tensor) and _is(x2, aten.slice.Tensor)):
+        if not (is_call(x1, aten.slice.Tensor) and is_call(x2, aten.slice.Tensor)):
             return None
-        last = len(_val(x1).shape) - 1
+        last = len(val_of(x1).shape) - 1
         if x1.args[0] is not x2.args[0] or len(x1.args) != 5 or len(x2.args) != 5 \
                 or x1.args[1] % (last + 1) != last or x1.args[1:] != (x1.args[1], 0, x1.args[3], 2) \
                 or x2.args[1:] != (x1.args[1], 1, x2.args[3], 2):
@@ -678,18 +590,18 @@ class Lowering:
     def _gqa_source(self, n):
         """``reshape(clone(expand(unsqueeze(kv, 2))))`` (HF ``repeat_kv``) -> (kv node, group) or (n, 1)."""
         m = n
-        if _is(m, *_RESHAPES):
+        if is_call(m, *RESHAPES):
             m = m.args[0]
-            if _is(m, aten.clone.default):
+            if is_call(m, aten.clone.default):
                 m = m.args[0]
-            if _is(m, aten.expand.default) and _is(m.args[0], aten.unsqueeze.default) and m.args[0].args[1] == 2:
+            if is_call(m, aten.expand.default) and is_call(m.args[0], aten.unsqueeze.default) and m.args[0].args[1] == 2:
                 src = m.args[0].args[0]
-                return src, _val(m).shape[2]
+                return src, val_of(m).shape[2]
         return n, 1
 
     def _attention(self, node: fx.Node):
         q_n, k_n, v_n = node.args[:3]
-        rest = dict(zip(_SDPA_ARGS[node.target], node.args[3:]))
+        rest = dict(zip(SDPA_ARGS[node.target], node.args[3:]))
         rest.update(node.kwargs)
         if "attn_bias" in rest:
             rest["attn_mask"] = rest.pop("attn_bias")
@@ -769,17 +681,17 @@ class Lowering:
         rather than after ``max_positions`` evaluations."""
         for n in self.gm.graph.nodes:
             if n.op == "call_function" and n.target in (aten.index_copy.default, aten.index_copy_.default) \
-                    and n.args[0].op == "placeholder" and _val(n.args[3]) is not None:
+                    and n.args[0].op == "placeholder" and val_of(n.args[3]) is not None:
                 dst = self.view_of(n.args[0])
                 dim = n.args[1] % len(dst.shape)
-                self._check_cache_length(dst, dim, _val(n.args[3]).shape[dim])
+                self._check_cache_length(dst, dim, val_of(n.args[3]).shape[dim])
 
     def _index_write(self, node: fx.Node):
         t = node.target
         dst_node = node.args[0]
         if dst_node.op != "placeholder":
             root = dst_node
-            while root.op == "call_function" and root.target in _INDEX_WRITES:
+            while root.op == "call_function" and root.target in INDEX_WRITES:
                 root = root.args[0]
             if root is not dst_node and root.op == "placeholder":  # a write into an earlier write's result
                 self._unsupported(node, f"a second write into {root.name!r} in one step (tilec plans one "
@@ -795,9 +707,9 @@ class Lowering:
                 self._unsupported(node, "index_put with more than one index tensor or accumulate=True")
             dim, idx = dims[0], indices[dims[0]]
         dim = dim % len(dst.shape)
-        if _val(src_n).dtype != _val(dst_node).dtype:  # eager raises ("source and destination dtypes match")
-            self._unsupported(node, f"cache write of a {str(_val(src_n).dtype).removeprefix('torch.')} value into "
-                                    f"a {str(_val(dst_node).dtype).removeprefix('torch.')} cache: eager PyTorch "
+        if val_of(src_n).dtype != val_of(dst_node).dtype:  # eager raises ("source and destination dtypes match")
+            self._unsupported(node, f"cache write of a {str(val_of(src_n).dtype).removeprefix('torch.')} value into "
+                                    f"a {str(val_of(dst_node).dtype).removeprefix('torch.')} cache: eager PyTorch "
                                     f"requires the same dtype (cast the value to the cache's dtype)")
         src = self.view_of(src_n)
         pad = len(dst.shape) - len(src.shape)
@@ -805,7 +717,7 @@ class Lowering:
             src = View(src.buffer, (1,) * pad + src.shape, (0,) * pad + src.strides, src.offset, src.pos_stride)
         if len(src.shape) != len(dst.shape) or any(a != b for i, (a, b) in enumerate(zip(src.shape, dst.shape))
                                                    if i != dim):
-            self._unsupported(node, f"cache write of a value of shape {list(_val(src_n).shape)} into "
+            self._unsupported(node, f"cache write of a value of shape {list(val_of(src_n).shape)} into "
                                     f"{list(dst.shape)} at dim {dim}: the value must have the cache's shape "
                                     f"outside dim {dim} (no broadcasting)")
         sq = src.shape[dim]
@@ -837,365 +749,6 @@ class Lowering:
             self._unsupported(node, f"in-place update of position input {target} with a value that does not depend "
                                     f"only on the position")
         self.position_updates[target] = val.table
-
-    # ---- DSA prelude (GLM-5 / DeepSeek-V3.2): FP8 GEMMs, absorption, paged caches ----------
-    # The plain-torch forms recognized here are those of examples/glm5_dsa_prelude.py:
-    # act_quant / act_dequant / weight_dequant (DeepSeek-V3's FP8 recipe written in torch ops),
-    # einsum for MLA's absorption, index_put / index_copy at a slot-mapping input, and the
-    # lightning indexer's score over pages gathered through a block table.
-    def _upcast_src(self, n):
-        """Strips widening casts to float32 (exact): the node whose value they widen."""
-        while _is(n, *_CASTS, aten.alias.default) and _val(n) is not None and _val(n).dtype == torch.float32:
-            n = n.args[0]
-        return n
-
-    def _apply_view(self, src: View, node: fx.Node) -> View:
-        """The view ``node`` (a view op) takes of ``src``, as a strided View of src's buffer."""
-        buf = self.buffers[src.buffer]
-        meta = torch.empty(buf.numel, dtype=buf.dtype, device="meta").as_strided(src.shape, src.strides, src.offset)
-        out = meta.view(_val(node).shape) if node.target in _RESHAPES else node.target(meta, *node.args[1:],
-                                                                                         **node.kwargs)
-        return View(src.buffer, tuple(out.shape), tuple(out.stride()), out.storage_offset(), src.pos_stride)
-
-    def _fp8_scale(self, s):
-        """``amax(|v|, -1, keepdim).clamp(min=a) / 448`` (or ``exp2(ceil(log2(...)))`` of it, a
-        power-of-two scale) -> ``(v node, pow2, a)`` or None."""
-        pow2 = False
-        if _is(s, aten.exp2.default) and _is(s.args[0], aten.ceil.default) and _is(s.args[0].args[0], aten.log2.default):
-            s, pow2 = s.args[0].args[0].args[0], True
-        if _is(s, aten.div.Tensor) and not isinstance(s.args[1], fx.Node) and float(s.args[1]) == 448.0:
-            base = s.args[0]
-        elif _is(s, aten.mul.Tensor) and not isinstance(s.args[1], fx.Node) and float(s.args[1]) == 1.0 / 448.0:
-            base = s.args[0]
-        else:
-            return None
-        amin = 0.0
-        if _is(base, aten.clamp.default, aten.clamp_min.default):
-            if len(base.args) > 2 and base.args[2] is not None or isinstance(base.args[1], fx.Node):
-                return None
-            base, amin = base.args[0], float(base.args[1])
-        if not (_is(base, aten.amax.default) and len(base.args) > 2 and base.args[2]
-                and list(base.args[1]) in ([-1], [len(_val(base).shape) - 1]) and _is(base.args[0], aten.abs.default)):
-            return None
-        return base.args[0].args[0], pow2, amin
-
-    def _fp8_quant_parts(self, node):
-        """``to_fp8(clamp(v / s, -448, 448))`` with ``v = view(x.float())`` [..., K/G, G] and s its
-        :meth:`_fp8_scale` -> ``(x node, s node, G, pow2, amin)`` or None."""
-        if not (_is(node, *_CASTS) and _val(node) is not None and _val(node).dtype == torch.float8_e4m3fn):
-            return None
-        c = node.args[0]
-        if _is(c, aten.clamp.default):
-            if tuple(c.args[1:3]) != (-448.0, 448.0):
-                return None
-            c = c.args[0]
-        if not (_is(c, aten.div.Tensor) and isinstance(c.args[1], fx.Node)):
-            return None
-        v, s = c.args
-        sc = self._fp8_scale(s)
-        if sc is None or sc[0] is not v or not _is(v, *_RESHAPES):
-            return None
-        x = self._upcast_src(v.args[0])
-        xs, vs = tuple(_val(x).shape), tuple(_val(v).shape)
-        if len(vs) < 2 or vs[:-2] != xs[:-1] or vs[-2] * vs[-1] != xs[-1]:
-            return None
-        return x, s, vs[-1], sc[1], sc[2]
-
-    def _fp8_quant(self, node: fx.Node):
-        """Per-group FP8 quantization -> one ``fp8_quant`` op with two outputs: the values
-        (this node's value) and the scales (bound to the scale node)."""
-        m = self._fp8_quant_parts(node)
-        if m is None:
-            return None
-        x_n, s_n, group, pow2, amin = m
-        x = self.view_of(x_n)
-        lead, k = x.shape[:-1], x.shape[-1]
-        qbuf = self._new_buffer(f"{node.name}_q", lead + (k,), torch.float8_e4m3fn, node=node)
-        sbuf = self._new_buffer(f"{node.name}_scale", lead + (k // group,), torch.float32, node=node)
-        self.ops.append(Op(self._name(f"fp8_quant_{node.name}"), "fp8_quant", (x,), (View.whole(qbuf), View.whole(sbuf)),
-                           (("amin", amin), ("group", group), ("pow2", pow2)), self._prov(node)))
-        sshape = tuple(_val(s_n).shape)
-        self.env[s_n] = View(sbuf.name, sshape, contiguous_strides(sshape))
-        shape = tuple(_val(node).shape)
-        return View(qbuf.name, shape, contiguous_strides(shape))
-
-    def _fp8_quant_scale(self, node: fx.Node):
-        """The scale of an FP8 quantization demanded before its values: lowers the quantization."""
-        if self._fp8_scale(node) is None:
-            return None
-        for div in node.users:
-            for c in [div, *div.users]:
-                for cast in c.users:
-                    m = self._fp8_quant_parts(cast)
-                    if m is not None and m[1] is node:
-                        self.value(cast)
-                        return self.env[node]
-        return None
-
-    def _act_dequant(self, n):
-        """``view(view(q.float()) * scale.unsqueeze(-1))`` (FP8 values per group of G) -> (q, scale, G) or None."""
-        if not (_is(n, *_RESHAPES) and _is(n.args[0], aten.mul.Tensor)):
-            return None
-        mul = n.args[0]
-        for a, b in (mul.args, mul.args[::-1]):
-            if not (_is(a, *_RESHAPES) and _is(b, aten.unsqueeze.default)):
-                continue
-            q, s = self._upcast_src(a.args[0]), b.args[0]
-            qv, av, sv = _val(q), _val(a), _val(s)
-            if qv is None or sv is None or qv.dtype != torch.float8_e4m3fn or b.args[1] not in (-1, len(av.shape) - 1):
-                continue
-            if tuple(av.shape[:-1]) == tuple(sv.shape) and tuple(qv.shape) == tuple(_val(n).shape):
-                return q, s, av.shape[-1]
-        return None
-
-    def _weight_dequant(self, n):
-        """``w.float() * S`` where S broadcasts a ``[ceil(N/Br), ceil(K/Bc)]`` scale over Br x Bc
-        blocks of the FP8 weight w [N, K] (``scale[:, None, :, None].expand(...).reshape(...)[:N, :K]``),
-        both module parameters -> (w, scale, (Br, Bc)) or None."""
-        if not _is(n, aten.mul.Tensor):
-            return None
-        for a, s in (n.args, n.args[::-1]):
-            w = self._upcast_src(a) if _is(a, *_CASTS) else None
-            if w is None or _val(w) is None or _val(w).dtype != torch.float8_e4m3fn or _val(w).dim() != 2:
-                continue
-            while _is(s, aten.alias.default, aten.clone.default, *_RESHAPES) or (_is(s, aten.slice.Tensor)
-                                                                               and s.args[2] in (0, None)):
-                s = s.args[0]
-            if not _is(s, aten.expand.default) or len(s.args[1]) != 4:
-                continue
-            nb, br, kb, bc = (int(x) for x in s.args[1])
-            u = s.args[0]
-            if tuple(_val(u).shape) != (nb, 1, kb, 1):
-                continue
-            while _is(u, aten.unsqueeze.default):
-                u = u.args[0]
-            n_, k_ = _val(w).shape
-            weights = all(v.op == "placeholder" and (v.name in self.b.params or v.name in self.b.consts) for v in (w, u))
-            if weights and tuple(_val(u).shape) == (nb, kb) and -(-n_ // br) == nb and -(-k_ // bc) == kb \
-                    and tuple(_val(n).shape) == (n_, k_):  # read-only weights: device tiles may use __ldg
-                return w, u, (br, bc)
-        return None
-
-    def _fp8_linear(self, node: fx.Node):
-        """``linear(act_dequant(xq, xs), weight_dequant(wq, ws))`` (optionally cast to the
-        activation dtype) -> one block-scaled ``fp8_linear`` reading the FP8 tensors."""
-        lin = node.args[0] if _is(node, *_CASTS) and isinstance(node.args[0], fx.Node) else node
-        if not _is(lin, aten.linear.default) or (len(lin.args) > 2 and lin.args[2] is not None):
-            return None
-        xa, wd = self._act_dequant(lin.args[0]), self._weight_dequant(lin.args[1])
-        if xa is None or wd is None:
-            return None
-        (xq, xs, group), (wq, ws, (br, bc)) = xa, wd
-        if group != bc:
-            self._unsupported(node, f"FP8 linear with activation groups of {group} but weight blocks of {bc} along K")
-        inputs = [self.view_of(xq), self.view_of(xs), self.view_of(wq), self.view_of(ws)]
-        return self._emit(node, "fp8_linear", inputs, attrs=(("block_n", br),))
-
-    def _dequant_view_chain(self, n):
-        """View ops (and at most one cast) over a :meth:`_weight_dequant` ->
-        (w, scale, block, view nodes in order, cast dtype or None) or None."""
-        chain, cast = [], None
-        while True:
-            wd = self._weight_dequant(n)
-            if wd is not None:
-                return (*wd, chain[::-1], cast)
-            if _is(n, *_VIEW_OPS) and n.target is not aten.expand.default:
-                chain.append(n)
-            elif _is(n, *_CASTS) and cast is None:
-                cast = _val(n).dtype
-            else:
-                return None
-            n = n.args[0]
-
-    def _einsum(self, node: fx.Node):
-        """A two-operand einsum with one batch, one contracted and one free letter per side
-        (``thd,hdc->thc``: MLA's absorption) -> ``bmm``; the right operand may be a view of a
-        block-scaled FP8 weight (read in place, dequantized in the tile)."""
-        if not _is(node, aten.einsum.default):
-            return None
-        eq, operands = node.args[0].replace(" ", ""), node.args[1]
-        if len(operands) != 2 or "->" not in eq or "." in eq:
-            self._unsupported(node, f"einsum {eq!r}: only two-operand batched matmuls are supported")
-        lhs, out = eq.split("->")
-        sa, sb = lhs.split(",")
-        batch = [c for c in out if c in sa and c in sb]
-        contract = [c for c in sa if c in sb and c not in out]
-        fa = [c for c in out if c in sa and c not in sb]
-        fb = [c for c in out if c in sb and c not in sa]
-        if any(len(set(x)) != len(x) for x in (sa, sb, out)) or not len(batch) == len(contract) == len(fa) == len(fb) == 1 \
-                or len(sa) != 3 or len(sb) != 3:
-            self._unsupported(node, f"einsum {eq!r} is not a batched matmul (one batch, one contracted and one free "
-                                    f"letter per operand)")
-
-        def permute(v: View, letters: str, order) -> View:
-            idx = [letters.index(c) for c in order]
-            return View(v.buffer, tuple(v.shape[i] for i in idx), tuple(v.strides[i] for i in idx), v.offset,
-                        v.pos_stride)
-
-        a = permute(self.view_of(operands[0]), sa, batch + fa + contract)
-        out_dtype = _val(node).dtype
-        attrs: tuple = ()
-        inputs = [a]
-        dq = self._dequant_view_chain(operands[1])
-        if dq is None:
-            inputs.append(permute(self.view_of(operands[1]), sb, batch + contract + fb))
-        else:
-            wq, ws, block, chain, cast = dq
-            w = self.view_of(wq)
-            for vn in chain:
-                w = self._apply_view(w, vn)
-            if cast not in (None, torch.float32, out_dtype):
-                self._unsupported(node, f"dequantized weight cast to {cast}, the einsum computes in {out_dtype}")
-            inputs += [permute(w, sb, batch + contract + fb), self.view_of(ws)]
-            attrs = (("block", block), ("round_w", cast not in (None, torch.float32)),
-                     ("row_len", self.buffers[w.buffer].shape[-1]))
-        sizes = {c: s for c, s in zip(out, _val(node).shape)}
-        buf = self._new_buffer(node.name, tuple(sizes[c] for c in out), out_dtype, node=node)
-        whole = View.whole(buf)
-        self.ops.append(Op(self._name(f"bmm_{node.name}"), "bmm", tuple(inputs),
-                           (permute(whole, out, batch + fa + fb),), attrs, self._prov(node)))
-        return whole
-
-    def _check_positions_listed(self, idx_n: fx.Node, cache: View) -> None:
-        """Raises :class:`InputError` when the index of a write into ``cache`` that tilec cannot
-        lower as a slot write is computed from one-element integer arguments that ``positions``
-        does not list: such an argument is most likely the decode position, which positions names
-        wrongly or not at all. Returns otherwise (a per-call index of several slots, say), and the
-        caller reports the node as unsupported."""
-        seen, stack = set(), [idx_n]
-        while stack:
-            n = stack.pop()
-            if n not in seen:
-                seen.add(n)
-                stack += n.all_input_nodes
-        names = {n.name for n in seen if n.op == "placeholder" and isinstance(_val(n), torch.Tensor)
-                 and _val(n).numel() == 1 and not _val(n).dtype.is_floating_point
-                 and not _val(n).dtype.is_complex and _val(n).dtype != torch.bool}
-        unlisted = [self._argument(a) for a in self.b.user_inputs if a in names and a not in self.b.positions]
-        if unlisted:
-            listed = sorted(self.b.user_inputs.index(a) for a in self.b.positions)
-            raise InputError(f"the cache write into {self._argument(cache.buffer)} takes its index from "
-                             f"{', '.join(unlisted)}, which positions {listed} does not list: if it holds the decode "
-                             f"position, list it in positions (tilec cannot lower a write at an index that is not "
-                             f"a position)")
-
-    def _paged_cache_write(self, node: fx.Node):
-        """``cache.view(-1, D)[slot_mapping] = src`` (``index_put`` / ``index_copy`` along dim 0 at a
-        per-call slot tensor) -> ``paged_cache_write``, in place into the caller's cache."""
-        if not _is(node, *_INDEX_WRITES):
-            return None
-        if node.target in (aten.index_copy.default, aten.index_copy_.default):
-            dim, idx_n, src_n = node.args[1], node.args[2], node.args[3]
-        else:
-            indices, src_n = node.args[1], node.args[2]
-            if len(indices) != 1 or node.args[3:4] == (True,):
-                return None
-            dim, idx_n = 0, indices[0]
-        if not isinstance(idx_n, fx.Node) or self.cls[idx_n] != "runtime":
-            return None  # a write at the decode position: _index_write
-        src, idx = self.view_of(src_n), self.view_of(idx_n)
-        feat = tuple(_val(src_n).shape[1:])
-        base = node.args[0]  # the cache in its own shape: look through the flattening reshape
-        while _is(base, *_RESHAPES) and _val(base.args[0]).numel() == _val(base).numel() \
-                and tuple(_val(base.args[0]).shape[len(_val(base.args[0]).shape) - len(feat):]) == feat:
-            base = base.args[0]
-        dst = self.view_of(base)
-        if self.buffers[dst.buffer].kind is not BufferKind.STATE:
-            self._unsupported(node, "slot write into a tensor that is not a graph input updated in place (a cache)")
-        rows = _val(node.args[0]).shape[0]
-        if dim % _val(node.args[0]).dim() != 0 or len(feat) > 1 or len(idx.shape) != 1 or src.shape[0] != idx.shape[0] \
-                or rows != _val(base).numel() // max(1, math.prod(feat)) or len(dst.shape) - len(feat) > 3:
-            self._check_positions_listed(idx_n, dst)
-            self._unsupported(node, f"slot write of {list(src.shape)} at {list(idx.shape)} slots into "
-                                    f"{list(_val(node.args[0]).shape)}: expected src [T, D] (or [T]) and slots [T] "
-                                    f"along dim 0")
-        if not feat:  # one value per slot: as [T, 1] into [*lead, 1]
-            dst = View(dst.buffer, dst.shape + (1,), dst.strides + (1,), dst.offset, dst.pos_stride)
-            src = View(src.buffer, src.shape + (1,), src.strides + (1,), src.offset, src.pos_stride)
-        self.ops.append(Op(self._name(f"paged_cache_write_{node.name}"), "paged_cache_write", (src, idx), (dst,), (),
-                           self._prov(node)))
-        self.state_writes.add(dst.buffer)
-        return self.view_of(node.args[0])
-
-    def _paged_gather(self, n):
-        """``cache[block_tables].flatten(1, 2)`` ([pages, page, ...] -> [R, P * page, ...]) -> (cache, block tables)."""
-        if not (_is(n, *_RESHAPES) and _is(n.args[0], aten.index.Tensor)):
-            return None
-        idx = n.args[0]
-        if len(idx.args[1]) != 1 or idx.args[1][0] is None:
-            return None
-        cache, bt = idx.args[0], idx.args[1][0]
-        cv, bv, nv = _val(cache), _val(bt), _val(n)
-        if bv.dim() != 2 or cv.dim() < 2 or tuple(nv.shape) != (bv.shape[0], bv.shape[1] * cv.shape[1],
-                                                                 *cv.shape[2:]):
-            return None
-        return cache, bt
-
-    def _position_mask(self, mask, kv: int):
-        """``arange(KV) > positions[..., None]`` (positions after each token's own) -> positions node."""
-        if _is(mask, aten.gt.Tensor):
-            ar, pu = mask.args
-        elif _is(mask, aten.lt.Tensor):
-            pu, ar = mask.args
-        else:
-            return None
-        if not (_is(pu, aten.unsqueeze.default) and pu.args[1] in (-1, len(_val(pu).shape) - 1)):
-            return None
-        val = self.value(ar) if isinstance(ar, fx.Node) and self.cls[ar] == "static" else None
-        if not (isinstance(val, Static) and torch.equal(val.value.flatten(), torch.arange(kv, dtype=val.value.dtype))):
-            return None
-        return pu.args[0]
-
-    def _paged_index_score(self, node: fx.Node):
-        """DSA's lightning-indexer score over paged keys (``paged_index_score`` of the example):
-        ``masked_fill(squeeze(matmul(w[..., None, :], relu(matmul(q, k^T) (* scale))) (* k_scale),
-        arange(KV) > pos, -inf)`` with k (and k_scale) gathered through block tables -> ``index_score``."""
-        if not (_is(node, aten.masked_fill.Scalar) and node.args[2] == float("-inf")):
-            return None
-        x, kv = node.args[0], _val(node).shape[-1]
-        pos = self._position_mask(node.args[1], kv)
-        if pos is None:
-            return None
-        kscale = None
-        if _is(x, aten.mul.Tensor):  # * k_scale[block_tables].flatten(1, 2).unsqueeze(1): an FP8 key cache
-            for y, ku in (x.args, x.args[::-1]):
-                if _is(ku, aten.unsqueeze.default) and ku.args[1] == 1 and _is(y, aten.squeeze.dim):
-                    kscale = self._paged_gather(self._upcast_src(ku.args[0]))
-                    if kscale is not None:
-                        x = y
-                        break
-            if kscale is None:
-                return None
-        if not (_is(x, aten.squeeze.dim) and x.args[1] in (-2, len(_val(x).shape) - 1) and _is(x.args[0],
-                                                                                             aten.matmul.default)):
-            return None
-        wu, rl = x.args[0].args
-        if not (_is(wu, aten.unsqueeze.default) and wu.args[1] in (-2, len(_val(wu).shape) - 2)
-                and _is(rl, aten.relu.default)):
-            return None
-        w, z, scale = self._upcast_src(wu.args[0]), rl.args[0], 1.0
-        if _is(z, aten.mul.Tensor) and not isinstance(z.args[1], fx.Node):
-            z, scale = z.args[0], float(z.args[1])
-        if not _is(z, aten.matmul.default):
-            return None
-        q, kt = self._upcast_src(z.args[0]), z.args[1]
-        if not (_is(kt, aten.transpose.int) and {d % 4 for d in kt.args[1:]} == {2, 3}
-                and _is(kt.args[0], aten.unsqueeze.default) and kt.args[0].args[1] == 1):
-            return None
-        gathered = self._paged_gather(self._upcast_src(kt.args[0].args[0]))
-        if gathered is None or (kscale is not None and kscale[1] is not gathered[1]):
-            return None
-        cache, bt = gathered
-        qs, ws, cs, ps = (tuple(_val(n).shape) for n in (q, w, cache, pos))
-        if len(qs) != 4 or ws != qs[:3] or len(cs) != 3 or cs[2] != qs[3] or ps != qs[:2] \
-                or tuple(_val(bt).shape)[0] != qs[0]:
-            self._unsupported(node, f"indexer score with q {list(qs)}, weights {list(ws)}, key cache {list(cs)}, "
-                                    f"positions {list(ps)}: expected [R, T, H, D], [R, T, H], [pages, page, D], [R, T]")
-        inputs = [self.view_of(q), self.view_of(w), self.view_of(cache)]
-        if kscale is not None:
-            inputs.append(self.view_of(kscale[0]))
-        inputs += [self.view_of(bt), self.view_of(pos)]
-        return self._emit(node, "index_score", inputs, out_dtype=torch.float32, attrs=(("scale", scale),))
 
 
 def find_unsupported(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 1

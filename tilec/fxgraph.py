@@ -1,0 +1,101 @@
+"""FX (aten) graph helpers shared by the lowerings (:mod:`tilec.frontend` and
+:mod:`tilec.frontend_dsa`): the aten op families they recognize, a node's value and source line,
+and the folded / position-tabulated value kinds."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def source_of(node: fx.Node) -> str:
+    """The innermost user source line recorded in ``node.meta["stack_trace"]``.
+
+    Frames inside torch itself (``nn.Module`` library code such as ``nn.GroupNorm.forward``)
+    are skipped when a frame outside torch exists: the user's line is the one calling them.
+    """
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    frames = []
+    for i, ln in enumerate(lines):
+        if ln.startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            m = re.match(r'File "([^"]+)"', ln)
+            in_torch = bool(m) and os.path.abspath(m.group(1)).startswith(_TORCH_DIR)
+            frames.append((in_torch, f"{ln.removeprefix('File ')}: {code}".strip()))
+    for in_torch, text in reversed(frames):
+        if not in_torch:
+            return text
+    return frames[-1][1] if frames else ""
+
+
+def target_name(node: fx.Node) -> str:
+    """The printable name of the op ``node`` calls."""
+    t = node.target
+    return getattr(t, "__name__", None) or str(t) if not isinstance(t, torch._ops.OpOverload) else str(t)
+
+
+@dataclass(frozen=True)
+class Static:
+    """A folded constant value."""
+
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Positional:
+    """A position-dependent value tabulated over p: ``table[p]`` is its value at position p."""
+
+    table: torch.Tensor
+
+
+VIEW_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+    aten.permute.default, aten.t.default, aten.slice.Tensor, aten.select.int, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.alias.default,
+    aten.detach.default, aten.narrow.default,
+}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int}
+RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+IDENTITY = {aten.alias.default, aten.detach.default, aten.clone.default, aten.contiguous.default,
+             aten.lift_fresh_copy.default}
+CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device}
+SKIP = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
+UNARY = {
+    aten.neg.default: "neg", aten.silu.default: "silu", aten.relu.default: "relu", aten.sigmoid.default: "sigmoid",
+    aten.tanh.default: "tanh", aten.exp.default: "exp", aten.rsqrt.default: "rsqrt", aten.sqrt.default: "sqrt",
+    aten.cos.default: "cos", aten.sin.default: "sin", aten.abs.default: "abs",
+}
+BINARY = {
+    aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
+    aten.maximum.default: "maximum", aten.minimum.default: "minimum",
+}
+# positional argument names of SDPA and of the fused variants AOTAutograd dispatches it to
+SDPA_ARGS = {
+    aten.scaled_dot_product_attention.default: ("attn_mask", "dropout_p", "is_causal"),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: ("dropout_p", "is_causal"),
+    aten._scaled_dot_product_efficient_attention.default: ("attn_mask", "compute_log_sumexp", "dropout_p",
+                                                           "is_causal"),
+    aten._scaled_dot_product_flash_attention.default: ("dropout_p", "is_causal", "return_debug_mask"),
+    aten._scaled_dot_product_cudnn_attention.default: ("attn_mask", "compute_log_sumexp", "dropout_p", "is_causal",
+                                                       "return_debug_mask"),
+}
+INDEX_WRITES = {aten.index_copy.default, aten.index_copy_.default, aten.index_put.default, aten.index_put_.default}
+
+
+def val_of(node) -> torch.Tensor | None:
+    """The tensor ``node`` computes (its ``meta["val"]``), or None for a non-tensor or a non-node."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def is_call(node, *targets) -> bool:
+    """Whether ``node`` is a call of one of ``targets`` (aten overloads)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
