@@ -158,3 +158,23 @@ def test_ops_differing_only_in_operand_count_get_their_own_instances():
     assert sorted(v.types for v in lin) == [("float", "float", "float", "1"), ("float", "float", "float", "float", "1")]
     assert len({v.sig for v in lin}) == 2
     torch.testing.assert_close(prog(x), mod(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_build_is_announced_on_stderr_once(tmp_path, monkeypatch, capsys):
+    """An nvcc build takes a minute or more for a model; from the Python API (no progress callback)
+    it ran silently. A cache hit says nothing."""
+    fake = tmp_path / "nvcc"
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
+                    'while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo lib > "$2"; fi; shift; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("TILEC_NVCC", str(fake))
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+    lib = codegen.build({"program.cu": "// announced\n"})
+    err = capsys.readouterr().err
+    assert lib.read_text() == "lib\n"
+    assert re.search(r"^tilec: nvcc sm_90a: building the executor \w+ \(once per plan; cached in .*cache\)$", err, re.M), err
+    assert re.search(r"^tilec: nvcc sm_90a: built in \d+ s$", err, re.M), err
+    assert codegen.build({"program.cu": "// announced\n"}) == lib and capsys.readouterr().err == ""
+    said = []
+    codegen.build({"program.cu": "// with a callback\n"}, progress=said.append)
+    assert capsys.readouterr().err == "" and said[0].startswith("nvcc sm_90a: building") and len(said) == 2

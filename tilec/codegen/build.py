@@ -6,7 +6,9 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -86,6 +88,10 @@ def extra_flags() -> list[str]:
         raise TilecError(f"TILEC_NVCC_FLAGS={text!r}: {e}") from e
 
 
+def _stderr(text: str) -> None:
+    print(f"tilec: {text}", file=sys.stderr, flush=True)
+
+
 def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
     """Compiles ``sources`` (``program.cu`` + generated headers) into a shared library.
 
@@ -93,6 +99,9 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
     tilec's version; a hit returns at once. Builds are written to a temporary directory and
     renamed into place under a file lock, so concurrent builds and crashes never leave a
     partial library.
+
+    A build (a cache miss: a minute or more for a model) is announced through ``progress(text)``,
+    else on stderr, with its time.
 
     Returns: the path of ``libtilec.so``.
     Raises: TilecError with nvcc's output when compilation fails.
@@ -120,14 +129,16 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
                 (tmp / name).write_text(text)
             cmd = [nvcc, *flags(arch), "-I", str(rt), "-I", str(tmp), str(tmp / "program.cu"), "-o",
                    str(tmp / "libtilec.so")]
-            if progress:
-                progress(f"nvcc {arch}: building {key}")
+            say = progress or _stderr
+            say(f"nvcc {arch}: building the executor {key} (once per plan; cached in {root})")
+            t0 = time.perf_counter()
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 extra = extra_flags()
                 note = f" (with TILEC_NVCC_FLAGS={' '.join(extra)})" if extra else ""
                 raise TilecError(f"nvcc failed ({res.returncode}){note}:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
             os.replace(tmp, final)
+            say(f"nvcc {arch}: built in {time.perf_counter() - t0:.0f} s")
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
