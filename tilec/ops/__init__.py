@@ -7,7 +7,8 @@ An OpDef holds, for its op kind:
   output views, then per-call scalars (:class:`tilec.ir.ScalarOperand`);
 * ``tiles(op, opts)`` - the tiling rule: the tasks of the op, each a :class:`Tile`
   with the boxes (in operand-view coordinates) it reads and writes;
-* ``params(op)`` - up to 16 static int32 parameters encoded in each descriptor;
+* ``params(op)`` - up to 9 (``tilec.plan.MAX_PARAMS``) static int32 parameters encoded in
+  each descriptor (floats as float32 bits: :func:`f32_bits`);
 * ``run_tile(t)`` - the CPU reference of one tile, working only from decoded
   descriptor fields and operand tensors built from the operand table;
 * ``cost(op, tile)`` - bytes moved and flops of one tile (for the cost model).
@@ -69,6 +70,17 @@ class TileArgs:
 
 
 class OpDef:
+    """The rules of one op kind (see the module docstring), registered as a singleton with
+    :func:`register`. ``kind`` names it in the IR and the registry, ``opcode`` is descriptor
+    word 0 and selects the device template ``tilec::op_<kind>`` (0 and 1 are reserved: NoOp
+    padding and normalization's empty tasks).
+
+    A subclass implements :meth:`tiles` and :meth:`run_tile`; the defaults: operands = the op's
+    inputs then outputs, no params, cost = bytes of every box read and written (element sizes
+    from :func:`set_element_sizes`) and 0 flops, and no prefetch, weight streaming, staged x,
+    arrival counters, shape class or shared-memory request.
+    """
+
     kind: str = ""
     opcode: int = -1
 
@@ -170,6 +182,13 @@ NOOP, EMPTY = 0, 1  # reserved opcodes: queue padding, and normalization's empty
 
 
 def register(cls):
+    """Class decorator: registers one instance of the :class:`OpDef` subclass ``cls`` in
+    :data:`REGISTRY` (by kind) and :data:`BY_OPCODE` (by opcode), and returns ``cls``.
+
+    Raises:
+        ValueError: the kind or opcode is already registered, or the opcode is reserved
+            (:data:`NOOP` 0, :data:`EMPTY` 1).
+    """
     inst = cls()
     if inst.kind in REGISTRY or inst.opcode in BY_OPCODE or inst.opcode in (NOOP, EMPTY):
         raise ValueError(f"duplicate op registration {inst.kind}/{inst.opcode}")
@@ -179,6 +198,12 @@ def register(cls):
 
 
 def opdef(kind: str) -> OpDef:
+    """The registered :class:`OpDef` of op kind ``kind``.
+
+    Raises:
+        KeyError: an unregistered kind (``tilec.verify.verify_opgraph`` reports one as a
+            VerificationError naming the op).
+    """
     return REGISTRY[kind]
 
 
@@ -190,18 +215,23 @@ def f32_bits(x: float) -> int:
 
 
 def bits_f32(i: int) -> float:
+    """Inverse of :func:`f32_bits`: the float32 whose bits are the int32 ``i``, as a Python float."""
     return struct.unpack("<f", struct.pack("<i", int(i)))[0]
 
 
 def full_box(shape: Sequence[int]) -> Box:
+    """The box covering all of ``shape``: ``((0, shape[0]), (0, shape[1]), ...)``."""
     return tuple((0, s) for s in shape)
 
 
 def box_numel(box: Box) -> int:
+    """Elements of ``box``: the product of its ranges' lengths ``hi - lo`` (1 for the empty box ``()``)."""
     return math.prod(hi - lo for lo, hi in box)
 
 
 def chunks(n: int, size: int) -> Iterable[tuple[int, int]]:
+    """Half-open ranges ``(lo, hi)`` cutting ``[0, n)`` into consecutive pieces of ``size`` (the
+    last one may be shorter); ``size`` is clamped to ``[1, n]``. Nothing for ``n = 0``."""
     size = max(1, min(size, n)) if n else 1
     for lo in range(0, n, size):
         yield lo, min(n, lo + size)
