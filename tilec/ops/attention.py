@@ -17,6 +17,17 @@ from . import OpDef, Tile, TileArgs, bits_f32, chunks, f32_bits, register
 
 @register
 class DecodeAttention(OpDef):
+    """``attention``: single-pass decode SDPA with grouped-query heads (GQA, arXiv 2305.13245) over
+    a static KV cache, the formula of the module docstring: float32 scores and softmax, ``exp(s -
+    max)`` rounded to v's dtype for P.V and normalized by the sum of the unrounded values.
+
+    Operands: q [B, Hq, Sq, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], out [B, Hq, Sq, Dv], valid
+    (scalar: ``p + 1`` when causal, else S). Params: scale (float32 bits), causal. Tiles: one batch
+    x ``attn_heads_per_tile`` KV heads with their G = Hq / Hkv query heads, over the whole cache.
+    ``tilec.passes.split_kv`` replaces the op by ``attention_partial`` + ``attention_combine``
+    when its cache yields at least 2 splits.
+    """
+
     kind, opcode = "attention", 14
 
     def operands(self, op):

@@ -81,11 +81,26 @@ def lanes_per_row(d: int) -> int:
 
 
 def num_splits(s: int, chunk: int) -> int:
+    """NS, the splits of ``chunk`` positions (> 0) over ``s`` cache positions: ``ceil(s / chunk)``
+    (the last split may be shorter)."""
     return -(-s // chunk)
 
 
 @register
 class AttentionPartial(OpDef):
+    """``attention_partial``: the per-split pass of flash-decoding (Dao, Haziza, Massa, Sizov 2023),
+    made by ``tilec.passes.split_kv``: for each query row and split, the max score m, the exp-sum l
+    and the unnormalized P.V o over the split's positions (the module docstring has the math and
+    the ``rope`` / ``append`` / ``combine`` folds).
+
+    Operands (:meth:`operands`): q [B, Hq, Sq, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], o_part
+    [B, Hq * Sq, NS, Dv] float32, ml [B, Hq * Sq, NS, 2] float32, valid (scalar), then the folds'
+    operands. Params: scale bits, causal, chunk, RoPE style + 1, append, first arrival counter
+    (-1: no ``combine``). Tiles: one batch x ``attn_heads_per_tile`` KV heads x one split of
+    ``chunk`` positions. :meth:`params`, :meth:`smem_bytes` and :meth:`device_dtypes` raise
+    TilecError for folds or head dims the device cannot run.
+    """
+
     kind, opcode = "attention_partial", 15
 
     arrival_param = 5
@@ -308,6 +323,16 @@ def _append_rows(t: TileArgs, rope, k_new, v_new, k_slot, v_slot) -> None:
 
 @register
 class AttentionCombine(OpDef):
+    """``attention_combine``: flash-decoding's merge of the splits (Dao et al. 2023): per query row
+    ``out = sum_s exp(m_s - M) o_s / sum_s exp(m_s - M) l_s`` with ``M = max_s m_s``, in float32
+    (0 for a row that no split saw a position of).
+
+    Operands: o_part [B, Hq * Sq, NS, Dv] float32, ml [B, Hq * Sq, NS, 2] float32, out
+    [B, Hq, Sq, Dv] (the replaced attention's output view and dtype). Attr ``kv_heads`` (Hkv); no
+    params. Tiles: one batch x the query heads of ``attn_heads_per_tile`` KV heads, all NS splits.
+    With ``tilec.passes.fold_combine`` the partials' last tile per group runs it instead of this op.
+    """
+
     kind, opcode = "attention_combine", 16
 
     def tiles(self, op, opts):

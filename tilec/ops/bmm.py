@@ -30,6 +30,16 @@ def dequant_rows(w: torch.Tensor, ws: torch.Tensor, offset: int, row_len: int, b
 
 @register
 class Bmm(OpDef):
+    """``bmm``: batched matmul ``out[b] = a[b] @ w[b]`` with float32 accumulation (MLA's per-head
+    absorption), ``w`` either a float view or a block-scaled FP8 view dequantized as it is read
+    (DeepSeek-V3's ``weight_dequant`` block layout; the module docstring has the formula).
+
+    Operands: a [B, M, K], w [B, K, N], ws [ceil(R/Br), ceil(C/Bc)] (FP8 only, read whole by every
+    tile), out [B, M, N]. Params (:meth:`params`): has_scale, C, w offset (elements), Br, Bc,
+    round_w, rows_whole. Tiles: one batch x a chunk of ``gemv_tile_n(B * N)`` (at most N) output
+    columns, with all M rows and all of K.
+    """
+
     kind, opcode = "bmm", 22
 
     def tiles(self, op, opts):

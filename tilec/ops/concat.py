@@ -12,6 +12,13 @@ from . import OpDef, Tile, TileArgs, full_box, out_tiles, register, sub
 
 @register
 class Concat(OpDef):
+    """``concat``: ``out = cat(inputs, dim)`` into a new buffer, cast to out's dtype.
+
+    Operands: the inputs (out's shape but along ``dim``; the CUDA codegen takes one dtype for all
+    of them), out. Params: dim. Tiles: per input (variant = input index) its whole slab of out;
+    when ``dim`` is the last dim, each input in row chunks (``tile_rows``). Coords: the out box.
+    """
+
     kind, opcode = "concat", 10
 
     def tiles(self, op, opts):

@@ -10,6 +10,13 @@ from . import OpDef, Tile, TileArgs, out_tiles, register, sub
 
 @register
 class Copy(OpDef):
+    """``copy``: ``out = src`` elementwise, cast to out's dtype: a strided view (e.g. a transpose a
+    reshape needs contiguous) materialized as a new contiguous buffer.
+
+    Operands: src, out (same shape). Tiles: :func:`~tilec.ops.out_tiles` of out, ``tile_rows``
+    rows x ``tile_cols`` columns.
+    """
+
     kind, opcode = "copy", 9
 
     def tiles(self, op, opts):

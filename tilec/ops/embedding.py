@@ -9,6 +9,14 @@ from . import OpDef, Tile, TileArgs, full_box, out_tiles, register, sub
 
 @register
 class Embedding(OpDef):
+    """``embedding``: the table-row gather ``out[..., c] = weight[ids[...], c]``.
+
+    Operands: weight [V, D], ids [...] integer token ids, out [..., D]. Tiles: ``tile_rows`` rows x
+    ``tile_cols`` columns of out; each declares the whole table read (the ids are known only at
+    run time). Cost: 8 bytes per output element. The CPU reference raises IndexError for an id
+    outside [0, V) (where torch would wrap a negative one).
+    """
+
     kind, opcode = "embedding", 2
 
     def tiles(self, op, opts):

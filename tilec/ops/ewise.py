@@ -1,8 +1,8 @@
 """Elementwise ops: unary (with an optional float scalar) and binary (broadcast views).
 
 The lowering expands every input view to the output shape (stride 0 on broadcast dims),
-so a tile reads the same box from every operand. Params: function code, scalar bits.
-float32 math, cast on store.
+so a tile reads the same box from every operand. Params: function code (and for unary ops
+the scalar's float32 bits). float32 math, cast on store.
 """
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ def _tiles(op, opts):
 
 @register
 class Unary(OpDef):
+    """``unary``: ``out = fn(x, a)`` elementwise with ``fn`` one of :data:`UNARY_FNS` (neg, SiLU,
+    ReLU, GELU (erf / tanh), sigmoid, tanh, exp, rsqrt, sqrt, cos, sin, abs, a dtype cast, and
+    ``x * a``, ``x + a``, ``a - x``, ``x / a``, ``x ** a`` with the float scalar a); float32
+    math, cast to out's dtype on store.
+
+    Operands: x (expanded to out's shape), out. Params: function code (index in UNARY_FNS), scalar
+    (float32 bits). Tiles: :func:`~tilec.ops.out_tiles` of out, ``tile_rows`` x ``tile_cols``.
+    """
+
     kind, opcode = "unary", 12
 
     def tiles(self, op, opts):
@@ -68,6 +77,14 @@ class Unary(OpDef):
 
 @register
 class Binary(OpDef):
+    """``binary``: ``out = fn(a, b)`` elementwise with ``fn`` one of :data:`BINARY_FNS` (add, sub,
+    mul, div, maximum, minimum); float32 math, cast to out's dtype on store.
+
+    Operands: a, b (expanded to out's shape: stride 0 on broadcast dims), out. Params: function
+    code (index in BINARY_FNS). Tiles: :func:`~tilec.ops.out_tiles` of out, ``tile_rows`` x
+    ``tile_cols``.
+    """
+
     kind, opcode = "binary", 13
 
     def tiles(self, op, opts):
