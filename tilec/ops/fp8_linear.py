@@ -28,6 +28,17 @@ def block_scaled(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.T
 
 @register
 class Fp8Linear(OpDef):
+    """``fp8_linear``: block-scaled FP8 GEMM for small M (DeepSeek-V3's ``fp8_gemm``, the DeepGEMM
+    recipe): each K group's FP8 product accumulated in float32, then scaled by the activation's
+    per-token group scale and the weight's block scale, and summed (:func:`block_scaled`).
+
+    Operands: xq [..., K] float8_e4m3fn, xs [..., K/G] float32, wq [N, K] float8_e4m3fn, ws
+    [ceil(N/Bn), K/G] float32, out [..., N]. Params: K, G (= K / xs's last dim), Bn (attr
+    ``block_n``). Tiles: all rows x ``gemv_tile_n(N)`` output columns, each with the ws rows of its
+    columns. :func:`tilec.passes.fuse_fp8_quant` turns ``fp8_quant -> fp8_linear`` into
+    :class:`Fp8LinearQuant`.
+    """
+
     kind, opcode = "fp8_linear", 21
 
     def tiles(self, op, opts):

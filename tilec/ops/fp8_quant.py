@@ -28,6 +28,15 @@ def quantize(x: torch.Tensor, group: int, pow2: bool, amin: float, fmax: float =
 
 @register
 class Fp8Quant(OpDef):
+    """``fp8_quant``: FP8 (e4m3) quantization in groups of G along the last dim (DeepSeek-V3's
+    ``act_quant``; :func:`quantize`): per group ``s = max(amax|x|, amin) / 448`` (a power of two,
+    rounded up, with ``pow2``), ``q = clamp(x / s, -448, 448)`` cast to float8_e4m3fn.
+
+    Operands: x [..., K], q [..., K] float8_e4m3fn, scale [..., K/G] float32. Params: G, pow2,
+    amin (float32 bits), FP8 max 448 (float32 bits). Tiles: ``tile_rows`` rows x the whole last
+    dim (a row's groups and scales in one tile).
+    """
+
     kind, opcode = "fp8_quant", 20
 
     def tiles(self, op, opts):

@@ -40,6 +40,18 @@ def mma_shape(heads: int, dim: int) -> bool:
 
 @register
 class IndexScore(OpDef):
+    """``index_score``: the lightning-indexer score of DeepSeek Sparse Attention (DeepSeek-V3.2 /
+    GLM-5) over a paged key cache: ``out[r, t, j] = ks[j] * sum_h w[r, t, h] * ReLU(scale *
+    q[r, t, h] . k[j])`` in float32, ``-inf`` for ``j > pos[r, t]`` (module docstring).
+
+    Operands: q [R, T, H, D], w [R, T, H], k_cache [pages, page, D], k_scale [pages, page] (FP8
+    cache only), block_table [R, P] int, pos [R, T] int, out [R, T, P * page] float32. Params
+    (:meth:`params`): scale bits, page, has_k_scale, then with attr ``quant`` 1, pow2, amin bits,
+    FP8 max bits, w_scale bits. Tiles: one request x a chunk of whole pages
+    (:func:`positions_per_tile`: about ``workers`` tiles in all); each declares the whole key
+    cache read (its pages are looked up at run time).
+    """
+
     kind, opcode = "index_score", 24
 
     def tiles(self, op, opts):

@@ -12,6 +12,14 @@ from . import OpDef, Tile, TileArgs, bits_f32, f32_bits, out_tiles, register, su
 
 @register
 class LayerNorm(OpDef):
+    """``layernorm``: LayerNorm (Ba, Kiros, Hinton 2016, arXiv 1607.06450) over the last dim,
+    ``(x - mean) * rsqrt(var + eps) * weight (+ bias)`` in float32
+    (``torch.nn.functional.layer_norm``), cast to out's dtype.
+
+    Operands: x [..., D], weight [D], bias [D] (optional), out [..., D]. Params: eps (float32
+    bits), has_bias. Tiles: about ``tile_rows`` whole rows.
+    """
+
     kind, opcode = "layernorm", 4
 
     def tiles(self, op, opts):

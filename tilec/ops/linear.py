@@ -1,7 +1,8 @@
 """Linear / GEMV: ``out[..., n] = sum_k x[..., k] * W[n, k] (+ bias[n])``.
 
 Operands: x [..., K], W [N, K] (any strides), bias [N] (optional), out [..., N].
-Tiles: all rows x ``tile_n`` output columns. With ``split_k`` > 1 each column tile becomes
+Tiles: all rows x the column ranges of ``tilec.ops.gemv_col_ranges`` (``tile_n`` columns, or
+the sizes ``tilec.passes.gemv_groups`` chose). With ``split_k`` > 1 each column tile becomes
 one init tile (variant 1: writes bias or zeros) and ``split_k`` partial tiles (variant 2:
 accumulate a K-slice) - the ``tile_reduce`` case. Coords: the out box, then the K range.
 Params: K, has_bias. Accumulation in float32.
@@ -16,6 +17,18 @@ from . import (row_cap, ACCUMULATE, WRITE, OpDef, Tile, TileArgs, chunks, gemv_c
 
 @register
 class Linear(OpDef):
+    """``linear``: GEMV / small-M GEMM ``out[..., n] = sum_k x[..., k] W[n, k] (+ bias[n])``,
+    float32 accumulation, cast to out's dtype.
+
+    Operands: x [..., K], W [N, K] (any strides), bias [N] (optional), out [..., N]. Params: K,
+    has_bias. Tiles: all rows x the column ranges of :func:`~tilec.ops.gemv_col_ranges`; coords:
+    the out box, then the K range. With ``split_k`` > 1 (and K >= 2 * split_k) a column range is
+    an init tile (variant 1: bias or zeros) and at most ``split_k`` K-slice tiles (variant 2) that
+    accumulate into it. bf16 PARAM / CONST weights may stream through the worker's ring
+    (:func:`~tilec.ops.gemv_stream_word`); the device instance is specialized on
+    :func:`~tilec.ops.row_cap`.
+    """
+
     kind, opcode = "linear", 5
     shape_classed = True  # op_<kind><types..., kRowCap>
 

@@ -55,6 +55,17 @@ def ring_staged_bytes(rows: int, k: int) -> int:
 
 @register
 class LinearFused(OpDef):
+    """``linear_fused``: a GEMV with a fused prologue (none / rmsnorm / silu_mul / mul) and
+    epilogue (none / add / silu), made by :func:`tilec.passes.fuse_gemv_chains`; each keeps the
+    rounding points of the ops it replaces (module docstring), float32 accumulation.
+
+    Operands (:meth:`layout`): the prologue's inputs (x [..., K]; or x, norm_w [K]; or g, u; or
+    s, u), W [N, K], resid [..., N] (``add``), out [..., N]. Params: K, prologue code, epilogue
+    code, eps bits, staged-x flag (param 4, set by the plan). Tiles: all rows x
+    :func:`~tilec.ops.gemv_col_ranges` columns over the whole K, each recomputing the prologue of
+    its rows; coords: the out box, then (0, K).
+    """
+
     kind, opcode = "linear_fused", 17
     shape_classed = True  # op_<kind><types..., kRowCap>
 

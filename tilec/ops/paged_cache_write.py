@@ -16,6 +16,15 @@ from . import OpDef, Tile, TileArgs, _elem, chunks, full_box, register
 
 @register
 class PagedCacheWrite(OpDef):
+    """``paged_cache_write``: ``cache[slot[t]] = src[t]`` (vLLM's ``reshape_and_cache``), cast to
+    the cache's dtype, with the slots read at run time; a negative slot counts from the end.
+
+    Operands: src [T, D], slot [T] int64 / int32 (indexing the cache's leading dims flattened
+    row-major), cache [*lead, D] (STATE, updated in place). Tiles: all T rows x ``tile_cols``
+    column chunks (D whole without it); each declares its columns of the whole cache written,
+    as the rows are unknown when compiling. Cost: the T rows moved and their slots.
+    """
+
     kind, opcode = "paged_cache_write", 23
 
     def tiles(self, op, opts):

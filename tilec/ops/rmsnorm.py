@@ -12,6 +12,15 @@ from . import OpDef, Tile, TileArgs, bits_f32, f32_bits, out_tiles, register, su
 
 @register
 class RMSNorm(OpDef):
+    """``rmsnorm``: RMSNorm (Zhang & Sennrich 2019, arXiv 1910.07467) over the last dim with HF
+    ``LlamaRMSNorm``'s rounding: ``(x * rsqrt(mean(x^2) + eps)).to(x.dtype) * weight`` in float32,
+    cast to out's dtype.
+
+    Operands: x [..., D], weight [D], out [..., D]. Params: eps (float32 bits). Tiles: about
+    ``tile_rows`` whole rows. :func:`tilec.passes.fuse_gemv_chains` folds it into a following
+    GEMV's prologue where it can.
+    """
+
     kind, opcode = "rmsnorm", 3
 
     def tiles(self, op, opts):

@@ -36,6 +36,16 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: int)
 
 @register
 class Rope(OpDef):
+    """``rope``: rotary position embedding (RoFormer, Su et al. 2021, arXiv 2104.09864) of rows
+    [..., D], rotate-half (style 0, HF ``apply_rotary_pos_emb``) or interleaved pairs (style 1,
+    DeepSeek / GLM), each product rounded to x's dtype as eager HF computes them
+    (:func:`rope_rows`), the sum cast to out's dtype.
+
+    Operands: x [..., D], cos, sin ([..., D] for rotate-half, [..., D/2] for interleaved: position
+    table rows broadcast to x's leading dims), out [..., D]. Params: style. Tiles: about
+    ``tile_rows`` whole rows.
+    """
+
     kind, opcode = "rope", 6
 
     def tiles(self, op, opts):

@@ -26,6 +26,13 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 @register
 class SiluMul(OpDef):
+    """``silu_mul``: the SwiGLU gate (Shazeer 2020, arXiv 2002.05202), ``out = silu(gate).to(gate's
+    dtype) * up`` in float32, cast to out's dtype; the SiLU through :func:`silu`, so an element's
+    value does not depend on its tile.
+
+    Operands: gate, up, out (same shape). Tiles: ``tile_rows`` rows x ``tile_cols`` columns.
+    """
+
     kind, opcode = "silu_mul", 7
 
     def tiles(self, op, opts):

@@ -8,6 +8,11 @@ from . import OpDef, Tile, TileArgs, out_tiles, register, sub
 
 @register
 class Softmax(OpDef):
+    """``softmax``: ``out = softmax(x)`` over the last dim in float32, cast to out's dtype.
+
+    Operands: x [..., D], out [..., D]. Tiles: about ``tile_rows`` whole rows.
+    """
+
     kind, opcode = "softmax", 8
 
     def tiles(self, op, opts):
