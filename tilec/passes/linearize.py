@@ -17,7 +17,13 @@ from ..taskgraph import TaskGraph
 
 
 def bottom_levels(tg: TaskGraph) -> dict[int, float]:
-    """Longest predicted time (us) from the start of each task to the end of the graph."""
+    """Longest predicted time (µs) from the start of each task to the end of the graph: the task's
+    :func:`tilec.cost.task_time_us` plus the largest ``level + HOP_US`` (0.76 µs) over its
+    successors (0 without any).
+
+    Raises:
+        VerificationError: the task graph has a cycle.
+    """
     succ_tasks: dict[int, set[int]] = {t.id: set() for t in tg.tasks}
     for e in tg.events:
         for p in e.preds:
@@ -43,6 +49,19 @@ def bottom_levels(tg: TaskGraph) -> dict[int, float]:
 
 
 def linearize(tg: TaskGraph) -> TaskGraph:
+    """Orders the tasks of a normalized TaskGraph (Mirage MPK, arXiv 2512.22219, section 4.4):
+    first the tasks that wait on nothing, then, event by event in the order they become complete
+    (a FIFO of events whose triggers are all placed), each event's successors as one contiguous
+    group; inside a group by descending :func:`bottom_levels` (µs), then task id.
+
+    Returns:
+        ``tg`` with ``order`` (task ids) set and each event's ``first`` / ``last`` the index range
+        of its successors in ``order`` (-1 / -1 for an event without successors).
+
+    Raises:
+        VerificationError: a task waits on two events (normalize first), or not every task gets
+            placed (a cycle, or an event that no task triggers).
+    """
     level = bottom_levels(tg)
     wait_of: dict[int, int] = {}
     for e in tg.events:

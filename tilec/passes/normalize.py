@@ -15,6 +15,20 @@ from ..taskgraph import Event, Task, TaskGraph
 
 
 def normalize(tg: TaskGraph) -> TaskGraph:
+    """Gives every task at most one wait and one trigger (Mirage MPK, arXiv 2512.22219, section
+    4.3) with empty tasks (``op`` None, kind ``empty``) relaying the events:
+
+    * fan-in: a task waiting on k > 1 events waits on a new ``join`` event instead, triggered by k
+      empty tasks, each waiting on one of the k;
+    * fan-out: the tasks triggering the same set of k > 1 events trigger a new ``fork`` event
+      instead, whose k empty waiters each trigger one of the k.
+
+    Returns:
+        A new TaskGraph with the empty tasks appended (ids after the existing ones), events that
+        have neither triggers nor waiters dropped and the rest renumbered from 0 in id order, and
+        ``stats`` with ``empty_tasks_added`` and ``events_after_normalization``. Every ordering
+        between the original tasks is kept (a relayed one through one more hop).
+    """
     tasks = list(tg.tasks)
     events = {e.id: {"preds": set(e.preds), "succs": set(e.succs), "strategy": e.strategy} for e in tg.events}
     next_event = max(events, default=-1) + 1

@@ -28,6 +28,22 @@ class Schedule:
 
 
 def schedule(tg: TaskGraph, workers: int, policy: str = "list") -> Schedule:
+    """Assigns the tasks of a linearized TaskGraph, in ``tg.order``, to ``workers`` queues while
+    simulating the cost model (``tilec.cost``): a task starts when its worker is free and its
+    wait event's last trigger plus ``HOP_US`` (0.76 µs) has passed, and runs
+    :func:`tilec.cost.task_time_us`.
+
+    ``policy``: ``"round_robin"`` (task i to worker i mod W), else greedy list scheduling (what
+    ``Options.scheduler`` calls ``"list"``): the worker where the task starts earliest, ties to the
+    fewest bytes assigned, then the lowest index. ``workers`` must be >= 1 (``Options`` checks it).
+
+    Returns:
+        A :class:`Schedule`: per worker the task ids in execution order, the predicted makespan
+        (µs) and ``policy``. A TaskGraph without ``order`` (not linearized) gives empty queues.
+
+    Raises:
+        KeyError: ``order`` places a task before one of its predecessors.
+    """
     by_id = {t.id: t for t in tg.tasks}
     wait_of = {s: e for e in tg.events for s in e.succs}
     finish: dict[int, float] = {}
