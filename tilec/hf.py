@@ -63,6 +63,9 @@ class StaticCacheStep(torch.nn.Module):
         self.has_counter = [isinstance(getattr(l, "cumulative_length", None), torch.Tensor) for l in _layers(cache)]
 
     def state(self) -> list[torch.Tensor]:
+        """The cache tensors :meth:`forward` takes after ``cache_position``, in its order: per cache
+        layer the key cache [B, Hkv, L, D], the value cache, and - where ``has_counter`` says the
+        layer has one - its ``cumulative_length`` counter. The cache's own tensors, not copies."""
         out = []
         for layer, counter in zip(_layers(self.cache), self.has_counter):
             out += [layer.keys, layer.values] + ([layer.cumulative_length] if counter else [])
@@ -131,7 +134,8 @@ class HFDecodeStep:
     def __call__(self, input_ids: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
         """``position``: an int, or an integer tensor of one element (read on the host: a device
         tensor costs a sync). Raises ``ValueError`` if it is neither, or does not equal the number of
-        tokens the cache holds (on transformers versions whose cache counts them)."""
+        tokens the cache holds (on transformers versions whose cache counts them), and
+        ``TilecError`` if it is outside ``[0, max_cache_len)``."""
         position = self._check_position(position)
         counters = self._counters()
         if counters and position != self._expected:  # checked on the device only when in doubt

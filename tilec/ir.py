@@ -44,6 +44,8 @@ CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype's torch name without ``torch.`` (``torch.bfloat16`` -> ``"bfloat16"``), as IR text
+    and JSON write it; :func:`dtype_from_name` inverts it."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -103,6 +105,8 @@ class Buffer:
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major (C-order) strides of ``shape``, in elements; a dim of size 0 counts as 1 for the
+    dims before it, as torch does."""
     strides, acc = [], 1
     for size in reversed(shape):
         strides.append(acc)

@@ -56,7 +56,7 @@ class Options:
     attn_heads_per_tile: KV heads per decode-attention tile.
     attn_kv_chunk: cache positions per split of split-KV (flash-decoding) attention
         (``tilec.passes.split_kv``); None (default) = per op, so that the (batch, KV head
-        group, split) tiles number about ``workers`` (a multiple of 32, 64..2048). An
+        group, split) tiles number about ``workers`` (a multiple of 32, 64..256). An
         attention op with fewer than 2 splits stays one ``attention`` op.
     fuse_gemv: fuse RMSNorm / SiLU-mul producers and residual adds into the GEMVs around them
         (``tilec.passes.fuse_gemv``; bitwise the same results, fewer dependent stages).

@@ -372,5 +372,8 @@ def decode_coords(d: list[int]) -> tuple[tuple[int, int], ...]:
 
 
 def decode_params(d: list[int]) -> tuple[int, ...]:
+    """The op params of one descriptor (a list of 32 ints): all :data:`MAX_PARAMS` words of the
+    ``params`` field, as the op's ``params`` encoded them (floats as float32 bits), the words past
+    them 0, and the plan's per-tile words (staged x, first arrival counter) filled in."""
     p0, n = F["params"]
     return tuple(d[p0:p0 + n])

@@ -74,6 +74,16 @@ class Event:
 
 @dataclass(frozen=True)
 class TaskGraph:
+    """The task-level IR of ``graph``: every tile of every op as a :class:`Task` (ids 0..T-1 in op
+    order, then tile order; normalization appends empty tasks) and the :class:`Event` counters
+    between them. Built by :func:`build_taskgraph`; ``tilec.passes`` (``fuse_events``,
+    ``normalize``, ``linearize``) return new ones.
+
+    ``order``: the linearized task order (empty before linearization; events' ``first`` / ``last``
+    index it). ``stats``: counts the passes record (events and dependencies before and after
+    fusion, empty tasks added, ...), read by ``tilec.stats.compile_stats``.
+    """
+
     graph: OpGraph
     tasks: tuple[Task, ...]
     events: tuple[Event, ...]
@@ -174,6 +184,8 @@ def map_box(view: View, box: Box, buf: Buffer, p: int | None = None) -> tuple[Bo
 
 
 def boxes_overlap(a: Box, b: Box) -> bool:
+    """Whether boxes ``a`` and ``b`` of one buffer (half-open ranges per dim, same rank) share an
+    element: their ranges intersect in every dim. A box with an empty range overlaps nothing."""
     return all(alo < bhi and blo < ahi for (alo, ahi), (blo, bhi) in zip(a, b))
 
 

@@ -30,6 +30,14 @@ def _max_offset(v: View, p: int) -> int:
 
 
 def verify_opgraph(g: OpGraph) -> None:
+    """Checks an OpGraph: every op's kind is registered; every input is an INPUT / PARAM / CONST /
+    TABLE / STATE buffer or written by an earlier op; every non-empty view lies inside its buffer
+    (offset >= 0, no negative stride, its last element in range) at positions 0 and
+    ``max_positions - 1``; every graph output is written.
+
+    Raises:
+        VerificationError: naming the op, view and buffer of the first broken invariant.
+    """
     produced = {name for name, b in g.buffers.items() if b.kind not in (BufferKind.TEMP, BufferKind.OUTPUT)}
     for op in g.ops:
         if op.kind not in opreg.REGISTRY:
@@ -203,6 +211,17 @@ def _check_arrivals(plan: KernelPlan, q: list) -> None:
 
 
 def verify_plan(plan: KernelPlan, tg: TaskGraph) -> None:
+    """Checks an encoded plan against the linearized TaskGraph ``tg`` it encodes: no instruction
+    after a queue's NoOp padding; task indices strictly increasing along every queue (the global
+    order); every task encoded exactly once; each wait's count equal to its event's trigger count,
+    and each event's trigger count equal to the instructions signalling it; the arrival counters
+    (:func:`_check_arrivals`); and a two-step simulation of the queues (:func:`simulate`) that
+    completes.
+
+    Raises:
+        VerificationError: the first broken invariant, naming the worker, instruction, event or
+            op involved (a deadlock the simulation found is chained from its DeadlockError).
+    """
     q = plan.queues.tolist()
     op_w, task_w, sig_w, wait_w, cnt_w = (F[n][0] for n in ("opcode", "task", "signal_event", "wait_event", "wait_count"))
     seen: list[int] = []

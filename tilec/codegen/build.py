@@ -27,6 +27,12 @@ def runtime_dir() -> Path:
 
 
 def nvcc_path() -> str:
+    """The nvcc to build with: ``$TILEC_NVCC`` when set (returned as given, not checked), else
+    ``nvcc`` on ``PATH``, else ``/usr/local/cuda/bin/nvcc`` when it exists.
+
+    Raises:
+        TilecError: none of them is found.
+    """
     nvcc = os.environ.get("TILEC_NVCC") or shutil.which("nvcc")
     if nvcc is None:
         for cand in ("/usr/local/cuda/bin/nvcc",):
