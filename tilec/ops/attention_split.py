@@ -98,7 +98,7 @@ class AttentionPartial(OpDef):
     operands. Params: scale bits, causal, chunk, RoPE style + 1, append, first arrival counter
     (-1: no ``combine``). Tiles: one batch x ``attn_heads_per_tile`` KV heads x one split of
     ``chunk`` positions. :meth:`params`, :meth:`smem_bytes` and :meth:`device_dtypes` raise
-    TilecError for folds or head dims the device cannot run.
+    TilecError for folds, head dims or operand dtypes the device cannot run.
     """
 
     kind, opcode = "attention_partial", 15

@@ -27,7 +27,7 @@ def normalize(tg: TaskGraph) -> TaskGraph:
         A new TaskGraph with the empty tasks appended (ids after the existing ones), events that
         have neither triggers nor waiters dropped and the rest renumbered from 0 in id order, and
         ``stats`` with ``empty_tasks_added`` and ``events_after_normalization``. Every ordering
-        between the original tasks is kept (a relayed one through one more hop).
+        between the original tasks is kept (a relayed one through empty tasks).
     """
     tasks = list(tg.tasks)
     events = {e.id: {"preds": set(e.preds), "succs": set(e.succs), "strategy": e.strategy} for e in tg.events}
