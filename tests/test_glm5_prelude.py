@@ -26,6 +26,7 @@ from _helpers import StageRecorder, assert_close
 from tilec import codegen
 from tilec.api import compile_module
 from tilec.capture import export_graph
+from tilec.errors import TilecError
 from tilec.frontend import find_unsupported
 from tilec.ops import STREAM_BYTE, STREAM_PAIRED, opdef
 from tilec.plan import F as DESCRIPTOR
@@ -293,6 +294,16 @@ def test_paged_cache_writes_index_copy_and_negative_slots():
     mod(src, slot, neg, c1, s1)
     prog(src, slot, neg, c2, s2)
     assert torch.equal(c1, c2) and torch.equal(s1, s2)
+    for bad_slot, bad_neg in ((torch.tensor([5, 0, 24]), neg), (slot, torch.tensor([-1, -25, 0]))):
+        # eager raises IndexError; the slots wrapped around (or, on the device, a slot below -rows
+        # wrote before the cache) - a review finding
+        with pytest.raises(IndexError):
+            mod(src, bad_slot, bad_neg, cache.clone(), scales.clone())
+        with pytest.raises(TilecError, match=r"op paged_cache_write.* failed: slot -?2[45] outside the cache's 24 rows"):
+            prog(src, bad_slot, bad_neg, cache.clone(), scales.clone())
+    c3, s3 = cache.clone(), scales.clone()
+    prog(src, slot, neg, c3, s3)  # the program still runs
+    assert torch.equal(c1, c3) and torch.equal(s1, s3)
 
 
 def test_fp8_quant_fuses_into_the_gemms():

@@ -113,6 +113,13 @@ class CudaExecutor:
         if self.opts.check if check is None else check:
             self.check()
 
+    def _op_label(self, op: int) -> str:
+        """Op ``op``'s name and, when known, the FX node it came from."""
+        name = self.plan.op_names[op] if 0 <= op < len(self.plan.op_names) else "empty task"
+        if 0 <= op < len(self.plan.graph.ops) and self.plan.graph.ops[op].provenance:
+            name += f" from FX node {self.plan.graph.ops[op].provenance.render()}"
+        return name
+
     def check(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
         rec = self.err.cpu()
@@ -124,6 +131,12 @@ class CudaExecutor:
             name = self.plan.op_names[op] if 0 <= op < len(self.plan.op_names) else f"#{op}"
             raise TilecError(f"worker {worker} met an instruction of op {name} whose dispatch signature this "
                              f"library holds no instance for (a tilec bug: plan and generated code disagree)")
+        if int(rec[0]) == 4:
+            task, op = int(rec[4]), int(rec[5])
+            index, bound = (int(x) for x in rec[6:10].view(torch.int64))
+            self.reset()
+            raise TilecError(f"task {task} (op {self._op_label(op)}) failed: index {index} read at run time is "
+                             f"outside [0, {bound}) (the step was abandoned)")
         if int(rec[0]) == 2:
             self.reset()
             raise WatchdogError(f"watchdog: a worker's GEMV weight stream stalled for over {self.opts.watchdog_ms} ms "
@@ -131,9 +144,5 @@ class CudaExecutor:
         worker, instr, event, task, op = (int(x) for x in rec[1:6])
         seen, target = (int(x) for x in rec[6:10].view(torch.int64))
         self.reset()
-        name = self.plan.op_names[op] if 0 <= op < len(self.plan.op_names) else "empty task"
-        prov = ""
-        if 0 <= op < len(self.plan.graph.ops) and self.plan.graph.ops[op].provenance:
-            prov = f" from FX node {self.plan.graph.ops[op].provenance.render()}"
-        raise WatchdogError(f"watchdog: worker {worker} instruction {instr} (task {task}, op {name}{prov}) waited "
+        raise WatchdogError(f"watchdog: worker {worker} instruction {instr} (task {task}, op {self._op_label(op)}) waited "
                             f"over {self.opts.watchdog_ms} ms on event {event}: counter {seen}, target {target}")

@@ -63,6 +63,21 @@ __device__ __forceinline__ T* shared_ptr(T* p) {
   return reinterpret_cast<T*>(reinterpret_cast<Byte*>(tilec_dyn_smem) + off);
 }
 
+// The step's first error (executor.cuh: a non-zero flag makes every wait give up, so the step
+// ends at once; the host reads the record and raises).
+struct ErrorRecord {
+  int flag;        // 0 = ok; 1 = watchdog timeout on an event; 2 = the weight stream stalled;
+                   // 3 = no instance for an instruction's (opcode, signature) (program.cu dispatch);
+                   // 4 = an index read at run time out of range (seen: the index, target: the bound)
+  int worker;
+  int instruction;
+  int event;
+  int task;
+  int op;
+  long long seen;
+  long long target;
+};
+
 // What an op sees for one instruction.
 struct TileCtx {
   const int* d;         // the 32-word descriptor (shared memory)
@@ -103,6 +118,23 @@ struct TileCtx {
   __device__ int variant() const { return d[TILEC_W_VARIANT]; }
   __device__ float* smem() const { return shared_ptr(scratch); }  // the scratch, as a shared-memory pointer
 };
+
+// An index the tile read at run time (a paged cache's slot) is outside [0, bound): record it as error
+// flag 4 (the step's first error wins) so that the host raises, naming the op. The tile skips the
+// access itself; every other worker's next wait gives up, so the step ends at once.
+__device__ __noinline__ void fail_index(const TileCtx& c, long long index, long long bound) {
+  ErrorRecord* err = reinterpret_cast<ErrorRecord*>(c.err);
+  if (atomicCAS(&err->flag, 0, 4) == 0) {
+    err->worker = blockIdx.x;
+    err->instruction = c.instr;
+    err->event = -1;
+    err->task = c.d[TILEC_W_TASK];
+    err->op = c.d[TILEC_W_OP];
+    err->seen = index;
+    err->target = bound;
+    __threadfence_system();
+  }
+}
 
 template <typename T> __device__ __forceinline__ float to_f(T v);
 template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }

@@ -23,18 +23,6 @@
 
 namespace tilec {
 
-struct ErrorRecord {
-  int flag;        // 0 = ok; 1 = watchdog timeout on an event; 2 = the weight stream stalled;
-                   // 3 = no instance for an instruction's (opcode, signature) (program.cu dispatch)
-  int worker;
-  int instruction;
-  int event;
-  int task;
-  int op;
-  long long seen;
-  long long target;
-};
-
 __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");

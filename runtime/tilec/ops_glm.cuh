@@ -1002,7 +1002,8 @@ template <typename TA, typename TW, typename TS, typename TO>
 __device__ void op_bmm(TileCtx& c) { bmm_impl<TA, TW, TS, TO, true>(c); }
 
 // ---- paged_cache_write: cache[slot[t]] = src[t] (slot over the cache's leading dims) ---------
-// A negative slot counts from the end, as torch indexing does.
+// A negative slot counts from the end, as torch indexing does; a slot outside the cache (eager
+// PyTorch raises IndexError) writes nothing and fails the step (fail_index).
 template <typename TS, typename TI, typename TD>
 __device__ void op_paged_cache_write(TileCtx& c) {
   const Operand &src = operands()[0], &slot = operands()[1], &dst = operands()[2];
@@ -1022,6 +1023,7 @@ __device__ void op_paged_cache_write(TileCtx& c) {
 #pragma unroll 1
   for (int e0 = threadIdx.x; e0 < n; e0 += kCacheBatch * kThreads) {
     long long so[kCacheBatch], dof[kCacheBatch];
+    bool in[kCacheBatch];
 #pragma unroll
     for (int u = 0; u < kCacheBatch; ++u) {
       const int e = min(e0 + u * kThreads, n - 1), t = t0 + e / per;
@@ -1031,6 +1033,11 @@ __device__ void op_paged_cache_write(TileCtx& c) {
     for (int u = 0; u < kCacheBatch; ++u) {
       const int e = min(e0 + u * kThreads, n - 1), t = t0 + e / per, col = c0 + (e % per) * v;
       long long s = so[u] < 0 ? so[u] + rows : so[u], off = (long long)col * dst.strides[nd - 1];
+      in[u] = 0 <= s && s < rows;
+      if (!in[u]) {
+        fail_index(c, so[u], rows);
+        s = 0;
+      }
       for (int k = nd - 2; k >= 0; --k) {
         off += (s % dst.sizes[k]) * dst.strides[k];
         s /= dst.sizes[k];
@@ -1044,14 +1051,14 @@ __device__ void op_paged_cache_write(TileCtx& c) {
       for (int u = 0; u < kCacheBatch; ++u) val[u] = __ldcg(reinterpret_cast<const uint4*>(base<TS>(src) + so[u]));
 #pragma unroll
       for (int u = 0; u < kCacheBatch; ++u)
-        if (e0 + u * kThreads < n) *reinterpret_cast<uint4*>(base<TD>(dst) + dof[u]) = val[u];
+        if (e0 + u * kThreads < n && in[u]) *reinterpret_cast<uint4*>(base<TD>(dst) + dof[u]) = val[u];
     } else {
       float val[kCacheBatch];
 #pragma unroll
       for (int u = 0; u < kCacheBatch; ++u) val[u] = ldf<TS>(src, so[u]);
 #pragma unroll
       for (int u = 0; u < kCacheBatch; ++u)
-        if (e0 + u * kThreads < n) stf<TD>(dst, dof[u], val[u]);
+        if (e0 + u * kThreads < n && in[u]) stf<TD>(dst, dof[u], val[u]);
     }
   }
 }

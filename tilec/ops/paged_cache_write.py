@@ -17,7 +17,9 @@ from . import OpDef, Tile, TileArgs, _elem, chunks, full_box, register
 @register
 class PagedCacheWrite(OpDef):
     """``paged_cache_write``: ``cache[slot[t]] = src[t]`` (vLLM's ``reshape_and_cache``), cast to
-    the cache's dtype, with the slots read at run time; a negative slot counts from the end.
+    the cache's dtype, with the slots read at run time; a negative slot counts from the end, one
+    outside ``[-rows, rows)`` is an error (IndexError here; on the device the step fails and the
+    host raises TilecError, writing nothing there).
 
     Operands: src [T, D], slot [T] int64 / int32 (indexing the cache's leading dims flattened
     row-major), cache [*lead, D] (STATE, updated in place). Tiles: all T rows x ``tile_cols``
@@ -39,10 +41,14 @@ class PagedCacheWrite(OpDef):
         src, slot, dst = t.operands
         (t0, t1), (c0, c1) = t.coords
         lead = dst.shape[:-1]
+        rows = dst[..., 0].numel()
+        bad = [int(v) for v in slot[t0:t1] if not -rows <= int(v) < rows]
+        if bad:  # eager raises too (before writing); the device fails the step (fail_index)
+            raise IndexError(f"slot {bad[0]} outside the cache's {rows} rows")
         for i in range(t0, t1):
             s = int(slot[i])
             if s < 0:
-                s += dst[..., 0].numel()
+                s += rows
             idx = []
             for size in reversed(lead):
                 idx.append(s % size)
