@@ -435,3 +435,150 @@ def test_a_prefill_forward_runs_and_matches_eager():
         got = torch.compile(model, backend="tilec", options={"workers": 4})(tok).logits
         want = model(tok).logits
     assert_close(got, want, 1e-4, "prefill logits")
+
+
+def _decode_both(model, steps=2):
+    """Logits of ``steps`` decode steps of ``model`` under torch.compile and eagerly, each over its own
+    StaticCache prefilled with the same 4 tokens."""
+    cache, tok = prefill(model, 1, 4, 12)
+    eager_cache = copy.deepcopy(cache)
+    f = torch.compile(model, backend="tilec", options={"workers": 4})
+    out = []
+    for i in range(steps):
+        with torch.no_grad():
+            got = f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([4 + i]), use_cache=True).logits
+        out.append((got, eager_step(model, eager_cache, tok, 4 + i)))
+    return out
+
+
+def test_a_second_model_differing_in_a_buffer_runs_with_its_own():
+    """Buffers are compiled in as constants; Dynamo reuses the graph for a second model of the same
+    class, which ran with the first one's RoPE inv_freq (a review finding), as did a buffer edited
+    in place. Now the call checks its constant arguments and takes the plan for their values."""
+    m1, m2 = make_model("llama-tiny", layers=1), make_model("llama-tiny", layers=1)
+    with torch.no_grad():
+        m2.model.rotary_emb.inv_freq.mul_(0.3)  # as another rope_theta would
+    for k, m in enumerate((m1, m2)):
+        for got, want in _decode_both(m):
+            assert_close(got, want, 1e-4, f"logits of model {k + 1}")
+    m1.model.rotary_emb.inv_freq.mul_(0.5)
+    for got, want in _decode_both(m1, 1):
+        assert_close(got, want, 1e-4, "logits after an in-place edit of inv_freq")
+
+
+class Accumulate(torch.nn.Module):
+    """Reads a module buffer, then updates it in place (a running sum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("acc", torch.randn(16))
+
+    def forward(self, x):
+        y = self.lin(x) + self.acc
+        self.acc.add_(x.sum(0))
+        return y
+
+
+def test_a_module_updating_its_own_buffer_matches_eager(monkeypatch):
+    """The fallback's one recording run applied the buffer's update a second time (the buffer ran
+    2x eager's after the first call); a buffer forward updates was also folded as a constant."""
+    compiles = []
+    real = backend._compile_region
+    monkeypatch.setattr(backend, "_compile_region", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    m = Accumulate().eval()
+    ref = copy.deepcopy(m)
+    f = torch.compile(m, backend="tilec")
+    with torch.no_grad():
+        for i in range(3):
+            x = torch.randn(2, 16)
+            assert_close(f(x), ref(x), 1e-5, f"output of call {i}")
+            assert torch.equal(m.acc, ref.acc), f"buffer after call {i}"
+    assert len(compiles) == 1  # the updated buffer is an input, not a constant to recompile for
+
+
+class ScalarBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+        self.register_buffer("scale", torch.tensor(2.0))  # 0-d, as Gemma's embedding normalizer
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class SharedConstants(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("t", torch.randn(16))
+
+    def forward(self, x):  # two folded constants that are views of one tensor
+        c = self.t * 2.0
+        return self.lin(x) * c + (x[:, None, :] * c.unsqueeze(0)).reshape(2, 16)
+
+
+@pytest.mark.parametrize("module, shape", [(ScalarBuffer, (1, 32)), (SharedConstants, (2, 16))])
+def test_constants_of_any_shape_compile(module, shape, tmp_path, monkeypatch):
+    """A 0-d buffer failed in the constants' digest (BackendCompilerFailed); constants sharing memory
+    failed the plan cache's write (safetensors refuses them), which must never fail a compile."""
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    m = module().eval()
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        assert_close(torch.compile(m, backend="tilec")(x), m(x), 1e-5, module.__name__)
+
+
+class TimesN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(1000, 16)
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, ids, n):  # ids [1, 1] reach the embedding through clamp; n is a plain integer
+        return self.lin(self.emb(ids.clamp(0, 999))) * (n + 1)
+
+
+def test_one_element_integers_that_are_not_positions(caplog):
+    """Token ids reaching the embedding through another op were read as a decode position, and a
+    plain integer scalar past the planned positions raised where eager runs: the ids are an input
+    now, and a position past the plan runs that call eagerly with one warning."""
+    torch.manual_seed(0)
+    m = TimesN().eval()
+    f = torch.compile(m, backend="tilec")
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        for ids, n in ((537, 0), (12, 0), (537, 3), (5, 7)):
+            args = (torch.tensor([[ids]]), torch.tensor(n))
+            assert_close(f(*args), m(*args), 1e-5, f"ids {ids}, n {n}")
+    assert sum("such calls run eagerly" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_an_options_object_is_accepted():
+    from tilec.options import Options
+
+    torch.manual_seed(0)
+    m = TwoLinears().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert_close(torch.compile(m, backend="tilec", options=Options(workers=4))(x), m(x), 1e-5, "output")
+    with pytest.raises(Exception, match="expected a dict or a tilec.options.Options, got list"):
+        torch.compile(TwoLinears().eval(), backend="tilec", options=[4])(x)
+
+
+def test_prefill_into_a_static_cache_not_yet_allocated():
+    """generate(cache_implementation="static") prefills into a StaticCache that allocates on its first
+    update; that graph ended in BackendCompilerFailed (an internal _OperandError in the probe)."""
+    from transformers import StaticCache
+
+    model = make_model("llama-tiny", layers=1)
+    ids = torch.randint(0, 1000, (1, 5))
+    with torch.no_grad():
+        want_cache = StaticCache(config=model.config, max_cache_len=16)
+        want = model(ids, cache_position=torch.arange(5), use_cache=True, **cache_kwargs(model, want_cache)).logits
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        f = torch.compile(model, backend="tilec", options={"workers": 4})
+        got = f(ids, cache_position=torch.arange(5), use_cache=True, **cache_kwargs(model, cache)).logits
+    assert_close(got, want, 1e-4, "prefill logits")
+    assert_close(cache.layers[0].keys, want_cache.layers[0].keys, 1e-5, "key cache")

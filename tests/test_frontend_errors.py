@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tilec.api import compile_module
-from tilec.errors import TilecError, UnsupportedNodeError
+from tilec.errors import InputError, TilecError, UnsupportedNodeError
 from tilec.hf import cache_kwargs
 from tilec.options import Options
 
@@ -478,3 +478,18 @@ def test_an_example_position_outside_max_positions_is_refused():
                                          r"\[0, 16\) of max_positions=16"):
         compile_module(m, (x, torch.tensor([20]), torch.tensor(20), torch.tensor(20)), positions=[1, 2, 3],
                        max_positions=16)
+
+
+class ReturnsNone(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(24, 8)
+
+    def forward(self, x):
+        return self.lin(x), None
+
+
+def test_a_none_output_is_named_not_an_attribute_error():
+    """``return y, None`` ended compile_module in AttributeError inside the capture."""
+    with pytest.raises(InputError, match=r"output 1 of forward is None, not a tensor: a compiled step returns tensors"):
+        compile_module(ReturnsNone().eval(), (torch.randn(2, 24),))

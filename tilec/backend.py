@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from . import __version__, plancache
 from .dump import with_dump
-from .errors import UnsupportedNodeError
+from .errors import PositionRangeError, UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
 from .ir import DTYPE_CODES
 from .options import Options, unknown_options_message
@@ -59,8 +59,19 @@ class BackendOptions:
     fallback: bool = True
     max_positions: int | None = None
 
+    @staticmethod
+    def as_dict(options) -> dict:
+        """``torch.compile``'s ``options`` as a dict: a dict, an :class:`Options` (its fields) or None.
+        Raises ``ValueError`` for anything else."""
+        if isinstance(options, Options):
+            return {f.name: getattr(options, f.name) for f in dataclasses.fields(Options)}
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f"tilec options: expected a dict or a tilec.options.Options, got {type(options).__name__}")
+        return dict(options or {})
+
     @classmethod
     def from_dict(cls, d: dict | None) -> "BackendOptions":
+        """Raises ``ValueError`` naming an unknown key (with a "did you mean") or a bad value."""
         d = dict(d or {})
         extra = {k: d.pop(k) for k in BACKEND_KEYS if k in d}
         try:
@@ -159,8 +170,27 @@ def _consts_digest(flat_args, kinds) -> str:
     h = hashlib.sha256()
     for t, k in zip(flat_args, kinds):
         if k == "const" and isinstance(t, torch.Tensor):
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _indexes_an_embedding(node: fx.Node, hops: int = 8) -> bool:
+    """Whether ``node``'s value reaches an embedding's indices within ``hops`` ops (``ids.clamp(...)``
+    and views on the way): then it holds token ids, not a decode position."""
+    frontier, seen = [node], {node}
+    for _ in range(hops):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u.op != "call_function" or u in seen:
+                    continue
+                if u.target is torch.ops.aten.embedding.default and len(u.args) > 1 and u.args[1] is n:
+                    return True
+                seen.add(u)
+                nxt.append(u)
+        frontier = nxt
+    return False
 
 
 def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, labels: list[str]):
@@ -205,14 +235,51 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
     return program, user_idx
 
 
-def _runner(program: CompiledProgram, user_idx: list[int], n_out: int, single: bool):
-    def run(*args):
-        outs = program(*(args[i] for i in user_idx))
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        assert len(outs) == n_out
-        return outs[0] if single else outs
+class _Region:
+    """A compiled graph region as Dynamo calls it (every graph argument, constants included).
 
-    return run
+    Module buffers are compiled in as constants (folded, e.g. RoPE ``inv_freq`` into cos/sin
+    tables), but Dynamo reuses a graph for another module of the same class, passing that module's
+    buffers, and a buffer may be edited in place. So each call checks that the constant arguments
+    are the tensors the program was compiled from, unchanged (identity and version counter: no
+    reads); when not, it compares their values and, when those differ, takes the program compiled
+    for them (compiling it once; plans are cached by the constants' values). Without the check a
+    second model differing only in a buffer ran with the first one's (a review finding).
+    """
+
+    def __init__(self, gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions, n_out: int, single: bool):
+        self.gm, self.kinds, self.labels, self.opts = gm, kinds, labels, opts
+        self.n_out, self.single = n_out, single
+        self.const_idx = [i for i, k in enumerate(kinds) if k == "const" and isinstance(flat[i], torch.Tensor)]
+        self.warned_range = False
+        self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
+        self._use(flat)
+
+    def _use(self, args) -> None:
+        digest = _consts_digest(args, self.kinds)
+        if digest not in self.programs:
+            if len(self.programs) == 2:
+                log.warning("tilec: a graph's module buffers took a third set of values; each new set compiles a "
+                            "plan (buffers are constants to tilec: pass values that change as forward arguments)")
+            self.programs[digest] = _compile_region(self.gm, args, self.kinds, self.opts, self.labels)
+        self.program, self.user_idx = self.programs[digest]
+        self.seen = [(args[i], args[i]._version) for i in self.const_idx]
+
+    def __call__(self, *args):
+        if any(args[i] is not t or t._version != v for i, (t, v) in zip(self.const_idx, self.seen)):
+            self._use(args)
+        try:
+            outs = self.program(*(args[i] for i in self.user_idx))
+        except PositionRangeError as e:  # e.g. a default max_positions of 1 where the graph writes no cache
+            if not self.opts.fallback:
+                raise
+            if not self.warned_range:
+                self.warned_range = True
+                log.warning("tilec: %s; such calls run eagerly (pass options={'max_positions': N} to plan more)", e)
+            return self.gm(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        assert len(outs) == self.n_out
+        return outs[0] if self.single else outs
 
 
 def _outputs(gm: fx.GraphModule):
@@ -236,7 +303,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
     ``max_positions`` option past the cache length)."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    opts = BackendOptions.from_dict({**(options or {}), **kwargs})
+    opts = BackendOptions.from_dict({**BackendOptions.as_dict(options), **kwargs})
     if _has_symbolic_shapes(example_inputs):
         # Dynamo made the graph shape-generic after a shape changed ("automatic dynamic");
         # a tilec plan is static, so this graph runs eagerly rather than failing. Said once per
@@ -266,8 +333,12 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         if len(flat) != len([n for n in aot_gm.graph.nodes if n.op == "placeholder"]):
             raise RuntimeError("tilec: AOTAutograd graph inputs do not line up with Dynamo's inputs")
         placeholders = [n for n in aot_gm.graph.nodes if n.op == "placeholder"]
+        written = {n.args[0] for n in aot_gm.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten.copy_.default}
         for i, node in enumerate(placeholders):  # token ids of batch 1 look like a position: they index an embedding
-            if kinds[i] == "position" and any(u.target is torch.ops.aten.embedding.default for u in node.users):
+            if kinds[i] == "position" and _indexes_an_embedding(node):
+                kinds[i] = "input"
+            if kinds[i] == "const" and node in written:  # a buffer forward updates is no constant
                 kinds[i] = "input"
         binding = GraphBinding(user_inputs=[n.name for n in placeholders])
         for node, kind, t in zip(placeholders, kinds, flat):
@@ -278,9 +349,8 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         max_positions = opts.max_positions or _cache_length(aot_gm)
         bad = find_unsupported(aot_gm, binding, max_positions)
         if not bad:
-            program, user_idx = _compile_region(aot_gm, flat, kinds, opts, labels)
             outs, single = _outputs(aot_gm)
-            return _runner(program, user_idx, len(outs), False)
+            return _Region(aot_gm, flat, kinds, labels, opts, len(outs), False)
         if not opts.fallback:
             raise UnsupportedNodeError(bad, "fallback is off (options={'fallback': False})")
         _log_fallback(bad, {n.name: label for n, label in zip(placeholders, labels)})
@@ -359,8 +429,14 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
             recorded[target] = list(args)
             return super().call_module(target, args, kwargs)
 
+    # (on copies of what the graph writes in place - inputs, and module buffers it updates, whose
+    # update this run once applied a second time - and of every input; weights and constant buffers
+    # it only reads are passed as they are)
+    written = {n.args[0].name for n in aot_gm.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"}
     with torch.no_grad():
-        Recorder(fused).run(*[t.clone() if isinstance(t, torch.Tensor) and kind_of[n.name] not in ("param", "const")
+        Recorder(fused).run(*[t.clone() if isinstance(t, torch.Tensor) and (kind_of[n.name] not in ("param", "const")
+                                                                            or n.name in written)
                               else t for n, t in zip(outer_ph, flat)])
     for node in fused.graph.nodes:
         if node.op != "call_module":
@@ -376,13 +452,12 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
                 sub_labels.append(f"the value of node {getattr(a, 'name', a)} (computed eagerly)")
         args = [value_of.get(a.name) if isinstance(a, fx.Node) and a.op == "placeholder" else r
                 for a, r in zip(node.args, recorded.get(node.target, []))]
+        outs, single = _outputs(sub)
         try:
-            program, user_idx = _compile_region(sub, args, sub_kinds, opts, sub_labels)
+            runner = _Region(sub, args, sub_kinds, sub_labels, opts, len(outs), single)
         except UnsupportedNodeError as e:
             log.warning("region %s runs eagerly: %s", node.target, " ".join(str(e).split()))
             continue
-        outs, single = _outputs(sub)
-        runner = _runner(program, user_idx, len(outs), single)
         setattr(fused, node.target, _Callable(runner))
     fused.recompile()
     return fused.forward

@@ -11,6 +11,7 @@ import traceback
 import warnings
 
 import torch
+import torch.fx as fx
 
 from .errors import ExampleInputError, InputError, TilecError, describe_exception
 from .frontend import GraphBinding
@@ -66,7 +67,13 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             if user_idx in positions:
                 binding.positions.add(name)
             user_idx += 1
-    out_names = [n.name for n in next(n for n in ep.graph.nodes if n.op == "output").args[0]]
+    outs = next(n for n in ep.graph.nodes if n.op == "output").args[0]
+    n_mut = sum(spec.kind in (OutputKind.USER_INPUT_MUTATION, OutputKind.BUFFER_MUTATION) for spec in sig.output_specs)
+    for i, n in enumerate(outs):
+        if not isinstance(n, fx.Node):  # None, or a Python constant, among forward's results
+            raise InputError(f"output {i - n_mut} of forward is {n!r}, not a tensor: a compiled step returns tensors "
+                             f"only (return just the tensors)")
+    out_names = [n.name for n in outs]
     for i, (spec, node_name) in enumerate(zip(sig.output_specs, out_names)):
         if spec.kind in (OutputKind.USER_INPUT_MUTATION, OutputKind.BUFFER_MUTATION):
             if binding.mutation_outputs != i:  # torch.export lists in-place updates first

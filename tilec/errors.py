@@ -45,6 +45,11 @@ def describe_exception(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__} (no message)"
 
 
+class PositionRangeError(TilecError):
+    """A call's decode position is outside the range its program was planned for
+    (``[0, max_positions)``): the message names the argument and the range."""
+
+
 class VerificationError(TilecError):
     """A stage verifier found a broken invariant (a compiler bug, or a corrupted plan)."""
 

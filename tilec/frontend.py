@@ -910,7 +910,13 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
                     low.record(e)  # probe mode: keep going, as value() does
                 continue
             v = low.value(r)
-            outputs.append(low.as_view(v, r) if not isinstance(v, View) else v)
+            try:
+                outputs.append(low.as_view(v, r) if not isinstance(v, View) else v)
+            except _OperandError as e:  # an output probe mode stood nothing in for (no tensor value)
+                if not probe:
+                    raise
+                if isinstance(r, fx.Node) and all(u[0] != r.name for u in low.unsupported):
+                    low.unsupported.append((r.name, target_name(r), source_of(r), str(e)))
         for n in gm.graph.nodes:  # side-effecting in-place writes nobody reads
             if n.op == "call_function" and n.target in (aten.index_copy_.default, aten.index_put_.default,
                                                         aten.copy_.default):

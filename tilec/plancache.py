@@ -63,12 +63,13 @@ def store(key: str, compiled: Compiled) -> None:
         plan = compiled.plan
         tables, meta = plan.to_tables()
         tensors = {f"plan.{k}": v.contiguous() for k, v in tables.items()}
-        tensors.update({f"graph.{k}": v.contiguous() for k, v in plan.graph.tensors().items()})
+        # own copies: folded constants may be views of one tensor, which safetensors refuses to save
+        tensors.update({f"graph.{k}": v.contiguous().clone() for k, v in plan.graph.tensors().items()})
         save_file(tensors, str(tmp / "tensors.safetensors"))
         (tmp / "graph.json").write_text(json.dumps(plan.graph.to_dict()))
         (tmp / "plan.json").write_text(json.dumps({"plan": meta, "stats": compiled.stats}))
         os.replace(tmp, final)
-    except OSError as e:
+    except (OSError, RuntimeError, ValueError) as e:  # a cache is an optimization: never fail the compile
         log.warning("tilec: could not write the plan cache entry %s: %s", final, e)
     finally:
         if tmp.exists():

@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from .errors import TilecError
+from .errors import PositionRangeError, TilecError
 from .frontend import IGNORED, POSITION, GraphBinding
 from .ir import BufferKind
 from .options import Options
@@ -123,7 +123,7 @@ class CompiledProgram:
             if kind == _POSITION:
                 p = a if type(a) is int else _position_of(self._labels[i], a)
                 if not 0 <= p < self.graph.max_positions:
-                    raise TilecError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
+                    raise PositionRangeError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
                                      f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
                                      f"as the decode position; recompile with a larger max_positions)")
                 positions.add(p)
