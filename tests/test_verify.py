@@ -80,3 +80,21 @@ def test_linearized_order_with_a_waiter_before_its_trigger_is_refused():
     order[i], order[j] = s, p
     with pytest.raises(VerificationError, match="before its predecessor"):
         verify_taskgraph(dataclasses.replace(tg, order=tuple(order)), "linearized", opts)
+
+
+def test_a_view_of_a_missing_buffer_is_a_verification_error():
+    """verify_opgraph raised a bare KeyError for an op whose output names no buffer."""
+    from tilec.verify import verify_opgraph
+
+    g = gemv_groups_graph()
+    op = g.ops[-1]
+    ghost = dataclasses.replace(op, outputs=(dataclasses.replace(op.outputs[0], buffer="ghost"),))
+    g = dataclasses.replace(g, ops=(*g.ops[:-1], ghost))
+    with pytest.raises(VerificationError, match=rf"op {op.name}: view .*ghost.* names no buffer of the graph"):
+        verify_opgraph(g)
+
+
+def test_render_stats_of_nothing_is_empty():
+    from tilec.stats import render_stats
+
+    assert render_stats({}) == "" and render_stats({"ops": 3, "events": 12}) == "ops     3\nevents  12"

@@ -37,6 +37,6 @@ def compile_stats(graph: OpGraph, tg: TaskGraph, sched: Schedule) -> dict:
 
 def render_stats(stats: dict) -> str:
     """``stats`` (e.g. :func:`compile_stats`'s dict) as text: one ``key  value`` line per entry,
-    in dict order, the keys padded to the longest. Raises ValueError for an empty dict."""
-    width = max(len(k) for k in stats)
+    in dict order, the keys padded to the longest ("" for an empty dict)."""
+    width = max((len(k) for k in stats), default=0)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in stats.items())

@@ -42,6 +42,9 @@ def verify_opgraph(g: OpGraph) -> None:
     for op in g.ops:
         if op.kind not in opreg.REGISTRY:
             raise VerificationError(f"op {op.name}: unknown kind {op.kind}")
+        for v in (*op.inputs, *op.outputs):
+            if v.buffer not in g.buffers:
+                raise VerificationError(f"op {op.name}: view {v.render()} names no buffer of the graph")
         for v in op.inputs:
             if v.buffer not in produced:
                 raise VerificationError(f"op {op.name} reads {v.buffer} before any op writes it")

@@ -79,7 +79,7 @@ class DecodeAttention(OpDef):
 
     def cost(self, op, tile):
         nbytes, _ = super().cost(op, tile)
-        q, k = op.inputs[0], op.inputs[1]
+        q, k, v = op.inputs[0], op.inputs[1], op.inputs[2]
         (b0, b1), (h0, h1) = tile.coords
-        g = q.shape[1] // k.shape[1]
-        return nbytes, 4 * (b1 - b0) * (h1 - h0) * g * q.shape[2] * k.shape[2] * q.shape[3]
+        g = q.shape[1] // k.shape[1]  # q.k over D, then p.v over Dv (MLA: D != Dv), a multiply-add each
+        return nbytes, 2 * (b1 - b0) * (h1 - h0) * g * q.shape[2] * k.shape[2] * (q.shape[3] + v.shape[3])

@@ -4,7 +4,7 @@ Operands: weight [V, D], ids [...] int64, out [..., D]. Tiles: rows x column chu
 """
 from __future__ import annotations
 
-from . import OpDef, Tile, TileArgs, full_box, out_tiles, register, sub
+from . import OpDef, Tile, TileArgs, _elem, full_box, out_tiles, register, sub
 
 
 @register
@@ -13,8 +13,8 @@ class Embedding(OpDef):
 
     Operands: weight [V, D], ids [...] integer token ids, out [..., D]. Tiles: ``tile_rows`` rows x
     ``tile_cols`` columns of out; each declares the whole table read (the ids are known only at
-    run time). Cost: 8 bytes per output element. The CPU reference raises IndexError for an id
-    outside [0, V) (where torch would wrap a negative one).
+    run time). Cost: the row bytes read and written and the ids. The CPU reference raises
+    IndexError for an id outside [0, V) (where torch would wrap a negative one).
     """
 
     kind, opcode = "embedding", 2
@@ -38,8 +38,10 @@ class Embedding(OpDef):
         sub(out, box).copy_(weight[tok][..., c0:c1])
 
     def cost(self, op, tile):
+        """Bytes: the gathered rows' columns read and written, and the rows' ids (no flops)."""
+        weight, ids = op.inputs[0], op.inputs[1]
         rows = 1
         for lo, hi in tile.coords[:-1]:
             rows *= hi - lo
         c0, c1 = tile.coords[-1]
-        return 2 * rows * (c1 - c0) * 4, 0
+        return rows * (c1 - c0) * (_elem(weight) + _elem(op.outputs[0])) + rows * _elem(ids), 0
