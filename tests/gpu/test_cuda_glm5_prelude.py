@@ -147,3 +147,36 @@ def test_index_score_tensor_cores_and_fallback(heads, dim, dtype):
     want = Score()(*args)
     got = prog(*args)
     assert rel(got, want) < 1e-2
+
+
+class _SlotWrite(torch.nn.Module):
+    def forward(self, src, slot, cache):
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slot, src)
+        return src * 2.0
+
+
+@pytest.mark.parametrize("bad", [24, -25, 1 << 40])
+def test_a_slot_outside_the_cache_fails_the_step_and_writes_nothing_there(bad):
+    """A slot outside [-rows, rows) wrapped around into the cache (or, below -rows, wrote before
+    it): the device skips it, fails the step (error flag 4) and the host raises naming the op; the
+    next call with good slots runs (thirty-sixth session: written without a GPU, first run later)."""
+    torch.manual_seed(0)
+    src = torch.randn(3, 64, device=DEV, dtype=torch.bfloat16)
+    cache = torch.randn(6, 4, 64, device=DEV, dtype=torch.bfloat16)
+    good = torch.tensor([5, 0, 17], device=DEV)
+    prog = compile_module(_SlotWrite(), (src, good, cache.clone()), options=dict(workers=4))
+    assert any(op.kind == "paged_cache_write" for op in prog.plan.graph.ops)
+    guard = torch.randn(6 * 4 * 64 + 2 * 4096, device=DEV, dtype=torch.bfloat16)  # the cache with room around it
+    mine = guard[4096:4096 + 6 * 4 * 64].view(6, 4, 64)
+    mine.copy_(cache)
+    before = guard.clone()
+    with pytest.raises(Exception, match=rf"op paged_cache_write.* failed: index {bad} read at run time is outside \[0, 24\)"):
+        prog(src, torch.tensor([5, bad, 17], device=DEV), mine)
+    changed = (guard != before).reshape(-1).nonzero().reshape(-1)
+    assert changed.numel() == 0 or bool(((changed >= 4096) & (changed < 4096 + 6 * 4 * 64)).all()), \
+        "a write outside the cache"
+    want = cache.clone()
+    _SlotWrite()(src, good, want)
+    got = cache.clone()
+    prog(src, good, got)
+    assert torch.equal(got, want)
