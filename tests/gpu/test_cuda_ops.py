@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from _helpers import APPEND_CASES, append_fold_results, run_plan
 from tilec.api import compile_module
+from tilec.errors import TilecError
 
 DEV = "cuda"
 
@@ -279,7 +280,9 @@ def test_embedding_rows(dtype, dim, tile_cols, tile_rows):
     """The gather's 16-byte path (rows a multiple of 8 wide, tiles starting on a 16-byte boundary)
     and its element-by-element fallback (rows of 12 or 1100; tiles of 36 columns), each also over
     a box of more than 4096 elements (tiles of 4 rows of 2048 / 1100: the batched loops), copy
-    eager's rows exactly, and an id outside the table gives a NaN row (no out-of-bounds read)."""
+    eager's rows exactly, and an id outside the table gives a NaN row (no out-of-bounds read) and
+    fails the step: the host raises naming the op, as the CPU reference does (the thirty-sixth
+    session's change, written without a GPU)."""
     torch.manual_seed(0)
     m = Gather(1000, dim, dtype).to(DEV)
     ids = torch.tensor([[3], [999], [0], [517]], device=DEV)
@@ -289,9 +292,14 @@ def test_embedding_rows(dtype, dim, tile_cols, tile_rows):
         want = m(ids)
     assert torch.equal(prog(ids), want)
     bad = torch.tensor([[5], [1000], [-1], [2]], device=DEV)
-    got = prog(bad)
+    with pytest.raises(TilecError, match=r"op embedding.* failed: index (1000|-1) read at run time is outside \[0, 1000\)"):
+        prog(bad)
+    unchecked = compile_module(m, (ids,), options=dict(executor="cuda", workers=7, tile_cols=tile_cols,
+                                                       tile_rows=tile_rows, check=False))
+    got = unchecked(bad)
     assert torch.isnan(got[1:3].float()).all()
     assert torch.equal(got[0], m.e.weight[5:6]) and torch.equal(got[3], m.e.weight[2:3])
+    assert torch.equal(prog(ids), want)  # the failed step left the program usable
 
 
 class VIntoCache(torch.nn.Module):
@@ -491,8 +499,6 @@ def test_refused_launch_leaves_the_program_usable():
     """A launch refused by the co-residency check (far more workers than the GPU holds) after the
     kernel was set up for another shared-memory size must not leave a later launch of the plan
     failing: the launcher caches its set-up only once the checks pass (a reviewer's reproducer)."""
-    from tilec.errors import TilecError
-
     torch.manual_seed(0)
     m = Lin(2048, 2048, False, torch.bfloat16).to(DEV)
     x = torch.randn(1, 2048, dtype=torch.bfloat16, device=DEV)
