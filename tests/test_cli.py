@@ -597,6 +597,24 @@ def test_compile_force_replaces_an_artifact(facts, tmp_path):
     assert os.listdir(tmp_path) == ["a"]
 
 
+def test_a_compile_finishing_second_does_not_replace_the_first_without_force(facts, tmp_path, monkeypatch):
+    """Two compiles to one path: the target was checked only before the (long) compile, so the
+    second to finish silently replaced the first's artifact (a breaker trial's finding)."""
+    out = tmp_path / "a"
+    real = artifact._write_contents
+
+    def meanwhile(root, *args, **kwargs):  # another compile writes `out` while this one runs
+        monkeypatch.setattr(artifact, "_write_contents", real)
+        assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+        real(root, *args, **kwargs)
+
+    monkeypatch.setattr(artifact, "_write_contents", meanwhile)
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3")
+    assert r.exit_code == 2 and "holds an artifact; pass --force" in r.stderr, r.output
+    assert json.loads((out / "manifest.json").read_text())["options"]["workers"] == 2
+    assert os.listdir(tmp_path) == ["a"]  # no partial folder left
+
+
 def test_compile_with_a_missing_codegen_template_fails_loudly(facts, tmp_path, monkeypatch):
     """A template missing from the installation (a wheel built without its package data) is an
     error naming it, not a "library not built" note in the manifest; nothing is written."""

@@ -493,3 +493,27 @@ def test_a_none_output_is_named_not_an_attribute_error():
     """``return y, None`` ended compile_module in AttributeError inside the capture."""
     with pytest.raises(InputError, match=r"output 1 of forward is None, not a tensor: a compiled step returns tensors"):
         compile_module(ReturnsNone().eval(), (torch.randn(2, 24),))
+
+
+class Scaled2(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, s: float, n: int):
+        return self.lin(x) * s + n
+
+
+def test_python_values_are_baked_in_and_checked():
+    """torch.export bakes Python scalar arguments into the graph; a call with other values returned
+    the example values' result silently (a breaker trial's finding)."""
+    torch.manual_seed(0)
+    m = Scaled2().eval()
+    x = torch.randn(2, 8)
+    prog = compile_module(m, (x, 0.5, 3), options=dict(workers=4))
+    with torch.no_grad():
+        assert torch.allclose(prog(x, 0.5, 3), m(x, 0.5, 3), atol=1e-5)
+    for s, n, bad in ((0.7, 3, "argument 1 is 0.7"), (0.5, 5, "argument 2 is 5"), (torch.tensor(0.5), 3, "argument 1 is tensor"),
+                      (0.5, 3.0, "argument 2 is 3.0")):
+        with pytest.raises(TilecError, match=rf"{re.escape(bad)}.*the step was compiled for .*a Python value is baked"):
+            prog(x, s, n)

@@ -167,6 +167,10 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         manifest["digest"] = _digest(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _set_modes(tmp)
+        # again: another compile may have written there meanwhile (without force two compiles to one
+        # path both "succeeded", the second silently replacing the first); the rename below fails on a
+        # folder that became non-empty after this check
+        check_target(final, force)
         if final.exists():  # force: swap the old one out only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
             os.replace(final, old / "artifact")
@@ -398,7 +402,7 @@ class Artifact:
         compiled = Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(plan.stats))
         return CompiledProgram(compiled, GraphBinding(params=self.params(device)),
                                single_output=self.manifest["call"]["single_output"], opts=opts, progress=progress,
-                               example_args=tuple(a for a in self.inputs(device) if isinstance(a, torch.Tensor)),
+                               example_args=tuple(self.inputs(device)),
                                library=lib)
 
 

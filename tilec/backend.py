@@ -241,8 +241,9 @@ class _Region:
     Module buffers are compiled in as constants (folded, e.g. RoPE ``inv_freq`` into cos/sin
     tables), but Dynamo reuses a graph for another module of the same class, passing that module's
     buffers, and a buffer may be edited in place. So each call checks that the constant arguments
-    are the tensors the program was compiled from, unchanged (identity and version counter: no
-    reads); when not, it compares their values and, when those differ, takes the program compiled
+    are the tensors the program was compiled from, unchanged (identity, version counter and data
+    pointer: no reads; an edit through ``.data``, which bumps no version counter, is not seen); when
+    not, it compares their values and, when those differ, takes the program compiled
     for them (compiling it once; plans are cached by the constants' values). Without the check a
     second model differing only in a buffer ran with the first one's (a review finding).
     """
@@ -263,10 +264,11 @@ class _Region:
                             "plan (buffers are constants to tilec: pass values that change as forward arguments)")
             self.programs[digest] = _compile_region(self.gm, args, self.kinds, self.opts, self.labels)
         self.program, self.user_idx = self.programs[digest]
-        self.seen = [(args[i], args[i]._version) for i in self.const_idx]
+        self.seen = [(args[i], args[i]._version, args[i].data_ptr()) for i in self.const_idx]
 
     def __call__(self, *args):
-        if any(args[i] is not t or t._version != v for i, (t, v) in zip(self.const_idx, self.seen)):
+        if any(args[i] is not t or t._version != v or t.data_ptr() != ptr
+               for i, (t, v, ptr) in zip(self.const_idx, self.seen)):
             self._use(args)
         try:
             outs = self.program(*(args[i] for i in self.user_idx))

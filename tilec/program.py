@@ -50,7 +50,8 @@ class CompiledProgram:
     ``torch.compile`` backend passes the user's names, e.g. ``past_key_values.layers[0].keys``.
 
     Raises:
-        TilecError: an argument has the wrong shape/dtype/layout, or positions disagree.
+        TilecError: an argument has the wrong shape/dtype/layout, positions disagree, or a Python value
+            (baked into the step when compiling) differs from the example's.
     """
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
@@ -95,6 +96,11 @@ class CompiledProgram:
                            for name in self.graph.inputs]
         self._labels = list(arg_labels) if arg_labels is not None and len(arg_labels) == len(self.graph.inputs) else \
             [f"argument {i}" + ("" if name in (POSITION, IGNORED) else f" ({name})") for i, name in enumerate(self.graph.inputs)]
+        # Python values among the example arguments (a float scale, an int count): torch.export
+        # baked them into the graph, so a call must pass the same values
+        self._baked = {i: a for i, (a, name) in enumerate(zip(example_args, self.graph.inputs))
+                       if name == IGNORED and not isinstance(a, torch.Tensor)} \
+            if len(example_args) == len(self.graph.inputs) else {}
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         # buffers bound from the call's arguments (the rest are bound once, above)
         self._arg_buffers = [n for n in self.graph.inputs if n in self.graph.buffers and n not in self.tensors]
@@ -119,6 +125,12 @@ class CompiledProgram:
         for i, a in enumerate(args):
             kind, name, shape, dtype, staged, inplace = self._arg_specs[i]
             if kind == _IGNORED:
+                if i in self._baked:
+                    v = self._baked[i]
+                    if type(a) is not type(v) or not (a == v or repr(a) == repr(v)):
+                        raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
+                                         f"value is baked into the compiled step (pass a tensor to vary it, or compile "
+                                         f"for this value)")
                 continue
             if kind == _POSITION:
                 p = a if type(a) is int else _position_of(self._labels[i], a)
