@@ -595,3 +595,28 @@ def test_a_buffer_given_new_storage_through_data_is_seen():
         assert_close(f(x), m(x), 1e-5, "before")
         m.scale.data = torch.tensor(-3.0)
         assert_close(f(x), m(x), 1e-5, "after .data = new")
+
+
+def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
+    """The on-disk plan key held tilec's version string only, so a changed pass (a pull, a fix)
+    kept running plans the old code made (a breaker trial's finding): it hashes the sources too."""
+    from tilec import plancache
+
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TILEC_DUMP_DIR", raising=False)
+    torch.manual_seed(0)
+    m, x = TwoLinears().eval(), torch.randn(2, 8)
+
+    def compile_fresh():
+        torch._dynamo.reset()
+        backend._PLAN_CACHE.clear()
+        before = dict(backend.CACHE_STATS)
+        with torch.no_grad():
+            assert_close(torch.compile(m, backend="tilec")(x), m(x), 1e-5, "output")
+        return {k: backend.CACHE_STATS[k] - before[k] for k in before}
+
+    assert compile_fresh()["compiles"] == 1
+    assert compile_fresh()["disk_hits"] == 1
+    assert len(plancache.code_digest()) == 16
+    monkeypatch.setattr(plancache, "code_digest", lambda: "0" * 16)  # as after an edit of a pass
+    assert compile_fresh()["compiles"] == 1

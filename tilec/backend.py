@@ -161,7 +161,7 @@ def _graph_key(gm: fx.GraphModule, kinds, opts: BackendOptions) -> str:
         v = n.meta.get("val")
         if n.op == "placeholder" and isinstance(v, torch.Tensor):
             h.update(f"{n.name}:{tuple(v.shape)}:{v.dtype}:{v.device.type}".encode())
-    h.update(repr((kinds, opts, __version__, PLAN_FORMAT)).encode())
+    h.update(repr((kinds, opts, __version__, plancache.code_digest(), PLAN_FORMAT)).encode())
     return h.hexdigest()
 
 

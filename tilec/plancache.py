@@ -3,12 +3,15 @@
 A plan is stored under ``$TILEC_CACHE_DIR/plans/<key>/`` (default ``~/.cache/tilec``) as
 ``graph.json`` + ``plan.json`` (the OpGraph and operand bindings) and ``tensors.safetensors``
 (plan tables, constants, position tables). The key hashes the aten graph, its input
-shapes/dtypes, the options, tilec's version and the target arch. Entries are written to a
+shapes/dtypes, the options, tilec's version, its Python sources (:func:`code_digest`: a plan
+made by other code - before a pull or a fix - is not reused) and the target arch. Entries are written to a
 temporary directory and renamed into place, so a crash never leaves a partial entry; an
 entry that fails to load is ignored (and recompiled).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +27,16 @@ from .pipeline import Compiled
 from .plan import KernelPlan
 
 log = logging.getLogger("tilec")
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """A hash of tilec's own Python sources (read once per process, a few ms)."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _dir(key: str) -> Path:
