@@ -55,7 +55,7 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     n_user = len(out_node.args[0]) - binding.mutation_outputs
     single = n_user == 1 if binding.single_output is None else binding.single_output and n_user == 1
     return CompiledProgram(compiled, binding, single_output=single, opts=opts,
-                           example_args=args)
+                           example_args=args, out_spec=binding.out_spec)
 
 
 def meta_tensors(module: torch.nn.Module, args, label: str = "argument") -> list[str]:

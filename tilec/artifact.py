@@ -41,6 +41,7 @@ from pathlib import Path
 
 import jinja2
 import torch
+import torch.utils._pytree as pytree
 from safetensors.torch import load_file, save_file
 
 import tilec
@@ -157,7 +158,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
             "options": dataclasses.asdict(opts),
             "factory": factory,
             "call": {"args": call_args, "positions": list(positions), "max_positions": max_positions,
-                     "single_output": program.single_output},
+                     "single_output": program.single_output, "out_spec": _spec_text(program.out_spec)},
             "param_sources": dict(param_sources or {}),
             "stats": program.stats,
             "cuda": {"sources": sorted(f"cuda/{n}" for n in sources), "library": LIBRARY if lib else None,
@@ -249,6 +250,27 @@ def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources:
         (root / "cuda" / "tables.h").write_text(codegen.render_tables(program.plan))
         if lib is not None:
             shutil.copyfile(lib, root / LIBRARY)
+
+
+def _spec_text(spec) -> str | None:
+    """The output structure as text for the manifest (None when there is none, or it holds a type
+    pytree cannot write, e.g. a class not registered for serialization: outputs come back as a tuple)."""
+    if spec is None:
+        return None
+    try:
+        return pytree.treespec_dumps(spec)
+    except Exception:  # noqa: BLE001 - any failure only costs the structure
+        return None
+
+
+def _spec_of(text: str | None):
+    """:func:`_spec_text` read back (None for artifacts written without one)."""
+    if not text:
+        return None
+    try:
+        return pytree.treespec_loads(text)
+    except Exception as e:  # noqa: BLE001
+        raise ArtifactError(f"the manifest's output structure cannot be read ({type(e).__name__}: {e})") from e
 
 
 def _describe_inputs(inputs) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -403,7 +425,7 @@ class Artifact:
         return CompiledProgram(compiled, GraphBinding(params=self.params(device)),
                                single_output=self.manifest["call"]["single_output"], opts=opts, progress=progress,
                                example_args=tuple(self.inputs(device)),
-                               library=lib)
+                               library=lib, out_spec=_spec_of(self.manifest["call"].get("out_spec")))
 
 
 def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:

@@ -85,6 +85,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             binding.mutations[node_name] = placeholder
             binding.mutation_outputs += 1
     binding.single_output = ep.call_spec.out_spec.is_leaf()
+    binding.out_spec = ep.call_spec.out_spec
     return ep.graph_module, binding
 
 

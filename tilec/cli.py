@@ -33,6 +33,7 @@ from pathlib import Path
 
 import click
 import torch
+import torch.utils._pytree as pytree
 
 import tilec
 
@@ -540,7 +541,7 @@ def run(progress: Progress, artifact_dir: Path, executor: str | None, check: boo
             want = module(*eager_args)
         except Exception as e:
             raise Failure(f"eager PyTorch raised {type(e).__name__}: {e}", EXIT_ERROR) from e
-    want = list(want) if isinstance(want, (tuple, list)) else [want]
+    want = pytree.tree_leaves(want)  # a dict or nested outputs compare leaf by leaf
     rows = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(outs, want))]
     if len(outs) != len(want):
         raise Failure(f"the artifact returns {len(outs)} output(s), eager returns {len(want)}", EXIT_MISMATCH)
@@ -582,7 +583,7 @@ def _run_step(program, args) -> list[torch.Tensor]:
             torch.cuda.synchronize(program.device)
     except TilecError as e:
         raise Failure(f"the step failed: {e}", EXIT_ERROR) from e
-    return list(out) if isinstance(out, tuple) else [out]
+    return pytree.tree_leaves(out)
 
 
 def open_artifact(path: Path, check_version: bool = True):

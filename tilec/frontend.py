@@ -47,6 +47,7 @@ class GraphBinding:
         which may be the very same nodes (a module that returns the cache it updated).
     single_output: whether the module returns one tensor rather than a tuple (from the export's
         output spec: ``(y,)`` is a tuple of one); None when the capture does not say.
+    out_spec: the export's pytree spec of the user's outputs (a dict, nesting), or None.
     """
 
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -56,6 +57,7 @@ class GraphBinding:
     mutations: dict[str, str] = field(default_factory=dict)
     mutation_outputs: int = 0
     single_output: bool | None = None
+    out_spec: object | None = None
 
 
 class _OperandError(TypeError):

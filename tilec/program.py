@@ -4,6 +4,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+import torch.utils._pytree as pytree
 
 from .errors import PositionRangeError, TilecError
 from .frontend import IGNORED, POSITION, GraphBinding
@@ -46,6 +47,8 @@ class CompiledProgram:
     and poisoned with NaN before each reference run, so an unwritten element cannot pass a test.
     Returns the outputs as new tensors (a tuple, or one tensor when the module returns one).
     ``library``: a prebuilt shared library of this plan for the CUDA executor (else built with nvcc).
+    ``out_spec``: the module's output structure (a pytree spec from the capture): the outputs
+    come back as the module returns them - a dict, nested tuples - else as a tuple.
     ``arg_labels``: how errors name each argument (default ``argument i (its buffer)``); the
     ``torch.compile`` backend passes the user's names, e.g. ``past_key_values.layers[0].keys``.
 
@@ -55,12 +58,13 @@ class CompiledProgram:
     """
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
-                 progress=None, example_args=(), library=None, arg_labels=None):
+                 progress=None, example_args=(), library=None, arg_labels=None, out_spec=None):
         self.opts = opts = opts or Options()
         self.compiled = compiled
         self.plan = compiled.plan
         self.graph = self.plan.graph
         self.single_output = single_output
+        self.out_spec = out_spec
         tensors_seen = (*binding.params.values(), *binding.consts.values(),
                         *(a for a in example_args if isinstance(a, torch.Tensor)))
         devices = {t.device for t in tensors_seen}
@@ -198,4 +202,6 @@ class CompiledProgram:
                 continue
             t = whole.reshape(-1)
             outs.append(t.as_strided(v.shape, v.strides, t.storage_offset() + v.offset + p * v.pos_stride).clone())
+        if self.out_spec is not None and self.out_spec.num_leaves == len(outs):
+            return pytree.tree_unflatten(outs, self.out_spec)  # the module's own structure (a dict, ...)
         return outs[0] if self.single_output and len(outs) == 1 else tuple(outs)
