@@ -620,3 +620,32 @@ def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
     assert len(plancache.code_digest()) == 16
     monkeypatch.setattr(plancache, "code_digest", lambda: "0" * 16)  # as after an edit of a pass
     assert compile_fresh()["compiles"] == 1
+
+
+class LearnedPositions(torch.nn.Module):
+    """GPT-2 / OPT style: h = tok(ids) + pe(pos), and the cache row written at pos."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pe = torch.nn.Embedding(100, 16), torch.nn.Embedding(32, 16)
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, ids, pos, cache):
+        h = self.tok(ids).reshape(1, 16) + self.pe(pos)
+        cache.index_copy_(0, pos, self.lin(h))
+        return self.lin(h) * 2
+
+
+def test_a_position_that_also_indexes_a_learned_positional_embedding():
+    """The position reached an embedding, so it was taken for token ids and the cache write was not
+    planned (an error with fallback off; eager with it on): a position also places a cache write."""
+    torch.manual_seed(0)
+    m = LearnedPositions().eval()
+    f = torch.compile(m, backend="tilec", options={"workers": 4, "fallback": False})
+    mine = torch.randn(32, 16)
+    ref = mine.clone()
+    with torch.no_grad():
+        for p in (3, 4, 31):
+            args = (torch.tensor([[7 + p]]), torch.tensor([p]))
+            assert_close(f(*args, mine), m(*args, ref), 1e-5, f"output at position {p}")
+            assert torch.equal(mine, ref)

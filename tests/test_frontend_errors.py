@@ -517,3 +517,23 @@ def test_python_values_are_baked_in_and_checked():
                       (0.5, 3.0, "argument 2 is 3.0")):
         with pytest.raises(TilecError, match=rf"{re.escape(bad)}.*the step was compiled for .*a Python value is baked"):
             prog(x, s, n)
+
+
+class PositionTable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("table", torch.randn(64, 8))
+
+    def forward(self, x, p):
+        return self.lin(x) + self.table[p]
+
+
+def test_max_positions_past_a_position_indexed_table_is_bad_input():
+    """Tabulating positions the module cannot index raised torch's IndexError from inside tilec."""
+    args = (torch.randn(1, 8), torch.tensor([3]))
+    with pytest.raises(InputError, match=r"fails at decode position 64: IndexError: .*max_positions=100 plans "
+                                         r"positions the module cannot take - use max_positions <= 64"):
+        compile_module(PositionTable(), args, positions=[1], max_positions=100)
+    prog = compile_module(PositionTable(), args, positions=[1], max_positions=64)
+    assert prog.graph.max_positions == 64

@@ -175,9 +175,9 @@ def _consts_digest(flat_args, kinds) -> str:
     return h.hexdigest()
 
 
-def _indexes_an_embedding(node: fx.Node, hops: int = 8) -> bool:
-    """Whether ``node``'s value reaches an embedding's indices within ``hops`` ops (``ids.clamp(...)``
-    and views on the way): then it holds token ids, not a decode position."""
+def _reaches(node: fx.Node, is_use, hops: int = 8) -> bool:
+    """Whether ``node``'s value reaches, within ``hops`` ops (``ids.clamp(...)``, ``pos + arange``,
+    views), a use ``is_use(user, value)`` accepts."""
     frontier, seen = [node], {node}
     for _ in range(hops):
         nxt = []
@@ -185,12 +185,32 @@ def _indexes_an_embedding(node: fx.Node, hops: int = 8) -> bool:
             for u in n.users:
                 if u.op != "call_function" or u in seen:
                     continue
-                if u.target is torch.ops.aten.embedding.default and len(u.args) > 1 and u.args[1] is n:
+                if is_use(u, n):
                     return True
                 seen.add(u)
                 nxt.append(u)
         frontier = nxt
     return False
+
+
+def _embedding_index(u: fx.Node, n: fx.Node) -> bool:
+    return u.target is torch.ops.aten.embedding.default and len(u.args) > 1 and u.args[1] is n
+
+
+def _cache_write_index(u: fx.Node, n: fx.Node) -> bool:
+    aten = torch.ops.aten
+    if u.target in (aten.index_copy.default, aten.index_copy_.default):
+        return len(u.args) > 2 and u.args[2] is n
+    if u.target in (aten.index_put.default, aten.index_put_.default):
+        return len(u.args) > 1 and any(ix is n for ix in u.args[1])
+    return False
+
+
+def _token_ids(node: fx.Node) -> bool:
+    """A one-element integer input that indexes an embedding but no cache write holds token ids (a
+    batch-1 step's), not a decode position; a learned positional embedding's index (GPT-2, OPT) that
+    also places the cache write is a position."""
+    return _reaches(node, _embedding_index) and not _reaches(node, _cache_write_index)
 
 
 def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, labels: list[str]):
@@ -338,7 +358,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         written = {n.args[0] for n in aot_gm.graph.nodes
                    if n.op == "call_function" and n.target is torch.ops.aten.copy_.default}
         for i, node in enumerate(placeholders):  # token ids of batch 1 look like a position: they index an embedding
-            if kinds[i] == "position" and _indexes_an_embedding(node):
+            if kinds[i] == "position" and _token_ids(node):
                 kinds[i] = "input"
             if kinds[i] == "const" and node in written:  # a buffer forward updates is no constant
                 kinds[i] = "input"

@@ -137,8 +137,15 @@ class Lowering(DsaLowering):
         if self.cls[node] == "static":
             return Static(self._evaluate(node, None, self._static_cache))
         caches = self._pos_caches
-        tables = [self._evaluate(node, p, caches.setdefault(p, dict(self._static_cache)))
-                  for p in range(self.max_positions)]
+        tables = []
+        for p in range(self.max_positions):
+            try:
+                tables.append(self._evaluate(node, p, caches.setdefault(p, dict(self._static_cache))))
+            except (IndexError, RuntimeError, ValueError) as e:  # e.g. a table of 64 rows indexed by p
+                where = source_of(node)
+                raise InputError(f"{node.name} ({target_name(node)}){f' at {where}' if where else ''} fails at decode "
+                                 f"position {p}: {type(e).__name__}: {e}; max_positions={self.max_positions} plans "
+                                 f"positions the module cannot take - use max_positions <= {p}") from e
         return Positional(torch.stack(tables))
 
     # ---- helpers ---------------------------------------------------------------------
