@@ -587,6 +587,18 @@ def test_a_bad_dump_directory_is_bad_input_before_compiling(facts, tmp_path, how
     assert "compiling" not in r.stderr and not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_a_dump_directory_inside_the_output_is_refused_before_compiling(facts, tmp_path, how):
+    """It passed the early checks, the compile ran, and only the write refused the folder tilec had
+    itself created the dumps in, leaving them behind (a breaker trial's finding)."""
+    out = tmp_path / "a"
+    opt = ("-O", f"dump_dir={out / 'dumps'}") if how == "option" else ()
+    r = invoke("compile", f"{facts}:linear", "-o", out, "-O", "workers=2", "--no-build", *opt,
+               env={"TILEC_DUMP_DIR": str(out / "dumps")} if how == "env" else None)
+    assert r.exit_code == 2 and "is inside the artifact's output" in r.stderr, r.output
+    assert "compiling" not in r.stderr and not out.exists()
+
+
 def test_ctrl_c_exits_130(facts, tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -871,6 +883,30 @@ def test_bad_artifacts(copy, edit, command, message):
     assert message in r.stderr, r.stderr
 
 
+def _edit_manifest(path: Path, edit) -> None:
+    """Edits the manifest and recomputes its digest (a hand edit, or a writer that dropped a key)."""
+    m = json.loads((path / "manifest.json").read_text())
+    edit(m)
+    m["digest"] = artifact._digest(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("edit,command,message", [
+    (lambda m: m.pop("files"), "inspect", "files is missing, expected dict"),
+    (lambda m: m.update(files="x"), "run", "files is str, expected dict"),
+    (lambda m: m.pop("cuda"), "inspect", "cuda is missing, expected dict"),
+    (lambda m: m["call"].pop("args"), "run", "call.args is missing, expected list"),
+    (lambda m: m["call"].update(max_positions=True), "run", "call.max_positions is bool, expected int"),
+    (lambda m: m["call"]["args"][0].update(tensor="argX"), "run", "inputs.safetensors holds no tensor 'argX'"),
+], ids=["no-files", "files-str", "no-cuda", "no-args", "bool-max", "renamed-input"])
+def test_a_manifest_missing_a_key_is_an_artifact_error(copy, edit, command, message):
+    """A self-consistent manifest (digest recomputed) lacking a key gave internal KeyError /
+    AttributeError, exit 4 (a breaker trial's finding)."""
+    _edit_manifest(copy, edit)
+    r = invoke(command, copy)
+    assert r.exit_code == 2 and message in r.stderr, r.output
+
+
 def test_another_tilec_version_is_refused(art, monkeypatch):
     monkeypatch.setattr(tilec, "__version__", "9.9.9")
     r = invoke("run", art)
@@ -900,6 +936,7 @@ def test_cuda_executor_without_a_gpu(art):
 
 def test_usage_errors_exit_2(art):
     assert invoke("inspect", art, "--stage", "bogus").exit_code == 2
+    assert "unknown stage ''" in invoke("inspect", art, "--stage", "").stderr  # printed every stage
     assert "unknown stage 'bogus'; stages: 01-opgraph, 02-split_kv, 03-fuse_gemv, 04-fold_cache, 05-gemv_groups, 06-tasks" in invoke("inspect", art, "-s", "bogus").stderr
     assert invoke("run", art, "--executor", "tpu").exit_code == 2
     assert invoke("compile", "x:y").exit_code == 2  # -o is required

@@ -388,6 +388,10 @@ class Artifact:
     def inputs(self, device: str | torch.device = "cpu") -> list:
         """A fresh copy of the example arguments (tensors on ``device``), in call order."""
         tensors = load_file(str(self.path / "inputs.safetensors"), device=str(device))
+        missing = [a["tensor"] for a in self.manifest["call"]["args"] if "tensor" in a and a["tensor"] not in tensors]
+        if missing:
+            raise ArtifactError(f"{self.path}: inputs.safetensors holds no tensor {missing[0]!r}, which the "
+                                f"manifest's call.args names")
         return [tensors[a["tensor"]] if "tensor" in a else a["value"] for a in self.manifest["call"]["args"]]
 
     def params(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -453,6 +457,7 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ArtifactVersionError(f"{root}: artifact format version {manifest.get('format_version')}, this tilec "
                                    f"reads version {FORMAT_VERSION}; recompile it{_recompile_hint(manifest, root)}")
+    _check_schema(manifest, mpath)
     for rel, want in sorted(manifest["files"].items()):
         f = root / rel
         if not f.is_file():
@@ -465,6 +470,28 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
         raise ArtifactVersionError(f"{root} was built by tilec {manifest['tilec']}; this is tilec {tilec.__version__}. "
                                    f"Recompile it{_recompile_hint(manifest, root)}")
     return Artifact(root, manifest)
+
+
+# what load and its callers read from a manifest: key -> type (a dict: the keys within)
+_SCHEMA = {"tilec": str, "arch": str, "device": str, "options": dict, "stats": dict, "files": dict,
+           "call": {"args": list, "positions": list, "max_positions": int, "single_output": bool},
+           "cuda": {"sources": list}}
+
+
+def _check_schema(manifest: dict, mpath: Path, schema: dict = _SCHEMA, where: str = "") -> None:
+    """Raises :class:`ArtifactError` naming the first key of ``schema`` the manifest lacks or holds
+    with another type (a manifest edited by hand, with its digest recomputed)."""
+    for key, kind in schema.items():
+        value = manifest.get(key) if isinstance(manifest, dict) else None
+        want = dict if isinstance(kind, dict) else kind
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ArtifactError(f"{mpath} is not a valid manifest: {where}{key} is "
+                                f"{'missing' if value is None else type(value).__name__}, expected {want.__name__}")
+        if isinstance(kind, dict):
+            _check_schema(value, mpath, kind, f"{where}{key}.")
+    for i, a in enumerate(manifest.get("call", {}).get("args", []) if not where else ()):
+        if not isinstance(a, dict) or not ("tensor" in a or "value" in a):
+            raise ArtifactError(f"{mpath} is not a valid manifest: call.args[{i}] is neither a tensor nor a value")
 
 
 def resolve_stage(stage: str) -> str:

@@ -39,7 +39,7 @@ import tilec
 
 from . import artifact as art_mod
 from .codegen.build import cache_root, extra_flags
-from .dump import OPGRAPH_STAGES, check_dump_root
+from .dump import OPGRAPH_STAGES, check_dump_root, dump_root
 from .artifact import STAGES, ArtifactError, resolve_stage
 from .timing import cuda_graph, step_times
 from .errors import InputError, TilecError, describe_exception
@@ -153,6 +153,10 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
     opts = parse_options(option_pairs)
     try:  # a bad output path, dump directory or build environment fails before a long compile
         art_mod.check_target(output, force)
+        dumps = dump_root(opts)
+        if dumps is not None and (dumps.resolve() == output.resolve() or output.resolve() in dumps.resolve().parents):
+            raise TilecError(f"the dump directory {dumps} is inside the artifact's output {output}: an artifact "
+                             f"holds only what tilec writes there; dump elsewhere")
         check_dump_root(opts)
         nvcc = os.environ.get("TILEC_NVCC")
         if not no_build and nvcc and art_mod._nvcc_version() is None:
@@ -422,7 +426,7 @@ def inspect(progress: Progress, artifact_dir: Path, stage: str | None, fmt: str)
     if art.manifest["tilec"] != tilec.__version__:
         progress(f"warning: {artifact_dir} was built by tilec {art.manifest['tilec']} (this is {tilec.__version__})")
     try:
-        stages = [resolve_stage(stage)] if stage else list(STAGES)
+        stages = [resolve_stage(stage)] if stage is not None else list(STAGES)
     except ValueError as e:
         raise Failure(str(e)) from e
     if fmt == "json":
