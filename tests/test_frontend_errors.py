@@ -537,3 +537,11 @@ def test_max_positions_past_a_position_indexed_table_is_bad_input():
         compile_module(PositionTable(), args, positions=[1], max_positions=100)
     prog = compile_module(PositionTable(), args, positions=[1], max_positions=64)
     assert prog.graph.max_positions == 64
+
+
+def test_an_unlisted_position_gets_a_hint():
+    """A table indexed by a position argument not listed in positions said only "cannot lower"."""
+    with pytest.raises(UnsupportedNodeError, match=re.escape("it reads argument 1 (p), a one-element integer input; if "
+                                                             "that holds the decode position, mark it as one "
+                                                             "(compile_module's positions=[1])")):
+        compile_module(PositionTable(), (torch.randn(1, 8), torch.tensor([3])))

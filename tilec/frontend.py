@@ -165,6 +165,15 @@ class Lowering(DsaLowering):
         return f"buffer {name}"
 
     def _unsupported(self, node: fx.Node, reason: str = ""):
+        if not reason:  # an index by an argument that may be a decode position the caller did not list
+            for a in node.all_input_nodes:
+                v = val_of(a)
+                if a.op == "placeholder" and a.name in self.b.user_inputs and a.name not in self.b.positions \
+                        and v is not None and v.numel() == 1 and not v.dtype.is_floating_point and v.dtype != torch.bool:
+                    reason = (f"it reads {self._argument(a.name)}, a one-element integer input; if that holds the "
+                              f"decode position, mark it as one (compile_module's "
+                              f"positions=[{self.b.user_inputs.index(a.name)}])")
+                    break
         raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason)
 
     def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP, node: fx.Node | None = None) -> Buffer:
