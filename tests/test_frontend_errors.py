@@ -391,7 +391,8 @@ def test_position_arguments_as_ints_tensors_and_one_shared_counter():
     assert torch.equal(prog(x, 6, shared, shared), x * 2 + 6)
     assert int(shared) == 7
     c1, c2 = torch.tensor(6), torch.tensor(7)
-    with pytest.raises(TilecError, match=r"position arguments disagree: \[6, 7\]"):
+    with pytest.raises(TilecError, match=r"position arguments disagree \(argument 1 holds 6, argument 2 holds 6, "
+                                         r"argument 3 holds 7\)"):
         prog(x, 6, c1, c2)
     assert int(c1) == 6 and int(c2) == 7
 

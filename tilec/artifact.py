@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -58,6 +59,8 @@ from .plan import DESCRIPTOR, KernelPlan
 from .program import CompiledProgram
 from .taskgraph import TaskGraph
 from .trace import predicted_trace
+
+log = logging.getLogger("tilec")
 
 # format 2: the split_kv and fuse_gemv stages (ir/02, ir/03); 3: the fold_cache stage (ir/04);
 # 4: dispatch signatures pack dtype code + 1 (tilec.plan.dtype_signature); 5: plan format 3
@@ -168,11 +171,11 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         manifest["digest"] = _digest(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _set_modes(tmp)
-        # again: another compile may have written there meanwhile (without force two compiles to one
-        # path both "succeeded", the second silently replacing the first); the rename below fails on a
-        # folder that became non-empty after this check
+        # again: another compile may have written there meanwhile (two compiles to one path both
+        # "succeeded", the second silently replacing the first); without force the rename itself
+        # then fails on the non-empty folder
         check_target(final, force)
-        if final.exists():  # force: swap the old one out only once the new one is complete
+        if force and final.exists():  # swap the old one out only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
             os.replace(final, old / "artifact")
             try:
@@ -183,7 +186,11 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
             finally:
                 shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError as e:  # ENOTEMPTY / EEXIST: written by another compile after the check
+                raise ArtifactError(f"{final} holds an artifact (written while this one compiled); pass --force "
+                                    f"to replace it") from e
         done = True
     finally:
         if tmp.exists():
@@ -263,14 +270,18 @@ def _spec_text(spec) -> str | None:
         return None
 
 
-def _spec_of(text: str | None):
-    """:func:`_spec_text` read back (None for artifacts written without one)."""
+def _spec_of(text: str | None, root: Path):
+    """:func:`_spec_text` read back; None (outputs as a tuple) for artifacts written without one, and,
+    with a warning, for a structure whose types are not registered in this process (an HF
+    ``ModelOutput`` before ``import transformers``)."""
     if not text:
         return None
     try:
         return pytree.treespec_loads(text)
-    except Exception as e:  # noqa: BLE001
-        raise ArtifactError(f"the manifest's output structure cannot be read ({type(e).__name__}: {e})") from e
+    except Exception as e:  # noqa: BLE001 - any failure only costs the structure
+        log.warning("tilec: %s: its outputs come back as a tuple: their structure cannot be read here (%s: %s)",
+                    root, type(e).__name__, " ".join(str(e).split())[:200])
+        return None
 
 
 def _describe_inputs(inputs) -> tuple[list[dict], dict[str, torch.Tensor]]:
@@ -429,7 +440,7 @@ class Artifact:
         return CompiledProgram(compiled, GraphBinding(params=self.params(device)),
                                single_output=self.manifest["call"]["single_output"], opts=opts, progress=progress,
                                example_args=tuple(self.inputs(device)),
-                               library=lib, out_spec=_spec_of(self.manifest["call"].get("out_spec")))
+                               library=lib, out_spec=_spec_of(self.manifest["call"].get("out_spec"), self.path))
 
 
 def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from . import __version__, plancache
 from .dump import with_dump
-from .errors import PositionRangeError, UnsupportedNodeError
+from .errors import PositionError, UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
 from .ir import DTYPE_CODES
 from .options import Options, unknown_options_message
@@ -194,10 +194,12 @@ def _reaches(node: fx.Node, is_use, hops: int = 8) -> bool:
 
 
 def _embedding_index(u: fx.Node, n: fx.Node) -> bool:
+    """``u`` is an embedding that ``n`` gives the indices of."""
     return u.target is torch.ops.aten.embedding.default and len(u.args) > 1 and u.args[1] is n
 
 
 def _cache_write_index(u: fx.Node, n: fx.Node) -> bool:
+    """``u`` is an ``index_copy`` / ``index_put`` whose index ``n`` is."""
     aten = torch.ops.aten
     if u.target in (aten.index_copy.default, aten.index_copy_.default):
         return len(u.args) > 2 and u.args[2] is n
@@ -221,7 +223,7 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
     binding = GraphBinding()
     for node, t, kind in zip(placeholders, flat_args, kinds):
         if kind == "const":
-            binding.consts[node.name] = t.detach()
+            binding.consts[node.name] = t.detach().clone()  # a snapshot: the plan is keyed by these values
         else:
             binding.user_inputs.append(node.name)
             if kind == "position":
@@ -255,49 +257,71 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
     return program, user_idx
 
 
+MAX_CONSTANT_SETS = 8  # plans a graph region compiles for other values of its buffers; past it, eager
+
+
 class _Region:
     """A compiled graph region as Dynamo calls it (every graph argument, constants included).
 
     Module buffers are compiled in as constants (folded, e.g. RoPE ``inv_freq`` into cos/sin
-    tables), but Dynamo reuses a graph for another module of the same class, passing that module's
-    buffers, and a buffer may be edited in place. So each call checks that the constant arguments
-    are the tensors the program was compiled from, unchanged (identity, version counter and data
-    pointer: no reads; an edit through ``.data``, which bumps no version counter, is not seen); when
-    not, it compares their values and, when those differ, takes the program compiled
-    for them (compiling it once; plans are cached by the constants' values). Without the check a
-    second model differing only in a buffer ran with the first one's (a review finding).
+    tables), but Dynamo reuses a graph for another module of the same class (each layer of a
+    regionally compiled stack, another model), passing that module's buffers, and a buffer may be
+    edited in place. So each call compares the constant arguments with the last call's by identity,
+    version counter and data pointer (no reads; an edit through ``.data`` or a numpy view, which
+    bumps no version counter, is not seen). Other ones are looked up among the tensors seen before
+    (held, so their ids stay theirs), else their values are hashed; the call then takes the plan
+    for those values, compiled once. Past :data:`MAX_CONSTANT_SETS` sets of values, calls with new
+    ones run eagerly, with one warning. A call whose decode position does not fit the plan (past
+    ``max_positions``, or two one-element integer inputs that disagree) runs eagerly too, with one
+    warning (an error with ``fallback`` off).
     """
 
     def __init__(self, gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions, n_out: int, single: bool):
         self.gm, self.kinds, self.labels, self.opts = gm, kinds, labels, opts
         self.n_out, self.single = n_out, single
         self.const_idx = [i for i, k in enumerate(kinds) if k == "const" and isinstance(flat[i], torch.Tensor)]
-        self.warned_range = False
+        self.warned: set[str] = set()
         self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
+        self.known: dict[tuple, tuple[str, list[torch.Tensor]]] = {}  # identity key -> (digest, the tensors)
+        self.key = None
         self._use(flat)
 
-    def _use(self, args) -> None:
-        digest = _consts_digest(args, self.kinds)
+    def _identity(self, args) -> tuple:
+        return tuple((id(args[i]), args[i]._version, args[i].data_ptr()) for i in self.const_idx)
+
+    def _use(self, args) -> bool:
+        """Takes the plan for ``args``' constants; False when there is none and none may be compiled."""
+        key = self._identity(args)
+        if key not in self.known:
+            if len(self.known) >= 4 * MAX_CONSTANT_SETS:
+                self.known.clear()
+            self.known[key] = (_consts_digest(args, self.kinds), [args[i] for i in self.const_idx])
+        digest = self.known[key][0]
         if digest not in self.programs:
-            if len(self.programs) == 2:
-                log.warning("tilec: a graph's module buffers took a third set of values; each new set compiles a "
-                            "plan (buffers are constants to tilec: pass values that change as forward arguments)")
+            if len(self.programs) >= MAX_CONSTANT_SETS:
+                self._warn("sets", f"tilec: a graph's module buffers took more than {MAX_CONSTANT_SETS} sets of "
+                                   f"values; calls with new ones run eagerly (buffers are constants to tilec: pass "
+                                   f"values that change as forward arguments)")
+                return False
             self.programs[digest] = _compile_region(self.gm, args, self.kinds, self.opts, self.labels)
         self.program, self.user_idx = self.programs[digest]
-        self.seen = [(args[i], args[i]._version, args[i].data_ptr()) for i in self.const_idx]
+        self.key = key
+        return True
+
+    def _warn(self, what: str, message: str) -> None:
+        if what not in self.warned:
+            self.warned.add(what)
+            log.warning(message)
 
     def __call__(self, *args):
-        if any(args[i] is not t or t._version != v or t.data_ptr() != ptr
-               for i, (t, v, ptr) in zip(self.const_idx, self.seen)):
-            self._use(args)
+        if self._identity(args) != self.key and not self._use(args):
+            return self.gm(*args)
         try:
             outs = self.program(*(args[i] for i in self.user_idx))
-        except PositionRangeError as e:  # e.g. a default max_positions of 1 where the graph writes no cache
+        except PositionError as e:  # e.g. a default max_positions of 1 where the graph writes no cache
             if not self.opts.fallback:
                 raise
-            if not self.warned_range:
-                self.warned_range = True
-                log.warning("tilec: %s; such calls run eagerly (pass options={'max_positions': N} to plan more)", e)
+            self._warn("position", f"tilec: {e}; such calls run eagerly")
             return self.gm(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         assert len(outs) == self.n_out
@@ -360,7 +384,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         for i, node in enumerate(placeholders):  # token ids of batch 1 look like a position: they index an embedding
             if kinds[i] == "position" and _token_ids(node):
                 kinds[i] = "input"
-            if kinds[i] == "const" and node in written:  # a buffer forward updates is no constant
+            if kinds[i] in ("const", "param") and node in written:  # forward updates it: a per-call input
                 kinds[i] = "input"
         binding = GraphBinding(user_inputs=[n.name for n in placeholders])
         for node, kind, t in zip(placeholders, kinds, flat):
@@ -371,7 +395,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         max_positions = opts.max_positions or _cache_length(aot_gm)
         bad = find_unsupported(aot_gm, binding, max_positions)
         if not bad:
-            outs, single = _outputs(aot_gm)
+            outs, _ = _outputs(aot_gm)
             return _Region(aot_gm, flat, kinds, labels, opts, len(outs), False)
         if not opts.fallback:
             raise UnsupportedNodeError(bad, "fallback is off (options={'fallback': False})")
@@ -451,14 +475,10 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
             recorded[target] = list(args)
             return super().call_module(target, args, kwargs)
 
-    # (on copies of what the graph writes in place - inputs, and module buffers it updates, whose
-    # update this run once applied a second time - and of every input; weights and constant buffers
-    # it only reads are passed as they are)
-    written = {n.args[0].name for n in aot_gm.graph.nodes
-               if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"}
+    # (on copies of the inputs - among them the buffers and weights forward updates, whose update
+    # this run once applied a second time; weights and constant buffers are passed as they are)
     with torch.no_grad():
-        Recorder(fused).run(*[t.clone() if isinstance(t, torch.Tensor) and (kind_of[n.name] not in ("param", "const")
-                                                                            or n.name in written)
+        Recorder(fused).run(*[t.clone() if isinstance(t, torch.Tensor) and kind_of[n.name] not in ("param", "const")
                               else t for n, t in zip(outer_ph, flat)])
     for node in fused.graph.nodes:
         if node.op != "call_module":

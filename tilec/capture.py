@@ -59,7 +59,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
         elif spec.kind == InputKind.BUFFER:
             t = state.get(spec.target, ep.state_dict.get(spec.target) if spec.target in ep.state_dict
                           else ep.constants.get(spec.target))
-            binding.consts[name] = t.detach()
+            binding.consts[name] = t.detach().clone()  # a snapshot, as the plan folds their values
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             binding.consts[name] = ep.constants[spec.target]
         elif spec.kind == InputKind.USER_INPUT:
@@ -86,6 +86,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             binding.mutation_outputs += 1
     binding.single_output = ep.call_spec.out_spec.is_leaf()
     binding.out_spec = ep.call_spec.out_spec
+    binding.listed_positions = True
     return ep.graph_module, binding
 
 

@@ -16,7 +16,7 @@ from . import smem
 from .errors import TilecError
 from .plan import KernelPlan
 
-_ERR_INTS = 10  # ErrorRecord: 6 int32 + 2 int64
+_ERR_INTS = 20  # ErrorRecord (runtime/tilec/common.cuh): 6 int32, 2 int64, 4 int32, 3 int64
 
 
 class WatchdogError(TilecError):
@@ -121,22 +121,26 @@ class CudaExecutor:
         return name
 
     def check(self) -> None:
+        """Synchronizes and raises what the steps since the last check recorded: a step that ended
+        early (``WatchdogError``, or a ``TilecError`` for a plan / library mismatch; the executor's
+        step state is reset), else the first index read at run time outside its range (a token id
+        outside the embedding table, a cache slot outside the cache: ``TilecError`` naming the op;
+        that step completed without the bad row)."""
         torch.cuda.current_stream(self.device).synchronize()
         rec = self.err.cpu()
         if int(rec[0]) == 0:
+            if int(rec[10]):
+                task, op = int(rec[11]), int(rec[12])
+                index, lo, hi = (int(x) for x in rec[14:20].view(torch.int64))
+                self.err[10:].zero_()
+                raise TilecError(f"task {task} (op {self._op_label(op)}) failed: index {index} read at run time is "
+                                 f"outside [{lo}, {hi}) (the step completed; that row is NaN or unwritten)")
             return
         if int(rec[0]) == 3:
             worker, op = int(rec[1]), int(rec[5])
             self.reset()
-            name = self.plan.op_names[op] if 0 <= op < len(self.plan.op_names) else f"#{op}"
-            raise TilecError(f"worker {worker} met an instruction of op {name} whose dispatch signature this "
-                             f"library holds no instance for (a tilec bug: plan and generated code disagree)")
-        if int(rec[0]) == 4:
-            task, op = int(rec[4]), int(rec[5])
-            index, bound = (int(x) for x in rec[6:10].view(torch.int64))
-            self.reset()
-            raise TilecError(f"task {task} (op {self._op_label(op)}) failed: index {index} read at run time is "
-                             f"outside [0, {bound}) (the step was abandoned)")
+            raise TilecError(f"worker {worker} met an instruction of op {self._op_label(op)} whose dispatch signature "
+                             f"this library holds no instance for (a tilec bug: plan and generated code disagree)")
         if int(rec[0]) == 2:
             self.reset()
             raise WatchdogError(f"watchdog: a worker's GEMV weight stream stalled for over {self.opts.watchdog_ms} ms "

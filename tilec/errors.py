@@ -45,9 +45,9 @@ def describe_exception(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__} (no message)"
 
 
-class PositionRangeError(TilecError):
-    """A call's decode position is outside the range its program was planned for
-    (``[0, max_positions)``): the message names the argument and the range."""
+class PositionError(TilecError):
+    """A call's decode position arguments do not fit its program: one is outside the planned range
+    ``[0, max_positions)``, or two disagree. The message names the arguments and values."""
 
 
 class VerificationError(TilecError):

@@ -48,6 +48,8 @@ class GraphBinding:
     single_output: whether the module returns one tensor rather than a tuple (from the export's
         output spec: ``(y,)`` is a tuple of one); None when the capture does not say.
     out_spec: the export's pytree spec of the user's outputs (a dict, nesting), or None.
+    listed_positions: ``positions`` came from the caller's list (``compile_module``), so an error may
+        point at one the caller did not list.
     """
 
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -58,6 +60,7 @@ class GraphBinding:
     mutation_outputs: int = 0
     single_output: bool | None = None
     out_spec: object | None = None
+    listed_positions: bool = False
 
 
 class _OperandError(TypeError):
@@ -165,7 +168,7 @@ class Lowering(DsaLowering):
         return f"buffer {name}"
 
     def _unsupported(self, node: fx.Node, reason: str = ""):
-        if not reason:  # an index by an argument that may be a decode position the caller did not list
+        if not reason and self.b.listed_positions:  # a decode position argument the caller did not list?
             for a in node.all_input_nodes:
                 v = val_of(a)
                 if a.op == "placeholder" and a.name in self.b.user_inputs and a.name not in self.b.positions \

@@ -6,7 +6,7 @@ import numbers
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import PositionRangeError, TilecError
+from .errors import PositionError, TilecError
 from .frontend import IGNORED, POSITION, GraphBinding
 from .ir import BufferKind
 from .options import Options
@@ -139,9 +139,9 @@ class CompiledProgram:
             if kind == _POSITION:
                 p = a if type(a) is int else _position_of(self._labels[i], a)
                 if not 0 <= p < self.graph.max_positions:
-                    raise PositionRangeError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
-                                     f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
-                                     f"as the decode position; recompile with a larger max_positions)")
+                    raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
+                                        f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
+                                        f"as the decode position; recompile with a larger max_positions)")
                 positions.add(p)
                 continue
             if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
@@ -158,7 +158,10 @@ class CompiledProgram:
                 a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             tensors[name] = a
         if len(positions) > 1:
-            raise TilecError(f"position arguments disagree: {sorted(positions)}")
+            held = ", ".join(f"{self._labels[i]} holds {_position_of(self._labels[i], args[i])}"
+                             for i, spec in enumerate(self._arg_specs) if spec[0] == _POSITION)
+            raise PositionError(f"the decode position arguments disagree ({held}): integer inputs with one "
+                                f"element are read as the decode position")
         return tensors, positions.pop() if positions else 0
 
     def _table(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -63,12 +63,14 @@ __device__ __forceinline__ T* shared_ptr(T* p) {
   return reinterpret_cast<T*>(reinterpret_cast<Byte*>(tilec_dyn_smem) + off);
 }
 
-// The step's first error (executor.cuh: a non-zero flag makes every wait give up, so the step
-// ends at once; the host reads the record and raises).
+// The step's first error (executor.cuh: a non-zero flag makes every wait that is not yet satisfied
+// give up, so the step ends early; the host reads the record, raises and resets the step state).
+// Separately, the step's first index error (index_flag, set by fail_index): a data error that
+// aborts nothing - the step completes with the bad index's row skipped or NaN - and the host raises
+// it when it next checks.
 struct ErrorRecord {
   int flag;        // 0 = ok; 1 = watchdog timeout on an event; 2 = the weight stream stalled;
-                   // 3 = no instance for an instruction's (opcode, signature) (program.cu dispatch);
-                   // 4 = an index read at run time out of range (seen: the index, target: the bound)
+                   // 3 = no instance for an instruction's (opcode, signature) (program.cu dispatch)
   int worker;
   int instruction;
   int event;
@@ -76,6 +78,13 @@ struct ErrorRecord {
   int op;
   long long seen;
   long long target;
+  int index_flag;  // 1 = an index read at run time was outside [index_lo, index_hi)
+  int index_task;
+  int index_op;
+  int index_worker;
+  long long index;
+  long long index_lo;
+  long long index_hi;
 };
 
 // What an op sees for one instruction.
@@ -119,19 +128,18 @@ struct TileCtx {
   __device__ float* smem() const { return shared_ptr(scratch); }  // the scratch, as a shared-memory pointer
 };
 
-// An index the tile read at run time (a paged cache's slot) is outside [0, bound): record it as error
-// flag 4 (the step's first error wins) so that the host raises, naming the op. The tile skips the
-// access itself; every other worker's next wait gives up, so the step ends at once.
-__device__ __noinline__ void fail_index(const TileCtx& c, long long index, long long bound) {
+// An index the tile read at run time (a token id, a cache slot) is outside [lo, hi): the tile skips
+// what it would have read or written there; this records it (the step's first such error wins) for
+// the host to raise. The step itself goes on: its epoch and events stay consistent.
+__device__ __noinline__ void fail_index(const TileCtx& c, long long index, long long lo, long long hi) {
   ErrorRecord* err = reinterpret_cast<ErrorRecord*>(c.err);
-  if (atomicCAS(&err->flag, 0, 4) == 0) {
-    err->worker = blockIdx.x;
-    err->instruction = c.instr;
-    err->event = -1;
-    err->task = c.d[TILEC_W_TASK];
-    err->op = c.d[TILEC_W_OP];
-    err->seen = index;
-    err->target = bound;
+  if (atomicCAS(&err->index_flag, 0, 1) == 0) {
+    err->index_task = c.d[TILEC_W_TASK];
+    err->index_op = c.d[TILEC_W_OP];
+    err->index_worker = blockIdx.x;
+    err->index = index;
+    err->index_lo = lo;
+    err->index_hi = hi;
     __threadfence_system();
   }
 }

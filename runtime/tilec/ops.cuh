@@ -356,8 +356,8 @@ __device__ void op_embedding(TileCtx& c) {
     constexpr int K = decltype(kv)::value;
     Vals<K> r;
     const long long id = (long long)ldc<TI>(base<TI>(ids) + offset4(ids, idx));
-    if (id < 0 || id >= w.sizes[0]) {  // eager raises: a NaN row (no out-of-table read), and the step fails
-      fail_index(c, id, w.sizes[0]);
+    if (id < 0 || id >= w.sizes[0]) {  // eager raises: a NaN row (no out-of-table read), reported
+      fail_index(c, id, 0, w.sizes[0]);
 #pragma unroll
       for (int i = 0; i < K; ++i) r.v[i] = __int_as_float(0x7fc00000);
     } else {

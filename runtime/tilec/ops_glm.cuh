@@ -1003,7 +1003,7 @@ __device__ void op_bmm(TileCtx& c) { bmm_impl<TA, TW, TS, TO, true>(c); }
 
 // ---- paged_cache_write: cache[slot[t]] = src[t] (slot over the cache's leading dims) ---------
 // A negative slot counts from the end, as torch indexing does; a slot outside the cache (eager
-// PyTorch raises IndexError) writes nothing and fails the step (fail_index).
+// PyTorch raises IndexError) writes nothing and is reported (fail_index).
 template <typename TS, typename TI, typename TD>
 __device__ void op_paged_cache_write(TileCtx& c) {
   const Operand &src = operands()[0], &slot = operands()[1], &dst = operands()[2];
@@ -1035,7 +1035,7 @@ __device__ void op_paged_cache_write(TileCtx& c) {
       long long s = so[u] < 0 ? so[u] + rows : so[u], off = (long long)col * dst.strides[nd - 1];
       in[u] = 0 <= s && s < rows;
       if (!in[u]) {
-        fail_index(c, so[u], rows);
+        fail_index(c, so[u], -rows, rows);
         s = 0;
       }
       for (int k = nd - 2; k >= 0; --k) {
