@@ -649,3 +649,79 @@ def test_a_position_that_also_indexes_a_learned_positional_embedding():
             args = (torch.tensor([[7 + p]]), torch.tensor([p]))
             assert_close(f(*args, mine), m(*args, ref), 1e-5, f"output at position {p}")
             assert torch.equal(mine, ref)
+
+
+class ScaledLayer(torch.nn.Module):
+    def __init__(self, s: float):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("scale", torch.full((16,), s))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_layers_sharing_a_graph_do_not_hash_their_buffers_every_call(monkeypatch):
+    """Regionally compiled layers pass their own buffers to one graph in turn; the call hashed their
+    values each time the layer changed (a device-to-host copy per layer per step on a GPU)."""
+    hashes = []
+    real = backend._consts_digest
+    monkeypatch.setattr(backend, "_consts_digest", lambda *a: hashes.append(1) or real(*a))
+    torch.manual_seed(0)
+    layers = [ScaledLayer(float(i + 1)).eval() for i in range(3)]
+    for layer in layers:
+        layer.compile(backend="tilec", options={"workers": 4})
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        for step in range(4):
+            h = want = x
+            for layer in layers:
+                h, want = layer(h), layer._orig_mod(want) if hasattr(layer, "_orig_mod") else layer.forward(want)
+            assert_close(h, want, 1e-5, f"step {step}")
+    assert len(hashes) <= 2 * len(layers)  # once per layer (+ the compile's key), not per call
+
+
+def test_buffers_taking_many_values_run_eagerly_past_the_cap(caplog):
+    """A buffer edited before every call compiled a plan per call, without bound."""
+    torch.manual_seed(0)
+    m = ScaledLayer(1.0).eval()
+    f = torch.compile(m, backend="tilec", options={"workers": 4})
+    x = torch.randn(2, 16)
+    before = sum(backend.CACHE_STATS.values())  # plans made or found in a cache
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        for i in range(backend.MAX_CONSTANT_SETS + 3):
+            m.scale.fill_(float(i + 2))
+            assert_close(f(x), m(x), 1e-5, f"call {i}")
+    assert sum(backend.CACHE_STATS.values()) - before == backend.MAX_CONSTANT_SETS
+    assert sum("sets of values; calls with new ones run eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+class CountAndPosition(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, pos, n, cache):  # pos places the cache write; n is a plain integer
+        cache.index_copy_(0, pos, self.lin(x))
+        return self.lin(x) * (n + 1)
+
+
+def test_two_one_element_integers_that_disagree_run_eagerly():
+    """Both are read as the decode position; when they differ the call raised a bare "position
+    arguments disagree" with fallback on (a review finding): now it runs eagerly, naming both."""
+    torch.manual_seed(0)
+    m = CountAndPosition().eval()
+    f = torch.compile(m, backend="tilec", options={"workers": 4})
+    mine = torch.randn(8, 16)
+    ref = mine.clone()
+    x = torch.randn(1, 16)
+    with torch.no_grad():
+        for p, n in ((3, 3), (4, 1)):
+            args = (x, torch.tensor([p]), torch.tensor(n))
+            assert_close(f(*args, mine), m(*args, ref), 1e-5, f"pos {p}, n {n}")
+            assert torch.equal(mine, ref)
+    strict = torch.compile(m, backend="tilec", options={"workers": 4, "fallback": False})
+    with torch.no_grad():
+        strict(x, torch.tensor([3]), torch.tensor(3), mine)
+        with pytest.raises(TilecError, match=r"disagree \(pos holds 4, n holds 1\)"):
+            strict(x, torch.tensor([4]), torch.tensor(1), mine)

@@ -656,6 +656,25 @@ def test_a_dict_returning_module_keeps_its_structure(facts, tmp_path):
     assert torch.allclose(got["y"], want["y"], atol=1e-6) and torch.allclose(got["z"][0], want["z"][0], atol=1e-6)
 
 
+def test_an_output_structure_this_process_cannot_read_gives_a_tuple(facts, tmp_path, monkeypatch, caplog):
+    """An HF ModelOutput's structure is readable only once transformers registered it; loading such
+    an artifact failed (a review finding): it returns a tuple, with a warning."""
+    out = tmp_path / "d"
+    assert invoke("compile", f"{facts}:returns_dict", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+
+    def unregistered(text):
+        raise NotImplementedError("Deserializing transformers.modeling_outputs.CausalLMOutput is not supported")
+
+    monkeypatch.setattr(artifact.pytree, "treespec_loads", unregistered)
+    fn, _ = cli.load_factory(f"{facts}:returns_dict")
+    module, args = fn()
+    with caplog.at_level("WARNING"):
+        got = artifact.load(out).program()(*args)
+    assert isinstance(got, tuple) and len(got) == 2 and "its outputs come back as a tuple" in caplog.text
+    r = invoke("run", out, "--check")
+    assert r.exit_code == 0 and "PASS" in r.stdout, r.output
+
+
 def test_compile_with_a_missing_codegen_template_fails_loudly(facts, tmp_path, monkeypatch):
     """A template missing from the installation (a wheel built without its package data) is an
     error naming it, not a "library not built" note in the manifest; nothing is written."""
