@@ -656,6 +656,25 @@ def test_a_dict_returning_module_keeps_its_structure(facts, tmp_path):
     assert torch.allclose(got["y"], want["y"], atol=1e-6) and torch.allclose(got["z"][0], want["z"][0], atol=1e-6)
 
 
+def test_an_artifact_written_after_the_last_check_is_not_replaced(facts, tmp_path, monkeypatch):
+    """The rename after the last check swapped out a folder another compile filled just then (a
+    review finding): without --force the rename fails on it."""
+    out = tmp_path / "a"
+    real, calls = artifact.check_target, []
+
+    def then_filled(final, force):
+        real(final, force)
+        calls.append(1)
+        if len(calls) == 3:  # the re-check before the rename (after the CLI's and save's first): then filled
+            final.mkdir(parents=True, exist_ok=True)
+            (final / "other.txt").write_text("theirs")
+
+    monkeypatch.setattr(artifact, "check_target", then_filled)
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2")
+    assert r.exit_code == 2 and "written while this one compiled" in r.stderr, r.output
+    assert os.listdir(out) == ["other.txt"] and os.listdir(tmp_path) == ["a"]
+
+
 def test_an_output_structure_this_process_cannot_read_gives_a_tuple(facts, tmp_path, monkeypatch, caplog):
     """An HF ModelOutput's structure is readable only once transformers registered it; loading such
     an artifact failed (a review finding): it returns a tuple, with a warning."""
