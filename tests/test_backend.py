@@ -343,7 +343,8 @@ def test_a_float64_model_runs_eagerly_under_fallback(caplog):
     torch._dynamo.reset()
     with torch.no_grad(), caplog.at_level("WARNING"):
         assert torch.allclose(torch.compile(m, backend="tilec")(x), m(x), rtol=1e-12, atol=1e-12)
-    assert "graph input args[0]: dtype torch.float64 is not supported; the nodes reading it run eagerly" in caplog.text
+    assert "graph input args[0]: dtype torch.float64 is not supported (cast the model and its inputs to float32" \
+        in caplog.text and "the nodes reading it run eagerly" in caplog.text
     assert "running arg0_1" not in caplog.text and "running addmm (aten.addmm.default) eagerly" in caplog.text
     assert "graph input self[0].weight: dtype torch.float64" in caplog.text  # the user's names, not arg1_1
     torch._dynamo.reset()
@@ -353,6 +354,8 @@ def test_a_float64_model_runs_eagerly_under_fallback(caplog):
     while err is not None and not isinstance(err, UnsupportedNodeError):
         err = err.__cause__ or err.__context__
     assert isinstance(err, UnsupportedNodeError) and "dtype torch.float64 is not supported" in str(err)
+    assert "args[0] (graph input)" in str(err) and "arg0_1" not in str(err)  # the user's names
+    assert str(err).count("why: dtype torch.float64") < len(err.nodes)  # said once per run of nodes
 
 
 class WriteAtInt(torch.nn.Module):

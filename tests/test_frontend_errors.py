@@ -546,3 +546,32 @@ def test_an_unlisted_position_gets_a_hint():
                                                              "that holds the decode position, mark it as one "
                                                              "(compile_module's positions=[1])")):
         compile_module(PositionTable(), (torch.randn(1, 8), torch.tensor([3])))
+
+
+def test_a_base_model_is_refused_naming_the_causal_lm():
+    """compile_decode_step(model.model, ...) ended in "no attribute 'logits'" from the example run."""
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import make_model, prefill
+
+    model = make_model("llama-tiny")
+    cache, _ = prefill(model, 1, 4, 12)
+    with pytest.raises(InputError, match=r"LlamaModel has no language-model head .*pass the causal-LM model"):
+        compile_decode_step(model.model, cache, 1)
+
+
+class SliceWriteAtInt(torch.nn.Module):
+    def forward(self, k, pos: int, kc):
+        kc[:, :, pos:pos + 1] = k
+        return k * 2
+
+
+def test_unlowerable_ops_end_with_what_to_do():
+    """compile_module's error named the nodes but not a next step; a Python int position was not
+    pointed out as the cause (a fresh user's finding)."""
+    args = (torch.randn(1, 4, 1, 16), 3, torch.zeros(1, 4, 16, 16))
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(SliceWriteAtInt(), args)
+    text = str(info.value)
+    assert "hint: argument 1 is a Python int, baked into the graph as a constant: a decode position must be an " \
+           "integer tensor (torch.tensor([p])) listed in positions." in text
+    assert "compile it with torch.compile(module, backend='tilec'), which runs them eagerly" in text

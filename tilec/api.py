@@ -47,15 +47,24 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         graph = lower_graph(gm, binding, max_positions)
     except UnsupportedNodeError as first:
         every = find_unsupported(gm, binding, max_positions)  # report all of them, not just the first
-        if len(every) > 1:
-            raise UnsupportedNodeError(every) from first
-        raise
+        nodes = every if len(every) > 1 else [(*first.nodes[0], first.why[0])]
+        raise UnsupportedNodeError(nodes, first.reason if len(every) <= 1 else "", _hint(args)) from first
     compiled = compile_opgraph(graph, opts, with_dump(hook, opts), opgraph_seconds=time.perf_counter() - t0)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     n_user = len(out_node.args[0]) - binding.mutation_outputs
     single = n_user == 1 if binding.single_output is None else binding.single_output and n_user == 1
     return CompiledProgram(compiled, binding, single_output=single, opts=opts,
                            example_args=args, out_spec=binding.out_spec)
+
+
+def _hint(args) -> str:
+    """What a user can do about ops tilec cannot lower (the end of compile_module's error)."""
+    ints = [i for i, a in enumerate(args) if isinstance(a, int) and not isinstance(a, bool)]
+    baked = (f"argument{'s' if len(ints) > 1 else ''} {', '.join(map(str, ints))} "
+             f"{'are Python ints' if len(ints) > 1 else 'is a Python int'}, baked into the graph as a constant: a "
+             f"decode position must be an integer tensor (torch.tensor([p])) listed in positions. ") if ints else ""
+    return (baked + "Move such ops out of the compiled module, or compile it with torch.compile(module, "
+            "backend='tilec'), which runs them eagerly.")
 
 
 def meta_tensors(module: torch.nn.Module, args, label: str = "argument") -> list[str]:

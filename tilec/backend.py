@@ -397,9 +397,11 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         if not bad:
             outs, _ = _outputs(aot_gm)
             return _Region(aot_gm, flat, kinds, labels, opts, len(outs), False)
+        label_of = {n.name: label for n, label in zip(placeholders, labels)}
         if not opts.fallback:
-            raise UnsupportedNodeError(bad, "fallback is off (options={'fallback': False})")
-        _log_fallback(bad, {n.name: label for n, label in zip(placeholders, labels)})
+            raise UnsupportedNodeError([(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad],
+                                       "fallback is off (options={'fallback': False})")
+        _log_fallback(bad, label_of)
         return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
 
     # tilec compiles inference: trace under no_grad so AOTAutograd makes an inference graph
@@ -424,6 +426,9 @@ def _log_fallback(bad: list[tuple], label_of: dict[str, str]) -> None:
         else:
             nodes.setdefault(reason, []).append((name, target, src))
     for reason, labels in inputs.items():
+        if reason.startswith("dtype torch.float64"):  # also what a Python float argument becomes
+            reason += (" (cast the model and its inputs to float32, bfloat16 or float16 to compile them; a "
+                       "Python float argument becomes a float64 input too: pass it as a tensor)")
         for label in labels[:FALLBACK_LINES]:
             log.warning("graph input %s: %s; the nodes reading it run eagerly", label, reason)
         if len(labels) > FALLBACK_LINES:
@@ -461,6 +466,9 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
         def is_node_supported(self, submodules, node: fx.Node) -> bool:
             return node.op == "call_function" and node.name not in bad
 
+    # every region plans the positions the whole graph's caches hold (a region whose cache write
+    # runs eagerly - a float64 model's - would otherwise plan position 0 only)
+    opts = dataclasses.replace(opts, max_positions=opts.max_positions or _cache_length(aot_gm))
     part = CapabilityBasedPartitioner(aot_gm, Support(), allows_single_node_partition=True)
     fused = part.fuse_partitions(part.propose_partitions())
     outer_ph = [n for n in fused.graph.nodes if n.op == "placeholder"]

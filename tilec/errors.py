@@ -10,16 +10,22 @@ class UnsupportedNodeError(TilecError):
     """One or more FX nodes cannot be lowered to tilec ops.
 
     ``nodes`` holds ``(node name, target, source line)`` for each; an entry given with a fourth
-    element (that node's own reason) prints it after the node's line.
+    element (that node's own reason) prints it after the node's line, once for a run of nodes with
+    the same reason. ``hint``, when given, ends the message: what the user can do.
     """
 
-    def __init__(self, nodes: list[tuple[str, ...]], reason: str = ""):
+    def __init__(self, nodes: list[tuple[str, ...]], reason: str = "", hint: str = ""):
         self.nodes = [tuple(n[:3]) for n in nodes]
         self.reason = reason
-        lines = [f"  {n[0]} ({n[1]})" + (f" at {n[2]}" if n[2] else "")
-                 + (f"\n    why: {n[3]}" if n[3:4] and n[3] else "") for n in nodes]
+        self.why = [n[3] if n[3:4] else "" for n in nodes]
+        lines, last = [], None
+        for n, why in zip(nodes, self.why):
+            lines.append(f"  {n[0]} ({n[1]})" + (f" at {n[2]}" if n[2] else ""))
+            if why and why != last:
+                lines.append(f"    why: {why}")
+            last = why
         head = f"tilec cannot lower {len(nodes)} FX node(s)" + (f": {reason}" if reason else "")
-        super().__init__(head + "\n" + "\n".join(lines))
+        super().__init__(head + "\n" + "\n".join(lines) + (f"\n  hint: {hint}" if hint else ""))
 
 
 class InputError(TilecError, ValueError):

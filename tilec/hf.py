@@ -59,6 +59,10 @@ class StaticCacheStep(torch.nn.Module):
             raise InputError(f"StaticCacheStep needs a transformers StaticCache prefilled eagerly (its layers' keys "
                              f"and values allocated); got {type(cache).__name__}"
                              + (" with unallocated layers: run a prefill step first" if layers else ""))
+        head = getattr(model, "get_output_embeddings", None)
+        if not callable(head) or head() is None:
+            raise InputError(f"{type(model).__name__} has no language-model head (its output embeddings): pass the "
+                             f"causal-LM model (e.g. LlamaForCausalLM, from AutoModelForCausalLM), not its base model")
         self.model, self.cache = model, cache
         self.has_counter = [isinstance(getattr(l, "cumulative_length", None), torch.Tensor) for l in _layers(cache)]
 
@@ -118,7 +122,8 @@ class HFDecodeStep:
             raise InputError("the StaticCache is not initialized: run a prefill step eagerly first")
         cache_batch = int(_layers(cache)[0].keys.shape[0])
         if batch_size != cache_batch:
-            raise ValueError(f"batch_size={batch_size}, but the StaticCache holds {cache_batch} sequences")
+            raise ValueError(f"batch_size={batch_size}, but the StaticCache holds {cache_batch} "
+                             f"sequence{'s' if cache_batch != 1 else ''}")
         self.cache = cache
         self.module = StaticCacheStep(model, cache)
         self.max_len = int(_layers(cache)[0].keys.shape[2])
@@ -143,7 +148,8 @@ class HFDecodeStep:
             bad = [h for h in held if h != position]
             if bad:
                 raise ValueError(f"position {position}, but the cache holds {bad[0]} tokens: "
-                                 f"decode steps must write consecutive positions")
+                                 f"decode steps must write consecutive positions (to re-decode from a position, "
+                                 f"call step.seek(position) first)")
         # the position argument and every layer's counter argument as the int (no host tensors to
         # parse; the cache's own counters are advanced below)
         state = [position if t.dim() == 0 else t for t in self.module.state()]

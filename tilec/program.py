@@ -133,15 +133,16 @@ class CompiledProgram:
                     v = self._baked[i]
                     if type(a) is not type(v) or not (a == v or repr(a) == repr(v)):
                         raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
-                                         f"value is baked into the compiled step (pass a tensor to vary it, or compile "
-                                         f"for this value)")
+                                         f"value is baked into the compiled step (compile with a tensor as that example "
+                                         f"argument to vary it, or compile for this value)")
                 continue
             if kind == _POSITION:
                 p = a if type(a) is int else _position_of(self._labels[i], a)
                 if not 0 <= p < self.graph.max_positions:
                     raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
                                         f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
-                                        f"as the decode position; recompile with a larger max_positions)")
+                                        f"as the decode position; a larger max_positions plans more, as far as the module's caches "
+                                        f"hold positions)")
                 positions.add(p)
                 continue
             if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
