@@ -575,3 +575,18 @@ def test_unlowerable_ops_end_with_what_to_do():
     assert "hint: argument 1 is a Python int, baked into the graph as a constant: a decode position must be an " \
            "integer tensor (torch.tensor([p])) listed in positions." in text
     assert "compile it with torch.compile(module, backend='tilec'), which runs them eagerly" in text
+
+
+class ZeroDimSlot(torch.nn.Module):
+    def forward(self, k, pos, kc):
+        kc[:, :, pos] = k
+        return k * 2
+
+
+def test_a_zero_dim_position_used_as_an_index_says_to_add_a_dimension():
+    """The export error said to make the computation independent of tensor values; the fix is a
+    position of one dimension (a fresh user's finding)."""
+    args = (torch.randn(1, 4, 16), torch.tensor(3), torch.zeros(1, 4, 16, 16))
+    with pytest.raises(TilecError, match=r"Position argument 1 is a 0-d tensor, which indexing reads as a number: pass "
+                                         r"it with one dimension, torch.tensor\(\[p\]\)"):
+        compile_module(ZeroDimSlot(), args, positions=[1], max_positions=16)

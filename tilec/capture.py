@@ -44,7 +44,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             _replay_stderr(err.getvalue(), e)
             _check_runs_eagerly(module, args)  # the user's own error, named as such
             _check_not_aliased(module, args, e)
-            _check_data_dependent(e)
+            _check_data_dependent(e, [i for i in positions if isinstance(args[i], torch.Tensor) and args[i].dim() == 0])
             raise
         _replay_stderr(err.getvalue(), None)
     sig = ep.graph_signature
@@ -130,17 +130,23 @@ def _raised_at(e: BaseException, skip: tuple[str, ...]) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
 
 
-def _check_data_dependent(cause: BaseException) -> None:
+def _check_data_dependent(cause: BaseException, zero_dim_positions: list[int] = ()) -> None:
     """After a failed export of a module that runs eagerly: raises :class:`TilecError` naming the
     user's source line when export failed on a value-dependent branch or size (torch's
-    ``GuardOnDataDependentSymNode``, whose own message is about guards and symbols); returns
-    otherwise."""
+    ``GuardOnDataDependentSymNode``, whose own message is about guards and symbols) - or, when a
+    position argument is a 0-d tensor (``cache[:, pos] = k`` then reads its value), saying to pass
+    it with one dimension; returns otherwise."""
     from torch.fx.experimental import symbolic_shapes
 
     kind = getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None)
     if kind is None or not isinstance(cause, kind):
         return
     where = _raised_at(cause, ("/torch/", "/tilec/"))
+    if zero_dim_positions:
+        i = zero_dim_positions[0]
+        raise TilecError(f"torch.export cannot capture the module: it depends on a tensor's value{where}. Position "
+                         f"argument {i} is a 0-d tensor, which indexing reads as a number: pass it with one "
+                         f"dimension, torch.tensor([p]) (or write the cache with index_copy_)") from cause
     raise TilecError(f"torch.export cannot capture the module: it depends on a tensor's value{where} (a branch, "
                      f"a loop count or a size read from data). tilec compiles one static graph per step: make the "
                      f"computation independent of tensor values (e.g. both branches selected with torch.where, a "
