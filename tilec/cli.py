@@ -545,8 +545,12 @@ def run(progress: Progress, artifact_dir: Path, executor: str | None, check: boo
             want = module(*eager_args)
         except Exception as e:
             raise Failure(f"eager PyTorch raised {type(e).__name__}: {e}", EXIT_ERROR) from e
-    want = pytree.tree_leaves(want)  # a dict or nested outputs compare leaf by leaf
-    rows = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(outs, want))]
+    # a dict or nested outputs compare leaf by leaf, labelled by their keys (output ['y'])
+    paths, _ = pytree.tree_flatten_with_path(want)
+    plain = isinstance(want, (torch.Tensor, tuple, list))
+    labels = [f"output {i}" if plain else f"output {pytree.keystr(path)}" for i, (path, _) in enumerate(paths)]
+    want = [w for _, w in paths]
+    rows = [(label, g, w) for label, g, w in zip(labels, outs, want)]
     if len(outs) != len(want):
         raise Failure(f"the artifact returns {len(outs)} output(s), eager returns {len(want)}", EXIT_MISMATCH)
     for i, name in enumerate(program.graph.inputs):  # state updated in place (KV caches)
