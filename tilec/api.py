@@ -11,7 +11,8 @@ from .errors import InputError, UnsupportedNodeError
 from .frontend import find_unsupported, lower_graph
 from .options import Options
 from .pipeline import Hook, compile_opgraph
-from .program import CompiledProgram, is_integer
+from .ir import is_integer
+from .program import CompiledProgram
 
 
 def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_positions: int = 1,
@@ -114,4 +115,5 @@ def check_positions(args: tuple, positions, max_positions: int) -> None:
         if a.numel() and not 0 <= int(a.reshape(-1)[0]) < max_positions:
             raise InputError(f"positions: argument {i} holds position {int(a.reshape(-1)[0])}, outside the planned "
                              f"range [0, {max_positions}) of max_positions={max_positions}: the compiled step could "
-                             f"never run at its own example (raise max_positions, or pass an example position inside it)")
+                             f"never run at its own example (raise max_positions, or pass an example position "
+                             f"inside it)")

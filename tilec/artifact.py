@@ -234,9 +234,9 @@ def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources:
 
     graph, plan, stages = program.graph, program.plan, program.compiled.stages
     params = {n: program.tensors[n] for n, b in graph.buffers.items() if b.kind is BufferKind.PARAM}
-    _save_tensors(root / "params.safetensors", params)
-    _save_tensors(root / "constants.safetensors", graph.tensors())
-    _save_tensors(root / "inputs.safetensors", inputs)
+    save_tensors(root / "params.safetensors", params)
+    save_tensors(root / "constants.safetensors", graph.tensors())
+    save_tensors(root / "inputs.safetensors", inputs)
     (root / "ir").mkdir()
     linearized = stages["linearized"]
     for name, fname in STAGE_FILES.items():
@@ -247,7 +247,7 @@ def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources:
     _write_json(root / "trace.json", predicted_trace(plan, linearized))
     (root / "plan").mkdir()
     tables, meta = plan.to_tables()
-    _save_tensors(root / "plan" / "plan.safetensors", tables)
+    save_tensors(root / "plan" / "plan.safetensors", tables)
     _write_json(root / "plan" / "graph.json", graph.to_dict())
     _write_json(root / "plan" / "operands.json", meta)
     if sources:
@@ -298,8 +298,9 @@ def _describe_inputs(inputs) -> tuple[list[dict], dict[str, torch.Tensor]]:
     return args, tensors
 
 
-def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """safetensors wants contiguous tensors that own their storage: copy only those that do not."""
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Writes ``tensors`` to a safetensors file, which wants contiguous tensors that own their storage
+    (views of one tensor, e.g. folded constants, are refused): copies only those that do not."""
     out, seen = {}, set()
     for name, t in tensors.items():
         t = t.detach().to("cpu")

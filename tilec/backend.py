@@ -30,7 +30,7 @@ from . import __version__, plancache
 from .dump import with_dump
 from .errors import PositionError, UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
-from .ir import DTYPE_CODES
+from .ir import DTYPE_CODES, is_integer
 from .options import Options, unknown_options_message
 from .pipeline import compile_opgraph
 from .plan import PLAN_FORMAT
@@ -123,7 +123,7 @@ def _classify(dynamo_gm: fx.GraphModule, example_inputs) -> list[str]:
             kinds.append("param")
         elif "_buffers[" in src:
             kinds.append("const")
-        elif not t.dtype.is_floating_point and t.dtype != torch.bool and t.numel() <= 1:
+        elif is_integer(t.dtype) and t.numel() <= 1:
             kinds.append("position")  # cache_position, HF's cumulative_length (token ids are re-checked later)
         else:
             kinds.append("input")
@@ -215,9 +215,9 @@ def _token_ids(node: fx.Node) -> bool:
     return _reaches(node, _embedding_index) and not _reaches(node, _cache_write_index)
 
 
-def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, labels: list[str]):
+def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, labels: list[str], consts: str):
     """Compiles one aten graph whose placeholders bind to ``flat_args`` (classified by ``kinds``;
-    ``labels`` name them in errors)."""
+    ``labels`` name them in errors; ``consts`` is the constants' :func:`_consts_digest`)."""
     global _warned_cpu
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     binding = GraphBinding()
@@ -229,7 +229,7 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
             if kind == "position":
                 binding.positions.add(node.name)
     max_positions = opts.max_positions or _cache_length(gm)
-    key = _graph_key(gm, kinds, opts) + f":{max_positions}:{opts.compile.arch}:{_consts_digest(flat_args, kinds)}"
+    key = _graph_key(gm, kinds, opts) + f":{max_positions}:{opts.compile.arch}:{consts}"
     key = hashlib.sha256(key.encode()).hexdigest()[:32]
     compiled = _PLAN_CACHE.get(key)
     if compiled is not None:
@@ -284,14 +284,14 @@ class _Region:
         self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
         self.known: dict[tuple, tuple[str, list[torch.Tensor]]] = {}  # identity key -> (digest, the tensors)
         self.key = None
-        self._use(flat)
+        self._use(flat, self._identity(flat))
 
     def _identity(self, args) -> tuple:
         return tuple((id(args[i]), args[i]._version, args[i].data_ptr()) for i in self.const_idx)
 
-    def _use(self, args) -> bool:
-        """Takes the plan for ``args``' constants; False when there is none and none may be compiled."""
-        key = self._identity(args)
+    def _use(self, args, key: tuple) -> bool:
+        """Takes the plan for ``args``' constants (``key``: their :meth:`_identity`); False when there is
+        none and none may be compiled."""
         if key not in self.known:
             if len(self.known) >= 4 * MAX_CONSTANT_SETS:
                 self.known.clear()
@@ -303,7 +303,7 @@ class _Region:
                                    f"values; calls with new ones run eagerly (buffers are constants to tilec: pass "
                                    f"values that change as forward arguments)")
                 return False
-            self.programs[digest] = _compile_region(self.gm, args, self.kinds, self.opts, self.labels)
+            self.programs[digest] = _compile_region(self.gm, args, self.kinds, self.opts, self.labels, digest)
         self.program, self.user_idx = self.programs[digest]
         self.key = key
         return True
@@ -314,7 +314,8 @@ class _Region:
             log.warning(message)
 
     def __call__(self, *args):
-        if self._identity(args) != self.key and not self._use(args):
+        key = self._identity(args)
+        if key != self.key and not self._use(args, key):
             return self.gm(*args)
         try:
             outs = self.program(*(args[i] for i in self.user_idx))
@@ -399,8 +400,8 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             return _Region(aot_gm, flat, kinds, labels, opts, len(outs), False)
         label_of = {n.name: label for n, label in zip(placeholders, labels)}
         if not opts.fallback:
-            raise UnsupportedNodeError([(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad],
-                                       "fallback is off (options={'fallback': False})")
+            named = [(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad]
+            raise UnsupportedNodeError(named, "fallback is off (options={'fallback': False})")
         _log_fallback(bad, label_of)
         return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
 

@@ -148,5 +148,5 @@ class CudaExecutor:
         worker, instr, event, task, op = (int(x) for x in rec[1:6])
         seen, target = (int(x) for x in rec[6:10].view(torch.int64))
         self.reset()
-        raise WatchdogError(f"watchdog: worker {worker} instruction {instr} (task {task}, op {self._op_label(op)}) waited "
-                            f"over {self.opts.watchdog_ms} ms on event {event}: counter {seen}, target {target}")
+        raise WatchdogError(f"watchdog: worker {worker} instruction {instr} (task {task}, op {self._op_label(op)}) "
+                            f"waited over {self.opts.watchdog_ms} ms on event {event}: counter {seen}, target {target}")

@@ -26,7 +26,7 @@ from .errors import InputError, UnsupportedNodeError
 from .frontend_dsa import DsaLowering
 from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
                       Positional, Static, aten, is_call, source_of, target_name, val_of)
-from .ir import DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides
+from .ir import DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, is_integer
 from .ops.ewise import BINARY_FNS
 from .ops.rope import INTERLEAVED, ROTATE_HALF
 
@@ -172,7 +172,7 @@ class Lowering(DsaLowering):
             for a in node.all_input_nodes:
                 v = val_of(a)
                 if a.op == "placeholder" and a.name in self.b.user_inputs and a.name not in self.b.positions \
-                        and v is not None and v.numel() == 1 and not v.dtype.is_floating_point and v.dtype != torch.bool:
+                        and v is not None and v.numel() == 1 and is_integer(v.dtype):
                     reason = (f"it reads {self._argument(a.name)}, a one-element integer input; if that holds the "
                               f"decode position, mark it as one (compile_module's "
                               f"positions=[{self.b.user_inputs.index(a.name)}])")

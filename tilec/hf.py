@@ -10,7 +10,7 @@ import torch
 from .api import compile_module
 from .errors import InputError, TilecError
 from .options import Options
-from .program import is_integer
+from .ir import is_integer
 
 
 def cache_kwargs(model, cache) -> dict:

@@ -43,6 +43,11 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 
+def is_integer(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds integers (not floating point, complex or bool): a position's dtype."""
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The dtype's torch name without ``torch.`` (``torch.bfloat16`` -> ``"bfloat16"``), as IR text
     and JSON write it; :func:`dtype_from_name` inverts it."""

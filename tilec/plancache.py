@@ -19,8 +19,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from .artifact import save_tensors
 from .codegen.build import cache_path
 from .ir import OpGraph
 from .pipeline import Compiled
@@ -75,10 +76,9 @@ def store(key: str, compiled: Compiled) -> None:
     try:
         plan = compiled.plan
         tables, meta = plan.to_tables()
-        tensors = {f"plan.{k}": v.contiguous() for k, v in tables.items()}
-        # own copies: folded constants may be views of one tensor, which safetensors refuses to save
-        tensors.update({f"graph.{k}": v.contiguous().clone() for k, v in plan.graph.tensors().items()})
-        save_file(tensors, str(tmp / "tensors.safetensors"))
+        tensors = {f"plan.{k}": v for k, v in tables.items()}
+        tensors.update({f"graph.{k}": v for k, v in plan.graph.tensors().items()})
+        save_tensors(tmp / "tensors.safetensors", tensors)
         (tmp / "graph.json").write_text(json.dumps(plan.graph.to_dict()))
         (tmp / "plan.json").write_text(json.dumps({"plan": meta, "stats": compiled.stats}))
         os.replace(tmp, final)

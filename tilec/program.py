@@ -8,7 +8,7 @@ import torch.utils._pytree as pytree
 
 from .errors import PositionError, TilecError
 from .frontend import IGNORED, POSITION, GraphBinding
-from .ir import BufferKind
+from .ir import BufferKind, is_integer
 from .options import Options
 from .pipeline import Compiled
 from .refexec import ReferenceExecutor
@@ -16,11 +16,6 @@ from .refexec import ReferenceExecutor
 
 STAGE_INPUT_BYTES = 64 * 1024  # read-only inputs up to this size are copied, larger ones bound in place
 _TENSOR, _POSITION, _IGNORED = range(3)  # what an argument of the compiled step is (CompiledProgram._arg_specs)
-
-
-def is_integer(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` holds integers (not floating point, complex or bool): a position's dtype."""
-    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
 def _position_of(label: str, a) -> int:
@@ -99,7 +94,8 @@ class CompiledProgram:
                             self.graph.buffers[name].kind is BufferKind.STATE or name in written)
                            for name in self.graph.inputs]
         self._labels = list(arg_labels) if arg_labels is not None and len(arg_labels) == len(self.graph.inputs) else \
-            [f"argument {i}" + ("" if name in (POSITION, IGNORED) else f" ({name})") for i, name in enumerate(self.graph.inputs)]
+            [f"argument {i}" + ("" if name in (POSITION, IGNORED) else f" ({name})")
+             for i, name in enumerate(self.graph.inputs)]
         # Python values among the example arguments (a float scale, an int count): torch.export
         # baked them into the graph, so a call must pass the same values
         self._baked = {i: a for i, (a, name) in enumerate(zip(example_args, self.graph.inputs))
@@ -133,16 +129,16 @@ class CompiledProgram:
                     v = self._baked[i]
                     if type(a) is not type(v) or not (a == v or repr(a) == repr(v)):
                         raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
-                                         f"value is baked into the compiled step (compile with a tensor as that example "
-                                         f"argument to vary it, or compile for this value)")
+                                         f"value is baked into the compiled step (compile with a tensor as that "
+                                         f"example argument to vary it, or compile for this value)")
                 continue
             if kind == _POSITION:
                 p = a if type(a) is int else _position_of(self._labels[i], a)
                 if not 0 <= p < self.graph.max_positions:
                     raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
                                         f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
-                                        f"as the decode position; a larger max_positions plans more, as far as the module's caches "
-                                        f"hold positions)")
+                                        f"as the decode position; a larger max_positions plans more, as far as the "
+                                        f"module's caches hold positions)")
                 positions.add(p)
                 continue
             if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:

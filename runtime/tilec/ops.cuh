@@ -343,7 +343,8 @@ __device__ __forceinline__ int last_lo(const TileCtx& c, const Operand& out) { r
 // cannot move a load above a store that may alias it). Measured on an H200 (variants_ab.py,
 // Llama-3.2-1B batch 1, context 1024, one process, 7 rounds): 1.106 against 1.112 ms a step, the
 // step's first instruction (two tiles of 1024 bf16 columns) 6.9 against 9.3 us.
-// An id outside the table gives NaN rows (never an out-of-bounds read; eager would raise).
+// An id outside the table gives NaN rows (never an out-of-bounds read; eager would raise), reported
+// through fail_index for the host to raise.
 template <typename TW, typename TI, typename TO>
 __device__ void op_embedding(TileCtx& c) {
   const Operand &w = operands()[0], &ids = operands()[1], &out = operands()[2];
