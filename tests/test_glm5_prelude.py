@@ -508,3 +508,36 @@ def test_benchmark_script_imports():
     w_uk_r = c.num_heads * c.qk_nope_head_dim * c.kv_lora_rank
     assert bench.step_bytes(mod) == 4 * (gemm_r + w_uk_r + small) + c.requests * c.context * c.index_head_dim * 2
     assert gemm + w_uk > 60e6  # the full prelude streams ~0.13 GB of bf16 weights
+
+
+class _Score(torch.nn.Module):
+    def forward(self, q, w, k_cache, block_tables, positions):
+        return glm.paged_index_score(q, w, k_cache, block_tables, positions, scale=q.shape[-1] ** -0.5)
+
+
+def _score_inputs():
+    """Two requests of 4 tokens over 3 shuffled pages of 16 positions (float32, H = 16, D = 32)."""
+    torch.manual_seed(0)
+    q, w = torch.randn(2, 4, 16, 32), torch.randn(2, 4, 16)
+    k_cache = torch.randn(7, 16, 32)
+    block_tables = torch.randperm(7)[:6].view(2, 3)
+    positions = torch.tensor([[44, 45, 46, 47], [20, 21, 22, 23]])
+    return [q, w, k_cache, block_tables, positions]
+
+
+def test_index_score_page_ids_count_from_the_end_and_are_checked():
+    """Negative block-table page ids count from the end, as torch indexes (the device read before
+    the cache); one outside [-pages, pages) is an error naming the op and the id (was torch's bare
+    IndexError)."""
+    args = _score_inputs()
+    prog = compile_module(_Score(), tuple(args))
+    assert any(op.kind == "index_score" for op in prog.graph.ops)
+    args[3][0, 1] -= 7
+    args[3][1, 0] = -1
+    got, want = prog(*args), _Score()(*args)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got)) and not fin.all()  # -inf past each token's position
+    assert_close(got[fin], want[fin], 1e-5)
+    args[3][1, 1] = 7
+    with pytest.raises(TilecError, match="op index_score.* block-table page id 7 outside the key cache's 7 pages"):
+        prog(*args)

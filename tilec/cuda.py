@@ -124,8 +124,8 @@ class CudaExecutor:
         """Synchronizes and raises what the steps since the last check recorded: a step that ended
         early (``WatchdogError``, or a ``TilecError`` for a plan / library mismatch; the executor's
         step state is reset), else the first index read at run time outside its range (a token id
-        outside the embedding table, a cache slot outside the cache: ``TilecError`` naming the op;
-        that step completed without the bad row)."""
+        outside the embedding table, a cache slot outside the cache, a page id outside the key
+        cache: ``TilecError`` naming the op; that step completed without the bad access)."""
         torch.cuda.current_stream(self.device).synchronize()
         rec = self.err.cpu()
         if int(rec[0]) == 0:
@@ -134,7 +134,8 @@ class CudaExecutor:
                 index, lo, hi = (int(x) for x in rec[14:20].view(torch.int64))
                 self.err[10:].zero_()
                 raise TilecError(f"task {task} (op {self._op_label(op)}) failed: index {index} read at run time is "
-                                 f"outside [{lo}, {hi}) (the step completed; that row is NaN or unwritten)")
+                                 f"outside [{lo}, {hi}) (the step completed without that access: what depends "
+                                 f"on it is not valid)")
             return
         if int(rec[0]) == 3:
             worker, op = int(rec[1]), int(rec[5])

@@ -128,8 +128,8 @@ struct TileCtx {
   __device__ float* smem() const { return shared_ptr(scratch); }  // the scratch, as a shared-memory pointer
 };
 
-// An index the tile read at run time (a token id, a cache slot) is outside [lo, hi): the tile skips
-// what it would have read or written there; this records it (the step's first such error wins) for
+// An index the tile read at run time (a token id, a cache slot, a page id) is outside [lo, hi): the
+// tile skips what it would have read or written there (or reads a safe row instead); this records it (the step's first such error wins) for
 // the host to raise. The step itself goes on: its epoch and events stay consistent.
 __device__ __noinline__ void fail_index(const TileCtx& c, long long index, long long lo, long long hi) {
   ErrorRecord* err = reinterpret_cast<ErrorRecord*>(c.err);

@@ -1078,6 +1078,16 @@ __device__ __forceinline__ uint4 load8_bf16(const T* p) {
   }
 }
 
+// A page id read from the block table, indexed as torch does (a negative id counts from the end):
+// one outside [-pages, pages) is recorded (fail_index) and page 0 read instead, so the tile stays
+// inside the cache and the host raises at its next check.
+__device__ __forceinline__ long long cache_page(const TileCtx& c, long long id, long long pages) {
+  const long long p = id < 0 ? id + pages : id;
+  if ((unsigned long long)p < (unsigned long long)pages) return p;
+  fail_index(c, id, -pages, pages);
+  return 0;
+}
+
 // index_score helpers shared by the tensor-core and scalar tiles: request r's head weights
 // w[r] as float into w_s [T * H], and its latest token position (later positions are -inf).
 template <typename TW>
@@ -1203,7 +1213,8 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
           for (int i = 0; i < 2; ++i) {
             const int jj = j8 + 2 * qq + i;
             if (jj < j1 && jj <= last) {
-              const long long p = ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] + (long long)(jj / page) * bt.strides[1]);
+              const long long p = cache_page(c, ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] +
+                                                         (long long)(jj / page) * bt.strides[1]), kc.sizes[0]);
               const Operand& ks = operands()[3];
               ksc[i] = ldf<TKS>(ks, p * ks.strides[0] + (long long)(jj % page) * ks.strides[1]);
             }
@@ -1211,7 +1222,8 @@ __device__ __noinline__ bool index_score_mma(TileCtx& c) {
         }
       }
       if (j < j1 && j <= last) {  // later positions are never read (their pages may not exist yet)
-        const long long p = ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] + (long long)(j / page) * bt.strides[1]);
+        const long long p = cache_page(c, ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] +
+                                                   (long long)(j / page) * bt.strides[1]), kc.sizes[0]);
         const TK* krow = base<TK>(kc) + p * kc.strides[0] + (long long)(j % page) * kc.strides[1] + 8 * qq;
 #pragma unroll
         for (int d = 0; d < kMaxDC; ++d)
@@ -1307,8 +1319,8 @@ __device__ void index_score_impl(TileCtx& c) {
     }
     const long long last = latest_position<TP>(pos, r, T);
     for (int j = j0 + warp; j < j1; j += kWarps) {
-      const long long p = j <= last ? (long long)ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] +
-                                                        (long long)(j / page) * bt.strides[1]) : 0;
+      const long long p = j <= last ? cache_page(c, ldc<TI>(base<TI>(bt) + (long long)r * bt.strides[0] +
+                                                            (long long)(j / page) * bt.strides[1]), kc.sizes[0]) : 0;
       const long long ko = p * kc.strides[0] + (long long)(j % page) * kc.strides[1];
       float kscale = 1.f;
       if (j <= last) {  // later positions are never read (their pages may not exist yet)

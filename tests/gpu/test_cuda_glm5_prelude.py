@@ -150,6 +150,45 @@ def test_index_score_tensor_cores_and_fallback(heads, dim, dtype):
     assert rel(got, want) < 1e-2
 
 
+def _score_inputs(heads):
+    """Two requests of 8 tokens over 4 shuffled pages of 64 positions (bf16, D = 64)."""
+    torch.manual_seed(0)
+    r_, t_, page, pages = 2, 8, 64, 4
+    q = (torch.randn(r_, t_, heads, 64) * 0.5).to(torch.bfloat16)
+    w = torch.randn(r_, t_, heads)
+    k_cache = (torch.randn(r_ * pages + 1, page, 64) * 0.5).to(torch.bfloat16)
+    block_tables = torch.randperm(r_ * pages + 1)[:r_ * pages].view(r_, pages)
+    positions = torch.tensor([[page * pages - t_ + i for i in range(t_)], [100 + i for i in range(t_)]])
+    return [a.to(DEV) for a in (q, w, k_cache, block_tables, positions)]
+
+
+@pytest.mark.parametrize("heads", [16, 8])  # the tensor-core path and the scalar one
+def test_negative_page_ids_count_from_the_end_as_torch_does(heads):
+    """A negative block-table page id read a page before the key cache; torch indexing (eager,
+    the reference) counts it from the end, and so does the device now (written without a GPU)."""
+    args = _score_inputs(heads)
+    args[3][0, 1] -= args[2].shape[0]  # the same page, as a negative id
+    args[3][1, 0] = -1
+    prog = compile_module(Score(), tuple(args), options=dict(executor="cuda"))
+    assert rel(prog(*args), Score()(*args)) < 1e-2
+
+
+@pytest.mark.parametrize("heads", [16, 8])
+@pytest.mark.parametrize("bad", [9, -10, 1 << 40])
+def test_a_page_id_outside_the_key_cache_is_reported(heads, bad):
+    """A page id outside [-pages, pages) read the key cache out of bounds, silently: the device
+    reads page 0 instead and records it, the host raises naming the op, and the next call with a
+    good table is right (written without a GPU)."""
+    args = _score_inputs(heads)
+    prog = compile_module(Score(), tuple(args), options=dict(executor="cuda"))
+    wrong = args[3].clone()
+    wrong[1, 1] = bad  # request 1's positions 64..127: read (its tokens are at 100..107)
+    with pytest.raises(TilecError, match=rf"op index_score.* failed: index {bad} read at run time is outside "
+                                         rf"\[-9, 9\)"):
+        prog(args[0], args[1], args[2], wrong, args[4])
+    assert rel(prog(*args), Score()(*args)) < 1e-2
+
+
 class _SlotWrite(torch.nn.Module):
     def forward(self, src, slot, cache):
         cache.view(-1, cache.shape[-1]).index_copy_(0, slot, src)

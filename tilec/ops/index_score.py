@@ -49,7 +49,10 @@ class IndexScore(OpDef):
     (:meth:`params`): scale bits, page, has_k_scale, then with attr ``quant`` 1, pow2, amin bits,
     FP8 max bits, w_scale bits. Tiles: one request x a chunk of whole pages
     (:func:`positions_per_tile`: about ``workers`` tiles in all); each declares the whole key
-    cache read (its pages are looked up at run time).
+    cache read (its pages are looked up at run time). A page id counts from the end when negative,
+    as torch indexes; one outside ``[-pages, pages)`` is an error (IndexError here; on the device
+    the tile reads page 0 instead and the host raises TilecError naming the op at its next check).
+    The device reads only the pages of positions up to the request's latest ``pos``.
     """
 
     kind, opcode = "index_score", 24
@@ -102,6 +105,9 @@ class IndexScore(OpDef):
         (r0, r1), (j0, j1) = t.coords
         for r in range(r0, r1):
             pages = bt[r, j0 // page:(j1 - 1) // page + 1].long()
+            bad = pages[(pages < -kc.shape[0]) | (pages >= kc.shape[0])]
+            if bad.numel():
+                raise IndexError(f"block-table page id {int(bad[0])} outside the key cache's {kc.shape[0]} pages")
             first = j0 - (j0 // page) * page
             keys = kc[pages].flatten(0, 1)[first:first + j1 - j0].float()  # [J, D]
             qr, wr = q[r].float(), w[r].float()
