@@ -24,7 +24,7 @@ from click.testing import CliRunner
 
 import tilec
 from test_golden_ir import filecheck, parse_events, parse_tasks
-from tilec import artifact, cli
+from tilec import artifact, cli, commands
 
 pytest.importorskip("transformers")
 
@@ -429,8 +429,8 @@ def test_inspect_matches_a_fresh_compile(art):
     from tilec.api import compile_module
     from tilec.dump import render_schedule
 
-    fn, _ = cli.load_factory(FACTORY)
-    module, args, positions, max_positions = cli.call_factory(fn, FACTORY)
+    fn, _ = commands.load_factory(FACTORY)
+    module, args, positions, max_positions = commands.call_factory(fn, FACTORY)
     opts = {"workers": 8, "tile_n": 64, "fuse_gemv": False, "fold_cache_writes": False, "tile_rows": 4,
             "coarsen_forks": False}
     prog = compile_module(module, args, positions=positions, max_positions=max_positions, options=opts)
@@ -603,7 +603,7 @@ def test_ctrl_c_exits_130(facts, tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "load_factory", interrupted)
+    monkeypatch.setattr(commands, "load_factory", interrupted)
     r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build")
     assert r.exit_code == 130 and "tilec: interrupted" in r.stderr, r.output
     assert not (tmp_path / "a").exists()
@@ -647,7 +647,7 @@ def test_a_dict_returning_module_keeps_its_structure(facts, tmp_path):
     assert invoke("compile", f"{facts}:returns_dict", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
     r = invoke("run", out, "--check")
     assert r.exit_code == 0 and "output ['z'][0]" in r.stdout and "PASS" in r.stdout, r.output
-    fn, _ = cli.load_factory(f"{facts}:returns_dict")
+    fn, _ = commands.load_factory(f"{facts}:returns_dict")
     module, args = fn()
     got = artifact.load(out).program()(*args)
     with torch.no_grad():
@@ -685,7 +685,7 @@ def test_an_output_structure_this_process_cannot_read_gives_a_tuple(facts, tmp_p
         raise NotImplementedError("Deserializing transformers.modeling_outputs.CausalLMOutput is not supported")
 
     monkeypatch.setattr(artifact.pytree, "treespec_loads", unregistered)
-    fn, _ = cli.load_factory(f"{facts}:returns_dict")
+    fn, _ = commands.load_factory(f"{facts}:returns_dict")
     module, args = fn()
     with caplog.at_level("WARNING"):
         got = artifact.load(out).program()(*args)
@@ -997,3 +997,18 @@ def test_module_entry_point_and_console_script(copy):
                        cwd=ROOT, timeout=120, check=False)
     assert p.returncode == 2 and "inputs.safetensors has sha256" in p.stderr, p.stderr
     assert 'tilec = "tilec.cli:main"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_help_and_usage_errors_do_not_import_torch():
+    """`tilec --help` took ~1.6 s importing torch (a fresh-user finding); the commands' work is
+    imported when a command runs, so help and usage errors answer at once."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    probe = ("import sys\nfrom tilec.cli import main\n"
+             "for argv in (['--help'], ['compile', '--help'], ['inspect', '-h'], ['run', '--nope']):\n"
+             "    try:\n        main(argv, prog_name='tilec')\n    except SystemExit as e:\n"
+             "        assert e.code in (0, 2), (argv, e.code)\n"
+             "assert 'torch' not in sys.modules, 'torch imported'\n")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+                       check=False)
+    assert p.returncode == 0, p.stderr
+    assert "Usage: tilec compile" in p.stdout and "No such option" in p.stderr and "--nope" in p.stderr

@@ -48,7 +48,7 @@ from safetensors.torch import load_file, save_file
 import tilec
 
 from . import codegen
-from .dump import STAGE_FILES, render_schedule
+from .dump import render_schedule
 from .errors import TilecError
 from .frontend import GraphBinding
 from .ir import OpGraph
@@ -57,6 +57,7 @@ from .passes.schedule import Schedule
 from .pipeline import Compiled
 from .plan import DESCRIPTOR, KernelPlan
 from .program import CompiledProgram
+from .stages import STAGE_FILES, STAGES
 from .taskgraph import TaskGraph
 from .trace import predicted_trace
 
@@ -70,7 +71,6 @@ log = logging.getLogger("tilec")
 # words for them would make the new runtime abort)
 FORMAT, FORMAT_VERSION = "tilec-artifact", 9
 MANIFEST = "manifest.json"
-STAGES = tuple(STAGE_FILES)  # opgraph, split_kv, fuse_gemv, fold_cache, gemv_groups, tasks, ..., schedule, plan
 LIBRARY = "cuda/libtilec.so"
 
 

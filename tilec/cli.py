@@ -17,14 +17,7 @@ or an internal error; 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib
-import importlib.util
-import inspect as pyinspect
-import json
-import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -32,24 +25,16 @@ import warnings
 from pathlib import Path
 
 import click
-import torch
-import torch.utils._pytree as pytree
 
 import tilec
 
-from . import artifact as art_mod
-from .codegen.build import cache_root, extra_flags
-from .dump import OPGRAPH_STAGES, check_dump_root, dump_root
-from .artifact import STAGES, ArtifactError, resolve_stage
-from .timing import cuda_graph, step_times
-from .errors import InputError, TilecError, describe_exception
-from .ir import BufferKind
-from .options import Options, did_you_mean
+from .errors import TilecError
+from .stages import STAGES
 
+# The commands' work is in tilec.commands, imported when a command runs: `tilec --help` and usage
+# errors answer without importing torch.
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_COMPILE, EXIT_ERROR = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
-EXPECTED_RETURN = ("expected (module, example_args) or (module, example_args, dict(positions=..., "
-                   "max_positions=...)) with a torch.nn.Module and a tuple of example arguments")
 
 
 class Failure(click.ClickException):
@@ -148,267 +133,9 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
     \b
         tilec compile examples/factories.py:tiny_llama_step -o out/llama -O workers=8
     """
-    from .api import compile_module
+    from .commands import compile_artifact
 
-    opts = parse_options(option_pairs)
-    try:  # a bad output path, dump directory or build environment fails before a long compile
-        art_mod.check_target(output, force)
-        dumps = dump_root(opts)
-        if dumps is not None and (dumps.resolve() == output.resolve() or output.resolve() in dumps.resolve().parents):
-            raise TilecError(f"the dump directory {dumps} is inside the artifact's output {output}: an artifact "
-                             f"holds only what tilec writes there; dump elsewhere")
-        check_dump_root(opts)
-        nvcc = os.environ.get("TILEC_NVCC")
-        if not no_build and nvcc and art_mod._nvcc_version() is None:
-            raise TilecError(f"TILEC_NVCC={nvcc} does not run as nvcc (unset it, or use --no-build)")
-        if not no_build and art_mod._nvcc_version() is not None:
-            extra_flags()
-            cache_root()
-    except (ArtifactError, TilecError) as e:
-        raise Failure(str(e)) from e
-    if opts.executor == "cuda" and not torch.cuda.is_available():
-        raise Failure("option executor=cuda needs a CUDA GPU, and torch sees none")
-    with progress.step(f"importing {factory}"):
-        fn, info = load_factory(factory)
-    with progress.step(f"calling {info['name']}()"):
-        module, args, positions, max_positions = call_factory(fn, factory)
-    snapshot = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
-
-    def hook(stage: str, ir, seconds: float) -> None:
-        if seconds >= 1.0:
-            progress(f"  stage {stage}: {seconds:.1f} s")
-
-    with progress.step("compiling (torch.export, lowering, passes, encoding)"):
-        try:
-            program = compile_module(module, tuple(args), positions=positions, max_positions=max_positions,
-                                     options=opts, hook=hook)
-        except InputError as e:  # its example arguments, positions or max_positions do not fit the module
-            raise Failure(f"bad input from {_defined_at(fn, factory)}: {e}") from e
-        except TilecError as e:
-            raise Failure(f"compile failed: {e}", EXIT_COMPILE) from e
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
-            raise Failure(f"compile failed: {describe_exception(e)}", EXIT_COMPILE) from e
-    with progress.step(f"writing {output}" + ("" if no_build else " (nvcc when present)")):
-        try:
-            path = art_mod.save(output, program, snapshot, factory=info, positions=positions,
-                                max_positions=max_positions, param_sources=_param_sources(module, program),
-                                build=not no_build, force=force, progress=progress)
-        except ArtifactError as e:
-            raise Failure(str(e)) from e
-        except TilecError as e:
-            raise Failure(f"compile failed: {e}", EXIT_COMPILE) from e
-    s = program.stats
-    lib = (path / art_mod.LIBRARY).exists()
-    click.echo(f"wrote {path}: {s['ops']} ops, {s['tasks']} tasks, {s['events']} events on {program.plan.workers} "
-               f"workers (predicted {s['predicted_step_us']} us); library "
-               f"{'cuda/libtilec.so (' + program.opts.arch + ')' if lib else 'not built'}")
-
-
-# Options of ``torch.compile(backend="tilec")`` and keys of a factory's dict, not compile options (the
-# names of options.NOT_COMPILE_OPTIONS, told to a command-line user).
-_FACTORY_KEY = "a key of the factory's returned dict (module, args, dict(positions=..., max_positions=...)), not a " \
-               "compile option"
-_NOT_CLI_OPTIONS = {"fallback": "an option of torch.compile(backend=\"tilec\") only: `tilec compile` reports "
-                                "every unsupported node and writes nothing",
-                    "max_positions": _FACTORY_KEY, "positions": _FACTORY_KEY}
-
-
-def parse_options(pairs) -> Options:
-    """``("workers=8", "tile_cols=none")`` -> Options; values parse as int, float, bool, none, else str.
-
-    Raises :class:`Failure` naming the ``--option`` as typed (``workers=1e3``, not the parsed 1000.0)."""
-    d, raw = {}, {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise Failure(f"--option {pair!r}: expected KEY=VALUE, e.g. --option workers=8")
-        if key in _NOT_CLI_OPTIONS:
-            raise Failure(f"--option {pair}: {key} is {_NOT_CLI_OPTIONS[key]}")
-        if key in d:
-            raise Failure(f"--option {pair}: {key} is given twice (the first: {key}={raw[key]})")
-        d[key], raw[key] = _parse_value(value.strip()), value.strip()
-        try:
-            Options.from_dict({key: d[key]})  # each option's own checks, reported with the option as typed
-        except (TypeError, ValueError) as e:
-            msg = str(e).removeprefix(f"tilec option {key}={d[key]!r}: ")  # not the parsed value (1e3 -> 1000.0)
-            raise Failure(f"--option {pair}: {msg}") from e
-    try:
-        return Options.from_dict(d)
-    except (TypeError, ValueError) as e:
-        raise Failure(str(e)) from e
-
-
-def _parse_value(s: str):
-    low = s.lower()
-    if low in ("none", "null"):
-        return None
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(s)
-        except ValueError:
-            pass
-    return s
-
-
-def load_factory(spec: str, cwd: str | None = None):
-    """Imports ``MODULE:FACTORY``; returns ``(callable, info)`` with ``info`` as recorded in the manifest."""
-    mod_part, sep, name = spec.rpartition(":")
-    if not sep or not mod_part or not name:
-        raise Failure(f"factory {spec!r}: expected MODULE:FACTORY, e.g. examples/factories.py:tiny_llama_step "
-                      f"or mypackage.models:make_step")
-    cwd = cwd or os.getcwd()
-    if mod_part.endswith(".py") or "/" in mod_part or os.sep in mod_part:
-        file = Path(mod_part) if os.path.isabs(mod_part) else Path(cwd) / mod_part
-        if not file.is_file():
-            raise Failure(f"factory module {mod_part}: no such file ({file})")
-        file = file.resolve()
-        modname = "_tilec_factory_" + hashlib.sha256(str(file).encode()).hexdigest()[:12]
-        spec_obj = importlib.util.spec_from_file_location(modname, file)
-        module = importlib.util.module_from_spec(spec_obj)
-        if str(file.parent) not in sys.path:
-            sys.path.insert(0, str(file.parent))
-        try:
-            spec_obj.loader.exec_module(module)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
-            raise Failure(f"importing factory module {file} failed: {describe_exception(e)}") from e
-        info = {"spec": spec, "module": None, "file": str(file), "name": name, "cwd": cwd}
-    else:
-        if cwd not in sys.path:
-            sys.path.insert(0, cwd)
-        try:
-            module = importlib.import_module(mod_part)
-        except ModuleNotFoundError as e:
-            if e.name and (mod_part == e.name or mod_part.startswith(e.name + ".")):
-                raise Failure(f"cannot import factory module {mod_part!r}: no module named {e.name!r} (searched "
-                              f"{cwd} and sys.path; a path to a .py file works too)") from e
-            raise Failure(f"importing factory module {mod_part} failed: {e}") from e
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
-            raise Failure(f"importing factory module {mod_part} failed: {describe_exception(e)}") from e
-        info = {"spec": spec, "module": mod_part, "file": None, "name": name, "cwd": cwd}
-    fn = getattr(module, name, None)
-    if fn is None:
-        defined = sorted(n for n, v in vars(module).items() if pyinspect.isfunction(v) and not n.startswith("_")
-                         and v.__module__ == module.__name__)
-        raise Failure(f"factory module {mod_part} has no {name!r}"
-                      + (f"; functions defined there: {', '.join(defined)}" if defined else ""))
-    if not callable(fn):
-        raise Failure(f"{spec}: {name} is not a callable factory (it is of type {type(fn).__name__})")
-    return fn, info
-
-
-def call_factory(fn, spec: str):
-    """Calls the factory and checks what it returns: ``(module, args, positions, max_positions)``.
-    Raises :class:`Failure` (exit 2) naming the factory's file and line for anything else, and for a
-    factory that raises or calls ``sys.exit``."""
-    at = _defined_at(fn, spec)
-    try:
-        res = fn()
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
-        raise Failure(f"factory {at} raised {describe_exception(e)}") from e
-    if not isinstance(res, (tuple, list)) or len(res) not in (2, 3):
-        raise Failure(f"factory {at} returned {_describe(res)}; {EXPECTED_RETURN}")
-    module, args = res[0], res[1]
-    extra = res[2] if len(res) == 3 else {}
-    if not isinstance(module, torch.nn.Module):
-        raise Failure(f"factory {at} returned {_describe(module)} as the module; {EXPECTED_RETURN}")
-    if not isinstance(args, (tuple, list)):
-        raise Failure(f"factory {at} returned {_describe(args)} as example_args; {EXPECTED_RETURN}"
-                      + (" (wrap a single tensor as (x,))" if isinstance(args, torch.Tensor) else ""))
-    for i, a in enumerate(args):
-        if not (isinstance(a, torch.Tensor) or a is None or isinstance(a, (bool, int, float, str))):
-            raise Failure(f"factory {at}: example argument {i} is {_describe(a)}; arguments must be tensors "
-                          f"or plain numbers")
-    from .api import meta_tensors
-
-    meta = meta_tensors(module, args, "example argument")
-    if meta:
-        named = meta[0] if len(meta) == 1 else f"{', '.join(meta[:-1])} and {meta[-1]}" if len(meta) <= 3 else \
-            f"{', '.join(meta[:3])} and {len(meta) - 3} more"
-        raise Failure(f"factory {at}: {named} "
-                      f"{'is a' if len(meta) == 1 else 'are'} meta-device tensor{'' if len(meta) == 1 else 's'} "
-                      f"(no data): tilec needs real weights and inputs (load or initialize them, e.g. "
-                      f"module.to_empty(device=...) and then the weights)")
-    if not isinstance(extra, dict):
-        raise Failure(f"factory {at} returned {_describe(extra)} as its third element; {EXPECTED_RETURN}")
-    unknown = sorted(set(extra) - {"positions", "max_positions"}, key=str)
-    if unknown:
-        hint = did_you_mean(unknown, ["max_positions", "positions"])
-        raise Failure(f"factory {at}: unknown key(s) {unknown} in its third element{hint}; valid keys: "
-                      f"['max_positions', 'positions']")
-    positions = extra.get("positions", ())
-    if not isinstance(positions, (list, tuple)):
-        raise Failure(f"factory {at}: positions={positions!r} must be a list of argument indices")
-    positions = list(positions)
-    for p in positions:
-        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(args):
-            raise Failure(f"factory {at}: positions entry {p!r} is not an argument index "
-                          + (f"(0..{len(args) - 1})" if args else "(the example arguments are empty)"))
-        if not isinstance(args[p], torch.Tensor) or args[p].dtype not in (torch.int64, torch.int32):
-            raise Failure(f"factory {at}: positions entry {p} must index an int64 or int32 tensor argument; "
-                          f"argument {p} is {_describe(args[p])}")
-    if len(set(positions)) != len(positions):
-        raise Failure(f"factory {at}: positions {positions} lists an argument twice")
-    max_positions = extra.get("max_positions", 1)
-    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
-        raise Failure(f"factory {at}: max_positions={max_positions!r} must be an int >= 1")
-    # the artifact keeps the example arguments as its run input (`tilec run --check`): their
-    # position must be one the program plans for, the same in every position argument
-    held = {p: args[p].reshape(-1)[0].item() for p in positions if args[p].numel() > 0}
-    for p, v in held.items():
-        if not 0 <= v < max_positions:
-            raise Failure(f"factory {at}: argument {p} (a positions entry) holds position {v}, outside the planned "
-                          f"range [0, {max_positions}) of max_positions={max_positions}"
-                          + ("" if "max_positions" in extra else " (the default: give max_positions in the factory's "
-                                                                   "third element)"))
-    if len(set(held.values())) > 1:
-        raise Failure(f"factory {at}: the position arguments disagree ({', '.join(f'argument {p} holds {v}' for p, v in held.items())}): "
-                      f"each must hold the example's decode position")
-    return module, tuple(args), positions, max_positions
-
-
-def _defined_at(fn, spec: str) -> str:
-    """``name() at FILE:LINE`` for a factory function, else ``spec`` (a callable without source)."""
-    code = getattr(pyinspect.unwrap(fn), "__code__", None)
-    return f"{fn.__name__}() at {code.co_filename}:{code.co_firstlineno}" if code else spec
-
-
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a Tensor {str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
-    if isinstance(x, (tuple, list)):
-        return f"{_article(type(x).__name__)} of {len(x)} element(s)"
-    return "None" if x is None else _article(type(x).__name__)
-
-
-def _article(noun: str) -> str:
-    """``a list``, ``an int``."""
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
-
-
-def _param_sources(module: torch.nn.Module, program) -> dict[str, str]:
-    """Parameter buffer name -> the module's state_dict key holding the same tensor."""
-    by_key = {}
-    for key, t in module.state_dict(keep_vars=True).items():
-        by_key.setdefault((t.data_ptr(), tuple(t.shape), t.dtype), key)
-    out = {}
-    for name, b in program.graph.buffers.items():
-        if b.kind is BufferKind.PARAM:
-            t = program.tensors[name]
-            key = by_key.get((t.data_ptr(), tuple(t.shape), t.dtype))
-            if key is not None:
-                out[name] = key
-    return out
+    compile_artifact(progress, factory, output, option_pairs, force, no_build)
 
 
 # ---- inspect -----------------------------------------------------------------------------
@@ -422,86 +149,9 @@ def _param_sources(module: torch.nn.Module, program) -> dict[str, str]:
 @click.pass_obj
 def inspect(progress: Progress, artifact_dir: Path, stage: str | None, fmt: str) -> None:
     """Print every stage of an artifact (or one with --stage)."""
-    art = open_artifact(artifact_dir, check_version=False)
-    if art.manifest["tilec"] != tilec.__version__:
-        progress(f"warning: {artifact_dir} was built by tilec {art.manifest['tilec']} (this is {tilec.__version__})")
-    try:
-        stages = [resolve_stage(stage)] if stage is not None else list(STAGES)
-    except ValueError as e:
-        raise Failure(str(e)) from e
-    if fmt == "json":
-        data = art.stage_json(stages[0]) if stage else {
-            "manifest": art.manifest, "stages": {s: art.stage_json(s) for s in stages}}
-        click.echo(json.dumps(data, indent=1))
-    elif fmt == "dot":
-        click.echo(to_dot(art, stages[0] if stage else "plan"), nl=False)
-    elif stage:
-        click.echo(art.stage_text(stages[0]), nl=False)
-    else:
-        click.echo(_summary(art))
-        for i, s in enumerate(stages, 1):
-            click.echo(f"\n=== {i:02d}-{s} ===")
-            click.echo(art.stage_text(s), nl=False)
+    from .commands import inspect_artifact
 
-
-def _summary(art) -> str:
-    m = art.manifest
-    f = m.get("factory") or {}
-    lib = m["cuda"]["library"] or f"none ({m['cuda']['note'] or 'not built'})"
-    lines = [f"artifact {art.path}",
-             f"  built by  tilec {m['tilec']}, torch {m['torch']}, transformers {m['transformers']}, nvcc {m['nvcc']}",
-             f"  created   {m['created']} on {m['device']}",
-             f"  factory   {f.get('spec')}",
-             f"  target    {m['arch']}, library {lib}",
-             "  options   " + " ".join(f"{k}={v}" for k, v in m["options"].items()),
-             "  stats     " + " ".join(f"{k}={v}" for k, v in m["stats"].items())]
-    return "\n".join(lines)
-
-
-def _q(s) -> str:
-    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def to_dot(art, stage: str) -> str:
-    """Graphviz DOT text: the op/buffer graph for the OpGraph stages (``opgraph`` .. ``gemv_groups``); otherwise the
-    task/event graph of the stage (for ``schedule`` and ``plan``: the linearized graph with one
-    cluster per worker)."""
-    lines = [f"digraph {_q('tilec ' + stage)} {{", "  rankdir=TB;", "  node [fontname=monospace, fontsize=10];"]
-    if stage in OPGRAPH_STAGES:
-        g = art.stage_json(stage)
-        colors = {"input": "lightblue", "param": "lightyellow", "const": "lightgrey", "table": "lightgrey",
-                  "state": "orange", "temp": "white", "output": "palegreen"}
-        for b in g["buffers"]:
-            label = f"{b['name']}\n{b['dtype']}[{'x'.join(map(str, b['shape']))}] {b['kind']}"
-            lines.append(f"  {_q('buf:' + b['name'])} [shape=ellipse, style=filled, "
-                         f"fillcolor={colors.get(b['kind'], 'white')}, label={_q(label)}];")
-        for op in g["ops"]:
-            lines.append(f"  {_q('op:' + op['name'])} [shape=box, label={_q(op['name'] + chr(10) + op['kind'])}];")
-            for v in op["inputs"]:
-                lines.append(f"  {_q('buf:' + v['buffer'])} -> {_q('op:' + op['name'])};")
-            for v in op["outputs"]:
-                lines.append(f"  {_q('op:' + op['name'])} -> {_q('buf:' + v['buffer'])};")
-    else:
-        tg = art.stage_json(stage if stage not in ("schedule", "plan") else "linearized")
-        labels = {t["id"]: t["label"] for t in tg["tasks"]}
-        if stage in ("schedule", "plan"):
-            sched = art.stage_json("schedule")
-            for w, q in enumerate(sched["queues"]):
-                if q:
-                    lines.append(f"  subgraph cluster_w{w} {{ label={_q(f'worker {w}')};")
-                    for entry in q:
-                        label = f"#{entry['index']} {labels[entry['task']]}"
-                        lines.append(f"    t{entry['task']} [shape=box, label={_q(label)}];")
-                    lines.append("  }")
-        else:
-            lines += [f"  t{t['id']} [shape=box, label={_q(t['label'])}];" for t in tg["tasks"]]
-        for e in tg["events"]:
-            eid = e["id"]
-            lines.append(f"  e{eid} [shape=diamond, label={_q(f'e{eid} ' + e['strategy'])}];")
-            lines += [f"  t{p} -> e{eid};" for p in e["preds"]]
-            lines += [f"  e{eid} -> t{s};" for s in e["succs"]]
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    inspect_artifact(progress, artifact_dir, stage, fmt)
 
 
 # ---- run ---------------------------------------------------------------------------------
@@ -518,132 +168,9 @@ def to_dot(art, stage: str) -> str:
 @click.pass_obj
 def run(progress: Progress, artifact_dir: Path, executor: str | None, check: bool, tol: float | None) -> None:
     """Run an artifact once on its stored example inputs."""
-    if tol is not None and not check:  # a tolerance with nothing to compare against: say so, don't ignore it
-        raise click.UsageError("--tol is the tolerance of --check; pass --check too")
-    if tol is not None and not math.isfinite(tol):  # FloatRange lets nan and inf through
-        raise click.BadParameter(f"{tol} is not a finite number", param_hint="'--tol'")
-    art = open_artifact(artifact_dir)
-    program = build_program(art, executor, progress)
-    args = art.inputs(program.device)
-    with progress.step(f"running one step ({program.executor_kind} executor)"):
-        t0 = time.perf_counter()
-        outs = _run_step(program, args)
-        dt = time.perf_counter() - t0
-    click.echo(f"ran {art.path} on the {program.executor_kind} executor ({program.device}) in {dt * 1e3:.1f} ms")
-    for i, t in enumerate(outs):
-        tf = t.detach().float()
-        finite = bool(torch.isfinite(tf).all())
-        click.echo(f"  output {i}: {str(t.dtype).removeprefix('torch.')}{list(t.shape)} "
-                   f"mean {tf.mean().item():.4g} std {tf.std().item() if tf.numel() > 1 else 0.0:.4g}"
-                   f"{'' if finite else ' (NOT FINITE)'}")
-    if not check:
-        return
-    module, device = eager_reference(art, progress)
-    eager_args = art.inputs(device)
-    with progress.step("running eager PyTorch"), torch.no_grad():
-        try:
-            want = module(*eager_args)
-        except Exception as e:
-            raise Failure(f"eager PyTorch raised {type(e).__name__}: {e}", EXIT_ERROR) from e
-    # a dict or nested outputs compare leaf by leaf, labelled by their keys (output ['y'])
-    paths, _ = pytree.tree_flatten_with_path(want)
-    plain = isinstance(want, (torch.Tensor, tuple, list))
-    labels = [f"output {i}" if plain else f"output {pytree.keystr(path)}" for i, (path, _) in enumerate(paths)]
-    want = [w for _, w in paths]
-    rows = [(label, g, w) for label, g, w in zip(labels, outs, want)]
-    if len(outs) != len(want):
-        raise Failure(f"the artifact returns {len(outs)} output(s), eager returns {len(want)}", EXIT_MISMATCH)
-    for i, name in enumerate(program.graph.inputs):  # state updated in place (KV caches)
-        b = program.graph.buffers.get(name)
-        if b is not None and b.kind is BufferKind.STATE:
-            rows.append((f"state arg {i} ({name})", args[i], eager_args[i]))
-    if tol is None:
-        tol = 1e-4 if all(w.dtype in (torch.float32, torch.float64) for _, _, w in rows
-                          if w.is_floating_point()) else 2e-2
-    errors = []
-    click.echo(f"check against eager (relative L2, tolerance {tol:.0e}):")
-    for label, got, ref in rows:
-        err = rel_l2(got, ref)
-        errors.append(err)
-        click.echo(f"  {label:<32} {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}  {err:.3e}  "
-                   f"{'ok' if err <= tol else 'MISMATCH'}")
-    ok = all(e <= tol for e in errors)  # NaN (not finite, wrong shape) fails
-    worst = float("nan") if any(math.isnan(e) for e in errors) else max(errors)
-    click.echo(f"{'PASS' if ok else 'FAIL'}: worst relative L2 {worst:.3e} (tolerance {tol:.0e})")
-    if not ok:
-        raise click.exceptions.Exit(EXIT_MISMATCH)
+    from .commands import run_artifact
 
-
-def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """``|got - ref| / |ref|`` in float64 on the CPU (``|got - ref|`` when ``ref`` is all zeros; NaN if
-    shapes differ or ``got`` is not finite)."""
-    a, e = got.detach().cpu().double(), ref.detach().cpu().double()
-    if a.shape != e.shape or not torch.isfinite(a).all():
-        return float("nan")
-    norm = e.norm()
-    return float((a - e).norm() / norm) if norm > 0 else float((a - e).norm())
-
-
-def _run_step(program, args) -> list[torch.Tensor]:
-    try:
-        out = program(*args)
-        if program.device.type == "cuda":
-            torch.cuda.synchronize(program.device)
-    except TilecError as e:
-        raise Failure(f"the step failed: {e}", EXIT_ERROR) from e
-    return pytree.tree_leaves(out)
-
-
-def open_artifact(path: Path, check_version: bool = True):
-    with click.get_current_context().obj.step(f"verifying {path}"):
-        try:
-            return art_mod.load(path, check_version=check_version)
-        except ArtifactError as e:
-            raise Failure(str(e)) from e
-
-
-def build_program(art, executor: str | None, progress: Progress):
-    with progress.step("loading the plan"):
-        try:
-            return art.program(executor, progress)
-        except ArtifactError as e:
-            raise Failure(str(e)) from e
-        except TilecError as e:
-            code = EXIT_USAGE if executor == "cuda" and art_mod.gpu_arch() is None else EXIT_ERROR
-            raise Failure(str(e), code) from e
-
-
-def eager_reference(art, progress: Progress):
-    """The factory's module with the artifact's weights loaded: ``(module, device of its inputs)``."""
-    f = art.factory
-    if not f:
-        raise Failure(f"{art.path} records no factory: cannot build the eager reference")
-    spec = f"{f['file']}:{f['name']}" if f.get("file") else f["spec"]
-    with progress.step(f"rebuilding the eager module ({f['spec']})"):
-        fn, _ = load_factory(spec, f.get("cwd"))
-        module, _, _, _ = call_factory(fn, f["spec"])
-    state = module.state_dict(keep_vars=True)
-    sources = art.manifest.get("param_sources") or {}
-    device = next((t.device for t in state.values()), torch.device("cpu"))
-    changed, unmapped = 0, []
-    with torch.no_grad():
-        for name, t in art.params().items():
-            key = sources.get(name)
-            target = state.get(key) if key else None
-            if target is None or tuple(target.shape) != tuple(t.shape):
-                unmapped.append(name)
-                continue
-            t = t.to(target.device, target.dtype)
-            if not torch.equal(target, t):
-                target.copy_(t)
-                changed += 1
-    if changed:
-        progress(f"note: the factory's weights differ from the artifact's in {changed} tensor(s) (not deterministic?); "
-                 f"eager uses the artifact's weights")
-    if unmapped:
-        progress(f"warning: {len(unmapped)} parameter(s) could not be matched to the module's state_dict; eager "
-                 f"uses the factory's own values for them")
-    return module.eval(), device
+    run_artifact(progress, artifact_dir, executor, check, tol)
 
 
 # ---- bench -------------------------------------------------------------------------------
@@ -657,79 +184,9 @@ def eager_reference(art, progress: Progress):
 @click.pass_obj
 def bench(progress: Progress, artifact_dir: Path, executor: str | None, iters: int | None, warmup: int) -> None:
     """Time eager PyTorch, eager under one CUDA graph, and tilec on the artifact's inputs."""
-    from rich.console import Console
-    from rich.table import Table
+    from .commands import bench_artifact
 
-    art = open_artifact(artifact_dir)
-    program = build_program(art, executor, progress)
-    cuda = program.device.type == "cuda"
-    iters = iters or (100 if cuda else 10)
-    positions = art.manifest["call"]["positions"]
-    rows = []
-    try:
-        module, device = eager_reference(art, progress)
-    except Failure as e:
-        note = f"n/a: {e.format_message()}"
-        rows += [("eager PyTorch", None, note), ("eager PyTorch under a CUDA graph", None, note)]
-    else:
-        eager_step = _repeatable(module, art.inputs(device), positions)
-        with progress.step(f"timing eager PyTorch on {device.type}"):
-            rows.append((f"eager PyTorch ({device.type})", *_try_time(eager_step, iters, warmup, device)))
-        if device.type == "cuda":
-            with progress.step("capturing and timing a CUDA graph"):
-                try:
-                    replay = cuda_graph(eager_step).replay
-                except Exception as e:  # capture fails for modules that sync or allocate on the host
-                    rows.append(("eager PyTorch under a CUDA graph", None, f"n/a: capture failed: {e}"))
-                else:
-                    rows.append(("eager PyTorch under a CUDA graph", *_try_time(replay, iters, warmup, device)))
-        else:
-            why = "the model is on the CPU" if torch.cuda.is_available() else "no CUDA"
-            rows.append(("eager PyTorch under a CUDA graph", None, f"n/a: {why}"))
-    tilec_step = _repeatable(lambda *a: _run_step(program, a), art.inputs(program.device), positions)
-    with progress.step(f"timing tilec ({program.executor_kind} executor)"):
-        label = "tilec (persistent CUDA kernel)" if cuda else "tilec (CPU reference executor)"
-        times, note = _try_time(tilec_step, iters, warmup, program.device)
-        rows.append((label, times, note or ("" if cuda else "validation executor, not a speed measurement")))
-    tilec_failed = times is None
-    base = rows[0][1]
-    table = Table(title=f"tilec bench {art.path} ({iters} steps, median)")
-    for col, just in (("step", "left"), ("median ms", "right"), ("min ms", "right"), ("vs eager", "right"),
-                      ("note", "left")):
-        table.add_column(col, justify=just)
-    for label, times, note in rows:
-        if times is None:
-            table.add_row(label, "n/a", "n/a", "", note)
-            continue
-        med = statistics.median(times)
-        speed = f"{statistics.median(base) / med:.2f}x" if base else ""
-        table.add_row(label, f"{med * 1e3:.3f}", f"{min(times) * 1e3:.3f}", speed, note)
-    Console(width=140).print(table)
-    if tilec_failed:  # the table is still printed, but the command failed (a run-time error)
-        raise Failure(f"tilec step: {rows[-1][2].removeprefix('n/a: ')}", EXIT_ERROR)
-
-
-def _repeatable(fn, args: list, positions: list[int]):
-    """``fn(*args)`` as a step that can run again and again: the position inputs (which a step may
-    advance in place, like HF's cache counters) are restored first, so every step is the same."""
-    saved = [(args[i], args[i].clone()) for i in positions if isinstance(args[i], torch.Tensor)]
-
-    @torch.no_grad()
-    def step():
-        for t, v in saved:
-            t.copy_(v)
-        return fn(*args)
-
-    return step
-
-
-def _try_time(fn, iters: int, warmup: int, device: torch.device) -> tuple[list[float] | None, str]:
-    try:
-        return step_times(fn, iters, warmup, device), ""
-    except Failure as e:
-        return None, f"n/a: {e.format_message()}"
-    except Exception as e:
-        return None, f"n/a: failed: {type(e).__name__}: {e}"
+    bench_artifact(progress, artifact_dir, executor, iters, warmup)
 
 
 if __name__ == "__main__":

@@ -40,25 +40,12 @@ from .ir import OpGraph
 from .options import Options
 from .passes.schedule import Schedule
 from .pipeline import Hook
+from .stages import STAGE_FILES
 from .stats import compile_stats, render_stats
 from .taskgraph import TaskGraph
 from .trace import predicted_trace, write_atomic, write_trace
 
 ENV_VAR = "TILEC_DUMP_DIR"
-STAGE_FILES = {
-    "opgraph": "01-opgraph.txt",
-    "split_kv": "02-split_kv.txt",
-    "fuse_gemv": "03-fuse_gemv.txt",
-    "fold_cache": "04-fold_cache.txt",
-    "gemv_groups": "05-gemv_groups.txt",
-    "tasks": "06-tasks.txt",
-    "fused": "07-fused.txt",
-    "normalized": "08-normalized.txt",
-    "linearized": "09-linearized.txt",
-    "schedule": "10-schedule.txt",
-    "plan": "11-plan.txt",
-}
-OPGRAPH_STAGES = ("opgraph", "split_kv", "fuse_gemv", "fold_cache", "gemv_groups")  # the stages whose IR is an OpGraph
 STATS_FILE, TRACE_FILE = "stats.txt", "trace.json"
 ALL_FILES = (*STAGE_FILES.values(), STATS_FILE, TRACE_FILE)
 
