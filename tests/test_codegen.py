@@ -178,3 +178,19 @@ def test_a_build_is_announced_on_stderr_once(tmp_path, monkeypatch, capsys):
     said = []
     codegen.build({"program.cu": "// with a callback\n"}, progress=said.append)
     assert capsys.readouterr().err == "" and said[0].startswith("nvcc sm_90a: building") and len(said) == 2
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_integer_copies_compile(tmp_path, monkeypatch):
+    """The exact integer path of op_copy (int32 -> int64, int64 -> int64) builds with nvcc."""
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
+
+    class M(torch.nn.Module):
+        def forward(self, ids32, ids64):
+            return ids32.long(), ids64.t().contiguous()
+
+    prog = compile_module(M(), (torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([[1, 2], [3, 4]])))
+    src = codegen.render(prog.plan)["program.cu"]
+    assert "op_copy<int, long long>" in src and "op_copy<long long, long long>" in src
+    assert codegen.build(codegen.render(prog.plan)).exists()

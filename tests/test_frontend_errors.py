@@ -422,7 +422,8 @@ def test_in_place_update_of_a_module_buffer_is_refused_at_compile_time():
                                      ([4], "list")])
 def test_a_position_argument_must_be_one_integer(pos, got):
     """A float, a bool or several elements are refused (eager refuses them as indices too), before
-    anything runs; ints, numpy ints and one-element integer tensors of any shape are read."""
+    anything runs; ints, numpy ints and integer tensors of the example's shape (any integer dtype)
+    are read; another shape is refused, as it can change eager's output shape."""
     import numpy as np
 
     torch.manual_seed(0)
@@ -434,8 +435,10 @@ def test_a_position_argument_must_be_one_integer(pos, got):
                                          rf"tensor of one element, got {got}$"):
         prog(x, pos, c1, c2)
     assert int(c1) == int(c2) == 4
-    for ok in (np.int64(4), torch.tensor([[4]], dtype=torch.int32)):
+    for ok in (np.int64(4), torch.tensor([4], dtype=torch.int32)):
         assert torch.equal(prog(x, ok, torch.tensor(4), torch.tensor(4)), x * 2 + 4)
+    with pytest.raises(TilecError, match=r"argument 1: expected an integer tensor of shape \[1\]"):
+        prog(x, torch.tensor([[4]]), torch.tensor(4), torch.tensor(4))
 
 
 def test_linear_of_mixed_dtypes_is_refused_like_eager():
@@ -590,3 +593,27 @@ def test_a_zero_dim_position_used_as_an_index_says_to_add_a_dimension():
     with pytest.raises(TilecError, match=r"Position argument 1 is a 0-d tensor, which indexing reads as a number: pass "
                                          r"it with one dimension, torch.tensor\(\[p\]\)"):
         compile_module(ZeroDimSlot(), args, positions=[1], max_positions=16)
+
+
+def test_integer_arithmetic_on_run_time_values_is_refused():
+    """Elementwise ops compute in float32: ``ids + 1`` rounded ids past 2**24 silently (a breaker's
+    finding). It is now an unsupported node naming the reason; float results of ints still work."""
+    class M(torch.nn.Module):
+        def forward(self, ids):
+            return ids + 1
+
+    with pytest.raises(UnsupportedNodeError, match=r"(?s)integer arithmetic on values read at run time.*add"):
+        compile_module(M(), (torch.tensor([[16777217, 5]]),))
+
+
+@pytest.mark.parametrize("dims", [3, 2])
+def test_attention_on_fewer_than_4_dims_is_an_unsupported_node(dims):
+    """3-d and 2-d ``scaled_dot_product_attention`` (valid in eager) crashed with a bare ValueError."""
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    shape = (2, 1, 16)[3 - dims:]
+    kv = (2, 5, 16)[3 - dims:]
+    with pytest.raises(UnsupportedNodeError, match=f"attention over {dims}-d queries"):
+        compile_module(M(), (torch.randn(shape), torch.randn(kv), torch.randn(kv)))

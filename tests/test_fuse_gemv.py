@@ -179,3 +179,24 @@ def test_fused_rows_leave_the_weight_ring(rows, stages):
     assert int(gemv.sum()) > 0 and bool((q[..., F["stream"][0]][gemv] != 0).all()), "a GEMV tile is not streamed"
     with torch.no_grad():
         assert_close(prog(x), mod(x), tol=2e-2)  # bf16 rounding of the intermediates
+
+
+def test_a_linear_output_added_to_itself_is_not_a_residual_epilogue():
+    """``y = lin(x); y + y``: the add was fused as the GEMV's residual epilogue with y itself as the
+    residual, a buffer nothing writes then (VerificationError; NaN with verify=False)."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y + y
+
+    m, x = M(), torch.randn(2, 8)
+    for opts in ({}, {"verify": False}):
+        prog = compile_module(m, (x,), options=dict(workers=4, **opts))
+        x2 = torch.randn(2, 8)
+        with torch.no_grad():
+            assert_close(prog(x2), m(x2), 1e-5)
+        assert not any(op.kind == "linear_fused" and op.attr("epilogue") == "add" for op in prog.graph.ops)

@@ -314,3 +314,85 @@ def test_type_as_is_a_cast():
     prog, _ = run(M(), (torch.randn(2, 8), torch.randn(2, 8, dtype=torch.bfloat16)))
     casts = [op for op in prog.compiled.stages['opgraph'].ops if op.kind == "unary" and op.attr("fn") == "cast"]
     assert len(casts) == 1
+
+
+# ---- a shapes / dtypes breaker's findings (thirty-seventh session): each was silently wrong ----
+
+class _RotateHalfLike(torch.nn.Module):
+    """``x * cos + cat([-a, b]) * sin`` with halves other than rotate-half's (a = x[..., h:], b = x[..., :h])."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def forward(self, x, cos, sin):
+        h = x.shape[-1] // 2
+        a, b = {"standard": (x[..., h:], x[..., :h]), "lower_negated": (x[..., :h], x[..., h:]),
+                "shift_by_one": (x[..., 1:], x[..., :1])}[self.form]
+        return x * cos + torch.cat((-a, b), dim=-1) * sin
+
+
+@pytest.mark.parametrize("form", ["standard", "lower_negated", "shift_by_one"])
+def test_only_true_rotate_half_is_lowered_as_rope(form):
+    """The RoPE pattern checked the shape of the formula only: any halves, negated either way,
+    were planned as HF's rotate-half (relative L2 0.41-0.69 off eager)."""
+    x, cos, sin = torch.randn(1, 2, 1, 32), torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
+    prog, _ = run(_RotateHalfLike(form), (x, cos, sin))
+    assert ("rope" in kinds(prog)) == (form == "standard")
+
+
+def test_rmsnorm_form_without_keepdim_is_not_a_row_norm():
+    """``x * rsqrt(mean(x^2, -1) + eps)`` without keepdim scales columns in eager; it was planned as
+    an RMSNorm of rows. Now it is not matched (and the plain mean is not supported: a clear error)."""
+    from tilec.errors import UnsupportedNodeError
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1) + 1e-6)
+
+    with pytest.raises(UnsupportedNodeError, match="mean"):
+        compile_module(M(), (torch.randn(4, 4),))
+
+
+def test_attention_scale_zero_is_a_scale():
+    """``scale=0.0`` was read as "no scale" (``or``), giving 1/sqrt(D) scores instead of uniform ones."""
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, scale=0.0)
+
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    prog, _ = run(M(), (q, k, v))
+    assert_close(prog(q, k, v), v.mean(2, keepdim=True), 1e-5)
+
+
+def test_integer_cast_is_an_exact_copy():
+    """An int32 -> int64 cast went through float32 (a unary op): ids past 2**24 came out rounded."""
+    class M(torch.nn.Module):
+        def forward(self, ids):
+            return ids.to(torch.int64) * 1.0, ids.long()
+
+    ids = torch.tensor([[16777217, 33554433, 1000000001, -7]], dtype=torch.int32)
+    prog, _ = run(M(), (ids,))
+    assert "copy" in kinds(prog)
+    assert prog(ids)[1].tolist() == [[16777217, 33554433, 1000000001, -7]]
+
+
+def test_a_position_tensor_of_another_shape_is_refused():
+    """A [1, 1] position where the example had [1] was accepted and returned the compiled output
+    shape, where eager broadcasts to another."""
+    from tilec.errors import TilecError
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = torch.nn.Embedding(20, 8), torch.nn.Embedding(16, 8)
+
+        def forward(self, ids, pos):
+            return self.wte(ids) + self.wpe(pos)
+
+    m = M()
+    prog = compile_module(m, (torch.tensor([3]), torch.tensor([5])), positions=[1], max_positions=16)
+    with pytest.raises(TilecError, match=r"argument 1.*expected an integer tensor of shape \[1\].*\[1, 1\]"):
+        prog(torch.tensor([4]), torch.tensor([[7]]))
+    with torch.no_grad():
+        assert_close(prog(torch.tensor([4]), torch.tensor([7])), m(torch.tensor([4]), torch.tensor([7])), 1e-5)

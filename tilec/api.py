@@ -20,7 +20,9 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     """Captures ``module(*args)`` with ``torch.export`` and compiles it to a KernelPlan.
 
     Args:
-        module: the step to compile (e.g. :class:`tilec.hf.StaticCacheStep`).
+        module: the step to compile (e.g. :class:`tilec.hf.StaticCacheStep`). Its parameters are
+            bound by reference (later in-place edits are seen); its buffers are constants taken
+            now (folded, e.g. RoPE ``inv_freq`` into tables): recompile after editing one.
         args: example arguments; their shapes and dtypes are planned for.
         positions: indices in ``args`` of int64 tensors holding the decode position p.
         max_positions: positions p to plan for (``0 <= p < max_positions``).

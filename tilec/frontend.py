@@ -26,7 +26,8 @@ from .errors import InputError, UnsupportedNodeError
 from .frontend_dsa import DsaLowering
 from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
                       Positional, Static, aten, is_call, source_of, target_name, val_of)
-from .ir import DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, is_integer
+from .ir import (DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, dtype_name,
+                 is_integer)
 from .ops.ewise import BINARY_FNS
 from .ops.rope import INTERLEAVED, ROTATE_HALF
 
@@ -211,6 +212,12 @@ class Lowering(DsaLowering):
                 self._unsupported(node, f"operand {v.render()} has more than 4 dims")
         if len(shape) > 4:
             self._unsupported(node, f"output of shape {list(shape)} has more than 4 dims")
+        if kind in ("unary", "binary") and is_integer(dtype) and any(is_integer(self.buffers[v.buffer].dtype)
+                                                                      for v in inputs):
+            self._unsupported(node, f"integer arithmetic on values read at run time ({dtype_name(dtype)} result): "
+                                    f"tilec's elementwise ops compute in float32, exact only up to 2**24, where "
+                                    f"eager computes in integers (arithmetic on the decode position alone is "
+                                    f"computed when compiling, exactly)")
         buf = self._new_buffer(name or node.name, shape, dtype, node=node)
         out = View.whole(buf)
         self.ops.append(Op(self._name(f"{kind}_{node.name}" if name is None else name), kind, tuple(inputs), (out,),
@@ -332,6 +339,8 @@ class Lowering(DsaLowering):
             want = val_of(node).dtype if t is aten.type_as.default else (node.kwargs.get("dtype") or val_of(node).dtype)
             if self.buffers[src.buffer].dtype == want:
                 return src
+            if is_integer(self.buffers[src.buffer].dtype) and is_integer(want):
+                return self._emit(node, "copy", [src])  # exact (the unary ops compute in float32)
             return self._emit(node, "unary", [src], attrs=(("fn", "cast"), ("scalar", 0.0)))
         if t in (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default):
             return self._linear(node)
@@ -496,7 +505,7 @@ class Lowering(DsaLowering):
         return n
 
     def _norm_core(self, n):
-        """``mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim), eps)))`` -> (x, eps) or None."""
+        """``mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim=True), eps)))`` -> (x, eps) or None."""
         n = self._strip_casts(n)
         if not is_call(n, aten.mul.Tensor):
             return None
@@ -507,8 +516,9 @@ class Lowering(DsaLowering):
             if not is_call(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
                 continue
             mean = add.args[0]
-            if not is_call(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [len(val_of(mean).shape) - 1]):
-                continue
+            if not is_call(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [len(val_of(mean).shape) - 1]) \
+                    or not (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)):
+                continue  # keepdim=False would scale columns, not rows
             pw = mean.args[0]
             if is_call(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2 and pw.args[0] is x:
                 return x, float(add.args[1])
@@ -574,12 +584,38 @@ class Lowering(DsaLowering):
                     continue
                 hi = neg.args[0]
                 x = hi.args[0]
-                if lo.args[0] is not x:
+                if lo.args[0] is not x or not self._is_halves(x, cat, hi, lo):
                     continue
                 for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
-                    if xx is x and val_of(x).shape[-1] % 2 == 0 and val_of(cos).shape[-1] == val_of(x).shape[-1]:
+                    if xx is x and val_of(cos).shape[-1] == val_of(x).shape[-1]:
                         return self._rope_args(node, x, (cos, sin), ROTATE_HALF)
         return None
+
+    @staticmethod
+    def _is_halves(x, cat, hi, lo) -> bool:
+        """Whether ``cat`` joins, along x's last dim, ``hi = x[..., D/2:]`` (negated by the caller's
+        pattern) then ``lo = x[..., :D/2]``: any other slices or order is not rotate-half RoPE."""
+        shape = val_of(x).shape
+        if not shape or shape[-1] % 2:
+            return False
+        ndim, size = len(shape), shape[-1]
+        cat_dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        if cat_dim % ndim != ndim - 1:
+            return False
+        def bounds(s):
+            a = list(s.args[1:]) + [None] * (5 - len(s.args))
+            dim = a[0] if a[0] is not None else s.kwargs.get("dim", 0)
+            start = a[1] if a[1] is not None else s.kwargs.get("start")
+            end = a[2] if a[2] is not None else s.kwargs.get("end")
+            step = a[3] if a[3] is not None else s.kwargs.get("step", 1)
+            if not all(isinstance(v, int) for v in (dim, step)) or dim % ndim != ndim - 1 or step != 1:
+                return None
+            start, end = (0 if start is None else start), (size if end is None else end)
+            if not (isinstance(start, int) and isinstance(end, int)):
+                return None
+            start, end = (v + size if v < 0 else v for v in (start, end))
+            return max(0, min(start, size)), max(0, min(end, size))
+        return bounds(hi) == (size // 2, size) and bounds(lo) == (0, size // 2)
 
     def _rope_interleaved(self, node: fx.Node):
         """``cat([x1*c - x2*s, x2*c + x1*s])`` with ``x1, x2 = x[..., 0::2], x[..., 1::2]``
@@ -631,11 +667,14 @@ class Lowering(DsaLowering):
         q = self.view_of(q_n)
         (k_src, _), (v_src, _) = self._gqa_source(k_n), self._gqa_source(v_n)
         k, v = self.view_of(k_src), self.view_of(v_src)
+        if not len(q.shape) == len(k.shape) == len(v.shape) == 4:
+            self._unsupported(node, f"attention over {len(q.shape)}-d queries, {len(k.shape)}-d keys and "
+                                    f"{len(v.shape)}-d values (tilec plans [batch, heads, tokens, head_dim])")
         bsz, hq, sq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
         if hq % hkv:
             self._unsupported(node, f"{hq} query heads not a multiple of {hkv} KV heads")
-        scale = rest.get("scale") or d ** -0.5
+        scale = d ** -0.5 if rest.get("scale") is None else rest["scale"]  # scale=0.0 is a scale
         mask = rest.get("attn_mask")
         causal = False
         if rest.get("is_causal"):

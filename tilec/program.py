@@ -37,8 +37,9 @@ def _position_of(label: str, a) -> int:
 class CompiledProgram:
     """Calls the compiled step: ``program(*args)`` with the same arguments as the captured module.
 
-    Parameters are bound by reference (the module's own tensors). Buffers marked STATE (KV
-    caches) are the caller's tensors, updated in place. Intermediates are owned by the program
+    Parameters are bound by reference (the module's own tensors). Module buffers are constants
+    taken when compiling (folded: an in-place edit of one later is not seen; recompile after it).
+    Buffers marked STATE (KV caches) are the caller's tensors, updated in place. Intermediates are owned by the program
     and poisoned with NaN before each reference run, so an unwritten element cannot pass a test.
     Returns the outputs as new tensors (a tuple, or one tensor when the module returns one).
     ``library``: a prebuilt shared library of this plan for the CUDA executor (else built with nvcc).
@@ -87,12 +88,16 @@ class CompiledProgram:
                 continue
             self.tensors[name] = t.contiguous()
         # per argument: (kind, buffer name, shape, dtype, staged, updated in place)
-        self._arg_specs = [(_POSITION if name == POSITION else _IGNORED, name, None, None, False, False)
+        # (a position tensor's example shape: another shape can broadcast to other output shapes in eager)
+        example = list(example_args) if len(example_args) == len(self.graph.inputs) else [None] * len(self.graph.inputs)
+        self._arg_specs = [(_POSITION if name == POSITION else _IGNORED, name,
+                            tuple(ex.shape) if name == POSITION and isinstance(ex, torch.Tensor) else None,
+                            None, False, False)
                            if name in (POSITION, IGNORED) else
                            (_TENSOR, name, self.graph.buffers[name].shape, self.graph.buffers[name].dtype,
                             name in self.staged_inputs,
                             self.graph.buffers[name].kind is BufferKind.STATE or name in written)
-                           for name in self.graph.inputs]
+                           for name, ex in zip(self.graph.inputs, example)]
         self._labels = list(arg_labels) if arg_labels is not None and len(arg_labels) == len(self.graph.inputs) else \
             [f"argument {i}" + ("" if name in (POSITION, IGNORED) else f" ({name})")
              for i, name in enumerate(self.graph.inputs)]
@@ -134,6 +139,9 @@ class CompiledProgram:
                 continue
             if kind == _POSITION:
                 p = a if type(a) is int else _position_of(self._labels[i], a)
+                if type(a) is not int and shape is not None and isinstance(a, torch.Tensor) and a.shape != shape:
+                    raise TilecError(f"{self._labels[i]}: expected an integer tensor of shape {list(shape)} (the "
+                                     f"example's; another shape can change the output's), got {a.dtype}{list(a.shape)}")
                 if not 0 <= p < self.graph.max_positions:
                     raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
                                         f"[0, {self.graph.max_positions}) (integer inputs with one element are read "

@@ -478,7 +478,23 @@ __device__ void op_binary(TileCtx& c) {
 
 template <typename TX, typename TO>
 __device__ void op_copy(TileCtx& c) {
-  map1<TX, TO>(c, operands()[0], operands()[1], [](float v) { return v; });
+  if constexpr (std::is_integral<TX>::value && std::is_integral<TO>::value) {
+    // integers (and bools) element by element, exactly: map1 computes in float32, exact only up
+    // to 2^24 (an int64 id or slot past it came out rounded)
+    const Operand &x = operands()[0], &out = operands()[1];
+    const int nd = out.ndim;
+    int lo[4], hi[4];
+    box_of(c, nd, lo, hi);
+    const int l0 = lo[nd - 1], len = hi[nd - 1] - l0, rows = box_rows(nd, lo, hi);
+    for (int e = threadIdx.x; e < rows * len; e += kThreads) {
+      int idx[4] = {0, 0, 0, 0};
+      row_index(e / len, nd, lo, hi, idx);
+      idx[nd - 1] = l0 + e % len;
+      base<TO>(out)[offset4(out, idx)] = static_cast<TO>(base<TX>(x)[offset4(x, idx)]);
+    }
+  } else {
+    map1<TX, TO>(c, operands()[0], operands()[1], [](float v) { return v; });
+  }
 }
 
 // Copies the tile's rows of 2-byte T 16 bytes at a time in one rolled loop (every copy in flight

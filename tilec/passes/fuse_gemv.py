@@ -76,7 +76,10 @@ def fuse_gemv_chains(graph: OpGraph, opts=None) -> OpGraph:
                 clobbered = any(ops[j] is not None and any(v.buffer in (resid.buffer, a.outputs[0].buffer)
                                                            for v in ops[j].outputs + ops[j].inputs)
                                 for j in between)
-                if resid.shape == out.shape and dtype(resid) == dtype(out) and not clobbered:
+                # not y + y: the residual must be another buffer (the GEMV's own output is not written
+                # until its epilogue)
+                if resid.buffer != out.buffer and resid.shape == out.shape and dtype(resid) == dtype(out) \
+                        and not clobbered:
                     inputs.append(resid)
                     attrs["epilogue"] = "add"
                     final_out = a.outputs[0]
