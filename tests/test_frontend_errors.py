@@ -617,3 +617,10 @@ def test_attention_on_fewer_than_4_dims_is_an_unsupported_node(dims):
     kv = (2, 5, 16)[3 - dims:]
     with pytest.raises(UnsupportedNodeError, match=f"attention over {dims}-d queries"):
         compile_module(M(), (torch.randn(shape), torch.randn(kv), torch.randn(kv)))
+
+
+def test_a_float64_module_is_told_to_cast():
+    """The float64 refusal ended with "move such ops out" (a breaker's finding): the fix is a cast."""
+    with pytest.raises(UnsupportedNodeError, match=r"(?s)dtype torch.float64.*hint: tilec has no float64 kernels: cast "
+                                                   r"the module and its inputs"):
+        compile_module(torch.nn.Linear(8, 4).double(), (torch.randn(2, 8, dtype=torch.float64),))

@@ -51,7 +51,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     except UnsupportedNodeError as first:
         every = find_unsupported(gm, binding, max_positions)  # report all of them, not just the first
         nodes = every if len(every) > 1 else [(*first.nodes[0], first.why[0])]
-        raise UnsupportedNodeError(nodes, first.reason if len(every) <= 1 else "", _hint(args)) from first
+        whys = [first.reason, *(n[-1] for n in nodes if isinstance(n[-1], str))]
+        raise UnsupportedNodeError(nodes, first.reason if len(every) <= 1 else "", _hint(args, whys)) from first
     compiled = compile_opgraph(graph, opts, with_dump(hook, opts), opgraph_seconds=time.perf_counter() - t0)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     n_user = len(out_node.args[0]) - binding.mutation_outputs
@@ -60,8 +61,12 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
                            example_args=args, out_spec=binding.out_spec)
 
 
-def _hint(args) -> str:
-    """What a user can do about ops tilec cannot lower (the end of compile_module's error)."""
+def _hint(args, whys=()) -> str:
+    """What a user can do about ops tilec cannot lower (the end of compile_module's error); ``whys``:
+    the reasons given, to say so when a dtype is the cause."""
+    if any("torch.float64" in (w or "") for w in whys):
+        return ("tilec has no float64 kernels: cast the module and its inputs to float32 or bfloat16 "
+                "(module.float(), x.float()).")
     ints = [i for i, a in enumerate(args) if isinstance(a, int) and not isinstance(a, bool)]
     baked = (f"argument{'s' if len(ints) > 1 else ''} {', '.join(map(str, ints))} "
              f"{'are Python ints' if len(ints) > 1 else 'is a Python int'}, baked into the graph as a constant: a "

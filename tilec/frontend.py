@@ -302,7 +302,8 @@ class Lowering(DsaLowering):
         else:
             kind = BufferKind.INPUT
         if 0 in tuple(val.shape) or val.dtype not in DTYPE_CODES:
-            what = f"zero-size input of shape {list(val.shape)}" if 0 in tuple(val.shape) else f"dtype {val.dtype}"
+            role = {BufferKind.PARAM: "parameter", BufferKind.STATE: "state tensor"}.get(kind, "input")
+            what = f"zero-size {role} of shape {list(val.shape)}" if 0 in tuple(val.shape) else f"dtype {val.dtype}"
             self._unsupported(node, f"{what} is not supported")
         buf = Buffer(node.name, tuple(val.shape), val.dtype, kind)
         self.buffers[buf.name] = buf
