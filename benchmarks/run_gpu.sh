@@ -92,7 +92,7 @@ if [[ $what == quick ]]; then  # not part of all: all runs each of these in full
 fi
 if [[ $what == pending ]]; then  # not part of all
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py tests/gpu/test_cuda_glm5_prelude.py \
-    -k "embedding_rows or slot_outside or page_id" 2>&1 | tee "$OUT/pending_tests.log" | tail -12
+    -k "embedding_rows or slot_outside or page_id or integer_copies" 2>&1 | tee "$OUT/pending_tests.log" | tail -12
   timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py \
     -k "decode_matches_eager and (llama-3.2-1b or tiny)" 2>&1 | tee "$OUT/pending_models.log" | tail -10
   timeout 120 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --gemv --skip-inductor --iters 50 2>&1 | tee "$OUT/bench.log" | tail -12
