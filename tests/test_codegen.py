@@ -183,14 +183,17 @@ def test_a_build_is_announced_on_stderr_once(tmp_path, monkeypatch, capsys):
 @needs_nvcc
 @pytest.mark.slow
 def test_integer_copies_compile(tmp_path, monkeypatch):
-    """The exact integer path of op_copy (int32 -> int64, int64 -> int64) builds with nvcc."""
+    """The exact integer paths (move_integers) of op_copy (int32 -> int64, int64 -> int64, 0-d) and
+    op_concat build with nvcc."""
     monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
 
     class M(torch.nn.Module):
-        def forward(self, ids32, ids64):
-            return ids32.long(), ids64.t().contiguous()
+        def forward(self, ids32, ids64, one):
+            return ids32.long(), ids64.t().contiguous(), torch.cat([ids64, ids32.long()], 1), one.long()
 
-    prog = compile_module(M(), (torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([[1, 2], [3, 4]])))
+    prog = compile_module(M(), (torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), torch.tensor([[1, 2], [3, 4]]),
+                                torch.tensor(5, dtype=torch.int32)))
     src = codegen.render(prog.plan)["program.cu"]
     assert "op_copy<int, long long>" in src and "op_copy<long long, long long>" in src
+    assert "op_concat<long long, long long>" in src
     assert codegen.build(codegen.render(prog.plan)).exists()

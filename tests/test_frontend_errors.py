@@ -624,3 +624,31 @@ def test_a_float64_module_is_told_to_cast():
     with pytest.raises(UnsupportedNodeError, match=r"(?s)dtype torch.float64.*hint: tilec has no float64 kernels: cast "
                                                    r"the module and its inputs"):
         compile_module(torch.nn.Linear(8, 4).double(), (torch.randn(2, 8, dtype=torch.float64),))
+
+
+class _WindowAttention(torch.nn.Module):
+    """Decode attention over a static cache of 40 rows with a sliding-window mask of ``window`` rows."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q, k, v, pos):
+        j = torch.arange(k.shape[2])
+        mask = (j <= pos) & (j > pos - self.window)  # [40]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(1, 1, 1, -1))
+
+
+@pytest.mark.parametrize("window,first_bad", [(7, 7), (100, None)])
+def test_a_mask_other_than_causal_names_its_first_position(window, first_bad):
+    """The causal-mask check runs over all planned positions at once (it was one comparison per
+    position and layer: 7 of a 16-layer 1B compile's 44 s); a sliding window differs from the causal
+    mask from position ``window`` on, and the error names that position."""
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    args = (q, k, v, torch.tensor([3]))
+    if first_bad is None:
+        prog = compile_module(_WindowAttention(window), args, positions=[3], max_positions=40)
+        torch.testing.assert_close(prog(q, k, v, torch.tensor([30])), _WindowAttention(window)(q, k, v, torch.tensor([30])))
+        return
+    with pytest.raises(UnsupportedNodeError, match=f"attention mask at position {first_bad} is not the causal mask"):
+        compile_module(_WindowAttention(window), args, positions=[3], max_positions=40)

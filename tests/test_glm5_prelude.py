@@ -541,3 +541,34 @@ def test_index_score_page_ids_count_from_the_end_and_are_checked():
     args[3][1, 1] = 7
     with pytest.raises(TilecError, match="op index_score.* block-table page id 7 outside the key cache's 7 pages"):
         prog(*args)
+
+
+def test_index_score_ids_of_pages_past_the_last_position_are_not_read():
+    """The device reads only the pages of positions up to a request's latest (later ones may not
+    exist yet); the reference raised for a bad id there (a reviewer's finding) and now reads as the
+    device does: the same scores as with any valid id in that page, -inf past the position."""
+    args = _score_inputs()
+    prog = compile_module(_Score(), tuple(args))
+    want = prog(*args)
+    args[3][1, 2] = 99  # request 1's positions 32..47: past its tokens (20..23)
+    got = prog(*args)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
+
+
+def test_index_score_key_scales_must_match_the_key_cache_pages():
+    """Key scales with fewer pages than the key cache passed the device's page check (made against
+    the key cache) and were read past their end: now the compile refuses them."""
+    from tilec.errors import UnsupportedNodeError
+
+    class Scaled(torch.nn.Module):
+        def forward(self, q, w, k_cache, k_scale, block_tables, positions):
+            return glm.paged_index_score(q, w, k_cache, block_tables, positions, scale=0.1, k_scale_cache=k_scale)
+
+    q, w, k_cache, block_tables, positions = _score_inputs()
+    block_tables = block_tables % 6
+    assert any(op.kind == "index_score" for op in compile_module(
+        Scaled(), (q, w, k_cache, torch.rand(7, 16), block_tables, positions)).graph.ops)
+    with pytest.raises(UnsupportedNodeError, match=r"key scales of shape \[6, 16\] for a key cache \[7, 16, 32\]"):
+        compile_module(Scaled(), (q, w, k_cache, torch.rand(6, 16), block_tables, positions))
+

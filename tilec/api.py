@@ -64,14 +64,13 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
 def _hint(args, whys=()) -> str:
     """What a user can do about ops tilec cannot lower (the end of compile_module's error); ``whys``:
     the reasons given, to say so when a dtype is the cause."""
-    if any("torch.float64" in (w or "") for w in whys):
-        return ("tilec has no float64 kernels: cast the module and its inputs to float32 or bfloat16 "
-                "(module.float(), x.float()).")
+    cast = ("tilec has no float64 kernels: cast the module and its inputs to float32 or bfloat16 (module.float(), "
+            "x.float()). ") if any("torch.float64" in (w or "") for w in whys) else ""
     ints = [i for i, a in enumerate(args) if isinstance(a, int) and not isinstance(a, bool)]
     baked = (f"argument{'s' if len(ints) > 1 else ''} {', '.join(map(str, ints))} "
              f"{'are Python ints' if len(ints) > 1 else 'is a Python int'}, baked into the graph as a constant: a "
              f"decode position must be an integer tensor (torch.tensor([p])) listed in positions. ") if ints else ""
-    return (baked + "Move such ops out of the compiled module, or compile it with torch.compile(module, "
+    return (cast + baked + "Move such ops out of the compiled module, or compile it with torch.compile(module, "
             "backend='tilec'), which runs them eagerly.")
 
 

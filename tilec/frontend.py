@@ -83,6 +83,7 @@ class Lowering(DsaLowering):
         self._static_cache: dict = {}
         self._pos_caches: dict[int, dict] = {}
         self._views: dict[int, View] = {}
+        self._mask_checks: dict[tuple, int] = {}  # _check_causal_mask's verdicts: the first bad position, or -1
         self.position_updates: dict[str, torch.Tensor] = {}
         self.probe = probe
         self.unsupported: list[tuple[str, str, str, str]] = []
@@ -694,13 +695,30 @@ class Lowering(DsaLowering):
         if not isinstance(val, Positional):
             self._unsupported(node, "attention mask that does not depend only on the decode position "
                                     "(padding masks are not supported)")
-        table = val.table
-        for p in range(min(self.max_positions, s - sq + 1)):
-            m = table[p]
-            allowed = m if m.dtype == torch.bool else (m == 0)
-            want = torch.arange(s).view(1, s) <= (p + torch.arange(sq)).view(sq, 1)
-            if not torch.equal(allowed.expand(bsz, hq, sq, s), want.expand(bsz, hq, sq, s)):
-                self._unsupported(node, f"attention mask at position {p} is not the causal mask over the static cache")
+        n = min(self.max_positions, s - sq + 1)
+        key = (id(val.table), n, bsz, hq, sq, s)  # the layers of a model share one mask table
+        bad = self._mask_checks.get(key)
+        if bad is None:
+            bad = -1
+            m = val.table[:n]
+            m = m.reshape(n, *([1] * (5 - m.dim())), *m.shape[1:])  # [n, b, h, q, s] (dims of 1 broadcast)
+            # many positions at once, broadcast as eager does; the mask's own dims of 1 stay 1 (they
+            # hold the same value for every batch row and head)
+            lead = tuple(1 if d == 1 else full for d, full in zip(m.shape[1:3], (bsz, hq)))
+            chunk = max(1, (1 << 24) // (lead[0] * lead[1] * sq * s))
+            for p0 in range(0, n, chunk):
+                part = m[p0:p0 + chunk]
+                allowed = part if part.dtype == torch.bool else (part == 0)
+                k = allowed.shape[0]
+                want = torch.arange(s).view(1, 1, s) <= (torch.arange(p0, p0 + k).view(k, 1, 1) +
+                                                         torch.arange(sq).view(1, sq, 1))
+                same = (allowed.expand(k, *lead, sq, s) == want.view(k, 1, 1, sq, s)).flatten(1).all(1)
+                if not bool(same.all()):
+                    bad = p0 + int((~same).nonzero()[0])
+                    break
+            self._mask_checks[key] = bad
+        if bad >= 0:
+            self._unsupported(node, f"attention mask at position {bad} is not the causal mask over the static cache")
 
     def _check_slot_index(self, node, idx_node, sq, cache: View):
         val = self.value(idx_node)

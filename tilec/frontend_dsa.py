@@ -369,6 +369,9 @@ class DsaLowering:
                 or tuple(val_of(bt).shape)[0] != qs[0]:
             self._unsupported(node, f"indexer score with q {list(qs)}, weights {list(ws)}, key cache {list(cs)}, "
                                     f"positions {list(ps)}: expected [R, T, H, D], [R, T, H], [pages, page, D], [R, T]")
+        if kscale is not None and tuple(val_of(kscale[0]).shape) != cs[:2]:
+            self._unsupported(node, f"key scales of shape {list(val_of(kscale[0]).shape)} for a key cache "
+                                    f"{list(cs)}: expected [pages, page] = {list(cs[:2])}")
         inputs = [self.view_of(q), self.view_of(w), self.view_of(cache)]
         if kscale is not None:
             inputs.append(self.view_of(kscale[0]))

@@ -140,8 +140,9 @@ class CompiledProgram:
             if kind == _POSITION:
                 p = a if type(a) is int else _position_of(self._labels[i], a)
                 if type(a) is not int and shape is not None and isinstance(a, torch.Tensor) and a.shape != shape:
-                    raise TilecError(f"{self._labels[i]}: expected an integer tensor of shape {list(shape)} (the "
-                                     f"example's; another shape can change the output's), got {a.dtype}{list(a.shape)}")
+                    raise PositionError(f"{self._labels[i]}: expected an integer tensor of shape {list(shape)} (the "
+                                        f"example's; another shape can change the output's), got "
+                                        f"{a.dtype}{list(a.shape)}")
                 if not 0 <= p < self.graph.max_positions:
                     raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
                                         f"[0, {self.graph.max_positions}) (integer inputs with one element are read "

@@ -476,25 +476,36 @@ __device__ void op_binary(TileCtx& c) {
   });
 }
 
+// Integer (and bool) elements moved exactly, one at a time: the elementwise helpers (map1,
+// for_out_box) carry values as float32, exact only up to 2^24 (int64 ids or slots past it came out
+// rounded). out's box; x is indexed like out, less `start` along dim `dim` (a concat's slab; -1:
+// none). Integer copies, cache writes and concats are small (ids, slots), so no vector path.
+template <typename TX, typename TO>
+__device__ void move_integers(const TileCtx& c, const Operand& x, const Operand& out, int dim = -1, int start = 0) {
+  const int nd = out.ndim;
+  int lo[4], hi[4];
+  box_of(c, nd, lo, hi);
+  const int l0 = nd ? lo[nd - 1] : 0, len = nd ? hi[nd - 1] - l0 : 1, rows = box_rows(nd, lo, hi);
+  for (int e = threadIdx.x; e < rows * len; e += kThreads) {
+    int idx[4] = {0, 0, 0, 0}, j[4];
+    row_index(e / len, nd, lo, hi, idx);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // constant indices: the arrays stay in registers
+      if (k == nd - 1) idx[k] = l0 + e % len;
+      j[k] = idx[k] - (k == dim ? start : 0);
+    }
+    base<TO>(out)[offset4(out, idx)] = static_cast<TO>(base<TX>(x)[offset4(x, j)]);
+  }
+}
+template <typename TX, typename TO>
+constexpr bool kIntegers = std::is_integral<TX>::value && std::is_integral<TO>::value;
+
 template <typename TX, typename TO>
 __device__ void op_copy(TileCtx& c) {
-  if constexpr (std::is_integral<TX>::value && std::is_integral<TO>::value) {
-    // integers (and bools) element by element, exactly: map1 computes in float32, exact only up
-    // to 2^24 (an int64 id or slot past it came out rounded)
-    const Operand &x = operands()[0], &out = operands()[1];
-    const int nd = out.ndim;
-    int lo[4], hi[4];
-    box_of(c, nd, lo, hi);
-    const int l0 = lo[nd - 1], len = hi[nd - 1] - l0, rows = box_rows(nd, lo, hi);
-    for (int e = threadIdx.x; e < rows * len; e += kThreads) {
-      int idx[4] = {0, 0, 0, 0};
-      row_index(e / len, nd, lo, hi, idx);
-      idx[nd - 1] = l0 + e % len;
-      base<TO>(out)[offset4(out, idx)] = static_cast<TO>(base<TX>(x)[offset4(x, idx)]);
-    }
-  } else {
+  if constexpr (kIntegers<TX, TO>)
+    move_integers<TX, TO>(c, operands()[0], operands()[1]);
+  else
     map1<TX, TO>(c, operands()[0], operands()[1], [](float v) { return v; });
-  }
 }
 
 // Copies the tile's rows of 2-byte T 16 bytes at a time in one rolled loop (every copy in flight
@@ -529,6 +540,10 @@ __device__ __noinline__ void cache_write_generic(TileCtx& c) {
 }
 template <typename TS, typename TD>
 __device__ void op_cache_write(TileCtx& c) {
+  if constexpr (kIntegers<TS, TD>) {
+    move_integers<TS, TD>(c, operands()[0], operands()[1]);
+    return;
+  }
 #ifndef TILEC_CACHE_WRITE_GENERIC  // an experiment's knob: always the unrolled elementwise path
   if constexpr (std::is_same<TS, TD>::value && sizeof(TS) == 2)
     if (copy_rows16<TS>(c, operands()[0], operands()[1])) return;
@@ -544,6 +559,10 @@ __device__ void op_concat(TileCtx& c) {
   while (n_in < TILEC_MAX_OPERANDS && operands()[n_in].dtype != TILEC_UNUSED_OPERAND) ++n_in;
   const Operand &x = operands()[i], &out = operands()[n_in - 1];
   const int start = c.lo(dim), nd = out.ndim, l = last_lo(c, out);
+  if constexpr (kIntegers<TI, TO>) {
+    move_integers<TI, TO>(c, x, out, dim, start);
+    return;
+  }
   for_out_box(c, out, vec_ok<TI>(x, nd, dim == nd - 1 ? l - start : l) && vec_ok<TO>(out, nd, l),
               [&](auto kv, const int* idx) {
                 TILEC_EW_K;

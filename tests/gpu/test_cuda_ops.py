@@ -521,18 +521,28 @@ def test_refused_launch_leaves_the_program_usable():
 
 
 class _IntCopies(torch.nn.Module):
-    def forward(self, ids32, ids64):
-        return ids32.long(), ids64.t().contiguous(), ids32.t().contiguous().to(torch.int64)
+    def forward(self, ids32, ids64, one, pos, hist):
+        hist.index_copy_(1, pos, ids64[:, :1])
+        return (ids32.long(), ids64.t().contiguous(), ids32.t().contiguous().to(torch.int64),
+                torch.cat([ids64, ids32.long()], 1), one.long())
 
 
 def test_integer_copies_are_exact():
-    """Copies and integer casts went through float32 (map1): values past 2**24 came out rounded.
-    Integer copies now move the integers themselves (written without a GPU)."""
+    """Copies, integer casts, concats and cache writes went through float32 (map1, for_out_box):
+    values past 2**24 came out rounded. Integers now move as integers (move_integers), a 0-d one
+    too (written without a GPU)."""
     big = torch.tensor([16777217, 33554433, 1000000001, -7, 2**40 + 3, -(2**35) - 1])
     ids64 = big.view(2, 3).to(DEV)
     ids32 = torch.tensor([16777217, 33554433, 1000000001, -7, 5, 2**31 - 1], dtype=torch.int32).view(2, 3).to(DEV)
+    one = torch.tensor(2**31 - 2, dtype=torch.int32, device=DEV)
+    hist = torch.zeros(2, 8, dtype=torch.int64, device=DEV)
     m = _IntCopies()
-    prog = compile_module(m, (ids32, ids64), options=dict(executor="cuda", workers=4))
-    assert sum(op.kind == "copy" for op in prog.graph.ops) >= 3
-    for got, want in zip(prog(ids32, ids64), m(ids32, ids64)):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    prog = compile_module(m, (ids32, ids64, one, torch.tensor([3], device=DEV), hist.clone()), positions=[3],
+                          max_positions=8, options=dict(executor="cuda", workers=4))
+    assert {"copy", "concat", "cache_write"} <= {op.kind for op in prog.graph.ops}
+    mine, want_hist = hist.clone(), hist.clone()
+    got = prog(ids32, ids64, one, torch.tensor([5], device=DEV), mine)
+    want = m(ids32, ids64, one, torch.tensor([5], device=DEV), want_hist)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    assert torch.equal(mine, want_hist)

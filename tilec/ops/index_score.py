@@ -49,10 +49,11 @@ class IndexScore(OpDef):
     (:meth:`params`): scale bits, page, has_k_scale, then with attr ``quant`` 1, pow2, amin bits,
     FP8 max bits, w_scale bits. Tiles: one request x a chunk of whole pages
     (:func:`positions_per_tile`: about ``workers`` tiles in all); each declares the whole key
-    cache read (its pages are looked up at run time). A page id counts from the end when negative,
-    as torch indexes; one outside ``[-pages, pages)`` is an error (IndexError here; on the device
-    the tile reads page 0 instead and the host raises TilecError naming the op at its next check).
-    The device reads only the pages of positions up to the request's latest ``pos``.
+    cache read (its pages are looked up at run time). Only the pages of positions up to the
+    request's latest ``pos`` are read (later ones may not exist yet; eager gathers every page). A
+    page id read counts from the end when negative, as torch indexes; one outside ``[-pages,
+    pages)`` is an error (IndexError here; on the device the tile reads page 0 instead and the host
+    raises TilecError naming the op at its next check).
     """
 
     kind, opcode = "index_score", 24
@@ -105,9 +106,13 @@ class IndexScore(OpDef):
         (r0, r1), (j0, j1) = t.coords
         for r in range(r0, r1):
             pages = bt[r, j0 // page:(j1 - 1) // page + 1].long()
-            bad = pages[(pages < -kc.shape[0]) | (pages >= kc.shape[0])]
+            # as the device: only the pages of positions up to the request's latest are read (later
+            # ones may not exist yet; their scores are -inf), and only those ids are checked
+            read = (torch.arange(len(pages)) + j0 // page) * page <= int(pos[r].max())
+            bad = pages[read & ((pages < -kc.shape[0]) | (pages >= kc.shape[0]))]
             if bad.numel():
                 raise IndexError(f"block-table page id {int(bad[0])} outside the key cache's {kc.shape[0]} pages")
+            pages = torch.where(read, pages, torch.zeros_like(pages))
             first = j0 - (j0 // page) * page
             keys = kc[pages].flatten(0, 1)[first:first + j1 - j0].float()  # [J, D]
             qr, wr = q[r].float(), w[r].float()
