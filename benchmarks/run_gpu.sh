@@ -95,7 +95,8 @@ if [[ $what == pending ]]; then  # not part of all
     -k "embedding_rows or slot_outside or page_id or integer_copies" 2>&1 | tee "$OUT/pending_tests.log" | tail -12
   timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py \
     -k "decode_matches_eager and (llama-3.2-1b or tiny)" 2>&1 | tee "$OUT/pending_models.log" | tail -10
-  timeout 120 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --gemv --skip-inductor --iters 50 2>&1 | tee "$OUT/bench.log" | tail -12
+  timeout 120 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --gemv --skip-inductor --iters 50 2>&1 |
+    tee "$OUT/bench.log" | tail -12
   timeout 100 python3 benchmarks/lab/call_gap.py 2>&1 | tee "$OUT/call_gap.log"
 fi
 if ((${#failed[@]})); then

@@ -129,8 +129,9 @@ struct TileCtx {
 };
 
 // An index the tile read at run time (a token id, a cache slot, a page id) is outside [lo, hi): the
-// tile skips what it would have read or written there (or reads a safe row instead); this records it (the step's first such error wins) for
-// the host to raise. The step itself goes on: its epoch and events stay consistent.
+// tile skips what it would have read or written there (or reads a safe row instead); this records
+// it (the step's first such error wins) for the host to raise. The step itself goes on: its epoch
+// and events stay consistent.
 __device__ __noinline__ void fail_index(const TileCtx& c, long long index, long long lo, long long hi) {
   ErrorRecord* err = reinterpret_cast<ErrorRecord*>(c.err);
   if (atomicCAS(&err->index_flag, 0, 1) == 0) {
