@@ -728,3 +728,15 @@ def test_two_one_element_integers_that_disagree_run_eagerly():
         strict(x, torch.tensor([3]), torch.tensor(3), mine)
         with pytest.raises(TilecError, match=r"disagree \(pos holds 4, n holds 1\)"):
             strict(x, torch.tensor([4]), torch.tensor(1), mine)
+
+
+def test_a_max_positions_past_the_cache_names_the_users_cache():
+    """The error said ``argument 8 (arg8_1)`` where the user knows ``cache.layers[0].keys`` (a
+    breaker's finding): the frontend now takes the backend's labels."""
+    model = make_model("llama-tiny")
+    cache, tok = prefill(model, 1, 4, 16)
+    f = torch.compile(model, backend="tilec", options={"workers": 8, "max_positions": 100}, dynamic=False)
+    with pytest.raises(Exception, match=r"InputError: max_positions 100 exceeds the KV cache length 16 of "
+                                        r"cache\.layers\[0\]\.keys float32"):  # Dynamo wraps it
+        with torch.no_grad():
+            f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([4]), use_cache=True)

@@ -590,9 +590,32 @@ def test_a_zero_dim_position_used_as_an_index_says_to_add_a_dimension():
     """The export error said to make the computation independent of tensor values; the fix is a
     position of one dimension (a fresh user's finding)."""
     args = (torch.randn(1, 4, 16), torch.tensor(3), torch.zeros(1, 4, 16, 16))
-    with pytest.raises(TilecError, match=r"Position argument 1 is a 0-d tensor, which indexing reads as a number: pass "
-                                         r"it with one dimension, torch.tensor\(\[p\]\)"):
+    with pytest.raises(TilecError, match=r"If the value read there is position argument 1, a 0-d tensor that indexing "
+                                         r"reads as a number, pass it with one dimension, torch.tensor\(\[p\]\)"):
         compile_module(ZeroDimSlot(), args, positions=[1], max_positions=16)
+
+
+def test_a_data_dependent_hf_model_is_not_told_to_change_the_cache_counters():
+    """OPT slices its position ids by the cache's length: compile_decode_step said "position argument
+    4 is a 0-d tensor ... pass it with one dimension" about a cache counter tilec passes itself (a
+    breaker's finding). Now it names the model and what to do."""
+    import transformers
+
+    from tilec.hf import cache_kwargs, compile_decode_step
+
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4,
+                                 vocab_size=100, max_position_embeddings=64, word_embed_proj_dim=64)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.OPTForCausalLM(cfg).eval()
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, 4)), cache_position=torch.arange(4), use_cache=True,
+              **cache_kwargs(model, cache))
+    with pytest.raises(TilecError, match=r"(?s)depends on a tensor's value.*torch.compile\(module, backend='tilec'\).*"
+                                         r"OPTForCausalLM's forward reads a value at run time") as e:
+        compile_decode_step(model, cache, 1)
+    assert "0-d tensor" not in str(e.value)
 
 
 def test_integer_arithmetic_on_run_time_values_is_refused():
@@ -653,3 +676,25 @@ def test_a_mask_other_than_causal_names_its_first_position(window, first_bad):
         return
     with pytest.raises(UnsupportedNodeError, match=f"attention mask at position {first_bad} is not the causal mask"):
         compile_module(_WindowAttention(window), args, positions=[3], max_positions=40)
+
+
+def test_a_sliding_window_cache_is_named_and_repeat_kv_is_not_listed():
+    """Mistral's default sliding_window gives StaticSlidingWindowLayers, whose mask HF builds from a
+    Python int: a constant in the graph. The error called it a padding mask and listed every
+    repeat_kv clone as a 5-d operand (a breaker's finding)."""
+    import transformers
+
+    from tilec.hf import cache_kwargs, compile_decode_step
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.MistralForCausalLM(cfg).eval()
+    cache = transformers.StaticCache(config=cfg, max_cache_len=16)
+    with torch.no_grad():
+        model(torch.randint(0, 100, (1, 4)), cache_position=torch.arange(4), use_cache=True,
+              **cache_kwargs(model, cache))
+    with pytest.raises(UnsupportedNodeError, match=r"attention mask that is a constant.*sliding-window") as e:
+        compile_decode_step(model, cache, 1)
+    assert "more than 4 dims" not in str(e.value) and "padding" not in str(e.value)

@@ -220,7 +220,7 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
     ``labels`` name them in errors; ``consts`` is the constants' :func:`_consts_digest`)."""
     global _warned_cpu
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    binding = GraphBinding()
+    binding = GraphBinding(labels=dict(zip((n.name for n in placeholders), labels)))
     for node, t, kind in zip(placeholders, flat_args, kinds):
         if kind == "const":
             binding.consts[node.name] = t.detach().clone()  # a snapshot: the plan is keyed by these values
@@ -387,7 +387,8 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
                 kinds[i] = "input"
             if kinds[i] in ("const", "param") and node in written:  # forward updates it: a per-call input
                 kinds[i] = "input"
-        binding = GraphBinding(user_inputs=[n.name for n in placeholders])
+        binding = GraphBinding(user_inputs=[n.name for n in placeholders],
+                               labels=dict(zip((n.name for n in placeholders), labels)))
         for node, kind, t in zip(placeholders, kinds, flat):
             if kind == "position":
                 binding.positions.add(node.name)

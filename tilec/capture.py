@@ -133,24 +133,25 @@ def _raised_at(e: BaseException, skip: tuple[str, ...]) -> str:
 def _check_data_dependent(cause: BaseException, zero_dim_positions: list[int] = ()) -> None:
     """After a failed export of a module that runs eagerly: raises :class:`TilecError` naming the
     user's source line when export failed on a value-dependent branch or size (torch's
-    ``GuardOnDataDependentSymNode``, whose own message is about guards and symbols) - or, when a
-    position argument is a 0-d tensor (``cache[:, pos] = k`` then reads its value), saying to pass
-    it with one dimension; returns otherwise."""
+    ``GuardOnDataDependentSymNode``, whose own message is about guards and symbols), and when a
+    position argument is a 0-d tensor (``cache[:, pos] = k`` then reads its value) saying to pass
+    it with one dimension if that is the value read; returns otherwise."""
     from torch.fx.experimental import symbolic_shapes
 
     kind = getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None)
     if kind is None or not isinstance(cause, kind):
         return
     where = _raised_at(cause, ("/torch/", "/tilec/"))
-    if zero_dim_positions:
-        i = zero_dim_positions[0]
-        raise TilecError(f"torch.export cannot capture the module: it depends on a tensor's value{where}. Position "
-                         f"argument {i} is a 0-d tensor, which indexing reads as a number: pass it with one "
-                         f"dimension, torch.tensor([p]) (or write the cache with index_copy_)") from cause
+    # a 0-d position is one possible cause, not the only one (OPT slices position ids by the cache's
+    # length, dynamic RoPE compares positions with its cached length): both are said
+    zero_d = (f" If the value read there is position argument {zero_dim_positions[0]}, a 0-d tensor that indexing "
+              f"reads as a number, pass it with one dimension, torch.tensor([p]) (or write the cache with "
+              f"index_copy_).") if zero_dim_positions else ""
     raise TilecError(f"torch.export cannot capture the module: it depends on a tensor's value{where} (a branch, "
                      f"a loop count or a size read from data). tilec compiles one static graph per step: make the "
                      f"computation independent of tensor values (e.g. both branches selected with torch.where, a "
-                     f"fixed loop count), or decide outside forward") from cause
+                     f"fixed loop count), decide outside forward, or compile with torch.compile(module, "
+                     f"backend='tilec'), which runs such code eagerly.{zero_d}") from cause
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

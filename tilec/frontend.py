@@ -51,6 +51,8 @@ class GraphBinding:
     out_spec: the export's pytree spec of the user's outputs (a dict, nesting), or None.
     listed_positions: ``positions`` came from the caller's list (``compile_module``), so an error may
         point at one the caller did not list.
+    labels: placeholder name -> how the user knows that argument (the ``torch.compile`` backend's
+        ``past_key_values.layers[0].keys``), for errors; else ``argument i (name)``.
     """
 
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -61,6 +63,7 @@ class GraphBinding:
     mutation_outputs: int = 0
     single_output: bool | None = None
     out_spec: object | None = None
+    labels: dict[str, str] = field(default_factory=dict)
     listed_positions: bool = False
 
 
@@ -165,6 +168,8 @@ class Lowering(DsaLowering):
 
     def _argument(self, name: str) -> str:
         """How the user knows placeholder ``name``: ``argument 2 (state_0)``, or ``buffer b_cache``."""
+        if name in self.b.labels:
+            return self.b.labels[name]
         if name in self.b.user_inputs:
             return f"argument {self.b.user_inputs.index(name)} ({name})"
         return f"buffer {name}"
@@ -239,13 +244,13 @@ class Lowering(DsaLowering):
         if isinstance(value, Static):
             t = value.value.contiguous()
             buf = self._new_buffer(f"const_{node.name if node is not None else 'c'}", tuple(t.shape), t.dtype,
-                                   BufferKind.CONST)
+                                   BufferKind.CONST, node=node)
             self.constants[buf.name] = t
             return View.whole(buf)
         if isinstance(value, Positional):
             t = value.table.contiguous()
             buf = self._new_buffer(f"table_{node.name if node is not None else 't'}", tuple(t.shape), t.dtype,
-                                   BufferKind.TABLE)
+                                   BufferKind.TABLE, node=node)  # errors name the node (a complex RoPE table)
             self.constants[buf.name] = t
             row = tuple(t.shape[1:])
             return View(buf.name, row, contiguous_strides(row), 0, int(t[0].numel()))
@@ -281,7 +286,11 @@ class Lowering(DsaLowering):
                     self.record(e)
                 elif node.target is not operator.getitem:  # an element of an unsupported tuple is not news
                     self.unsupported.append((node.name, target_name(node), source_of(node), str(e)))
-                for inp in node.all_input_nodes:  # find unsupported ancestors too
+                inputs = node.all_input_nodes
+                if node.target in SDPA_ARGS:  # K / V through HF's repeat_kv: its 5-d clone is absorbed, not lowered
+                    kv = {a for a in node.args[1:3] if isinstance(a, fx.Node)}
+                    inputs = [self._gqa_source(a)[0] if a in kv else a for a in inputs]
+                for inp in inputs:  # find unsupported ancestors too
                     self.value(inp)
                 out = None if val_of(node) is None else self._opaque(node)
         else:
@@ -691,30 +700,33 @@ class Lowering(DsaLowering):
         return (out,) + (None,) * 8  # fused variants return (out, logsumexp, ...); only out may be used
 
     def _check_causal_mask(self, node, mask, bsz, hq, sq, s):
-        val = self.value(mask)
-        if not isinstance(val, Positional):
+        """Raises unless ``mask`` is, at every planned position p, the causal mask over the static
+        cache (row i allows columns ``<= p + i``). The mask is evaluated one position at a time
+        and not tabulated (the attention op needs no table): a [P, ..., L] table grew as L^2 - a
+        16384-row cache took 110 s and 5.5 GB to compile. One verdict per mask node (the layers
+        share HF's mask)."""
+        if not isinstance(mask, fx.Node) or self.cls[mask] == "runtime":
             self._unsupported(node, "attention mask that does not depend only on the decode position "
                                     "(padding masks are not supported)")
+        if self.cls[mask] == "static":
+            self._unsupported(node, "attention mask that is a constant, the same at every decode position (HF's "
+                                    "sliding-window layers build theirs from a Python int, e.g. Mistral's "
+                                    "sliding_window): tilec needs the causal mask over the static cache")
         n = min(self.max_positions, s - sq + 1)
-        key = (id(val.table), n, bsz, hq, sq, s)  # the layers of a model share one mask table
+        key = (mask, n, bsz, hq, sq, s)
         bad = self._mask_checks.get(key)
         if bad is None:
             bad = -1
-            m = val.table[:n]
-            m = m.reshape(n, *([1] * (5 - m.dim())), *m.shape[1:])  # [n, b, h, q, s] (dims of 1 broadcast)
-            # many positions at once, broadcast as eager does; the mask's own dims of 1 stay 1 (they
-            # hold the same value for every batch row and head)
-            lead = tuple(1 if d == 1 else full for d, full in zip(m.shape[1:3], (bsz, hq)))
-            chunk = max(1, (1 << 24) // (lead[0] * lead[1] * sq * s))
-            for p0 in range(0, n, chunk):
-                part = m[p0:p0 + chunk]
-                allowed = part if part.dtype == torch.bool else (part == 0)
-                k = allowed.shape[0]
-                want = torch.arange(s).view(1, 1, s) <= (torch.arange(p0, p0 + k).view(k, 1, 1) +
-                                                         torch.arange(sq).view(1, sq, 1))
-                same = (allowed.expand(k, *lead, sq, s) == want.view(k, 1, 1, sq, s)).flatten(1).all(1)
-                if not bool(same.all()):
-                    bad = p0 + int((~same).nonzero()[0])
+            for p in range(n):
+                try:
+                    m = self._evaluate(mask, p, dict(self._static_cache))  # a throwaway cache per position
+                except (IndexError, RuntimeError, ValueError) as e:
+                    raise InputError(f"the attention mask {mask.name} fails at decode position {p}: "
+                                     f"{type(e).__name__}: {e}; use max_positions <= {p}") from e
+                allowed = m if m.dtype == torch.bool else (m == 0)
+                want = torch.arange(s).view(1, s) <= (p + torch.arange(sq)).view(sq, 1)
+                if not torch.equal(allowed.expand(bsz, hq, sq, s), want.expand(bsz, hq, sq, s)):
+                    bad = p
                     break
             self._mask_checks[key] = bad
         if bad >= 0:

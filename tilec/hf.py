@@ -110,6 +110,11 @@ class HFDecodeStep:
     ``step(input_ids [B, 1], position)`` returns logits [B, 1, V] (float, the model's dtype)
     and writes the new keys/values into the cache at ``position`` in place, advancing the
     cache's own position counters as eager HF would.
+
+    The step binds the model's parameter tensors when compiled: in-place updates of them
+    (``load_state_dict``, ``weight.data.copy_(...)``) are seen; replacing one
+    (``module.weight = nn.Parameter(...)``, ``weight.data = t``, a new submodule) is not -
+    compile again after that. Buffers (RoPE ``inv_freq``) are constants taken when compiling.
     """
 
     def __init__(self, model, cache, batch_size: int, options=None, hook=None):
@@ -133,8 +138,16 @@ class HFDecodeStep:
         state = [t.clone() if t.dim() == 0 else t for t in self.module.state()]
         positions = [1] + [2 + i for i, t in enumerate(state) if t.dim() == 0]
         self._expected: int | None = None  # the cache's token count after our last step (host copy)
-        self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
-                                      max_positions=self.max_len, options=options, hook=hook)
+        try:
+            self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
+                                          max_positions=self.max_len, options=options, hook=hook)
+        except TilecError as e:
+            if "depends on a tensor's value" not in str(e):
+                raise
+            # the 0-d arguments are the cache's counters, which tilec passes itself: not the user's to change
+            raise TilecError(str(e).split(" If the value read there is position argument")[0]
+                             + f" ({type(model).__name__}'s forward reads a value at run time: its decode step "
+                               f"is not one static graph)") from e
 
     def __call__(self, input_ids: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
         """``position``: an int, or an integer tensor of one element (read on the host: a device
