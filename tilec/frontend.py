@@ -703,8 +703,8 @@ class Lowering(DsaLowering):
         """Raises unless ``mask`` is, at every planned position p, the causal mask over the static
         cache (row i allows columns ``<= p + i``). The mask is evaluated one position at a time
         and not tabulated (the attention op needs no table): a [P, ..., L] table grew as L^2 - a
-        16384-row cache took 110 s and 5.5 GB to compile. One verdict per mask node (the layers
-        share HF's mask)."""
+        16384-row cache took 5.5 GB of host memory to compile. One verdict per mask node (the
+        layers share HF's mask)."""
         if not isinstance(mask, fx.Node) or self.cls[mask] == "runtime":
             self._unsupported(node, "attention mask that does not depend only on the decode position "
                                     "(padding masks are not supported)")
