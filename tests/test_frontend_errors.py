@@ -664,9 +664,9 @@ class _WindowAttention(torch.nn.Module):
 
 @pytest.mark.parametrize("window,first_bad", [(7, 7), (100, None)])
 def test_a_mask_other_than_causal_names_its_first_position(window, first_bad):
-    """The causal-mask check runs over all planned positions at once (it was one comparison per
-    position and layer: 7 of a 16-layer 1B compile's 44 s); a sliding window differs from the causal
-    mask from position ``window`` on, and the error names that position."""
+    """The causal-mask check evaluates the mask one position at a time, once per mask node (it was
+    tabulated over every position: host memory as the square of the cache length); a sliding window
+    differs from the causal mask from position ``window`` on, and the error names that position."""
     q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     args = (q, k, v, torch.tensor([3]))
     if first_bad is None:
