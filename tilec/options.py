@@ -46,7 +46,8 @@ class Options:
     scheduler: ``"list"`` (cost-aware list scheduling, default) or ``"round_robin"``.
     tile_n: output columns per GEMV/GEMM tile; None (default) = per op, about N / workers
         (``tilec.ops.gemv_tile_n``).
-    split_k: K splits per GEMV tile (> 1 makes ``tile_reduce`` partial tiles).
+    split_k: K splits per GEMV tile (> 1 makes ``tile_reduce`` partial tiles, which add into the
+        output in its dtype: a bf16 output rounds each partial sum, ~3e-3 relative error).
     tile_rows: rows per tile of row-wise ops (norms, elementwise, softmax, RoPE, cache writes), along
         the first dim of size > 1. 1 (the default) gives a batch-1 decode step's RoPE and
         cache-write tiles one head each, which lets each split-KV attention tile wait on its own
