@@ -572,3 +572,66 @@ def test_index_score_key_scales_must_match_the_key_cache_pages():
     with pytest.raises(UnsupportedNodeError, match=r"key scales of shape \[6, 16\] for a key cache \[7, 16, 32\]"):
         compile_module(Scaled(), (q, w, k_cache, torch.rand(6, 16), block_tables, positions))
 
+
+
+# ---- a paged-ops breaker's findings (thirty-seventh session) ----------------------------------
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_request_of_one_token_compiles_and_matches_the_oracle(fp8):
+    """With one slot, torch.export drops the written row's leading dim (index_put broadcasts it): the
+    paged write was refused with advice to list slot_mapping as a position, and a one-value-per-slot
+    write (the FP8 key scales) crashed inside the frontend."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, requests=1, tokens_per_request=1)
+    module, inputs = glm.make_prelude(cfg, fp8), glm.make_inputs(cfg, fp8)
+    prog = compile_module(module, inputs, options=dict(workers=8))
+    want = glm.oracle(module, *[t.clone() for t in inputs])
+    got = tuple(prog(*inputs)) + tuple(inputs[5:])
+    compare(got, want, 1e-3 if fp8 else 1e-4)
+
+
+class _FlatWrite(torch.nn.Module):
+    def forward(self, x, slot, cache):
+        cache.view(-1, cache.shape[-2] * cache.shape[-1])[slot] = x * 2
+        return x + 1
+
+
+@pytest.mark.parametrize("shape,tile_cols", [((4, 4, 8, 192), None), ((4, 4, 2, 4), 3), ((4, 4, 2, 4), 1)])
+def test_a_paged_cache_written_through_its_flattened_rows(shape, tile_cols):
+    """A [pages, page, H, D] cache written as [rows, H * D] (vLLM's layout): column tiles that cut a
+    head's D in two were not boxes of the cache (VerificationError, with the default options too);
+    they are whole multiples of D now."""
+    x, slot = torch.randn(3, shape[-1] * shape[-2]), torch.tensor([5, 0, 9])
+    cache = torch.randn(*shape)
+    opts = dict(workers=3) if tile_cols is None else dict(workers=3, tile_cols=tile_cols)
+    prog = compile_module(_FlatWrite(), (x, slot, cache.clone()), options=opts)
+    want, got = cache.clone(), cache.clone()
+    _FlatWrite()(x, torch.tensor([7, -1, 2]), want)
+    prog(x, torch.tensor([7, -1, 2]), got)
+    assert torch.equal(got, want)
+
+
+def test_two_slot_writes_into_one_cache_are_refused_naming_the_second():
+    """The second write failed the plan's write check (a VerificationError, "a tilec bug")."""
+    from tilec.errors import UnsupportedNodeError
+
+    class Twice(torch.nn.Module):
+        def forward(self, a, slot, cache):
+            c = cache.view(-1, 8)
+            c[slot] = a
+            c[slot] = a * 3
+            return a + 1
+
+    with pytest.raises(UnsupportedNodeError, match=r"(?s)index_put_1.*a second write into argument 2 \(cache\)"):
+        compile_module(Twice(), (torch.randn(3, 8), torch.tensor([5, 0, 9]), torch.randn(4, 4, 8)))
+
+
+def test_float_positions_in_the_indexer_mask_are_refused():
+    """``arange(KV) > pos`` with float positions was planned with the positions truncated to ints
+    (-0.5 unmasked key 0; a NaN crashed inside the reference)."""
+    from tilec.errors import UnsupportedNodeError
+
+    q, w, k_cache, block_tables, positions = _score_inputs()
+    with pytest.raises(UnsupportedNodeError, match="indexer score masked by float32 positions"):
+        compile_module(_Score(), (q, w, k_cache, block_tables, positions.float()))

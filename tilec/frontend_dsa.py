@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from .errors import InputError
 from .fxgraph import CASTS, INDEX_WRITES, RESHAPES, VIEW_OPS, Static, aten, is_call, val_of
-from .ir import BufferKind, Op, View, contiguous_strides
+from .ir import BufferKind, Op, View, contiguous_strides, is_integer
 
 
 class DsaLowering:
@@ -272,7 +272,11 @@ class DsaLowering:
         if not isinstance(idx_n, fx.Node) or self.cls[idx_n] != "runtime":
             return None  # a write at the decode position: _index_write
         src, idx = self.view_of(src_n), self.view_of(idx_n)
-        feat = tuple(val_of(src_n).shape[1:])
+        if node.target not in (aten.index_copy.default, aten.index_copy_.default) and len(idx.shape) == 1 \
+                and tuple(src.shape) == tuple(val_of(node.args[0]).shape[1:]):
+            # index_put broadcasts one row over the slots (with one slot, torch.export drops src's dim)
+            src = View(src.buffer, (idx.shape[0], *src.shape), (0, *src.strides), src.offset, src.pos_stride)
+        feat = tuple(src.shape[1:])
         base = node.args[0]  # the cache in its own shape: look through the flattening reshape
         while is_call(base, *RESHAPES) and val_of(base.args[0]).numel() == val_of(base).numel() \
                 and tuple(val_of(base.args[0]).shape[len(val_of(base.args[0]).shape) - len(feat):]) == feat:
@@ -280,6 +284,9 @@ class DsaLowering:
         dst = self.view_of(base)
         if self.buffers[dst.buffer].kind is not BufferKind.STATE:
             self._unsupported(node, "slot write into a tensor that is not a graph input updated in place (a cache)")
+        if dst.buffer in self.state_writes:
+            self._unsupported(node, f"a second write into {self._argument(dst.buffer)} in one step (tilec plans one "
+                                    f"in-place write per cache and step: write all of the step's rows at once)")
         rows = val_of(node.args[0]).shape[0]
         if dim % val_of(node.args[0]).dim() != 0 or len(feat) > 1 or len(idx.shape) != 1 or src.shape[0] != idx.shape[0] \
                 or rows != val_of(base).numel() // max(1, math.prod(feat)) or len(dst.shape) - len(feat) > 3:
@@ -290,7 +297,17 @@ class DsaLowering:
         if not feat:  # one value per slot: as [T, 1] into [*lead, 1]
             dst = View(dst.buffer, dst.shape + (1,), dst.strides + (1,), dst.offset, dst.pos_stride)
             src = View(src.buffer, src.shape + (1,), src.strides + (1,), src.offset, src.pos_stride)
-        self.ops.append(Op(self._name(f"paged_cache_write_{node.name}"), "paged_cache_write", (src, idx), (dst,), (),
+        # a row of D that spans several of the cache's inner dims ([pages, page, H, Dh] written as
+        # [rows, H * Dh]): column tiles must be whole multiples of the dims after the first of them
+        inner, align = self.buffers[dst.buffer].shape, 1
+        k, span = len(inner), 1
+        while k > 0 and span < dst.shape[-1]:
+            k -= 1
+            span *= inner[k]
+        if span == dst.shape[-1] and k < len(inner) - 1:
+            align = math.prod(inner[k + 1:])
+        attrs = (("col_align", align),) if align > 1 else ()
+        self.ops.append(Op(self._name(f"paged_cache_write_{node.name}"), "paged_cache_write", (src, idx), (dst,), attrs,
                            self._prov(node)))
         self.state_writes.add(dst.buffer)
         return self.view_of(node.args[0])
@@ -369,6 +386,9 @@ class DsaLowering:
                 or tuple(val_of(bt).shape)[0] != qs[0]:
             self._unsupported(node, f"indexer score with q {list(qs)}, weights {list(ws)}, key cache {list(cs)}, "
                                     f"positions {list(ps)}: expected [R, T, H, D], [R, T, H], [pages, page, D], [R, T]")
+        if not is_integer(val_of(pos).dtype):
+            self._unsupported(node, f"indexer score masked by {str(val_of(pos).dtype).removeprefix('torch.')} "
+                                    f"positions: tilec compares integer positions (eager compares the floats)")
         if kscale is not None and tuple(val_of(kscale[0]).shape) != cs[:2]:
             self._unsupported(node, f"key scales of shape {list(val_of(kscale[0]).shape)} for a key cache "
                                     f"{list(cs)}: expected [pages, page] = {list(cs[:2])}")

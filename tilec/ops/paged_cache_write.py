@@ -33,9 +33,11 @@ class PagedCacheWrite(OpDef):
         src, slot = op.inputs
         (dst,) = op.outputs
         t_, d = src.shape
+        step, align = opts.tile_cols or d, op.attr("col_align", 1)  # col_align: whole inner rows (frontend)
+        step = max(align, step // align * align)
         return [Tile(((0, t_), (c0, c1)), reads=((0, ((0, t_), (c0, c1))), (1, ((0, t_),))),
                      writes=((2, full_box(dst.shape[:-1]) + ((c0, c1),), "write"),))
-                for c0, c1 in chunks(d, opts.tile_cols or d)]
+                for c0, c1 in chunks(d, step)]
 
     def run_tile(self, t: TileArgs):
         src, slot, dst = t.operands
