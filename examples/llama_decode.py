@@ -44,10 +44,13 @@ def main() -> int:
     print(f"model {args.model}, batch {args.batch}, {dtype}, on {device} "
           f"({'CUDA executor' if cuda else 'CPU reference executor'})")
     model = make_model(args.model, dtype, device)
+    print(f"eager prefill of {args.context} positions ...", flush=True)
     cache, tok = prefill(model, args.batch, args.context, args.context + args.steps + 1, device)
     eager_cache = copy.deepcopy(cache)
 
     t0 = time.perf_counter()
+    print("compiling (torch.export and the lowering first: the longer the cache, the longer that stage) ...",
+          flush=True)
     step = compile_decode_step(model, cache, args.batch,
                                hook=lambda stage, ir, s: print(f"  {stage:<11} {s * 1e3:8.1f} ms"))
     print(f"compiled in {time.perf_counter() - t0:.1f} s\n{render_stats(step.program.stats)}\n")

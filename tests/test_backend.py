@@ -242,11 +242,16 @@ def test_folded_buffer_values_are_part_of_the_plan_key():
             assert_close(torch.compile(m, backend="tilec")(x), m(x))
 
 
-def test_grad_mode_compiles_an_inference_graph():
+def test_grad_mode_compiles_an_inference_graph(caplog, monkeypatch):
+    """Grad mode with parameters that require grad compiles an inference graph, and says so once
+    (outputs without autograd history surprised a fresh user's backward())."""
+    monkeypatch.setattr(backend, "_warned_grad", False)
     lin = torch.nn.Linear(8, 8)
     x = torch.randn(2, 8)
-    got = torch.compile(lin, backend="tilec")(x)  # grad mode on, parameters require grad
+    with caplog.at_level(logging.WARNING, logger="tilec"):
+        got = torch.compile(lin, backend="tilec")(x)  # grad mode on, parameters require grad
     assert_close(got.detach(), lin(x).detach())
+    assert caplog.text.count("tilec: compiling an inference graph: its outputs carry no autograd history") == 1
 
 
 def test_fallback_reports_unsupported_ancestors():

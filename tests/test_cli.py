@@ -1012,3 +1012,22 @@ def test_help_and_usage_errors_do_not_import_torch():
                        check=False)
     assert p.returncode == 0, p.stderr
     assert "Usage: tilec compile" in p.stdout and "No such option" in p.stderr and "--nope" in p.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--workers", "8"], "No such option: --workers. tilec options are given as -O KEY=VALUE, e.g. -O workers=..."),
+    (["-O", "workers=8,attn_kv_chunk=8"], "--option workers=8,attn_kv_chunk=8: one KEY=VALUE per -O (e.g. -O "
+                                          "workers=8 -O attn_kv_chunk=8)"),
+])
+def test_options_given_the_wrong_way_are_told_the_right_way(facts, tmp_path, args, message):
+    """A fresh user's tries: ``--workers 8`` got click's "Did you mean '--force'?", and a comma list
+    in one -O was read as one value ("must be an int")."""
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build", *args)
+    assert r.exit_code == 2 and message in r.stderr, r.output
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_factory_spec_with_two_colons_is_a_usage_error(facts, tmp_path):
+    """``FILE::NAME`` said there was no such file ``FILE:``."""
+    r = invoke("compile", f"{facts}::linear", "-o", tmp_path / "a", "--no-build")
+    assert r.exit_code == 2 and "expected MODULE:FACTORY" in r.stderr, r.output

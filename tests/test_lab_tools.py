@@ -126,7 +126,8 @@ def test_gap_table_cli_reads_gzip_and_refuses_a_predicted_trace(tmp_path, monkey
     assert gap_table_main() == 1
     out, err = capsys.readouterr()
     assert out.startswith(f"{good}: makespan 20.0 us")
-    assert err.strip() == f"{predicted}: ValueError: not a measured trace (clock 'predicted by tilec.cost')"
+    assert err.strip() == (f"{predicted}: ValueError: not a measured trace (clock 'predicted by tilec.cost'): pass "
+                           f"measured=False to read a predicted one")
     # a measured trace without the makespan it is written with: one line naming the file, no table
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps(dict(trace, otherData={"clock": "measured"})))

@@ -1,7 +1,7 @@
 """tilec.zoo: the named model shapes the tests and benchmarks build."""
 import pytest
 
-from tilec.zoo import make_model
+from tilec.zoo import make_model, prefill
 
 
 def test_make_model_overrides_a_config_field():
@@ -26,3 +26,11 @@ def test_make_model_names_an_unknown_field():
 def test_make_model_refuses_bad_shapes(call, error, message):
     with pytest.raises(error, match=message):
         make_model(**call)
+
+
+def test_prefill_longer_than_the_cache_is_a_clear_error():
+    """It was torch's IndexError from inside HF's cache update (a fresh user's finding)."""
+    model = make_model("llama-tiny")
+    with pytest.raises(ValueError, match=r"prefill of 40 positions into a cache of 32: need 0 < context <= "
+                                         r"max_cache_len"):
+        prefill(model, 1, 40, 32)

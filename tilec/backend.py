@@ -43,6 +43,7 @@ _PLAN_CACHE: dict[str, object] = {}
 CACHE_STATS = {"memory_hits": 0, "disk_hits": 0, "compiles": 0}
 _warned_cpu = False
 _warned_dynamic = False  # the symbolic-shapes warning was given (once per process)
+_warned_grad = False  # the no-autograd warning was given (once per process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +366,13 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
                     + (" A Python int argument (e.g. a decode position) makes a graph per value: pass it as an "
                        "integer tensor of one element, which tilec reads as the decode position." if ints else ""))
         return gm.forward
+    global _warned_grad
+    if not _warned_grad and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (*gm.parameters(), *(a for a in example_inputs if isinstance(a, torch.Tensor)))):
+        _warned_grad = True
+        log.warning("tilec: compiling an inference graph: its outputs carry no autograd history (backward() will "
+                    "fail on them). Call the model under torch.no_grad() or torch.inference_mode(); tilec does not "
+                    "train")
     kinds = [*("param" for _ in gm.parameters()), *("const" for _ in gm.buffers()), *_classify(gm, example_inputs)]
     labels = [*(name for name, _ in gm.named_parameters()), *(name for name, _ in gm.named_buffers()),
               *(_user_label(n) for n in gm.graph.nodes if n.op == "placeholder")]
@@ -432,17 +440,17 @@ def _log_fallback(bad: list[tuple], label_of: dict[str, str]) -> None:
             reason += (" (cast the model and its inputs to float32, bfloat16 or float16 to compile them; a "
                        "Python float argument becomes a float64 input too: pass it as a tensor)")
         for label in labels[:FALLBACK_LINES]:
-            log.warning("graph input %s: %s; the nodes reading it run eagerly", label, reason)
+            log.warning("tilec: graph input %s: %s; the nodes reading it run eagerly", label, reason)
         if len(labels) > FALLBACK_LINES:
-            log.warning("%d more graph input(s): %s; the nodes reading them run eagerly",
+            log.warning("tilec: %d more graph input(s): %s; the nodes reading them run eagerly",
                         len(labels) - FALLBACK_LINES, reason)
     for reason, group in nodes.items():
         why = f": {reason}" if reason else ""
         for name, target, src in group[:FALLBACK_LINES]:
-            log.warning("running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "", why)
+            log.warning("tilec: running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "", why)
         rest = group[FALLBACK_LINES:]
         if rest:
-            log.warning("running %d more node(s) eagerly%s: %s", len(rest), why,
+            log.warning("tilec: running %d more node(s) eagerly%s: %s", len(rest), why,
                         ", ".join(n[0] for n in rest[:8]) + (", ..." if len(rest) > 8 else ""))
 
 
@@ -508,7 +516,7 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
         try:
             runner = _Region(sub, args, sub_kinds, sub_labels, opts, len(outs), single)
         except UnsupportedNodeError as e:
-            log.warning("region %s runs eagerly: %s", node.target, " ".join(str(e).split()))
+            log.warning("tilec: region %s runs eagerly: %s", node.target, " ".join(str(e).split()))
             continue
         setattr(fused, node.target, _Callable(runner))
     fused.recompile()

@@ -17,6 +17,7 @@ or an internal error; 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ import click
 import tilec
 
 from .errors import TilecError
+from .options import Options
 from .stages import STAGES
 
 # The commands' work is in tilec.commands, imported when a command runs: `tilec --help` and usage
@@ -74,6 +76,12 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except click.NoSuchOption as e:  # `--workers 8`: tilec's options go through -O
+            name = e.option_name.lstrip("-").replace("-", "_")
+            if name in {f.name for f in dataclasses.fields(Options)}:
+                raise click.NoSuchOption(e.option_name, f"No such option: {e.option_name}. tilec options are given "
+                                                        f"as -O KEY=VALUE, e.g. -O {name}=...", ctx=e.ctx) from None
+            raise
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except KeyboardInterrupt:  # Ctrl-C: the shell's convention (128 + SIGINT), not 1 (a --check mismatch)

@@ -126,6 +126,9 @@ def parse_options(pairs) -> Options:
             raise Failure(f"--option {pair}: {key} is {_NOT_CLI_OPTIONS[key]}")
         if key in d:
             raise Failure(f"--option {pair}: {key} is given twice (the first: {key}={raw[key]})")
+        if "," in value and "=" in value:
+            raise Failure(f"--option {pair}: one KEY=VALUE per -O (e.g. -O {key}={value.split(',')[0]} "
+                          f"-O {value.split(',', 1)[1]})")
         d[key], raw[key] = _parse_value(value.strip()), value.strip()
         try:
             Options.from_dict({key: d[key]})  # each option's own checks, reported with the option as typed
@@ -155,7 +158,7 @@ def _parse_value(s: str):
 def load_factory(spec: str, cwd: str | None = None):
     """Imports ``MODULE:FACTORY``; returns ``(callable, info)`` with ``info`` as recorded in the manifest."""
     mod_part, sep, name = spec.rpartition(":")
-    if not sep or not mod_part or not name:
+    if not sep or not mod_part or not name or mod_part.endswith(":"):
         raise Failure(f"factory {spec!r}: expected MODULE:FACTORY, e.g. examples/factories.py:tiny_llama_step "
                       f"or mypackage.models:make_step")
     cwd = cwd or os.getcwd()

@@ -34,5 +34,5 @@ def read_trace(path: str | os.PathLike, measured: bool = True) -> dict:
         raise ValueError("not a Chrome trace object with otherData")
     clock = trace["otherData"].get("clock")
     if measured and clock != "measured":
-        raise ValueError(f"not a measured trace (clock {clock!r})")
+        raise ValueError(f"not a measured trace (clock {clock!r}): pass measured=False to read a predicted one")
     return trace

@@ -70,9 +70,14 @@ def make_model(name: str, dtype=torch.float32, device="cpu", layers: int | None 
 def prefill(model, batch: int, context: int, max_cache_len: int, device="cpu", seed: int = 1):
     """Allocates a ``StaticCache`` and runs an eager prefill of ``context`` random tokens.
 
-    Returns ``(cache, next_token [batch, 1])``.
+    Returns ``(cache, next_token [batch, 1])``. Raises ValueError when ``context`` is not in
+    ``1..max_cache_len``.
     """
     import warnings
+
+    if not 0 < context <= max_cache_len:
+        raise ValueError(f"prefill of {context} positions into a cache of {max_cache_len}: need "
+                         f"0 < context <= max_cache_len (and room after it for the decode steps)")
 
     from transformers import StaticCache
 
