@@ -1027,6 +1027,16 @@ def test_options_given_the_wrong_way_are_told_the_right_way(facts, tmp_path, arg
     assert not (tmp_path / "a").exists()
 
 
+def test_option_hints_stay_where_they_apply(facts, tmp_path):
+    """A value with a comma and '=' that is not a second option is a value (a sweep directory), and
+    commands without -O keep click's own message (a reviewer's finding)."""
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build", "-O",
+               f"dump_dir={tmp_path}/sweep/workers=8,tile_n=64")
+    assert r.exit_code == 0, r.output
+    r = invoke("inspect", tmp_path / "a", "--workers", "8")
+    assert r.exit_code == 2 and "-O KEY=VALUE" not in r.stderr and "--workers" in r.stderr, r.output
+
+
 def test_a_factory_spec_with_two_colons_is_a_usage_error(facts, tmp_path):
     """``FILE::NAME`` said there was no such file ``FILE:``."""
     r = invoke("compile", f"{facts}::linear", "-o", tmp_path / "a", "--no-build")

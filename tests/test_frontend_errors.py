@@ -678,10 +678,10 @@ def test_a_mask_other_than_causal_names_its_first_position(window, first_bad):
         compile_module(_WindowAttention(window), args, positions=[3], max_positions=40)
 
 
-def test_a_sliding_window_cache_is_named_and_repeat_kv_is_not_listed():
+def test_a_sliding_window_cache_is_named_as_such():
     """Mistral's default sliding_window gives StaticSlidingWindowLayers, whose mask HF builds from a
-    Python int: a constant in the graph. The error called it a padding mask and listed every
-    repeat_kv clone as a 5-d operand (a breaker's finding)."""
+    Python int: a constant in the graph. The error called it a padding mask (a breaker's finding).
+    (repeat_kv's 5-d clones stay listed: the backend's partitioner runs what is listed eagerly.)"""
     import transformers
 
     from tilec.hf import cache_kwargs, compile_decode_step
@@ -697,4 +697,4 @@ def test_a_sliding_window_cache_is_named_and_repeat_kv_is_not_listed():
               **cache_kwargs(model, cache))
     with pytest.raises(UnsupportedNodeError, match=r"attention mask that is a constant.*sliding-window") as e:
         compile_decode_step(model, cache, 1)
-    assert "more than 4 dims" not in str(e.value) and "padding" not in str(e.value)
+    assert "padding" not in str(e.value)

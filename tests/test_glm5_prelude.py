@@ -597,17 +597,26 @@ class _FlatWrite(torch.nn.Module):
         return x + 1
 
 
-@pytest.mark.parametrize("shape,tile_cols", [((4, 4, 8, 192), None), ((4, 4, 2, 4), 3), ((4, 4, 2, 4), 1)])
-def test_a_paged_cache_written_through_its_flattened_rows(shape, tile_cols):
+class _HalfHeadWrite(torch.nn.Module):
+    def forward(self, x, slot, cache):
+        cache.view(-1, x.shape[-1])[slot] = x * 2  # a row of 1.5 heads
+        return x + 1
+
+
+@pytest.mark.parametrize("module,shape,width,tile_cols", [
+    (_FlatWrite, (4, 4, 8, 192), 1536, None), (_FlatWrite, (4, 4, 2, 4), 8, 3), (_FlatWrite, (4, 4, 2, 4), 8, 1),
+    (_HalfHeadWrite, (4, 4, 3, 4), 6, 2), (_HalfHeadWrite, (4, 4, 3, 4), 6, 4)])
+def test_a_paged_cache_written_through_its_flattened_rows(module, shape, width, tile_cols):
     """A [pages, page, H, D] cache written as [rows, H * D] (vLLM's layout): column tiles that cut a
     head's D in two were not boxes of the cache (VerificationError, with the default options too);
-    they are whole multiples of D now."""
-    x, slot = torch.randn(3, shape[-1] * shape[-2]), torch.tensor([5, 0, 9])
+    they are whole multiples of D now, and whole rows where a row is no whole number of heads (a
+    reviewer's case)."""
+    x, slot = torch.randn(3, width), torch.tensor([5, 0, 9])
     cache = torch.randn(*shape)
     opts = dict(workers=3) if tile_cols is None else dict(workers=3, tile_cols=tile_cols)
-    prog = compile_module(_FlatWrite(), (x, slot, cache.clone()), options=opts)
+    prog = compile_module(module(), (x, slot, cache.clone()), options=opts)
     want, got = cache.clone(), cache.clone()
-    _FlatWrite()(x, torch.tensor([7, -1, 2]), want)
+    module()(x, torch.tensor([7, -1, 2]), want)
     prog(x, torch.tensor([7, -1, 2]), got)
     assert torch.equal(got, want)
 

@@ -76,9 +76,10 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except click.NoSuchOption as e:  # `--workers 8`: tilec's options go through -O
+        except click.NoSuchOption as e:  # `compile --workers 8`: tilec's options go through -O
             name = e.option_name.lstrip("-").replace("-", "_")
-            if name in {f.name for f in dataclasses.fields(Options)}:
+            if e.ctx is not None and e.ctx.command.name == "compile" and \
+                    name in {f.name for f in dataclasses.fields(Options)}:
                 raise click.NoSuchOption(e.option_name, f"No such option: {e.option_name}. tilec options are given "
                                                         f"as -O KEY=VALUE, e.g. -O {name}=...", ctx=e.ctx) from None
             raise

@@ -5,6 +5,7 @@ Each ``*_artifact`` function is one command's body; errors meant for the user ar
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -126,7 +127,11 @@ def parse_options(pairs) -> Options:
             raise Failure(f"--option {pair}: {key} is {_NOT_CLI_OPTIONS[key]}")
         if key in d:
             raise Failure(f"--option {pair}: {key} is given twice (the first: {key}={raw[key]})")
-        if "," in value and "=" in value:
+        # `-O workers=8,tile_n=64`: a second option after a comma, in a value that cannot hold one (a
+        # string option's value - a dump directory - may)
+        types = {f.name: str(f.type) for f in dataclasses.fields(Options)}
+        rest = value.split(",", 1)[1] if "," in value else ""
+        if "str" not in types.get(key, "str") and rest.partition("=")[0].strip() in types:
             raise Failure(f"--option {pair}: one KEY=VALUE per -O (e.g. -O {key}={value.split(',')[0]} "
                           f"-O {value.split(',', 1)[1]})")
         d[key], raw[key] = _parse_value(value.strip()), value.strip()

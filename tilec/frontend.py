@@ -286,12 +286,8 @@ class Lowering(DsaLowering):
                     self.record(e)
                 elif node.target is not operator.getitem:  # an element of an unsupported tuple is not news
                     self.unsupported.append((node.name, target_name(node), source_of(node), str(e)))
-                inputs = node.all_input_nodes
-                if node.target in SDPA_ARGS:  # K / V through HF's repeat_kv: its 5-d clone is absorbed, not lowered
-                    kv = {a for a in node.args[1:3] if isinstance(a, fx.Node)}
-                    inputs = [self._gqa_source(a)[0] if a in kv else a for a in inputs]
-                for inp in inputs:  # find unsupported ancestors too
-                    self.value(inp)
+                for inp in node.all_input_nodes:  # find unsupported ancestors too (the backend's partitioner
+                    self.value(inp)  # runs them eagerly: a refused attention's repeat_kv clones among them)
                 out = None if val_of(node) is None else self._opaque(node)
         else:
             out = self._lower(node)
@@ -720,9 +716,12 @@ class Lowering(DsaLowering):
             for p in range(n):
                 try:
                     m = self._evaluate(mask, p, dict(self._static_cache))  # a throwaway cache per position
-                except (IndexError, RuntimeError, ValueError) as e:
-                    raise InputError(f"the attention mask {mask.name} fails at decode position {p}: "
-                                     f"{type(e).__name__}: {e}; use max_positions <= {p}") from e
+                except (IndexError, RuntimeError, ValueError) as e:  # e.g. a mask table of 64 rows indexed by p
+                    where = source_of(mask)
+                    raise InputError(f"the attention mask {mask.name} ({target_name(mask)})"
+                                     f"{f' at {where}' if where else ''} fails at decode position {p}: "
+                                     f"{type(e).__name__}: {e}; max_positions={self.max_positions} plans positions "
+                                     f"the module cannot take - use max_positions <= {p}") from e
                 allowed = m if m.dtype == torch.bool else (m == 0)
                 want = torch.arange(s).view(1, s) <= (p + torch.arange(sq)).view(sq, 1)
                 if not torch.equal(allowed.expand(bsz, hq, sq, s), want.expand(bsz, hq, sq, s)):

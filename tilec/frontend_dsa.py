@@ -306,6 +306,8 @@ class DsaLowering:
             span *= inner[k]
         if span == dst.shape[-1] and k < len(inner) - 1:
             align = math.prod(inner[k + 1:])
+        elif span != dst.shape[-1]:  # a row that is no whole number of inner rows (1.5 heads): whole rows only
+            align = dst.shape[-1]
         attrs = (("col_align", align),) if align > 1 else ()
         self.ops.append(Op(self._name(f"paged_cache_write_{node.name}"), "paged_cache_write", (src, idx), (dst,), attrs,
                            self._prov(node)))

@@ -77,7 +77,7 @@ def prefill(model, batch: int, context: int, max_cache_len: int, device="cpu", s
 
     if not 0 < context <= max_cache_len:
         raise ValueError(f"prefill of {context} positions into a cache of {max_cache_len}: need "
-                         f"0 < context <= max_cache_len (and room after it for the decode steps)")
+                         f"0 < context <= max_cache_len")
 
     from transformers import StaticCache
 
