@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tilec.api import compile_module
-from tilec.errors import InputError, TilecError, UnsupportedNodeError
+from tilec.errors import DataDependentError, InputError, TilecError, UnsupportedNodeError
 from tilec.hf import cache_kwargs
 from tilec.options import Options
 
@@ -342,7 +342,7 @@ def test_a_branch_on_a_tensor_value_names_the_users_line(capfd):
                 return x * 2
             return x
 
-    with pytest.raises(TilecError, match=r"depends on a tensor's value at .*test_frontend_errors\.py:\d+ "
+    with pytest.raises(DataDependentError, match=r"depends on a tensor's value at .*test_frontend_errors\.py:\d+ "
                                          r"\(if x\.sum\(\) > 0:  # the line the error names\)"):
         compile_module(Branches(), (torch.randn(2, 4),), options=dict(executor="reference"))
     assert "def forward" not in capfd.readouterr().err
@@ -590,7 +590,7 @@ def test_a_zero_dim_position_used_as_an_index_says_to_add_a_dimension():
     """The export error said to make the computation independent of tensor values; the fix is a
     position of one dimension (a fresh user's finding)."""
     args = (torch.randn(1, 4, 16), torch.tensor(3), torch.zeros(1, 4, 16, 16))
-    with pytest.raises(TilecError, match=r"If the value read there is position argument 1, a 0-d tensor that indexing "
+    with pytest.raises(DataDependentError, match=r"If the value read there is position argument 1, a 0-d tensor that indexing "
                                          r"reads as a number, pass it with one dimension, torch.tensor\(\[p\]\)"):
         compile_module(ZeroDimSlot(), args, positions=[1], max_positions=16)
 
@@ -612,7 +612,7 @@ def test_a_data_dependent_hf_model_is_not_told_to_change_the_cache_counters():
     with torch.no_grad():
         model(torch.randint(0, 100, (1, 4)), cache_position=torch.arange(4), use_cache=True,
               **cache_kwargs(model, cache))
-    with pytest.raises(TilecError, match=r"(?s)depends on a tensor's value.*torch.compile\(module, backend='tilec'\).*"
+    with pytest.raises(DataDependentError, match=r"(?s)depends on a tensor's value.*torch.compile\(module, backend='tilec'\).*"
                                          r"OPTForCausalLM's forward reads a value at run time") as e:
         compile_decode_step(model, cache, 1)
     assert "0-d tensor" not in str(e.value)

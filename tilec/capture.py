@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from .errors import ExampleInputError, InputError, TilecError, describe_exception
+from .errors import DataDependentError, ExampleInputError, InputError, TilecError, describe_exception
 from .frontend import GraphBinding
 
 
@@ -131,7 +131,7 @@ def _raised_at(e: BaseException, skip: tuple[str, ...]) -> str:
 
 
 def _check_data_dependent(cause: BaseException, zero_dim_positions: list[int] = ()) -> None:
-    """After a failed export of a module that runs eagerly: raises :class:`TilecError` naming the
+    """After a failed export of a module that runs eagerly: raises :class:`DataDependentError` naming the
     user's source line when export failed on a value-dependent branch or size (torch's
     ``GuardOnDataDependentSymNode``, whose own message is about guards and symbols), and when a
     position argument is a 0-d tensor (``cache[:, pos] = k`` then reads its value) saying to pass
@@ -147,11 +147,12 @@ def _check_data_dependent(cause: BaseException, zero_dim_positions: list[int] = 
     zero_d = (f" If the value read there is position argument {zero_dim_positions[0]}, a 0-d tensor that indexing "
               f"reads as a number, pass it with one dimension, torch.tensor([p]) (or write the cache with "
               f"index_copy_).") if zero_dim_positions else ""
-    raise TilecError(f"torch.export cannot capture the module: it depends on a tensor's value{where} (a branch, "
-                     f"a loop count or a size read from data). tilec compiles one static graph per step: make the "
-                     f"computation independent of tensor values (e.g. both branches selected with torch.where, a "
-                     f"fixed loop count), decide outside forward, or compile with torch.compile(module, "
-                     f"backend='tilec'), which runs such code eagerly.{zero_d}") from cause
+    raise DataDependentError(f"torch.export cannot capture the module: it depends on a tensor's value{where} (a "
+                             f"branch, a loop count or a size read from data). tilec compiles one static graph per "
+                             f"step: make the computation independent of tensor values (e.g. both branches selected "
+                             f"with torch.where, a fixed loop count), decide outside forward, or compile with "
+                             f"torch.compile(module, backend='tilec'), which runs such code eagerly.",
+                             zero_d) from cause
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

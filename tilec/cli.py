@@ -17,7 +17,6 @@ or an internal error; 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ import click
 import tilec
 
 from .errors import TilecError
-from .options import Options
+from .options import OPTION_TYPES
 from .stages import STAGES
 
 # The commands' work is in tilec.commands, imported when a command runs: `tilec --help` and usage
@@ -79,7 +78,7 @@ class _Group(click.Group):
         except click.NoSuchOption as e:  # `compile --workers 8`: tilec's options go through -O
             name = e.option_name.lstrip("-").replace("-", "_")
             if e.ctx is not None and e.ctx.command.name == "compile" and \
-                    name in {f.name for f in dataclasses.fields(Options)}:
+                    name in OPTION_TYPES:
                 raise click.NoSuchOption(e.option_name, f"No such option: {e.option_name}. tilec options are given "
                                                         f"as -O KEY=VALUE, e.g. -O {name}=...", ctx=e.ctx) from None
             raise

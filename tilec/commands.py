@@ -5,7 +5,6 @@ Each ``*_artifact`` function is one command's body; errors meant for the user ar
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -31,7 +30,7 @@ from .codegen.build import cache_root, extra_flags
 from .dump import check_dump_root, dump_root
 from .errors import InputError, TilecError, describe_exception
 from .ir import BufferKind
-from .options import Options, did_you_mean
+from .options import OPTION_TYPES, Options, did_you_mean
 from .stages import OPGRAPH_STAGES, STAGES
 from .timing import cuda_graph, step_times
 
@@ -129,9 +128,8 @@ def parse_options(pairs) -> Options:
             raise Failure(f"--option {pair}: {key} is given twice (the first: {key}={raw[key]})")
         # `-O workers=8,tile_n=64`: a second option after a comma, in a value that cannot hold one (a
         # string option's value - a dump directory - may)
-        types = {f.name: str(f.type) for f in dataclasses.fields(Options)}
         rest = value.split(",", 1)[1] if "," in value else ""
-        if "str" not in types.get(key, "str") and rest.partition("=")[0].strip() in types:
+        if "str" not in OPTION_TYPES.get(key, "str") and rest.partition("=")[0].strip() in OPTION_TYPES:
             raise Failure(f"--option {pair}: one KEY=VALUE per -O (e.g. -O {key}={value.split(',')[0]} "
                           f"-O {value.split(',', 1)[1]})")
         d[key], raw[key] = _parse_value(value.strip()), value.strip()

@@ -56,6 +56,18 @@ class PositionError(TilecError):
     ``[0, max_positions)``, or two disagree. The message names the arguments and values."""
 
 
+class DataDependentError(TilecError):
+    """``torch.export`` cannot capture the module: its forward depends on a tensor's value (a
+    branch, a loop count or a size read from data). ``base`` is the message without ``hint``, the
+    advice for the case where the value read is a 0-d position argument (empty when no position
+    argument is 0-d): a caller that passes those arguments itself (``compile_decode_step``) words
+    its own advice instead."""
+
+    def __init__(self, base: str, hint: str = ""):
+        self.base, self.hint = base, hint
+        super().__init__(base + hint)
+
+
 class VerificationError(TilecError):
     """A stage verifier found a broken invariant (a compiler bug, or a corrupted plan)."""
 

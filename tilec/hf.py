@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from .api import compile_module
-from .errors import InputError, TilecError
+from .errors import DataDependentError, InputError, TilecError
 from .options import Options
 from .ir import is_integer
 
@@ -141,13 +141,10 @@ class HFDecodeStep:
         try:
             self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
                                           max_positions=self.max_len, options=options, hook=hook)
-        except TilecError as e:
-            if "depends on a tensor's value" not in str(e):
-                raise
+        except DataDependentError as e:
             # the 0-d arguments are the cache's counters, which tilec passes itself: not the user's to change
-            raise TilecError(str(e).split(" If the value read there is position argument")[0]
-                             + f" ({type(model).__name__}'s forward reads a value at run time: its decode step "
-                               f"is not one static graph)") from e
+            raise DataDependentError(f"{e.base} ({type(model).__name__}'s forward reads a value at run time: its "
+                                     f"decode step is not one static graph)") from e
 
     def __call__(self, input_ids: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
         """``position``: an int, or an integer tensor of one element (read on the host: a device

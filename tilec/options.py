@@ -182,7 +182,7 @@ class Options:
         if d is not None and not isinstance(d, dict) and not hasattr(d, "keys"):
             raise ValueError(f"tilec options must be a dict such as {{'workers': 8}}, not {type(d).__name__} {d!r}")
         d = dict(d or {})
-        valid = [f.name for f in dataclasses.fields(cls)]
+        valid = list(OPTION_TYPES)
         unknown = sorted(set(d) - set(valid))
         if unknown:
             raise ValueError(unknown_options_message(unknown, valid))
@@ -193,3 +193,8 @@ class Options:
         d = dataclasses.asdict(self)
         d.pop("dump_dir", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# option name -> its annotation as written ("int", "str | None", ...): the valid keys of from_dict
+# and of the command line's -O KEY=VALUE
+OPTION_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(Options)}
