@@ -2,7 +2,10 @@
 
 Rows: eager HF; the same under one CUDA graph; torch.compile (Inductor) under CUDA graphs
 (mode="reduce-overhead"); tilec called from Python (one step = operand binding + one kernel
-launch + output copy); the tilec step replayed from a CUDA graph; the HBM roofline (bytes that
+launch + output copy, the GPU drained before each call, so the host work is on the critical
+path); a greedy loop of 32 tilec steps from Python with no sync between them (the host runs
+ahead of the GPU, as in an application's decode loop; per step, including the argmax); the
+tilec step replayed from a CUDA graph; the HBM roofline (bytes that
 must move / measured read bandwidth). Each row is the median of many CUDA-event-timed steps
 after warm-up, and is also given as a multiple of the roofline and with the median SM clock
 while it was timed (``tilec.timing.SmClock``; "-" without nvidia-smi): the persistent kernel is
@@ -78,14 +81,15 @@ def main():
     dev = "cuda"
     model = make_model(args.model, torch.bfloat16, dev)
     ctx, B = args.context, args.batch
-    cache, tok = prefill(model, B, ctx, ctx + 64, dev)
+    cache_len = ctx + 64
+    cache, tok = prefill(model, B, ctx, cache_len, dev)
     pos_t = torch.tensor([ctx], device=dev)
     rows = []  # (label, ms, median SM clock in MHz or None)
 
-    def timed(label, fn):
+    def timed(label, fn, iters=args.iters, per=1):
         with SmClock() as clk:
-            ms = time_cuda(fn, args.iters)
-        rows.append((label, ms, clk.mhz))
+            ms = time_cuda(fn, iters)
+        rows.append((label, ms / per, clk.mhz))
 
     def eager():
         with torch.no_grad():
@@ -137,6 +141,15 @@ def main():
         timed("tilec (CUDA graph replay)", tg.replay)
     except RuntimeError as e:  # report, do not hide the other rows
         print(f"tilec under a CUDA graph failed: {e}")
+    loop = min(32, cache_len - ctx)
+
+    def tilec_loop():  # greedy decoding from Python as an application runs it: no host sync between steps
+        step.seek(ctx)
+        t = tok
+        for i in range(loop):
+            t = step(t, ctx + i)[:, -1:].argmax(-1)
+
+    timed(f"tilec (Python loop of {loop} greedy steps, per step)", tilec_loop, max(5, args.iters // 8), loop)
     step.program.executor.check()
     ex = step.program.executor
     plan_stages = ex.ring_stages

@@ -11,7 +11,9 @@ call returns) of each layer of the call, innermost first:
 * ``program``: ``CompiledProgram.__call__`` (argument checks, the token copy, the launch, the logits copy);
 * ``step``: ``DecodeStep.__call__`` (adds the cache counters' update);
 * ``seek + step``: what ``decode.py`` times;
-* ``graph of seek + step``: its ``tilec (CUDA graph replay)`` row.
+* ``graph of seek + step``: its ``tilec (CUDA graph replay)`` row;
+* ``loop of 32 steps + argmax``: greedy decoding from Python without a sync between steps (the
+  host runs ahead of the GPU, as an application's loop does), per step.
 
     PYTHONPATH=. python benchmarks/lab/call_gap.py [--iters 100] [--batch 1]
 """
@@ -68,15 +70,25 @@ def main() -> None:
         step.seek(ctx)
         return step(tok, ctx)
 
-    layers = [("launch", launch), ("graph of launch", cuda_graph(launch).replay), ("program", program),
-              ("step", step_only), ("seek + step", seek_step),
-              ("graph of seek + step", cuda_graph(seek_step).replay)]
-    print(f"Llama-3.2-1B decode step, batch {args.batch}, context {ctx}, {torch.cuda.get_device_name()}")
-    print(f"{'call':24s} {'device ms':>10s} {'host us':>10s}")
-    for name, fn in layers:
+    loop = 32
+
+    def greedy_loop():  # an application's decode loop: no host sync between steps, so the host runs ahead
         step.seek(ctx)
-        dev = statistics.median(step_times(fn, args.iters)) * 1e3
-        print(f"{name:24s} {dev:10.3f} {host_us(fn, args.iters):10.1f}", flush=True)
+        t = tok
+        for i in range(loop):
+            t = step(t, ctx + i)[:, -1:].argmax(-1)
+
+    layers = [("launch", launch, 1), ("graph of launch", cuda_graph(launch).replay, 1), ("program", program, 1),
+              ("step", step_only, 1), ("seek + step", seek_step, 1),
+              ("graph of seek + step", cuda_graph(seek_step).replay, 1),
+              (f"loop of {loop} steps + argmax", greedy_loop, loop)]
+    print(f"Llama-3.2-1B decode step, batch {args.batch}, context {ctx}, {torch.cuda.get_device_name()}")
+    print(f"{'call (per step)':30s} {'device ms':>10s} {'host us':>10s}")
+    for name, fn, per in layers:  # per: steps a call of fn makes (the row is per step)
+        step.seek(ctx)
+        n = max(5, args.iters // per)
+        dev = statistics.median(step_times(fn, n)) * 1e3 / per
+        print(f"{name:30s} {dev:10.3f} {host_us(fn, n) / per:10.1f}", flush=True)
     ex.check()
 
 
