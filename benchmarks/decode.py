@@ -64,18 +64,23 @@ def main():
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--skip-inductor", action="store_true")
     ap.add_argument("--gemv", action="store_true", help="also run the GEMV streaming microbenchmark")
+    ap.add_argument("--gemv-rows", default="1", metavar="M,M,...",
+                    help="x rows (M) of the GEMV microbenchmark's GEMVs, one table each (default 1)")
     ap.add_argument("--ring-stages", default="", metavar="N,N,...",
                     help="also time the tilec step (CUDA graph replay) with each of these weight-ring depths")
     ap.add_argument("--options", default="{}", help='extra tilec compile options as JSON, e.g. \'{"fold_cache_writes": false}\'')
     args = ap.parse_args()
     try:  # bad flags fail here, before any timing
         depths = [int(v) for v in args.ring_stages.split(",") if v.strip()]
+        gemv_rows = [int(v) for v in args.gemv_rows.split(",") if v.strip()]
+        if any(m < 1 for m in gemv_rows):
+            raise ValueError(f"GEMV rows must be >= 1, got {args.gemv_rows}")
         extra = json.loads(args.options)
         if not isinstance(extra, dict):
             raise ValueError(f"expected a JSON object, got {args.options}")
         Options.from_dict(extra)
     except ValueError as e:
-        ap.error(f"--ring-stages / --options: {e}")
+        ap.error(f"--ring-stages / --gemv-rows / --options: {e}")
     need_gpu("decode.py")
     warnings.simplefilter("ignore")
     dev = "cuda"
@@ -174,7 +179,8 @@ def main():
     for label, ms, mhz in rows:
         print(f"{label:<48} {ms:>9.3f} {ms / roof:>11.2f} {mhz if mhz is not None else '-':>7}")
     if args.gemv:
-        gemv_table(bw, args.iters, stages=tuple(depths))
+        for m in gemv_rows:
+            gemv_table(bw, args.iters, stages=tuple(depths), rows=m)
 
 
 class Gemvs(torch.nn.Module):
@@ -188,17 +194,17 @@ class Gemvs(torch.nn.Module):
         return tuple(w(x) for w in self.ws)
 
 
-def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = ()) -> None:
-    """Prints TB/s of weight bytes for ``count`` independent M = 1 GEMVs per plan, run by the
-    persistent executor (kernel only: the operand table is bound once, the launch replayed
-    from a CUDA graph); also with each weight-ring depth in ``stages``."""
+def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = (), rows: int = 1) -> None:
+    """Prints TB/s of weight bytes for ``count`` independent GEMVs of ``rows`` x rows (M) per plan,
+    run by the persistent executor (kernel only: the operand table is bound once, the launch
+    replayed from a CUDA graph); also with each weight-ring depth in ``stages``."""
     from tilec.api import compile_module
 
-    print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = 1, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
+    print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = {rows}, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
     print(f"{'weight [N, K]':<20} {'ring':>5} {'MB':>8} {'us':>9} {'TB/s':>7}")
     for n, k in ((2048, 8192), (4096, 14336), (128256, 2048)):
         mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             prog = compile_module(mod, (x,), options=dict(check=False))
             got = prog(x)
