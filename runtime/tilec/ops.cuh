@@ -1497,9 +1497,11 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       }
     }
     const bool mma = kMmaRows && nr > kRingRows;
-    if (kMmaRows && ring && t.kouter) {  // tensor-core bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
+    // tensor-core bf16 rows over a long K, no prologue (tilec/ops/__init__.py kouter_rows): 5..16 rows,
+    // or 2..kRingRows whose float rows would leave the ring no room
+    if (kRowCap != 1 && ring && t.kouter) {
       constexpr int kPitch = kStreamK + 32;
-      if (std::is_same<TX, __nv_bfloat16>::value && mma && nr <= 16 && pro == 0 && variant != 1 &&
+      if (std::is_same<TX, __nv_bfloat16>::value && nr > 1 && nr <= 16 && pro == 0 && variant != 1 &&
           t.n1 - t.n0 <= kWarps * kKouterGroups && 576 + nr * kPitch / 2 + kWarps * 128 <= c.smem_floats - 64) {
         if (!c.wait()) return;
         gemv_bf16_ring_kouter<TB, TO, kBias>(c, t, xoff, xk, nr, reinterpret_cast<__nv_bfloat16*>(xs_smem),

@@ -279,6 +279,22 @@ def mma_ring_rows(graph, x: View, rows: int) -> bool:
     return GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and graph.buffers[x.buffer].dtype == torch.bfloat16
 
 
+def kouter_rows(graph, x: View, rows: int, k: int) -> bool:
+    """Whether a GEMV tile of ``rows`` bf16 rows of x over a K range of ``k`` streams K block outer
+    (tensor cores, :func:`kouter_bytes` of shared memory): tensor-core rows over a K range longer
+    than :data:`GEMV_RING_MMA_K`, and 2..:data:`GEMV_RING_ROWS` rows whose float rows would take
+    more than 96 KiB (staged whole they would leave the weight ring no room). Before, such a
+    tile (a Llama-3.1-8B batch-4 down projection, 4 x 14336) streamed nothing and the device read
+    its weights at ~0.05 TB/s (H200, ``benchmarks/decode.py --gemv --gemv-rows 4``)."""
+    from .linear_fused import staged_bytes
+
+    if graph.buffers[x.buffer].dtype != torch.bfloat16:
+        return False
+    if mma_ring_rows(graph, x, rows):
+        return k > GEMV_RING_MMA_K
+    return 1 < rows <= GEMV_RING_ROWS and staged_bytes(rows, k) > 96 * 1024
+
+
 def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch: int, prologue: bool = False) -> int:
     """The ``stream`` word (see :meth:`OpDef.stream`) of a GEMV tile whose coords are the out
     box, then the K range: ``operand + 1 | n-range index << 4 | k-range index << 8``
@@ -289,7 +305,8 @@ def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch:
     * at most :data:`GEMV_RING_ROWS` rows, staged whole (CUDA cores);
     * up to :data:`GEMV_RING_MMA_ROWS` bf16 rows over a K range of 32 to :data:`GEMV_RING_MMA_K`,
       staged whole, with room for the cross-warp sums (tensor cores);
-    * up to :data:`GEMV_RING_MMA_ROWS` bf16 rows over a longer K range, at most
+    * up to :data:`GEMV_RING_MMA_ROWS` bf16 rows over a longer K range (2..:data:`GEMV_RING_ROWS`
+      rows: a K range whose float rows exceed 96 KiB and ``scratch``; :func:`kouter_rows`), at most
       :data:`GEMV_KOUTER_COLS` columns and no prologue (``prologue``: the op applies one): one K
       block of x staged at a time, the stream ordered K block outer (tensor cores).
 
@@ -308,7 +325,7 @@ def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch:
     nd = len(tile.coords) - 1
     word = (operand + 1) | ((nd - 1) << 4) | (nd << 8)
     mma_rows = mma_ring_rows(graph, x, rows)
-    if mma_rows and k1 - k0 > GEMV_RING_MMA_K:
+    if kouter_rows(graph, x, rows, k1 - k0) and (mma_rows or staged_bytes(rows, k1 - k0) > scratch):
         fits = n1 - n0 <= GEMV_KOUTER_COLS and not prologue and kouter_bytes(rows) <= scratch
         return word | STREAM_KOUTER if fits else 0
     if staged_bytes(rows, k1 - k0) > scratch:
