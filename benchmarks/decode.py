@@ -73,7 +73,7 @@ def main():
     try:  # bad flags fail here, before any timing
         depths = [int(v) for v in args.ring_stages.split(",") if v.strip()]
         gemv_rows = [int(v) for v in args.gemv_rows.split(",") if v.strip()]
-        if any(m < 1 for m in gemv_rows):
+        if not gemv_rows or any(m < 1 for m in gemv_rows):
             raise ValueError(f"GEMV rows must be >= 1, got {args.gemv_rows}")
         extra = json.loads(args.options)
         if not isinstance(extra, dict):
@@ -197,7 +197,10 @@ class Gemvs(torch.nn.Module):
 def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = (), rows: int = 1) -> None:
     """Prints TB/s of weight bytes for ``count`` independent GEMVs of ``rows`` x rows (M) per plan,
     run by the persistent executor (kernel only: the operand table is bound once, the launch
-    replayed from a CUDA graph); also with each weight-ring depth in ``stages``."""
+    replayed from a CUDA graph); also with each weight-ring depth in ``stages``. With more than one
+    row the GEMVs are planned without ``gemv_groups``, each as a model's lone projection would be:
+    grouped as siblings of one x their tiles are too wide (120-256 columns) for the K-outer
+    stream that 2..16 rows over a long K take (at most 32 columns), and nothing streams."""
     from tilec.api import compile_module
 
     print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = {rows}, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
@@ -206,7 +209,7 @@ def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = 
         mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
-            prog = compile_module(mod, (x,), options=dict(check=False))
+            prog = compile_module(mod, (x,), options=dict(check=False, gemv_groups=rows == 1))
             got = prog(x)
             want = mod(x)
         err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))

@@ -211,6 +211,20 @@ def test_long_k_batches_stream_k_block_outer(rows, k, n, norm, kouter):
         assert smem.scratch_bytes(plan.graph) >= kouter_bytes(rows)
 
 
+def test_a_split_k_slice_of_a_few_long_rows_streams_k_block_outer():
+    """Llama-3.1-8B's batch-3 down projection (3 x 14336) with split_k=2: its 7168-K slices' float
+    rows (86 KiB) fit the 96 KiB a plan stages but not the plan's scratch, so they were neither staged
+    whole nor K-outer and streamed nothing (a reviewer's find). They stream K block outer now."""
+    from tilec.ops import STREAM_KOUTER
+
+    x = torch.randn(3, 14336, dtype=torch.bfloat16)
+    plan = compile_module(_Proj(14336, 96, False), (x,), options=dict(workers=8, split_k=2, executor="reference",
+                                                                       check=False)).plan
+    words = [d[F["stream"][0]] for q in plan.queues.tolist() for d in q
+             if d[F["opcode"][0]] not in (NOOP, EMPTY) and d[F["stream"][0]]]
+    assert len(words) >= 8 and all(w & STREAM_KOUTER for w in words)
+
+
 def test_long_k_with_a_fused_prologue_is_not_streamed():
     """A prologue needs whole rows (the RMSNorm of x): K-outer tiles take none."""
     from tilec.ops import Tile, gemv_stream_word

@@ -29,8 +29,9 @@ The pass sets attr ``col_split = (block, k)`` on each ``linear`` / ``linear_fuse
 sizes (``tilec.ops.gemv_col_ranges`` cuts the tiles from it): members of a sibling group (two
 or more such ops with equal kind, prologue, residual epilogue (or none: a ``silu`` epilogue reads
 nothing more), staged input views and output row shape), and lone GEMVs whose per-op tiles would straddle a consumer's. Only tile boundaries
-move: on the GPU each output column is one warp's full-K dot product (1..4 rows) or one group of
-8 columns' K slices summed over the warps in a fixed order (5..16 rows, tensor cores) whatever the
+move: on the GPU each output column is one warp's full-K dot product (1..4 rows staged whole) or one
+group of 8 columns' K slices summed over the warps in a fixed order (5..16 rows, and 2..4 rows over a
+K range streamed K block outer: tensor cores) whatever the
 tile's width, so results are bitwise unchanged for the GEMVs of a decode step (Llama-3.2-1B's
 batch-1 logits were, on an H200); the CPU reference executor computes a tile with one matmul whose summation
 order may depend on the tile's width (last-bit differences). An explicit ``Options.tile_n``
