@@ -32,7 +32,7 @@ from tilec.errors import TilecError  # noqa: E402
 from tilec.hf import cache_kwargs, compile_decode_step  # noqa: E402
 from tilec.options import Options  # noqa: E402
 from tilec.timing import SmClock, cuda_graph, median_ms, need_gpu  # noqa: E402
-from tilec.zoo import make_model, prefill  # noqa: E402
+from tilec.zoo import CONFIGS, make_model, prefill  # noqa: E402
 
 
 def time_cuda(fn, iters: int, warmup: int = 5) -> float:
@@ -56,31 +56,61 @@ def step_bytes(model, batch: int, context: int) -> int:
     return nbytes + kv
 
 
+def int_list(low: int):
+    """An argparse type: comma-separated integers >= ``low`` (at least one)."""
+    def parse(text: str) -> list[int]:
+        items = text.split(",")
+        try:
+            values = [int(v) for v in items]
+        except ValueError:
+            values = []
+        if not values or any(v < low for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {low} (e.g. {low},{low + 1}), "
+                                             f"got {text!r}")
+        return values
+    return parse
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-3.2-1b")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=100)
-    ap.add_argument("--skip-inductor", action="store_true")
+    ap = argparse.ArgumentParser(description="Times one decode step on a CUDA GPU (eager, CUDA graph, Inductor, "
+                                             "tilec, roofline) and optionally the GEMV microbenchmark. Needs a "
+                                             "CUDA GPU; the arguments are checked first.")
+    ap.add_argument("--model", default="llama-3.2-1b", choices=sorted(CONFIGS),
+                    help="a tilec.zoo model with random weights (default llama-3.2-1b)")
+    ap.add_argument("--context", type=positive, default=1024, help="cached positions before the step (default 1024)")
+    ap.add_argument("--batch", type=positive, default=1, help="sequences per step (default 1)")
+    ap.add_argument("--iters", type=positive, default=100, help="timed steps per row (default 100)")
+    ap.add_argument("--skip-inductor", action="store_true", help="leave out torch.compile (Inductor), which takes "
+                                                                  "minutes to compile an 8B model")
     ap.add_argument("--gemv", action="store_true", help="also run the GEMV streaming microbenchmark")
-    ap.add_argument("--gemv-rows", default="1", metavar="M,M,...",
-                    help="x rows (M) of the GEMV microbenchmark's GEMVs, one table each (default 1)")
-    ap.add_argument("--ring-stages", default="", metavar="N,N,...",
+    ap.add_argument("--gemv-rows", type=int_list(1), default=None, metavar="M,M,...",
+                    help="with --gemv: x rows (M) of the microbenchmark's GEMVs, one table each (default 1)")
+    ap.add_argument("--ring-stages", type=int_list(2), default=[], metavar="N,N,...",
                     help="also time the tilec step (CUDA graph replay) with each of these weight-ring depths")
     ap.add_argument("--options", default="{}", help='extra tilec compile options as JSON, e.g. \'{"fold_cache_writes": false}\'')
     args = ap.parse_args()
+    depths = args.ring_stages
+    if args.gemv_rows is not None and not args.gemv:
+        ap.error("--gemv-rows sizes the GEMV microbenchmark: add --gemv")
+    gemv_rows = args.gemv_rows or [1]
     try:  # bad flags fail here, before any timing
-        depths = [int(v) for v in args.ring_stages.split(",") if v.strip()]
-        gemv_rows = [int(v) for v in args.gemv_rows.split(",") if v.strip()]
-        if not gemv_rows or any(m < 1 for m in gemv_rows):
-            raise ValueError(f"GEMV rows must be >= 1, got {args.gemv_rows}")
         extra = json.loads(args.options)
         if not isinstance(extra, dict):
             raise ValueError(f"expected a JSON object, got {args.options}")
         Options.from_dict(extra)
     except ValueError as e:
-        ap.error(f"--ring-stages / --gemv-rows / --options: {e}")
+        ap.error(f"--options {args.options!r}: {e}")
     need_gpu("decode.py")
     warnings.simplefilter("ignore")
     dev = "cuda"
@@ -197,10 +227,7 @@ class Gemvs(torch.nn.Module):
 def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = (), rows: int = 1) -> None:
     """Prints TB/s of weight bytes for ``count`` independent GEMVs of ``rows`` x rows (M) per plan,
     run by the persistent executor (kernel only: the operand table is bound once, the launch
-    replayed from a CUDA graph); also with each weight-ring depth in ``stages``. With more than one
-    row the GEMVs are planned without ``gemv_groups``, each as a model's lone projection would be:
-    grouped as siblings of one x their tiles are too wide (120-256 columns) for the K-outer
-    stream that 2..16 rows over a long K take (at most 32 columns), and nothing streams."""
+    replayed from a CUDA graph); also with each weight-ring depth in ``stages``."""
     from tilec.api import compile_module
 
     print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = {rows}, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
@@ -209,7 +236,7 @@ def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = 
         mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
-            prog = compile_module(mod, (x,), options=dict(check=False, gemv_groups=rows == 1))
+            prog = compile_module(mod, (x,), options=dict(check=False))
             got = prog(x)
             want = mod(x)
         err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))

@@ -46,7 +46,7 @@ from collections import defaultdict
 
 from .. import ops as opreg
 from ..ir import Op, OpGraph
-from ..ops import GEMV_TILE_N_MAX, gemv_col_ranges
+from ..ops import GEMV_KOUTER_COLS, GEMV_TILE_N_MAX, gemv_col_ranges, kouter_rows, leading_rows
 from ..ops.linear_fused import N_PROLOGUE_INPUTS
 from ..taskgraph import map_box
 
@@ -64,6 +64,17 @@ def _group_key(op: Op):
     # an "add" epilogue reads a residual (another producer); a "silu" epilogue reads nothing
     epilogue = op.attr("epilogue") if op.attr("epilogue") == "add" else "none"
     return (op.kind, op.attr("prologue"), epilogue, tuple(staged), op.outputs[0].shape[:-1])
+
+
+def max_cols(graph: OpGraph, op: Op) -> int:
+    """The widest tile ``op`` may get: :data:`~tilec.ops.GEMV_KOUTER_COLS` for a plain linear whose
+    tiles stream K block outer (:func:`~tilec.ops.kouter_rows`; wider ones stream nothing, and
+    sized as siblings of one x they were 120-256 columns wide), else
+    :data:`~tilec.ops.GEMV_TILE_N_MAX`."""
+    if op.kind == "linear" and kouter_rows(graph, op.inputs[0], leading_rows(op.outputs[0].shape),
+                                           op.inputs[0].shape[-1]):
+        return GEMV_KOUTER_COLS
+    return GEMV_TILE_N_MAX
 
 
 def consumer_cuts(graph: OpGraph, op: Op, opts) -> set[int] | None:
@@ -145,8 +156,8 @@ def size_gemv_groups(graph: OpGraph, opts=None) -> OpGraph:
         total = sum(op.outputs[0].shape[-1] for op in ops)
         # each block's share of the workers, rounded down; then one more tile per block for the
         # member with the widest tiles while the group still fits the workers (tiles stay at most
-        # GEMV_TILE_N_MAX columns wide)
-        ks = [max(1, -(-b // GEMV_TILE_N_MAX), min(b // 8, opts.workers * b // total)) for b in blocks]
+        # max_cols wide)
+        ks = [max(1, -(-b // max_cols(graph, op)), min(b // 8, opts.workers * b // total)) for op, b in zip(ops, blocks)]
         while True:
             grow = [j for j in range(len(ks)) if ks[j] < blocks[j] // 8
                     and sum(nb * k for nb, k in zip(nblocks, ks)) + nblocks[j] <= opts.workers]
