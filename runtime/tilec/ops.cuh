@@ -1427,14 +1427,10 @@ __device__ __forceinline__ void gemv_prepare(const int* d, const Operand* ops, i
 // from OpDef.staged_x; same x, prologue, rows and K range): when the executor confirms they are
 // still in shared memory (c.x_staged_in), they are not staged again. A tile of at most kPrepRows rows
 // takes its row offsets and stream range from the controller (gemv_prepare).
-template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap, bool kFused = false>
+template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap>
 __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f, bool reuse_x = false) {
   constexpr int kRingRows = TILEC_GEMV_RING_ROWS;                      // the CUDA-core ring consumer's rows at most
   constexpr bool kMmaRows = kRowCap == 0 || kRowCap > kRingRows;      // tensor-core rows may occur
-  // K-outer tiles of 2..kRingRows rows come only from plain linears (a fused tile reserves its float
-  // rows: tilec/ops/linear_fused.py); compiled into the fused 4-row instance the branch added spills
-  // to its other paths (ptxas -v: 1012 -> 1268 bytes of spill loads)
-  constexpr bool kKouter = kMmaRows || (kRowCap != 1 && !kFused);
   constexpr int kR = kRowCap == 1 ? 1 : kRowCap == 4 ? 4 : 8;         // the widest row-register instance
   const Operand &x = operands()[0], &w = operands()[wi];
   const Operand &out = operands()[oi];
@@ -1501,11 +1497,9 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       }
     }
     const bool mma = kMmaRows && nr > kRingRows;
-    // tensor-core bf16 rows over a long K, no prologue (tilec/ops/__init__.py kouter_rows): 5..16 rows,
-    // or 2..kRingRows whose float rows would leave the ring no room
-    if (kKouter && ring && t.kouter) {
+    if (kMmaRows && ring && t.kouter) {  // tensor-core bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
       constexpr int kPitch = kStreamK + 32;
-      if (std::is_same<TX, __nv_bfloat16>::value && nr > 1 && nr <= 16 && pro == 0 && variant != 1 &&
+      if (std::is_same<TX, __nv_bfloat16>::value && mma && nr <= 16 && pro == 0 && variant != 1 &&
           t.n1 - t.n0 <= kWarps * kKouterGroups && 576 + nr * kPitch / 2 + kWarps * 128 <= c.smem_floats - 64) {
         if (!c.wait()) return;
         gemv_bf16_ring_kouter<TB, TO, kBias>(c, t, xoff, xk, nr, reinterpret_cast<__nv_bfloat16*>(xs_smem),
@@ -1621,8 +1615,7 @@ template <typename TX, typename TW, typename TO, int kRowCap>
 __device__ void op_linear_fused(TileCtx& c) {
   const int pro = c.param(1), epi = c.param(2);
   const int wi = pro ? 2 : 1;
-  linear_impl<TX, TW, TW, TO, false, kRowCap, true>(c, wi, wi + (epi == 1 ? 2 : 1), pro, epi, c.fparam(3),
-                                                    c.param(4) != 0);
+  linear_impl<TX, TW, TW, TO, false, kRowCap>(c, wi, wi + (epi == 1 ? 2 : 1), pro, epi, c.fparam(3), c.param(4) != 0);
 }
 
 // ---- decode attention over a static KV cache (GQA) -------------------------------------

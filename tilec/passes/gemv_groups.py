@@ -30,8 +30,7 @@ sizes (``tilec.ops.gemv_col_ranges`` cuts the tiles from it): members of a sibli
 or more such ops with equal kind, prologue, residual epilogue (or none: a ``silu`` epilogue reads
 nothing more), staged input views and output row shape), and lone GEMVs whose per-op tiles would straddle a consumer's. Only tile boundaries
 move: on the GPU each output column is one warp's full-K dot product (1..4 rows staged whole) or one
-group of 8 columns' K slices summed over the warps in a fixed order (5..16 rows, and 2..4 rows over a
-K range streamed K block outer: tensor cores) whatever the
+group of 8 columns' K slices summed over the warps in a fixed order (5..16 rows, tensor cores) whatever the
 tile's width, so results are bitwise unchanged for the GEMVs of a decode step (Llama-3.2-1B's
 batch-1 logits were, on an H200); the CPU reference executor computes a tile with one matmul whose summation
 order may depend on the tile's width (last-bit differences). An explicit ``Options.tile_n``
@@ -46,7 +45,7 @@ from collections import defaultdict
 
 from .. import ops as opreg
 from ..ir import Op, OpGraph
-from ..ops import GEMV_KOUTER_COLS, GEMV_TILE_N_MAX, gemv_col_ranges, kouter_rows, leading_rows
+from ..ops import GEMV_KOUTER_COLS, GEMV_RING_MMA_K, GEMV_TILE_N_MAX, gemv_col_ranges, leading_rows, mma_ring_rows
 from ..ops.linear_fused import N_PROLOGUE_INPUTS
 from ..taskgraph import map_box
 
@@ -68,11 +67,11 @@ def _group_key(op: Op):
 
 def max_cols(graph: OpGraph, op: Op) -> int:
     """The widest tile ``op`` may get: :data:`~tilec.ops.GEMV_KOUTER_COLS` for a plain linear whose
-    tiles stream K block outer (:func:`~tilec.ops.kouter_rows`; wider ones stream nothing, and
-    sized as siblings of one x they were 120-256 columns wide), else
-    :data:`~tilec.ops.GEMV_TILE_N_MAX`."""
-    if op.kind == "linear" and kouter_rows(graph, op.inputs[0], leading_rows(op.outputs[0].shape),
-                                           op.inputs[0].shape[-1]):
+    tiles stream K block outer (tensor-core rows over a K range longer than
+    :data:`~tilec.ops.GEMV_RING_MMA_K`; wider tiles stream nothing, and sized as siblings of one x
+    they were 120-256 columns wide), else :data:`~tilec.ops.GEMV_TILE_N_MAX`."""
+    if op.kind == "linear" and op.inputs[0].shape[-1] > GEMV_RING_MMA_K and \
+            mma_ring_rows(graph, op.inputs[0], leading_rows(op.outputs[0].shape)):
         return GEMV_KOUTER_COLS
     return GEMV_TILE_N_MAX
 
