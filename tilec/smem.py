@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import ops as opreg
 from .errors import TilecError
 from .ir import OpGraph
-from .ops import GEMV_RING_MMA_K, kouter_bytes, mma_ring_rows
+from .ops import kouter_bytes, kouter_rows
 from .ops.linear_fused import ring_staged_bytes, staged_bytes
 
 # Hopper's 227 KiB per CTA less room for the executor's static shared memory (4064 bytes with 13-operand
@@ -55,7 +55,7 @@ def scratch_bytes(graph: OpGraph) -> int:
                     own = max(own, staged)
                     break
             else:
-                if mma_ring_rows(graph, op.inputs[0], rows) and k > GEMV_RING_MMA_K:  # streamed K block by K block
+                if kouter_rows(graph, op.inputs[0], rows, k):  # streamed K block by K block
                     own = max(own, kouter_bytes(rows))
         if own > need:
             need, who = own, op.name

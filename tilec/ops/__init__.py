@@ -279,6 +279,13 @@ def mma_ring_rows(graph, x: View, rows: int) -> bool:
     return GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and graph.buffers[x.buffer].dtype == torch.bfloat16
 
 
+def kouter_rows(graph, x: View, rows: int, k: int) -> bool:
+    """Whether a GEMV tile of ``rows`` rows of x over a K range of ``k`` streams K block outer: tensor-core
+    rows (:func:`mma_ring_rows`) over a K range longer than :data:`GEMV_RING_MMA_K` (the one rule
+    of :func:`gemv_stream_word`, ``tilec.smem.scratch_bytes`` and ``tilec.passes.gemv_groups``)."""
+    return k > GEMV_RING_MMA_K and mma_ring_rows(graph, x, rows)
+
+
 def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch: int, prologue: bool = False) -> int:
     """The ``stream`` word (see :meth:`OpDef.stream`) of a GEMV tile whose coords are the out
     box, then the K range: ``operand + 1 | n-range index << 4 | k-range index << 8``
@@ -308,7 +315,7 @@ def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch:
     nd = len(tile.coords) - 1
     word = (operand + 1) | ((nd - 1) << 4) | (nd << 8)
     mma_rows = mma_ring_rows(graph, x, rows)
-    if mma_rows and k1 - k0 > GEMV_RING_MMA_K:
+    if kouter_rows(graph, x, rows, k1 - k0):
         fits = n1 - n0 <= GEMV_KOUTER_COLS and not prologue and kouter_bytes(rows) <= scratch
         return word | STREAM_KOUTER if fits else 0
     if staged_bytes(rows, k1 - k0) > scratch:

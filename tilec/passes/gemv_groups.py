@@ -45,7 +45,7 @@ from collections import defaultdict
 
 from .. import ops as opreg
 from ..ir import Op, OpGraph
-from ..ops import GEMV_KOUTER_COLS, GEMV_RING_MMA_K, GEMV_TILE_N_MAX, gemv_col_ranges, leading_rows, mma_ring_rows
+from ..ops import GEMV_KOUTER_COLS, GEMV_TILE_N_MAX, gemv_col_ranges, kouter_rows, leading_rows
 from ..ops.linear_fused import N_PROLOGUE_INPUTS
 from ..taskgraph import map_box
 
@@ -67,11 +67,10 @@ def _group_key(op: Op):
 
 def max_cols(graph: OpGraph, op: Op) -> int:
     """The widest tile ``op`` may get: :data:`~tilec.ops.GEMV_KOUTER_COLS` for a plain linear whose
-    tiles stream K block outer (tensor-core rows over a K range longer than
-    :data:`~tilec.ops.GEMV_RING_MMA_K`; wider tiles stream nothing, and sized as siblings of one x
-    they were 120-256 columns wide), else :data:`~tilec.ops.GEMV_TILE_N_MAX`."""
-    if op.kind == "linear" and op.inputs[0].shape[-1] > GEMV_RING_MMA_K and \
-            mma_ring_rows(graph, op.inputs[0], leading_rows(op.outputs[0].shape)):
+    tiles stream K block outer (:func:`~tilec.ops.kouter_rows`; wider tiles stream nothing, and sized
+    as siblings of one x they were 120-256 columns wide), else :data:`~tilec.ops.GEMV_TILE_N_MAX`."""
+    if op.kind == "linear" and kouter_rows(graph, op.inputs[0], leading_rows(op.outputs[0].shape),
+                                           op.inputs[0].shape[-1]):
         return GEMV_KOUTER_COLS
     return GEMV_TILE_N_MAX
 
