@@ -9,6 +9,7 @@ from .capture import export_graph
 from .dump import with_dump
 from .errors import InputError, UnsupportedNodeError
 from .frontend import find_unsupported, lower_graph
+from .guards import build_mask_guards
 from .options import Options
 from .pipeline import Hook, compile_opgraph
 from .ir import is_integer
@@ -57,8 +58,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     n_user = len(out_node.args[0]) - binding.mutation_outputs
     single = n_user == 1 if binding.single_output is None else binding.single_output and n_user == 1
-    return CompiledProgram(compiled, binding, single_output=single, opts=opts,
-                           example_args=args, out_spec=binding.out_spec)
+    return CompiledProgram(compiled, binding, single_output=single, opts=opts, example_args=args,
+                           out_spec=binding.out_spec, guards=build_mask_guards(gm, binding, graph.mask_guards))
 
 
 def _hint(args, whys=()) -> str:

@@ -107,8 +107,9 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
 
     Returns: the artifact's path.
     Raises:
-        ArtifactError: ``path`` holds an artifact (without ``force``) or other files, or an example
-            argument is neither a tensor nor a plain number.
+        ArtifactError: ``path`` holds an artifact (without ``force``) or other files, an example
+            argument is neither a tensor nor a plain number, or the program checks a run-time
+            attention mask (:mod:`tilec.guards`; an artifact does not carry the check).
         TilecError: nvcc failed, ``TILEC_NVCC`` names a program that does not run as nvcc, or a
             codegen template is missing or broken (nothing is written).
     """
@@ -117,6 +118,11 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     missing = [s for s in STAGES if s not in program.compiled.stages]
     if missing:
         raise ArtifactError(f"the program lacks pipeline stage(s) {missing}; compile it with tilec.api.compile_module")
+    if program.graph.mask_guards:
+        raise ArtifactError(f"the program checks a run-time attention mask on every call "
+                            f"({', '.join(name for name, _ in program.graph.mask_guards)}), which an artifact cannot "
+                            f"carry yet: compile a step without a mask argument (its attention is causal), or use "
+                            f"the program in this process")
     call_args, input_tensors = _describe_inputs(inputs)
     plan, opts = program.plan, program.opts
     try:

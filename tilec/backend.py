@@ -30,6 +30,7 @@ from . import __version__, plancache
 from .dump import with_dump
 from .errors import PositionError, UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
+from .guards import GuardError, build_mask_guards
 from .ir import DTYPE_CODES, is_integer
 from .options import Options, unknown_options_message
 from .pipeline import compile_opgraph
@@ -247,7 +248,8 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
         _PLAN_CACHE[key] = compiled
     user_args = [t for t, k in zip(flat_args, kinds) if k != "const"]
     program = CompiledProgram(compiled, binding, single_output=False, opts=opts.compile, example_args=user_args,
-                              arg_labels=[label for label, k in zip(labels, kinds) if k != "const"])
+                              arg_labels=[label for label, k in zip(labels, kinds) if k != "const"],
+                              guards=build_mask_guards(gm, binding, compiled.plan.graph.mask_guards))
     if program.executor_kind == "reference" and not _warned_cpu:
         _warned_cpu = True
         warnings.warn("tilec: no CUDA device; running the CPU reference executor (for validation, not speed)",
@@ -273,8 +275,9 @@ class _Region:
     (held, so their ids stay theirs), else their values are hashed; the call then takes the plan
     for those values, compiled once. Past :data:`MAX_CONSTANT_SETS` sets of values, calls with new
     ones run eagerly, with one warning. A call whose decode position does not fit the plan (past
-    ``max_positions``, or two one-element integer inputs that disagree) runs eagerly too, with one
-    warning (an error with ``fallback`` off).
+    ``max_positions``, or two one-element integer inputs that disagree), or whose run-time attention
+    mask is not causal (:mod:`tilec.guards`), runs eagerly too, with one warning each (an error with
+    ``fallback`` off).
     """
 
     def __init__(self, gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions, n_out: int, single: bool):
@@ -324,6 +327,11 @@ class _Region:
             if not self.opts.fallback:
                 raise
             self._warn("position", f"tilec: {e}; such calls run eagerly")
+            return self.gm(*args)
+        except GuardError as e:  # e.g. generate() on a padded batch
+            if not self.opts.fallback:
+                raise
+            self._warn("mask", f"tilec: {e}; such calls run eagerly")
             return self.gm(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         assert len(outs) == self.n_out

@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from .errors import InputError, UnsupportedNodeError
 from .frontend_dsa import DsaLowering
+from .guards import causal_mismatch
 from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
                       Positional, Static, aten, is_call, source_of, target_name, val_of)
 from .ir import (DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, dtype_name,
@@ -87,6 +88,7 @@ class Lowering(DsaLowering):
         self._pos_caches: dict[int, dict] = {}
         self._views: dict[int, View] = {}
         self._mask_checks: dict[tuple, int] = {}  # _check_causal_mask's verdicts: the first bad position, or -1
+        self.mask_guards: dict[str, tuple] = {}  # run-time mask node -> (batch, heads, rows, cache length)
         self.position_updates: dict[str, torch.Tensor] = {}
         self.probe = probe
         self.unsupported: list[tuple[str, str, str, str]] = []
@@ -701,9 +703,15 @@ class Lowering(DsaLowering):
         and not tabulated (the attention op needs no table): a [P, ..., L] table grew as L^2 - a
         16384-row cache took 5.5 GB of host memory to compile. One verdict per mask node (the
         layers share HF's mask)."""
-        if not isinstance(mask, fx.Node) or self.cls[mask] == "runtime":
-            self._unsupported(node, "attention mask that does not depend only on the decode position "
-                                    "(padding masks are not supported)")
+        if not isinstance(mask, fx.Node):
+            self._unsupported(node, f"attention mask {mask!r} that is not a tensor")
+        if self.cls[mask] == "runtime":
+            why = self._unguardable(mask)
+            if why:
+                self._unsupported(node, f"attention mask computed from run-time inputs that tilec cannot check on "
+                                        f"each call: {why}")
+            self.mask_guards.setdefault(mask.name, (bsz, hq, sq, s))  # checked per call (tilec.guards)
+            return
         if self.cls[mask] == "static":
             self._unsupported(node, "attention mask that is a constant, the same at every decode position (HF's "
                                     "sliding-window layers build theirs from a Python int, e.g. Mistral's "
@@ -722,14 +730,31 @@ class Lowering(DsaLowering):
                                      f"{f' at {where}' if where else ''} fails at decode position {p}: "
                                      f"{type(e).__name__}: {e}; max_positions={self.max_positions} plans positions "
                                      f"the module cannot take - use max_positions <= {p}") from e
-                allowed = m if m.dtype == torch.bool else (m == 0)
-                want = torch.arange(s).view(1, s) <= (p + torch.arange(sq)).view(sq, 1)
-                if not torch.equal(allowed.expand(bsz, hq, sq, s), want.expand(bsz, hq, sq, s)):
+                if causal_mismatch(m, p, (bsz, hq, sq, s)):
                     bad = p
                     break
             self._mask_checks[key] = bad
         if bad >= 0:
             self._unsupported(node, f"attention mask at position {bad} is not the causal mask over the static cache")
+
+    def _unguardable(self, mask: fx.Node) -> str:
+        """Why a run-time ``mask`` cannot be checked per call by a :class:`tilec.guards.MaskGuard`
+        (its value must follow from the call's arguments alone), or ``""`` when it can."""
+        mutated = set(self.b.mutations.values())
+        seen, todo = set(), [mask]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" and n.name in mutated:
+                return f"it reads {self._argument(n.name)}, which the step updates in place"
+            if n.op == "call_function" and (n.target in INDEX_WRITES or n.target is aten.copy_.default):
+                return f"it reads {n.name} ({target_name(n)}), an in-place write"
+            if n.op not in ("placeholder", "get_attr", "call_function"):
+                return f"it reads {n.name}, a {n.op} node"
+            todo.extend(n.all_input_nodes)
+        return ""
 
     def _check_slot_index(self, node, idx_node, sq, cache: View):
         val = self.value(idx_node)
@@ -890,7 +915,8 @@ def lower_graph(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 
             inputs.append(IGNORED)
     updates = tuple((binding.user_inputs.index(name), table) for name, table in low.position_updates.items())
     ops = _order_state_accesses(low.ops, buffers, low.nodes)
-    return OpGraph(tuple(ops), buffers, tuple(inputs), tuple(outputs), max_positions, low.constants, updates)
+    return OpGraph(tuple(ops), buffers, tuple(inputs), tuple(outputs), max_positions, low.constants, updates,
+                   tuple(sorted(low.mask_guards.items())))
 
 
 def _order_state_accesses(ops: list[Op], buffers: dict[str, Buffer], nodes: dict[str, fx.Node]) -> list[Op]:

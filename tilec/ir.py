@@ -246,6 +246,9 @@ class OpGraph:
     # (user argument index, table [max_positions, ...]): position inputs the step updates in
     # place, e.g. HF's cache counter; the program writes ``table[p]`` into them after a step
     position_updates: tuple = field(default=(), hash=False, compare=False)
+    # (aten mask node name, (batch, heads, query rows, cache length)): run-time attention masks
+    # planned as causal, which the program checks on every call (tilec.guards.MaskGuard)
+    mask_guards: tuple = ()
 
     def def_use(self) -> nx.DiGraph:
         """Bipartite def-use graph: op nodes ``("op", name)`` and buffer nodes ``("buf", name)``."""
@@ -281,6 +284,7 @@ class OpGraph:
             "max_positions": self.max_positions,
             "constants": sorted(self.constants),
             "position_updates": [idx for idx, _ in self.position_updates],
+            "mask_guards": [[name, list(shape)] for name, shape in self.mask_guards],
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -304,13 +308,16 @@ class OpGraph:
         return OpGraph(tuple(Op.from_dict(o) for o in d["ops"]), buffers, tuple(d["inputs"]),
                        tuple(View.from_dict(v) for v in d["outputs"]), d["max_positions"],
                        {k: tensors[k] for k in d.get("constants", [])},
-                       tuple((i, tensors[f"position_update.{i}"]) for i in d.get("position_updates", [])))
+                       tuple((i, tensors[f"position_update.{i}"]) for i in d.get("position_updates", [])),
+                       tuple((name, tuple(shape)) for name, shape in d.get("mask_guards", [])))
 
     def render(self) -> str:
         lines = ["opgraph {"]
         for b in self.buffers.values():
             lines.append(f"  buffer {b.name}: {dtype_name(b.dtype)}[{'x'.join(map(str, b.shape))}] {b.kind.value}")
         lines.append(f"  inputs ({', '.join(self.inputs)})")
+        for name, shape in self.mask_guards:
+            lines.append(f"  guard causal_mask({name}) [{'x'.join(map(str, shape))}]")
         for op in self.ops:
             lines.append(f"  {op.render()}")
         lines.append(f"  return ({', '.join(v.render() for v in self.outputs)})")

@@ -45,20 +45,28 @@ class CompiledProgram:
     ``library``: a prebuilt shared library of this plan for the CUDA executor (else built with nvcc).
     ``out_spec``: the module's output structure (a pytree spec from the capture): the outputs
     come back as the module returns them - a dict, nested tuples - else as a tuple.
+    ``guards``: a :class:`tilec.guards.MaskGuard` for each of the plan's ``mask_guards`` (run-time
+    attention masks planned as causal), checked before every run.
     ``arg_labels``: how errors name each argument (default ``argument i (its buffer)``); the
     ``torch.compile`` backend passes the user's names, e.g. ``past_key_values.layers[0].keys``.
 
     Raises:
         TilecError: an argument has the wrong shape/dtype/layout, positions disagree, or a Python value
             (baked into the step when compiling) differs from the example's.
+        GuardError: a run-time attention mask is not the causal mask at the call's position (nothing ran).
     """
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
-                 progress=None, example_args=(), library=None, arg_labels=None, out_spec=None):
+                 progress=None, example_args=(), library=None, arg_labels=None, out_spec=None, guards=()):
         self.opts = opts = opts or Options()
         self.compiled = compiled
         self.plan = compiled.plan
         self.graph = self.plan.graph
+        self.guards = list(guards)
+        if len(self.guards) != len(self.graph.mask_guards):
+            raise TilecError(f"this plan checks {len(self.graph.mask_guards)} run-time attention mask(s) on every call "
+                             f"({', '.join(name for name, _ in self.graph.mask_guards)}) and needs the graph that "
+                             f"computes them; it was given {len(self.guards)}")
         self.single_output = single_output
         self.out_spec = out_spec
         tensors_seen = (*binding.params.values(), *binding.consts.values(),
@@ -186,6 +194,8 @@ class CompiledProgram:
             raise TilecError(f"a compiled step takes its arguments by position, in the order of the example "
                              f"arguments it was compiled with; got keyword argument(s) {', '.join(sorted(kwargs))}")
         tensors, p = self.bind_args(args)
+        for guard in self.guards:
+            guard.check(args, p, self._labels)
         if self.executor_kind == "reference":
             for name, b in self.graph.buffers.items():
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:

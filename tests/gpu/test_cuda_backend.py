@@ -1,0 +1,45 @@
+"""torch.compile(backend="tilec") on the CUDA executor: HF generate() with a static cache.
+
+The decode step's attention mask is a run-time argument that tilec checks per call
+(tilec.guards): one sequence compiles the whole step, a left-padded batch runs its calls
+eagerly. float32 weights, so greedy tokens must equal eager's exactly (no bf16 ties).
+"""
+import logging
+
+import pytest
+import torch
+
+from tilec.zoo import make_model
+
+DEV = "cuda"
+
+
+def _generate(model, compiled: bool, **kw):
+    forward = model.forward
+    if compiled:
+        model.forward = torch.compile(forward, backend="tilec")
+    try:
+        return model.generate(**kw, max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0)
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_generate_matches_eager(padded, caplog):
+    torch.manual_seed(0)
+    model = make_model("llama-tiny", torch.float32, DEV, layers=2)
+    ids = torch.randint(3, 1000, (2 if padded else 1, 6), device=DEV)
+    kw = {"input_ids": ids}
+    if padded:
+        kw["attention_mask"] = torch.ones_like(ids)
+        kw["attention_mask"][1, :2] = 0
+    with torch.no_grad():
+        want = _generate(model, False, **kw)
+        with caplog.at_level(logging.INFO, logger="tilec"):
+            got = _generate(model, True, **kw)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    lines = [r.getMessage() for r in caplog.records if r.name == "tilec"]
+    guarded = [line for line in lines if "is not the causal mask" in line]
+    assert bool(guarded) == padded, lines
+    assert not [line for line in lines if "repeat_kv" in line or "attention mask computed" in line], lines

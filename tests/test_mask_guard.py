@@ -1,0 +1,255 @@
+"""Run-time attention masks planned as causal and checked on every call (tilec.guards).
+
+HF generate() passes each decode step its attention mask as a tensor argument; its attention,
+repeat_kv and cache writes ran eagerly. Now the step compiles whole when the mask is causal at
+the call's position, and a call with another mask (a padded batch) runs eagerly (torch.compile)
+or raises GuardError (compile_module). Outputs are compared with eager PyTorch on random inputs
+(relative L2 <= 1e-4, float32 on the CPU reference executor).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilec.api import compile_module
+from tilec.errors import TilecError, UnsupportedNodeError
+from tilec.guards import GuardError, causal_mismatch
+
+from _helpers import assert_close
+
+S = 12  # static cache rows
+
+
+def causal(p: int, sq: int = 1, s: int = S) -> torch.Tensor:
+    """[1, 1, sq, s] bool: row i allows columns <= p + i."""
+    return (torch.arange(s).view(1, s) <= (p + torch.arange(sq)).view(sq, 1)).view(1, 1, sq, s)
+
+
+def additive(allowed: torch.Tensor, fill: float) -> torch.Tensor:
+    return torch.zeros(allowed.shape).masked_fill(~allowed, fill)
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+def test_causal_mismatch_reads_bool_and_hard_float_masks(sq):
+    shape = (2, 4, sq, S)
+    for p in (0, 5, S - sq - 1):  # some key masked in every row
+        m = causal(p, sq)
+        assert not causal_mismatch(m, p, shape)
+        assert not causal_mismatch(m.expand(2, 1, sq, S), p, shape)
+        for fill in (float("-inf"), torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min, -1e4):
+            assert not causal_mismatch(additive(m, fill), p, shape), fill
+        assert causal_mismatch(additive(m, -1.0), p, shape)  # a soft bias is not a mask
+        assert causal_mismatch(m, p + 1, shape) and (p == 0 or causal_mismatch(m, p - 1, shape))
+        padded = m.clone().expand(2, 1, sq, S).clone()
+        padded[1, 0, :, 0] = False  # the second sequence's first key is padding
+        assert causal_mismatch(padded, p, shape)
+        soft = additive(m, float("-inf"))
+        soft[..., 0] = 0.5
+        assert causal_mismatch(soft, p, shape)
+
+
+class MaskedStep(torch.nn.Module):
+    """One decode step of attention over a static cache, masked by a run-time ``mask`` argument:
+    x [1, 1, 64] -> q/k/v (4 query heads, 2 KV heads, head_dim 16), cache rows written at ``pos``."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+        self.o = torch.nn.Linear(64, 64)
+
+    def forward(self, x, k_cache, v_cache, pos, mask):
+        q = self.q(x).view(1, 1, 4, 16).transpose(1, 2)
+        k_cache.index_copy_(2, pos, self.k(x).view(1, 1, 2, 16).transpose(1, 2))
+        v_cache.index_copy_(2, pos, self.v(x).view(1, 1, 2, 16).transpose(1, 2))
+        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+        return self.o(o.transpose(1, 2).reshape(1, 1, 64))
+
+
+def _step_args(p: int, mask: torch.Tensor):
+    return (torch.randn(1, 1, 64), torch.randn(1, 2, S, 16), torch.randn(1, 2, S, 16), torch.tensor([p]), mask)
+
+
+def _eager(m, args):
+    args = tuple(a.clone() for a in args)
+    return m(*args), args
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_mask_argument_is_checked_on_every_call(kind):
+    torch.manual_seed(0)
+    m = MaskedStep().eval()
+    as_kind = (lambda a: a) if kind == "bool" else (lambda a: additive(a, float("-inf")))
+    with torch.no_grad():
+        prog = compile_module(m, _step_args(3, as_kind(causal(3))), positions=[3], max_positions=S)
+        assert [name for name, _ in prog.graph.mask_guards] and "guard causal_mask(" in prog.graph.render()
+        for p in (0, 4, S - 1):
+            args = _step_args(p, as_kind(causal(p)))
+            want, eager_args = _eager(m, args)
+            assert_close(prog(*args), want, 1e-4, f"position {p}")
+            assert_close(args[1], eager_args[1], 1e-6, f"key cache at {p}")
+        args = _step_args(5, as_kind(causal(6)))  # one key too many: not this position's causal mask
+        before = args[1].clone()
+        with pytest.raises(GuardError, match=r"attention mask from argument 4 \(node mask\) at decode position "
+                                             r"5 is not the causal mask"):
+            prog(*args)
+        assert torch.equal(args[1], before), "a refused call wrote the cache"
+
+
+def test_a_mask_read_from_the_cache_it_updates_is_refused_by_name():
+    """A run-time mask is checked by evaluating its sub-graph before the step; one that reads a
+    tensor the step writes in place cannot be evaluated before it."""
+
+    class CacheMask(MaskedStep):
+        def forward(self, x, k_cache, v_cache, pos, mask):
+            k_cache.index_copy_(2, pos, self.k(x).view(1, 1, 2, 16).transpose(1, 2))
+            v_cache.index_copy_(2, pos, self.v(x).view(1, 1, 2, 16).transpose(1, 2))
+            q = self.q(x).view(1, 1, 4, 16).transpose(1, 2)
+            seen = (k_cache[:, :1].abs().sum(-1) != 0).view(1, 1, 1, S) & mask
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=seen, enable_gqa=True)
+            return self.o(o.transpose(1, 2).reshape(1, 1, 64))
+
+    with pytest.raises(UnsupportedNodeError, match=r"attention mask computed from run-time inputs that tilec cannot "
+                                                   r"check on each call: it reads .*(update|write)"):
+        compile_module(CacheMask().eval(), _step_args(3, causal(3)), positions=[3], max_positions=S)
+
+
+def test_an_artifact_refuses_a_program_that_checks_a_mask(tmp_path):
+    from tilec import artifact
+
+    torch.manual_seed(0)
+    args = _step_args(3, causal(3))
+    prog = compile_module(MaskedStep().eval(), args, positions=[3], max_positions=S)
+    with pytest.raises(artifact.ArtifactError, match="checks a run-time attention mask"):
+        artifact.save(tmp_path / "a", prog, args, positions=[3], max_positions=S, build=False)
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_plan_without_its_guards_is_refused():
+    from tilec.frontend import GraphBinding
+    from tilec.ir import BufferKind
+    from tilec.program import CompiledProgram
+
+    torch.manual_seed(0)
+    args = _step_args(3, causal(3))
+    prog = compile_module(MaskedStep().eval(), args, positions=[3], max_positions=S)
+    params = {n: prog.tensors[n] for n, b in prog.graph.buffers.items() if b.kind is BufferKind.PARAM}
+    with pytest.raises(TilecError, match=r"checks 1 run-time attention mask\(s\) on every call"):
+        CompiledProgram(prog.compiled, GraphBinding(params=params), single_output=True)
+
+
+def _generate(model, compiled: bool, **kw):
+    forward = model.forward
+    if compiled:
+        model.forward = torch.compile(forward, backend="tilec", options={"workers": 8})
+    try:
+        return model.generate(**kw, max_new_tokens=5, do_sample=False, cache_implementation="static", pad_token_id=0)
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()
+
+
+def test_generate_matches_eager(caplog):
+    """generate() on one sequence: the same tokens as eager, and every decode call passes the
+    mask check (the prefill graph's own fallbacks still log)."""
+    from tilec.zoo import make_model
+
+    torch.manual_seed(0)
+    model = make_model("llama-tiny", layers=2)
+    ids = torch.randint(3, 1000, (1, 5))
+    with torch.no_grad():
+        want = _generate(model, False, input_ids=ids)
+        with caplog.at_level(logging.INFO, logger="tilec"):
+            got = _generate(model, True, input_ids=ids)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    lines = [r.getMessage() for r in caplog.records if r.name == "tilec"]
+    assert not [line for line in lines if "not the causal mask" in line or "run-time inputs" in line], lines
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_an_hf_decode_step_given_a_4d_mask_compiles_whole(kind):
+    """The decode call generate() makes - a [1, 1, 1, cache length] mask built outside the model -
+    compiles with fallback off (before, its attention, repeat_kv and cache writes ran eagerly)."""
+    from transformers import StaticCache
+
+    from tilec.hf import cache_kwargs
+    from tilec.zoo import make_model
+
+    torch.manual_seed(0)
+    model = make_model("llama-tiny", layers=2)
+    ids = torch.randint(3, 1000, (1, 5))
+    caches = [StaticCache(config=model.config, max_cache_len=S) for _ in range(2)]
+    f = torch.compile(model, backend="tilec", options={"workers": 8, "fallback": False})
+    as_kind = (lambda a: a) if kind == "bool" else (lambda a: additive(a, torch.finfo(torch.float32).min))
+    with torch.no_grad():
+        for cache in caches:
+            model(ids, cache_position=torch.arange(5), use_cache=True, **cache_kwargs(model, cache))
+        tok = ids[:, -1:]
+        for p in (5, 6, 7):
+            kw = dict(attention_mask=as_kind(causal(p)), cache_position=torch.tensor([p]),
+                      position_ids=torch.tensor([[p]]), use_cache=True)
+            got = f(tok, **kw, **cache_kwargs(model, caches[0])).logits
+            want = model(tok, **kw, **cache_kwargs(model, caches[1])).logits
+            assert_close(got, want, 1e-4, f"logits at {p}")
+            tok = want.argmax(-1)
+        padded = causal(8).clone()
+        padded[..., 1] = False
+        with pytest.raises(Exception, match="not the causal mask"):
+            f(tok, attention_mask=as_kind(padded), cache_position=torch.tensor([8]), position_ids=torch.tensor([[8]]),
+              use_cache=True, **cache_kwargs(model, caches[0]))
+    torch._dynamo.reset()
+
+
+def test_generate_on_a_padded_batch_runs_the_padded_calls_eagerly(caplog):
+    from tilec.zoo import make_model
+
+    torch.manual_seed(1)
+    model = make_model("llama-tiny", layers=2)
+    ids = torch.randint(3, 1000, (2, 5))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    with torch.no_grad():
+        want = _generate(model, False, input_ids=ids, attention_mask=mask)
+        with caplog.at_level(logging.INFO, logger="tilec"):
+            got = _generate(model, True, input_ids=ids, attention_mask=mask)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    warned = [r.getMessage() for r in caplog.records if "is not the causal mask" in r.getMessage()]
+    assert warned and all("such calls run eagerly" in w and "attention_mask" in w for w in warned), warned
+
+
+def test_torch_compile_checks_the_mask_of_a_plan_read_from_disk(tmp_path, monkeypatch, caplog):
+    """The guards travel in the plan cache (OpGraph.mask_guards in graph.json): a plan loaded from
+    disk still checks each call's mask, and a call with a padded mask runs eagerly."""
+    from tilec import backend
+    from tilec.ir import OpGraph
+
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TILEC_DUMP_DIR", raising=False)
+    torch.manual_seed(0)
+    m = MaskedStep().eval()
+
+    def run(args):
+        f = torch.compile(m, backend="tilec", options={"workers": 4, "fallback": True})
+        return f(*args)
+
+    for fresh in (True, False):
+        torch._dynamo.reset()
+        backend._PLAN_CACHE.clear()
+        before = dict(backend.CACHE_STATS)
+        with torch.no_grad():
+            args = _step_args(4, causal(4))
+            want, _ = _eager(m, args)
+            assert_close(run(args), want, 1e-4, "causal call")
+            padded = causal(7).clone()
+            padded[..., 0] = False
+            args = _step_args(7, padded)
+            want, _ = _eager(m, args)
+            with caplog.at_level(logging.WARNING, logger="tilec"):
+                assert_close(run(args), want, 1e-5, "padded call (eager)")
+        stats = {k: backend.CACHE_STATS[k] - before[k] for k in before}
+        assert stats["compiles" if fresh else "disk_hits"] == 1, stats
+    assert sum("is not the causal mask" in r.getMessage() for r in caplog.records) == 2  # once per compiled region
+    graph = next(iter(backend._PLAN_CACHE.values())).plan.graph
+    assert graph.mask_guards and OpGraph.from_dict(graph.to_dict(), graph.tensors()) == graph

@@ -1,0 +1,115 @@
+"""Call-time guards: what a compiled step assumes about a run-time input, checked on every call.
+
+HF ``generate()`` hands each decode step its attention mask as a run-time tensor (built outside
+the model, or inside it from the 2-d ``attention_mask`` and ``cache_position``). With no padding
+that mask is the causal mask over the static KV cache at the step's position, which tilec's
+attention builds in. So the frontend plans such attention as causal and records a guard (the
+aten node that computes the mask, :attr:`tilec.ir.OpGraph.mask_guards`); before each run the
+program evaluates the mask from the call's own arguments and compares it with the causal mask
+at the call's position. A call whose mask differs (a padded batch, a sliding window) raises
+:class:`GuardError`, which the ``torch.compile`` backend answers by running that call eagerly.
+
+A mask is a hard mask: ``bool`` (True where a key may be attended) or floating point with 0 where
+allowed and at most :data:`MASKED_BELOW` where not (HF fills with ``finfo.min``; ``-inf`` too).
+A float mask holding any other value (a soft bias such as ALiBi) is never the causal mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .errors import TilecError
+
+MASKED_BELOW = -1.0e4  # a float mask entry at or below this masks its key (exp underflows to 0 in fp32)
+
+
+class GuardError(TilecError):
+    """A call's run-time attention mask is not the causal mask the step was planned for (e.g. a
+    padded batch): the message names the mask's node and the decode position."""
+
+
+def causal_mismatch(mask: torch.Tensor, p: int, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """A 0-d bool tensor (on ``mask``'s device, no host sync): True unless ``mask`` is the causal
+    mask at decode position ``p`` over a static cache.
+
+    Args:
+        mask: bool, or float additive, broadcastable to ``shape`` = (batch, heads, query rows sq,
+            cache length s); row i allows cache columns ``<= p + i``.
+        p: the decode position of the step's first query row.
+    """
+    sq, s = shape[2], shape[3]
+    cols = torch.arange(s, device=mask.device)
+    want = cols.view(1, s) <= (p + torch.arange(sq, device=mask.device)).view(sq, 1)
+    if mask.dtype == torch.bool:
+        bad = mask != want
+    else:
+        bad = torch.where(want, mask != 0, mask > MASKED_BELOW)
+    return bad.expand(torch.broadcast_shapes(bad.shape, shape)).any()
+
+
+class MaskGuard:
+    """Evaluates one run-time attention mask from a call's arguments and checks it is causal.
+
+    Built from the aten graph the step was lowered from: the mask node's ancestors are copied into
+    a small graph whose inputs are the user arguments they read (module constants are bound now).
+
+    Args:
+        gm: the aten graph (``meta["val"]`` on every node).
+        user_inputs: its placeholders that are call arguments, in call order (``GraphBinding``).
+        consts: placeholder name -> constant tensor, for the mask's constant inputs.
+        node: the mask node's name (an entry of ``OpGraph.mask_guards``).
+        shape: (batch, heads, query rows, cache length) of the attention it masks.
+
+    Raises:
+        TilecError: ``node`` is not in ``gm``, or reads a placeholder that is neither an argument
+            nor a constant (a plan and graph that disagree: a tilec bug).
+    """
+
+    def __init__(self, gm: fx.GraphModule, user_inputs: list[str], consts: dict[str, torch.Tensor], node: str,
+                 shape: tuple[int, int, int, int]):
+        nodes = {n.name: n for n in gm.graph.nodes}
+        if node not in nodes:
+            raise TilecError(f"the plan checks attention mask {node!r}, which its graph does not hold (a tilec bug)")
+        self.name, self.shape = node, tuple(shape)
+        keep, todo = set(), [nodes[node]]
+        while todo:
+            n = todo.pop()
+            if n not in keep:
+                keep.add(n)
+                todo.extend(n.all_input_nodes)
+        root = torch.nn.Module()
+        graph, env, self.arg_index = fx.Graph(), {}, []
+        for n in gm.graph.nodes:
+            if n not in keep:
+                continue
+            if n.op == "placeholder" and n.name in user_inputs:
+                self.arg_index.append(user_inputs.index(n.name))
+                env[n] = graph.placeholder(n.name)
+            elif n.op in ("placeholder", "get_attr"):
+                value = consts.get(n.name) if n.op == "placeholder" else getattr(gm, n.target)
+                if not isinstance(value, torch.Tensor):
+                    raise TilecError(f"attention mask {node!r} reads {n.name}, neither an argument nor a constant "
+                                     f"(a tilec bug)")
+                attr = f"_const{len(env)}"
+                root.register_buffer(attr, value)
+                env[n] = graph.get_attr(attr)
+            else:
+                env[n] = graph.node_copy(n, lambda a: env[a])
+        graph.output(env[nodes[node]])
+        self.module = fx.GraphModule(root, graph)
+
+    def check(self, args, p: int, labels=None) -> None:
+        """Raises :class:`GuardError` unless the mask computed from ``args`` (the step's call
+        arguments; ``labels`` names them) is the causal mask at decode position ``p`` (one host sync)."""
+        mask = self.module(*(args[i] for i in self.arg_index))
+        if bool(causal_mismatch(mask, p, self.shape)):
+            reads = ", ".join(labels[i] if labels else f"argument {i}" for i in self.arg_index)
+            raise GuardError(f"the attention mask from {reads} (node {self.name}) at decode position {p} is not the "
+                             f"causal mask over the static cache (a padded batch, or a window): tilec planned this "
+                             f"step's attention as causal")
+
+
+def build_mask_guards(gm: fx.GraphModule, binding, mask_guards) -> list[MaskGuard]:
+    """The :class:`MaskGuard` of each ``(node, shape)`` in ``mask_guards`` (an OpGraph's), over
+    ``gm`` bound by ``binding`` (a :class:`tilec.frontend.GraphBinding`)."""
+    return [MaskGuard(gm, binding.user_inputs, binding.consts, name, shape) for name, shape in mask_guards]
