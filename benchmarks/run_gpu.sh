@@ -99,6 +99,8 @@ if [[ $what == pending ]]; then  # not part of all
   # torch.compile + HF generate() with the per-call attention-mask check (thirty-ninth session, never run on a GPU)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py 2>&1 \
     | tee "$OUT/pending_backend.log" | tail -6
+  timeout 240 python3 benchmarks/generate.py --model llama-3.2-1b --context 1024 --new-tokens 64 --iters 3 2>&1 \
+    | grep -v "tilec: running" | tee "$OUT/pending_generate.log" | tail -6
   # the GEMV microbenchmark at 1, 4 and 8 rows (8 x 8192 and 8 x 14336 siblings stream K block outer now; ~0.03 TB/s
   # before; 4 rows stream nothing over those K without the patch above)
   timeout 240 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --batch 4 --gemv --gemv-rows 1,4,8 \

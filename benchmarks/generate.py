@@ -1,0 +1,119 @@
+"""HF ``generate()`` with a static KV cache, eager against ``torch.compile(backend="tilec")``.
+
+What an application sees: greedy decoding of ``--new-tokens`` tokens after a random prompt of
+``--context`` tokens, through HF's own generation loop (its logits processing, stopping checks
+and, per step, the attention mask it builds). The decode time per token is
+``(t(N new tokens) - t(1 new token)) / (N - 1)``, so the prefill (eager in both rows: tilec
+compiles decode steps) cancels; each time is the median of ``--iters`` runs after a warm-up run
+(which compiles). The table also gives the fraction of generated tokens equal to eager's (bf16
+with random weights has near-ties, so a few may differ on a GPU).
+
+    python benchmarks/generate.py --model llama-3.2-1b --context 1024 --new-tokens 64
+    python benchmarks/generate.py --model llama-tiny --device cpu --new-tokens 4 --iters 1   # a smoke run
+
+On the CPU (``--device cpu``, float32) tilec runs its reference executor: a check that the path
+works, not a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tilec.zoo import CONFIGS, make_model  # noqa: E402
+
+
+def positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def generate(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
+    """Greedy ``generate()`` of ``new`` tokens after ``ids`` [B, T] (static cache)."""
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, cache_implementation="static", pad_token_id=0)
+
+
+def timed_ms(fn, iters: int, device: str) -> float:
+    """Median wall time of ``fn()`` in ms over ``iters`` runs (the GPU synchronized around each)."""
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> list[tuple]:
+    ap = argparse.ArgumentParser(description="Times HF generate() (greedy, static cache) eager and under "
+                                             "torch.compile(backend='tilec'): ms per decoded token.")
+    ap.add_argument("--model", default="llama-3.2-1b", choices=sorted(CONFIGS),
+                    help="a tilec.zoo model with random weights (default llama-3.2-1b)")
+    ap.add_argument("--context", type=positive, default=1024, help="prompt tokens (default 1024)")
+    ap.add_argument("--new-tokens", type=positive, default=64, help="tokens to generate, >= 2 (default 64)")
+    ap.add_argument("--batch", type=positive, default=1, help="sequences (default 1)")
+    ap.add_argument("--pad", type=int, default=0, help="left-pad the last sequence by this many tokens: its "
+                                                       "calls fail tilec's mask check and run eagerly (default 0)")
+    ap.add_argument("--iters", type=positive, default=5, help="timed runs per row (default 5)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cuda (bf16) or cpu (float32, tilec's reference executor: a smoke run)")
+    args = ap.parse_args(argv)
+    if args.new_tokens < 2:
+        ap.error(f"--new-tokens {args.new_tokens}: the per-token time needs at least 2")
+    if not 0 <= args.pad < args.context:
+        ap.error(f"--pad {args.pad}: expected 0 <= pad < --context ({args.context})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU here (use --device cpu for a smoke run)")
+    warnings.simplefilter("ignore")
+    dev = args.device
+    model = make_model(args.model, torch.bfloat16 if dev == "cuda" else torch.float32, dev)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), generator=gen).to(dev)
+    mask = torch.ones_like(ids)
+    if args.pad:
+        mask[-1, :args.pad] = 0
+    new = args.new_tokens
+    rows = []
+    with torch.no_grad():
+        forward = model.forward
+        results = {}
+        for label in ("eager", "tilec"):
+            if label == "tilec":
+                model.forward = torch.compile(forward, backend="tilec")
+            try:
+                results[label] = generate(model, ids, mask, new)  # warm-up (compiles)
+                t_n = timed_ms(lambda: generate(model, ids, mask, new), args.iters, dev)
+                t_1 = timed_ms(lambda: generate(model, ids, mask, 1), args.iters, dev)
+            finally:
+                model.forward = forward
+                torch._dynamo.reset()
+            rows.append((label, (t_n - t_1) / (new - 1), t_n))
+    want, got = results["eager"][:, -new:], results["tilec"][:, -new:]
+    agree = (want == got).float().mean().item()
+    print(f"HF generate(), {args.model}, {dev}, batch {args.batch}, prompt {args.context}"
+          f"{f' (last sequence left-padded by {args.pad})' if args.pad else ''}, {new} new tokens, "
+          f"median of {args.iters}")
+    print(f"{'':<8} {'ms / token':>11} {'tokens / s':>11} {f'ms for {new}':>12}")
+    for label, per, total in rows:
+        print(f"{label:<8} {per:>11.3f} {args.batch * 1e3 / per:>11.1f} {total:>12.1f}")
+    print(f"tilec tokens equal to eager's: {agree:.1%}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

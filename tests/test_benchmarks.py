@@ -1,0 +1,29 @@
+"""CPU runs of the benchmark scripts' own logic (their timings need a GPU)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import generate as generate_bench  # noqa: E402
+
+
+def test_generate_benchmark_runs_on_the_cpu(capsys):
+    """A smoke run of benchmarks/generate.py: both rows timed, tilec's tokens equal to eager's
+    (float32, reference executor), the table printed."""
+    rows = generate_bench.main(["--model", "llama-tiny", "--device", "cpu", "--context", "8", "--new-tokens", "3",
+                                "--iters", "1"])
+    assert [r[0] for r in rows] == ["eager", "tilec"] and all(r[1] > 0 and r[2] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "tilec tokens equal to eager's: 100.0%" in out and "ms / token" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--new-tokens", "1"], "needs at least 2"),
+    (["--pad", "8", "--context", "8"], "expected 0 <= pad < --context"),
+    (["--iters", "0"], "expected an integer >= 1, got 0"),
+])
+def test_generate_benchmark_names_a_bad_flag(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        generate_bench.main(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
