@@ -49,6 +49,9 @@ def test_causal_mismatch_reads_bool_and_hard_float_masks(sq):
         soft = additive(m, float("-inf"))
         soft[..., 0] = 0.5
         assert causal_mismatch(soft, p, shape)
+        nan = additive(m, float("-inf"))
+        nan[..., -1] = float("nan")  # a masked column (eager gives NaN there): not a mask
+        assert causal_mismatch(nan, p, shape)
 
 
 class MaskedStep(torch.nn.Module):
@@ -92,8 +95,8 @@ def test_a_mask_argument_is_checked_on_every_call(kind):
             assert_close(args[1], eager_args[1], 1e-6, f"key cache at {p}")
         args = _step_args(5, as_kind(causal(6)))  # one key too many: not this position's causal mask
         before = args[1].clone()
-        with pytest.raises(GuardError, match=r"attention mask from argument 4 \(node mask\) at decode position "
-                                             r"5 is not the causal mask"):
+        with pytest.raises(GuardError, match=r"attention mask computed from argument 4 \(node mask\) is not the "
+                                             r"causal mask over the static cache at position 5"):
             prog(*args)
         assert torch.equal(args[1], before), "a refused call wrote the cache"
 
@@ -202,7 +205,7 @@ def test_an_hf_decode_step_given_a_4d_mask_compiles_whole(kind):
     torch._dynamo.reset()
 
 
-def test_generate_on_a_padded_batch_runs_the_padded_calls_eagerly(caplog):
+def test_generate_on_a_padded_batch_runs_its_attention_eagerly(caplog):
     from tilec.zoo import make_model
 
     torch.manual_seed(1)
@@ -215,8 +218,9 @@ def test_generate_on_a_padded_batch_runs_the_padded_calls_eagerly(caplog):
         with caplog.at_level(logging.INFO, logger="tilec"):
             got = _generate(model, True, input_ids=ids, attention_mask=mask)
     assert torch.equal(got, want), (got.tolist(), want.tolist())
-    warned = [r.getMessage() for r in caplog.records if "is not the causal mask" in r.getMessage()]
-    assert warned and all("such calls run eagerly" in w and "attention_mask" in w for w in warned), warned
+    # the first decode call's mask is already padded: its attention is split off when compiling
+    lines = [r.getMessage() for r in caplog.records if r.name == "tilec"]
+    assert [line for line in lines if "not the causal mask over the static cache for the example arguments" in line]
 
 
 def test_torch_compile_checks_the_mask_of_a_plan_read_from_disk(tmp_path, monkeypatch, caplog):
@@ -253,3 +257,82 @@ def test_torch_compile_checks_the_mask_of_a_plan_read_from_disk(tmp_path, monkey
     assert sum("is not the causal mask" in r.getMessage() for r in caplog.records) == 2  # once per compiled region
     graph = next(iter(backend._PLAN_CACHE.values())).plan.graph
     assert graph.mask_guards and OpGraph.from_dict(graph.to_dict(), graph.tensors()) == graph
+
+
+class SelfAttention(torch.nn.Module):
+    """Attention over the step's own 6 tokens with a run-time mask (no cache, no position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).view(1, 6, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(1, 6, 32))
+
+
+def test_a_mask_not_causal_on_the_example_is_refused_when_compiling():
+    """A bidirectional mask (all ones) was accepted and every call then failed its check (a
+    reviewer's finding): compile_module raised GuardError on its own example, and torch.compile ran
+    the whole graph eagerly. Now compile_module refuses it, and torch.compile splits off the
+    attention only."""
+    from tilec import backend
+
+    torch.manual_seed(0)
+    m = SelfAttention().eval()
+    x, ones = torch.randn(1, 6, 32), torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    with pytest.raises(UnsupportedNodeError, match=r"not the causal mask over the static cache for the example "
+                                                   r"arguments \(at position 0\)"):
+        compile_module(m, (x, ones))
+    tril = torch.ones(6, 6, dtype=torch.bool).tril().view(1, 1, 6, 6)
+    assert_close(compile_module(m, (x, tril))(x, tril), m(x, tril), 1e-4, "a causal mask compiles")
+    torch._dynamo.reset()
+    before = backend.CACHE_STATS["compiles"] + backend.CACHE_STATS["disk_hits"] + backend.CACHE_STATS["memory_hits"]
+    with torch.no_grad():
+        f = torch.compile(m, backend="tilec", options={"workers": 4})
+        for _ in range(2):
+            x = torch.randn(1, 6, 32)
+            assert_close(f(x, ones), m(x, ones), 1e-4, "bidirectional")
+    after = backend.CACHE_STATS["compiles"] + backend.CACHE_STATS["disk_hits"] + backend.CACHE_STATS["memory_hits"]
+    assert after - before >= 2, "the linears around the attention are compiled"
+    torch._dynamo.reset()
+
+
+def test_a_mask_argument_of_the_wrong_shape_is_named():
+    torch.manual_seed(0)
+    prog = compile_module(MaskedStep().eval(), _step_args(3, causal(3)), positions=[3], max_positions=S)
+    for bad, got in ((None, "NoneType"), (causal(3, s=S + 1), r"torch.bool\[1, 1, 1, 13\]")):
+        with pytest.raises(TilecError, match=rf"argument 4: expected torch.bool\[1, 1, 1, 12\] \(the attention mask is "
+                                             rf"computed from it\), got {got}"):
+            prog(*_step_args(3, causal(3))[:4], bad)
+
+
+def test_the_layers_masks_are_checked_once_a_call(monkeypatch):
+    """HF computes one mask node per layer from the same argument; each was evaluated and synced
+    on every call (a reviewer's finding: 8 checks a step for 8 layers). Equal computations are
+    checked once."""
+    from transformers import StaticCache
+
+    from tilec import guards
+    from tilec.hf import cache_kwargs
+    from tilec.zoo import make_model
+
+    torch.manual_seed(0)
+    model = make_model("llama-tiny", layers=3)
+    ids = torch.randint(3, 1000, (1, 5))
+    cache = StaticCache(config=model.config, max_cache_len=S)
+    calls = []
+    real = guards.causal_mismatch
+    monkeypatch.setattr(guards, "causal_mismatch", lambda *a: calls.append(1) or real(*a))
+    f = torch.compile(model, backend="tilec", options={"workers": 8, "fallback": False})
+    with torch.no_grad():
+        model(ids, cache_position=torch.arange(5), use_cache=True, **cache_kwargs(model, cache))
+        for p in (5, 6):
+            f(ids[:, -1:], attention_mask=additive(causal(p), float("-inf")), cache_position=torch.tensor([p]),
+              position_ids=torch.tensor([[p]]), use_cache=True, **cache_kwargs(model, cache))
+            n = len(calls)
+        calls.clear()
+        f(ids[:, -1:], attention_mask=additive(causal(7), float("-inf")), cache_position=torch.tensor([7]),
+          position_ids=torch.tensor([[7]]), use_cache=True, **cache_kwargs(model, cache))
+    assert n >= 1 and len(calls) == 1, (n, len(calls))
+    torch._dynamo.reset()

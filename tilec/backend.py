@@ -222,7 +222,8 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
     ``labels`` name them in errors; ``consts`` is the constants' :func:`_consts_digest`)."""
     global _warned_cpu
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    binding = GraphBinding(labels=dict(zip((n.name for n in placeholders), labels)))
+    binding = GraphBinding(labels=dict(zip((n.name for n in placeholders), labels)),
+                           examples=dict(zip((n.name for n in placeholders), flat_args)))
     for node, t, kind in zip(placeholders, flat_args, kinds):
         if kind == "const":
             binding.consts[node.name] = t.detach().clone()  # a snapshot: the plan is keyed by these values
@@ -404,7 +405,8 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             if kinds[i] in ("const", "param") and node in written:  # forward updates it: a per-call input
                 kinds[i] = "input"
         binding = GraphBinding(user_inputs=[n.name for n in placeholders],
-                               labels=dict(zip((n.name for n in placeholders), labels)))
+                               labels=dict(zip((n.name for n in placeholders), labels)),
+                               examples=dict(zip((n.name for n in placeholders), flat)))
         for node, kind, t in zip(placeholders, kinds, flat):
             if kind == "position":
                 binding.positions.add(node.name)

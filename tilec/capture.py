@@ -12,6 +12,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .errors import DataDependentError, ExampleInputError, InputError, TilecError, describe_exception
 from .frontend import GraphBinding
@@ -84,6 +85,9 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
                                 if s.target == target or s.arg.name == target), target)
             binding.mutations[node_name] = placeholder
             binding.mutation_outputs += 1
+    leaves = pytree.tree_leaves(tuple(args))
+    if len(leaves) == len(binding.user_inputs):
+        binding.examples = dict(zip(binding.user_inputs, leaves))
     binding.single_output = ep.call_spec.out_spec.is_leaf()
     binding.out_spec = ep.call_spec.out_spec
     binding.listed_positions = True

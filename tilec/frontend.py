@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .errors import InputError, UnsupportedNodeError
 from .frontend_dsa import DsaLowering
-from .guards import causal_mismatch
+from .guards import MaskGuard, causal_mismatch
 from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
                       Positional, Static, aten, is_call, source_of, target_name, val_of)
 from .ir import (DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, dtype_name,
@@ -54,6 +54,9 @@ class GraphBinding:
         point at one the caller did not list.
     labels: placeholder name -> how the user knows that argument (the ``torch.compile`` backend's
         ``past_key_values.layers[0].keys``), for errors; else ``argument i (name)``.
+    examples: placeholder name -> the example value of a user input (a real tensor or a Python
+        value), when the caller has them: a run-time attention mask that is not causal on them is
+        refused when compiling (else every call would fail its check, :mod:`tilec.guards`).
     """
 
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -66,6 +69,7 @@ class GraphBinding:
     out_spec: object | None = None
     labels: dict[str, str] = field(default_factory=dict)
     listed_positions: bool = False
+    examples: dict[str, object] = field(default_factory=dict)
 
 
 class _OperandError(TypeError):
@@ -710,6 +714,12 @@ class Lowering(DsaLowering):
             if why:
                 self._unsupported(node, f"attention mask computed from run-time inputs that tilec cannot check on "
                                         f"each call: {why}")
+            p = self._example_not_causal(mask, (bsz, hq, sq, s))
+            if p is not None:
+                self._unsupported(node, f"attention mask computed from run-time inputs that is not the causal mask "
+                                        f"over the static cache for the example arguments (at position {p}): tilec "
+                                        f"plans decode attention as causal (a padded batch, a sliding window or "
+                                        f"bidirectional attention is not)")
             self.mask_guards.setdefault(mask.name, (bsz, hq, sq, s))  # checked per call (tilec.guards)
             return
         if self.cls[mask] == "static":
@@ -736,6 +746,20 @@ class Lowering(DsaLowering):
             self._mask_checks[key] = bad
         if bad >= 0:
             self._unsupported(node, f"attention mask at position {bad} is not the causal mask over the static cache")
+
+    def _example_not_causal(self, mask: fx.Node, shape: tuple) -> int | None:
+        """The example position at which the run-time ``mask``, computed from the example arguments
+        (``GraphBinding.examples``), is not causal; None when it is, or when the examples are not
+        all known."""
+        ex = self.b.examples
+        args = [ex.get(name) for name in self.b.user_inputs]
+        guard = MaskGuard(self.gm, self.b.user_inputs, self.b.consts, mask.name, shape)
+        if not ex or any(not isinstance(args[i], torch.Tensor) for i in guard.arg_index):
+            return None
+        p = next((int(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else int(v)
+                  for name in self.b.user_inputs if name in self.b.positions
+                  for v in (ex.get(name),) if isinstance(v, (torch.Tensor, int))), 0)
+        return p if bool(guard.mismatch(args, p)) else None
 
     def _unguardable(self, mask: fx.Node) -> str:
         """Why a run-time ``mask`` cannot be checked per call by a :class:`tilec.guards.MaskGuard`

@@ -25,7 +25,7 @@ MASKED_BELOW = -1.0e4  # a float mask entry at or below this masks its key (exp 
 
 class GuardError(TilecError):
     """A call's run-time attention mask is not the causal mask the step was planned for (e.g. a
-    padded batch): the message names the mask's node and the decode position."""
+    padded batch): the message names the argument the mask is computed from and the position."""
 
 
 def causal_mismatch(mask: torch.Tensor, p: int, shape: tuple[int, int, int, int]) -> torch.Tensor:
@@ -34,7 +34,8 @@ def causal_mismatch(mask: torch.Tensor, p: int, shape: tuple[int, int, int, int]
 
     Args:
         mask: bool, or float additive, broadcastable to ``shape`` = (batch, heads, query rows sq,
-            cache length s); row i allows cache columns ``<= p + i``.
+            cache length s); row i allows cache columns ``<= p + i``. A float entry is allowed
+            when exactly 0 and masked when at most :data:`MASKED_BELOW` (NaN is neither).
         p: the decode position of the step's first query row.
     """
     sq, s = shape[2], shape[3]
@@ -43,7 +44,7 @@ def causal_mismatch(mask: torch.Tensor, p: int, shape: tuple[int, int, int, int]
     if mask.dtype == torch.bool:
         bad = mask != want
     else:
-        bad = torch.where(want, mask != 0, mask > MASKED_BELOW)
+        bad = torch.where(want, mask != 0, ~(mask <= MASKED_BELOW))
     return bad.expand(torch.broadcast_shapes(bad.shape, shape)).any()
 
 
@@ -52,6 +53,8 @@ class MaskGuard:
 
     Built from the aten graph the step was lowered from: the mask node's ancestors are copied into
     a small graph whose inputs are the user arguments they read (module constants are bound now).
+    ``key`` describes that graph canonically: HF's layers each compute the same mask from the
+    same argument (one ``where`` per layer), and guards with equal keys are checked once.
 
     Args:
         gm: the aten graph (``meta["val"]`` on every node).
@@ -78,13 +81,24 @@ class MaskGuard:
                 keep.add(n)
                 todo.extend(n.all_input_nodes)
         root = torch.nn.Module()
-        graph, env, self.arg_index = fx.Graph(), {}, []
+        graph, env, self.arg_index, self.arg_types = fx.Graph(), {}, [], []
+        index: dict[fx.Node, int] = {}
+        key = [self.shape]
+
+        def ref(a):
+            return ("node", index[a]) if isinstance(a, fx.Node) else repr(a)
+
         for n in gm.graph.nodes:
             if n not in keep:
                 continue
+            index[n] = len(index)
             if n.op == "placeholder" and n.name in user_inputs:
-                self.arg_index.append(user_inputs.index(n.name))
+                i = user_inputs.index(n.name)
+                val = n.meta.get("val")
+                self.arg_index.append(i)
+                self.arg_types.append((tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None)
                 env[n] = graph.placeholder(n.name)
+                key.append(("arg", i))
             elif n.op in ("placeholder", "get_attr"):
                 value = consts.get(n.name) if n.op == "placeholder" else getattr(gm, n.target)
                 if not isinstance(value, torch.Tensor):
@@ -93,23 +107,56 @@ class MaskGuard:
                 attr = f"_const{len(env)}"
                 root.register_buffer(attr, value)
                 env[n] = graph.get_attr(attr)
+                key.append(("const", tuple(value.shape), str(value.dtype), value.cpu().numpy().tobytes()))
             else:
                 env[n] = graph.node_copy(n, lambda a: env[a])
+                key.append((str(n.target), fx.node.map_aggregate(n.args, ref), fx.node.map_aggregate(n.kwargs, ref)))
         graph.output(env[nodes[node]])
         self.module = fx.GraphModule(root, graph)
+        self.key = tuple(key)
 
-    def check(self, args, p: int, labels=None) -> None:
-        """Raises :class:`GuardError` unless the mask computed from ``args`` (the step's call
-        arguments; ``labels`` names them) is the causal mask at decode position ``p`` (one host sync)."""
-        mask = self.module(*(args[i] for i in self.arg_index))
-        if bool(causal_mismatch(mask, p, self.shape)):
-            reads = ", ".join(labels[i] if labels else f"argument {i}" for i in self.arg_index)
-            raise GuardError(f"the attention mask from {reads} (node {self.name}) at decode position {p} is not the "
-                             f"causal mask over the static cache (a padded batch, or a window): tilec planned this "
-                             f"step's attention as causal")
+    def mismatch(self, args, p: int, labels=None) -> torch.Tensor:
+        """:func:`causal_mismatch` of the mask computed from ``args`` (the step's call arguments;
+        ``labels`` names them) at decode position ``p``: a 0-d bool tensor, no host sync.
+
+        Raises:
+            TilecError: an argument the mask reads is not a tensor of the shape and dtype it was
+                compiled for.
+        """
+        for i, want in zip(self.arg_index, self.arg_types):
+            a = args[i]
+            if want is not None and not (isinstance(a, torch.Tensor) and (tuple(a.shape), a.dtype) == want):
+                got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                label = labels[i] if labels else f"argument {i}"
+                raise TilecError(f"{label}: expected {want[1]}{list(want[0])} (the attention mask is computed from "
+                                 f"it), got {got}")
+        return causal_mismatch(self.module(*(args[i] for i in self.arg_index)), p, self.shape)
+
+    def error(self, p: int, labels=None) -> GuardError:
+        """The :class:`GuardError` for a mismatch at position ``p``."""
+        reads = ", ".join(labels[i] if labels else f"argument {i}" for i in self.arg_index) or "constants"
+        return GuardError(f"the attention mask computed from {reads} (node {self.name}) is not the causal mask over "
+                          f"the static cache at position {p} (e.g. a padded batch, a sliding window, or bidirectional "
+                          f"attention): tilec planned this attention as causal")
+
+
+def check_mask_guards(guards: list[MaskGuard], args, p: int, labels=None) -> None:
+    """Raises the first failing guard's :class:`GuardError` unless every mask computed from
+    ``args`` is causal at position ``p`` (one host sync for all of them; TilecError for an
+    argument of the wrong shape or dtype)."""
+    if not guards:
+        return
+    flags = [g.mismatch(args, p, labels) for g in guards]
+    if bool(torch.stack(flags).any()):
+        raise next(g for g, f in zip(guards, flags) if bool(f)).error(p, labels)
 
 
 def build_mask_guards(gm: fx.GraphModule, binding, mask_guards) -> list[MaskGuard]:
     """The :class:`MaskGuard` of each ``(node, shape)`` in ``mask_guards`` (an OpGraph's), over
-    ``gm`` bound by ``binding`` (a :class:`tilec.frontend.GraphBinding`)."""
-    return [MaskGuard(gm, binding.user_inputs, binding.consts, name, shape) for name, shape in mask_guards]
+    ``gm`` bound by ``binding`` (a :class:`tilec.frontend.GraphBinding`), one per distinct mask
+    computation (see :attr:`MaskGuard.key`)."""
+    guards: dict[tuple, MaskGuard] = {}
+    for name, shape in mask_guards:
+        g = MaskGuard(gm, binding.user_inputs, binding.consts, name, shape)
+        guards.setdefault(g.key, g)
+    return list(guards.values())

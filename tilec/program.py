@@ -8,6 +8,7 @@ import torch.utils._pytree as pytree
 
 from .errors import PositionError, TilecError
 from .frontend import IGNORED, POSITION, GraphBinding
+from .guards import check_mask_guards
 from .ir import BufferKind, is_integer
 from .options import Options
 from .pipeline import Compiled
@@ -45,7 +46,7 @@ class CompiledProgram:
     ``library``: a prebuilt shared library of this plan for the CUDA executor (else built with nvcc).
     ``out_spec``: the module's output structure (a pytree spec from the capture): the outputs
     come back as the module returns them - a dict, nested tuples - else as a tuple.
-    ``guards``: a :class:`tilec.guards.MaskGuard` for each of the plan's ``mask_guards`` (run-time
+    ``guards``: :func:`tilec.guards.build_mask_guards` of the plan's ``mask_guards`` (run-time
     attention masks planned as causal), checked before every run.
     ``arg_labels``: how errors name each argument (default ``argument i (its buffer)``); the
     ``torch.compile`` backend passes the user's names, e.g. ``past_key_values.layers[0].keys``.
@@ -63,10 +64,10 @@ class CompiledProgram:
         self.plan = compiled.plan
         self.graph = self.plan.graph
         self.guards = list(guards)
-        if len(self.guards) != len(self.graph.mask_guards):
+        if self.graph.mask_guards and not self.guards:
             raise TilecError(f"this plan checks {len(self.graph.mask_guards)} run-time attention mask(s) on every call "
                              f"({', '.join(name for name, _ in self.graph.mask_guards)}) and needs the graph that "
-                             f"computes them; it was given {len(self.guards)}")
+                             f"computes them (tilec.guards.build_mask_guards); it was given none")
         self.single_output = single_output
         self.out_spec = out_spec
         tensors_seen = (*binding.params.values(), *binding.consts.values(),
@@ -194,8 +195,7 @@ class CompiledProgram:
             raise TilecError(f"a compiled step takes its arguments by position, in the order of the example "
                              f"arguments it was compiled with; got keyword argument(s) {', '.join(sorted(kwargs))}")
         tensors, p = self.bind_args(args)
-        for guard in self.guards:
-            guard.check(args, p, self._labels)
+        check_mask_guards(self.guards, args, p, self._labels)
         if self.executor_kind == "reference":
             for name, b in self.graph.buffers.items():
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
