@@ -1,8 +1,8 @@
 """torch.compile(backend="tilec") on the CUDA executor: HF generate() with a static cache.
 
 The decode step's attention mask is a run-time argument that tilec checks per call
-(tilec.guards): one sequence compiles the whole step, a left-padded batch runs its calls
-eagerly. float32 weights, so greedy tokens must equal eager's exactly (no bf16 ties).
+(tilec.guards): one sequence compiles the whole step; a left-padded batch's mask is not causal,
+so its attention runs eagerly. float32 weights, so greedy tokens must equal eager's exactly (no bf16 ties).
 """
 import logging
 
@@ -39,7 +39,7 @@ def test_generate_matches_eager(padded, caplog):
         with caplog.at_level(logging.INFO, logger="tilec"):
             got = _generate(model, True, **kw)
     assert torch.equal(got, want), (got.tolist(), want.tolist())
+    # padded: the first decode call's mask is not causal, so its attention stays eager (logged);
+    # else every decode call passes the mask check and runs compiled (the prefill graph logs its own)
     lines = [r.getMessage() for r in caplog.records if r.name == "tilec"]
-    guarded = [line for line in lines if "is not the causal mask" in line]
-    assert bool(guarded) == padded, lines
-    assert not [line for line in lines if "repeat_kv" in line or "attention mask computed" in line], lines
+    assert bool([line for line in lines if "not the causal mask" in line or "run-time inputs" in line]) == padded, lines
