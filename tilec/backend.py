@@ -250,7 +250,9 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
     user_args = [t for t, k in zip(flat_args, kinds) if k != "const"]
     program = CompiledProgram(compiled, binding, single_output=False, opts=opts.compile, example_args=user_args,
                               arg_labels=[label for label, k in zip(labels, kinds) if k != "const"],
-                              guards=build_mask_guards(gm, binding, compiled.plan.graph.mask_guards))
+                              guards=build_mask_guards(gm, binding, compiled.plan.graph.mask_guards),
+                              in_place={n.name for n, k in zip(placeholders, kinds) if k == "param"},
+                              trust_args=True)
     if program.executor_kind == "reference" and not _warned_cpu:
         _warned_cpu = True
         warnings.warn("tilec: no CUDA device; running the CPU reference executor (for validation, not speed)",

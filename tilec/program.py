@@ -48,6 +48,14 @@ class CompiledProgram:
     come back as the module returns them - a dict, nested tuples - else as a tuple.
     ``guards``: :func:`tilec.guards.build_mask_guards` of the plan's ``mask_guards`` (run-time
     attention masks planned as causal), checked before every run.
+    ``in_place``: input buffer names bound where they live even when small (read-only inputs of up
+    to :data:`STAGE_INPUT_BYTES` are otherwise copied into the program's own buffer every call, so
+    that new tensors each call - token ids - keep the operand table): the ``torch.compile``
+    backend's module parameters, the same tensors every call (copying a 16-layer model's 33 norm
+    weights took ~60 µs of host time a call on the CPU, a kernel launch each on a GPU).
+    ``trust_args``: skip the per-tensor shape, dtype, device and layout checks (about 0.5 µs an
+    argument): for the ``torch.compile`` backend, whose Dynamo guards check them before each call
+    (a 16-layer model's step takes ~180 tensor arguments). Positions are checked either way.
     ``arg_labels``: how errors name each argument (default ``argument i (its buffer)``); the
     ``torch.compile`` backend passes the user's names, e.g. ``past_key_values.layers[0].keys``.
 
@@ -58,7 +66,8 @@ class CompiledProgram:
     """
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
-                 progress=None, example_args=(), library=None, arg_labels=None, out_spec=None, guards=()):
+                 progress=None, example_args=(), library=None, arg_labels=None, out_spec=None, guards=(),
+                 in_place=(), trust_args=False):
         self.opts = opts = opts or Options()
         self.compiled = compiled
         self.plan = compiled.plan
@@ -85,7 +94,8 @@ class CompiledProgram:
         # small read-only inputs (token ids, ...) are copied into program-owned buffers, so new
         # input tensors every step keep the same operand table (nothing to rebind or upload)
         self.staged_inputs = {name for name, b in self.graph.buffers.items()
-                              if b.kind is BufferKind.INPUT and name not in written and b.nbytes <= STAGE_INPUT_BYTES}
+                              if b.kind is BufferKind.INPUT and name not in written and b.nbytes <= STAGE_INPUT_BYTES
+                              and name not in in_place}
         for name, b in self.graph.buffers.items():
             if b.kind is BufferKind.PARAM:
                 t = binding.params[name]
@@ -116,6 +126,19 @@ class CompiledProgram:
                        if name == IGNORED and not isinstance(a, torch.Tensor)} \
             if len(example_args) == len(self.graph.inputs) else {}
         self._device_index = self.device.index if self.device.type == "cuda" else -1
+        if self._device_index is None:
+            self._device_index = torch.cuda.current_device()
+        # the call's hot loop walks these instead of every argument's spec
+        self._tensor_args = [(i, name, torch.Size(shape), dtype, staged, inplace)
+                             for i, (kind, name, shape, dtype, staged, inplace) in enumerate(self._arg_specs)
+                             if kind == _TENSOR]
+        self._position_args = [(i, shape) for i, (kind, _, shape, *_) in enumerate(self._arg_specs) if kind == _POSITION]
+        self._trust_args = trust_args
+        self._t_staged = [(i, name) for i, name, _, _, staged, _ in self._tensor_args if staged]
+        self._t_bound_index = [i for i, _, _, _, staged, _ in self._tensor_args if not staged]
+        self._t_bound_names = [name for _, name, _, _, staged, _ in self._tensor_args if not staged]
+        # position updates: the tables on the step's device, so writing them is one device copy, no upload
+        self._updates = [(idx, table.to(self.device)) for idx, table in self.graph.position_updates]
         # buffers bound from the call's arguments (the rest are bound once, above)
         self._arg_buffers = [n for n in self.graph.inputs if n in self.graph.buffers and n not in self.tensors]
         self._tables: dict[tuple, torch.Tensor] = {}
@@ -131,38 +154,40 @@ class CompiledProgram:
         return self.compiled.stats
 
     def bind_args(self, args) -> tuple[dict[str, torch.Tensor], int]:
-        """Checks the call arguments and returns (buffer tensors, decode position)."""
+        """Checks the call arguments and returns (buffer tensors, decode position). Position
+        tensors are read with one copy to the host for all of them (HF's static cache passes one
+        counter per layer: on a GPU, reading each on its own was a sync each)."""
         if len(args) != len(self._arg_specs):
             raise TilecError(f"compiled step takes {len(self._arg_specs)} arguments, got {len(args)}")
+        for i, v in self._baked.items():
+            a = args[i]
+            if type(a) is not type(v) or not (a == v or repr(a) == repr(v)):
+                raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
+                                 f"value is baked into the compiled step (compile with a tensor as that "
+                                 f"example argument to vary it, or compile for this value)")
+        positions = self._positions(args)
         tensors = dict(self.tensors)
-        positions = set()
-        for i, a in enumerate(args):
-            kind, name, shape, dtype, staged, inplace = self._arg_specs[i]
-            if kind == _IGNORED:
-                if i in self._baked:
-                    v = self._baked[i]
-                    if type(a) is not type(v) or not (a == v or repr(a) == repr(v)):
-                        raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
-                                         f"value is baked into the compiled step (compile with a tensor as that "
-                                         f"example argument to vary it, or compile for this value)")
-                continue
-            if kind == _POSITION:
-                p = a if type(a) is int else _position_of(self._labels[i], a)
-                if type(a) is not int and shape is not None and isinstance(a, torch.Tensor) and a.shape != shape:
-                    raise PositionError(f"{self._labels[i]}: expected an integer tensor of shape {list(shape)} (the "
-                                        f"example's; another shape can change the output's), got "
-                                        f"{a.dtype}{list(a.shape)}")
-                if not 0 <= p < self.graph.max_positions:
-                    raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
-                                        f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
-                                        f"as the decode position; a larger max_positions plans more, as far as the "
-                                        f"module's caches hold positions)")
-                positions.add(p)
-                continue
+        if self._trust_args:  # torch.compile's guards already hold shapes, dtypes, devices and strides
+            tensors.update(zip(self._t_bound_names, map(args.__getitem__, self._t_bound_index)))
+            for i, name in self._t_staged:
+                tensors[name].copy_(args[i])  # a small read-only input: into the program's own buffer
+        else:
+            self._bind_each(args, tensors)
+        held = set(positions.values())
+        if len(held) > 1:
+            said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in positions.items())
+            raise PositionError(f"the decode position arguments disagree ({said}): integer inputs with one "
+                                f"element are read as the decode position")
+        return tensors, held.pop() if held else 0
+
+    def _bind_each(self, args, tensors: dict) -> None:
+        dev = self._device_index
+        for i, name, shape, dtype, staged, inplace in self._tensor_args:
+            a = args[i]
             if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
                 raise TilecError(f"{self._labels[i]}: expected {dtype}{list(shape)}, got {got}")
-            if not (a.is_cuda and a.get_device() == self._device_index if self._device_index >= 0 else a.is_cpu):
+            if not (a.is_cuda and a.get_device() == dev if dev >= 0 else a.is_cpu):
                 raise TilecError(f"{self._labels[i]} is on {a.device}, the compiled step runs on {self.device}")
             if staged:
                 tensors[name].copy_(a)  # a small read-only input: into the program's own buffer
@@ -172,12 +197,33 @@ class CompiledProgram:
                     raise TilecError(f"{self._labels[i]} is updated in place and must be contiguous")
                 a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             tensors[name] = a
-        if len(positions) > 1:
-            held = ", ".join(f"{self._labels[i]} holds {_position_of(self._labels[i], args[i])}"
-                             for i, spec in enumerate(self._arg_specs) if spec[0] == _POSITION)
-            raise PositionError(f"the decode position arguments disagree ({held}): integer inputs with one "
-                                f"element are read as the decode position")
-        return tensors, positions.pop() if positions else 0
+
+    def _positions(self, args) -> dict[int, int]:
+        """argument index -> the decode position it holds, each checked (PositionError: a shape
+        other than the example's, or a position outside ``[0, max_positions)``)."""
+        out, tensors = {}, []
+        for i, shape in self._position_args:
+            a = args[i]
+            if not (isinstance(a, torch.Tensor) and a.numel() == 1 and is_integer(a.dtype)):
+                out[i] = a if type(a) is int else _position_of(self._labels[i], a)  # TilecError unless an int
+                continue
+            if shape is not None and a.shape != shape:
+                raise PositionError(f"{self._labels[i]}: expected an integer tensor of shape {list(shape)} (the "
+                                    f"example's; another shape can change the output's), got "
+                                    f"{a.dtype}{list(a.shape)}")
+            tensors.append(i)
+        if len(tensors) > 1 and all(args[i].is_cuda for i in tensors):  # one read (one sync) for all of them
+            out.update(zip(tensors, torch.cat([args[i].reshape(-1).to(args[tensors[0]].device, torch.int64)
+                                               for i in tensors]).tolist()))
+        else:
+            out.update((i, int(args[i].item())) for i in tensors)
+        for i, p in out.items():
+            if not 0 <= p < self.graph.max_positions:
+                raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
+                                    f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
+                                    f"as the decode position; a larger max_positions plans more, as far as the "
+                                    f"module's caches hold positions)")
+        return out
 
     def _table(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The operand table for this call's tensors: only buffers bound from the call's arguments
@@ -201,13 +247,12 @@ class CompiledProgram:
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
                     tensors[name].fill_(float("nan"))
         self.executor.run(tensors, self._table(tensors), position=p)
-        # in order, but one tensor passed for several arguments gets only its last update (they all
-        # write a value tabulated from p, so the same value as writing each in turn)
-        last = {id(args[idx]): k for k, (idx, _) in enumerate(self.graph.position_updates)}
-        for k, (idx, values) in enumerate(self.graph.position_updates):
-            a = args[idx]
-            if isinstance(a, torch.Tensor) and last[id(a)] == k:
-                a.copy_(values[p].reshape(a.shape))
+        # one tensor passed for several arguments gets only its last update (they all write a value
+        # tabulated from p, so the same value as writing each in turn); all in one device copy
+        last = {id(args[idx]): (args[idx], values) for idx, values in self._updates if isinstance(args[idx], torch.Tensor)}
+        if last:
+            dst = [a for a, _ in last.values()]
+            torch._foreach_copy_(dst, [values[p].reshape(a.shape) for a, values in last.values()])
         outs = []
         for v in self.graph.outputs:
             whole = tensors[v.buffer]
