@@ -789,3 +789,28 @@ def test_backend_calls_read_every_layers_position_counter_at_once():
     for got_c, want_c in zip(counters, want_counters):
         assert (got_c is None) == (want_c is None) and (got_c is None or int(got_c) == int(want_c))
     torch._dynamo.reset()
+
+
+def test_a_non_contiguous_argument_is_still_made_contiguous(monkeypatch):
+    """The backend's calls skip the per-tensor checks Dynamo's guards make, but an argument whose
+    strides are not contiguous (here a transposed weight, too large to be staged) must still be
+    copied to the layout the plan reads: the CUDA executor reads its pointer as contiguous (the
+    reference executor's reshape hid the difference on the CPU, so the bound tensors are checked)."""
+    from tilec.program import CompiledProgram
+
+    class Transposed(torch.nn.Module):
+        def forward(self, x, w):
+            return torch.nn.functional.linear(x, w)
+
+    bound = []
+    real = CompiledProgram._table
+    monkeypatch.setattr(CompiledProgram, "_table", lambda self, t: bound.append(dict(t)) or real(self, t))
+    torch.manual_seed(0)
+    m = Transposed()
+    f = torch.compile(m, backend="tilec", options={"workers": 4})
+    with torch.no_grad():
+        for _ in range(2):
+            x, w = torch.randn(2, 256), torch.randn(256, 128).t()  # w [128, 256], strides (1, 128): 128 KB
+            assert_close(f(x, w), m(x, w), 1e-5, "transposed weight")
+    assert len(bound) == 2 and all(t.is_contiguous() for call in bound for t in call.values())
+    torch._dynamo.reset()

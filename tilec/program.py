@@ -133,10 +133,16 @@ class CompiledProgram:
                              for i, (kind, name, shape, dtype, staged, inplace) in enumerate(self._arg_specs)
                              if kind == _TENSOR]
         self._position_args = [(i, shape) for i, (kind, _, shape, *_) in enumerate(self._arg_specs) if kind == _POSITION]
+        # trusted (torch.compile): the arguments whose example was a contiguous tensor are bound
+        # unchecked (their strides are guarded, so they stay contiguous); the rest as below
         self._trust_args = trust_args
-        self._t_staged = [(i, name) for i, name, _, _, staged, _ in self._tensor_args if staged]
-        self._t_bound_index = [i for i, _, _, _, staged, _ in self._tensor_args if not staged]
-        self._t_bound_names = [name for _, name, _, _, staged, _ in self._tensor_args if not staged]
+        trusted = [spec for spec in self._tensor_args
+                   if isinstance(example[spec[0]], torch.Tensor) and example[spec[0]].is_contiguous()] \
+            if trust_args else []
+        self._t_checked = [spec for spec in self._tensor_args if spec not in trusted]
+        self._t_staged = [(i, name) for i, name, _, _, staged, _ in trusted if staged]
+        self._t_bound_index = [i for i, _, _, _, staged, _ in trusted if not staged]
+        self._t_bound_names = [name for _, name, _, _, staged, _ in trusted if not staged]
         # position updates: the tables on the step's device, so writing them is one device copy, no upload
         self._updates = [(idx, table.to(self.device)) for idx, table in self.graph.position_updates]
         # buffers bound from the call's arguments (the rest are bound once, above)
@@ -167,12 +173,11 @@ class CompiledProgram:
                                  f"example argument to vary it, or compile for this value)")
         positions = self._positions(args)
         tensors = dict(self.tensors)
-        if self._trust_args:  # torch.compile's guards already hold shapes, dtypes, devices and strides
-            tensors.update(zip(self._t_bound_names, map(args.__getitem__, self._t_bound_index)))
-            for i, name in self._t_staged:
-                tensors[name].copy_(args[i])  # a small read-only input: into the program's own buffer
-        else:
-            self._bind_each(args, tensors)
+        # (trusted: torch.compile's guards already hold shapes, dtypes, devices and strides)
+        tensors.update(zip(self._t_bound_names, map(args.__getitem__, self._t_bound_index)))
+        for i, name in self._t_staged:
+            tensors[name].copy_(args[i])  # a small read-only input: into the program's own buffer
+        self._bind_each(args, tensors)
         held = set(positions.values())
         if len(held) > 1:
             said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in positions.items())
@@ -181,8 +186,9 @@ class CompiledProgram:
         return tensors, held.pop() if held else 0
 
     def _bind_each(self, args, tensors: dict) -> None:
+        """Checks and binds the tensor arguments that are not trusted, naming the first bad one."""
         dev = self._device_index
-        for i, name, shape, dtype, staged, inplace in self._tensor_args:
+        for i, name, shape, dtype, staged, inplace in self._t_checked:
             a = args[i]
             if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
