@@ -1,4 +1,5 @@
 """CPU runs of the benchmark scripts' own logic (their timings need a GPU)."""
+import math
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ def test_generate_benchmark_runs_on_the_cpu(capsys):
     (float32, reference executor), the table printed."""
     rows = generate_bench.main(["--model", "llama-tiny", "--device", "cpu", "--context", "8", "--new-tokens", "3",
                                 "--iters", "1"])
-    assert [r[0] for r in rows] == ["eager", "tilec"] and all(r[1] > 0 and r[2] > 0 for r in rows)
+    assert [r[0] for r in rows] == ["eager", "tilec"] and all(math.isfinite(r[1]) and r[2] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "tilec tokens equal to eager's: 100.0%" in out and "ms / token" in out
 
