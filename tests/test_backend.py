@@ -814,3 +814,48 @@ def test_a_non_contiguous_argument_is_still_made_contiguous(monkeypatch):
             assert_close(f(x, w), m(x, w), 1e-5, "transposed weight")
     assert len(bound) == 2 and all(t.is_contiguous() for call in bound for t in call.values())
     torch._dynamo.reset()
+
+
+def test_an_eagerly_computed_region_argument_is_checked(monkeypatch):
+    """A value a partitioned graph computes eagerly (here a view of a non-dense input, made by an
+    op tilec runs eagerly) is not a Dynamo graph input, so no guard holds its strides: its example,
+    recorded on contiguous clones of the inputs, looked contiguous, and 30ae756 bound the real,
+    strided view as if it were (relative error 1.4 - a reviewer's finding). It is checked and made
+    contiguous."""
+
+    class Unfold(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(256, 16)
+
+        def forward(self, x):
+            return self.fc(x.unfold(1, 256, 256).squeeze(1))
+
+    torch.manual_seed(0)
+    m = Unfold().eval()
+    f = torch.compile(m, backend="tilec", dynamic=False, options={"workers": 4})
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(128, 512)[:, ::2]  # non-dense, 128 KB: bound, not staged
+            assert_close(f(x), m(x), 1e-5, "a strided eager view as a region argument")
+    torch._dynamo.reset()
+
+
+def test_a_small_non_contiguous_parameter_keeps_one_operand_table(monkeypatch):
+    """Parameters are bound in place only when contiguous: a transposed one made contiguous every
+    call got a new data pointer, so its operand table was rebuilt every call (a reviewer's finding);
+    it is staged (copied into a fixed buffer) as before."""
+    from tilec.plan import KernelPlan
+
+    builds = []
+    real = KernelPlan.bind_base
+    monkeypatch.setattr(KernelPlan, "bind_base", lambda self, t: builds.append(1) or real(self, t))
+    torch.manual_seed(0)
+    m, x = TwoLinears().eval(), torch.randn(2, 8)
+    m.fc1.weight.data = torch.randn(8, 16).t()
+    f = torch.compile(m, backend="tilec", options={"workers": 4})
+    with torch.no_grad():
+        for _ in range(4):
+            assert_close(f(x), m(x), 1e-5, "transposed parameter")
+    assert len(builds) == 1, len(builds)
+    torch._dynamo.reset()

@@ -252,7 +252,7 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
                               arg_labels=[label for label, k in zip(labels, kinds) if k != "const"],
                               guards=build_mask_guards(gm, binding, compiled.plan.graph.mask_guards),
                               in_place={n.name for n, k in zip(placeholders, kinds) if k == "param"},
-                              trust_args=True)
+                              trusted={n.name for n, k in zip(placeholders, kinds) if k != "computed"})
     if program.executor_kind == "reference" and not _warned_cpu:
         _warned_cpu = True
         warnings.warn("tilec: no CUDA device; running the CPU reference executor (for validation, not speed)",
@@ -519,8 +519,8 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
             if isinstance(a, fx.Node) and a.op == "placeholder":
                 sub_kinds.append(kind_of[a.name])
                 sub_labels.append(label_of[a.name])
-            else:
-                sub_kinds.append("input")
+            else:  # an input Dynamo's guards do not cover
+                sub_kinds.append("computed")
                 sub_labels.append(f"the value of node {getattr(a, 'name', a)} (computed eagerly)")
         args = [value_of.get(a.name) if isinstance(a, fx.Node) and a.op == "placeholder" else r
                 for a, r in zip(node.args, recorded.get(node.target, []))]

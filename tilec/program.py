@@ -48,14 +48,17 @@ class CompiledProgram:
     come back as the module returns them - a dict, nested tuples - else as a tuple.
     ``guards``: :func:`tilec.guards.build_mask_guards` of the plan's ``mask_guards`` (run-time
     attention masks planned as causal), checked before every run.
-    ``in_place``: input buffer names bound where they live even when small (read-only inputs of up
-    to :data:`STAGE_INPUT_BYTES` are otherwise copied into the program's own buffer every call, so
-    that new tensors each call - token ids - keep the operand table): the ``torch.compile``
-    backend's module parameters, the same tensors every call (copying a 16-layer model's 33 norm
-    weights took ~60 µs of host time a call on the CPU, a kernel launch each on a GPU).
-    ``trust_args``: skip the per-tensor shape, dtype, device and layout checks (about 0.5 µs an
-    argument): for the ``torch.compile`` backend, whose Dynamo guards check them before each call
-    (a 16-layer model's step takes ~180 tensor arguments). Positions are checked either way.
+    ``in_place``: input buffer names bound where they live even when small, if their example is
+    contiguous (read-only inputs of up to :data:`STAGE_INPUT_BYTES` are otherwise copied into the
+    program's own buffer every call, so that new tensors each call - token ids - keep the operand
+    table): the ``torch.compile`` backend's module parameters, the same tensors every call (copying
+    a 16-layer model's 33 norm weights took ~60 µs of host time a call on the CPU, a kernel launch
+    each on a GPU).
+    ``trusted``: input buffer names whose shape, dtype, device and strides the caller's own checks
+    hold (the ``torch.compile`` backend's graph inputs, under Dynamo's guards; not values a
+    partitioned graph computes eagerly): if their example is contiguous they are bound without
+    this program's per-tensor checks (about 0.5 µs an argument; a 16-layer model's step takes ~180
+    tensor arguments). Positions are checked either way.
     ``arg_labels``: how errors name each argument (default ``argument i (its buffer)``); the
     ``torch.compile`` backend passes the user's names, e.g. ``past_key_values.layers[0].keys``.
 
@@ -67,7 +70,7 @@ class CompiledProgram:
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
                  progress=None, example_args=(), library=None, arg_labels=None, out_spec=None, guards=(),
-                 in_place=(), trust_args=False):
+                 in_place=(), trusted=()):
         self.opts = opts = opts or Options()
         self.compiled = compiled
         self.plan = compiled.plan
@@ -91,11 +94,14 @@ class CompiledProgram:
         self.executor_kind = kind
         self.tensors: dict[str, torch.Tensor] = {}
         written = {v.buffer for op in self.graph.ops for v in op.outputs}
+        example = list(example_args) if len(example_args) == len(self.graph.inputs) else [None] * len(self.graph.inputs)
+        contiguous = {name for name, ex in zip(self.graph.inputs, example)
+                      if isinstance(ex, torch.Tensor) and ex.is_contiguous()}  # examples bound as they are
         # small read-only inputs (token ids, ...) are copied into program-owned buffers, so new
         # input tensors every step keep the same operand table (nothing to rebind or upload)
         self.staged_inputs = {name for name, b in self.graph.buffers.items()
                               if b.kind is BufferKind.INPUT and name not in written and b.nbytes <= STAGE_INPUT_BYTES
-                              and name not in in_place}
+                              and not (name in in_place and name in contiguous)}
         for name, b in self.graph.buffers.items():
             if b.kind is BufferKind.PARAM:
                 t = binding.params[name]
@@ -108,7 +114,6 @@ class CompiledProgram:
             self.tensors[name] = t.contiguous()
         # per argument: (kind, buffer name, shape, dtype, staged, updated in place)
         # (a position tensor's example shape: another shape can broadcast to other output shapes in eager)
-        example = list(example_args) if len(example_args) == len(self.graph.inputs) else [None] * len(self.graph.inputs)
         self._arg_specs = [(_POSITION if name == POSITION else _IGNORED, name,
                             tuple(ex.shape) if name == POSITION and isinstance(ex, torch.Tensor) else None,
                             None, False, False)
@@ -133,12 +138,9 @@ class CompiledProgram:
                              for i, (kind, name, shape, dtype, staged, inplace) in enumerate(self._arg_specs)
                              if kind == _TENSOR]
         self._position_args = [(i, shape) for i, (kind, _, shape, *_) in enumerate(self._arg_specs) if kind == _POSITION]
-        # trusted (torch.compile): the arguments whose example was a contiguous tensor are bound
-        # unchecked (their strides are guarded, so they stay contiguous); the rest as below
-        self._trust_args = trust_args
-        trusted = [spec for spec in self._tensor_args
-                   if isinstance(example[spec[0]], torch.Tensor) and example[spec[0]].is_contiguous()] \
-            if trust_args else []
+        # trusted arguments whose example was contiguous are bound unchecked (their strides are
+        # guarded, so they stay contiguous); the rest are checked (_bind_each)
+        trusted = [spec for spec in self._tensor_args if spec[1] in trusted and spec[1] in contiguous]
         self._t_checked = [spec for spec in self._tensor_args if spec not in trusted]
         self._t_staged = [(i, name) for i, name, _, _, staged, _ in trusted if staged]
         self._t_bound_index = [i for i, _, _, _, staged, _ in trusted if not staged]
