@@ -301,3 +301,11 @@ def test_hot_loops_finds_functions_and_the_loops_between_back_branches(tmp_path,
     (tmp_path / "empty.sass").write_text("nothing")
     assert hot_loops_main(["--sass", str(tmp_path / "empty.sass")]) == 1
     assert "no functions found" in capsys.readouterr().err
+
+
+def test_call_host_cost_times_a_backend_call_without_its_run(capsys):
+    from call_host_cost import main as call_host_cost_main
+
+    rows = call_host_cost_main(["--model", "llama-tiny", "--layers", "2", "--iters", "3"])
+    assert set(rows) == {"bind_args", "call, no run"} and all(v > 0 for v in rows.values())
+    assert "llama-tiny, 2 layers, cpu:" in capsys.readouterr().out
