@@ -3,13 +3,14 @@
 What an application sees: greedy decoding of ``--new-tokens`` tokens after a random prompt of
 ``--context`` tokens, through HF's own generation loop (its logits processing, stopping checks
 and, per step, the attention mask it builds). The decode time per token is
-``(t(N new tokens) - t(1 new token)) / (N - 1)``, so the prefill (eager in both rows: tilec
-compiles decode steps) cancels; each time is the median of ``--iters`` runs after a warm-up run
-(which compiles). The table also gives the fraction of generated tokens equal to eager's (bf16
+``(t(N new tokens) - t(1 new token)) / (N - 1)``, so the prefill cancels (under tilec it is
+partly compiled, partly eager: tilec compiles decode steps); each time is the median of ``--iters``
+runs after a warm-up run of each length (the first compiles). Take ``--iters`` of 3 or more: one
+run of each is noise, and can even give a negative difference. The table also gives the fraction of generated tokens equal to eager's (bf16
 with random weights has near-ties, so a few may differ on a GPU).
 
     python benchmarks/generate.py --model llama-3.2-1b --context 1024 --new-tokens 64
-    python benchmarks/generate.py --model llama-tiny --device cpu --new-tokens 4 --iters 1   # a smoke run
+    python benchmarks/generate.py --model llama-tiny --device cpu --context 16 --new-tokens 4 --iters 1   # a smoke run
 
 On the CPU (``--device cpu``, float32) tilec runs its reference executor: a check that the path
 works, not a speed.
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import positive  # noqa: E402
-from tilec.zoo import CONFIGS, make_model  # noqa: E402
+from tilec.zoo import CONFIGS, MAX_POSITION_EMBEDDINGS, make_model  # noqa: E402
 
 
 def generate(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
@@ -69,6 +70,9 @@ def main(argv=None) -> list[tuple]:
         ap.error(f"--new-tokens {args.new_tokens}: the per-token time needs at least 2")
     if not 0 <= args.pad < args.context:
         ap.error(f"--pad {args.pad}: expected 0 <= pad < --context ({args.context})")
+    if args.context + args.new_tokens > MAX_POSITION_EMBEDDINGS:
+        ap.error(f"--context {args.context} + --new-tokens {args.new_tokens} exceeds {args.model}'s "
+                 f"max_position_embeddings ({MAX_POSITION_EMBEDDINGS})")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA GPU here (use --device cpu for a smoke run)")
     warnings.simplefilter("ignore")
@@ -89,6 +93,7 @@ def main(argv=None) -> list[tuple]:
                 model.forward = torch.compile(forward, backend="tilec")
             try:
                 results[label] = generate(model, ids, mask, new)  # warm-up (compiles)
+                generate(model, ids, mask, 1)
                 t_n = timed_ms(lambda: generate(model, ids, mask, new), args.iters, dev)
                 t_1 = timed_ms(lambda: generate(model, ids, mask, 1), args.iters, dev)
             finally:

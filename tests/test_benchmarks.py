@@ -23,6 +23,7 @@ def test_generate_benchmark_runs_on_the_cpu(capsys):
     (["--new-tokens", "1"], "needs at least 2"),
     (["--pad", "8", "--context", "8"], "expected 0 <= pad < --context"),
     (["--iters", "0"], "expected an integer >= 1, got '0'"),
+    (["--model", "llama-tiny", "--context", "9000"], "exceeds llama-tiny's max_position_embeddings"),
 ])
 def test_generate_benchmark_names_a_bad_flag(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -698,3 +698,16 @@ def test_a_sliding_window_cache_is_named_as_such():
     with pytest.raises(UnsupportedNodeError, match=r"attention mask that is a constant.*sliding-window") as e:
         compile_decode_step(model, cache, 1)
     assert "padding" not in str(e.value)
+
+
+def test_a_five_dim_operand_is_named_by_its_argument():
+    """The reason printed the graph's buffer (``operand arg9_1[2x2x4x17x32]@0/...``) for a user's
+    KV cache (a fresh user's finding): a graph input is named as the user knows it."""
+
+    class FiveDims(torch.nn.Module):
+        def forward(self, x):
+            return x.view(1, 2, 2, 2, 4) * 2.0
+
+    with pytest.raises(UnsupportedNodeError, match=r"operand argument 0 \(x\) viewed as \[1, 2, 2, 2, 4\] has more "
+                                                   r"than 4 dims \(tilec ops take at most 4\)"):
+        compile_module(FiveDims(), (torch.randn(2, 16),))

@@ -221,7 +221,9 @@ class Lowering(DsaLowering):
         dtype = val.dtype if out_dtype is None else out_dtype
         for v in inputs:
             if len(v.shape) > 4:
-                self._unsupported(node, f"operand {v.render()} has more than 4 dims")
+                known = v.buffer in self.b.labels or v.buffer in self.b.user_inputs
+                what = f"{self._argument(v.buffer)} viewed as {list(v.shape)}" if known else v.render()
+                self._unsupported(node, f"operand {what} has more than 4 dims (tilec ops take at most 4)")
         if len(shape) > 4:
             self._unsupported(node, f"output of shape {list(shape)} has more than 4 dims")
         if kind in ("unary", "binary") and is_integer(dtype) and any(is_integer(self.buffers[v.buffer].dtype)

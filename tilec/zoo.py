@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+MAX_POSITION_EMBEDDINGS = 8192  # every zoo model's max_position_embeddings (RoPE tables, HF checks)
+
 CONFIGS = {
     # Llama-3.2-1B: 16 layers, hidden 2048, 32/8 heads, head_dim 64, tied embeddings
     "llama-3.2-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -59,7 +61,7 @@ def make_model(name: str, dtype=torch.float32, device="cpu", layers: int | None 
         raise ValueError(f"make_model({name!r}): {kw['num_attention_heads']} query heads are not a multiple of "
                          f"{kw['num_key_value_heads']} KV heads")
     cls_cfg, cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
-    cfg = cls_cfg(max_position_embeddings=8192, **kw)
+    cfg = cls_cfg(max_position_embeddings=MAX_POSITION_EMBEDDINGS, **kw)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device):
