@@ -754,9 +754,11 @@ class Lowering(DsaLowering):
         (``GraphBinding.examples``), is not causal; None when it is, or when the examples are not
         all known."""
         ex = self.b.examples
+        if not ex:
+            return None
         args = [ex.get(name) for name in self.b.user_inputs]
         guard = MaskGuard(self.gm, self.b.user_inputs, self.b.consts, mask.name, shape)
-        if not ex or any(not isinstance(args[i], torch.Tensor) for i in guard.arg_index):
+        if any(not isinstance(args[i], torch.Tensor) for i in guard.arg_index):
             return None
         p = next((int(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else int(v)
                   for name in self.b.user_inputs if name in self.b.positions
