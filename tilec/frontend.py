@@ -1060,7 +1060,8 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
                 if not probe:
                     raise
                 if isinstance(r, fx.Node) and all(u[0] != r.name for u in low.unsupported):
-                    low.unsupported.append((r.name, target_name(r), source_of(r), str(e)))
+                    low.unsupported.append((r.name, target_name(r), source_of(r),
+                                            "a graph output whose value comes from nodes that run eagerly"))
         for n in gm.graph.nodes:  # side-effecting in-place writes nobody reads
             if n.op == "call_function" and n.target in (aten.index_copy_.default, aten.index_put_.default,
                                                         aten.copy_.default):
