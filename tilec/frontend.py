@@ -763,7 +763,10 @@ class Lowering(DsaLowering):
         p = next((int(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else int(v)
                   for name in self.b.user_inputs if name in self.b.positions
                   for v in (ex.get(name),) if isinstance(v, (torch.Tensor, int))), 0)
-        return p if bool(guard.mismatch(args, p)) else None
+        try:
+            return p if bool(guard.mismatch(args, p)) else None
+        except (RuntimeError, TypeError, ValueError):  # the sub-graph fails on the examples: each call says so
+            return None
 
     def _unguardable(self, mask: fx.Node) -> str:
         """Why a run-time ``mask`` cannot be checked per call by a :class:`tilec.guards.MaskGuard`
@@ -1056,7 +1059,7 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
             v = low.value(r)
             try:
                 outputs.append(low.as_view(v, r) if not isinstance(v, View) else v)
-            except _OperandError as e:  # an output probe mode stood nothing in for (no tensor value)
+            except _OperandError:  # an output probe mode stood nothing in for (no tensor value)
                 if not probe:
                     raise
                 if isinstance(r, fx.Node) and all(u[0] != r.name for u in low.unsupported):
