@@ -336,3 +336,34 @@ def test_the_layers_masks_are_checked_once_a_call(monkeypatch):
           position_ids=torch.tensor([[7]]), use_cache=True, **cache_kwargs(model, cache))
     assert n >= 1 and len(calls) == 1, (n, len(calls))
     torch._dynamo.reset()
+
+
+def test_a_mask_that_reads_a_module_buffer_is_checked_with_its_value():
+    """The mask's sub-graph may read module buffers (constants to tilec): they are bound into the
+    check, and two masks reading buffers of other values are two checks."""
+
+    class BufferMask(MaskedStep):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("keep", torch.ones(1, 1, 1, S, dtype=torch.bool))
+            self.register_buffer("keep2", torch.ones(1, 1, 1, S, dtype=torch.bool))
+
+        def forward(self, x, k_cache, v_cache, pos, mask):
+            q = self.q(x).view(1, 1, 4, 16).transpose(1, 2)
+            k_cache.index_copy_(2, pos, self.k(x).view(1, 1, 2, 16).transpose(1, 2))
+            v_cache.index_copy_(2, pos, self.v(x).view(1, 1, 2, 16).transpose(1, 2))
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask & self.keep, enable_gqa=True)
+            o2 = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask & self.keep2, enable_gqa=True)
+            return self.o((o + o2).transpose(1, 2).reshape(1, 1, 64))
+
+    torch.manual_seed(0)
+    m = BufferMask().eval()
+    m.keep2[..., -1] = False  # masks nothing a causal step at p < S - 1 may see
+    with torch.no_grad():
+        prog = compile_module(m, _step_args(3, causal(3)), positions=[3], max_positions=S)
+        assert len(prog.guards) == 2  # the buffers differ: two computations
+        args = _step_args(5, causal(5))
+        want, _ = _eager(m, args)
+        assert_close(prog(*args), want, 1e-4, "causal through the buffers")
+        with pytest.raises(GuardError, match="at position 11"):
+            prog(*_step_args(11, causal(11)))  # keep2 hides the last cache row: not causal there

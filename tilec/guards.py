@@ -15,6 +15,8 @@ A float mask holding any other value (a soft bias such as ALiBi) is never the ca
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.fx as fx
 
@@ -107,7 +109,9 @@ class MaskGuard:
                 attr = f"_const{len(env)}"
                 root.register_buffer(attr, value)
                 env[n] = graph.get_attr(attr)
-                key.append(("const", tuple(value.shape), str(value.dtype), value.cpu().numpy().tobytes()))
+                raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # 0-d too; any dtype
+                digest = hashlib.sha1(raw.numpy().tobytes()).hexdigest()
+                key.append(("const", tuple(value.shape), str(value.dtype), digest))
             else:
                 env[n] = graph.node_copy(n, lambda a: env[a])
                 key.append((str(n.target), fx.node.map_aggregate(n.args, ref), fx.node.map_aggregate(n.kwargs, ref)))
