@@ -244,3 +244,18 @@ def gemv_groups_graph(**options):
     rec = StageRecorder()
     compile_decode_step(model, cache, 1, options=dict(SPLIT, **options), hook=rec)
     return rec.stages["gemv_groups"]
+
+
+def greedy_generate(model, compiled: bool, new_tokens: int, options: dict | None = None, **kw):
+    """HF greedy ``generate()`` of ``new_tokens`` with a static cache, through
+    ``torch.compile(model.forward, backend="tilec", options=...)`` when ``compiled`` (forward and
+    Dynamo's caches restored after)."""
+    forward = model.forward
+    if compiled:
+        model.forward = torch.compile(forward, backend="tilec", options=options)
+    try:
+        return model.generate(**kw, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                              pad_token_id=0)
+    finally:
+        model.forward = forward
+        torch._dynamo.reset()

@@ -18,7 +18,7 @@ from tilec.api import compile_module
 from tilec.errors import TilecError, UnsupportedNodeError
 from tilec.guards import GuardError, causal_mismatch
 
-from _helpers import assert_close
+from _helpers import assert_close, greedy_generate
 
 S = 12  # static cache rows
 
@@ -143,17 +143,6 @@ def test_a_plan_without_its_guards_is_refused():
         CompiledProgram(prog.compiled, GraphBinding(params=params), single_output=True)
 
 
-def _generate(model, compiled: bool, **kw):
-    forward = model.forward
-    if compiled:
-        model.forward = torch.compile(forward, backend="tilec", options={"workers": 8})
-    try:
-        return model.generate(**kw, max_new_tokens=5, do_sample=False, cache_implementation="static", pad_token_id=0)
-    finally:
-        model.forward = forward
-        torch._dynamo.reset()
-
-
 def test_generate_matches_eager(caplog):
     """generate() on one sequence: the same tokens as eager, and every decode call passes the
     mask check (the prefill graph's own fallbacks still log)."""
@@ -163,9 +152,9 @@ def test_generate_matches_eager(caplog):
     model = make_model("llama-tiny", layers=2)
     ids = torch.randint(3, 1000, (1, 5))
     with torch.no_grad():
-        want = _generate(model, False, input_ids=ids)
+        want = greedy_generate(model, False, 5, {"workers": 8}, input_ids=ids)
         with caplog.at_level(logging.INFO, logger="tilec"):
-            got = _generate(model, True, input_ids=ids)
+            got = greedy_generate(model, True, 5, {"workers": 8}, input_ids=ids)
     assert torch.equal(got, want), (got.tolist(), want.tolist())
     lines = [r.getMessage() for r in caplog.records if r.name == "tilec"]
     assert not [line for line in lines if "not the causal mask" in line or "run-time inputs" in line], lines
@@ -214,9 +203,9 @@ def test_generate_on_a_padded_batch_runs_its_attention_eagerly(caplog):
     mask = torch.ones(2, 5, dtype=torch.long)
     mask[1, :2] = 0  # left padding
     with torch.no_grad():
-        want = _generate(model, False, input_ids=ids, attention_mask=mask)
+        want = greedy_generate(model, False, 5, {"workers": 8}, input_ids=ids, attention_mask=mask)
         with caplog.at_level(logging.INFO, logger="tilec"):
-            got = _generate(model, True, input_ids=ids, attention_mask=mask)
+            got = greedy_generate(model, True, 5, {"workers": 8}, input_ids=ids, attention_mask=mask)
     assert torch.equal(got, want), (got.tolist(), want.tolist())
     # the first decode call's mask is already padded: its attention is split off when compiling
     lines = [r.getMessage() for r in caplog.records if r.name == "tilec"]

@@ -93,6 +93,7 @@ class Lowering(DsaLowering):
         self._views: dict[int, View] = {}
         self._mask_checks: dict[tuple, int] = {}  # _check_causal_mask's verdicts: the first bad position, or -1
         self.mask_guards: dict[str, tuple] = {}  # run-time mask node -> (batch, heads, rows, cache length)
+        self._example_verdicts: dict[tuple, int | None] = {}  # MaskGuard.key -> _example_not_causal's answer
         self.position_updates: dict[str, torch.Tensor] = {}
         self.probe = probe
         self.unsupported: list[tuple[str, str, str, str]] = []
@@ -758,15 +759,19 @@ class Lowering(DsaLowering):
             return None
         args = [ex.get(name) for name in self.b.user_inputs]
         guard = MaskGuard(self.gm, self.b.user_inputs, self.b.consts, mask.name, shape)
+        if guard.key in self._example_verdicts:  # the layers' equal mask computations: evaluated once
+            return self._example_verdicts[guard.key]
         if any(not isinstance(args[i], torch.Tensor) for i in guard.arg_index):
             return None
         p = next((int(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else int(v)
                   for name in self.b.user_inputs if name in self.b.positions
                   for v in (ex.get(name),) if isinstance(v, (torch.Tensor, int))), 0)
         try:
-            return p if bool(guard.mismatch(args, p)) else None
+            bad = p if bool(guard.mismatch(args, p)) else None
         except (RuntimeError, TypeError, ValueError):  # the sub-graph fails on the examples: each call says so
-            return None
+            bad = None
+        self._example_verdicts[guard.key] = bad
+        return bad
 
     def _unguardable(self, mask: fx.Node) -> str:
         """Why a run-time ``mask`` cannot be checked per call by a :class:`tilec.guards.MaskGuard`

@@ -9,20 +9,10 @@ import logging
 import pytest
 import torch
 
+from _helpers import greedy_generate
 from tilec.zoo import make_model
 
 DEV = "cuda"
-
-
-def _generate(model, compiled: bool, **kw):
-    forward = model.forward
-    if compiled:
-        model.forward = torch.compile(forward, backend="tilec")
-    try:
-        return model.generate(**kw, max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0)
-    finally:
-        model.forward = forward
-        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -35,9 +25,9 @@ def test_generate_matches_eager(padded, caplog):
         kw["attention_mask"] = torch.ones_like(ids)
         kw["attention_mask"][1, :2] = 0
     with torch.no_grad():
-        want = _generate(model, False, **kw)
+        want = greedy_generate(model, False, 8, **kw)
         with caplog.at_level(logging.INFO, logger="tilec"):
-            got = _generate(model, True, **kw)
+            got = greedy_generate(model, True, 8, **kw)
     assert torch.equal(got, want), (got.tolist(), want.tolist())
     # padded: the first decode call's mask is not causal, so its attention stays eager (logged);
     # else every decode call passes the mask check and runs compiled (the prefill graph logs its own)
