@@ -55,7 +55,7 @@ def gpu_test_programs():
 # pytest -k expression: the model decode steps are gpu_test_programs' (quicker from two layers); the
 # full-size GLM-5 prelude test is left out (its inputs and oracle on the CPU take minutes).
 TEST_FILES = (("test_cuda_ops.py", ""), ("test_cuda_models.py", "not decode_matches_eager"),
-              ("test_cuda_glm5_prelude.py", "not (prelude and full)"))
+              ("test_cuda_glm5_prelude.py", "not (prelude and full)"), ("test_cuda_hf_families.py", ""))
 
 
 class BuildOnly:

@@ -11,7 +11,8 @@
 # GLM-5 libraries beforehand with benchmarks/prebuild.py and carry .tilec-cache
 # (TILEC_CACHE_DIR=$PWD/.tilec-cache) to save their nvcc time.
 # pending (not in all): what a session prepared and could not run - the K-outer GPU tests, the batch-4 greedy
-# checks, the batch-4 decode benchmark with the GEMV microbenchmark at 1, 4 and 8 rows (thirty-eighth session).
+# checks, the batch-4 decode benchmark with the GEMV microbenchmark at 1, 4 and 8 rows (thirty-eighth session);
+# generate() under torch.compile (thirty-ninth); the other HF decoder families (fortieth).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TILEC_CACHE_DIR=${TILEC_CACHE_DIR:-/tmp/tilec-cache}
@@ -101,6 +102,9 @@ if [[ $what == pending ]]; then  # not part of all
     | tee "$OUT/pending_backend.log" | tail -6
   timeout 240 python3 benchmarks/generate.py --model llama-3.2-1b --context 1024 --new-tokens 64 --iters 3 2>&1 \
     | grep -v "tilec: running" | tee "$OUT/pending_generate.log" | tail -6
+  # the other HF decoder families' programs (fortieth session; built with nvcc here, never run on a GPU)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_hf_families.py 2>&1 \
+    | tee "$OUT/pending_families.log" | tail -6
   # the GEMV microbenchmark at 1, 4 and 8 rows (8 x 8192 and 8 x 14336 siblings stream K block outer now; ~0.03 TB/s
   # before; 4 rows stream nothing over those K without the patch above)
   timeout 240 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --batch 4 --gemv --gemv-rows 1,4,8 \

@@ -9,6 +9,42 @@ import threading
 import torch
 
 
+# Tiny configs of HF decoder families beyond Llama / Qwen3 (tests/test_hf_architectures.py on the CPU,
+# tests/gpu/test_cuda_hf_families.py on the CUDA executor).
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, pad_token_id=0)
+
+FAMILIES = {  # name: (config class, model class, config overrides)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=2.0, residual_multiplier=0.5,
+                                                            attention_multiplier=0.2, logits_scaling=4.0)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=4)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),  # layer 1 without RoPE
+}
+
+
+def family_model(family: str, dtype: torch.dtype, device: str):
+    """A tiny random model of ``FAMILIES[family]`` (seeded, eval mode, SDPA attention) in ``dtype``
+    on ``device``; skips the test when this transformers has no such config class."""
+    import pytest
+    import transformers
+
+    cfg_name, model_name, extra = FAMILIES[family]
+    if not hasattr(transformers, cfg_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {cfg_name}")
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra})
+    cfg._attn_implementation = "sdpa"
+    return getattr(transformers, model_name)(cfg).eval().to(device=device, dtype=dtype)
+
+
 SPLIT = dict(workers=6, attn_kv_chunk=4)  # 4-position splits: every head's attention splits (fold tests)
 
 

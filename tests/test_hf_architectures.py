@@ -4,7 +4,7 @@ Each family brings forms the Llama tests do not: q/k/v biases (Qwen2), fused qkv
 projections (Phi-3), RMSNorm as x * (1 + w) and GELU-tanh MLP with an embedding scale (Gemma),
 norms after the projections (OLMo-2), scalar multipliers (Granite), LayerNorm with partial
 rotary (StableLM, Phi), parallel residuals (GPT-NeoX), a bias-free LayerNorm (OLMo), layers
-without RoPE (SmolLM3). Tiny random configs (float32, 2 layers, context 6, reference executor);
+without RoPE (SmolLM3). Tiny random configs (``_helpers.FAMILIES``; float32, 2 layers, context 6, reference executor);
 logits and the KV cache must match eager within a relative L2 of 1e-5.
 """
 from __future__ import annotations
@@ -13,41 +13,16 @@ import copy
 
 import pytest
 import torch
-import transformers
 
 from tilec.hf import cache_kwargs, compile_decode_step
 from tilec.zoo import prefill
 
-from _helpers import rel_l2
-
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, pad_token_id=0)
-
-FAMILIES = {  # name: (config class, model class, config overrides)
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
-    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=2.0, residual_multiplier=0.5,
-                                                            attention_multiplier=0.2, logits_scaling=4.0)),
-    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
-    "phi": ("PhiConfig", "PhiForCausalLM", {}),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=4)),
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),  # layer 1 without RoPE
-}
+from _helpers import FAMILIES, family_model, rel_l2
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_decode_step_matches_eager(family):
-    cfg_name, model_name, extra = FAMILIES[family]
-    if not hasattr(transformers, cfg_name):
-        pytest.skip(f"transformers {transformers.__version__} has no {cfg_name}")
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra})
-    cfg._attn_implementation = "sdpa"
-    model = getattr(transformers, model_name)(cfg).eval()
+    model = family_model(family, torch.float32, "cpu")
     cache, tok = prefill(model, 1, 6, 24, "cpu")
     eager_cache = copy.deepcopy(cache)
     step = compile_decode_step(model, cache, 1, options={"workers": 8})
