@@ -14,7 +14,7 @@ import torch
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, pad_token_id=0)
 
-FAMILIES = {  # name: (config class, model class, config overrides)
+FAMILIES = {  # name: (config class, model class, config overrides; "attn": the attention implementation, SDPA by default)
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=16)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
@@ -27,11 +27,25 @@ FAMILIES = {  # name: (config class, model class, config overrides)
     "phi": ("PhiConfig", "PhiForCausalLM", {}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_key_value_heads=4)),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),  # layer 1 without RoPE
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=None)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(head_dim=16)),
+    "hunyuan": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(head_dim=16)),
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(head_dim=16)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(head_dim=16)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, attn="eager")),
+    "llama_eager": ("LlamaConfig", "LlamaForCausalLM", dict(attn="eager")),  # attention written out in torch ops
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16)),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
 }
 
 
 def family_model(family: str, dtype: torch.dtype, device: str):
-    """A tiny random model of ``FAMILIES[family]`` (seeded, eval mode, SDPA attention) in ``dtype``
+    """A tiny random model of ``FAMILIES[family]`` (seeded, eval mode, SDPA attention unless it says) in ``dtype``
     on ``device``; skips the test when this transformers has no such config class."""
     import pytest
     import transformers
@@ -40,8 +54,10 @@ def family_model(family: str, dtype: torch.dtype, device: str):
     if not hasattr(transformers, cfg_name):
         pytest.skip(f"transformers {transformers.__version__} has no {cfg_name}")
     torch.manual_seed(0)
+    extra = dict(extra)
+    attn = extra.pop("attn", "sdpa")
     cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra})
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn
     return getattr(transformers, model_name)(cfg).eval().to(device=device, dtype=dtype)
 
 

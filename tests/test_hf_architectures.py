@@ -4,7 +4,10 @@ Each family brings forms the Llama tests do not: q/k/v biases (Qwen2), fused qkv
 projections (Phi-3), RMSNorm as x * (1 + w) and GELU-tanh MLP with an embedding scale (Gemma),
 norms after the projections (OLMo-2), scalar multipliers (Granite), LayerNorm with partial
 rotary (StableLM, Phi), parallel residuals (GPT-NeoX), a bias-free LayerNorm (OLMo), layers
-without RoPE (SmolLM3). Tiny random configs (``_helpers.FAMILIES``; float32, 2 layers, context 6, reference executor);
+without RoPE (SmolLM3), GPT-2's Conv1D, Falcon's grouped q/k/v (5-d views), ReLU^2 MLPs
+(Nemotron, Arcee), RoPE on pairs rotated in place (GPT-J, GLM, GLM-4, Helium, ERNIE-4.5, Cohere)
+a LayerNorm written out in torch ops (Cohere) and attention written out in torch ops (HF's eager
+attention: Llama with ``attn_implementation="eager"``; GPT-J's own ``_attn``). Tiny random configs (``_helpers.FAMILIES``; float32, 2 layers, context 6, reference executor);
 logits and the KV cache must match eager within a relative L2 of 1e-5.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from _helpers import StageRecorder, assert_close
 from tilec.api import compile_module
-from tilec.ops.rope import INTERLEAVED, ROTATE_HALF
+from tilec.ops.rope import INTERLEAVED, PAIRWISE, ROTATE_HALF
 from tilec.options import Options
 
 
@@ -95,6 +95,51 @@ def test_interleaved_rope_of_projection_with_hf_function():
     ropes = [op for op in prog.compiled.stages['opgraph'].ops if op.kind == "rope"]
     assert len(ropes) == 2 and all(op.attr("style") == INTERLEAVED for op in ropes)
     assert kinds(prog).count("concat") == 0
+
+
+def rotate_every_two(x):
+    """GPT-J's: each pair (2i, 2i+1) -> (-x[2i+1], x[2i]), kept interleaved."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("tile_rows", [1, 3])
+def test_pairwise_rope(tile_rows):
+    """``x * cos + rotate_every_two(x) * sin`` (GPT-J, GLM-4, Cohere): one rope op, style 2, whose
+    cos / sin are read per element (here not pair-repeated, which the op does not assume)."""
+    b, h, s, d = 2, 4, 1, 16
+    x = torch.randn(b, h, s, d)
+    cos, sin = rotary_tables((b, 1, s), d)
+    prog, stages = run(Fn(lambda m, x, c, s_: x * c + rotate_every_two(x) * s_), (x, cos, sin),
+                       tile_rows=tile_rows, workers=3)
+    assert kinds(prog) == ["rope"]
+    assert prog.compiled.stages['opgraph'].ops[0].attr("style") == PAIRWISE
+    assert "style=2" in stages["opgraph"].render()
+
+
+def test_pairwise_rope_with_hf_function_on_a_partial_rotary_slice():
+    """HF GLM-4's ``apply_rotary_pos_emb``: cos / sin halved and ``repeat_interleave``d, RoPE on the
+    first half of the head dim, the rest passed through (a concat)."""
+    pytest.importorskip("transformers")
+    from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb
+
+    b, h, s, d = 1, 2, 1, 16
+    q, k = torch.randn(b, h, s, d), torch.randn(b, 1, s, d)
+    cos, sin = rotary_tables((b, s), d // 2)  # HF's rotary_dim = d / 2 here
+    prog, _ = run(Fn(lambda m, q, k, c, s_: apply_rotary_pos_emb(q, k, c, s_)), (q, k, cos, sin), workers=2)
+    ropes = [op for op in prog.compiled.stages['opgraph'].ops if op.kind == "rope"]
+    assert len(ropes) == 2 and all(op.attr("style") == PAIRWISE for op in ropes)
+
+
+def test_stack_that_is_not_pairwise_rope_is_refused_by_name():
+    """Swapped pair order (``stack([x[0::2], -x[1::2]])``) is not RoPE: no rope op, and the stack
+    is named as unsupported (not silently planned as style 2)."""
+    from tilec.errors import UnsupportedNodeError
+
+    x = torch.randn(1, 2, 1, 8)
+    cos, sin = rotary_tables((1, 1, 1), 8)
+    f = Fn(lambda m, x, c, s_: x * c + torch.stack((x[..., 0::2], -x[..., 1::2]), -1).flatten(-2) * s_)
+    with pytest.raises(UnsupportedNodeError, match=r"stack \(aten\.stack\.default\)"):
+        compile_module(f.eval(), (x, cos, sin))
 
 
 def test_rotate_half_rope_hf_layout():

@@ -15,6 +15,7 @@ are checked against the causal / slot semantics and absorbed into the ops.
 from __future__ import annotations
 
 import heapq
+import math
 import operator
 import sys
 from dataclasses import dataclass, field
@@ -30,10 +31,38 @@ from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS
 from .ir import (DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, dtype_name,
                  is_integer)
 from .ops.ewise import BINARY_FNS
-from .ops.rope import INTERLEAVED, ROTATE_HALF
+from .ops.rope import INTERLEAVED, PAIRWISE, ROTATE_HALF
 
 POSITION, IGNORED = "<position>", "<ignored>"
 
+
+
+ELEMENTWISE = ("copy", "unary", "binary")  # kinds whose every operand is expanded to the output's shape
+
+
+def fold_dims(shape, views):
+    """The same elementwise computation over fewer dims: ``shape``'s size-1 dims dropped and each
+    pair of neighbouring dims merged where every view in ``views`` (each of ``shape``, broadcast
+    dims with stride 0) steps through them as one dim (``stride[d] == stride[d + 1] * size[d + 1]``);
+    the output, a new contiguous buffer of ``shape``, always does.
+
+    Returns ``(folded shape, folded views)`` when that has at most 4 dims (what tilec ops take), else
+    None. An HF 5-d intermediate (Falcon's grouped q/k/v, ``repeat_kv``'s expand of a
+    [B, KV, 1, S, D] view) then lowers as a 2- to 4-d copy or elementwise op on the same memory.
+    """
+    keep = [d for d, n in enumerate(shape) if n != 1] or [len(shape) - 1]
+    groups: list[list[int]] = []
+    for d in keep:
+        if groups and all(v.strides[groups[-1][-1]] == v.strides[d] * v.shape[d] for v in views):
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    if len(groups) > 4:
+        return None
+    new_shape = tuple(math.prod(shape[d] for d in g) for g in groups)
+    new_views = [View(v.buffer, new_shape, tuple(v.strides[g[-1]] for g in groups), v.offset, v.pos_stride)
+                 for v in views]
+    return new_shape, new_views
 
 @dataclass
 class GraphBinding:
@@ -220,12 +249,17 @@ class Lowering(DsaLowering):
         val = val_of(node)
         shape = tuple(val.shape) if out_shape is None else tuple(out_shape)
         dtype = val.dtype if out_dtype is None else out_dtype
+        folded = None
+        if kind in ELEMENTWISE and (len(shape) > 4 or any(len(v.shape) > 4 for v in inputs)):
+            folded = fold_dims(shape, inputs)
+            if folded is not None:
+                inputs = folded[1]
         for v in inputs:
             if len(v.shape) > 4:
                 known = v.buffer in self.b.labels or v.buffer in self.b.user_inputs
                 what = f"{self._argument(v.buffer)} viewed as {list(v.shape)}" if known else v.render()
                 self._unsupported(node, f"operand {what} has more than 4 dims (tilec ops take at most 4)")
-        if len(shape) > 4:
+        if len(shape) > 4 and folded is None:
             self._unsupported(node, f"output of shape {list(shape)} has more than 4 dims")
         if kind in ("unary", "binary") and is_integer(dtype) and any(is_integer(self.buffers[v.buffer].dtype)
                                                                       for v in inputs):
@@ -235,7 +269,8 @@ class Lowering(DsaLowering):
                                     f"computed when compiling, exactly)")
         buf = self._new_buffer(name or node.name, shape, dtype, node=node)
         out = View.whole(buf)
-        self.ops.append(Op(self._name(f"{kind}_{node.name}" if name is None else name), kind, tuple(inputs), (out,),
+        written = out if folded is None else View(buf.name, folded[0], contiguous_strides(folded[0]))
+        self.ops.append(Op(self._name(f"{kind}_{node.name}" if name is None else name), kind, tuple(inputs), (written,),
                            tuple(sorted(attrs)), self._prov(node)))
         return out
 
@@ -333,7 +368,8 @@ class Lowering(DsaLowering):
             if not isinstance(src, (tuple, list)):
                 raise _OperandError(f"{node.args[0].name} has no lowered tuple value")
             return src[node.args[1]]
-        for pattern in (self._rmsnorm, self._silu_mul, self._rope_rotate_half, self._rope_interleaved,
+        for pattern in (self._rmsnorm, self._layernorm_decomposed, self._silu_mul, self._rope_rotate_half, self._rope_interleaved,
+                        self._rope_pairwise, self._eager_attention,
                         self._fp8_quant, self._fp8_quant_scale, self._fp8_linear, self._einsum,
                         self._paged_cache_write, self._paged_index_score):
             out = pattern(node)
@@ -341,6 +377,10 @@ class Lowering(DsaLowering):
                 return out
         if t in VIEW_OPS:
             return self._view(node)
+        if t is aten.index.Tensor and (view := self._index_view(node)) is not None:
+            return view
+        if t is aten.repeat_interleave.self_int:
+            return self._repeat_interleave(node)
         if t in SPLITS:
             return self._split(node)
         if t in IDENTITY:
@@ -385,9 +425,10 @@ class Lowering(DsaLowering):
         if t is aten.gelu.default:
             fn = "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
             return self._emit(node, "unary", [self._bcast(node.args[0], node)], attrs=(("fn", fn), ("scalar", 0.0)))
-        if t is aten.pow.Tensor_Scalar:
+        if t is aten.pow.Tensor_Scalar or t is aten.square.default:  # square: ReLU^2 MLPs (Nemotron, Arcee)
+            power = float(node.args[1]) if t is aten.pow.Tensor_Scalar else 2.0
             return self._emit(node, "unary", [self._bcast(node.args[0], node)],
-                              attrs=(("fn", "pow_scalar"), ("scalar", float(node.args[1]))))
+                              attrs=(("fn", "pow_scalar"), ("scalar", power)))
         if t in BINARY or t in (aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar):
             return self._binary(node)
         self._unsupported(node)
@@ -410,6 +451,46 @@ class Lowering(DsaLowering):
             copy = self._emit(node, "copy", [src], out_shape=src.shape, out_dtype=buf.dtype, name=f"{node.name}_contig")
             return View(copy.buffer, tuple(val_of(node).shape), contiguous_strides(tuple(val_of(node).shape)))
         return View(src.buffer, tuple(out.shape), tuple(out.stride()), out.storage_offset(), src.pos_stride)
+
+    def _index_view(self, node: fx.Node) -> View | None:
+        """``x[..., [i, i + k, ...], ...]``: one constant 1-D integer index list, an arithmetic progression
+        (Falcon's ``qkv[:, :, :, [-2]]`` in transformers <= 5.17), read as the strided view it equals;
+        None for any other ``aten.index``."""
+        src, idx = self.value(node.args[0]), node.args[1]
+        dims = [d for d, i in enumerate(idx) if i is not None]
+        if not isinstance(src, View) or len(dims) != 1:
+            return None
+        d = dims[0]
+        c = self.value(idx[d])
+        if not isinstance(c, Static) or c.value.dim() != 1 or c.value.numel() == 0 or c.value.is_floating_point():
+            return None
+        n = src.shape[d]
+        vals = [int(i) for i in c.value.tolist()]
+        if any(not -n <= i < n for i in vals):
+            return None  # eager raises: the node is left to the unsupported-node error
+        vals = [i % n for i in vals]
+        step = vals[1] - vals[0] if len(vals) > 1 else 1
+        if step < 1 or any(b - a != step for a, b in zip(vals, vals[1:])):
+            return None
+        shape, strides = list(src.shape), list(src.strides)
+        shape[d], strides[d] = len(vals), strides[d] * step
+        if tuple(shape) != tuple(val_of(node).shape):
+            return None
+        return View(src.buffer, tuple(shape), tuple(strides), src.offset + vals[0] * src.strides[d], src.pos_stride)
+
+    def _repeat_interleave(self, node: fx.Node) -> View:
+        """``repeat_interleave(x, r, dim)`` with an int ``r``: a copy of x read with a stride-0 dim after
+        ``dim`` (x.unsqueeze(dim + 1).expand(r)), viewed as the result (GLM-4's halved cos / sin)."""
+        src = self.view_of(node.args[0])
+        args = list(node.args) + [None] * (3 - len(node.args))
+        reps, dim = args[1], args[2] if args[2] is not None else node.kwargs.get("dim")
+        if not isinstance(reps, int) or dim is None or node.kwargs.get("output_size") not in (None, reps * src.shape[dim]):
+            self._unsupported(node, "repeat_interleave other than an int count along one dim")
+        dim %= len(src.shape)
+        shape = src.shape[:dim + 1] + (reps,) + src.shape[dim + 1:]
+        wide = View(src.buffer, shape, src.strides[:dim + 1] + (0,) + src.strides[dim + 1:], src.offset, src.pos_stride)
+        out = self._emit(node, "copy", [wide], out_shape=shape, out_dtype=self.buffers[src.buffer].dtype)
+        return View(out.buffer, tuple(val_of(node).shape), contiguous_strides(tuple(val_of(node).shape)))
 
     def _split(self, node: fx.Node) -> tuple[View, ...]:
         """``split`` / ``chunk`` / ``unbind``: a tuple of zero-copy views (read by ``getitem``)."""
@@ -561,6 +642,69 @@ class Lowering(DsaLowering):
             return self._emit(node, "rmsnorm", [self.view_of(x), ones], attrs=(("eps", eps),))
         return None
 
+    def _centered(self, n, x=None):
+        """``sub(x, mean(x, [-1], keepdim=True))`` (casts stripped) -> x, or None; with ``x`` given,
+        only when it centers that x."""
+        n = self._strip_casts(n)
+        if not is_call(n, aten.sub.Tensor) or not is_call(n.args[1], aten.mean.dim):
+            return None
+        src, mean = n.args[0], n.args[1]
+        keep = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+        if mean.args[0] is not src or not keep or \
+                list(mean.args[1]) not in ([-1], [len(val_of(mean).shape) - 1]) or (x is not None and src is not x):
+            return None
+        return src
+
+    def _layernorm_core(self, n):
+        """``mul(x - mean(x), rsqrt(add(mean(pow(x - mean(x), 2)), eps)))`` over the last dim (a
+        LayerNorm without weight and bias written out, e.g. HF ``CohereLayerNorm``) -> (x, eps) or None."""
+        n = self._strip_casts(n)
+        if not is_call(n, aten.mul.Tensor):
+            return None
+        for c, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+            x = self._centered(c) if isinstance(c, fx.Node) else None
+            if x is None or not is_call(r, aten.rsqrt.default):
+                continue
+            add = r.args[0]
+            if not is_call(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
+                continue
+            var = add.args[0]
+            if not is_call(var, aten.mean.dim) or list(var.args[1]) not in ([-1], [len(val_of(var).shape) - 1]) \
+                    or not (var.args[2] if len(var.args) > 2 else var.kwargs.get("keepdim", False)):
+                continue
+            sq = var.args[0]
+            if is_call(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2 and self._centered(sq.args[0], x) is not None:
+                return x, float(add.args[1])
+            if is_call(sq, aten.mul.Tensor) and sq.args[0] is sq.args[1] and self._centered(sq.args[0], x) is not None:
+                return x, float(add.args[1])
+        return None
+
+    def _layernorm_decomposed(self, node: fx.Node):
+        """A LayerNorm written out in torch ops (:meth:`_layernorm_core`) times a [D] weight, or alone."""
+        if not is_call(node, aten.mul.Tensor):
+            return None
+        for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            m = self._layernorm_core(core) if isinstance(core, fx.Node) and isinstance(w, fx.Node) else None
+            wv = val_of(w) if m is not None else None
+            if m is None or wv is None or wv.dim() != 1 or wv.shape[0] != val_of(node).shape[-1]:
+                continue
+            x, eps = m
+            return self._emit(node, "layernorm", [self._widened(x), self.view_of(w)], attrs=(("eps", eps),))
+        m = self._layernorm_core(node)
+        if m is not None and self._strip_casts(node) is node:
+            x, eps = m
+            ones = self.as_view(Static(torch.ones(val_of(node).shape[-1], dtype=val_of(node).dtype)), node)
+            return self._emit(node, "layernorm", [self._widened(x), ones], attrs=(("eps", eps),))
+        return None
+
+    def _widened(self, x) -> View:
+        """The view of ``x``, or of the bf16 / fp16 value it widens to float32 (the norm ops compute in
+        float32 from either: the same values, one cast op less)."""
+        if is_call(x, *CASTS) and val_of(x).dtype == torch.float32 \
+                and val_of(x.args[0]) is not None and val_of(x.args[0]).dtype in (torch.bfloat16, torch.float16):
+            return self.view_of(x.args[0])
+        return self.view_of(x)
+
     def _silu_mul(self, node: fx.Node):
         if not is_call(node, aten.mul.Tensor):
             return None
@@ -659,6 +803,44 @@ class Lowering(DsaLowering):
             return None
         return self._rope_args(node, x1.args[0], (cos, sin), INTERLEAVED)
 
+    @staticmethod
+    def _every_other(s, x, start: int) -> bool:
+        """Whether ``s`` is ``x[..., start::2]`` (an ``aten.slice`` of x's last dim, step 2, to the end)."""
+        if not is_call(s, aten.slice.Tensor) or s.args[0] is not x:
+            return False
+        _, dim, begin, end, step = (list(s.args) + [0, None, None, 1][len(s.args) - 1:])[:5]
+        shape = val_of(x).shape
+        return dim % len(shape) == len(shape) - 1 and begin == start and step == 2 \
+            and (end is None or end >= shape[-1])
+
+    def _rope_pairwise(self, node: fx.Node):
+        """``x*cos + flatten(stack([-x[..., 1::2], x[..., 0::2]], -1)) * sin``: each pair (2i, 2i+1)
+        rotated in place (GPT-J's ``rotate_every_two``; HF GLM / GLM-4, Cohere, Helium, ERNIE-4.5)."""
+        if not is_call(node, aten.add.Tensor):
+            return None
+        for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if not (is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor)):
+                continue
+            for flat, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
+                if not (is_call(flat, *RESHAPES) and is_call(flat.args[0], aten.stack.default)):
+                    continue
+                stack = flat.args[0]
+                parts = stack.args[0]
+                dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+                if len(parts) != 2 or not is_call(parts[0], aten.neg.default):
+                    continue
+                odd, even = parts[0].args[0], parts[1]
+                x = even.args[0] if is_call(even, aten.slice.Tensor) else None
+                if x is None or not (self._every_other(even, x, 0) and self._every_other(odd, x, 1)):
+                    continue
+                shape = tuple(val_of(x).shape)
+                if shape[-1] % 2 or dim % (len(shape) + 1) != len(shape) or tuple(val_of(flat).shape) != shape:
+                    continue
+                for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
+                    if xx is x and val_of(cos).shape[-1] == val_of(sin).shape[-1] == shape[-1]:
+                        return self._rope_args(node, x, (cos, sin), PAIRWISE)
+        return None
+
     # ---- attention and cache writes --------------------------------------------------
     def _gqa_source(self, n):
         """``reshape(clone(expand(unsqueeze(kv, 2))))`` (HF ``repeat_kv``) -> (kv node, group) or (n, 1)."""
@@ -680,6 +862,17 @@ class Lowering(DsaLowering):
             rest["attn_mask"] = rest.pop("attn_bias")
         if rest.get("dropout_p", 0.0) not in (0, 0.0):
             self._unsupported(node, "dropout in attention")
+        if rest.get("is_causal"):
+            self._unsupported(node, "is_causal=True (prefill attention) is not a decode step")
+        out = self._plan_attention(node, q_n, k_n, v_n, rest.get("attn_mask"), rest.get("scale"))
+        if node.target is aten.scaled_dot_product_attention.default:
+            return out
+        return (out,) + (None,) * 8  # fused variants return (out, logsumexp, ...); only out may be used
+
+    def _plan_attention(self, node: fx.Node, q_n, k_n, v_n, mask, scale, out_dtype=None) -> View:
+        """The ``attention`` op of ``node`` (SDPA, or an eager attention written out): queries
+        [B, Hq, Sq, D], keys / values [B, Hkv, S, D] (HF ``repeat_kv`` read through), ``mask`` None
+        or a node that must be causal over the static cache, ``scale`` None for ``D ** -0.5``."""
         q = self.view_of(q_n)
         (k_src, _), (v_src, _) = self._gqa_source(k_n), self._gqa_source(v_n)
         k, v = self.view_of(k_src), self.view_of(v_src)
@@ -690,19 +883,76 @@ class Lowering(DsaLowering):
         hkv, s = k.shape[1], k.shape[2]
         if hq % hkv:
             self._unsupported(node, f"{hq} query heads not a multiple of {hkv} KV heads")
-        scale = d ** -0.5 if rest.get("scale") is None else rest["scale"]  # scale=0.0 is a scale
-        mask = rest.get("attn_mask")
+        scale = d ** -0.5 if scale is None else scale  # scale=0.0 is a scale
         causal = False
-        if rest.get("is_causal"):
-            self._unsupported(node, "is_causal=True (prefill attention) is not a decode step")
         if mask is not None:
             self._check_causal_mask(node, mask, bsz, hq, sq, s)
             causal = True
-        out = self._emit(node, "attention", [q, k, v], out_shape=q.shape[:3] + (v.shape[3],),
-                         out_dtype=self.buffers[q.buffer].dtype, attrs=(("scale", float(scale)), ("causal", causal)))
-        if node.target is aten.scaled_dot_product_attention.default:
-            return out
-        return (out,) + (None,) * 8  # fused variants return (out, logsumexp, ...); only out may be used
+        return self._emit(node, "attention", [q, k, v], out_shape=q.shape[:3] + (v.shape[3],),
+                          out_dtype=self.buffers[q.buffer].dtype if out_dtype is None else out_dtype,
+                          attrs=(("scale", float(scale)), ("causal", causal)))
+
+    def _scalar_of(self, a) -> float | None:
+        """A Python number, or a one-element constant tensor (GPT-J's ``scale_attn``), as a float."""
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return float(a)
+        v = self.value(a) if isinstance(a, fx.Node) and self.cls[a] == "static" else None
+        return float(v.value.reshape(-1)[0]) if isinstance(v, Static) and v.value.numel() == 1 else None
+
+    def _eager_attention(self, node: fx.Node):
+        """``matmul(softmax(matmul(q, k^T) * scale (+ mask), -1), v)`` - attention written out in
+        torch ops (HF ``eager_attention_forward``, GPT-2's and GPT-J's ``_attn``; casts around the
+        softmax and a float32 upcast of q and k allowed) - planned as the ``attention`` op (float32
+        scores, as SDPA's kernels compute them; eager rounds bf16 scores, within the bf16 noise)."""
+        if not is_call(node, aten.matmul.default) or len(val_of(node).shape) != 4:
+            return None
+        pr, v_n = node.args
+        pr = self._strip_casts(pr)
+        while is_call(pr, aten.clone.default, aten.alias.default, *CASTS):  # eval-mode dropout is a clone
+            pr = pr.args[0]
+        if not is_call(pr, aten._softmax.default, aten.softmax.int) or pr.args[1] not in (-1, 3):
+            return None
+        sc, mask = self._strip_casts(pr.args[0]), None
+        if is_call(sc, aten.add.Tensor):
+            for a, m in ((sc.args[0], sc.args[1]), (sc.args[1], sc.args[0])):
+                if isinstance(m, fx.Node) and self._scaled_scores(a) is not None:
+                    sc, mask = a, m
+                    break
+            else:
+                return None
+        found = self._scaled_scores(sc)
+        if found is None:
+            return None
+        qk, scale = found
+        q_n, kt = (self._widening_source(a) for a in qk.args)
+        if not is_call(kt, aten.transpose.int) or sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
+            return None
+        k_n = self._widening_source(kt.args[0])
+        if mask is not None and is_call(mask, aten.slice.Tensor) and tuple(val_of(mask).shape) == tuple(val_of(mask.args[0]).shape):
+            mask = mask.args[0]  # HF's attention_mask[:, :, :, :key_len], the whole mask
+        return self._plan_attention(node, q_n, k_n, v_n, mask, scale, out_dtype=val_of(node).dtype)
+
+    def _scaled_scores(self, n):
+        """``matmul(q, k^T)`` times / divided by constants (casts between) -> (the matmul node, the
+        product of the scales), or None."""
+        scale = 1.0
+        n = self._strip_casts(n)
+        while is_call(n, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
+            c = self._scalar_of(n.args[1])
+            if c is None or c == 0:
+                return None
+            scale = scale * c if is_call(n, aten.mul.Tensor, aten.mul.Scalar) else scale / c
+            n = self._strip_casts(n.args[0])
+        if not is_call(n, aten.matmul.default) or len(val_of(n).shape) != 4:
+            return None
+        return n, scale
+
+    def _widening_source(self, n):
+        """``n``, or the bf16 / fp16 value it casts to float32 (the attention op computes in float32)."""
+        if is_call(n, *CASTS) and val_of(n).dtype == torch.float32 \
+                and val_of(n.args[0]) is not None and val_of(n.args[0]).dtype in (torch.bfloat16, torch.float16):
+            return n.args[0]
+        return n
 
     def _check_causal_mask(self, node, mask, bsz, hq, sq, s):
         """Raises unless ``mask`` is, at every planned position p, the causal mask over the static
