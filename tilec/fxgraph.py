@@ -1,6 +1,6 @@
-"""FX (aten) graph helpers shared by the lowerings (:mod:`tilec.frontend` and
-:mod:`tilec.frontend_dsa`): the aten op families they recognize, a node's value and source line,
-and the folded / position-tabulated value kinds."""
+"""FX (aten) graph helpers shared by the lowerings (:mod:`tilec.frontend`, :mod:`tilec.frontend_forms`
+and :mod:`tilec.frontend_dsa`): the aten op families they recognize, a node's value and source
+line, and the folded / position-tabulated value kinds."""
 from __future__ import annotations
 
 import os

@@ -1,0 +1,264 @@
+"""Layer forms written in torch ops, each recognized as one tilec op: RMSNorm and LayerNorm written
+out (HF ``LlamaRMSNorm``, ``CohereLayerNorm``), SiLU-and-mul, and RoPE in its three layouts
+(rotate-half, HF ``apply_rotary_pos_emb``; interleaved in and de-interleaved out, DeepSeek / GLM-5;
+pairs rotated in place, GPT-J's ``rotate_every_two``).
+
+A mixin of :class:`tilec.frontend.Lowering`: each pattern method takes the node being lowered and
+returns the op's output view, or None when the node is not that form (then the next pattern, and
+finally the node's own lowering, is tried).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .fxgraph import CASTS, RESHAPES, Static, aten, is_call, val_of
+from .ir import View
+from .ops.rope import INTERLEAVED, PAIRWISE, ROTATE_HALF
+
+
+class FormsLowering:
+    def _strip_casts(self, n):
+        while is_call(n, *CASTS, aten.alias.default):
+            n = n.args[0]
+        return n
+
+    def _norm_core(self, n):
+        """``mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim=True), eps)))`` -> (x, eps) or None."""
+        n = self._strip_casts(n)
+        if not is_call(n, aten.mul.Tensor):
+            return None
+        for x, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+            if not is_call(r, aten.rsqrt.default):
+                continue
+            add = r.args[0]
+            if not is_call(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
+                continue
+            mean = add.args[0]
+            if not is_call(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [len(val_of(mean).shape) - 1]) \
+                    or not (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)):
+                continue  # keepdim=False would scale columns, not rows
+            pw = mean.args[0]
+            if is_call(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2 and pw.args[0] is x:
+                return x, float(add.args[1])
+            if is_call(pw, aten.mul.Tensor) and pw.args[0] is x and pw.args[1] is x:
+                return x, float(add.args[1])
+        return None
+
+    def _rmsnorm(self, node: fx.Node):
+        if not is_call(node, aten.mul.Tensor):
+            return None
+        for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            m = self._norm_core(core) if isinstance(core, fx.Node) else None
+            wv = val_of(w)
+            if m is None or wv is None or wv.dim() != 1 or wv.shape[0] != val_of(node).shape[-1]:
+                continue
+            x, eps = m
+            x = self._strip_casts(x)
+            return self._emit(node, "rmsnorm", [self.view_of(x), self.view_of(w)], attrs=(("eps", eps),))
+        m = self._norm_core(node)
+        if m is not None and self._strip_casts(node) is node:
+            x, eps = m
+            x = self._strip_casts(x)
+            ones = self.as_view(Static(torch.ones(val_of(node).shape[-1], dtype=val_of(x).dtype)), node)
+            return self._emit(node, "rmsnorm", [self.view_of(x), ones], attrs=(("eps", eps),))
+        return None
+
+    def _centered(self, n, x=None):
+        """``sub(x, mean(x, [-1], keepdim=True))`` (casts stripped) -> x, or None; with ``x`` given,
+        only when it centers that x."""
+        n = self._strip_casts(n)
+        if not is_call(n, aten.sub.Tensor) or not is_call(n.args[1], aten.mean.dim):
+            return None
+        src, mean = n.args[0], n.args[1]
+        keep = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+        if mean.args[0] is not src or not keep or \
+                list(mean.args[1]) not in ([-1], [len(val_of(mean).shape) - 1]) or (x is not None and src is not x):
+            return None
+        return src
+
+    def _layernorm_core(self, n):
+        """``mul(x - mean(x), rsqrt(add(mean(pow(x - mean(x), 2)), eps)))`` over the last dim (a
+        LayerNorm without weight and bias written out, e.g. HF ``CohereLayerNorm``) -> (x, eps) or None."""
+        n = self._strip_casts(n)
+        if not is_call(n, aten.mul.Tensor):
+            return None
+        for c, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+            x = self._centered(c) if isinstance(c, fx.Node) else None
+            if x is None or not is_call(r, aten.rsqrt.default):
+                continue
+            add = r.args[0]
+            if not is_call(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
+                continue
+            var = add.args[0]
+            if not is_call(var, aten.mean.dim) or list(var.args[1]) not in ([-1], [len(val_of(var).shape) - 1]) \
+                    or not (var.args[2] if len(var.args) > 2 else var.kwargs.get("keepdim", False)):
+                continue
+            sq = var.args[0]
+            if is_call(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2 and self._centered(sq.args[0], x) is not None:
+                return x, float(add.args[1])
+            if is_call(sq, aten.mul.Tensor) and sq.args[0] is sq.args[1] and self._centered(sq.args[0], x) is not None:
+                return x, float(add.args[1])
+        return None
+
+    def _layernorm_decomposed(self, node: fx.Node):
+        """A LayerNorm written out in torch ops (:meth:`_layernorm_core`) times a [D] weight, or alone."""
+        if not is_call(node, aten.mul.Tensor):
+            return None
+        for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            m = self._layernorm_core(core) if isinstance(core, fx.Node) and isinstance(w, fx.Node) else None
+            wv = val_of(w) if m is not None else None
+            if m is None or wv is None or wv.dim() != 1 or wv.shape[0] != val_of(node).shape[-1]:
+                continue
+            x, eps = m
+            return self._emit(node, "layernorm", [self._widened(x), self.view_of(w)], attrs=(("eps", eps),))
+        m = self._layernorm_core(node)
+        if m is not None and self._strip_casts(node) is node:
+            x, eps = m
+            ones = self.as_view(Static(torch.ones(val_of(node).shape[-1], dtype=val_of(node).dtype)), node)
+            return self._emit(node, "layernorm", [self._widened(x), ones], attrs=(("eps", eps),))
+        return None
+
+    def _widened(self, x) -> View:
+        """The view of ``x``, or of the bf16 / fp16 value it widens to float32 (the norm ops compute in
+        float32 from either: the same values, one cast op less)."""
+        if is_call(x, *CASTS) and val_of(x).dtype == torch.float32 \
+                and val_of(x.args[0]) is not None and val_of(x.args[0]).dtype in (torch.bfloat16, torch.float16):
+            return self.view_of(x.args[0])
+        return self.view_of(x)
+
+    def _silu_mul(self, node: fx.Node):
+        if not is_call(node, aten.mul.Tensor):
+            return None
+        a, b = node.args
+        for g, u in ((a, b), (b, a)):
+            if is_call(g, aten.silu.default) and isinstance(u, fx.Node) and self.cls[u] == "runtime" \
+                    and tuple(val_of(g).shape) == tuple(val_of(u).shape) == tuple(val_of(node).shape):
+                return self._emit(node, "silu_mul", [self.view_of(g.args[0]), self.view_of(u)])
+        return None
+
+    def _rope_args(self, node: fx.Node, x_node, cs, style: int):
+        cos, sin = cs
+        x = self.view_of(x_node)
+        if len(x.shape) > 4:
+            return None
+        shape = tuple(val_of(node).shape)
+        lead = shape[:-1]
+        def table(arg):
+            v = self.as_view(self.value(arg), arg)
+            k = len(lead) + 1 - len(v.shape)
+            strides = [0] * k + [0 if s == 1 and o != 1 else st for s, o, st in zip(v.shape[:-1], lead[k:], v.strides[:-1])]
+            return View(v.buffer, lead + (v.shape[-1],), tuple(strides) + (v.strides[-1],), v.offset, v.pos_stride)
+        return self._emit(node, "rope", [x, table(cos), table(sin)], attrs=(("style", style),))
+
+    def _rope_rotate_half(self, node: fx.Node):
+        """``x * cos + cat([-x[..., h:], x[..., :h]]) * sin`` (HF ``apply_rotary_pos_emb``)."""
+        if not is_call(node, aten.add.Tensor):
+            return None
+        for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if not (is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor)):
+                continue
+            for cat, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
+                if not is_call(cat, aten.cat.default) or len(cat.args[0]) != 2:
+                    continue
+                neg, lo = cat.args[0]
+                if not (is_call(neg, aten.neg.default) and is_call(neg.args[0], aten.slice.Tensor) and is_call(lo, aten.slice.Tensor)):
+                    continue
+                hi = neg.args[0]
+                x = hi.args[0]
+                if lo.args[0] is not x or not self._is_halves(x, cat, hi, lo):
+                    continue
+                for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
+                    if xx is x and val_of(cos).shape[-1] == val_of(x).shape[-1]:
+                        return self._rope_args(node, x, (cos, sin), ROTATE_HALF)
+        return None
+
+    @staticmethod
+    def _is_halves(x, cat, hi, lo) -> bool:
+        """Whether ``cat`` joins, along x's last dim, ``hi = x[..., D/2:]`` (negated by the caller's
+        pattern) then ``lo = x[..., :D/2]``: any other slices or order is not rotate-half RoPE."""
+        shape = val_of(x).shape
+        if not shape or shape[-1] % 2:
+            return False
+        ndim, size = len(shape), shape[-1]
+        cat_dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        if cat_dim % ndim != ndim - 1:
+            return False
+        def bounds(s):
+            a = list(s.args[1:]) + [None] * (5 - len(s.args))
+            dim = a[0] if a[0] is not None else s.kwargs.get("dim", 0)
+            start = a[1] if a[1] is not None else s.kwargs.get("start")
+            end = a[2] if a[2] is not None else s.kwargs.get("end")
+            step = a[3] if a[3] is not None else s.kwargs.get("step", 1)
+            if not all(isinstance(v, int) for v in (dim, step)) or dim % ndim != ndim - 1 or step != 1:
+                return None
+            start, end = (0 if start is None else start), (size if end is None else end)
+            if not (isinstance(start, int) and isinstance(end, int)):
+                return None
+            start, end = (v + size if v < 0 else v for v in (start, end))
+            return max(0, min(start, size)), max(0, min(end, size))
+        return bounds(hi) == (size // 2, size) and bounds(lo) == (0, size // 2)
+
+    def _rope_interleaved(self, node: fx.Node):
+        """``cat([x1*c - x2*s, x2*c + x1*s])`` with ``x1, x2 = x[..., 0::2], x[..., 1::2]``
+        (HF ``apply_rotary_pos_emb_interleave``, DeepSeek-V3 / GLM)."""
+        if not is_call(node, aten.cat.default) or len(node.args[0]) != 2:
+            return None
+        first, second = node.args[0]
+        if not (is_call(first, aten.sub.Tensor) and is_call(second, aten.add.Tensor)):
+            return None
+        def prod(m):
+            return (m.args[0], m.args[1]) if is_call(m, aten.mul.Tensor) else None
+        a, b, c, d = prod(first.args[0]), prod(first.args[1]), prod(second.args[0]), prod(second.args[1])
+        if None in (a, b, c, d):
+            return None
+        x1, cos = a
+        x2, sin = b
+        if not (is_call(x1, aten.slice.Tensor) and is_call(x2, aten.slice.Tensor)):
+            return None
+        last = len(val_of(x1).shape) - 1
+        if x1.args[0] is not x2.args[0] or len(x1.args) != 5 or len(x2.args) != 5 \
+                or x1.args[1] % (last + 1) != last or x1.args[1:] != (x1.args[1], 0, x1.args[3], 2) \
+                or x2.args[1:] != (x1.args[1], 1, x2.args[3], 2):
+            return None
+        if set(c) != {x2, cos} or set(d) != {x1, sin}:
+            return None
+        return self._rope_args(node, x1.args[0], (cos, sin), INTERLEAVED)
+
+    @staticmethod
+    def _every_other(s, x, start: int) -> bool:
+        """Whether ``s`` is ``x[..., start::2]`` (an ``aten.slice`` of x's last dim, step 2, to the end)."""
+        if not is_call(s, aten.slice.Tensor) or s.args[0] is not x:
+            return False
+        _, dim, begin, end, step = (list(s.args) + [0, None, None, 1][len(s.args) - 1:])[:5]
+        shape = val_of(x).shape
+        return dim % len(shape) == len(shape) - 1 and begin == start and step == 2 \
+            and (end is None or end >= shape[-1])
+
+    def _rope_pairwise(self, node: fx.Node):
+        """``x*cos + flatten(stack([-x[..., 1::2], x[..., 0::2]], -1)) * sin``: each pair (2i, 2i+1)
+        rotated in place (GPT-J's ``rotate_every_two``; HF GLM / GLM-4, Cohere, Helium, ERNIE-4.5)."""
+        if not is_call(node, aten.add.Tensor):
+            return None
+        for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if not (is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor)):
+                continue
+            for flat, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
+                if not (is_call(flat, *RESHAPES) and is_call(flat.args[0], aten.stack.default)):
+                    continue
+                stack = flat.args[0]
+                parts = stack.args[0]
+                dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+                if len(parts) != 2 or not is_call(parts[0], aten.neg.default):
+                    continue
+                odd, even = parts[0].args[0], parts[1]
+                x = even.args[0] if is_call(even, aten.slice.Tensor) else None
+                if x is None or not (self._every_other(even, x, 0) and self._every_other(odd, x, 1)):
+                    continue
+                shape = tuple(val_of(x).shape)
+                if shape[-1] % 2 or dim % (len(shape) + 1) != len(shape) or tuple(val_of(flat).shape) != shape:
+                    continue
+                for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
+                    if xx is x and val_of(cos).shape[-1] == val_of(sin).shape[-1] == shape[-1]:
+                        return self._rope_args(node, x, (cos, sin), PAIRWISE)
+        return None
