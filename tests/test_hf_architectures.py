@@ -5,10 +5,13 @@ projections (Phi-3), RMSNorm as x * (1 + w) and GELU-tanh MLP with an embedding 
 norms after the projections (OLMo-2), scalar multipliers (Granite), LayerNorm with partial
 rotary (StableLM, Phi), parallel residuals (GPT-NeoX), a bias-free LayerNorm (OLMo), layers
 without RoPE (SmolLM3), GPT-2's Conv1D, Falcon's grouped q/k/v (5-d views), ReLU^2 MLPs
-(Nemotron, Arcee), RoPE on pairs rotated in place (GPT-J, GLM, GLM-4, Helium, ERNIE-4.5, Cohere)
+(Nemotron, Arcee), RoPE on pairs rotated in place (GPT-J, GLM, GLM-4, Helium, ERNIE-4.5, Cohere),
 a LayerNorm written out in torch ops (Cohere) and attention written out in torch ops (HF's eager
-attention: Llama with ``attn_implementation="eager"``; GPT-J's own ``_attn``). Tiny random configs (``_helpers.FAMILIES``; float32, 2 layers, context 6, reference executor);
-logits and the KV cache must match eager within a relative L2 of 1e-5.
+attention: Llama with ``attn_implementation="eager"``; GPT-J's own ``_attn``).
+
+Tiny random configs (``_helpers.FAMILIES``; 2 layers, context 6, reference executor): logits and
+the KV cache must match eager within a relative L2 of 1e-5 in float32 (batch 1) and 2e-2 in
+bfloat16 (batch 2).
 """
 from __future__ import annotations
 
@@ -23,17 +26,21 @@ from tilec.zoo import prefill
 from _helpers import FAMILIES, family_model, rel_l2
 
 
+@pytest.mark.parametrize("dtype,batch,tol", [(torch.float32, 1, 1e-5), (torch.bfloat16, 2, 2e-2)],
+                         ids=["fp32-b1", "bf16-b2"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_decode_step_matches_eager(family):
-    model = family_model(family, torch.float32, "cpu")
-    cache, tok = prefill(model, 1, 6, 24, "cpu")
+def test_decode_step_matches_eager(family, dtype, batch, tol):
+    """bf16 within 2e-2 of eager bf16 (~4e-3 seen: rounding order; a family whose forms match only
+    in float32 fails to compile whole instead)."""
+    model = family_model(family, dtype, "cpu")
+    cache, tok = prefill(model, batch, 6, 24, "cpu")
     eager_cache = copy.deepcopy(cache)
-    step = compile_decode_step(model, cache, 1, options={"workers": 8})
+    step = compile_decode_step(model, cache, batch, options={"workers": 8})
     with torch.no_grad():
         for p in (6, 7):
             got = step(tok, position=p)
             want = model(tok, cache_position=torch.tensor([p]), use_cache=True, **cache_kwargs(model, eager_cache)).logits
-            assert rel_l2(got, want) < 1e-5, (family, p, rel_l2(got, want))
+            assert rel_l2(got, want) < tol, (family, p, rel_l2(got, want))
             tok = want[:, -1:].argmax(-1)
     for a, b in zip(cache.layers, eager_cache.layers):
-        assert rel_l2(a.keys, b.keys) < 1e-5 and rel_l2(a.values, b.values) < 1e-5, family
+        assert rel_l2(a.keys, b.keys) < tol and rel_l2(a.values, b.values) < tol, family

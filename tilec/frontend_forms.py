@@ -244,6 +244,9 @@ class FormsLowering:
             if not (is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor)):
                 continue
             for flat, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
+                upcast = is_call(flat, *CASTS) and val_of(flat).dtype == torch.float32  # ERNIE-4.5: rot(q).float()
+                if upcast:
+                    flat = flat.args[0]
                 if not (is_call(flat, *RESHAPES) and is_call(flat.args[0], aten.stack.default)):
                     continue
                 stack = flat.args[0]
@@ -259,6 +262,11 @@ class FormsLowering:
                 if shape[-1] % 2 or dim % (len(shape) + 1) != len(shape) or tuple(val_of(flat).shape) != shape:
                     continue
                 for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
-                    if xx is x and val_of(cos).shape[-1] == val_of(sin).shape[-1] == shape[-1]:
-                        return self._rope_args(node, x, (cos, sin), PAIRWISE)
+                    # the product's x: x itself, or (when the rotated half is upcast too) x upcast to float32,
+                    # the op's x then (its products rounded to float32, as eager's are)
+                    same = xx is x if not upcast else (is_call(xx, *CASTS) and xx.args[0] is x and val_of(xx).dtype
+                                                       == torch.float32 and val_of(x).dtype in (torch.bfloat16,
+                                                                                                torch.float16))
+                    if same and val_of(cos).shape[-1] == val_of(sin).shape[-1] == shape[-1]:
+                        return self._rope_args(node, xx, (cos, sin), PAIRWISE)
         return None
