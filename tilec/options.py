@@ -64,6 +64,10 @@ class Options:
     swiglu_split: with ``fuse_gemv``, apply SwiGLU's SiLU in the gate projection's epilogue, so
         the down projection's prologue only multiplies (bitwise the same results; its tiles
         stop recomputing the SiLU over every input element).
+    fold_casts: let an op computing in float32 write the dtype a following cast converts its result
+        to, instead of float32 and a ``unary`` cast (``tilec.passes.fold_casts``; bitwise the same
+        results, one dependent stage fewer for each such cast: Gemma's norms, Cohere's and
+        ERNIE-4.5's RoPE).
     fold_cache_writes: let a RoPE op write the KV-cache slot directly instead of a following
         ``cache_write`` copying its output there (``tilec.passes.fold_cache_write``; with split_k 1, bitwise the
         same results, one dependent stage fewer per layer).
@@ -117,6 +121,7 @@ class Options:
     attn_kv_chunk: int | None = None
     fuse_gemv: bool = True
     swiglu_split: bool = True
+    fold_casts: bool = True
     fold_cache_writes: bool = True
     fold_rope: bool = True
     fold_kv_append: bool = True

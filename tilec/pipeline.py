@@ -3,7 +3,9 @@
     opgraph     OpGraph from the frontend                  (verify_opgraph)
     split_kv    split_kv: attention -> partial + combine   (verify_opgraph)
                 (flash-decoding; the same graph when no op splits)
-    fuse_gemv   fuse_gemv_chains: RMSNorm / SiLU-mul        (verify_opgraph)
+    fuse_gemv   fold_casts: a float32 op's output cast     (verify_opgraph)
+                into the op (cast on store);
+                fuse_gemv_chains: RMSNorm / SiLU-mul
                 prologues and residual-add epilogues into GEMVs;
                 fuse_fp8_quant: FP8 activation quantization
                 into the FP8 GEMMs
@@ -38,7 +40,7 @@ from typing import Callable
 
 from .ir import OpGraph
 from .options import Options
-from .passes import (fold_cache_writes, fold_combine, fold_kv_append, fold_rope, fuse_events, fuse_fp8_quant,
+from .passes import (fold_cache_writes, fold_casts, fold_combine, fold_kv_append, fold_rope, fuse_events, fuse_fp8_quant,
                      fuse_gemv_chains, fuse_index_quant, linearize, normalize, schedule, size_gemv_groups, split_kv)
 from .plan import KernelPlan, encode
 from .stats import compile_stats
@@ -58,9 +60,10 @@ class Compiled:
 
 
 def _fuse_gemv(graph: OpGraph, opts: Options) -> OpGraph:
-    """The ``fuse_gemv`` stage: prologues / epilogues into bf16 GEMVs, then FP8 activation
+    """The ``fuse_gemv`` stage: float32 ops' output casts folded into them (so that a norm cast back
+    to bf16 can become a GEMV prologue), prologues / epilogues into bf16 GEMVs, then FP8 activation
     quantization into the FP8 GEMMs and the indexer score."""
-    return fuse_index_quant(fuse_fp8_quant(fuse_gemv_chains(graph, opts), opts), opts)
+    return fuse_index_quant(fuse_fp8_quant(fuse_gemv_chains(fold_casts(graph, opts), opts), opts), opts)
 
 
 def _size_gemvs(graph: OpGraph, opts: Options) -> OpGraph:

@@ -1,6 +1,7 @@
 """Compiler passes. ``split_kv`` (split-KV / flash-decoding attention), ``fuse_gemv_chains``
 (RMSNorm / SiLU-mul / residual-add fusion into GEMVs), ``fuse_fp8_quant`` / ``fuse_index_quant`` (FP8
-activation quantization into the FP8 GEMMs and the indexer score), ``fold_cache_writes`` (RoPE writing
+activation quantization into the FP8 GEMMs and the indexer score), ``fold_casts`` (a float32 op's output
+cast into the op), ``fold_cache_writes`` (RoPE writing
 the KV-cache slot directly), ``fold_rope`` (the queries' RoPE into the split-KV attention tiles) and
 ``fold_kv_append`` (the keys' RoPE and the step's cache writes into those tiles) and ``fold_combine``
 (the split-KV combine run by each head group's last partial tile) rewrite the OpGraph,
@@ -9,12 +10,13 @@ the rest are MPK-style passes over the TaskGraph (Mirage Persistent Kernel, arXi
 section 4).
 
 The pipeline (``tilec.pipeline``) runs, in order:
-  split_kv -> fuse_gemv_chains + fuse_fp8_quant -> fold_cache_writes -> size_gemv_groups + fold_rope + fold_kv_append
+  split_kv -> fold_casts + fuse_gemv_chains + fuse_fp8_quant -> fold_cache_writes -> size_gemv_groups + fold_rope + fold_kv_append
   + fold_combine -> (build_taskgraph)
   -> fuse_events -> normalize -> linearize -> schedule
 and runs the stage verifier (``tilec.verify``) after each one when ``Options.verify`` is on.
 """
 from .fold_cache_write import fold_cache_writes
+from .fold_casts import fold_casts
 from .fold_combine import fold_combine
 from .fold_kv_append import fold_kv_append
 from .fold_rope import fold_rope
@@ -27,5 +29,5 @@ from .normalize import normalize
 from .schedule import Schedule, schedule
 from .split_kv import split_kv
 
-__all__ = ["split_kv", "fuse_gemv_chains", "fuse_fp8_quant", "fuse_index_quant", "fold_cache_writes", "fold_rope",
+__all__ = ["split_kv", "fuse_gemv_chains", "fuse_fp8_quant", "fuse_index_quant", "fold_casts", "fold_cache_writes", "fold_rope",
            "fold_kv_append", "fold_combine", "size_gemv_groups", "fuse_events", "normalize", "linearize", "schedule", "Schedule"]
