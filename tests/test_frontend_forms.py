@@ -132,3 +132,101 @@ def test_layernorm_written_out_is_one_layernorm_op(weight, dtype):
     assert kinds.count("layernorm") == 1 and "binary" not in kinds
     norm = next(op for op in ops if op.kind == "layernorm")
     assert norm.inputs[0].buffer not in {v.buffer for op in ops for v in op.outputs}  # x itself, no cast op
+
+
+# ---- look-alikes: each must be refused by name or match eager; never planned as the form it resembles
+
+def matches_or_refused(fn, args, **params):
+    """``fn`` compiled: either refused with a TilecError or equal to eager (float32, 1e-4); the kinds
+    of the ops it was planned as ([] when refused)."""
+    from tilec.errors import TilecError
+
+    m = Fn(fn, **params).eval()
+    try:
+        prog = compile_module(m, tuple(a.clone() for a in args), options={"workers": 3})
+    except TilecError:
+        return []
+    with torch.no_grad():
+        want = m(*[a.clone() for a in args])
+    assert_close(prog(*[a.clone() for a in args]), want, 1e-4)
+    return [op.kind for op in prog.plan.graph.ops]
+
+
+def rot2(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), -1).flatten(-2)
+
+
+def attention_with(mask_of=None, scores_cast=None, alpha=1):
+    """Attention written out; ``mask_of(S)`` the mask added to the scores (with ``alpha``)."""
+    def f(m, q, k, v):
+        s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+        if scores_cast is not None:
+            s = s.to(scores_cast).to(torch.float32)
+        if mask_of is not None:
+            s = torch.add(s, mask_of(k.shape[2]), alpha=alpha)
+        return torch.matmul(torch.softmax(s, -1), v)
+    return f
+
+
+QKV = (torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16))
+X16 = (torch.randn(1, 2, 1, 16), torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16))
+
+
+@pytest.mark.parametrize("case", [
+    # a reviewer's findings: alpha on the add / sub of a pattern
+    ("rope alpha", lambda m, x, c, s: torch.add(x * c, rot2(x) * s, alpha=-1), X16),
+    ("rmsnorm eps alpha", lambda m, x: x * torch.rsqrt(torch.add(x.pow(2).mean(-1, keepdim=True), 1e-5, alpha=100)),
+     (torch.randn(3, 32),)),
+    ("layernorm centered alpha", lambda m, x: (x - x.mean(-1, keepdim=True)) * torch.rsqrt(
+        torch.sub(x, x.mean(-1, keepdim=True), alpha=2).pow(2).mean(-1, keepdim=True) + 1e-5), (torch.randn(3, 32) * 3,)),
+    ("attention mask alpha", attention_with(lambda n: torch.zeros(n), alpha=-1), QKV),
+    # casts inside the scores that are not float32 upcasts
+    ("scores through int32", attention_with(scores_cast=torch.int32), tuple(a * 4 for a in QKV)),
+    ("scores through bf16", attention_with(scores_cast=torch.bfloat16), QKV),
+    # a layernorm with a cast inside, a weight wider than x's rows; a rope wider than x
+    ("layernorm int inside", lambda m, x: (x - x.mean(-1, keepdim=True)) * torch.rsqrt(
+        (x - x.mean(-1, keepdim=True)).to(torch.int32).float().pow(2).mean(-1, keepdim=True) + 1e-5), (torch.randn(3, 32) * 3,)),
+    ("rope cos wider than x", lambda m, x, c, s: x * c + rot2(x) * s,
+     (torch.randn(1, 1, 1, 16), torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16))),
+    ("rope float32 tables on bf16 x", lambda m, x, c, s: (x * c + rot2(x) * s),
+     (torch.randn(1, 2, 1, 16).bfloat16(), torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16))),
+], ids=lambda c: c[0])
+def test_look_alikes_are_not_planned_as_the_form(case):
+    name, fn, args = case
+    kinds = matches_or_refused(fn, args)
+    assert "rope" not in kinds and "layernorm" not in kinds and "rmsnorm" not in kinds and "attention" not in kinds, kinds
+
+
+def test_layernorm_weight_wider_than_the_rows_is_not_a_layernorm():
+    """x [3, 1] times a [32] weight broadcasts to [3, 32] (zeros: one-element rows center to 0); as a
+    layernorm op it failed at run time (a reviewer's repro). Refused, or run as what it is."""
+    from tilec.errors import TilecError
+
+    m = Fn(lambda m, x: m.w * ((x - x.mean(-1, keepdim=True)) * torch.rsqrt(
+        (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + 1e-5)), w=torch.randn(32)).eval()
+    x = torch.randn(3, 1)
+    try:
+        prog = compile_module(m, (x,))
+    except TilecError:
+        return
+    with torch.no_grad():  # (now a weightless layernorm of the [3, 1] rows, then the broadcasting product)
+        assert torch.equal(prog(x), m(x))
+
+
+def test_a_bool_mask_added_to_scores_is_refused_by_name():
+    """``scores + bool_mask`` adds 1.0 / 0.0 in eager; as an SDPA mask it would select: refused."""
+    f = Fn(attention_with(lambda n: torch.arange(n) <= 3))
+    with pytest.raises(UnsupportedNodeError, match="bool mask added to attention scores"):
+        compile_module(f.eval(), QKV)
+
+
+@pytest.mark.parametrize("shapes", [((1, 2, 1, 16), (1, 1, 8, 16), (1, 2, 8, 16)),
+                                    ((1, 2, 1, 16), (2, 2, 8, 16), (2, 2, 8, 16)),
+                                    ((2, 2, 1, 16), (1, 2, 8, 16), (2, 2, 8, 16))],
+                         ids=["k-1-head-v-2", "q-batch-1-kv-2", "k-batch-1"])
+def test_attention_of_mismatched_batches_or_heads_is_refused(shapes):
+    """Matmul broadcasting reaches the attention op: keys and values must share the queries' batch
+    and one head count (a reviewer's repros: a wrong result, a wrong shape, an out-of-bounds read)."""
+    args = tuple(torch.randn(*s) for s in shapes)
+    with pytest.raises(UnsupportedNodeError, match="attention of queries"):
+        compile_module(Fn(attention_with()).eval(), args)

@@ -546,7 +546,10 @@ class Lowering(FormsLowering, DsaLowering):
             bias = node.args[0] if t is aten.addmm.default else None
             x, wt = self.view_of(args[0]), self.view_of(args[1])
             if len(wt.shape) != 2:
-                self._unsupported(node, "matmul with a batched right operand")
+                self._unsupported(node, "matmul with a batched right operand (tilec plans a weight [K, N]; a batched "
+                                        "matmul only inside attention written out as matmul(softmax(matmul(q, "
+                                        "k.transpose(2, 3)) * scale + mask, -1), v), with a constant scale and a float "
+                                        "mask that is causal over the static cache)")
             w = View(wt.buffer, (wt.shape[1], wt.shape[0]), (wt.strides[1], wt.strides[0]), wt.offset, wt.pos_stride)
         inputs = [x, w]
         if bias is not None:
@@ -635,6 +638,10 @@ class Lowering(FormsLowering, DsaLowering):
                                     f"{len(v.shape)}-d values (tilec plans [batch, heads, tokens, head_dim])")
         bsz, hq, sq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
+        if not (k.shape[0] == v.shape[0] == bsz and v.shape[1] == hkv and v.shape[2] == s and k.shape[3] == d):
+            self._unsupported(node, f"attention of queries {list(q.shape)} over keys {list(k.shape)} and values "
+                                    f"{list(v.shape)}: tilec plans keys and values of the queries' batch, with one head "
+                                    f"count and length, and the queries' head dim")
         if hq % hkv:
             self._unsupported(node, f"{hq} query heads not a multiple of {hkv} KV heads")
         scale = d ** -0.5 if scale is None else scale  # scale=0.0 is a scale
@@ -661,12 +668,13 @@ class Lowering(FormsLowering, DsaLowering):
         if not is_call(node, aten.matmul.default) or len(val_of(node).shape) != 4:
             return None
         pr, v_n = node.args
-        pr = self._strip_casts(pr)
-        while is_call(pr, aten.clone.default, aten.alias.default, *CASTS):  # eval-mode dropout is a clone
+        # the probabilities' casts (to a float dtype: the device rounds them to V's) and eval-mode dropout (a clone)
+        while is_call(pr, aten.clone.default, aten.alias.default) or \
+                (is_call(pr, *CASTS) and val_of(pr).dtype.is_floating_point):
             pr = pr.args[0]
         if not is_call(pr, aten._softmax.default, aten.softmax.int) or pr.args[1] not in (-1, 3):
             return None
-        sc, mask = self._strip_casts(pr.args[0]), None
+        sc, mask = self._upcast_source(pr.args[0]), None
         if is_call(sc, aten.add.Tensor):
             for a, m in ((sc.args[0], sc.args[1]), (sc.args[1], sc.args[0])):
                 if isinstance(m, fx.Node) and self._scaled_scores(a) is not None:
@@ -682,24 +690,37 @@ class Lowering(FormsLowering, DsaLowering):
         if not is_call(kt, aten.transpose.int) or sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
             return None
         k_n = self._widening_source(kt.args[0])
+        if mask is not None and not val_of(mask).dtype.is_floating_point:
+            self._unsupported(node, f"a {dtype_name(val_of(mask).dtype)} mask added to attention scores ({mask.name}): "
+                                    f"eager adds its values, 0 or 1 - a mask to add is float, 0 where allowed and a "
+                                    f"large negative number where masked")
         if mask is not None and is_call(mask, aten.slice.Tensor) and tuple(val_of(mask).shape) == tuple(val_of(mask.args[0]).shape):
             mask = mask.args[0]  # HF's attention_mask[:, :, :, :key_len], the whole mask
         return self._plan_attention(node, q_n, k_n, v_n, mask, scale, out_dtype=val_of(node).dtype)
 
     def _scaled_scores(self, n):
-        """``matmul(q, k^T)`` times / divided by constants (casts between) -> (the matmul node, the
-        product of the scales), or None."""
+        """``matmul(q, k^T)`` times / divided by constants (float32 upcasts between) -> (the matmul
+        node, the product of the scales), or None."""
         scale = 1.0
-        n = self._strip_casts(n)
+        n = self._upcast_source(n)
         while is_call(n, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
             c = self._scalar_of(n.args[1])
             if c is None or c == 0:
                 return None
             scale = scale * c if is_call(n, aten.mul.Tensor, aten.mul.Scalar) else scale / c
-            n = self._strip_casts(n.args[0])
+            n = self._upcast_source(n.args[0])
         if not is_call(n, aten.matmul.default) or len(val_of(n).shape) != 4:
             return None
         return n, scale
+
+    def _upcast_source(self, n):
+        """``n`` with its float32 upcasts (from bf16, fp16 or float32) stripped: scores the attention op
+        computes in float32 anyway. Any other cast (a narrowing, an integer one) stays and the pattern
+        fails there."""
+        while is_call(n, *CASTS) and val_of(n).dtype == torch.float32 and val_of(n.args[0]) is not None \
+                and val_of(n.args[0]).dtype in (torch.bfloat16, torch.float16, torch.float32):
+            n = n.args[0]
+        return n
 
     def _widening_source(self, n):
         """``n``, or the bf16 / fp16 value it casts to float32 (the attention op computes in float32)."""

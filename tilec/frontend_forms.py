@@ -65,9 +65,8 @@ class FormsLowering:
         return None
 
     def _centered(self, n, x=None):
-        """``sub(x, mean(x, [-1], keepdim=True))`` (casts stripped) -> x, or None; with ``x`` given,
-        only when it centers that x."""
-        n = self._strip_casts(n)
+        """``sub(x, mean(x, [-1], keepdim=True))`` -> x, or None; with ``x`` given, only when it
+        centers that x."""
         if not is_call(n, aten.sub.Tensor) or not is_call(n.args[1], aten.mean.dim):
             return None
         src, mean = n.args[0], n.args[1]
@@ -79,8 +78,8 @@ class FormsLowering:
 
     def _layernorm_core(self, n):
         """``mul(x - mean(x), rsqrt(add(mean(pow(x - mean(x), 2)), eps)))`` over the last dim (a
-        LayerNorm without weight and bias written out, e.g. HF ``CohereLayerNorm``) -> (x, eps) or None."""
-        n = self._strip_casts(n)
+        LayerNorm without weight and bias written out, e.g. HF ``CohereLayerNorm``) -> (x, eps) or None.
+        No cast may come between (a rounding there is not LayerNorm's)."""
         if not is_call(n, aten.mul.Tensor):
             return None
         for c, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
@@ -108,8 +107,9 @@ class FormsLowering:
         for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
             m = self._layernorm_core(core) if isinstance(core, fx.Node) and isinstance(w, fx.Node) else None
             wv = val_of(w) if m is not None else None
-            if m is None or wv is None or wv.dim() != 1 or wv.shape[0] != val_of(node).shape[-1]:
-                continue
+            if m is None or wv is None or wv.dim() != 1 or tuple(val_of(node).shape) != tuple(val_of(m[0]).shape) \
+                    or wv.shape[0] != val_of(m[0]).shape[-1]:
+                continue  # a weight that broadcasts x's rows wider is not LayerNorm's
             x, eps = m
             return self._emit(node, "layernorm", [self._widened(x), self.view_of(w)], attrs=(("eps", eps),))
         m = self._layernorm_core(node)
@@ -138,7 +138,13 @@ class FormsLowering:
         return None
 
     def _rope_args(self, node: fx.Node, x_node, cs, style: int):
+        """The rope op of ``node`` over ``x_node`` with tables ``cs = (cos, sin)``, or None when the
+        rope op would compute another thing: a result wider than x (cos / sin broadcasting x's rows)
+        or of another dtype than x's (wider cos / sin: eager's products are then not rounded to x's
+        dtype, the op's are)."""
         cos, sin = cs
+        if tuple(val_of(node).shape) != tuple(val_of(x_node).shape) or val_of(node).dtype != val_of(x_node).dtype:
+            return None
         x = self.view_of(x_node)
         if len(x.shape) > 4:
             return None
@@ -201,7 +207,8 @@ class FormsLowering:
 
     def _rope_interleaved(self, node: fx.Node):
         """``cat([x1*c - x2*s, x2*c + x1*s])`` with ``x1, x2 = x[..., 0::2], x[..., 1::2]``
-        (HF ``apply_rotary_pos_emb_interleave``, DeepSeek-V3 / GLM)."""
+        (HF ``apply_rotary_pos_emb_interleave``, DeepSeek-V3 / GLM-5; HF's GLM and GLM-4 rotate pairs in
+        place instead: :meth:`_rope_pairwise`)."""
         if not is_call(node, aten.cat.default) or len(node.args[0]) != 2:
             return None
         first, second = node.args[0]

@@ -97,5 +97,12 @@ def val_of(node) -> torch.Tensor | None:
 
 
 def is_call(node, *targets) -> bool:
-    """Whether ``node`` is a call of one of ``targets`` (aten overloads)."""
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+    """Whether ``node`` is a call of one of ``targets`` (aten overloads); an add or sub only with
+    alpha 1 (a pattern's ``x + y`` is not ``x + alpha * y``)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets):
+        return False
+    positional = node.args[2] if node.target in _SCALAR_ALPHA and len(node.args) > 2 else 1
+    return node.kwargs.get("alpha", positional) == 1
+
+
+_SCALAR_ALPHA = (aten.add.Scalar, aten.sub.Scalar)  # alpha is positional there (add.Scalar(self, other, alpha))

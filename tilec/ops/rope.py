@@ -2,7 +2,7 @@
 
 style 0, rotate-half (HF ``apply_rotary_pos_emb``): ``out = x*cos + rotate_half(x)*sin``,
 with cos/sin [..., D].
-style 1, interleaved pairs (HF ``apply_rotary_pos_emb_interleave``, DeepSeek/GLM):
+style 1, interleaved pairs (HF ``apply_rotary_pos_emb_interleave``, DeepSeek / GLM-5):
 ``out[i] = x[2i]*c[i] - x[2i+1]*s[i]``, ``out[D/2+i] = x[2i+1]*c[i] + x[2i]*s[i]``, with
 cos/sin [..., D/2].
 style 2, pairs rotated in place (GPT-J's ``rotate_every_two``; HF GLM / GLM-4, Cohere, Helium,
