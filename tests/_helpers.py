@@ -61,6 +61,21 @@ def family_model(family: str, dtype: torch.dtype, device: str):
     return getattr(transformers, model_name)(cfg).eval().to(device=device, dtype=dtype)
 
 
+class LlamaRMSNorm(torch.nn.Module):
+    """HF ``LlamaRMSNorm`` written out: float32 statistics, ``x * rsqrt(...)`` rounded to x's dtype, then
+    the weight - the rounding tilec's rmsnorm op and its GEMV prologue implement. (``torch.nn.RMSNorm``
+    on bf16 rows does not round before the weight: tilec plans it as an upcast and a float32 norm.)"""
+
+    def __init__(self, d: int, eps: float = 1e-5, dtype=torch.bfloat16):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 SPLIT = dict(workers=6, attn_kv_chunk=4)  # 4-position splits: every head's attention splits (fold tests)
 
 

@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 
-from _helpers import assert_close, assert_steps_bitwise_equal, step_pair
+from _helpers import LlamaRMSNorm, assert_close, assert_steps_bitwise_equal, step_pair
 from tilec.api import compile_module
 
 
@@ -147,7 +147,7 @@ class WideMLP(torch.nn.Module):
 
     def __init__(self, d=2048, f=8192):
         super().__init__()
-        self.norm = torch.nn.RMSNorm(d, eps=1e-5)
+        self.norm = LlamaRMSNorm(d, dtype=torch.float32)  # (the test moves the module to bf16)
         self.gate = torch.nn.Linear(d, f, bias=False)
         self.up = torch.nn.Linear(d, f, bias=False)
         self.down = torch.nn.Linear(f, d, bias=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _helpers import LlamaRMSNorm
 from tilec import smem
 from tilec.api import compile_module
 from tilec.hf import compile_decode_step
@@ -135,7 +136,7 @@ def test_measured_trace_carries_op_marks(bf16_plan):
 class _NormLinear(torch.nn.Module):
     def __init__(self, k, n):
         super().__init__()
-        self.norm = torch.nn.RMSNorm(k, eps=1e-5, dtype=torch.bfloat16)
+        self.norm = LlamaRMSNorm(k)
         self.lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
 
     def forward(self, x):

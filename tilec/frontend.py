@@ -28,7 +28,7 @@ from .frontend_dsa import DsaLowering
 from .frontend_forms import FormsLowering
 from .guards import MaskGuard, causal_mismatch
 from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
-                      Positional, Static, aten, is_call, source_of, target_name, val_of)
+                      Positional, Static, alpha_of, aten, is_call, source_of, target_name, upcast_source, val_of)
 from .ir import (DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, dtype_name,
                  is_integer)
 from .ops.ewise import BINARY_FNS
@@ -516,7 +516,7 @@ class Lowering(FormsLowering, DsaLowering):
     def _binary(self, node: fx.Node):
         t = node.target
         a, b = node.args[0], node.args[1]
-        if node.kwargs.get("alpha", 1) != 1:
+        if alpha_of(node) != 1:
             self._unsupported(node, "alpha != 1")
         fn = BINARY.get(t) or {aten.add.Scalar: "add", aten.mul.Scalar: "mul", aten.sub.Scalar: "sub",
                                 aten.div.Scalar: "div", aten.rsub.Scalar: "rsub"}[t]
@@ -542,6 +542,8 @@ class Lowering(FormsLowering, DsaLowering):
             x, w = self.view_of(node.args[0]), self.view_of(node.args[1])
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         else:
+            if t is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
+                self._unsupported(node, "addmm with beta or alpha != 1")
             args = node.args[1:] if t is aten.addmm.default else node.args
             bias = node.args[0] if t is aten.addmm.default else None
             x, wt = self.view_of(args[0]), self.view_of(args[1])
@@ -590,7 +592,11 @@ class Lowering(FormsLowering, DsaLowering):
         if eps is None:
             eps = torch.finfo(val.dtype).eps
         wv = self.view_of(w) if w is not None else self.as_view(Static(torch.ones(shape[0], dtype=val.dtype)), node)
-        return self._emit(node, "rmsnorm", [self.view_of(x), wv], attrs=(("eps", float(eps)),))
+        xv = self.view_of(x)
+        if self.buffers[xv.buffer].dtype != torch.float32:  # torch normalizes in float32 with no rounding before
+            xv = self._emit(node, "unary", [xv], out_dtype=torch.float32,  # the weight; the op rounds to x's dtype
+                            attrs=(("fn", "cast"), ("scalar", 0.0)), name=f"{node.name}_upcast")
+        return self._emit(node, "rmsnorm", [xv, wv], attrs=(("eps", float(eps)),))
 
     def _cat(self, node: fx.Node):
         parts = [self.view_of(a) for a in node.args[0]]
@@ -674,7 +680,7 @@ class Lowering(FormsLowering, DsaLowering):
             pr = pr.args[0]
         if not is_call(pr, aten._softmax.default, aten.softmax.int) or pr.args[1] not in (-1, 3):
             return None
-        sc, mask = self._upcast_source(pr.args[0]), None
+        sc, mask = upcast_source(pr.args[0]), None
         if is_call(sc, aten.add.Tensor):
             for a, m in ((sc.args[0], sc.args[1]), (sc.args[1], sc.args[0])):
                 if isinstance(m, fx.Node) and self._scaled_scores(a) is not None:
@@ -686,48 +692,36 @@ class Lowering(FormsLowering, DsaLowering):
         if found is None:
             return None
         qk, scale = found
-        q_n, kt = (self._widening_source(a) for a in qk.args)
+        q_n, kt = (upcast_source(a) for a in qk.args)
         if not is_call(kt, aten.transpose.int) or sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
             return None
-        k_n = self._widening_source(kt.args[0])
+        k_n = upcast_source(kt.args[0])
         if mask is not None and not val_of(mask).dtype.is_floating_point:
             self._unsupported(node, f"a {dtype_name(val_of(mask).dtype)} mask added to attention scores ({mask.name}): "
                                     f"eager adds its values, 0 or 1 - a mask to add is float, 0 where allowed and a "
                                     f"large negative number where masked")
         if mask is not None and is_call(mask, aten.slice.Tensor) and tuple(val_of(mask).shape) == tuple(val_of(mask.args[0]).shape):
             mask = mask.args[0]  # HF's attention_mask[:, :, :, :key_len], the whole mask
-        return self._plan_attention(node, q_n, k_n, v_n, mask, scale, out_dtype=val_of(node).dtype)
+        out = self._plan_attention(node, q_n, k_n, v_n, mask, scale, out_dtype=val_of(node).dtype)
+        if tuple(out.shape) != tuple(val_of(node).shape):  # a mask broadcasting the scores wider
+            self._unsupported(node, f"attention whose mask widens its result to {list(val_of(node).shape)} (the queries "
+                                    f"give {list(out.shape)})")
+        return out
 
     def _scaled_scores(self, n):
         """``matmul(q, k^T)`` times / divided by constants (float32 upcasts between) -> (the matmul
         node, the product of the scales), or None."""
         scale = 1.0
-        n = self._upcast_source(n)
+        n = upcast_source(n)
         while is_call(n, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
             c = self._scalar_of(n.args[1])
             if c is None or c == 0:
                 return None
             scale = scale * c if is_call(n, aten.mul.Tensor, aten.mul.Scalar) else scale / c
-            n = self._upcast_source(n.args[0])
+            n = upcast_source(n.args[0])
         if not is_call(n, aten.matmul.default) or len(val_of(n).shape) != 4:
             return None
         return n, scale
-
-    def _upcast_source(self, n):
-        """``n`` with its float32 upcasts (from bf16, fp16 or float32) stripped: scores the attention op
-        computes in float32 anyway. Any other cast (a narrowing, an integer one) stays and the pattern
-        fails there."""
-        while is_call(n, *CASTS) and val_of(n).dtype == torch.float32 and val_of(n.args[0]) is not None \
-                and val_of(n.args[0]).dtype in (torch.bfloat16, torch.float16, torch.float32):
-            n = n.args[0]
-        return n
-
-    def _widening_source(self, n):
-        """``n``, or the bf16 / fp16 value it casts to float32 (the attention op computes in float32)."""
-        if is_call(n, *CASTS) and val_of(n).dtype == torch.float32 \
-                and val_of(n.args[0]) is not None and val_of(n.args[0]).dtype in (torch.bfloat16, torch.float16):
-            return n.args[0]
-        return n
 
     def _check_causal_mask(self, node, mask, bsz, hq, sq, s):
         """Raises unless ``mask`` is, at every planned position p, the causal mask over the static

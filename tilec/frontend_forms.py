@@ -12,20 +12,22 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .fxgraph import CASTS, RESHAPES, Static, aten, is_call, val_of
+from .fxgraph import CASTS, RESHAPES, Static, aten, is_call, upcast_source, val_of
 from .ir import View
 from .ops.rope import INTERLEAVED, PAIRWISE, ROTATE_HALF
 
 
 class FormsLowering:
-    def _strip_casts(self, n):
-        while is_call(n, *CASTS, aten.alias.default):
-            n = n.args[0]
-        return n
-
     def _norm_core(self, n):
-        """``mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim=True), eps)))`` -> (x, eps) or None."""
-        n = self._strip_casts(n)
+        """``mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim=True), eps)))``, or that cast back to the dtype x
+        was upcast from (HF ``LlamaRMSNorm``'s ``.to(input_dtype)``) -> (the rmsnorm op's x, eps), or None.
+
+        The op rounds ``x * rsqrt(...)`` to its x's dtype before the weight (``tilec.ops.rmsnorm``): with
+        the cast back, its x is the value before the float32 upcast (that rounding); without it, x as
+        written (a float32 x: no rounding, as Gemma, OLMo-2 and ``F.rms_norm`` compute)."""
+        back = None
+        if is_call(n, *CASTS):
+            back, n = val_of(n).dtype, n.args[0]
         if not is_call(n, aten.mul.Tensor):
             return None
         for x, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
@@ -39,27 +41,29 @@ class FormsLowering:
                     or not (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)):
                 continue  # keepdim=False would scale columns, not rows
             pw = mean.args[0]
-            if is_call(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2 and pw.args[0] is x:
+            if not ((is_call(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2 and pw.args[0] is x)
+                    or (is_call(pw, aten.mul.Tensor) and pw.args[0] is x and pw.args[1] is x)):
+                continue
+            if back is None:
                 return x, float(add.args[1])
-            if is_call(pw, aten.mul.Tensor) and pw.args[0] is x and pw.args[1] is x:
-                return x, float(add.args[1])
+            src = upcast_source(x)
+            return (src, float(add.args[1])) if val_of(src).dtype == back else None
         return None
 
     def _rmsnorm(self, node: fx.Node):
-        if not is_call(node, aten.mul.Tensor):
-            return None
-        for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        """RMSNorm written out (:meth:`_norm_core`) times a [D] weight, or alone."""
+        for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])) if is_call(node, aten.mul.Tensor) \
+                else ():
             m = self._norm_core(core) if isinstance(core, fx.Node) else None
-            wv = val_of(w)
-            if m is None or wv is None or wv.dim() != 1 or wv.shape[0] != val_of(node).shape[-1]:
-                continue
+            wv = val_of(w) if m is not None else None
+            if m is None or wv is None or wv.dim() != 1 or tuple(val_of(node).shape) != tuple(val_of(m[0]).shape) \
+                    or wv.shape[0] != val_of(m[0]).shape[-1]:
+                continue  # a weight that broadcasts x's rows wider is not RMSNorm's
             x, eps = m
-            x = self._strip_casts(x)
             return self._emit(node, "rmsnorm", [self.view_of(x), self.view_of(w)], attrs=(("eps", eps),))
         m = self._norm_core(node)
-        if m is not None and self._strip_casts(node) is node:
+        if m is not None:
             x, eps = m
-            x = self._strip_casts(x)
             ones = self.as_view(Static(torch.ones(val_of(node).shape[-1], dtype=val_of(x).dtype)), node)
             return self._emit(node, "rmsnorm", [self.view_of(x), ones], attrs=(("eps", eps),))
         return None
@@ -111,21 +115,13 @@ class FormsLowering:
                     or wv.shape[0] != val_of(m[0]).shape[-1]:
                 continue  # a weight that broadcasts x's rows wider is not LayerNorm's
             x, eps = m
-            return self._emit(node, "layernorm", [self._widened(x), self.view_of(w)], attrs=(("eps", eps),))
+            return self._emit(node, "layernorm", [self.view_of(upcast_source(x)), self.view_of(w)], attrs=(("eps", eps),))
         m = self._layernorm_core(node)
-        if m is not None and self._strip_casts(node) is node:
+        if m is not None and not is_call(node, *CASTS):
             x, eps = m
             ones = self.as_view(Static(torch.ones(val_of(node).shape[-1], dtype=val_of(node).dtype)), node)
-            return self._emit(node, "layernorm", [self._widened(x), ones], attrs=(("eps", eps),))
+            return self._emit(node, "layernorm", [self.view_of(upcast_source(x)), ones], attrs=(("eps", eps),))
         return None
-
-    def _widened(self, x) -> View:
-        """The view of ``x``, or of the bf16 / fp16 value it widens to float32 (the norm ops compute in
-        float32 from either: the same values, one cast op less)."""
-        if is_call(x, *CASTS) and val_of(x).dtype == torch.float32 \
-                and val_of(x.args[0]) is not None and val_of(x.args[0]).dtype in (torch.bfloat16, torch.float16):
-            return self.view_of(x.args[0])
-        return self.view_of(x)
 
     def _silu_mul(self, node: fx.Node):
         if not is_call(node, aten.mul.Tensor):
@@ -139,15 +135,23 @@ class FormsLowering:
 
     def _rope_args(self, node: fx.Node, x_node, cs, style: int):
         """The rope op of ``node`` over ``x_node`` with tables ``cs = (cos, sin)``, or None when the
-        rope op would compute another thing: a result wider than x (cos / sin broadcasting x's rows)
-        or of another dtype than x's (wider cos / sin: eager's products are then not rounded to x's
-        dtype, the op's are)."""
+        rope op would compute another thing: a result wider than x (cos / sin broadcasting x's rows),
+        tables whose last dim is not the style's, a result of another dtype than x's but float32.
+        The op rounds each product to its x's dtype; with float32 tables on bf16 / fp16 x (OLMo:
+        ``q * cos`` promotes to float32) eager's products are float32, so the op reads x upcast."""
         cos, sin = cs
-        if tuple(val_of(node).shape) != tuple(val_of(x_node).shape) or val_of(node).dtype != val_of(x_node).dtype:
+        xval, want = val_of(x_node), val_of(node)
+        d = xval.shape[-1] // 2 if style == INTERLEAVED else xval.shape[-1]
+        if tuple(want.shape) != tuple(xval.shape) or not val_of(cos).shape[-1] == val_of(sin).shape[-1] == d:
+            return None
+        if want.dtype != xval.dtype and not (want.dtype == torch.float32 and xval.dtype in (torch.bfloat16, torch.float16)):
             return None
         x = self.view_of(x_node)
         if len(x.shape) > 4:
             return None
+        if want.dtype != xval.dtype:
+            x = self._emit(node, "unary", [x], out_shape=x.shape, out_dtype=torch.float32,
+                           attrs=(("fn", "cast"), ("scalar", 0.0)), name=f"{node.name}_upcast")
         shape = tuple(val_of(node).shape)
         lead = shape[:-1]
         def table(arg):

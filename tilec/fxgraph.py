@@ -101,8 +101,22 @@ def is_call(node, *targets) -> bool:
     alpha 1 (a pattern's ``x + y`` is not ``x + alpha * y``)."""
     if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets):
         return False
+    return alpha_of(node) == 1
+
+
+_SCALAR_ALPHA = (aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar)  # alpha positional: add.Scalar(self, other, alpha)
+
+
+def alpha_of(node: fx.Node):
+    """The ``alpha`` of an add / sub / rsub call (keyword, or positional in the Scalar overloads); 1 otherwise."""
     positional = node.args[2] if node.target in _SCALAR_ALPHA and len(node.args) > 2 else 1
-    return node.kwargs.get("alpha", positional) == 1
+    return node.kwargs.get("alpha", positional)
 
 
-_SCALAR_ALPHA = (aten.add.Scalar, aten.sub.Scalar)  # alpha is positional there (add.Scalar(self, other, alpha))
+def upcast_source(n):
+    """``n`` with its float32 upcasts stripped (casts to float32 of bf16, fp16 or float32 values): the
+    value an op computing in float32 may read instead, with the same values. Any other cast stays."""
+    while is_call(n, *CASTS) and val_of(n).dtype == torch.float32 and val_of(n.args[0]) is not None \
+            and val_of(n.args[0]).dtype in (torch.bfloat16, torch.float16, torch.float32):
+        n = n.args[0]
+    return n

@@ -20,7 +20,8 @@ plan: the same float32 value is rounded once, to O's dtype. The rewrite applies 
     view), read by U alone through that same view, and is neither a graph output nor a state;
 (b) U is a ``cast`` to a float dtype (an integer result would take the exact integer copy, not a
     rounding through float32) whose output view has T's shape, and O is a TEMP or OUTPUT buffer U alone writes;
-(c) P's kind is in :data:`FOLDABLE` (its device code uses the output type only to store).
+(c) P's kind is in :data:`FOLDABLE` (its device code uses the output type only to store), and not an
+    RMSNorm of bf16 x and weight folded to bf16 (whose all-bf16 device paths sum in another order).
 
 A graph with nothing to fold (or ``opts.fold_casts`` off) is returned unchanged (the same object).
 """
@@ -33,9 +34,17 @@ import torch
 from ..ir import BufferKind, Op, OpGraph, View
 from ._fold import rebuilt, touching
 
-# op kinds whose device code reads the output dtype only in the final store (op_rmsnorm's bf16
-# fast path needs a bf16 input too, so a float32 input never takes it)
+# op kinds whose device code reads the output dtype only in the final store - but for op_rmsnorm,
+# whose all-bf16 instance takes other paths (rmsnorm_rows_bf16, or a GEMV prologue once fuse_gemv
+# sees bf16 rows) that sum the squares in another order: an rmsnorm of bf16 x and weight is left
+# unfolded (_changes_path)
 FOLDABLE = frozenset({"rmsnorm", "layernorm", "rope", "softmax", "unary", "binary", "copy"})
+
+
+def _changes_path(graph: OpGraph, op: Op, dtype) -> bool:
+    """Whether writing ``dtype`` would send ``op`` down another device path than writing float32."""
+    return op.kind == "rmsnorm" and dtype == torch.bfloat16 and \
+        all(graph.buffers[v.buffer].dtype == torch.bfloat16 for v in op.inputs)
 
 
 def fold_casts(graph: OpGraph, opts=None) -> OpGraph:
@@ -70,6 +79,7 @@ def fold_casts(graph: OpGraph, opts=None) -> OpGraph:
         (out,) = cast.outputs
         if out.shape != temp.shape or graph.buffers[out.buffer].kind not in (BufferKind.TEMP, BufferKind.OUTPUT) \
                 or not graph.buffers[out.buffer].dtype.is_floating_point \
+                or _changes_path(graph, op, graph.buffers[out.buffer].dtype) \
                 or touching(ops, out.buffer, "outputs") != [readers[0]]:
             continue
         ops[i] = dataclasses.replace(op, outputs=(out,))
