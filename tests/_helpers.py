@@ -61,6 +61,19 @@ def family_model(family: str, dtype: torch.dtype, device: str):
     return getattr(transformers, model_name)(cfg).eval().to(device=device, dtype=dtype)
 
 
+class Fn(torch.nn.Module):
+    """Wraps a function of (module, *inputs); ``params`` become registered parameters."""
+
+    def __init__(self, fn, **params):
+        super().__init__()
+        self.fn = fn
+        for k, v in params.items():
+            setattr(self, k, torch.nn.Parameter(v))
+
+    def forward(self, *args):
+        return self.fn(self, *args)
+
+
 class LlamaRMSNorm(torch.nn.Module):
     """HF ``LlamaRMSNorm`` written out: float32 statistics, ``x * rsqrt(...)`` rounded to x's dtype, then
     the weight - the rounding tilec's rmsnorm op and its GEMV prologue implement. (``torch.nn.RMSNorm``

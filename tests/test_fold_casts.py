@@ -6,18 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from _helpers import Fn
 from tilec.api import compile_module
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn, **params):
-        super().__init__()
-        self.fn = fn
-        for k, v in params.items():
-            setattr(self, k, torch.nn.Parameter(v))
-
-    def forward(self, *args):
-        return self.fn(self, *args)
 
 
 def gemma_norm(m, x):

@@ -11,22 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _helpers import assert_close
+from _helpers import Fn, assert_close
 from tilec.api import compile_module
 from tilec.errors import UnsupportedNodeError
 from tilec.frontend import fold_dims
 from tilec.ir import View, contiguous_strides
-
-
-class Fn(torch.nn.Module):
-    def __init__(self, fn, **params):
-        super().__init__()
-        self.fn = fn
-        for k, v in params.items():
-            setattr(self, k, torch.nn.Parameter(v))
-
-    def forward(self, *args):
-        return self.fn(self, *args)
 
 
 def run(fn, args, tol=1e-4, **params):

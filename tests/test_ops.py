@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _helpers import StageRecorder, assert_close
+from _helpers import Fn, StageRecorder, assert_close
 from tilec.api import compile_module
 from tilec.ops.rope import INTERLEAVED, PAIRWISE, ROTATE_HALF
 from tilec.options import Options
@@ -38,19 +38,6 @@ def run(module, args, **opts):
 
 def kinds(prog) -> list[str]:
     return [op.kind for op in prog.compiled.stages['opgraph'].ops]
-
-
-class Fn(torch.nn.Module):
-    """Wraps a function of (module, *inputs); ``params`` become registered parameters."""
-
-    def __init__(self, fn, **params):
-        super().__init__()
-        self.fn = fn
-        for k, v in params.items():
-            setattr(self, k, torch.nn.Parameter(v))
-
-    def forward(self, *args):
-        return self.fn(self, *args)
 
 
 # ---- rotary embeddings -------------------------------------------------------------------

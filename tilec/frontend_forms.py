@@ -17,107 +17,114 @@ from .ir import View
 from .ops.rope import INTERLEAVED, PAIRWISE, ROTATE_HALF
 
 
-class FormsLowering:
-    def _norm_core(self, n):
-        """``mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim=True), eps)))``, or that cast back to the dtype x
-        was upcast from (HF ``LlamaRMSNorm``'s ``.to(input_dtype)``) -> (the rmsnorm op's x, eps), or None.
-
-        The op rounds ``x * rsqrt(...)`` to its x's dtype before the weight (``tilec.ops.rmsnorm``): with
-        the cast back, its x is the value before the float32 upcast (that rounding); without it, x as
-        written (a float32 x: no rounding, as Gemma, OLMo-2 and ``F.rms_norm`` compute)."""
-        back = None
-        if is_call(n, *CASTS):
-            back, n = val_of(n).dtype, n.args[0]
-        if not is_call(n, aten.mul.Tensor):
-            return None
-        for x, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
-            if not is_call(r, aten.rsqrt.default):
-                continue
-            add = r.args[0]
-            if not is_call(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
-                continue
-            mean = add.args[0]
-            if not is_call(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [len(val_of(mean).shape) - 1]) \
-                    or not (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)):
-                continue  # keepdim=False would scale columns, not rows
-            pw = mean.args[0]
-            if not ((is_call(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2 and pw.args[0] is x)
-                    or (is_call(pw, aten.mul.Tensor) and pw.args[0] is x and pw.args[1] is x)):
-                continue
-            if back is None:
-                return x, float(add.args[1])
-            src = upcast_source(x)
-            return (src, float(add.args[1])) if val_of(src).dtype == back else None
+def _row_mean(n):
+    """``mean(v, [-1], keepdim=True)`` -> v, or None (keepdim=False would scale columns, not rows)."""
+    if not is_call(n, aten.mean.dim) or list(n.args[1]) not in ([-1], [len(val_of(n).shape) - 1]) \
+            or not (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)):
         return None
+    return n.args[0]
 
+
+def _rsqrt_plus_eps(r):
+    """``rsqrt(add(v, eps))`` with a constant eps -> (v, eps), or None."""
+    if not is_call(r, aten.rsqrt.default):
+        return None
+    add = r.args[0]
+    if not is_call(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
+        return None
+    return add.args[0], float(add.args[1])
+
+
+def _squared(n):
+    """``pow(v, 2)`` or ``v * v`` -> v, or None."""
+    if is_call(n, aten.pow.Tensor_Scalar) and n.args[1] == 2:
+        return n.args[0]
+    if is_call(n, aten.mul.Tensor) and n.args[0] is n.args[1]:
+        return n.args[0]
+    return None
+
+
+def _centered(n, x=None):
+    """``sub(v, mean(v, [-1], keepdim=True))`` -> v, or None; with ``x`` given, only when v is x."""
+    if not is_call(n, aten.sub.Tensor) or _row_mean(n.args[1]) is not n.args[0] or (x is not None and n.args[0] is not x):
+        return None
+    return n.args[0]
+
+
+def _norm_core(n):
+    """``mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim=True), eps)))``, or that cast back to the dtype x
+    was upcast from (HF ``LlamaRMSNorm``'s ``.to(input_dtype)``) -> (the rmsnorm op's x, eps), or None.
+
+    The op rounds ``x * rsqrt(...)`` to its x's dtype before the weight (``tilec.ops.rmsnorm``): with
+    the cast back, its x is the value before the float32 upcast (that rounding); without it, x as
+    written (a float32 x: no rounding, as Gemma, OLMo-2 and ``F.rms_norm`` compute)."""
+    back = None
+    if is_call(n, *CASTS):
+        back, n = val_of(n).dtype, n.args[0]
+    if not is_call(n, aten.mul.Tensor):
+        return None
+    for x, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+        m = _rsqrt_plus_eps(r)
+        if m is None or _squared(_row_mean(m[0])) is not x:
+            continue
+        if back is None:
+            return x, m[1]
+        src = upcast_source(x)
+        return (src, m[1]) if val_of(src).dtype == back else None
+    return None
+
+
+def _layernorm_core(n):
+    """``mul(x - mean(x), rsqrt(add(mean(pow(x - mean(x), 2)), eps)))`` over the last dim (a LayerNorm
+    without weight and bias written out, e.g. HF ``CohereLayerNorm``) -> (x, eps) or None. No cast may
+    come between (a rounding there is not LayerNorm's)."""
+    if not is_call(n, aten.mul.Tensor):
+        return None
+    for c, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+        x = _centered(c) if isinstance(c, fx.Node) else None
+        m = _rsqrt_plus_eps(r) if x is not None else None
+        if m is not None and _centered(_squared(_row_mean(m[0])), x) is not None:
+            return x, m[1]
+    return None
+
+
+def _weighted(node, core_of):
+    """``mul(w, core)`` with ``core_of(core) -> (x, eps)`` and w a [D] weight of x's rows (a weight that
+    broadcasts the rows wider is not the norm's) -> (x, eps, w), or None."""
+    if not is_call(node, aten.mul.Tensor):
+        return None
+    for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        m = core_of(core) if isinstance(core, fx.Node) and isinstance(w, fx.Node) else None
+        wv = val_of(w) if m is not None else None
+        if m is not None and wv is not None and wv.dim() == 1 and tuple(val_of(node).shape) == tuple(val_of(m[0]).shape) \
+                and wv.shape[0] == val_of(m[0]).shape[-1]:
+            return m[0], m[1], w
+    return None
+
+
+class FormsLowering:
     def _rmsnorm(self, node: fx.Node):
-        """RMSNorm written out (:meth:`_norm_core`) times a [D] weight, or alone."""
-        for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])) if is_call(node, aten.mul.Tensor) \
-                else ():
-            m = self._norm_core(core) if isinstance(core, fx.Node) else None
-            wv = val_of(w) if m is not None else None
-            if m is None or wv is None or wv.dim() != 1 or tuple(val_of(node).shape) != tuple(val_of(m[0]).shape) \
-                    or wv.shape[0] != val_of(m[0]).shape[-1]:
-                continue  # a weight that broadcasts x's rows wider is not RMSNorm's
-            x, eps = m
+        """RMSNorm written out (:func:`_norm_core`) times a [D] weight, or alone."""
+        found = _weighted(node, _norm_core)
+        if found is not None:
+            x, eps, w = found
             return self._emit(node, "rmsnorm", [self.view_of(x), self.view_of(w)], attrs=(("eps", eps),))
-        m = self._norm_core(node)
+        m = _norm_core(node)
         if m is not None:
             x, eps = m
             ones = self.as_view(Static(torch.ones(val_of(node).shape[-1], dtype=val_of(x).dtype)), node)
             return self._emit(node, "rmsnorm", [self.view_of(x), ones], attrs=(("eps", eps),))
         return None
 
-    def _centered(self, n, x=None):
-        """``sub(x, mean(x, [-1], keepdim=True))`` -> x, or None; with ``x`` given, only when it
-        centers that x."""
-        if not is_call(n, aten.sub.Tensor) or not is_call(n.args[1], aten.mean.dim):
-            return None
-        src, mean = n.args[0], n.args[1]
-        keep = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-        if mean.args[0] is not src or not keep or \
-                list(mean.args[1]) not in ([-1], [len(val_of(mean).shape) - 1]) or (x is not None and src is not x):
-            return None
-        return src
-
-    def _layernorm_core(self, n):
-        """``mul(x - mean(x), rsqrt(add(mean(pow(x - mean(x), 2)), eps)))`` over the last dim (a
-        LayerNorm without weight and bias written out, e.g. HF ``CohereLayerNorm``) -> (x, eps) or None.
-        No cast may come between (a rounding there is not LayerNorm's)."""
-        if not is_call(n, aten.mul.Tensor):
-            return None
-        for c, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
-            x = self._centered(c) if isinstance(c, fx.Node) else None
-            if x is None or not is_call(r, aten.rsqrt.default):
-                continue
-            add = r.args[0]
-            if not is_call(add, aten.add.Tensor, aten.add.Scalar) or isinstance(add.args[1], fx.Node):
-                continue
-            var = add.args[0]
-            if not is_call(var, aten.mean.dim) or list(var.args[1]) not in ([-1], [len(val_of(var).shape) - 1]) \
-                    or not (var.args[2] if len(var.args) > 2 else var.kwargs.get("keepdim", False)):
-                continue
-            sq = var.args[0]
-            if is_call(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2 and self._centered(sq.args[0], x) is not None:
-                return x, float(add.args[1])
-            if is_call(sq, aten.mul.Tensor) and sq.args[0] is sq.args[1] and self._centered(sq.args[0], x) is not None:
-                return x, float(add.args[1])
-        return None
-
     def _layernorm_decomposed(self, node: fx.Node):
-        """A LayerNorm written out in torch ops (:meth:`_layernorm_core`) times a [D] weight, or alone."""
-        if not is_call(node, aten.mul.Tensor):
-            return None
-        for w, core in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            m = self._layernorm_core(core) if isinstance(core, fx.Node) and isinstance(w, fx.Node) else None
-            wv = val_of(w) if m is not None else None
-            if m is None or wv is None or wv.dim() != 1 or tuple(val_of(node).shape) != tuple(val_of(m[0]).shape) \
-                    or wv.shape[0] != val_of(m[0]).shape[-1]:
-                continue  # a weight that broadcasts x's rows wider is not LayerNorm's
-            x, eps = m
+        """A LayerNorm written out in torch ops (:func:`_layernorm_core`) times a [D] weight, or alone;
+        its x read before a float32 upcast (the op computes in float32: the same values)."""
+        found = _weighted(node, _layernorm_core)
+        if found is not None:
+            x, eps, w = found
             return self._emit(node, "layernorm", [self.view_of(upcast_source(x)), self.view_of(w)], attrs=(("eps", eps),))
-        m = self._layernorm_core(node)
-        if m is not None and not is_call(node, *CASTS):
+        m = _layernorm_core(node)
+        if m is not None:
             x, eps = m
             ones = self.as_view(Static(torch.ones(val_of(node).shape[-1], dtype=val_of(node).dtype)), node)
             return self._emit(node, "layernorm", [self.view_of(upcast_source(x)), ones], attrs=(("eps", eps),))
