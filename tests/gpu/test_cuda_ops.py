@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _helpers import APPEND_CASES, append_fold_results, run_plan
+from _helpers import APPEND_CASES, LlamaRMSNorm, append_fold_results, run_plan
 from tilec.api import compile_module
 from tilec.errors import TilecError
 
@@ -136,7 +136,7 @@ class NormLinOfView(torch.nn.Module):
 
     def __init__(self, k, n):
         super().__init__()
-        self.norm = torch.nn.RMSNorm(k, eps=1e-5, dtype=torch.bfloat16)
+        self.norm = LlamaRMSNorm(k)  # (torch.nn.RMSNorm of bf16 rows is planned as an upcast and a float32 norm)
         self.l = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
 
     def forward(self, y):
