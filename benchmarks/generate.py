@@ -90,7 +90,7 @@ def main(argv=None) -> list[tuple]:
         results = {}
         for label in ("eager", "tilec"):
             if label == "tilec":
-                model.forward = torch.compile(forward, backend="tilec")
+                model.forward = torch.compile(forward, backend="tilec", dynamic=False)
             try:
                 results[label] = generate(model, ids, mask, new)  # warm-up (compiles)
                 generate(model, ids, mask, 1)

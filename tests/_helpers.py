@@ -332,7 +332,7 @@ def greedy_generate(model, compiled: bool, new_tokens: int, options: dict | None
     Dynamo's caches restored after)."""
     forward = model.forward
     if compiled:
-        model.forward = torch.compile(forward, backend="tilec", options=options)
+        model.forward = torch.compile(forward, backend="tilec", options=options, dynamic=False)
     try:
         return model.generate(**kw, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
                               pad_token_id=0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -280,6 +281,43 @@ def test_automatic_dynamic_shapes_run_eagerly_with_a_warning(caplog, monkeypatch
             got = f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([4]), use_cache=True).logits
         assert_close(got, eager_step(model, eager_cache, tok, 4), 1e-4, f"batch {batch}")
     assert "dynamic=False" in caplog.text
+
+
+def test_automatic_dynamic_shapes_with_fallback_off_raise():
+    """fallback=False promises nothing runs eagerly: a shape-generic graph raises (a fresh user's
+    finding: it ran eagerly with the warning)."""
+    from tilec.errors import TilecError
+
+    model = make_model("llama-tiny")
+    f = torch.compile(model, backend="tilec", options={"workers": 8, "fallback": False})
+    cache, tok = prefill(model, 1, 4, 16)
+    with torch.no_grad():
+        f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([4]), use_cache=True)
+        cache, tok = prefill(model, 3, 4, 16)
+        with pytest.raises(Exception) as e:  # Dynamo wraps a backend's error (BackendCompilerFailed)
+            f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([4]), use_cache=True)
+    err = e.value
+    while err is not None and not isinstance(err, TilecError):
+        err = err.__cause__ or err.__context__
+    assert err is not None and re.search(r"symbolic \(dynamic\) shapes and fallback is off.*dynamic=False", str(err))
+
+
+def test_eager_attention_compiles_whole_under_torch_compile():
+    """HF's eager attention (``attn_implementation="eager"``) reaches the backend as AOTAutograd's
+    bmm decomposition of its matmuls; it compiled whole through compile_decode_step but ran its
+    attention eagerly under torch.compile (a fresh user's finding). fallback off: nothing eager."""
+    from _helpers import family_model
+
+    model = family_model("llama_eager", torch.float32, "cpu")
+    cache, tok = prefill(model, 1, 5, 16)
+    eager_cache = copy.deepcopy(cache)
+    f = torch.compile(model, backend="tilec", options={"workers": 8, "fallback": False}, dynamic=False)
+    with torch.no_grad():
+        for p in (5, 6, 7):
+            got = f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([p]), use_cache=True).logits
+            want = eager_step(model, eager_cache, tok, p)
+            assert_close(got, want, 1e-4, f"position {p}")
+            tok = want[:, -1:].argmax(-1)
 
 
 class SlotWrite(torch.nn.Module):

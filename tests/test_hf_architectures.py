@@ -19,11 +19,12 @@ import copy
 
 import pytest
 import torch
+import transformers
 
 from tilec.hf import cache_kwargs, compile_decode_step
 from tilec.zoo import prefill
 
-from _helpers import FAMILIES, family_model, rel_l2
+from _helpers import COMMON, FAMILIES, family_model, rel_l2
 
 
 @pytest.mark.parametrize("dtype,batch,tol", [(torch.float32, 1, 1e-5), (torch.bfloat16, 2, 2e-2)],
@@ -44,3 +45,19 @@ def test_decode_step_matches_eager(family, dtype, batch, tol):
             tok = want[:, -1:].argmax(-1)
     for a, b in zip(cache.layers, eager_cache.layers):
         assert rel_l2(a.keys, b.keys) < tol and rel_l2(a.values, b.values) < tol, family
+
+
+def test_sliding_window_attention_is_refused_by_name():
+    """Gemma-2's sliding-window layers (a StaticSlidingWindowLayer cache of ``window`` slots): the error
+    said "position 5 outside the planned range [0, 4) of max_positions=4" (a fresh user's finding)."""
+    from tilec.errors import InputError
+
+    if not hasattr(transformers, "Gemma2Config"):
+        pytest.skip("no Gemma2Config")
+    cfg = transformers.Gemma2Config(**{**COMMON, "head_dim": 16, "sliding_window": 4})
+    cfg._attn_implementation = "eager"
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    cache, _ = prefill(model, 1, 5, 12, "cpu")
+    with pytest.raises(InputError, match=r"Gemma2ForCausalLM has sliding-window attention .*window 4.* does not "
+                                         r"support sliding windows"):
+        compile_decode_step(model, cache, 1)

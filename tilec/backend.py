@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from . import __version__, plancache
 from .dump import with_dump
-from .errors import PositionError, UnsupportedNodeError
+from .errors import PositionError, TilecError, UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
 from .guards import GuardError, build_mask_guards
 from .ir import DTYPE_CODES, is_integer
@@ -365,8 +365,12 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
     opts = BackendOptions.from_dict({**BackendOptions.as_dict(options), **kwargs})
     if _has_symbolic_shapes(example_inputs):
         # Dynamo made the graph shape-generic after a shape changed ("automatic dynamic");
-        # a tilec plan is static, so this graph runs eagerly rather than failing. Said once per
-        # process: a Python int argument brings a new graph per value, each one symbolic.
+        # a tilec plan is static, so this graph runs eagerly rather than failing (with fallback on).
+        # Said once per process: a Python int argument brings a new graph per value, each one symbolic.
+        if not opts.fallback:
+            raise TilecError("tilec: torch.compile passed symbolic (dynamic) shapes and fallback is off, so this graph "
+                             "cannot run eagerly either: tilec plans static shapes. Use torch.compile(..., dynamic=False), "
+                             "which recompiles per shape.")
         global _warned_dynamic
         if _warned_dynamic:
             return gm.forward

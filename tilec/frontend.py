@@ -40,6 +40,27 @@ POSITION, IGNORED = "<position>", "<ignored>"
 ELEMENTWISE = ("copy", "unary", "binary")  # kinds whose every operand is expanded to the output's shape
 
 
+def _matmul4(n):
+    """``matmul(a, b)`` of 4-d a and b, or what AOTAutograd decomposes it into (the ``torch.compile``
+    path): ``view(bmm(view(expand(a)), view(expand(b))), [B, H, M, N])`` with expands that change no
+    shape -> (a, b); None for anything else."""
+    if is_call(n, aten.matmul.default):
+        return (n.args[0], n.args[1]) if len(val_of(n).shape) == 4 and len(val_of(n.args[1]).shape) == 4 else None
+    if not (is_call(n, *RESHAPES) and len(val_of(n).shape) == 4 and is_call(n.args[0], aten.bmm.default)):
+        return None
+    lead = tuple(val_of(n).shape[:2])
+    out = []
+    for arg in n.args[0].args[:2]:
+        src = arg.args[0] if is_call(arg, *RESHAPES) else None
+        if is_call(src, aten.expand.default) and tuple(val_of(src).shape) == tuple(val_of(src.args[0]).shape):
+            src = src.args[0]
+        if src is None or len(val_of(src).shape) != 4 or tuple(val_of(src).shape[:2]) != lead \
+                or tuple(val_of(arg).shape) != (lead[0] * lead[1],) + tuple(val_of(src).shape[2:]):
+            return None
+        out.append(src)
+    return tuple(out)
+
+
 def fold_dims(shape, views):
     """The same elementwise computation over fewer dims: ``shape``'s size-1 dims dropped and each
     pair of neighbouring dims merged where every view in ``views`` (each of ``shape``, broadcast
@@ -671,9 +692,10 @@ class Lowering(FormsLowering, DsaLowering):
         torch ops (HF ``eager_attention_forward``, GPT-2's and GPT-J's ``_attn``; casts around the
         softmax and a float32 upcast of q and k allowed) - planned as the ``attention`` op (float32
         scores, as SDPA's kernels compute them; eager rounds bf16 scores, within the bf16 noise)."""
-        if not is_call(node, aten.matmul.default) or len(val_of(node).shape) != 4:
+        mm = _matmul4(node)
+        if mm is None:
             return None
-        pr, v_n = node.args
+        pr, v_n = mm
         # the probabilities' casts (to a float dtype: the device rounds them to V's) and eval-mode dropout (a clone)
         while is_call(pr, aten.clone.default, aten.alias.default) or \
                 (is_call(pr, *CASTS) and val_of(pr).dtype.is_floating_point):
@@ -692,7 +714,7 @@ class Lowering(FormsLowering, DsaLowering):
         if found is None:
             return None
         qk, scale = found
-        q_n, kt = (upcast_source(a) for a in qk.args)
+        q_n, kt = (upcast_source(a) for a in qk)
         if not is_call(kt, aten.transpose.int) or sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
             return None
         k_n = upcast_source(kt.args[0])
@@ -709,8 +731,8 @@ class Lowering(FormsLowering, DsaLowering):
         return out
 
     def _scaled_scores(self, n):
-        """``matmul(q, k^T)`` times / divided by constants (float32 upcasts between) -> (the matmul
-        node, the product of the scales), or None."""
+        """``matmul(q, k^T)`` times / divided by constants (float32 upcasts between) -> ((q, k^T), the
+        product of the scales), or None."""
         scale = 1.0
         n = upcast_source(n)
         while is_call(n, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
@@ -719,9 +741,8 @@ class Lowering(FormsLowering, DsaLowering):
                 return None
             scale = scale * c if is_call(n, aten.mul.Tensor, aten.mul.Scalar) else scale / c
             n = upcast_source(n.args[0])
-        if not is_call(n, aten.matmul.default) or len(val_of(n).shape) != 4:
-            return None
-        return n, scale
+        mm = _matmul4(n)
+        return None if mm is None else (mm, scale)
 
     def _check_causal_mask(self, node, mask, bsz, hq, sq, s):
         """Raises unless ``mask`` is, at every planned position p, the causal mask over the static

@@ -125,6 +125,13 @@ class HFDecodeStep:
                              f"(create one with StaticCache(config=model.config, max_cache_len=...))")
         if not all(l.is_initialized for l in _layers(cache)):
             raise InputError("the StaticCache is not initialized: run a prefill step eagerly first")
+        windowed = [i for i, layer in enumerate(layers) if "Sliding" in type(layer).__name__]
+        if windowed:
+            window = getattr(model.config, "sliding_window", None)
+            raise InputError(f"{type(model).__name__} has sliding-window attention (cache layers {windowed[:4]}"
+                             f"{' ...' if len(windowed) > 4 else ''} are {type(layers[windowed[0]]).__name__}"
+                             f"{f', window {window}' if window else ''}): tilec plans causal attention over the whole "
+                             f"static cache and does not support sliding windows yet")
         cache_batch = int(_layers(cache)[0].keys.shape[0])
         if batch_size != cache_batch:
             raise ValueError(f"batch_size={batch_size}, but the StaticCache holds {cache_batch} "
