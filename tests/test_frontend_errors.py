@@ -680,8 +680,9 @@ def test_a_mask_other_than_causal_names_its_first_position(window, first_bad):
 
 def test_a_sliding_window_cache_is_named_as_such():
     """Mistral's default sliding_window gives StaticSlidingWindowLayers, whose mask HF builds from a
-    Python int: a constant in the graph. The error called it a padding mask (a breaker's finding).
-    (repeat_kv's 5-d clones stay listed: the backend's partitioner runs what is listed eagerly.)"""
+    Python int: a constant in the graph. The error called it a padding mask (a breaker's finding);
+    compile_decode_step now names the sliding window before lowering (the frontend's refusal of a
+    constant mask: the next test)."""
     import transformers
 
     from tilec.hf import cache_kwargs, compile_decode_step
@@ -695,9 +696,28 @@ def test_a_sliding_window_cache_is_named_as_such():
     with torch.no_grad():
         model(torch.randint(0, 100, (1, 4)), cache_position=torch.arange(4), use_cache=True,
               **cache_kwargs(model, cache))
-    with pytest.raises(UnsupportedNodeError, match=r"attention mask that is a constant.*sliding-window") as e:
+    from tilec.errors import InputError
+
+    with pytest.raises(InputError, match=r"MistralForCausalLM has sliding-window attention .*StaticSlidingWindowLayer"
+                                         r", window 4096\): .*does not support sliding windows") as e:
         compile_decode_step(model, cache, 1)
     assert "padding" not in str(e.value)
+
+
+def test_a_constant_attention_mask_is_refused_as_such():
+    """A mask that is the same at every decode position (a sliding-window layer's, built from Python
+    ints, as torch.compile hands it over) is not the causal mask over the static cache."""
+    class ConstMask(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mask", torch.zeros(1, 1, 1, 8))
+
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+    args = (torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16))
+    with pytest.raises(UnsupportedNodeError, match=r"attention mask that is a constant.*sliding_window"):
+        compile_module(ConstMask().eval(), args)
 
 
 def test_a_five_dim_operand_is_named_by_its_argument():
