@@ -720,6 +720,23 @@ def test_a_constant_attention_mask_is_refused_as_such():
         compile_module(ConstMask().eval(), args)
 
 
+def test_expert_routing_is_named_as_such():
+    """Mixtral's refusal listed 28 nodes whose only reason was a cache write's (a fresh user's finding):
+    a top-k over router scores now says it is mixture-of-experts routing."""
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(16, 4, bias=False)
+
+        def forward(self, x):
+            w, idx = torch.topk(torch.softmax(self.gate(x), -1), 2, dim=-1)
+            return w * idx.float()
+
+    with pytest.raises(UnsupportedNodeError, match=r"a data-dependent choice .* mixture-of-experts layers are not "
+                                                   r"supported yet\n  topk \(aten\.topk\.default\)"):
+        compile_module(Router().eval(), (torch.randn(3, 16),))
+
+
 def test_a_five_dim_operand_is_named_by_its_argument():
     """The reason printed the graph's buffer (``operand arg9_1[2x2x4x17x32]@0/...``) for a user's
     KV cache (a fresh user's finding): a graph input is named as the user knows it. (A 5-d view

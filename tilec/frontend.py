@@ -40,6 +40,13 @@ POSITION, IGNORED = "<position>", "<ignored>"
 ELEMENTWISE = ("copy", "unary", "binary")  # kinds whose every operand is expanded to the output's shape
 
 
+# ops of mixture-of-experts routing (which experts a token takes is known only at run time)
+ROUTING = {getattr(aten, name).default for name in ("topk", "sort", "argsort", "one_hot", "nonzero", "bincount", "histc")
+           if hasattr(aten, name)}
+ROUTING_WHY = ("a data-dependent choice (top-k / sort, as mixture-of-experts routing does): tilec plans every tile "
+               "before the step runs; mixture-of-experts layers are not supported yet")
+
+
 def _matmul4(n):
     """``matmul(a, b)`` of 4-d a and b, or what AOTAutograd decomposes it into (the ``torch.compile``
     path): ``view(bmm(view(expand(a)), view(expand(b))), [B, H, M, N])`` with expands that change no
@@ -452,7 +459,7 @@ class Lowering(FormsLowering, DsaLowering):
                               attrs=(("fn", "pow_scalar"), ("scalar", power)))
         if t in BINARY or t in (aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar):
             return self._binary(node)
-        self._unsupported(node)
+        self._unsupported(node, ROUTING_WHY if t in ROUTING else "")
 
     # ---- generic lowerings -----------------------------------------------------------
     def _view(self, node: fx.Node):
