@@ -357,7 +357,8 @@ def _has_symbolic_shapes(example_inputs) -> bool:
 
 def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
     """The Dynamo backend entry point. Raises ``ValueError`` for unknown options,
-    :class:`UnsupportedNodeError` (listing every unsupported node) when ``fallback=False``, and
+    :class:`UnsupportedNodeError` (listing every unsupported node) when ``fallback=False``,
+    :class:`tilec.errors.TilecError` for a shape-generic (dynamic) graph when ``fallback=False``, and
     :class:`tilec.errors.InputError` when a graph's cache writes do not fit its inputs (e.g. a
     ``max_positions`` option past the cache length)."""
     from torch._functorch.aot_autograd import aot_module_simplified
