@@ -236,7 +236,7 @@ __device__ void op_softmax(TileCtx& c) {
   });
 }
 
-// ---- RoPE: rotate-half (style 0), interleaved pairs (style 1) or pairs in place (style 2) ----
+// ---- RoPE: rotate-half (style 0) or interleaved pairs (style 1) --------------------
 template <typename TX, typename TC, typename TS, typename TO>
 __device__ void op_rope(TileCtx& c) {
   const Operand &x = operands()[0], &cs = operands()[1], &sn = operands()[2], &out = operands()[3];
@@ -256,22 +256,15 @@ __device__ void op_rope(TileCtx& c) {
       a = ldf<TX>(x, xo + i * xs); b = ldf<TX>(x, xo + (i + h) * xs);
       c0 = ldf<TC>(cs, co + i * cst); s0 = ldf<TS>(sn, so + i * sst);
       c1 = ldf<TC>(cs, co + (i + h) * cst); s1 = ldf<TS>(sn, so + (i + h) * sst);
-    } else if (style == 1) {
+    } else {
       a = ldf<TX>(x, xo + 2 * i * xs); b = ldf<TX>(x, xo + (2 * i + 1) * xs);
       c0 = c1 = ldf<TC>(cs, co + i * cst); s0 = s1 = ldf<TS>(sn, so + i * sst);
-    } else {  // style 2: cos / sin [D], a value per element (HF repeats each frequency twice)
-      a = ldf<TX>(x, xo + 2 * i * xs); b = ldf<TX>(x, xo + (2 * i + 1) * xs);
-      c0 = ldf<TC>(cs, co + 2 * i * cst); s0 = ldf<TS>(sn, so + 2 * i * sst);
-      c1 = ldf<TC>(cs, co + (2 * i + 1) * cst); s1 = ldf<TS>(sn, so + (2 * i + 1) * sst);
     }
     // each product rounded to the storage type, as eager HF computes x*cos + rot(x)*sin
-    // (style 1's interleaved inputs come out de-interleaved, as HF's apply_rotary_pos_emb_interleave
-    // does; style 2's stay interleaved, as GPT-J's rotate_every_two keeps them);
+    // (interleaved inputs come out de-interleaved, as HF's apply_rotary_pos_emb_interleave does);
     // __fmul_rn: never contracted into an FMA with the sum (float32 rows: eager rounds each product)
-    const long long o0 = style == 2 ? oo + 2 * i * os : oo + i * os;
-    const long long o1 = style == 2 ? oo + (2 * i + 1) * os : oo + (i + h) * os;
-    stf<TO>(out, o0, round_to<TX>(__fmul_rn(a, c0)) - round_to<TX>(__fmul_rn(b, s0)));
-    stf<TO>(out, o1, round_to<TX>(__fmul_rn(b, c1)) + round_to<TX>(__fmul_rn(a, s1)));
+    stf<TO>(out, oo + i * os, round_to<TX>(__fmul_rn(a, c0)) - round_to<TX>(__fmul_rn(b, s0)));
+    stf<TO>(out, oo + (i + h) * os, round_to<TX>(__fmul_rn(b, c1)) + round_to<TX>(__fmul_rn(a, s1)));
   }
 }
 
