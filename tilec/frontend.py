@@ -622,9 +622,14 @@ class Lowering(FormsLowering, DsaLowering):
         wv = self.view_of(w) if w is not None else self.as_view(Static(torch.ones(shape[0], dtype=val.dtype)), node)
         xv = self.view_of(x)
         if self.buffers[xv.buffer].dtype != torch.float32:  # torch normalizes in float32 with no rounding before
-            xv = self._emit(node, "unary", [xv], out_dtype=torch.float32,  # the weight; the op rounds to x's dtype
-                            attrs=(("fn", "cast"), ("scalar", 0.0)), name=f"{node.name}_upcast")
+            xv = self._upcast(node, xv)  # the weight; the op rounds to its x's dtype
         return self._emit(node, "rmsnorm", [xv, wv], attrs=(("eps", float(eps)),))
+
+    def _upcast(self, node: fx.Node, v: View) -> View:
+        """A float32 copy of ``v`` (a cast op of ``node``'s): for an op that rounds to its input's dtype
+        where eager computes in float32."""
+        return self._emit(node, "unary", [v], out_shape=v.shape, out_dtype=torch.float32,
+                          attrs=(("fn", "cast"), ("scalar", 0.0)), name=f"{node.name}_upcast")
 
     def _cat(self, node: fx.Node):
         parts = [self.view_of(a) for a in node.args[0]]

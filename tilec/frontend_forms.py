@@ -108,6 +108,17 @@ PAIRWISE_ON_GPU = ("RoPE on pairs rotated in place (GPT-J / GLM-4 / Cohere style
                    "reference executor runs it")
 
 
+def _products(node):
+    """For ``add(a * b, c * d)``: each (first product, a factor of the second, the other factor), the
+    sum's and the second product's operands taken in both orders (RoPE's ``x*cos + rot(x)*sin``)."""
+    if not is_call(node, aten.add.Tensor):
+        return
+    for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        if is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor):
+            yield m1, m2.args[0], m2.args[1]
+            yield m1, m2.args[1], m2.args[0]
+
+
 class FormsLowering:
     def _on_cuda(self) -> bool:
         """Whether the graph's weights or example inputs live on a CUDA device (the CUDA executor's plan)."""
@@ -169,8 +180,7 @@ class FormsLowering:
         if len(x.shape) > 4:
             return None
         if want.dtype != xval.dtype:
-            x = self._emit(node, "unary", [x], out_shape=x.shape, out_dtype=torch.float32,
-                           attrs=(("fn", "cast"), ("scalar", 0.0)), name=f"{node.name}_upcast")
+            x = self._upcast(node, x)
         shape = tuple(val_of(node).shape)
         lead = shape[:-1]
         def table(arg):
@@ -182,24 +192,19 @@ class FormsLowering:
 
     def _rope_rotate_half(self, node: fx.Node):
         """``x * cos + cat([-x[..., h:], x[..., :h]]) * sin`` (HF ``apply_rotary_pos_emb``)."""
-        if not is_call(node, aten.add.Tensor):
-            return None
-        for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            if not (is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor)):
+        for m1, cat, sin in _products(node):
+            if not is_call(cat, aten.cat.default) or len(cat.args[0]) != 2:
                 continue
-            for cat, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
-                if not is_call(cat, aten.cat.default) or len(cat.args[0]) != 2:
-                    continue
-                neg, lo = cat.args[0]
-                if not (is_call(neg, aten.neg.default) and is_call(neg.args[0], aten.slice.Tensor) and is_call(lo, aten.slice.Tensor)):
-                    continue
-                hi = neg.args[0]
-                x = hi.args[0]
-                if lo.args[0] is not x or not self._is_halves(x, cat, hi, lo):
-                    continue
-                for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
-                    if xx is x and val_of(cos).shape[-1] == val_of(x).shape[-1]:
-                        return self._rope_args(node, x, (cos, sin), ROTATE_HALF)
+            neg, lo = cat.args[0]
+            if not (is_call(neg, aten.neg.default) and is_call(neg.args[0], aten.slice.Tensor) and is_call(lo, aten.slice.Tensor)):
+                continue
+            hi = neg.args[0]
+            x = hi.args[0]
+            if lo.args[0] is not x or not self._is_halves(x, cat, hi, lo):
+                continue
+            for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
+                if xx is x and val_of(cos).shape[-1] == val_of(x).shape[-1]:
+                    return self._rope_args(node, x, (cos, sin), ROTATE_HALF)
         return None
 
     @staticmethod
@@ -268,37 +273,32 @@ class FormsLowering:
     def _rope_pairwise(self, node: fx.Node):
         """``x*cos + flatten(stack([-x[..., 1::2], x[..., 0::2]], -1)) * sin``: each pair (2i, 2i+1)
         rotated in place (GPT-J's ``rotate_every_two``; HF GLM / GLM-4, Cohere, Helium, ERNIE-4.5)."""
-        if not is_call(node, aten.add.Tensor):
-            return None
-        for m1, m2 in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            if not (is_call(m1, aten.mul.Tensor) and is_call(m2, aten.mul.Tensor)):
+        for m1, flat, sin in _products(node):
+            upcast = is_call(flat, *CASTS) and val_of(flat).dtype == torch.float32  # ERNIE-4.5: rot(q).float()
+            if upcast:
+                flat = flat.args[0]
+            if not (is_call(flat, *RESHAPES) and is_call(flat.args[0], aten.stack.default)):
                 continue
-            for flat, sin in ((m2.args[0], m2.args[1]), (m2.args[1], m2.args[0])):
-                upcast = is_call(flat, *CASTS) and val_of(flat).dtype == torch.float32  # ERNIE-4.5: rot(q).float()
-                if upcast:
-                    flat = flat.args[0]
-                if not (is_call(flat, *RESHAPES) and is_call(flat.args[0], aten.stack.default)):
-                    continue
-                stack = flat.args[0]
-                parts = stack.args[0]
-                dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
-                if len(parts) != 2 or not is_call(parts[0], aten.neg.default):
-                    continue
-                odd, even = parts[0].args[0], parts[1]
-                x = even.args[0] if is_call(even, aten.slice.Tensor) else None
-                if x is None or not (self._every_other(even, x, 0) and self._every_other(odd, x, 1)):
-                    continue
-                shape = tuple(val_of(x).shape)
-                if shape[-1] % 2 or dim % (len(shape) + 1) != len(shape) or tuple(val_of(flat).shape) != shape:
-                    continue
-                for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
-                    # the product's x: x itself, or (when the rotated half is upcast too) x upcast to float32,
-                    # the op's x then (its products rounded to float32, as eager's are)
-                    same = xx is x if not upcast else (is_call(xx, *CASTS) and xx.args[0] is x and val_of(xx).dtype
-                                                       == torch.float32 and val_of(x).dtype in (torch.bfloat16,
-                                                                                                torch.float16))
-                    if same and val_of(cos).shape[-1] == val_of(sin).shape[-1] == shape[-1]:
-                        if self._on_cuda():
-                            self._unsupported(node, PAIRWISE_ON_GPU)
-                        return self._rope_args(node, xx, (cos, sin), PAIRWISE)
+            stack = flat.args[0]
+            parts = stack.args[0]
+            dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+            if len(parts) != 2 or not is_call(parts[0], aten.neg.default):
+                continue
+            odd, even = parts[0].args[0], parts[1]
+            x = even.args[0] if is_call(even, aten.slice.Tensor) else None
+            if x is None or not (self._every_other(even, x, 0) and self._every_other(odd, x, 1)):
+                continue
+            shape = tuple(val_of(x).shape)
+            if shape[-1] % 2 or dim % (len(shape) + 1) != len(shape) or tuple(val_of(flat).shape) != shape:
+                continue
+            for xx, cos in ((m1.args[0], m1.args[1]), (m1.args[1], m1.args[0])):
+                # the product's x: x itself, or (when the rotated half is upcast too) x upcast to float32,
+                # the op's x then (its products rounded to float32, as eager's are)
+                same = xx is x if not upcast else (is_call(xx, *CASTS) and xx.args[0] is x and val_of(xx).dtype
+                                                   == torch.float32 and val_of(x).dtype in (torch.bfloat16,
+                                                                                            torch.float16))
+                if same and val_of(cos).shape[-1] == val_of(sin).shape[-1] == shape[-1]:
+                    if self._on_cuda():
+                        self._unsupported(node, PAIRWISE_ON_GPU)
+                    return self._rope_args(node, xx, (cos, sin), PAIRWISE)
         return None
