@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tilec.backend  # noqa: E402,F401  (registers backend="tilec" when run from the source tree)
 from decode import positive  # noqa: E402
 from tilec.zoo import CONFIGS, MAX_POSITION_EMBEDDINGS, make_model  # noqa: E402
 

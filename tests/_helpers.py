@@ -330,6 +330,8 @@ def greedy_generate(model, compiled: bool, new_tokens: int, options: dict | None
     """HF greedy ``generate()`` of ``new_tokens`` with a static cache, through
     ``torch.compile(model.forward, backend="tilec", options=...)`` when ``compiled`` (forward and
     Dynamo's caches restored after)."""
+    import tilec.backend  # noqa: F401  (registers backend="tilec" when run from the source tree)
+
     forward = model.forward
     if compiled:
         model.forward = torch.compile(forward, backend="tilec", options=options, dynamic=False)

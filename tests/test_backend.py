@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from _helpers import assert_close
 from tilec.errors import TilecError, UnsupportedNodeError
 from tilec.hf import cache_kwargs
 from tilec.zoo import eager_step, make_model, prefill
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +58,29 @@ def test_entry_point_in_fresh_process():
         print("OK", err)
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "OK" in res.stdout
+
+
+def test_backend_name_from_source_tree():
+    """Without an install (``PYTHONPATH``, no entry point) ``import tilec.backend`` registers the name:
+    the GPU machine runs the project from its source tree."""
+    code = textwrap.dedent("""
+        import importlib.metadata as md, warnings, torch
+        warnings.simplefilter("ignore")
+        real = md.entry_points
+        md.entry_points = lambda **kw: md.EntryPoints(()) if kw.get("group") == "torch_dynamo_backends" else real(**kw)
+        import tilec.backend
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 4)
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            err = (torch.compile(lin, backend="tilec")(x) - lin(x)).abs().max().item()
+        assert err < 1e-5, err
+        print("OK", err)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stderr[-3000:]
     assert "OK" in res.stdout
 

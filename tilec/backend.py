@@ -547,3 +547,22 @@ class _Callable(torch.nn.Module):
 
     def forward(self, *args):
         return self.fn(*args)
+
+
+def _register_without_install() -> bool:
+    """Registers ``backend="tilec"`` with Dynamo when tilec runs from a source tree (``PYTHONPATH``,
+    no ``pip install``, hence no ``torch_dynamo_backends`` entry point): there, importing this module
+    (``import tilec.backend``) before ``torch.compile`` is enough. After an install Dynamo loads this
+    module through the entry point and registers it itself, so nothing is done (registering twice
+    raises in Dynamo). Returns whether it registered."""
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "tilec" in _COMPILER_FNS or "tilec" in entry_points(group="torch_dynamo_backends").names:
+        return False
+    register_backend(tilec_backend, name="tilec")
+    return True
+
+
+_register_without_install()

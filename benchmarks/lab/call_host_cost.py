@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import tilec.backend  # noqa: E402,F401  (registers backend="tilec" when run from the source tree)
 from tilec import program as progmod  # noqa: E402
 from tilec.hf import cache_kwargs  # noqa: E402
 from tilec.zoo import CONFIGS, make_model  # noqa: E402
