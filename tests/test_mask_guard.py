@@ -54,6 +54,18 @@ def test_causal_mismatch_reads_bool_and_hard_float_masks(sq):
         assert causal_mismatch(nan, p, shape)
 
 
+def test_causal_mismatch_broadcasts_without_expanding():
+    """The check reduces the mask itself, not its broadcast to ``shape``: the same verdicts, a mask
+    that does not broadcast still raises, and an empty broadcast has nothing to mismatch."""
+    m = causal(4, 1)  # [1, 1, 1, S]
+    bad = m.clone()
+    bad[..., 0] = False
+    assert not causal_mismatch(m, 4, (3, 8, 1, S)) and causal_mismatch(bad, 4, (3, 8, 1, S))
+    with pytest.raises(RuntimeError):
+        causal_mismatch(torch.ones(2, 1, 1, S, dtype=torch.bool), 4, (3, 8, 1, S))
+    assert not causal_mismatch(bad, 4, (0, 8, 1, S))
+
+
 class MaskedStep(torch.nn.Module):
     """One decode step of attention over a static cache, masked by a run-time ``mask`` argument:
     x [1, 1, 64] -> q/k/v (4 query heads, 2 KV heads, head_dim 16), cache rows written at ``pos``."""

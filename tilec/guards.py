@@ -16,6 +16,7 @@ A float mask holding any other value (a soft bias such as ALiBi) is never the ca
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 import torch.fx as fx
@@ -47,7 +48,10 @@ def causal_mismatch(mask: torch.Tensor, p: int, shape: tuple[int, int, int, int]
         bad = mask != want
     else:
         bad = torch.where(want, mask != 0, ~(mask <= MASKED_BELOW))
-    return bad.expand(torch.broadcast_shapes(bad.shape, shape)).any()
+    full = torch.broadcast_shapes(bad.shape, shape)  # raises when the mask does not broadcast
+    # any() over the broadcast equals any() over bad unless the broadcast is empty; reducing the
+    # expanded view instead took ~1.6 ms a position on the CPU (a 1088-position check: 1.7 s of compiling)
+    return bad.any() if math.prod(full) else torch.zeros((), dtype=torch.bool, device=mask.device)
 
 
 class MaskGuard:
