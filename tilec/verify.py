@@ -108,22 +108,32 @@ def _check_writes(tg: TaskGraph, opts) -> None:
             raise VerificationError(f"buffer {b.name} is never written")
 
 
+def _event_dag(tg: TaskGraph, ids: set[int]) -> nx.DiGraph:
+    """Tasks and events as the nodes of one graph (trigger -> event -> waiter)."""
+    dag = nx.DiGraph()
+    dag.add_nodes_from(ids)
+    for e in tg.events:
+        dag.add_edges_from((p, ("e", e.id)) for p in e.preds)
+        dag.add_edges_from((("e", e.id), s) for s in e.succs)
+    return dag
+
+
 def verify_taskgraph(tg: TaskGraph, stage: str, opts) -> None:
     """``stage`` is one of ``tasks``, ``fused``, ``normalized``, ``linearized``."""
     ids = {t.id for t in tg.tasks}
-    # tasks and events as nodes (trigger -> event -> waiter): acyclic exactly when the task graph
-    # is, with edges linear in the events' sizes, not their product (a 16-layer batch-16 Llama
-    # step's tile_cover events made ~600k task -> task edges)
-    dag = nx.DiGraph()
-    dag.add_nodes_from(ids)
+    forward = True  # every event's triggers precede its waiters in task-id order
     for e in tg.events:
         if not e.preds and e.succs:
             raise VerificationError(f"event e{e.id} has waiters but no task triggers it")
         if not (e.preds | e.succs) <= ids:
             raise VerificationError(f"event e{e.id} names unknown tasks")
-        dag.add_edges_from((p, ("e", e.id)) for p in e.preds)
-        dag.add_edges_from((("e", e.id), s) for s in e.succs)
-    if not nx.is_directed_acyclic_graph(dag):
+        forward = forward and (not e.succs or max(e.preds) < min(e.succs))
+    # acyclic when the task ids order every event forward (build_taskgraph derives each event from
+    # earlier tiles, so a valid graph usually is); otherwise, or to name a cycle, networkx on tasks
+    # and events as nodes (trigger -> event -> waiter): edges linear in the events' sizes, not their
+    # product (a 16-layer batch-16 Llama step's tile_cover events made ~600k task -> task edges).
+    # The shortcut saves ~3.4 s of a Llama-3.2-1B compile on this CPU (1M task -> event edges).
+    if not forward and not nx.is_directed_acyclic_graph(dag := _event_dag(tg, ids)):
         cycle = [u for u, _ in nx.find_cycle(dag)]
         raise VerificationError("task graph has a cycle: " + " -> ".join(
             f"e{u[1]}" if isinstance(u, tuple) else f"t{u}" for u in cycle + cycle[:1]))
