@@ -123,7 +123,7 @@ class HFDecodeStep:
                 or not _is_static(cache):
             raise InputError(f"tilec compiles decode steps over a transformers StaticCache; got {type(cache).__name__} "
                              f"(create one with StaticCache(config=model.config, max_cache_len=...))")
-        if not all(l.is_initialized for l in _layers(cache)):
+        if not all(l.is_initialized for l in layers):
             raise InputError("the StaticCache is not initialized: run a prefill step eagerly first")
         windowed = [i for i, layer in enumerate(layers) if "Sliding" in type(layer).__name__]
         if windowed:
@@ -132,7 +132,7 @@ class HFDecodeStep:
                              f"{' ...' if len(windowed) > 4 else ''} are {type(layers[windowed[0]]).__name__}"
                              f"{f', window {window}' if window else ''}): tilec plans causal attention over the whole "
                              f"static cache and does not support sliding windows yet")
-        cache_batch = int(_layers(cache)[0].keys.shape[0])
+        cache_batch = int(layers[0].keys.shape[0])
         if batch_size != cache_batch:
             raise ValueError(f"batch_size={batch_size}, but the StaticCache holds {cache_batch} "
                              f"sequence{'s' if cache_batch != 1 else ''}")
