@@ -189,6 +189,43 @@ def boxes_overlap(a: Box, b: Box) -> bool:
     return all(alo < bhi and blo < ahi for (alo, ahi), (blo, bhi) in zip(a, b))
 
 
+class _Accesses:
+    """The earlier accesses of one op in one mode to one buffer: task ids and boxes, with their
+    bounding box kept as they are added, so that :meth:`overlapping` answers a box that contains
+    them all (or misses them all) without a test per access."""
+
+    __slots__ = ("ids", "boxes", "exacts", "exact", "lo", "hi", "empty")
+
+    def __init__(self, rank: int):
+        self.ids: list[int] = []
+        self.boxes: list[Box] = []
+        self.exacts: list[bool] = []
+        self.exact = True  # every access's task mapped its regions exactly
+        self.lo = [math.inf] * rank
+        self.hi = [-math.inf] * rank
+        self.empty = False  # some box has an empty range (it overlaps nothing)
+
+    def add(self, tid: int, box: Box, exact: bool) -> None:
+        self.ids.append(tid)
+        self.boxes.append(box)
+        self.exacts.append(exact)
+        self.exact &= exact
+        for d, (lo, hi) in enumerate(box):
+            self.empty |= lo >= hi
+            self.lo[d] = min(self.lo[d], lo)
+            self.hi[d] = max(self.hi[d], hi)
+
+    def overlapping(self, box: Box) -> tuple[list[int], bool]:
+        """The ids of the accesses whose boxes overlap ``box`` (:func:`boxes_overlap`), and
+        whether all of those tasks were exact."""
+        if not all(lo < self.hi[d] and self.lo[d] < hi for d, (lo, hi) in enumerate(box)):
+            return [], True
+        if not self.empty and all(lo <= self.lo[d] and self.hi[d] <= hi for d, (lo, hi) in enumerate(box)):
+            return self.ids, self.exact
+        hit = [i for i, b in enumerate(self.boxes) if boxes_overlap(box, b)]
+        return [self.ids[i] for i in hit], all(self.exacts[i] for i in hit)
+
+
 # ---- building ----------------------------------------------------------------------------
 
 def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
@@ -223,13 +260,15 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
             tasks.append(Task(len(tasks), op.name, op.kind, tile, tuple(reads), tuple(writes), exact, nbytes, flops))
             task_op.append(oi)
 
-    # earlier accesses per buffer, grouped by (op, mode): {(op index, mode): [(task, box, exact)]};
-    # reads and writes kept apart, since a read conflicts only with earlier writes. Whether two
-    # accesses conflict depends on their ops and modes alone, so a group that cannot conflict is
-    # skipped whole (an op's own tiles: a batch-16 Llama step's 640 split-KV partial tiles a layer
-    # read and dynamically write one KV cache; checking them pairwise made the build quadratic)
-    writes_of: dict[str, dict[tuple[int, str], list[tuple[int, Box, bool]]]] = {}
-    reads_of: dict[str, dict[tuple[int, str], list[tuple[int, Box, bool]]]] = {}
+    # earlier accesses per buffer, grouped by (op, mode) into an _Accesses; reads and writes kept
+    # apart, since a read conflicts only with earlier writes. Whether two accesses conflict depends
+    # on their ops and modes alone, so a group that cannot conflict is skipped whole (an op's own
+    # tiles: a batch-16 Llama step's 640 split-KV partial tiles a layer read and dynamically write
+    # one KV cache; checking them pairwise made the build quadratic). A group outside the box is
+    # skipped and one inside it taken whole from its bounding box (a GEMV tile reading all of x
+    # after the previous GEMV's tiles wrote it, the all-to-all case), without a test per access.
+    writes_of: dict[str, dict[tuple[int, str], _Accesses]] = {}
+    reads_of: dict[str, dict[tuple[int, str], _Accesses]] = {}
     deps: dict[tuple[int, int], set[int]] = {}  # (consumer task, producer op) -> producer tasks
     reduced: set[tuple[int, int]] = set()  # (consumer task, producer op) edges that see accumulations
     inexact: set[tuple[int, int]] = set()
@@ -242,18 +281,18 @@ def build_taskgraph(graph: OpGraph, opts) -> TaskGraph:
                 for (pop, pmode), earlier in group.items():
                     if pop == oi and (pmode == mode == ACCUMULATE or DYNAMIC in (pmode, mode)):
                         continue  # an op's own accumulations / dynamic writes never order its tiles
+                    hit, exact = earlier.overlapping(box)
+                    if not hit:
+                        continue
                     key = (t.id, pop)
-                    for pt, pbox, pexact in earlier:
-                        if pt == t.id or not boxes_overlap(box, pbox):
-                            continue
-                        deps.setdefault(key, set()).add(pt)
-                        if pmode == ACCUMULATE:
-                            reduced.add(key)
-                        if not (pexact and t.exact):
-                            inexact.add(key)
+                    deps.setdefault(key, set()).update(hit)
+                    if pmode == ACCUMULATE:
+                        reduced.add(key)
+                    if not (exact and t.exact):
+                        inexact.add(key)
         for buf, box, mode in accesses:
-            (reads_of if mode == "read" else writes_of).setdefault(buf, {}).setdefault((oi, mode), []).append(
-                (t.id, box, t.exact))
+            (reads_of if mode == "read" else writes_of).setdefault(buf, {}).setdefault(
+                (oi, mode), _Accesses(len(box))).add(t.id, box, t.exact)
 
     events = []
     for (consumer, pop), preds in sorted(deps.items()):
