@@ -924,3 +924,48 @@ def test_a_small_non_contiguous_parameter_keeps_one_operand_table(monkeypatch):
             assert_close(f(x), m(x), 1e-5, "transposed parameter")
     assert len(builds) == 1, len(builds)
     torch._dynamo.reset()
+
+
+@torch.library.custom_op("tilec_test::aligned_row_sums", mutates_args=())
+def _aligned_row_sums(x: torch.Tensor) -> torch.Tensor:
+    """Row sums of ``x``; refuses rows whose stride is not a multiple of 4, as CUDA memory-efficient
+    SDPA refuses such an attention mask ("attn_bias is not correctly aligned")."""
+    if x.stride(-2) % 4:
+        raise RuntimeError(f"row stride {x.stride(-2)} is not a multiple of 4")
+    return x.sum(-1)
+
+
+@_aligned_row_sums.register_fake
+def _(x):
+    return x.sum(-1)
+
+
+def test_region_outputs_keep_their_traced_strides():
+    """A compiled region's output that an eager node reads has eager's strides. HF's SDPA mask on
+    CUDA is a slice of a mask padded to a multiple of 4 columns; tilec wrote it contiguous (row stride
+    78) and the memory-efficient kernel raised (H100, tests/gpu/test_cuda_backend.py)."""
+    def f(x):
+        padded = torch.nn.functional.pad(x * 2.0, (0, 2))[..., :6]  # rows 8 apart in eager
+        return _aligned_row_sums(padded) + 1.0
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 6)
+    assert_close(torch.compile(f, backend="tilec", dynamic=False)(x), f(x), 1e-6, "row sums")
+
+
+def test_traced_layouts_that_are_not_restrided():
+    """Contiguous outputs, broadcasts and overlapping strides are used as tilec writes them."""
+    from torch.fx import Graph
+
+    g = Graph()
+    nodes = {}
+    for name, t in {"dense": torch.empty(2, 3), "padded": torch.empty(2, 8)[:, :6],
+                    "transposed": torch.empty(3, 2).t(), "broadcast": torch.empty(1, 3).expand(4, 3),
+                    "scalar": torch.empty(())}.items():
+        nodes[name] = g.placeholder(name)
+        nodes[name].meta["val"] = t
+    got = {k: backend._traced_layout(n) for k, n in nodes.items()}
+    assert got == {"dense": None, "padded": ((2, 6), (8, 1)), "transposed": ((2, 3), (1, 2)),
+                   "broadcast": None, "scalar": None}
+    out = backend._restrided(torch.arange(12.0).reshape(2, 6), got["padded"])
+    assert out.stride() == (8, 1) and torch.equal(out, torch.arange(12.0).reshape(2, 6))

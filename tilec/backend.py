@@ -281,11 +281,17 @@ class _Region:
     ``max_positions``, or two one-element integer inputs that disagree), or whose run-time attention
     mask is not causal (:mod:`tilec.guards`), runs eagerly too, with one warning each (an error with
     ``fallback`` off).
+
+    Outputs keep the strides the traced graph gave them (``meta["val"]``): an eager node after the
+    region may rely on them (CUDA memory-efficient SDPA takes the attention mask as a slice of a
+    padded one, with a row stride that is a multiple of 4; tilec writes its outputs contiguous).
     """
 
-    def __init__(self, gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions, n_out: int, single: bool):
+    def __init__(self, gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions):
         self.gm, self.kinds, self.labels, self.opts = gm, kinds, labels, opts
-        self.n_out, self.single = n_out, single
+        outs, self.single = _outputs(gm)
+        self.n_out = len(outs)
+        self.layouts = [_traced_layout(n) for n in outs]
         self.const_idx = [i for i, k in enumerate(kinds) if k == "const" and isinstance(flat[i], torch.Tensor)]
         self.warned: set[str] = set()
         self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
@@ -338,7 +344,35 @@ class _Region:
             return self.gm(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         assert len(outs) == self.n_out
+        outs = tuple(_restrided(t, lay) for t, lay in zip(outs, self.layouts))
         return outs[0] if self.single else outs
+
+
+def _traced_layout(node) -> tuple | None:
+    """(shape, strides) of an output node's traced tensor, when they are not those of a contiguous
+    tensor and no two elements share memory (else None: the output is used as tilec writes it)."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or any(isinstance(d, torch.SymInt) for d in (*val.shape, *val.stride())):
+        return None
+    shape, stride = tuple(val.shape), tuple(val.stride())
+    if val.numel() <= 1 or val.is_contiguous():
+        return None
+    dims = sorted((st, n) for n, st in zip(shape, stride) if n > 1)
+    span = 1
+    for st, n in dims:  # every dim steps past all the smaller ones: no overlap (nor a broadcast)
+        if st < span:
+            return None
+        span = st * n
+    return shape, stride
+
+
+def _restrided(t, layout):
+    """``t`` copied into a tensor of ``layout``'s (shape, strides) when its own strides differ."""
+    if layout is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != layout[0] or t.stride() == layout[1]:
+        return t
+    out = torch.empty_strided(layout[0], layout[1], dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
 
 
 def _outputs(gm: fx.GraphModule):
@@ -422,8 +456,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         max_positions = opts.max_positions or _cache_length(aot_gm)
         bad = find_unsupported(aot_gm, binding, max_positions)
         if not bad:
-            outs, _ = _outputs(aot_gm)
-            return _Region(aot_gm, flat, kinds, labels, opts, len(outs), False)
+            return _Region(aot_gm, flat, kinds, labels, opts)
         label_of = {n.name: label for n, label in zip(placeholders, labels)}
         if not opts.fallback:
             named = [(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad]
@@ -529,9 +562,8 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
                 sub_labels.append(f"the value of node {getattr(a, 'name', a)} (computed eagerly)")
         args = [value_of.get(a.name) if isinstance(a, fx.Node) and a.op == "placeholder" else r
                 for a, r in zip(node.args, recorded.get(node.target, []))]
-        outs, single = _outputs(sub)
         try:
-            runner = _Region(sub, args, sub_kinds, sub_labels, opts, len(outs), single)
+            runner = _Region(sub, args, sub_kinds, sub_labels, opts)
         except UnsupportedNodeError as e:
             log.warning("tilec: region %s runs eagerly: %s", node.target, " ".join(str(e).split()))
             continue
