@@ -926,46 +926,58 @@ def test_a_small_non_contiguous_parameter_keeps_one_operand_table(monkeypatch):
     torch._dynamo.reset()
 
 
-@torch.library.custom_op("tilec_test::aligned_row_sums", mutates_args=())
-def _aligned_row_sums(x: torch.Tensor) -> torch.Tensor:
-    """Row sums of ``x``; refuses rows whose stride is not a multiple of 4, as CUDA memory-efficient
-    SDPA refuses such an attention mask ("attn_bias is not correctly aligned")."""
-    if x.stride(-2) % 4:
-        raise RuntimeError(f"row stride {x.stride(-2)} is not a multiple of 4")
+@torch.library.custom_op("tilec_test::aligned_sums", mutates_args=())
+def _aligned_sums(x: torch.Tensor) -> torch.Tensor:
+    """Sums of ``x`` over its last dim; refuses an ``x`` whose other strides are not multiples of 4,
+    as CUDA memory-efficient SDPA refuses such an attention mask ("attn_bias is not correctly
+    aligned")."""
+    if any(st % 4 for st in x.stride()[:-1]):
+        raise RuntimeError(f"strides {x.stride()} are not multiples of 4")
     return x.sum(-1)
 
 
-@_aligned_row_sums.register_fake
+@_aligned_sums.register_fake
 def _(x):
     return x.sum(-1)
 
 
-def test_region_outputs_keep_their_traced_strides():
+def _padded(x):
+    return torch.nn.functional.pad(x * 2.0, (0, 2))[..., :6]  # rows 8 apart in eager
+
+
+@pytest.mark.parametrize("case", ["rows", "one row", "broadcast"])
+def test_region_outputs_keep_their_traced_strides(case):
     """A compiled region's output that an eager node reads has eager's strides. HF's SDPA mask on
-    CUDA is a slice of a mask padded to a multiple of 4 columns; tilec wrote it contiguous (row stride
-    78) and the memory-efficient kernel raised (H100, tests/gpu/test_cuda_backend.py)."""
-    def f(x):
-        padded = torch.nn.functional.pad(x * 2.0, (0, 2))[..., :6]  # rows 8 apart in eager
-        return _aligned_row_sums(padded) + 1.0
-
+    CUDA is a slice of a mask padded to a multiple of 4 columns, or a mask expanded over the heads;
+    tilec wrote its outputs contiguous (a heads' stride of 78) and the memory-efficient kernel
+    raised (H100, tests/gpu/test_cuda_backend.py)."""
+    shape, f = {"rows": ((3, 6), lambda x: _aligned_sums(_padded(x)) + 1.0),
+                "one row": ((1, 1, 6), lambda x: _aligned_sums(_padded(x)) + 1.0),
+                "broadcast": ((2, 1, 1, 6), lambda x: _aligned_sums(_padded(x).expand(2, 4, 1, 6)) + 1.0)}[case]
     torch.manual_seed(0)
-    x = torch.randn(3, 6)
-    assert_close(torch.compile(f, backend="tilec", dynamic=False)(x), f(x), 1e-6, "row sums")
+    x = torch.randn(shape)
+    assert_close(torch.compile(f, backend="tilec", dynamic=False)(x), f(x), 1e-6, "sums")
 
 
-def test_traced_layouts_that_are_not_restrided():
-    """Contiguous outputs, broadcasts and overlapping strides are used as tilec writes them."""
+def test_traced_layouts_that_are_restrided():
+    """Which traced layouts an output is copied into, and the copies' strides and values."""
     from torch.fx import Graph
 
     g = Graph()
     nodes = {}
     for name, t in {"dense": torch.empty(2, 3), "padded": torch.empty(2, 8)[:, :6],
+                    "one_row": torch.empty(1, 1, 1, 80)[..., :78],
                     "transposed": torch.empty(3, 2).t(), "broadcast": torch.empty(1, 3).expand(4, 3),
-                    "scalar": torch.empty(())}.items():
+                    "overlapping": torch.empty(8).as_strided((3, 4), (2, 1)), "scalar": torch.empty(())}.items():
         nodes[name] = g.placeholder(name)
         nodes[name].meta["val"] = t
     got = {k: backend._traced_layout(n) for k, n in nodes.items()}
-    assert got == {"dense": None, "padded": ((2, 6), (8, 1)), "transposed": ((2, 3), (1, 2)),
-                   "broadcast": None, "scalar": None}
-    out = backend._restrided(torch.arange(12.0).reshape(2, 6), got["padded"])
-    assert out.stride() == (8, 1) and torch.equal(out, torch.arange(12.0).reshape(2, 6))
+    assert got == {"dense": None, "padded": ((2, 6), (8, 1)), "one_row": ((1, 1, 1, 78), (80, 80, 80, 1)),
+                   "transposed": ((2, 3), (1, 2)), "broadcast": ((4, 3), (0, 1)), "overlapping": None,
+                   "scalar": None}
+    x = torch.arange(12.0).reshape(2, 6)
+    out = backend._restrided(x, got["padded"])
+    assert out.stride() == (8, 1) and torch.equal(out, x)
+    rows = torch.arange(3.0).expand(4, 3).contiguous()
+    out = backend._restrided(rows, got["broadcast"])
+    assert out.stride() == (0, 1) and torch.equal(out, rows)

@@ -31,7 +31,7 @@ from .dump import with_dump
 from .errors import PositionError, TilecError, UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
 from .guards import GuardError, build_mask_guards
-from .ir import DTYPE_CODES, is_integer
+from .ir import DTYPE_CODES, contiguous_strides, is_integer
 from .options import Options, unknown_options_message
 from .pipeline import compile_opgraph
 from .plan import PLAN_FORMAT
@@ -349,30 +349,35 @@ class _Region:
 
 
 def _traced_layout(node) -> tuple | None:
-    """(shape, strides) of an output node's traced tensor, when they are not those of a contiguous
-    tensor and no two elements share memory (else None: the output is used as tilec writes it)."""
+    """(shape, strides) of an output node's traced tensor when its strides are not a contiguous
+    tensor's, else None (the output is used as tilec writes it). Compared literally: a kernel may
+    check the stride of a dim of size 1 or of a broadcast (memory-efficient SDPA checks the heads'
+    stride of its mask, which eager passes expanded, stride 0). None also when dims that are not
+    broadcast share memory."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor) or any(isinstance(d, torch.SymInt) for d in (*val.shape, *val.stride())):
         return None
     shape, stride = tuple(val.shape), tuple(val.stride())
-    if val.numel() <= 1 or val.is_contiguous():
+    if val.numel() <= 1 or stride == contiguous_strides(shape):
         return None
-    dims = sorted((st, n) for n, st in zip(shape, stride) if n > 1)
     span = 1
-    for st, n in dims:  # every dim steps past all the smaller ones: no overlap (nor a broadcast)
-        if st < span:
+    for st, n in sorted((st, n) for n, st in zip(shape, stride) if n > 1 and st != 0):
+        if st < span:  # each dim steps past all the smaller ones, or two elements share memory
             return None
         span = st * n
     return shape, stride
 
 
 def _restrided(t, layout):
-    """``t`` copied into a tensor of ``layout``'s (shape, strides) when its own strides differ."""
+    """``t`` copied into a tensor of ``layout``'s (shape, strides) when its own strides differ; a
+    broadcast dim (stride 0) takes ``t``'s first entry along it, expanded."""
     if layout is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != layout[0] or t.stride() == layout[1]:
         return t
-    out = torch.empty_strided(layout[0], layout[1], dtype=t.dtype, device=t.device)
-    out.copy_(t)
-    return out
+    shape, stride = layout
+    base = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in stride)]
+    out = torch.empty_strided(base.shape, stride, dtype=t.dtype, device=t.device)
+    out.copy_(base)
+    return out.expand(shape)
 
 
 def _outputs(gm: fx.GraphModule):
