@@ -99,8 +99,7 @@ if [[ $what == quick ]]; then  # not part of all: all runs each of these in full
   timeout 70 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --skip-inductor --batch 16 --iters 20 2>&1 | tee "$OUT/bench_b16.log" | tail -8
 fi
 if [[ $what == pending ]]; then  # not part of all
-  # K-outer tensor-core tiles (the thirty-eighth session's gemv_groups change sizes sibling ones 32 columns wide);
-  # for benchmarks/lab/patches/s38-kouter-small-rows.patch apply it first: its tests are 4-14336, 3-8192, 2-14336
+  # K-outer tensor-core tiles (sibling GEMVs 32 columns wide; 2..4 rows over K > 4096: 4-14336, 3-8192, 2-14336)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_ops.py \
     -k "tensor_core_rows" 2>&1 | tee "$OUT/pending_tests.log" | tail -6
   timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py \

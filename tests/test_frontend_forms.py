@@ -306,13 +306,3 @@ def test_rope_of_bf16_rows_with_float32_tables_reads_the_rows_upcast():
     with torch.no_grad():
         assert torch.equal(prog(*args), m(*args))
     assert [op.kind for op in prog.plan.graph.ops] == ["unary", "rope"]
-
-
-def test_pairwise_rope_is_refused_on_the_cuda_path(monkeypatch):
-    """Rope style 2's device code is a patch not yet run on a GPU: a CUDA-resident graph is refused by
-    name (never planned for device code that does style 1's arithmetic), the CPU one runs."""
-    from tilec.frontend_forms import FormsLowering
-
-    monkeypatch.setattr(FormsLowering, "_on_cuda", lambda self: True)
-    with pytest.raises(UnsupportedNodeError, match="RoPE on pairs rotated in place .* no GPU code"):
-        compile_module(Fn(lambda m, x, c, s: x * c + rot2(x) * s).eval(), X16)

@@ -187,11 +187,16 @@ class _Proj(torch.nn.Module):
     (8, 8192, 96, False, True),    # a batch-8 down projection (Llama-3.2-1B): tensor cores, K-outer
     (5, 8192, 96, False, True),    # the fewest rows the tensor-core consumer takes
     (4, 4096, 96, False, False),   # <= GEMV_RING_ROWS rows: the CUDA-core consumer, x staged whole
+    (4, 14336, 96, False, True),   # a batch-4 down projection (Llama-3.1-8B, too wide to fuse)
+    (3, 8192, 96, False, True),    # 3 float rows of 8192 exceed 96 KiB
+    (2, 8192, 96, False, False),   # 2 fit: staged whole
 ])
 def test_long_k_batches_stream_k_block_outer(rows, k, n, norm, kouter):
     """5..16 bf16 rows over K > 4096: the stream word's K-outer flag, and scratch for one K block.
     Before, 5..8 rows went to the CUDA-core consumer, which stages x whole: Llama-3.2-1B's batch-8
-    down projection (8 x 8192, too wide to fuse) did not fit beside the ring and streamed nothing."""
+    down projection (8 x 8192, too wide to fuse) did not fit beside the ring and streamed nothing.
+    The same for 2..4 rows whose float rows exceed 96 KiB (Llama-3.1-8B's batch-4 down projection:
+    its weights were read at ~0.05 TB/s on an H200)."""
     from tilec.ops import STREAM_KOUTER, kouter_bytes
 
     x = torch.randn(rows, k, dtype=torch.bfloat16)
@@ -205,6 +210,20 @@ def test_long_k_batches_stream_k_block_outer(rows, k, n, norm, kouter):
     assert all(bool(w & STREAM_KOUTER) == kouter for w in words)
     if kouter:
         assert smem.scratch_bytes(plan.graph) >= kouter_bytes(rows)
+
+
+def test_a_split_k_slice_of_a_few_long_rows_streams_k_block_outer():
+    """Llama-3.1-8B's batch-3 down projection (3 x 14336) with split_k=2: its 7168-K slices' float
+    rows (86 KiB) fit the 96 KiB a plan stages but not the plan's scratch, so they were neither staged
+    whole nor K-outer and streamed nothing (a reviewer's find). They stream K block outer now."""
+    from tilec.ops import STREAM_KOUTER
+
+    x = torch.randn(3, 14336, dtype=torch.bfloat16)
+    plan = compile_module(_Proj(14336, 96, False), (x,), options=dict(workers=8, split_k=2, executor="reference",
+                                                                       check=False)).plan
+    words = [d[F["stream"][0]] for q in plan.queues.tolist() for d in q
+             if d[F["opcode"][0]] not in (NOOP, EMPTY) and d[F["stream"][0]]]
+    assert len(words) >= 8 and all(w & STREAM_KOUTER for w in words)
 
 
 def test_long_k_with_a_fused_prologue_is_not_streamed():

@@ -102,12 +102,6 @@ def _weighted(node, core_of):
     return None
 
 
-# rope style 2 has reference code only: its device code waits for a GPU session, as a patch
-PAIRWISE_ON_GPU = ("RoPE on pairs rotated in place (GPT-J / GLM-4 / Cohere style) has no GPU code in this build yet "
-                   "(prepared in benchmarks/lab/patches/s40-rope-pairwise.patch, not yet run on a GPU); the CPU "
-                   "reference executor runs it")
-
-
 def _products(node):
     """For ``add(a * b, c * d)``: each (first product, a factor of the second, the other factor), the
     sum's and the second product's operands taken in both orders (RoPE's ``x*cos + rot(x)*sin``)."""
@@ -120,12 +114,6 @@ def _products(node):
 
 
 class FormsLowering:
-    def _on_cuda(self) -> bool:
-        """Whether the graph's weights or example inputs live on a CUDA device (the CUDA executor's plan)."""
-        tensors = [*self.b.params.values(), *(self.b.examples or {}).values()]
-        return any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
-
-
     def _rmsnorm(self, node: fx.Node):
         """RMSNorm written out (:func:`_norm_core`) times a [D] weight, or alone."""
         found = _weighted(node, _norm_core)
@@ -298,7 +286,5 @@ class FormsLowering:
                                                    == torch.float32 and val_of(x).dtype in (torch.bfloat16,
                                                                                             torch.float16))
                 if same and val_of(cos).shape[-1] == val_of(sin).shape[-1] == shape[-1]:
-                    if self._on_cuda():
-                        self._unsupported(node, PAIRWISE_ON_GPU)
                     return self._rope_args(node, xx, (cos, sin), PAIRWISE)
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import ops as opreg
 from .errors import TilecError
 from .ir import OpGraph
-from .ops import kouter_bytes, kouter_rows
+from .ops import GEMV_STAGE_MAX, kouter_bytes, kouter_rows
 from .ops.linear_fused import ring_staged_bytes, staged_bytes
 
 # Hopper's 227 KiB per CTA less room for the executor's static shared memory (4064 bytes with 13-operand
@@ -30,7 +30,7 @@ MAX_STAGES = 3
 
 def scratch_bytes(graph: OpGraph) -> int:
     """Scratch (bytes, a multiple of 128) for the largest tile of ``graph``: attention scores and
-    P.V partials (``op_attention``), staged GEMV x rows (up to 96 KiB; fused GEMVs always stage;
+    P.V partials (``op_attention``), staged GEMV x rows (up to 96 KiB, :data:`~tilec.ops.GEMV_STAGE_MAX`; fused GEMVs always stage;
     tensor-core rows over a long K: one K block of them), and what ops state themselves (``OpDef.smem_bytes``).
 
     Raises:
@@ -51,7 +51,7 @@ def scratch_bytes(graph: OpGraph) -> int:
                 rows *= s
             k = op.inputs[0].shape[-1]
             for staged in (ring_staged_bytes(rows, k), staged_bytes(rows, k)):  # with the bf16 copy if it fits
-                if staged <= 96 * 1024:
+                if staged <= GEMV_STAGE_MAX:
                     own = max(own, staged)
                     break
             else:

@@ -236,7 +236,7 @@ __device__ void op_softmax(TileCtx& c) {
   });
 }
 
-// ---- RoPE: rotate-half (style 0) or interleaved pairs (style 1) --------------------
+// ---- RoPE: rotate-half (style 0), interleaved pairs (style 1) or pairs in place (style 2) ----
 template <typename TX, typename TC, typename TS, typename TO>
 __device__ void op_rope(TileCtx& c) {
   const Operand &x = operands()[0], &cs = operands()[1], &sn = operands()[2], &out = operands()[3];
@@ -256,15 +256,22 @@ __device__ void op_rope(TileCtx& c) {
       a = ldf<TX>(x, xo + i * xs); b = ldf<TX>(x, xo + (i + h) * xs);
       c0 = ldf<TC>(cs, co + i * cst); s0 = ldf<TS>(sn, so + i * sst);
       c1 = ldf<TC>(cs, co + (i + h) * cst); s1 = ldf<TS>(sn, so + (i + h) * sst);
-    } else {
+    } else if (style == 1) {
       a = ldf<TX>(x, xo + 2 * i * xs); b = ldf<TX>(x, xo + (2 * i + 1) * xs);
       c0 = c1 = ldf<TC>(cs, co + i * cst); s0 = s1 = ldf<TS>(sn, so + i * sst);
+    } else {  // style 2: cos / sin [D], a value per element (HF repeats each frequency twice)
+      a = ldf<TX>(x, xo + 2 * i * xs); b = ldf<TX>(x, xo + (2 * i + 1) * xs);
+      c0 = ldf<TC>(cs, co + 2 * i * cst); s0 = ldf<TS>(sn, so + 2 * i * sst);
+      c1 = ldf<TC>(cs, co + (2 * i + 1) * cst); s1 = ldf<TS>(sn, so + (2 * i + 1) * sst);
     }
     // each product rounded to the storage type, as eager HF computes x*cos + rot(x)*sin
-    // (interleaved inputs come out de-interleaved, as HF's apply_rotary_pos_emb_interleave does);
+    // (style 1's interleaved inputs come out de-interleaved, as HF's apply_rotary_pos_emb_interleave
+    // does; style 2's stay interleaved, as GPT-J's rotate_every_two keeps them);
     // __fmul_rn: never contracted into an FMA with the sum (float32 rows: eager rounds each product)
-    stf<TO>(out, oo + i * os, round_to<TX>(__fmul_rn(a, c0)) - round_to<TX>(__fmul_rn(b, s0)));
-    stf<TO>(out, oo + (i + h) * os, round_to<TX>(__fmul_rn(b, c1)) + round_to<TX>(__fmul_rn(a, s1)));
+    const long long o0 = style == 2 ? oo + 2 * i * os : oo + i * os;
+    const long long o1 = style == 2 ? oo + (2 * i + 1) * os : oo + (i + h) * os;
+    stf<TO>(out, o0, round_to<TX>(__fmul_rn(a, c0)) - round_to<TX>(__fmul_rn(b, s0)));
+    stf<TO>(out, o1, round_to<TX>(__fmul_rn(b, c1)) + round_to<TX>(__fmul_rn(a, s1)));
   }
 }
 
@@ -1427,10 +1434,14 @@ __device__ __forceinline__ void gemv_prepare(const int* d, const Operand* ops, i
 // from OpDef.staged_x; same x, prologue, rows and K range): when the executor confirms they are
 // still in shared memory (c.x_staged_in), they are not staged again. A tile of at most kPrepRows rows
 // takes its row offsets and stream range from the controller (gemv_prepare).
-template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap>
+template <typename TX, typename TW, typename TB, typename TO, bool kBias, int kRowCap, bool kFused = false>
 __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0, float eps = 0.f, bool reuse_x = false) {
   constexpr int kRingRows = TILEC_GEMV_RING_ROWS;                      // the CUDA-core ring consumer's rows at most
   constexpr bool kMmaRows = kRowCap == 0 || kRowCap > kRingRows;      // tensor-core rows may occur
+  // K-outer tiles of 2..kRingRows rows come only from plain linears (a fused tile reserves its float
+  // rows: tilec/ops/linear_fused.py); compiled into the fused 4-row instance the branch added spills
+  // to its other paths (ptxas -v: 1012 -> 1268 bytes of spill loads)
+  constexpr bool kKouter = kMmaRows || (kRowCap != 1 && !kFused);
   constexpr int kR = kRowCap == 1 ? 1 : kRowCap == 4 ? 4 : 8;         // the widest row-register instance
   const Operand &x = operands()[0], &w = operands()[wi];
   const Operand &out = operands()[oi];
@@ -1497,9 +1508,11 @@ __device__ void linear_impl(TileCtx& c, int wi, int oi, int pro = 0, int epi = 0
       }
     }
     const bool mma = kMmaRows && nr > kRingRows;
-    if (kMmaRows && ring && t.kouter) {  // tensor-core bf16 rows over a long K, no prologue (plan.py gemv_stream_word)
+    // tensor-core bf16 rows over a long K, no prologue (tilec/ops/__init__.py kouter_rows): 5..16 rows,
+    // or 2..kRingRows whose float rows would leave the ring no room
+    if (kKouter && ring && t.kouter) {
       constexpr int kPitch = kStreamK + 32;
-      if (std::is_same<TX, __nv_bfloat16>::value && mma && nr <= 16 && pro == 0 && variant != 1 &&
+      if (std::is_same<TX, __nv_bfloat16>::value && nr > 1 && nr <= 16 && pro == 0 && variant != 1 &&
           t.n1 - t.n0 <= kWarps * kKouterGroups && 576 + nr * kPitch / 2 + kWarps * 128 <= c.smem_floats - 64) {
         if (!c.wait()) return;
         gemv_bf16_ring_kouter<TB, TO, kBias>(c, t, xoff, xk, nr, reinterpret_cast<__nv_bfloat16*>(xs_smem),
@@ -1615,7 +1628,8 @@ template <typename TX, typename TW, typename TO, int kRowCap>
 __device__ void op_linear_fused(TileCtx& c) {
   const int pro = c.param(1), epi = c.param(2);
   const int wi = pro ? 2 : 1;
-  linear_impl<TX, TW, TW, TO, false, kRowCap>(c, wi, wi + (epi == 1 ? 2 : 1), pro, epi, c.fparam(3), c.param(4) != 0);
+  linear_impl<TX, TW, TW, TO, false, kRowCap, true>(c, wi, wi + (epi == 1 ? 2 : 1), pro, epi, c.fparam(3),
+                                                    c.param(4) != 0);
 }
 
 // ---- decode attention over a static KV cache (GQA) -------------------------------------

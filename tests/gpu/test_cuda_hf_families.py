@@ -3,8 +3,7 @@
 The CPU suite runs these families on the reference executor (tests/test_hf_architectures.py);
 here their generated CUDA programs run: q/k/v biases, LayerNorm with and without bias, GELU
 MLPs, partial rotary, parallel residuals, scalar multipliers, layers without RoPE, fused qkv
-and gate_up weights; the families with RoPE on pairs rotated in place (rope style 2, no device
-code in this build) must be refused by name. Tiny random configs (2 layers), context 20, 4 greedy steps fed eager's tokens.
+and gate_up weights, RoPE on pairs rotated in place (rope style 2). Tiny random configs (2 layers), context 20, 4 greedy steps fed eager's tokens.
 
 - float32, batch 1: logits and KV cache within a relative L2 of 1e-4 of eager (float32 on both
   sides; only the reduction order differs).
@@ -18,14 +17,10 @@ import pytest
 import torch
 
 from _helpers import FAMILIES, family_model, rel_l2
-from tilec.errors import UnsupportedNodeError
 from tilec.hf import compile_decode_step
 from tilec.zoo import eager_step, prefill
 
 DEV = "cuda"
-# families whose RoPE rotates pairs in place (rope style 2): its device code is a patch
-# (benchmarks/lab/patches/s40-rope-pairwise.patch, never run on a GPU), so the CUDA path refuses them
-PAIRWISE = {"cohere", "ernie4_5", "glm", "glm4", "gptj", "helium"}
 CONTEXT, STEPS = 20, 4
 
 
@@ -41,10 +36,6 @@ def test_family_decode_matches_eager(family, dtype, batch):
     model = family_model(family, dtype, DEV)
     cache, tok = prefill(model, batch, CONTEXT, CONTEXT + STEPS + 4, DEV)
     eager_cache = copy.deepcopy(cache)
-    if family in PAIRWISE and DEV == "cuda":  # no device code for rope style 2 in this build: refused, by name
-        with pytest.raises(UnsupportedNodeError, match="RoPE on pairs rotated in place .* no GPU code"):
-            compile_decode_step(model, cache, batch)
-        return
     step = compile_decode_step(model, cache, batch)
     assert step.program.executor_kind == ("cuda" if DEV == "cuda" else "reference")
     if dtype == torch.bfloat16:

@@ -55,11 +55,13 @@ def test_linear(dtype, m, k, n, bias, tile_n):
 
 @pytest.mark.parametrize("m,k,n,bias", [(9, 512, 100, True), (16, 2048, 72, False), (40, 2048, 130, True),
                                          (16, 6144, 24, False), (12, 5000, 40, True), (5, 512, 100, True),
-                                         (8, 2048, 72, False), (5, 8192, 24, True), (8, 5000, 40, False)])
+                                         (8, 2048, 72, False), (5, 8192, 24, True), (8, 5000, 40, False),
+                                         (4, 14336, 40, True), (3, 8192, 24, False), (2, 14336, 24, False)])
 def test_linear_tensor_core_rows(m, k, n, bias):
     """5..64 rows: the mma.sync path - streamed weights for 5..16 rows (x staged whole up to K 4096,
     longer K block outer, x staged one K block at a time), from staged rows (small K) or straight
-    from x (large) for more."""
+    from x (large) for more. 2..4 rows whose float rows exceed 96 KiB (a Llama-3.1-8B batch-4 down
+    projection, 4 x 14336) stream K block outer too: they streamed nothing and ran at ~0.05 TB/s."""
     check(Lin(k, n, bias, torch.bfloat16), (torch.randn(m, k, dtype=torch.bfloat16),), torch.bfloat16)
 
 
@@ -210,7 +212,8 @@ class Rope(torch.nn.Module):
         a = x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
         x1, x2 = x[..., 0::2], x[..., 1::2]
         b = torch.cat([x1 * c2 - x2 * s2, x2 * c2 + x1 * s2], -1)
-        return a, b
+        c = x * cos + torch.stack((-x2, x1), -1).flatten(-2) * sin  # GPT-J / GLM-4: pairs rotated in place
+        return a, b, c
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -219,7 +222,7 @@ def test_rope(dtype):
     cos, sin = torch.randn(2, 1, 1, 64, dtype=dtype), torch.randn(2, 1, 1, 64, dtype=dtype)
     c2, s2 = torch.randn(2, 1, 1, 32, dtype=dtype), torch.randn(2, 1, 1, 32, dtype=dtype)
     prog = check(Rope(), (x, cos, sin, c2, s2), dtype)
-    assert sorted(op.attr("style") for op in prog.graph.ops if op.kind == "rope") == [0, 1]
+    assert sorted(op.attr("style") for op in prog.graph.ops if op.kind == "rope") == [0, 1, 2]
 
 
 class Ewise(torch.nn.Module):

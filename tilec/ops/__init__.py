@@ -279,11 +279,24 @@ def mma_ring_rows(graph, x: View, rows: int) -> bool:
     return GEMV_RING_ROWS < rows <= GEMV_RING_MMA_ROWS and graph.buffers[x.buffer].dtype == torch.bfloat16
 
 
-def kouter_rows(graph, x: View, rows: int, k: int) -> bool:
-    """Whether a GEMV tile of ``rows`` rows of x over a K range of ``k`` streams K block outer: tensor-core
-    rows (:func:`mma_ring_rows`) over a K range longer than :data:`GEMV_RING_MMA_K` (the one rule
-    of :func:`gemv_stream_word`, ``tilec.smem.scratch_bytes`` and ``tilec.passes.gemv_groups``)."""
-    return k > GEMV_RING_MMA_K and mma_ring_rows(graph, x, rows)
+GEMV_STAGE_MAX = 96 * 1024  # bytes of float x rows a plain linear's tile stages whole at most (tilec.smem)
+
+
+def kouter_rows(graph, x: View, rows: int, k: int, scratch: int | None = None) -> bool:
+    """Whether a GEMV tile of ``rows`` bf16 rows of x over a K range of ``k`` streams K block outer
+    (tensor cores, :func:`kouter_bytes` of shared memory): tensor-core rows over a K range longer
+    than :data:`GEMV_RING_MMA_K`, and 2..:data:`GEMV_RING_ROWS` rows whose float rows do not fit
+    ``scratch`` bytes (without ``scratch``: :data:`GEMV_STAGE_MAX`, the room a plan reserves).
+    Before, such a tile (a Llama-3.1-8B batch-4 down projection, 4 x 14336, too wide to fuse;
+    also a split-K slice of one) streamed nothing: the device read its weights on the unstreamed
+    path, which ran 8 independent 4 x 14336 GEMVs at ~0.05 TB/s on an H200."""
+    from .linear_fused import staged_bytes
+
+    if graph.buffers[x.buffer].dtype != torch.bfloat16:
+        return False
+    if mma_ring_rows(graph, x, rows):
+        return k > GEMV_RING_MMA_K
+    return 1 < rows <= GEMV_RING_ROWS and staged_bytes(rows, k) > (GEMV_STAGE_MAX if scratch is None else scratch)
 
 
 def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch: int, prologue: bool = False) -> int:
@@ -296,7 +309,8 @@ def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch:
     * at most :data:`GEMV_RING_ROWS` rows, staged whole (CUDA cores);
     * up to :data:`GEMV_RING_MMA_ROWS` bf16 rows over a K range of 32 to :data:`GEMV_RING_MMA_K`,
       staged whole, with room for the cross-warp sums (tensor cores);
-    * up to :data:`GEMV_RING_MMA_ROWS` bf16 rows over a longer K range, at most
+    * up to :data:`GEMV_RING_MMA_ROWS` bf16 rows over a longer K range (2..:data:`GEMV_RING_ROWS`
+      rows: a K range whose float rows exceed 96 KiB and ``scratch``; :func:`kouter_rows`), at most
       :data:`GEMV_KOUTER_COLS` columns and no prologue (``prologue``: the op applies one): one K
       block of x staged at a time, the stream ordered K block outer (tensor cores).
 
@@ -315,7 +329,7 @@ def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch:
     nd = len(tile.coords) - 1
     word = (operand + 1) | ((nd - 1) << 4) | (nd << 8)
     mma_rows = mma_ring_rows(graph, x, rows)
-    if kouter_rows(graph, x, rows, k1 - k0):
+    if kouter_rows(graph, x, rows, k1 - k0, scratch):
         fits = n1 - n0 <= GEMV_KOUTER_COLS and not prologue and kouter_bytes(rows) <= scratch
         return word | STREAM_KOUTER if fits else 0
     if staged_bytes(rows, k1 - k0) > scratch:
