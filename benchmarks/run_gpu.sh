@@ -104,8 +104,8 @@ if [[ $what == pending ]]; then  # not part of all
     -k "tensor_core_rows" 2>&1 | tee "$OUT/pending_tests.log" | tail -6
   timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_models.py \
     -k "decode_matches_eager and (qwen3-0.6b-4 or tiny)" 2>&1 | tee "$OUT/pending_models.log" | tail -6
-  # torch.compile + HF generate() with the per-call attention-mask check (thirty-ninth session; its first H200 run,
-  # forty-first session, failed with InvalidBackend: no entry point from a source tree, fixed since, not rerun)
+  # torch.compile + HF generate() with the per-call attention-mask check (thirty-ninth session; 2 passed on an H200,
+  # forty-second session, after two fixes: the backend name from a source tree, region outputs' traced strides)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py 2>&1 \
     | tee "$OUT/pending_backend.log" | tail -6
   timeout 240 python3 benchmarks/generate.py --model llama-3.2-1b --context 1024 --new-tokens 64 --iters 3 2>&1 \
