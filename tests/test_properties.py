@@ -307,3 +307,35 @@ def test_any_worker_count_and_scheduler_is_deadlock_free(prog, workers, schedule
         if scheduler == "round_robin":
             assert all(s == list(range(w, len(s) * workers, workers))[:len(s)] for w, s in enumerate(seq))
         simulate(plan)  # the verifier's own check, explicitly: two steps of waits/signals, no deadlock
+
+
+# ---- event derivation: an op's earlier accesses against a tile's box ----------------------
+
+_COORD = st.integers(-3, 6)
+
+
+@st.composite
+def _access_steps(draw):
+    """A rank 0..3 and up to 12 (box, exact, queries) adds: half-open ranges that may be empty,
+    inverted, touching or nested."""
+    rank = draw(st.integers(0, 3))
+    box = st.tuples(*[st.tuples(_COORD, _COORD) for _ in range(rank)])
+    return rank, draw(st.lists(st.tuples(box, st.booleans(), st.lists(box, max_size=4)), min_size=1, max_size=12))
+
+
+@settings(max_examples=_examples(500), deadline=None)
+@given(_access_steps())
+def test_accesses_overlapping_matches_the_pairwise_test(steps):
+    """``taskgraph._Accesses.overlapping`` (bounding-box shortcuts) gives the ids, in order, and the
+    all-exact flag of a test of every stored box with ``boxes_overlap``, queried after every add."""
+    from tilec.taskgraph import _Accesses, boxes_overlap
+
+    rank, adds = steps
+    acc, stored = _Accesses(rank), []
+    for tid, (box, exact, queries) in enumerate(adds):
+        acc.add(tid, box, exact)
+        stored.append((tid, box, exact))
+        for q in [*queries, box]:
+            hit = [(t, ex) for t, b, ex in stored if boxes_overlap(q, b)]
+            ids, all_exact = acc.overlapping(q)
+            assert (list(ids), all_exact) == ([t for t, _ in hit], all(ex for _, ex in hit)), (stored, q)
