@@ -320,18 +320,27 @@ def _access_steps(draw):
     inverted, touching or nested."""
     rank = draw(st.integers(0, 3))
     box = st.tuples(*[st.tuples(_COORD, _COORD) for _ in range(rank)])
-    return rank, draw(st.lists(st.tuples(box, st.booleans(), st.lists(box, max_size=4)), min_size=1, max_size=12))
+    # column tiles along one dim (what the index serves), besides arbitrary boxes
+    tiles = st.tuples(st.integers(0, max(rank - 1, 0)), st.integers(0, 7)).map(
+        lambda di: tuple((2 * di[1], 2 * di[1] + 2) if j == di[0] else (0, 1) for j in range(rank)))
+    return rank, draw(st.lists(st.tuples(box | tiles, st.booleans(), st.lists(box, max_size=4)), min_size=1,
+                               max_size=20))
 
 
 @settings(max_examples=_examples(500), deadline=None)
-@given(_access_steps())
-def test_accesses_overlapping_matches_the_pairwise_test(steps):
-    """``taskgraph._Accesses.overlapping`` (bounding-box shortcuts) gives the ids, in order, and the
-    all-exact flag of a test of every stored box with ``boxes_overlap``, queried after every add."""
+@given(_access_steps(), st.sampled_from([2, None]))
+def test_accesses_overlapping_matches_the_pairwise_test(steps, index_min):
+    """``taskgraph._Accesses.overlapping`` (bounding-box shortcuts, the index along a dim that
+    separates the boxes, from ``index_min`` accesses) gives the ids, in order, and the all-exact
+    flag of a test of every stored box with ``boxes_overlap``, queried after every add."""
     from tilec.taskgraph import _Accesses, boxes_overlap
 
+    class Accesses(_Accesses):
+        __slots__ = ()
+        INDEX_MIN = index_min or _Accesses.INDEX_MIN
+
     rank, adds = steps
-    acc, stored = _Accesses(rank), []
+    acc, stored = Accesses(rank), []
     for tid, (box, exact, queries) in enumerate(adds):
         acc.add(tid, box, exact)
         stored.append((tid, box, exact))

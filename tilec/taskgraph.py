@@ -19,6 +19,7 @@ Before fusion there is one event per (consumer task, producer op); the passes in
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -192,9 +193,11 @@ def boxes_overlap(a: Box, b: Box) -> bool:
 class _Accesses:
     """The earlier accesses of one op in one mode to one buffer: task ids and boxes, with their
     bounding box kept as they are added, so that :meth:`overlapping` answers a box that contains
-    them all (or misses them all) without a test per access."""
+    them all (or misses them all) without a test per access; otherwise the boxes are found through
+    a dim along which they are disjoint (a GEMV's column tiles), sorted once, by bisection."""
 
-    __slots__ = ("ids", "boxes", "exacts", "exact", "lo", "hi", "empty")
+    __slots__ = ("ids", "boxes", "exacts", "exact", "lo", "hi", "empty", "_index")
+    INDEX_MIN = 16  # fewer accesses are tested one by one
 
     def __init__(self, rank: int):
         self.ids: list[int] = []
@@ -203,7 +206,8 @@ class _Accesses:
         self.exact = True  # every access's task mapped its regions exactly
         self.lo = [math.inf] * rank
         self.hi = [-math.inf] * rank
-        self.empty = False  # some box has an empty range (it overlaps nothing)
+        self.empty = False  # some box has an empty range
+        self._index = None  # (accesses indexed, dim or None, order, los, his)
 
     def add(self, tid: int, box: Box, exact: bool) -> None:
         self.ids.append(tid)
@@ -216,14 +220,37 @@ class _Accesses:
             self.hi[d] = max(self.hi[d], hi)
 
     def overlapping(self, box: Box) -> tuple[list[int], bool]:
-        """The ids of the accesses whose boxes overlap ``box`` (:func:`boxes_overlap`), and
-        whether all of those tasks were exact."""
+        """The ids of the accesses whose boxes overlap ``box`` (:func:`boxes_overlap`), in the order
+        they were added, and whether all of those tasks were exact."""
         if not all(lo < self.hi[d] and self.lo[d] < hi for d, (lo, hi) in enumerate(box)):
             return [], True
         if not self.empty and all(lo <= self.lo[d] and self.hi[d] <= hi for d, (lo, hi) in enumerate(box)):
             return self.ids, self.exact
-        hit = [i for i, b in enumerate(self.boxes) if boxes_overlap(box, b)]
+        n, d, order, los, his = self._indexed()
+        if d is None:
+            cand = range(len(self.boxes))
+        else:  # the indexed accesses that overlap box along d, then those added since
+            cand = sorted(order[bisect.bisect_right(his, box[d][0]):bisect.bisect_left(los, box[d][1])])
+            cand += range(n, len(self.boxes))
+        hit = [i for i in cand if boxes_overlap(box, self.boxes[i])]
         return [self.ids[i] for i in hit], all(self.exacts[i] for i in hit)
+
+    def _indexed(self) -> tuple:
+        """(accesses indexed, dim, their order along it, its los and his in that order); dim None
+        when no dim separates them or there are too few. Rebuilt when the accesses added since
+        outnumber those indexed (an op's own accesses grow while it queries them)."""
+        n = len(self.boxes)
+        if self._index is None or n > 2 * self._index[0]:
+            self._index = (n, None, None, None, None)
+            if n >= self.INDEX_MIN and not self.empty:
+                for d in range(len(self.lo)):
+                    order = sorted(range(n), key=lambda i: self.boxes[i][d])
+                    los = [self.boxes[i][d][0] for i in order]
+                    his = [self.boxes[i][d][1] for i in order]
+                    if all(his[k] <= los[k + 1] for k in range(n - 1)):  # disjoint: his sorted too
+                        self._index = (n, d, order, los, his)
+                        break
+        return self._index
 
 
 # ---- building ----------------------------------------------------------------------------

@@ -24,25 +24,34 @@ def bottom_levels(tg: TaskGraph) -> dict[int, float]:
     Raises:
         VerificationError: the task graph has a cycle.
     """
-    succ_tasks: dict[int, set[int]] = {t.id: set() for t in tg.tasks}
+    # over the bipartite task / event graph, not the task graph it implies: an all-to-all event
+    # between GEMV phases (88 triggers, 128 successors) is one node, not 11k task edges. An event's
+    # level is the largest of its successors' plus HOP_US, known once they all are; a task's is its
+    # cost plus the largest of its events' (0 without any: an event with no successors adds 0)
+    triggers_of: dict[int, list[int]] = {t.id: [] for t in tg.tasks}
+    wait_of: dict[int, list] = {t.id: [] for t in tg.tasks}
     for e in tg.events:
         for p in e.preds:
-            succ_tasks[p] |= e.succs
+            triggers_of[p].append(e.id)
+        for s in e.succs:
+            wait_of[s].append(e)
+    left = {e.id: len(e.succs) for e in tg.events}  # successors whose level is not known yet
+    ev_level = {e.id: 0.0 for e in tg.events if not e.succs}
+    waiting = {t: sum(e not in ev_level for e in es) for t, es in triggers_of.items()}
     cost = {t.id: task_time_us(t.nbytes, t.flops, t.kind) for t in tg.tasks}
     level: dict[int, float] = {}
-    indeg = {t: len(s) for t, s in succ_tasks.items()}
-    preds_of: dict[int, set[int]] = {t.id: set() for t in tg.tasks}
-    for p, ss in succ_tasks.items():
-        for s in ss:
-            preds_of[s].add(p)
-    ready = deque(t for t, n in indeg.items() if n == 0)
+    ready = deque(t for t, n in waiting.items() if n == 0)
     while ready:
         t = ready.popleft()
-        level[t] = cost[t] + max((level[s] + HOP_US for s in succ_tasks[t]), default=0.0)
-        for p in preds_of[t]:
-            indeg[p] -= 1
-            if indeg[p] == 0:
-                ready.append(p)
+        level[t] = cost[t] + max((ev_level[e] for e in triggers_of[t]), default=0.0)
+        for e in wait_of[t]:
+            left[e.id] -= 1
+            if left[e.id] == 0:
+                ev_level[e.id] = max(level[s] for s in e.succs) + HOP_US
+                for p in e.preds:
+                    waiting[p] -= 1
+                    if waiting[p] == 0:
+                        ready.append(p)
     if len(level) != len(tg.tasks):
         raise VerificationError("task graph has a cycle")
     return level
