@@ -97,7 +97,7 @@ def compile_artifact(progress: Progress, factory: str, output: Path, option_pair
     s = program.stats
     lib = (path / art_mod.LIBRARY).exists()
     click.echo(f"wrote {path}: {s['ops']} ops, {s['tasks']} tasks, {s['events']} events on {program.plan.workers} "
-               f"workers (predicted {s['predicted_step_us']} us); library "
+               f"workers (cost-model makespan {s['predicted_step_us']} us: planning weights, not a timing); library "
                f"{'cuda/libtilec.so (' + program.opts.arch + ')' if lib else 'not built'}")
 
 

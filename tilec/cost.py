@@ -6,6 +6,13 @@ A task of a measured kind costs ``fixed + bytes / rate`` (:data:`MEASURED`, fitt
 ``benchmarks/fit_cost.py`` from the per-instruction trace of a Llama-3.2-1B decode step on
 an H200, context 1024, bf16); other kinds cost ``max(bytes / per-worker bandwidth, flops /
 per-worker rate) + overhead``.
+
+These figures are planning weights: the list scheduler uses their ratios, and they overstate the
+current executor's times. The forty-first session's H200 trace of the Llama-3.2-1B step measured
+GEMV tiles at about 2.7 µs + bytes / 33.5e3 (a 104 KB q / k / v tile 4.9 µs, where ``MEASURED``
+says 14.5) and the step at 1093 µs, where the schedule's makespan (``predicted_step_us``) is 2018.
+A refit of that kind planned a step as fast within noise (1.186 against 1.181 ms on an H200,
+nineteenth session, ``benchmarks/lab/options_ab.py``); it waits for an A/B on the current executor.
 """
 from __future__ import annotations
 
