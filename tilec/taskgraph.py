@@ -20,6 +20,7 @@ Before fusion there is one event per (consumer task, producer op); the passes in
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -144,7 +145,11 @@ def map_box(view: View, box: Box, buf: Buffer, p: int | None = None) -> tuple[Bo
     ``p`` is the decode position; ``None`` means any position: a dim that moves with p is
     then covered whole (the conservative choice for dependencies).
     """
-    shape = buf.shape
+    return _map_box(view, tuple(map(tuple, box)), tuple(buf.shape), p)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a step maps each (view, box) about twice: its reads, the verifier's
+def _map_box(view: View, box: Box, shape: tuple[int, ...], p: int | None) -> tuple[Box, bool]:
     cs = contiguous_strides(shape)
     if any(hi <= lo for lo, hi in box):
         return tuple((0, 0) for _ in shape), True
