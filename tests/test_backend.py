@@ -981,3 +981,25 @@ def test_traced_layouts_that_are_restrided():
     rows = torch.arange(3.0).expand(4, 3).contiguous()
     out = backend._restrided(rows, got["broadcast"])
     assert out.stride() == (0, 1) and torch.equal(out, rows)
+
+
+@pytest.mark.parametrize("case", ["base and views", "views only", "same tensor twice"])
+def test_outputs_that_are_views_of_one_tensor_share_its_storage(case):
+    """As in eager (and AOTAutograd's own backends), outputs that view one tensor are views of one
+    storage: an in-place edit of one shows in the others. tilec returned a copy for each (a
+    fresh-user trial of the forty-second session)."""
+    def f(x):
+        a = x * 2.0
+        return {"base and views": lambda: (a, a.transpose(-1, -2), a[..., 2:5]),
+                "views only": lambda: (a.transpose(-1, -2), a[..., 2:5]),
+                "same tensor twice": lambda: (a, a)}[case]()
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    got, want = torch.compile(f, backend="tilec", dynamic=False)(x), f(x)
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1
+    got[0].add_(100.0)
+    want[0].add_(100.0)
+    for g, w in zip(got, want):
+        assert g.stride() == w.stride()
+        assert_close(g, w, 1e-6, case)

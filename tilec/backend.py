@@ -285,6 +285,8 @@ class _Region:
     Outputs keep the strides the traced graph gave them (``meta["val"]``): an eager node after the
     region may rely on them (CUDA memory-efficient SDPA takes the attention mask as a slice of a
     padded one, with a row stride that is a multiple of 4; tilec writes its outputs contiguous).
+    Outputs that are views of one tensor in the traced graph (``a, a.t(), a[:, 2:5]``) are views of
+    one storage again, so an in-place edit of one shows in the others, as in eager.
     """
 
     def __init__(self, gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions):
@@ -292,6 +294,7 @@ class _Region:
         outs, self.single = _outputs(gm)
         self.n_out = len(outs)
         self.layouts = [_traced_layout(n) for n in outs]
+        self.aliases = _alias_groups(gm, outs)
         self.const_idx = [i for i, k in enumerate(kinds) if k == "const" and isinstance(flat[i], torch.Tensor)]
         self.warned: set[str] = set()
         self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
@@ -344,7 +347,14 @@ class _Region:
             return self.gm(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         assert len(outs) == self.n_out
-        outs = tuple(_restrided(t, lay) for t, lay in zip(outs, self.layouts))
+        outs = [_restrided(t, lay) for t, lay in zip(outs, self.layouts)]
+        for numel, members in self.aliases:
+            store = torch.empty(numel, dtype=outs[members[0][0]].dtype, device=outs[members[0][0]].device)
+            for i, shape, stride, offset in members:
+                view = store.as_strided(shape, stride, offset)
+                view.copy_(outs[i])
+                outs[i] = view
+        outs = tuple(outs)
         return outs[0] if self.single else outs
 
 
@@ -360,12 +370,50 @@ def _traced_layout(node) -> tuple | None:
     shape, stride = tuple(val.shape), tuple(val.stride())
     if val.numel() <= 1 or stride == contiguous_strides(shape):
         return None
-    span = 1
-    for st, n in sorted((st, n) for n, st in zip(shape, stride) if n > 1 and st != 0):
-        if st < span:  # each dim steps past all the smaller ones, or two elements share memory
-            return None
-        span = st * n
+    kept = [(n, st) for n, st in zip(shape, stride) if st != 0]  # broadcast dims: rebuilt by expanding
+    if not _distinct_elements([n for n, _ in kept], [st for _, st in kept]):
+        return None
     return shape, stride
+
+
+def _alias_groups(gm: fx.GraphModule, outs) -> list[tuple[int, list[tuple]]]:
+    """Outputs that share a storage in the traced graph (``meta["val"]``), not a graph input's:
+    per storage, its size in elements and ``(output index, shape, strides, storage offset)`` of each
+    output on it. A storage is left out when a layout is symbolic or has elements sharing memory (an
+    expanded view cannot be written), or the outputs on it differ in dtype."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(v):
+        return StorageWeakRef(v.untyped_storage()).cdata
+
+    inputs = {storage(n.meta["val"]) for n in gm.graph.nodes
+              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+    by_storage: dict[int, list] = {}
+    for i, n in enumerate(outs):
+        v = n.meta.get("val") if isinstance(n, fx.Node) else None
+        if isinstance(v, torch.Tensor) and v.numel() > 0:
+            by_storage.setdefault(storage(v), []).append((i, v))
+    groups = []
+    for key, members in by_storage.items():
+        if len(members) < 2 or key in inputs or len({v.dtype for _, v in members}) > 1:
+            continue
+        layouts = [(i, tuple(v.shape), tuple(v.stride()), v.storage_offset()) for i, v in members]
+        if any(isinstance(x, torch.SymInt) for _, *lay in layouts for x in (*lay[0], *lay[1], lay[2])):
+            continue
+        if any(not _distinct_elements(shape, stride) for _, shape, stride, _ in layouts):
+            continue
+        groups.append((members[0][1].untyped_storage().nbytes() // members[0][1].element_size(), layouts))
+    return groups
+
+
+def _distinct_elements(shape, stride) -> bool:
+    """Whether no two elements of a (shape, strides) layout share memory (dims of size 1 aside)."""
+    span = 1
+    for st, n in sorted((st, n) for n, st in zip(shape, stride) if n > 1):
+        if st < span:  # each dim steps past all the smaller ones, or two elements share memory
+            return False
+        span = st * n
+    return True
 
 
 def _restrided(t, layout):
