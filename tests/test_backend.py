@@ -1003,3 +1003,24 @@ def test_outputs_that_are_views_of_one_tensor_share_its_storage(case):
     for g, w in zip(got, want):
         assert g.stride() == w.stride()
         assert_close(g, w, 1e-6, case)
+
+
+def test_aliased_inputs_written_in_place_run_eagerly(caplog):
+    """The graph after a break can take two inputs viewing one tensor, one of them written in place;
+    AOTAutograd then passes their base instead, and tilec raised "graph inputs do not line up" (and
+    gave a wrong result before outputs kept their storage sharing). That graph runs eagerly now."""
+    def f(x):
+        a = x * 3.0
+        v = a[:, 2:5]
+        torch._dynamo.graph_break()
+        v.zero_()
+        return a
+
+    x = torch.arange(24.0).view(4, 6)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec"):
+        got = torch.compile(f, backend="tilec", dynamic=False)(x)
+    assert torch.equal(got, f(x))
+    assert any("view one tensor, one of them written in place" in r.getMessage() for r in caplog.records)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="view one tensor, one of them written in place"):
+        torch.compile(f, backend="tilec", dynamic=False, options={"fallback": False})(x)

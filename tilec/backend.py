@@ -488,9 +488,16 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
 
     def _compile_aot(aot_gm: fx.GraphModule):
         flat = [*gm.parameters(), *gm.buffers(), *example_inputs]
-        if len(flat) != len([n for n in aot_gm.graph.nodes if n.op == "placeholder"]):
-            raise RuntimeError("tilec: AOTAutograd graph inputs do not line up with Dynamo's inputs")
         placeholders = [n for n in aot_gm.graph.nodes if n.op == "placeholder"]
+        if len(flat) != len(placeholders):
+            # inputs that view one tensor, one of them written in place: AOTAutograd passes their
+            # base instead of them (a "synthetic base"), which tilec's binding cannot follow
+            why = "graph inputs that view one tensor, one of them written in place (e.g. a slice edited after a " \
+                  "graph break)"
+            if not opts.fallback:
+                raise TilecError(f"tilec cannot compile a graph with {why} (options={{'fallback': False}})")
+            log.warning("tilec: a graph with %s runs eagerly", why)
+            return aot_gm
         written = {n.args[0] for n in aot_gm.graph.nodes
                    if n.op == "call_function" and n.target is torch.ops.aten.copy_.default}
         for i, node in enumerate(placeholders):  # token ids of batch 1 look like a position: they index an embedding
