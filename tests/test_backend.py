@@ -1024,3 +1024,29 @@ def test_aliased_inputs_written_in_place_run_eagerly(caplog):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="view one tensor, one of them written in place"):
         torch.compile(f, backend="tilec", dynamic=False, options={"fallback": False})(x)
+
+
+@pytest.mark.parametrize("case", ["a value computed eagerly", "an in-place edit of a view"])
+def test_outputs_that_view_a_region_input_share_its_storage(case):
+    """In a graph partly run eagerly a region's input is a value an eager node or another region
+    made; an output that views it is a view of it again (tilec returned a copy: an in-place edit of
+    one output did not show in another, as the forty-second session's reviewer found)."""
+    def f(x):
+        if case == "a value computed eagerly":  # topk runs eagerly; a.t() and v[1:] view region inputs
+            a = x * 2.0
+            v = torch.topk(a, 3).values
+            return a, a.t(), v, v[1:]
+        a = x + 1.0
+        v = a[1:3]
+        return v.add_(1.0), a, v
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    for k in range(3):  # an in-place edit of output k shows in the outputs viewing it, as in eager
+        torch._dynamo.reset()
+        got, want = torch.compile(f, backend="tilec", dynamic=False)(x.clone()), f(x.clone())
+        got[k].add_(100.0)
+        want[k].add_(100.0)
+        for g, w in zip(got, want):
+            assert g.stride() == w.stride()
+            assert_close(g, w, 1e-6, f"{case}, output {k} edited")

@@ -295,6 +295,7 @@ class _Region:
         self.n_out = len(outs)
         self.layouts = [_traced_layout(n) for n in outs]
         self.aliases = _alias_groups(gm, outs)
+        self.input_views = _input_views(gm, outs)
         self.const_idx = [i for i, k in enumerate(kinds) if k == "const" and isinstance(flat[i], torch.Tensor)]
         self.warned: set[str] = set()
         self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
@@ -354,6 +355,10 @@ class _Region:
                 view = store.as_strided(shape, stride, offset)
                 view.copy_(outs[i])
                 outs[i] = view
+        for i, j, shape, stride, delta, in_stride in self.input_views:  # as traced, when the input is
+            a = args[j]
+            if isinstance(a, torch.Tensor) and a.stride() == in_stride and a.dtype == outs[i].dtype:
+                outs[i] = a.as_strided(shape, stride, a.storage_offset() + delta)
         outs = tuple(outs)
         return outs[0] if self.single else outs
 
@@ -404,6 +409,32 @@ def _alias_groups(gm: fx.GraphModule, outs) -> list[tuple[int, list[tuple]]]:
             continue
         groups.append((members[0][1].untyped_storage().nbytes() // members[0][1].element_size(), layouts))
     return groups
+
+
+def _input_views(gm: fx.GraphModule, outs) -> list[tuple]:
+    """Outputs that view a graph input in the traced graph (``meta["val"]`` on the input's storage;
+    in a graph partly run eagerly, a region's input is a value an eager node or another region
+    made): ``(output index, input index, shape, strides, storage offset from the input's, the
+    input's strides)`` each, so a call returns them as views of the input it is given."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    where = {StorageWeakRef(v.untyped_storage()).cdata: j for j, v in enumerate(placeholders)
+             if isinstance(v, torch.Tensor)}
+    views = []
+    for i, n in enumerate(outs):
+        v = n.meta.get("val") if isinstance(n, fx.Node) else None
+        if not isinstance(v, torch.Tensor) or v.numel() == 0:
+            continue
+        j = where.get(StorageWeakRef(v.untyped_storage()).cdata)
+        if j is None or placeholders[j].dtype != v.dtype:
+            continue
+        layout = (*v.shape, *v.stride(), v.storage_offset(), *placeholders[j].stride(), placeholders[j].storage_offset())
+        if any(isinstance(x, torch.SymInt) for x in layout):
+            continue
+        views.append((i, j, tuple(v.shape), tuple(v.stride()), v.storage_offset() - placeholders[j].storage_offset(),
+                      tuple(placeholders[j].stride())))
+    return views
 
 
 def _distinct_elements(shape, stride) -> bool:
