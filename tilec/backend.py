@@ -296,6 +296,9 @@ class _Region:
         self.layouts = [_traced_layout(n) for n in outs]
         self.aliases = _alias_groups(gm, outs)
         self.input_views = _input_views(gm, outs)
+        for _, members in self.aliases:  # copied into their shared storage: not restrided first
+            for i, *_ in members:
+                self.layouts[i] = None
         self.const_idx = [i for i, k in enumerate(kinds) if k == "const" and isinstance(flat[i], torch.Tensor)]
         self.warned: set[str] = set()
         self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
@@ -363,14 +366,30 @@ class _Region:
         return outs[0] if self.single else outs
 
 
+def _traced_val(node):
+    """An FX node's traced tensor (``meta["val"]``) when its shape, strides and storage offset are
+    plain ints, else None."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(v, torch.Tensor):
+        return None
+    return None if any(isinstance(x, torch.SymInt) for x in (*v.shape, *v.stride(), v.storage_offset())) else v
+
+
+def _storage_key(v) -> int:
+    """Identifies a traced tensor's storage: views of one tensor share it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(v.untyped_storage()).cdata
+
+
 def _traced_layout(node) -> tuple | None:
     """(shape, strides) of an output node's traced tensor when its strides are not a contiguous
     tensor's, else None (the output is used as tilec writes it). Compared literally: a kernel may
     check the stride of a dim of size 1 or of a broadcast (memory-efficient SDPA checks the heads'
     stride of its mask, which eager passes expanded, stride 0). None also when dims that are not
     broadcast share memory."""
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or any(isinstance(d, torch.SymInt) for d in (*val.shape, *val.stride())):
+    val = _traced_val(node)
+    if val is None:
         return None
     shape, stride = tuple(val.shape), tuple(val.stride())
     if val.numel() <= 1 or stride == contiguous_strides(shape):
@@ -386,25 +405,19 @@ def _alias_groups(gm: fx.GraphModule, outs) -> list[tuple[int, list[tuple]]]:
     per storage, its size in elements and ``(output index, shape, strides, storage offset)`` of each
     output on it. A storage is left out when a layout is symbolic or has elements sharing memory (an
     expanded view cannot be written), or the outputs on it differ in dtype."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    def storage(v):
-        return StorageWeakRef(v.untyped_storage()).cdata
-
-    inputs = {storage(n.meta["val"]) for n in gm.graph.nodes
+    inputs = {_storage_key(n.meta["val"]) for n in gm.graph.nodes
               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
     by_storage: dict[int, list] = {}
     for i, n in enumerate(outs):
         v = n.meta.get("val") if isinstance(n, fx.Node) else None
         if isinstance(v, torch.Tensor) and v.numel() > 0:
-            by_storage.setdefault(storage(v), []).append((i, v))
+            by_storage.setdefault(_storage_key(v), []).append((i, _traced_val(n)))
     groups = []
     for key, members in by_storage.items():
-        if len(members) < 2 or key in inputs or len({v.dtype for _, v in members}) > 1:
+        if len(members) < 2 or key in inputs or any(v is None for _, v in members) \
+                or len({v.dtype for _, v in members}) > 1:
             continue
         layouts = [(i, tuple(v.shape), tuple(v.stride()), v.storage_offset()) for i, v in members]
-        if any(isinstance(x, torch.SymInt) for _, *lay in layouts for x in (*lay[0], *lay[1], lay[2])):
-            continue
         if any(not _distinct_elements(shape, stride) for _, shape, stride, _ in layouts):
             continue
         groups.append((members[0][1].untyped_storage().nbytes() // members[0][1].element_size(), layouts))
@@ -416,21 +429,15 @@ def _input_views(gm: fx.GraphModule, outs) -> list[tuple]:
     in a graph partly run eagerly, a region's input is a value an eager node or another region
     made): ``(output index, input index, shape, strides, storage offset from the input's, the
     input's strides)`` each, so a call returns them as views of the input it is given."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    where = {StorageWeakRef(v.untyped_storage()).cdata: j for j, v in enumerate(placeholders)
-             if isinstance(v, torch.Tensor)}
+    placeholders = [_traced_val(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    where = {_storage_key(v): j for j, v in enumerate(placeholders) if v is not None}
     views = []
     for i, n in enumerate(outs):
-        v = n.meta.get("val") if isinstance(n, fx.Node) else None
-        if not isinstance(v, torch.Tensor) or v.numel() == 0:
+        v = _traced_val(n)
+        if v is None or v.numel() == 0:
             continue
-        j = where.get(StorageWeakRef(v.untyped_storage()).cdata)
+        j = where.get(_storage_key(v))
         if j is None or placeholders[j].dtype != v.dtype:
-            continue
-        layout = (*v.shape, *v.stride(), v.storage_offset(), *placeholders[j].stride(), placeholders[j].storage_offset())
-        if any(isinstance(x, torch.SymInt) for x in layout):
             continue
         views.append((i, j, tuple(v.shape), tuple(v.stride()), v.storage_offset() - placeholders[j].storage_offset(),
                       tuple(placeholders[j].stride())))
