@@ -76,6 +76,9 @@ def test_unsupported_op_names_node_target_and_source_line(module, node, target, 
     assert (name, tgt) == (node, target)
     assert code in src and f"line {line}" in src
     assert isinstance(err, TilecError)
+    # every unsupported node says why (a fresh user's finding: cumsum was listed without a reason)
+    why = {"cumsum": "a scan along a dim", "sort": "a data-dependent choice"}.get(node, "no tilec op computes it")
+    assert (err.why[0] or err.reason).startswith(why) and why in msg, msg
 
 
 class FixedWriteAndCumsum(torch.nn.Module):

@@ -45,6 +45,11 @@ ROUTING = {getattr(aten, name).default for name in ("topk", "sort", "argsort", "
            if hasattr(aten, name)}
 ROUTING_WHY = ("a data-dependent choice (top-k / sort, as mixture-of-experts routing does): tilec plans every tile "
                "before the step runs; mixture-of-experts layers are not supported yet")
+SCANS = {getattr(aten, name).default for name in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp")
+         if hasattr(aten, name)}
+SCAN_WHY = ("a scan along a dim (each element depends on every earlier one): tilec has no scan op; its tiles compute "
+            "elementwise ops, row reductions, GEMV / GEMM, norms, RoPE, attention and copies")
+NO_OP_WHY = "no tilec op computes it (the README's \"What works\" lists what tilec lowers)"
 
 
 def _matmul4(n):
@@ -238,8 +243,10 @@ class Lowering(FormsLowering, DsaLowering):
             return f"argument {self.b.user_inputs.index(name)} ({name})"
         return f"buffer {name}"
 
-    def _unsupported(self, node: fx.Node, reason: str = ""):
-        if not reason and self.b.listed_positions:  # a decode position argument the caller did not list?
+    def _unsupported(self, node: fx.Node, reason: str | None = None):
+        """Raises UnsupportedNodeError for ``node`` with ``reason``; without one, the hint about an unlisted
+        decode-position argument where it applies, else ``NO_OP_WHY``."""
+        if reason is None and self.b.listed_positions:  # a decode position argument the caller did not list?
             for a in node.all_input_nodes:
                 v = val_of(a)
                 if a.op == "placeholder" and a.name in self.b.user_inputs and a.name not in self.b.positions \
@@ -248,7 +255,7 @@ class Lowering(FormsLowering, DsaLowering):
                               f"decode position, mark it as one (compile_module's "
                               f"positions=[{self.b.user_inputs.index(a.name)}])")
                     break
-        raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason)
+        raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason or NO_OP_WHY)
 
     def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP, node: fx.Node | None = None) -> Buffer:
         """A new buffer for ``node``'s value (errors name the node, its target and source line)."""
@@ -459,7 +466,7 @@ class Lowering(FormsLowering, DsaLowering):
                               attrs=(("fn", "pow_scalar"), ("scalar", power)))
         if t in BINARY or t in (aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar):
             return self._binary(node)
-        self._unsupported(node, ROUTING_WHY if t in ROUTING else "")
+        self._unsupported(node, ROUTING_WHY if t in ROUTING else SCAN_WHY if t in SCANS else None)
 
     # ---- generic lowerings -----------------------------------------------------------
     def _view(self, node: fx.Node):
@@ -964,7 +971,7 @@ def find_unsupported(gm: fx.GraphModule, binding: GraphBinding, max_positions: i
     """
     first = {}
     for n in _lower(gm, binding, max_positions, probe=True).unsupported:
-        if n[0] not in first or not first[n[0]][3]:  # once per node: its first report that gives a reason
+        if n[0] not in first or first[n[0]][3] in ("", NO_OP_WHY):  # once per node: its first specific reason
             first[n[0]] = n
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}  # in graph order: a cause before its consumers
     return sorted(first.values(), key=lambda n: order.get(n[0], len(order)))
