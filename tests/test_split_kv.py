@@ -154,8 +154,12 @@ def test_auto_chunk():
     assert kv_chunk(1, 8, 1024, o) == 64  # 16 splits, 128 tiles
     assert kv_chunk(1, 8, 4096, o) == 256
     assert kv_chunk(1, 2, 16, Options(workers=8)) == 64  # short caches: no split
-    assert kv_chunk(64, 8, 1 << 16, o) == 256  # more groups than workers: the cap still splits
-    assert kv_chunk(16, 8, 1032, o) == 256  # Llama-3.2-1B at batch 16: 5 splits of each of 128 pairs
+    assert kv_chunk(64, 8, 1 << 16, o) == 288  # more groups than workers: the cap still splits
+    assert kv_chunk(16, 8, 1032, o) == 288  # Llama-3.2-1B at batch 16: 4 splits of each of 128 pairs
+    # batch 4 at context 1024 (the benchmark's cache of 1088): 4 splits of 288 for each of the 32 (batch, KV
+    # head) pairs, 128 tiles on 132 workers (5 splits of 256 made 160: 28 workers ran two, the step 6 % slower)
+    assert kv_chunk(4, 8, 1088, o) == 288 and 32 * -(-1088 // 288) <= o.workers
+    assert kv_chunk(1, 8, 4160, o) == 288  # batch 1 at context 4096: 15 splits, 120 tiles (256: 17, 136 tiles)
     assert kv_chunk(1, 8, 4096, Options(attn_heads_per_tile=2)) == 128  # 4 groups of 2 heads: 33 splits each
     assert kv_chunk(1, 8, 1024, Options(attn_kv_chunk=100)) == 100
 

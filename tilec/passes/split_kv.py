@@ -22,10 +22,15 @@ from ..errors import VerificationError
 from ..ir import Buffer, BufferKind, Op, OpGraph, View
 from ..ops.attention_split import num_splits
 
-# At most 256 positions per split: a split is one tile, and the partial kernel keeps 128 positions in
+# At most 288 positions per split: a split is one tile, and the partial kernel keeps 128 positions in
 # flight per round trip, so longer splits serialize round trips (Llama-3.2-1B at batch 16: 128
 # (batch, KV head) pairs, one unsplit 1024-position tile each, took 424 us per tile on an H200).
-CHUNK_ALIGN, CHUNK_MIN, CHUNK_MAX = 32, 64, 256
+# 288, not 256: a cache of 1024 + 64 positions takes 4 splits rather than 5 (the fifth one of 64
+# positions), which at batch 4 (32 pairs) keeps the partials to one round of 128 tiles on 132
+# workers instead of 160 tiles, where 28 workers ran two. Measured on an H100 (forty-third session,
+# benchmarks/lab/options_ab.py, Llama-3.2-1B context 1024, one process): batch 4 2.083 against
+# 2.206 ms a step, batch 16 3.438 against 3.569; batch 1 keeps its 96-position splits.
+CHUNK_ALIGN, CHUNK_MIN, CHUNK_MAX = 32, 64, 288
 
 
 def kv_chunk(batch: int, kv_heads: int, s: int, opts) -> int:
@@ -33,9 +38,9 @@ def kv_chunk(batch: int, kv_heads: int, s: int, opts) -> int:
 
     ``opts.attn_kv_chunk`` when set; otherwise (auto) ``ceil(s / n)`` with ``n = workers //
     (batch * KV head groups)`` splits per group (at least 1), rounded up to a multiple of 32
-    and clamped to [64, 256]: about ``workers`` tiles (one round of partials) when the groups are
-    few, whole warps of positions, and a bounded round-trip count per tile (caches longer than
-    256 positions always split).
+    and clamped to [64, 288] (``CHUNK_MIN``, ``CHUNK_MAX``): about ``workers`` tiles (one round of
+    partials) when the groups are few, whole warps of positions, and a bounded round-trip count per
+    tile (caches longer than 288 positions always split).
     """
     if opts.attn_kv_chunk is not None:
         return int(opts.attn_kv_chunk)
