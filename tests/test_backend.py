@@ -657,6 +657,35 @@ def test_prefill_into_a_static_cache_not_yet_allocated():
     assert_close(cache.layers[0].keys, want_cache.layers[0].keys, 1e-5, "key cache")
 
 
+@pytest.mark.parametrize("tokens, compiled", [(backend.PREFILL_ROWS + 1, False), (5, True)])
+def test_a_prefill_wider_than_a_gemv_tile_runs_eagerly_whole(tokens, compiled, caplog):
+    """A prefill under generate() splits into a region per layer between its eager attention and cache
+    writes; Llama-3.2-1B's of 1024 tokens made 34 tilec programs, whose compiles outlasted a 300 s GPU
+    call (forty-third session). A split graph that multiplies more than PREFILL_ROWS rows by a weight now
+    runs eagerly whole, with one warning naming the matmul; a short prefill is still compiled."""
+    from transformers import StaticCache
+
+    model = make_model("llama-tiny", layers=1)
+    ids = torch.randint(0, 1000, (1, tokens))
+    before = backend.CACHE_STATS["compiles"] + backend.CACHE_STATS["disk_hits"] + backend.CACHE_STATS["memory_hits"]
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
+        want_cache = StaticCache(config=model.config, max_cache_len=tokens + 4)
+        want = model(ids, cache_position=torch.arange(tokens), use_cache=True,
+                     **cache_kwargs(model, want_cache)).logits
+        cache = StaticCache(config=model.config, max_cache_len=tokens + 4)
+        f = torch.compile(model, backend="tilec", options={"workers": 4})
+        got = f(ids, cache_position=torch.arange(tokens), use_cache=True, **cache_kwargs(model, cache)).logits
+    assert_close(got, want, 1e-4, "prefill logits")
+    assert_close(cache.layers[0].keys, want_cache.layers[0].keys, 1e-5, "key cache")
+    plans = backend.CACHE_STATS["compiles"] + backend.CACHE_STATS["disk_hits"] + backend.CACHE_STATS["memory_hits"]
+    whole = [r.getMessage() for r in caplog.records if "runs eagerly whole" in r.getMessage()]
+    if compiled:
+        assert plans > before and not whole
+    else:
+        assert plans == before, "no region of the prefill graph is planned"
+        assert len(whole) == 1 and f"multiplies {tokens} rows by a weight" in whole[0], whole
+
+
 def test_a_buffer_given_new_storage_through_data_is_seen():
     """``buf.data = new`` keeps the tensor object and its version counter (a breaker trial's
     finding): the call compares data pointers too."""

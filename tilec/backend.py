@@ -30,6 +30,7 @@ from . import __version__, plancache
 from .dump import with_dump
 from .errors import PositionError, TilecError, UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
+from .fxgraph import source_of
 from .guards import GuardError, build_mask_guards
 from .ir import DTYPE_CODES, contiguous_strides, is_integer
 from .options import Options, unknown_options_message
@@ -559,6 +560,15 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         if not opts.fallback:
             named = [(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad]
             raise UnsupportedNodeError(named, "fallback is off (options={'fallback': False})")
+        big = _widest_matmul(aot_gm)
+        if big is not None and big[0] > PREFILL_ROWS:
+            rows, node = big
+            src = source_of(node)
+            log.warning("tilec: a graph that partly runs eagerly and multiplies %d rows by a weight (%s%s) - a "
+                        "prefill - runs eagerly whole: tilec compiles decode steps (GEMV tiles of at most %d rows), "
+                        "and each of its regions would be a program of its own", rows, node.name,
+                        f" at {src}" if src else "", PREFILL_ROWS)
+            return aot_gm
         _log_fallback(bad, label_of)
         return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
 
@@ -567,6 +577,31 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
     with torch.no_grad():
         return aot_module_simplified(gm, example_inputs, fw_compiler=fw_compiler,
                                      keep_inference_input_mutations=True)
+
+
+# Rows of a GEMV tile (runtime/tilec/common.cuh kMaxRows). A graph that must be split (some nodes run eagerly)
+# and multiplies more rows than this by a weight is a prefill: it runs eagerly whole. Llama-3.2-1B's prefill of
+# 1024 tokens under generate() split into 34 regions between its eager attention and cache writes; compiling
+# them took longer than the 300 s a GPU call allowed (forty-third session), and 256 tokens on the CPU 155 s.
+PREFILL_ROWS = 64
+
+
+def _widest_matmul(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
+    """``(rows, node)`` of the matmul by a 2-d right operand (``mm``, ``addmm``, ``linear``: a weight) with
+    the most rows (the left operand's flattened leading dims) in ``gm``, or None without one."""
+    aten = torch.ops.aten
+    best = None
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (aten.mm.default, aten.addmm.default, aten.linear.default):
+            continue
+        x = n.args[1] if n.target is aten.addmm.default else n.args[0]
+        v = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(v, torch.Tensor) or v.dim() < 1:
+            continue
+        rows = v.numel() // max(int(v.shape[-1]), 1)
+        if best is None or rows > best[0]:
+            best = (int(rows), n)
+    return best
 
 
 FALLBACK_LINES = 4  # graph inputs or nodes run eagerly for one reason that are logged one line each
