@@ -657,17 +657,22 @@ def test_prefill_into_a_static_cache_not_yet_allocated():
     assert_close(cache.layers[0].keys, want_cache.layers[0].keys, 1e-5, "key cache")
 
 
-@pytest.mark.parametrize("tokens, compiled", [(backend.PREFILL_ROWS + 1, False), (5, True)])
-def test_a_prefill_wider_than_a_gemv_tile_runs_eagerly_whole(tokens, compiled, caplog):
+def _plans() -> int:
+    return backend.CACHE_STATS["compiles"] + backend.CACHE_STATS["disk_hits"] + backend.CACHE_STATS["memory_hits"]
+
+
+@pytest.mark.parametrize("tokens, compiled", [(backend.PREFILL_TOKENS + 1, False), (backend.PREFILL_TOKENS, True)])
+def test_a_prefill_runs_eagerly_whole(tokens, compiled, caplog):
     """A prefill under generate() splits into a region per layer between its eager attention and cache
     writes; Llama-3.2-1B's of 1024 tokens made 34 tilec programs, whose compiles outlasted a 300 s GPU
-    call (forty-third session). A split graph that multiplies more than PREFILL_ROWS rows by a weight now
-    runs eagerly whole, with one warning naming the matmul; a short prefill is still compiled."""
+    call (forty-third session). A split graph of more than PREFILL_TOKENS tokens a sequence now runs
+    eagerly whole, with one warning naming what shows the token count and the first node tilec cannot
+    take; a shorter one is still split and compiled."""
     from transformers import StaticCache
 
     model = make_model("llama-tiny", layers=1)
     ids = torch.randint(0, 1000, (1, tokens))
-    before = backend.CACHE_STATS["compiles"] + backend.CACHE_STATS["disk_hits"] + backend.CACHE_STATS["memory_hits"]
+    before = _plans()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
         want_cache = StaticCache(config=model.config, max_cache_len=tokens + 4)
         want = model(ids, cache_position=torch.arange(tokens), use_cache=True,
@@ -677,13 +682,63 @@ def test_a_prefill_wider_than_a_gemv_tile_runs_eagerly_whole(tokens, compiled, c
         got = f(ids, cache_position=torch.arange(tokens), use_cache=True, **cache_kwargs(model, cache)).logits
     assert_close(got, want, 1e-4, "prefill logits")
     assert_close(cache.layers[0].keys, want_cache.layers[0].keys, 1e-5, "key cache")
-    plans = backend.CACHE_STATS["compiles"] + backend.CACHE_STATS["disk_hits"] + backend.CACHE_STATS["memory_hits"]
     whole = [r.getMessage() for r in caplog.records if "runs eagerly whole" in r.getMessage()]
     if compiled:
-        assert plans > before and not whole
+        assert _plans() > before and not whole
     else:
-        assert plans == before, "no region of the prefill graph is planned"
-        assert len(whole) == 1 and f"multiplies {tokens} rows by a weight" in whole[0], whole
+        assert _plans() == before, "no region of the prefill graph is planned"
+        assert len(whole) == 1 and f"a prefill graph ({tokens} tokens a sequence" in whole[0], whole
+        assert re.search(r"tilec cannot take \d+ of its nodes \(the first, \w+: .+\)", whole[0]), whole
+
+
+class GreedyStep(torch.nn.Module):
+    """A decode step that ends in an argmax (which tilec runs eagerly, so the graph is split)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tok, cache, pos):
+        return self.model(tok, cache_position=pos, use_cache=True, **cache_kwargs(self.model, cache)).logits.argmax(-1)
+
+
+def test_a_large_decode_batch_that_is_split_is_still_compiled(caplog):
+    """A reviewer's finding: the first form of the prefill rule counted flattened rows (batch x tokens), so a
+    decode step of 65 sequences whose argmax runs eagerly ran eagerly whole. Tokens a sequence count now."""
+    model = make_model("llama-tiny", layers=1)
+    cache, tok = prefill(model, 65, 8, 16)
+    eager_cache = copy.deepcopy(cache)
+    before = _plans()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
+        got = torch.compile(GreedyStep(model), backend="tilec", options={"workers": 4}, dynamic=False)(
+            tok, cache, torch.tensor([8]))
+        want = GreedyStep(model)(tok, eager_cache, torch.tensor([8]))
+    assert _plans() > before and not any("runs eagerly whole" in r.getMessage() for r in caplog.records)
+    assert torch.equal(got, want)
+    assert_close(cache.layers[0].keys, eager_cache.layers[0].keys, 1e-5, "key cache")
+
+
+class ScoresThenScan(torch.nn.Module):
+    """One token's query against 128 cached keys (an mm of 128 rows by a non-weight), then a cumsum."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x, kcache):
+        return torch.cumsum(kcache @ self.q(x).T, dim=0)
+
+
+def test_a_wide_matmul_by_a_non_weight_is_not_a_prefill(caplog):
+    """The first form of the rule took any mm of more than 64 rows for a prefill (a reviewer's finding)."""
+    m = ScoresThenScan().eval()
+    x, k = torch.randn(1, 32), torch.randn(128, 32)
+    before = _plans()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
+        got = torch.compile(m, backend="tilec", options={"workers": 4})(x, k)
+        want = m(x, k)
+    assert_close(got, want, 1e-4, "scores")
+    assert _plans() > before and not any("runs eagerly whole" in r.getMessage() for r in caplog.records)
 
 
 def test_a_buffer_given_new_storage_through_data_is_seen():

@@ -160,6 +160,12 @@ def test_auto_chunk():
     # head) pairs, 128 tiles on 132 workers (5 splits of 256 made 160: 28 workers ran two, the step 6 % slower)
     assert kv_chunk(4, 8, 1088, o) == 288 and 32 * -(-1088 // 288) <= o.workers
     assert kv_chunk(1, 8, 4160, o) == 288  # batch 1 at context 4096: 15 splits, 120 tiles (256: 17, 136 tiles)
+    # rounds x tile time (a reviewer's cases for a plain cap of 288): at batch 4 over 1536 positions 8 splits of 192
+    # (256 tiles, two rounds of shorter tiles) rather than 6 of 256 or 5 of 288 and a remnant; at batch 1 over 8256,
+    # 33 splits of 256 (264 tiles, two rounds) rather than 29 of 288 (two rounds of longer tiles)
+    assert kv_chunk(4, 8, 1536, o) == 192
+    assert kv_chunk(1, 8, 8256, o) == 256 and kv_chunk(1, 8, 8192, o) == 256
+    assert kv_chunk(1, 8, 1088, o, pos_bytes=512) == 96  # Llama-3.1-8B (head dim 128) at context 1024
     assert kv_chunk(1, 8, 4096, Options(attn_heads_per_tile=2)) == 128  # 4 groups of 2 heads: 33 splits each
     assert kv_chunk(1, 8, 1024, Options(attn_kv_chunk=100)) == 100
 

@@ -560,14 +560,16 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         if not opts.fallback:
             named = [(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad]
             raise UnsupportedNodeError(named, "fallback is off (options={'fallback': False})")
-        big = _widest_matmul(aot_gm)
-        if big is not None and big[0] > PREFILL_ROWS:
-            rows, node = big
+        tokens = _tokens_per_sequence(aot_gm)
+        if tokens is not None and tokens[0] > PREFILL_TOKENS:
+            count, node = tokens
             src = source_of(node)
-            log.warning("tilec: a graph that partly runs eagerly and multiplies %d rows by a weight (%s%s) - a "
-                        "prefill - runs eagerly whole: tilec compiles decode steps (GEMV tiles of at most %d rows), "
-                        "and each of its regions would be a program of its own", rows, node.name,
-                        f" at {src}" if src else "", PREFILL_ROWS)
+            nodes = [b for b in bad if b[0] not in label_of] or bad
+            first = nodes[0]
+            log.warning("tilec: a prefill graph (%d tokens a sequence: %s%s) runs eagerly whole: tilec cannot take "
+                        "%d of its nodes (the first, %s: %s), and split around them it would make a tilec program of "
+                        "each region between them; tilec compiles decode steps", count, node.name,
+                        f" at {src}" if src else "", len(nodes), first[0], first[3] or "unsupported")
             return aot_gm
         _log_fallback(bad, label_of)
         return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
@@ -579,28 +581,42 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
                                      keep_inference_input_mutations=True)
 
 
-# Rows of a GEMV tile (runtime/tilec/common.cuh kMaxRows). A graph that must be split (some nodes run eagerly)
-# and multiplies more rows than this by a weight is a prefill: it runs eagerly whole. Llama-3.2-1B's prefill of
-# 1024 tokens under generate() split into 34 regions between its eager attention and cache writes; compiling
-# them took longer than the 300 s a GPU call allowed (forty-third session), and 256 tokens on the CPU 155 s.
-PREFILL_ROWS = 64
+# A graph that must be split (some nodes run eagerly) and takes more tokens a sequence than this is a prefill: it
+# runs eagerly whole. Llama-3.2-1B's 1024-token prefill under generate() split into 34 regions between its eager
+# attention and cache writes, each planned and built as a program of its own; that outlasted a 300 s GPU call
+# (forty-third session), and at 256 tokens on the CPU it took 155 s. Decode steps of a few tokens a sequence
+# (speculative verification) stay below it.
+PREFILL_TOKENS = 16
 
 
-def _widest_matmul(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
-    """``(rows, node)`` of the matmul by a 2-d right operand (``mm``, ``addmm``, ``linear``: a weight) with
-    the most rows (the left operand's flattened leading dims) in ``gm``, or None without one."""
+def _tokens_per_sequence(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
+    """``(tokens, node)``: the most tokens a sequence that ``gm`` processes, with the node that shows it - an
+    embedding lookup's ids (their last dim), an attention's queries (``scaled_dot_product_attention`` and its
+    kernels: dim -2), or a static cache's write (``index_copy``: its index's length); None without any.
+    Flattened rows (batch x tokens) would count a large decode batch as a prefill."""
     aten = torch.ops.aten
     best = None
+
+    def seen(count, node):
+        nonlocal best
+        if best is None or count > best[0]:
+            best = (int(count), node)
+
+    def val(a):
+        v = a.meta.get("val") if isinstance(a, fx.Node) else None
+        return v if isinstance(v, torch.Tensor) else None
+
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in (aten.mm.default, aten.addmm.default, aten.linear.default):
+        if n.op != "call_function":
             continue
-        x = n.args[1] if n.target is aten.addmm.default else n.args[0]
-        v = x.meta.get("val") if isinstance(x, fx.Node) else None
-        if not isinstance(v, torch.Tensor) or v.dim() < 1:
-            continue
-        rows = v.numel() // max(int(v.shape[-1]), 1)
-        if best is None or rows > best[0]:
-            best = (int(rows), n)
+        name = getattr(n.target, "__name__", str(n.target))
+        if n.target is aten.embedding.default and len(n.args) > 1 and (v := val(n.args[1])) is not None and v.dim():
+            seen(v.shape[-1], n)
+        elif "scaled_dot_product" in name and n.args and (v := val(n.args[0])) is not None and v.dim() >= 2:
+            seen(v.shape[-2], n)
+        elif n.target in (aten.index_copy.default, aten.index_copy_.default) and len(n.args) > 2 \
+                and (v := val(n.args[2])) is not None:
+            seen(v.numel(), n)
     return best
 
 

@@ -25,30 +25,41 @@ from ..ops.attention_split import num_splits
 # At most 288 positions per split: a split is one tile, and the partial kernel keeps 128 positions in
 # flight per round trip, so longer splits serialize round trips (Llama-3.2-1B at batch 16: 128
 # (batch, KV head) pairs, one unsplit 1024-position tile each, took 424 us per tile on an H200).
-# 288, not 256: a cache of 1024 + 64 positions takes 4 splits rather than 5 (the fifth one of 64
-# positions), which at batch 4 (32 pairs) keeps the partials to one round of 128 tiles on 132
-# workers instead of 160 tiles, where 28 workers ran two. Measured on an H100 (forty-third session,
-# benchmarks/lab/options_ab.py, Llama-3.2-1B context 1024, one process): batch 4 2.083 against
-# 2.206 ms a step, batch 16 3.438 against 3.569; batch 1 keeps its 96-position splits.
 CHUNK_ALIGN, CHUNK_MIN, CHUNK_MAX = 32, 64, 288
 
 
-def kv_chunk(batch: int, kv_heads: int, s: int, opts) -> int:
+def kv_chunk(batch: int, kv_heads: int, s: int, opts, pos_bytes: int = 256) -> int:
     """Cache positions per split of an attention op over ``s`` cached positions.
 
-    ``opts.attn_kv_chunk`` when set; otherwise (auto) ``ceil(s / n)`` with ``n = workers //
-    (batch * KV head groups)`` splits per group (at least 1), rounded up to a multiple of 32
-    and clamped to [64, 288] (``CHUNK_MIN``, ``CHUNK_MAX``): about ``workers`` tiles (one round of
-    partials) when the groups are few, whole warps of positions, and a bounded round-trip count per
-    tile (caches longer than 288 positions always split).
+    ``opts.attn_kv_chunk`` when set; otherwise (auto) the split length, a multiple of 32 in [64, 288]
+    (``CHUNK_MIN``, ``CHUNK_MAX``; each length evened out over its splits), whose partials take the
+    least time by the cost model: rounds of partial tiles over the workers (``batch * KV head groups *
+    splits / workers``, rounded up) times one tile's ``tilec.cost.MEASURED["attention_partial"]`` time
+    (``fixed µs + bytes / rate``, ``pos_bytes`` bytes of K / V rows a position); ties go to the longer
+    split (fewer tiles, less to combine). With few groups that is the shortest split that keeps the
+    partials in one round (Llama-3.2-1B batch 1 at context 1024: 96 positions, 12 splits, 96 tiles);
+    with many, long splits.
+
+    Measured against the earlier rule (``ceil(s / (workers // groups))`` capped at 256: one round
+    unless the cap bound): a cache of 1024 + 64 positions at batch 4 (32 pairs) took 5 splits of 256,
+    160 tiles on 132 workers, where 28 workers ran two; 4 splits of 288 made one round. H100,
+    forty-third session, ``benchmarks/lab/options_ab.py``, Llama-3.2-1B context 1024, one process:
+    batch 4 2.083 against 2.206 ms a step, batch 16 3.438 against 3.569.
     """
     if opts.attn_kv_chunk is not None:
         return int(opts.attn_kv_chunk)
+    from ..cost import MEASURED
+
+    fixed, rate = MEASURED.get("attention_partial", (13.08, 21.5e3))
     groups = batch * -(-kv_heads // opts.attn_heads_per_tile)
-    per_group = max(1, opts.workers // max(groups, 1))
-    chunk = -(-s // per_group)
-    chunk = -(-chunk // CHUNK_ALIGN) * CHUNK_ALIGN
-    return min(CHUNK_MAX, max(CHUNK_MIN, chunk))
+    best = None
+    for splits in range(-(-s // CHUNK_MAX), max(1, -(-s // CHUNK_MIN)) + 1):
+        chunk = max(CHUNK_MIN, -(-(-(-s // splits)) // CHUNK_ALIGN) * CHUNK_ALIGN)
+        rounds = -(-groups * -(-s // chunk) // max(opts.workers, 1))
+        t = rounds * (fixed + opts.attn_heads_per_tile * pos_bytes * chunk / rate)
+        if best is None or t < best[0] - 1e-9:
+            best = (t, chunk)
+    return best[1]
 
 
 def split_kv(graph: OpGraph, opts) -> OpGraph:
@@ -70,7 +81,7 @@ def split_kv(graph: OpGraph, opts) -> OpGraph:
         b_, hq, sq, _ = q.shape
         hkv, s = k.shape[1], k.shape[2]
         dv = v.shape[3]
-        chunk = kv_chunk(b_, hkv, s, opts)
+        chunk = kv_chunk(b_, hkv, s, opts, (k.shape[3] + dv) * graph.buffers[k.buffer].dtype.itemsize)
         ns = num_splits(s, chunk)
         if ns < 2:
             ops.append(op)
