@@ -52,3 +52,17 @@ def json_options(text: str, extra: tuple[str, ...] = ()) -> dict:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return opts
+
+
+def alternating_rounds(graphs: dict, rounds: int, iters: int):
+    """Times each named CUDA graph's replay ``rounds`` times, the graphs alternating within a round (so
+    drifts of the GPU's clocks hit all of them alike). Returns ``(ms, mhz)``: each name's median ms per
+    round, and the median SM clock over the rounds (None without nvidia-smi)."""
+    from tilec.timing import SmClock, median_ms
+
+    res = {name: [] for name in graphs}
+    with SmClock() as clk:
+        for _ in range(rounds):
+            for name, graph in graphs.items():
+                res[name].append(median_ms(graph.replay, iters, 5, "cuda"))
+    return res, clk.mhz

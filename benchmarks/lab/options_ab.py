@@ -20,12 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from _llama_step import json_options, llama_model, step_runner  # noqa: E402
-from decode import time_cuda  # noqa: E402
+from _llama_step import alternating_rounds, json_options, llama_model, step_runner  # noqa: E402
 from tilec import cost  # noqa: E402
 from tilec.cuda import CudaExecutor  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.timing import SmClock, cuda_graph  # noqa: E402
+from tilec.timing import cuda_graph  # noqa: E402
 from tilec.trace import measured_trace, write_trace  # noqa: E402
 
 
@@ -75,12 +74,8 @@ def main():
                         measured_trace(ex.plan, prof.stamps.cpu(), step.program.compiled.stages["linearized"]))
             step.program.executor = ex
         steps[name], graphs[name] = step, cuda_graph(run)
-    res = {name: [] for name in variants}
-    with SmClock() as clk:
-        for _ in range(args.rounds):
-            for name in variants:
-                res[name].append(time_cuda(graphs[name].replay, args.iters))
-    print(f"median SM clock {clk.mhz if clk.mhz is not None else '-'} MHz over the rounds", flush=True)
+    res, mhz = alternating_rounds(graphs, args.rounds, args.iters)
+    print(f"median SM clock {mhz if mhz is not None else '-'} MHz over the rounds", flush=True)
     for step in steps.values():
         step.program.executor.check()
     print(f"\n{'variant':14s} {'median ms':>10s}  rounds")

@@ -25,10 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import tilec.ops as opreg  # noqa: E402
 import tilec.ops.linear_fused as linear_fused  # noqa: E402
-from _llama_step import llama_model, step_runner  # noqa: E402
-from decode import time_cuda  # noqa: E402
+from _llama_step import alternating_rounds, llama_model, step_runner  # noqa: E402
 from tilec.hf import compile_decode_step  # noqa: E402
-from tilec.timing import SmClock, cuda_graph  # noqa: E402
+from tilec.timing import cuda_graph  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -74,14 +73,8 @@ def main():
         ref = out if ref is None else ref
         print(f"{name:10s} logits max|diff| vs main: {float((out - ref).abs().max()):.3e}", flush=True)
         steps[name], graphs[name] = step, cuda_graph(run)
-    res = {name: [] for name in variants}
-    with SmClock() as clk:
-        for _ in range(args.rounds):
-            for name in variants:
-                res[name].append(time_cuda(graphs[name].replay, args.iters))
-    for step in steps.values():
-        step.program.executor.check()
-    print(f"median SM clock {clk.mhz if clk.mhz is not None else '-'} MHz over the rounds\n")
+    res, mhz = alternating_rounds(graphs, args.rounds, args.iters)
+    print(f"median SM clock {mhz if mhz is not None else '-'} MHz over the rounds\n")
     print(f"{'variant':10s} {'median ms':>10s}  rounds")
     for name, ts in res.items():
         print(f"{name:10s} {statistics.median(ts):10.3f}  {[round(t, 3) for t in ts]}")
