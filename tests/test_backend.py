@@ -718,6 +718,37 @@ def test_a_large_decode_batch_that_is_split_is_still_compiled(caplog):
     assert_close(cache.layers[0].keys, eager_cache.layers[0].keys, 1e-5, "key cache")
 
 
+class OneTokenEach(torch.nn.Module):
+    """One token a sequence given as 1-d ids [B], with a write into a paged cache along its slot dim and an
+    argmax (which tilec runs eagerly, so the graph is split)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(100, 8), torch.nn.Linear(8, 100)
+
+    def forward(self, ids, slot, cache):
+        h = self.emb(ids)
+        cache.view(-1, 8).index_copy_(0, slot, h)
+        return self.out(h).argmax(-1)
+
+
+def test_one_token_a_sequence_is_not_a_prefill_however_large_the_batch(caplog):
+    """A reviewer's cases for the second form of the rule: 1-d token ids [32] and a paged write of 32 slots
+    (index_copy along dim 0) each counted the batch as tokens, and the step ran eagerly whole."""
+    torch.manual_seed(0)
+    m = OneTokenEach().eval()
+    ids, slot = torch.randint(0, 100, (32,)), torch.randperm(64)[:32]
+    before = _plans()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
+        cache = torch.zeros(16, 4, 8)
+        got = torch.compile(m, backend="tilec", options={"workers": 4}, dynamic=False)(ids, slot, cache)
+        want_cache = torch.zeros(16, 4, 8)
+        want = m(ids, slot, want_cache)
+    assert not any("runs eagerly whole" in r.getMessage() for r in caplog.records)
+    assert _plans() > before and torch.equal(got, want)
+    assert_close(cache, want_cache, 1e-6, "paged cache")
+
+
 class ScoresThenScan(torch.nn.Module):
     """One token's query against 128 cached keys (an mm of 128 rows by a non-weight), then a cumsum."""
 

@@ -166,6 +166,17 @@ def test_auto_chunk():
     assert kv_chunk(4, 8, 1536, o) == 192
     assert kv_chunk(1, 8, 8256, o) == 256 and kv_chunk(1, 8, 8192, o) == 256
     assert kv_chunk(1, 8, 1088, o, pos_bytes=512) == 96  # Llama-3.1-8B (head dim 128) at context 1024
+
+
+def test_auto_chunk_edge_cases():
+    """A reviewer's cases: a measured rate of 0 (no size dependence, as tilec.cost allows) divided by zero, and
+    so did an empty cache; heads a tile past the KV heads counted heads the tile does not hold."""
+    from tilec.cost import measured_overrides
+
+    with measured_overrides({"attention_partial": (13.0, 0.0)}):
+        assert kv_chunk(1, 8, 1088, Options()) == 288  # no size cost: one round either way, the longest split
+    assert kv_chunk(1, 8, 0, Options()) == 64 and kv_chunk(1, 8, 64, Options()) == 64
+    assert kv_chunk(32, 1, 6176, Options(attn_heads_per_tile=8)) == kv_chunk(32, 1, 6176, Options())
     assert kv_chunk(1, 8, 4096, Options(attn_heads_per_tile=2)) == 128  # 4 groups of 2 heads: 33 splits each
     assert kv_chunk(1, 8, 1024, Options(attn_kv_chunk=100)) == 100
 

@@ -591,9 +591,11 @@ PREFILL_TOKENS = 16
 
 def _tokens_per_sequence(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
     """``(tokens, node)``: the most tokens a sequence that ``gm`` processes, with the node that shows it - an
-    embedding lookup's ids (their last dim), an attention's queries (``scaled_dot_product_attention`` and its
-    kernels: dim -2), or a static cache's write (``index_copy``: its index's length); None without any.
-    Flattened rows (batch x tokens) would count a large decode batch as a prefill."""
+    embedding lookup of token ids passed in with at least 2 dims (their last dim), an attention's queries
+    (``scaled_dot_product_attention`` and its kernels: dim -2), or a static cache's write (``index_copy``
+    along a dim other than the first: its index's length); None without any. Flattened rows (batch x tokens),
+    1-d ids, computed indices (a relative-position bias's buckets) and writes along the first dim (a paged
+    cache's slots) would count a decode batch or a cache length as tokens."""
     aten = torch.ops.aten
     best = None
 
@@ -610,13 +612,15 @@ def _tokens_per_sequence(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
         if n.op != "call_function":
             continue
         name = getattr(n.target, "__name__", str(n.target))
-        if n.target is aten.embedding.default and len(n.args) > 1 and (v := val(n.args[1])) is not None and v.dim():
-            seen(v.shape[-1], n)
+        if n.target is aten.embedding.default and len(n.args) > 1 and isinstance(n.args[1], fx.Node) \
+                and n.args[1].op == "placeholder" and (v := val(n.args[1])) is not None and v.dim() >= 2:
+            seen(v.shape[-1], n)  # token ids [..., tokens] passed in (not computed indices: a bias's buckets)
         elif "scaled_dot_product" in name and n.args and (v := val(n.args[0])) is not None and v.dim() >= 2:
             seen(v.shape[-2], n)
         elif n.target in (aten.index_copy.default, aten.index_copy_.default) and len(n.args) > 2 \
-                and (v := val(n.args[2])) is not None:
-            seen(v.numel(), n)
+                and (dst := val(n.args[0])) is not None and isinstance(n.args[1], int) \
+                and n.args[1] % max(dst.dim(), 1) != 0 and (v := val(n.args[2])) is not None:
+            seen(v.numel(), n)  # a static cache's write along its position dim (a paged write along dim 0: slots)
     return best
 
 

@@ -56,9 +56,10 @@ class Options:
     tile_cols: columns per tile of elementwise ops (default 1024; None = whole rows).
     attn_heads_per_tile: KV heads per decode-attention tile.
     attn_kv_chunk: cache positions per split of split-KV (flash-decoding) attention
-        (``tilec.passes.split_kv``); None (default) = per op, so that the (batch, KV head
-        group, split) tiles number about ``workers`` (a multiple of 32, 64..256). An
-        attention op with fewer than 2 splits stays one ``attention`` op.
+        (``tilec.passes.split_kv``); None (default) = per op, the multiple of 32 in 64..288 whose
+        rounds of (batch, KV head group, split) tiles over ``workers`` take least by the cost
+        model (one round at small batch; ``split_kv.kv_chunk``). An attention op with fewer than
+        2 splits stays one ``attention`` op.
     fuse_gemv: fuse RMSNorm / SiLU-mul producers and residual adds into the GEMVs around them
         (``tilec.passes.fuse_gemv``; bitwise the same results, fewer dependent stages).
     swiglu_split: with ``fuse_gemv``, apply SwiGLU's SiLU in the gate projection's epilogue, so

@@ -35,8 +35,9 @@ def kv_chunk(batch: int, kv_heads: int, s: int, opts, pos_bytes: int = 256) -> i
     (``CHUNK_MIN``, ``CHUNK_MAX``; each length evened out over its splits), whose partials take the
     least time by the cost model: rounds of partial tiles over the workers (``batch * KV head groups *
     splits / workers``, rounded up) times one tile's ``tilec.cost.MEASURED["attention_partial"]`` time
-    (``fixed µs + bytes / rate``, ``pos_bytes`` bytes of K / V rows a position); ties go to the longer
-    split (fewer tiles, less to combine). With few groups that is the shortest split that keeps the
+    (``fixed µs + bytes / rate``, ``pos_bytes`` bytes of K / V rows a position and head); ties go to the
+    longer split (fewer tiles, less to combine). So other ``MEASURED`` figures (``cost.measured_overrides``)
+    can change the split, not only the schedule. With few groups that is the shortest split that keeps the
     partials in one round (Llama-3.2-1B batch 1 at context 1024: 96 positions, 12 splits, 96 tiles);
     with many, long splits.
 
@@ -50,13 +51,16 @@ def kv_chunk(batch: int, kv_heads: int, s: int, opts, pos_bytes: int = 256) -> i
         return int(opts.attn_kv_chunk)
     from ..cost import MEASURED
 
+    if s <= CHUNK_MIN:
+        return CHUNK_MIN
     fixed, rate = MEASURED.get("attention_partial", (13.08, 21.5e3))
+    per_pos = min(opts.attn_heads_per_tile, kv_heads) * pos_bytes / rate if rate else 0.0  # µs (rate 0: none)
     groups = batch * -(-kv_heads // opts.attn_heads_per_tile)
     best = None
     for splits in range(-(-s // CHUNK_MAX), max(1, -(-s // CHUNK_MIN)) + 1):
         chunk = max(CHUNK_MIN, -(-(-(-s // splits)) // CHUNK_ALIGN) * CHUNK_ALIGN)
         rounds = -(-groups * -(-s // chunk) // max(opts.workers, 1))
-        t = rounds * (fixed + opts.attn_heads_per_tile * pos_bytes * chunk / rate)
+        t = rounds * (fixed + per_pos * chunk)
         if best is None or t < best[0] - 1e-9:
             best = (t, chunk)
     return best[1]
