@@ -97,6 +97,21 @@ def test_unsupported_in_place_write_is_listed_with_the_others():
     assert "cumsum" in names and "select_scatter" in names and len(names) == len(set(names)), info.value.nodes
 
 
+class TwoScans(torch.nn.Module):
+    def forward(self, x):
+        return torch.cumsum(x, dim=-1) + torch.cumprod(x, dim=-1) + torch.atan2(x, x)
+
+
+def test_each_unsupported_op_says_why():
+    """A reviewer's finding: a reason was printed once for a run of nodes sharing it, so cumprod after cumsum
+    looked reasonless. It is said again for another target (a run of one target's nodes still says it once)."""
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(TwoScans(), (torch.randn(2, 8),))
+    msg = str(info.value)
+    assert [n[0] for n in info.value.nodes] == ["cumsum", "cumprod", "atan2"], msg
+    assert msg.count("why: a scan along a dim") == 2 and msg.count("why: no tilec op computes it") == 1, msg
+
+
 class SoftmaxDim0(torch.nn.Module):
     def forward(self, x):
         return torch.softmax(x, dim=0)  # MARK-softmax0

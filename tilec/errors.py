@@ -11,7 +11,8 @@ class UnsupportedNodeError(TilecError):
 
     ``nodes`` holds ``(node name, target, source line)`` for each; an entry given with a fourth
     element (that node's own reason) prints it after the node's line, once for a run of nodes with
-    the same reason. ``hint``, when given, ends the message: what the user can do.
+    the same reason and target (``index_copy``, ``index_copy_1``, ...; a ``cumprod`` after a
+    ``cumsum`` says why again). ``hint``, when given, ends the message: what the user can do.
     """
 
     def __init__(self, nodes: list[tuple[str, ...]], reason: str = "", hint: str = ""):
@@ -21,9 +22,9 @@ class UnsupportedNodeError(TilecError):
         lines, last = [], None
         for n, why in zip(nodes, self.why):
             lines.append(f"  {n[0]} ({n[1]})" + (f" at {n[2]}" if n[2] else ""))
-            if why and why != last:
+            if why and (why, n[1]) != last:
                 lines.append(f"    why: {why}")
-            last = why
+            last = (why, n[1])
         head = f"tilec cannot lower {len(nodes)} FX node(s)" + (f": {reason}" if reason else "")
         super().__init__(head + "\n" + "\n".join(lines) + (f"\n  hint: {hint}" if hint else ""))
 
