@@ -28,6 +28,10 @@ from ..ops.attention_split import num_splits
 CHUNK_ALIGN, CHUNK_MIN, CHUNK_MAX = 32, 64, 288
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def kv_chunk(batch: int, kv_heads: int, s: int, opts, pos_bytes: int = 256) -> int:
     """Cache positions per split of an attention op over ``s`` cached positions.
 
@@ -55,11 +59,11 @@ def kv_chunk(batch: int, kv_heads: int, s: int, opts, pos_bytes: int = 256) -> i
         return CHUNK_MIN
     fixed, rate = MEASURED.get("attention_partial", (13.08, 21.5e3))
     per_pos = min(opts.attn_heads_per_tile, kv_heads) * pos_bytes / rate if rate else 0.0  # µs (rate 0: none)
-    groups = batch * -(-kv_heads // opts.attn_heads_per_tile)
+    groups = batch * _ceil_div(kv_heads, opts.attn_heads_per_tile)
     best = None
-    for splits in range(-(-s // CHUNK_MAX), max(1, -(-s // CHUNK_MIN)) + 1):
-        chunk = max(CHUNK_MIN, -(-(-(-s // splits)) // CHUNK_ALIGN) * CHUNK_ALIGN)
-        rounds = -(-groups * -(-s // chunk) // max(opts.workers, 1))
+    for splits in range(_ceil_div(s, CHUNK_MAX), _ceil_div(s, CHUNK_MIN) + 1):
+        chunk = max(CHUNK_MIN, _ceil_div(_ceil_div(s, splits), CHUNK_ALIGN) * CHUNK_ALIGN)
+        rounds = _ceil_div(groups * _ceil_div(s, chunk), max(opts.workers, 1))
         t = rounds * (fixed + per_pos * chunk)
         if best is None or t < best[0] - 1e-9:
             best = (t, chunk)
