@@ -30,7 +30,7 @@ from . import __version__, plancache
 from .dump import with_dump
 from .errors import PositionError, TilecError, UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
-from .fxgraph import source_of
+from .fxgraph import is_call, source_of, val_of
 from .guards import GuardError, build_mask_guards
 from .ir import DTYPE_CODES, contiguous_strides, is_integer
 from .options import Options, unknown_options_message
@@ -370,8 +370,8 @@ class _Region:
 def _traced_val(node):
     """An FX node's traced tensor (``meta["val"]``) when its shape, strides and storage offset are
     plain ints, else None."""
-    v = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(v, torch.Tensor):
+    v = val_of(node)
+    if v is None:
         return None
     return None if any(isinstance(x, torch.SymInt) for x in (*v.shape, *v.stride(), v.storage_offset())) else v
 
@@ -406,12 +406,11 @@ def _alias_groups(gm: fx.GraphModule, outs) -> list[tuple[int, list[tuple]]]:
     per storage, its size in elements and ``(output index, shape, strides, storage offset)`` of each
     output on it. A storage is left out when a layout is symbolic or has elements sharing memory (an
     expanded view cannot be written), or the outputs on it differ in dtype."""
-    inputs = {_storage_key(n.meta["val"]) for n in gm.graph.nodes
-              if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+    inputs = {_storage_key(val_of(n)) for n in gm.graph.nodes if n.op == "placeholder" and val_of(n) is not None}
     by_storage: dict[int, list] = {}
     for i, n in enumerate(outs):
-        v = n.meta.get("val") if isinstance(n, fx.Node) else None
-        if isinstance(v, torch.Tensor) and v.numel() > 0:
+        v = val_of(n)
+        if v is not None and v.numel() > 0:
             by_storage.setdefault(_storage_key(v), []).append((i, _traced_val(n)))
     groups = []
     for key, members in by_storage.items():
@@ -597,31 +596,21 @@ def _tokens_per_sequence(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
     1-d ids, computed indices (a relative-position bias's buckets) and writes along the first dim (a paged
     cache's slots) would count a decode batch or a cache length as tokens."""
     aten = torch.ops.aten
-    best = None
-
-    def seen(count, node):
-        nonlocal best
-        if best is None or count > best[0]:
-            best = (int(count), node)
-
-    def val(a):
-        v = a.meta.get("val") if isinstance(a, fx.Node) else None
-        return v if isinstance(v, torch.Tensor) else None
-
+    counts = []  # (tokens, node)
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        name = getattr(n.target, "__name__", str(n.target))
-        if n.target is aten.embedding.default and len(n.args) > 1 and isinstance(n.args[1], fx.Node) \
-                and n.args[1].op == "placeholder" and (v := val(n.args[1])) is not None and v.dim() >= 2:
-            seen(v.shape[-1], n)  # token ids [..., tokens] passed in (not computed indices: a bias's buckets)
-        elif "scaled_dot_product" in name and n.args and (v := val(n.args[0])) is not None and v.dim() >= 2:
-            seen(v.shape[-2], n)
-        elif n.target in (aten.index_copy.default, aten.index_copy_.default) and len(n.args) > 2 \
-                and (dst := val(n.args[0])) is not None and isinstance(n.args[1], int) \
-                and n.args[1] % max(dst.dim(), 1) != 0 and (v := val(n.args[2])) is not None:
-            seen(v.numel(), n)  # a static cache's write along its position dim (a paged write along dim 0: slots)
-    return best
+        if is_call(n, aten.embedding.default) and len(n.args) > 1 and getattr(n.args[1], "op", None) == "placeholder" \
+                and (v := val_of(n.args[1])) is not None and v.dim() >= 2:
+            counts.append((v.shape[-1], n))  # token ids [..., tokens] passed in (not computed: a bias's buckets)
+        elif "scaled_dot_product" in getattr(n.target, "__name__", "") and n.args \
+                and (v := val_of(n.args[0])) is not None and v.dim() >= 2:
+            counts.append((v.shape[-2], n))
+        elif is_call(n, aten.index_copy.default, aten.index_copy_.default) and len(n.args) > 2 \
+                and (dst := val_of(n.args[0])) is not None and isinstance(n.args[1], int) \
+                and n.args[1] % max(dst.dim(), 1) != 0 and (v := val_of(n.args[2])) is not None:
+            counts.append((v.numel(), n))  # a static cache's write along its position dim (paged: slots, dim 0)
+    return max(((int(c), n) for c, n in counts), key=lambda cn: cn[0], default=None)
 
 
 FALLBACK_LINES = 4  # graph inputs or nodes run eagerly for one reason that are logged one line each
