@@ -337,7 +337,7 @@ def greedy_generate(model, compiled: bool, new_tokens: int, options: dict | None
         model.forward = torch.compile(forward, backend="tilec", options=options, dynamic=False)
     try:
         return model.generate(**kw, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                              pad_token_id=0)
+                              pad_token_id=0, disable_compile=True)  # on a GPU HF would wrap tilec in Inductor
     finally:
         model.forward = forward
         torch._dynamo.reset()

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import generate as generate_bench  # noqa: E402
@@ -16,7 +17,17 @@ def test_generate_benchmark_runs_on_the_cpu(capsys):
                                 "--iters", "1"])
     assert [r[0] for r in rows] == ["eager", "tilec"] and all(math.isfinite(r[1]) and r[2] > 0 for r in rows)
     out = capsys.readouterr().out
-    assert "tilec tokens equal to eager's: 100.0%" in out and "ms / token" in out
+    assert "ms / token" in out and "tokens equal to eager's" in out
+    assert [line.split()[-1] for line in out.splitlines()[-2:]] == ["100.0%", "100.0%"], out
+
+
+def test_first_difference_names_the_step_and_eager_logit_gap():
+    want = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    logits = [torch.zeros(2, 10) for _ in range(3)]
+    logits[1][1, 6], logits[1][1, 2] = 3.0, 2.75
+    assert generate_bench.first_difference(want, want.clone(), logits) is None
+    got = torch.tensor([[5, 6, 1], [5, 2, 9]])
+    assert generate_bench.first_difference(want, got, logits) == (1, 0.25)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -339,6 +339,28 @@ def test_the_layers_masks_are_checked_once_a_call(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_positions_and_masks_come_to_the_host_in_one_read(monkeypatch):
+    """A call read its position tensor (a host sync on a GPU), then its masks' check (a second
+    one): HF generate() on an H200 synchronized four times a token, counting the step's own check
+    (forty-fourth session). The position and the masks' flags now come in one copy; a bad mask
+    still raises, naming its argument and position."""
+    torch.manual_seed(0)
+    m = MaskedStep().eval()
+    with torch.no_grad():
+        prog = compile_module(m, _step_args(3, causal(3)), positions=[3], max_positions=S)
+    reads = []
+    for name in ("tolist", "item", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, _name=name: reads.append(_name) or _real(t, *a))
+    monkeypatch.setattr(prog.executor, "run", lambda *a, **k: None)  # the binding and checks only
+    with torch.no_grad():
+        prog(*_step_args(4, causal(4)))
+        assert reads == ["tolist"], reads
+        with pytest.raises(GuardError, match=r"argument 4 \(node mask\) is not the causal mask over the static "
+                                             r"cache at position 5"):
+            prog(*_step_args(5, causal(6)))
+
+
 def test_a_mask_that_reads_a_module_buffer_is_checked_with_its_value():
     """The mask's sub-graph may read module buffers (constants to tilec): they are bound into the
     check, and two masks reading buffers of other values are two checks."""

@@ -56,6 +56,9 @@ class BackendOptions:
     max_positions: decode positions to plan for; default: those whose step fits the static KV
         cache found in the graph (the size of the dim the cache writes index, less the step's
         rows - 1), or 1 without a cache.
+
+    ``check`` defaults to ``"deferred"`` here (``Options``: True): a step's recorded error is raised
+    at a later call, so a decode loop's host does not wait for each step.
     """
 
     compile: Options
@@ -76,6 +79,7 @@ class BackendOptions:
     def from_dict(cls, d: dict | None) -> "BackendOptions":
         """Raises ``ValueError`` naming an unknown key (with a "did you mean") or a bad value."""
         d = dict(d or {})
+        d.setdefault("check", "deferred")  # a decode loop's host does not wait for each step (Options.check)
         extra = {k: d.pop(k) for k in BACKEND_KEYS if k in d}
         try:
             opts = Options.from_dict(d)

@@ -65,6 +65,10 @@ class CudaExecutor:
         # wait satisfied), end, and two op-defined marks (0 where the op sets none)
         self.stamps = (torch.zeros(*plan.queues.shape[:2], 4, dtype=torch.int64, device=device)
                        if getattr(opts, "profile", False) else None)
+        # check="deferred": each step's error record is copied to pinned host memory behind it and read
+        # once that copy has completed (an event), at a later call
+        self._err_host: torch.Tensor | None = None
+        self._err_copied: torch.cuda.Event | None = None
 
     def use_ring_stages(self, n: int) -> None:
         """Launches from now on with an ``n``-stage weight ring (2..8; the plan's stream words and
@@ -85,17 +89,29 @@ class CudaExecutor:
     def reset(self) -> None:
         """Zeroes the event and arrival counters and the error record (after an aborted step)."""
         torch.cuda.synchronize(self.device)
+        self._err_copied = None  # a queued record is of the steps this clears
         self.counters.zero_()
         self.state.zero_()
         self.err.zero_()
 
     def run(self, tensors: dict[str, torch.Tensor], operand_table: torch.Tensor, queues: torch.Tensor | None = None,
-            check: bool | None = None, position: int = 0) -> None:
+            check: bool | str | None = None, position: int = 0) -> None:
         """Launches one step at decode position ``position`` (the device adds ``position *
-        pos_step`` to each operand entry); with ``check`` synchronizes and raises
-        :class:`WatchdogError` on a timeout. The operand table is uploaded only when it is a
-        different table from the last call's (a ``CompiledProgram`` passes the same table object
-        for the same argument tensors)."""
+        pos_step`` to each operand entry). ``check`` (default: the options'): True synchronizes
+        after the step and raises what it recorded (:meth:`check`); ``"deferred"`` first raises
+        what an earlier step recorded if its record has reached the host (:meth:`check_deferred`),
+        then launches and queues this step's record for a later call, without waiting for the step;
+        False checks nothing. The operand table is uploaded only when it is a different table from
+        the last call's (a ``CompiledProgram`` passes the same table object for the same argument
+        tensors).
+
+        Raises:
+            WatchdogError, TilecError: as :meth:`check`, for this step (True) or an earlier one
+                (``"deferred"``); TilecError: the launch failed.
+        """
+        mode = self.opts.check if check is None else check
+        if mode == "deferred":
+            self.check_deferred()
         if self._last_table is not operand_table and (
                 self._last_table is None or not torch.equal(self._last_table, operand_table)):
             self.table.copy_(operand_table)
@@ -110,7 +126,13 @@ class CudaExecutor:
                                    int(position))
         if rc != 0:
             raise TilecError(f"tilec launch failed: {self.lib.tilec_last_error().decode()}")
-        if self.opts.check if check is None else check:
+        if mode == "deferred":
+            if self._err_host is None:
+                self._err_host = torch.zeros(_ERR_INTS, dtype=torch.int32).pin_memory()
+            self._err_host.copy_(self.err, non_blocking=True)  # behind the step, on its stream
+            self._err_copied = torch.cuda.Event()
+            self._err_copied.record()
+        elif mode:
             self.check()
 
     def _op_label(self, op: int) -> str:
@@ -127,7 +149,24 @@ class CudaExecutor:
         outside the embedding table, a cache slot outside the cache, a page id outside the key
         cache: ``TilecError`` naming the op; that step completed without the bad access)."""
         torch.cuda.current_stream(self.device).synchronize()
-        rec = self.err.cpu()
+        self._err_copied = None  # read here, whole
+        self._raise_recorded(self.err.cpu())
+
+    def check_deferred(self, wait: bool = False) -> None:
+        """Raises what the last ``check="deferred"`` step recorded (as :meth:`check`), once its record
+        has reached the host: at once if its copy has completed, else only with ``wait`` (which
+        synchronizes on that copy). A record not yet read stays queued; a later step's copy holds
+        its errors too (the device keeps a record until the host clears it)."""
+        done = self._err_copied
+        if done is None or not (wait or done.query()):
+            return
+        done.synchronize()
+        self._err_copied = None
+        self._raise_recorded(self._err_host.clone())
+
+    def _raise_recorded(self, rec: torch.Tensor) -> None:
+        """Raises what the error record ``rec`` (int32 [_ERR_INTS], on the host) holds, clearing it on
+        the device; returns when it holds nothing."""
         if int(rec[0]) == 0:
             if int(rec[10]):
                 task, op = int(rec[11]), int(rec[12])

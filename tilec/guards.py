@@ -31,7 +31,7 @@ class GuardError(TilecError):
     padded batch): the message names the argument the mask is computed from and the position."""
 
 
-def causal_mismatch(mask: torch.Tensor, p: int, shape: tuple[int, int, int, int]) -> torch.Tensor:
+def causal_mismatch(mask: torch.Tensor, p: int | torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
     """A 0-d bool tensor (on ``mask``'s device, no host sync): True unless ``mask`` is the causal
     mask at decode position ``p`` over a static cache.
 
@@ -39,9 +39,12 @@ def causal_mismatch(mask: torch.Tensor, p: int, shape: tuple[int, int, int, int]
         mask: bool, or float additive, broadcastable to ``shape`` = (batch, heads, query rows sq,
             cache length s); row i allows cache columns ``<= p + i``. A float entry is allowed
             when exactly 0 and masked when at most :data:`MASKED_BELOW` (NaN is neither).
-        p: the decode position of the step's first query row.
+        p: the decode position of the step's first query row: an int, or a 0-d integer tensor
+            (read on the device: no host sync).
     """
     sq, s = shape[2], shape[3]
+    if isinstance(p, torch.Tensor):
+        p = p.to(mask.device)
     cols = torch.arange(s, device=mask.device)
     want = cols.view(1, s) <= (p + torch.arange(sq, device=mask.device)).view(sq, 1)
     if mask.dtype == torch.bool:
@@ -123,7 +126,7 @@ class MaskGuard:
         self.module = fx.GraphModule(root, graph)
         self.key = tuple(key)
 
-    def mismatch(self, args, p: int, labels=None) -> torch.Tensor:
+    def mismatch(self, args, p: int | torch.Tensor, labels=None) -> torch.Tensor:
         """:func:`causal_mismatch` of the mask computed from ``args`` (the step's call arguments;
         ``labels`` names them) at decode position ``p``: a 0-d bool tensor, no host sync.
 
@@ -148,15 +151,25 @@ class MaskGuard:
                           f"attention): tilec planned this attention as causal")
 
 
+def mismatches(guards: list[MaskGuard], args, p, labels=None) -> torch.Tensor:
+    """bool [len(guards)] on the masks' device, no host sync: each guard's :meth:`MaskGuard.mismatch`
+    at decode position ``p`` (an int, or a 0-d integer tensor on the masks' device)."""
+    return torch.stack([g.mismatch(args, p, labels) for g in guards])
+
+
+def raise_first_mismatch(guards: list[MaskGuard], flags: list[bool], p: int, labels=None) -> None:
+    """Raises the :class:`GuardError` of the first guard whose flag (of :func:`mismatches`) is set."""
+    for g, bad in zip(guards, flags):
+        if bad:
+            raise g.error(p, labels)
+
+
 def check_mask_guards(guards: list[MaskGuard], args, p: int, labels=None) -> None:
     """Raises the first failing guard's :class:`GuardError` unless every mask computed from
     ``args`` is causal at position ``p`` (one host sync for all of them; TilecError for an
     argument of the wrong shape or dtype)."""
-    if not guards:
-        return
-    flags = [g.mismatch(args, p, labels) for g in guards]
-    if bool(torch.stack(flags).any()):
-        raise next(g for g, f in zip(guards, flags) if bool(f)).error(p, labels)
+    if guards:
+        raise_first_mismatch(guards, mismatches(guards, args, p, labels).tolist(), p, labels)
 
 
 def build_mask_guards(gm: fx.GraphModule, binding, mask_guards) -> list[MaskGuard]:

@@ -106,7 +106,12 @@ class Options:
         ``"auto"``: CUDA when the model's tensors are on a CUDA device.
     arch: nvcc target architecture (``sm_90a`` = Hopper with wgmma/TMA).
     watchdog_ms: a device-side event wait longer than this aborts the step with an error.
-    check: synchronize after every CUDA step and raise on a watchdog error (off for timing).
+    check: raise what a CUDA step recorded (a watchdog abort, an index read outside its range).
+        True: synchronize after every step and raise it there. ``"deferred"`` (the default of
+        ``torch.compile(backend="tilec")``): the host does not wait for the step; its record is
+        copied back behind it and raised at a later call of the program, the first one after the
+        copy completed (an HF ``generate()`` loop synchronizes every token, so the next call).
+        False: never (for timing).
     profile: record %globaltimer stamps per instruction on the GPU (for a measured trace).
     dump_dir: write every stage's IR, stats and a predicted trace under this directory
         (``tilec.dump``); None = off, or the ``TILEC_DUMP_DIR`` environment variable if set.
@@ -136,13 +141,17 @@ class Options:
     executor: str = "auto"
     arch: str = "sm_90a"
     watchdog_ms: int = 2000
-    check: bool = True
+    check: bool | str = True
     profile: bool = False
     dump_dir: str | None = None
 
     def __post_init__(self):
+        if not (isinstance(self.check, bool) or self.check == "deferred"):
+            raise ValueError(f"tilec option check={self.check!r}: must be True, False or \"deferred\"")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "check":
+                continue
             optional = isinstance(f.type, str) and "None" in f.type
             if optional and v is None:
                 continue

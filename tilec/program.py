@@ -8,7 +8,7 @@ import torch.utils._pytree as pytree
 
 from .errors import PositionError, TilecError
 from .frontend import IGNORED, POSITION, GraphBinding
-from .guards import check_mask_guards
+from .guards import check_mask_guards, mismatches, raise_first_mismatch
 from .ir import BufferKind, is_integer
 from .options import Options
 from .pipeline import Compiled
@@ -165,6 +165,12 @@ class CompiledProgram:
         """Checks the call arguments and returns (buffer tensors, decode position). Position
         tensors are read with one copy to the host for all of them (HF's static cache passes one
         counter per layer: on a GPU, reading each on its own was a sync each)."""
+        tensors, p, _ = self._bind(args, [])
+        return tensors, p
+
+    def _bind(self, args, guards: list) -> tuple[dict[str, torch.Tensor], int, list[bool] | None]:
+        """:meth:`bind_args`, and the mismatch flag of each of ``guards`` (``tilec.guards.MaskGuard``)
+        when they were read with the positions, else None."""
         if len(args) != len(self._arg_specs):
             raise TilecError(f"compiled step takes {len(self._arg_specs)} arguments, got {len(args)}")
         for i, v in self._baked.items():
@@ -173,7 +179,7 @@ class CompiledProgram:
                 raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
                                  f"value is baked into the compiled step (compile with a tensor as that "
                                  f"example argument to vary it, or compile for this value)")
-        positions = self._positions(args)
+        positions, flags = self._positions(args, guards)
         tensors = dict(self.tensors)
         # (trusted: torch.compile's guards already hold shapes, dtypes, devices and strides)
         tensors.update(zip(self._t_bound_names, map(args.__getitem__, self._t_bound_index)))
@@ -185,7 +191,7 @@ class CompiledProgram:
             said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in positions.items())
             raise PositionError(f"the decode position arguments disagree ({said}): integer inputs with one "
                                 f"element are read as the decode position")
-        return tensors, held.pop() if held else 0
+        return tensors, held.pop() if held else 0, flags
 
     def _bind_each(self, args, tensors: dict) -> None:
         """Checks and binds the tensor arguments that are not trusted, naming the first bad one."""
@@ -206,9 +212,12 @@ class CompiledProgram:
                 a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             tensors[name] = a
 
-    def _positions(self, args) -> dict[int, int]:
-        """argument index -> the decode position it holds, each checked (PositionError: a shape
-        other than the example's, or a position outside ``[0, max_positions)``)."""
+    def _positions(self, args, guards: list) -> tuple[dict[int, int], list[bool] | None]:
+        """(argument index -> the decode position it holds, each checked; the mismatch flags of
+        ``guards``, or None). Position tensors and the guards' flags come to the host in one copy,
+        the guards evaluated at the first position tensor's value on the device (a GPU call had
+        synchronized twice). Raises PositionError: a shape other than the example's, or a position
+        outside ``[0, max_positions)``."""
         out, tensors = {}, []
         for i, shape in self._position_args:
             a = args[i]
@@ -220,18 +229,25 @@ class CompiledProgram:
                                     f"example's; another shape can change the output's), got "
                                     f"{a.dtype}{list(a.shape)}")
             tensors.append(i)
-        if len(tensors) > 1 and all(args[i].is_cuda for i in tensors):  # one read (one sync) for all of them
-            out.update(zip(tensors, torch.cat([args[i].reshape(-1).to(args[tensors[0]].device, torch.int64)
-                                               for i in tensors]).tolist()))
-        else:
-            out.update((i, int(args[i].item())) for i in tensors)
+        flags = None
+        if tensors:
+            dev = args[tensors[0]].device
+            read = [args[i].reshape(-1).to(dev, torch.int64) for i in tensors]
+            if guards:
+                bad = mismatches(guards, args, read[0][0], self._labels)
+                if bad.device == dev:
+                    read.append(bad.to(torch.int64))
+            values = torch.cat(read).tolist()
+            out.update(zip(tensors, values))
+            if len(values) > len(tensors):
+                flags = [bool(v) for v in values[len(tensors):]]
         for i, p in out.items():
             if not 0 <= p < self.graph.max_positions:
                 raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
                                     f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
                                     f"as the decode position; a larger max_positions plans more, as far as the "
                                     f"module's caches hold positions)")
-        return out
+        return out, flags
 
     def _table(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The operand table for this call's tensors: only buffers bound from the call's arguments
@@ -248,8 +264,11 @@ class CompiledProgram:
         if kwargs:
             raise TilecError(f"a compiled step takes its arguments by position, in the order of the example "
                              f"arguments it was compiled with; got keyword argument(s) {', '.join(sorted(kwargs))}")
-        tensors, p = self.bind_args(args)
-        check_mask_guards(self.guards, args, p, self._labels)
+        tensors, p, flags = self._bind(args, self.guards)
+        if flags is None:
+            check_mask_guards(self.guards, args, p, self._labels)
+        else:
+            raise_first_mismatch(self.guards, flags, p, self._labels)
         if self.executor_kind == "reference":
             for name, b in self.graph.buffers.items():
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:

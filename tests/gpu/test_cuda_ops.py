@@ -307,6 +307,15 @@ def test_embedding_rows(dtype, dim, tile_cols, tile_rows):
         unchecked.executor.check()
     unchecked.executor.check()  # reported once
     assert torch.equal(prog(ids), want)
+    # check="deferred" (torch.compile's default): the host does not wait; the next call raises it
+    deferred = compile_module(m, (ids,), options=dict(executor="cuda", workers=7, tile_cols=tile_cols,
+                                                      tile_rows=tile_rows, check="deferred"))
+    assert torch.isnan(deferred(bad)[1:3].float()).all()
+    torch.cuda.synchronize()
+    with pytest.raises(TilecError, match=r"op embedding.* failed: index (1000|-1) read at run time"):
+        deferred(ids)
+    assert torch.equal(deferred(ids), want)  # reported once
+    deferred.executor.check_deferred(wait=True)
 
 
 class VIntoCache(torch.nn.Module):
