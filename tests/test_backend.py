@@ -685,8 +685,8 @@ def test_a_deferred_step_error_is_raised_once_its_record_arrives():
     ex.check_deferred()  # the copy has not completed: nothing yet
     assert ex._err_copied is not None
     ex._err_copied.done = True
-    with pytest.raises(TilecError, match=r"task 7 \(op embedding\) failed: index 1000 read at run time is outside "
-                                         r"\[0, 1000\)"):
+    with pytest.raises(TilecError, match=r"^a step before this call \(check=\"deferred\"\): task 7 \(op embedding\) "
+                                         r"failed: index 1000 read at run time is outside \[0, 1000\)"):
         ex.check_deferred()
     assert ex._err_copied is None
     ex.check_deferred(wait=True)  # nothing queued

@@ -1018,6 +1018,7 @@ def test_help_and_usage_errors_do_not_import_torch():
     (["--workers", "8"], "No such option: --workers. tilec options are given as -O KEY=VALUE, e.g. -O workers=..."),
     (["-O", "workers=8,attn_kv_chunk=8"], "--option workers=8,attn_kv_chunk=8: one KEY=VALUE per -O (e.g. -O "
                                           "workers=8 -O attn_kv_chunk=8)"),
+    (["-O", "check=true,workers=8"], "one KEY=VALUE per -O (e.g. -O check=true -O workers=8)"),  # bool | str
 ])
 def test_options_given_the_wrong_way_are_told_the_right_way(facts, tmp_path, args, message):
     """A fresh user's tries: ``--workers 8`` got click's "Did you mean '--force'?", and a comma list

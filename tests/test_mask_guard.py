@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from tilec.api import compile_module
 from tilec.errors import TilecError, UnsupportedNodeError
+from tilec.errors import PositionError
 from tilec.guards import GuardError, causal_mismatch
 
 from _helpers import assert_close, greedy_generate
@@ -359,6 +360,32 @@ def test_positions_and_masks_come_to_the_host_in_one_read(monkeypatch):
         with pytest.raises(GuardError, match=r"argument 4 \(node mask\) is not the causal mask over the static "
                                              r"cache at position 5"):
             prog(*_step_args(5, causal(6)))
+
+
+class TableMask(MaskedStep):
+    """The mask also indexed by the position (HF Llama once sliced its mask by ``cache_position``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.tril(torch.ones(S, S, dtype=torch.bool)))
+
+    def forward(self, x, k_cache, v_cache, pos, mask):
+        return super().forward(x, k_cache, v_cache, pos, mask & self.table[pos].view(1, 1, 1, S))
+
+
+def test_a_position_past_the_plan_is_a_position_error_before_the_mask_reads_it():
+    """The masks are now evaluated with the position read; one indexed by a position past its table
+    failed there with an IndexError (a device assert on a GPU) where the range check said
+    PositionError, which torch.compile answers by running the call eagerly (a reviewer's case)."""
+    torch.manual_seed(0)
+    m = TableMask().eval()
+    with torch.no_grad():
+        prog = compile_module(m, _step_args(3, causal(3)), positions=[3], max_positions=S)
+        args = _step_args(4, causal(4))
+        want, _ = _eager(m, args)
+        assert_close(prog(*args), want, 1e-4, "position 4")
+        with pytest.raises(PositionError, match=r"holds decode position 15, outside the planned range \[0, 12\)"):
+            prog(*_step_args(S + 3, causal(4)))
 
 
 def test_a_mask_that_reads_a_module_buffer_is_checked_with_its_value():

@@ -129,7 +129,8 @@ def parse_options(pairs) -> Options:
         # `-O workers=8,tile_n=64`: a second option after a comma, in a value that cannot hold one (a
         # string option's value - a dump directory - may)
         rest = value.split(",", 1)[1] if "," in value else ""
-        if "str" not in OPTION_TYPES.get(key, "str") and rest.partition("=")[0].strip() in OPTION_TYPES:
+        first_type = OPTION_TYPES.get(key, "str").split("|")[0].strip()  # "bool | str" (check) is no string
+        if first_type != "str" and rest.partition("=")[0].strip() in OPTION_TYPES:
             raise Failure(f"--option {pair}: one KEY=VALUE per -O (e.g. -O {key}={value.split(',')[0]} "
                           f"-O {value.split(',', 1)[1]})")
         d[key], raw[key] = _parse_value(value.strip()), value.strip()
@@ -479,6 +480,7 @@ def _run_step(program, args) -> list[torch.Tensor]:
         out = program(*args)
         if program.device.type == "cuda":
             torch.cuda.synchronize(program.device)
+            program.check_errors()  # a plan compiled with check="deferred" raises its step's errors here
     except TilecError as e:
         raise Failure(f"the step failed: {e}", EXIT_ERROR) from e
     return pytree.tree_leaves(out)

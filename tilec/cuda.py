@@ -131,7 +131,7 @@ class CudaExecutor:
                 self._err_host = torch.zeros(_ERR_INTS, dtype=torch.int32).pin_memory()
             self._err_host.copy_(self.err, non_blocking=True)  # behind the step, on its stream
             self._err_copied = torch.cuda.Event()
-            self._err_copied.record()
+            self._err_copied.record(torch.cuda.current_stream(self.device))  # the step's device, maybe not current
         elif mode:
             self.check()
 
@@ -162,31 +162,34 @@ class CudaExecutor:
             return
         done.synchronize()
         self._err_copied = None
-        self._raise_recorded(self._err_host.clone())
+        self._raise_recorded(self._err_host.clone(), "a step before this call (check=\"deferred\"): ")
 
-    def _raise_recorded(self, rec: torch.Tensor) -> None:
-        """Raises what the error record ``rec`` (int32 [_ERR_INTS], on the host) holds, clearing it on
-        the device; returns when it holds nothing."""
+    def _raise_recorded(self, rec: torch.Tensor, prefix: str = "") -> None:
+        """Raises what the error record ``rec`` (int32 [_ERR_INTS], on the host) holds, its message
+        after ``prefix``, clearing it on the device; returns when it holds nothing."""
         if int(rec[0]) == 0:
             if int(rec[10]):
                 task, op = int(rec[11]), int(rec[12])
                 index, lo, hi = (int(x) for x in rec[14:20].view(torch.int64))
                 self.err[10:].zero_()
-                raise TilecError(f"task {task} (op {self._op_label(op)}) failed: index {index} read at run time is "
-                                 f"outside [{lo}, {hi}) (the step completed without that access: what depends "
-                                 f"on it is not valid)")
+                raise TilecError(f"{prefix}task {task} (op {self._op_label(op)}) failed: index {index} read at "
+                                 f"run time is outside [{lo}, {hi}) (the step completed without that access: "
+                                 f"what depends on it is not valid)")
             return
         if int(rec[0]) == 3:
             worker, op = int(rec[1]), int(rec[5])
             self.reset()
-            raise TilecError(f"worker {worker} met an instruction of op {self._op_label(op)} whose dispatch signature "
-                             f"this library holds no instance for (a tilec bug: plan and generated code disagree)")
+            raise TilecError(f"{prefix}worker {worker} met an instruction of op {self._op_label(op)} whose "
+                             f"dispatch signature this library holds no instance for (a tilec bug: plan and "
+                             f"generated code disagree)")
         if int(rec[0]) == 2:
             self.reset()
-            raise WatchdogError(f"watchdog: a worker's GEMV weight stream stalled for over {self.opts.watchdog_ms} ms "
-                                f"(its loader and compute warps disagree on the streamed tiles: a tilec bug)")
+            raise WatchdogError(f"{prefix}watchdog: a worker's GEMV weight stream stalled for over "
+                                f"{self.opts.watchdog_ms} ms (its loader and compute warps disagree on the "
+                                f"streamed tiles: a tilec bug)")
         worker, instr, event, task, op = (int(x) for x in rec[1:6])
         seen, target = (int(x) for x in rec[6:10].view(torch.int64))
         self.reset()
-        raise WatchdogError(f"watchdog: worker {worker} instruction {instr} (task {task}, op {self._op_label(op)}) "
-                            f"waited over {self.opts.watchdog_ms} ms on event {event}: counter {seen}, target {target}")
+        raise WatchdogError(f"{prefix}watchdog: worker {worker} instruction {instr} (task {task}, op "
+                            f"{self._op_label(op)}) waited over {self.opts.watchdog_ms} ms on event {event}: "
+                            f"counter {seen}, target {target}")

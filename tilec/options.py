@@ -109,9 +109,12 @@ class Options:
     check: raise what a CUDA step recorded (a watchdog abort, an index read outside its range).
         True: synchronize after every step and raise it there. ``"deferred"`` (the default of
         ``torch.compile(backend="tilec")``): the host does not wait for the step; its record is
-        copied back behind it and raised at a later call of the program, the first one after the
-        copy completed (an HF ``generate()`` loop synchronizes every token, so the next call).
-        False: never (for timing).
+        copied back behind it and raised, prefixed "a step before this call", at a later call of
+        the program, the first one after the copy completed (an HF ``generate()`` loop
+        synchronizes every token, so the next call), or by ``CompiledProgram.check_errors()``. So
+        the last step's error shows at the program's next use (for the backend: the next
+        ``generate()``), and after a watchdog abort the steps run before it is raised return
+        stale outputs. False: never (for timing).
     profile: record %globaltimer stamps per instruction on the GPU (for a measured trace).
     dump_dir: write every stage's IR, stats and a predicted trace under this directory
         (``tilec.dump``); None = off, or the ``TILEC_DUMP_DIR`` environment variable if set.

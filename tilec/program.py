@@ -161,6 +161,13 @@ class CompiledProgram:
     def stats(self) -> dict:
         return self.compiled.stats
 
+    def check_errors(self) -> None:
+        """Raises what a step run with ``check="deferred"`` recorded and no call has raised yet,
+        waiting for that record (``CudaExecutor.check_deferred``); nothing on the reference
+        executor, which raises as it runs. Raises WatchdogError / TilecError as the step would have."""
+        if self.executor_kind == "cuda":
+            self.executor.check_deferred(wait=True)
+
     def bind_args(self, args) -> tuple[dict[str, torch.Tensor], int]:
         """Checks the call arguments and returns (buffer tensors, decode position). Position
         tensors are read with one copy to the host for all of them (HF's static cache passes one
@@ -233,14 +240,21 @@ class CompiledProgram:
         if tensors:
             dev = args[tensors[0]].device
             read = [args[i].reshape(-1).to(dev, torch.int64) for i in tensors]
+            bad = None
             if guards:
-                bad = mismatches(guards, args, read[0][0], self._labels)
+                # evaluated before the range check below: a mask indexed by a position must not read past
+                # its table (a device assert), so the positions the masks read are clamped into the range
+                top = self.graph.max_positions - 1
+                clamped = list(args)
+                for i in {i for g in guards for i in g.arg_index} & set(tensors):
+                    clamped[i] = args[i].clamp(0, top)
+                bad = mismatches(guards, clamped, read[0][0].clamp(0, top), self._labels)
                 if bad.device == dev:
                     read.append(bad.to(torch.int64))
             values = torch.cat(read).tolist()
             out.update(zip(tensors, values))
-            if len(values) > len(tensors):
-                flags = [bool(v) for v in values[len(tensors):]]
+            flags = [bool(v) for v in values[len(tensors):]] if len(values) > len(tensors) else \
+                None if bad is None else bad.tolist()
         for i, p in out.items():
             if not 0 <= p < self.graph.max_positions:
                 raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
