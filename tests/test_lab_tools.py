@@ -309,3 +309,19 @@ def test_call_host_cost_times_a_backend_call_without_its_run(capsys):
     rows = call_host_cost_main(["--model", "llama-tiny", "--layers", "2", "--iters", "3"])
     assert set(rows) == {"bind_args", "call, no run"} and all(v > 0 for v in rows.values())
     assert "llama-tiny, 2 layers, cpu:" in capsys.readouterr().out
+
+
+def test_generate_host_times_the_decode_calls_on_the_cpu(capsys):
+    """benchmarks/lab/generate_host.py (where generate()'s time per token goes under tilec): a CPU smoke run
+    prints each timed part of a decode call, and leaves the patched tilec classes as they were."""
+    import generate_host
+
+    import tilec.backend
+    import tilec.program
+
+    call, bind = tilec.backend._Region.__call__, tilec.program.CompiledProgram._bind
+    rows = generate_host.main(["--device", "cpu", "--model", "llama-tiny", "--context", "8", "--new-tokens", "3"])
+    assert {"compiled forward", "tilec region", "binding + host read", "mask guards", "HF prepare_inputs"} <= set(rows)
+    assert all(v > 0 for v in rows.values()) and rows["compiled forward"] >= rows["tilec region"]
+    assert tilec.backend._Region.__call__ is call and tilec.program.CompiledProgram._bind is bind
+    assert "medians over its decode calls" in capsys.readouterr().out

@@ -254,7 +254,9 @@ def weight_rows_prefetch(graph, w: View, operand: int, n0: int, n1: int, k0: int
 
 
 # x rows at most of a CUDA-core ring-fed GEMV tile; 5..16 rows go to the tensor-core consumer
-# (emitted into tilec_layout.h as TILEC_GEMV_RING_ROWS for runtime/tilec/ops.cuh linear_impl)
+# (emitted into tilec_layout.h as TILEC_GEMV_RING_ROWS for runtime/tilec/ops.cuh linear_impl).
+# 2..4 rows on the tensor-core consumer instead (1 here) were slower: Llama-3.2-1B batch 4 2.689
+# against 2.097 ms a step (H200, forty-fourth session, one process, 5 rounds).
 GEMV_RING_ROWS = 4
 GEMV_RING_MMA_ROWS = 16  # x rows of a tensor-core ring-fed tile (ops.cuh gemv_bf16_ring_mma)
 GEMV_RING_MMA_K = 4096  # its K range at most with x staged whole (longer: K blocks outer, below)
