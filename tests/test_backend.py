@@ -656,6 +656,25 @@ def test_the_backend_checks_steps_deferred():
             Options(check=bad)
 
 
+def test_only_decode_steps_defer_their_check():
+    """A program without a decode position (a one-off call) is checked as it returns even with
+    check="deferred": deferred, its bad index would go unreported until a call that may never come (a
+    fresh look at the forty-fourth session's change)."""
+    from tilec.api import compile_module
+
+    class Step(torch.nn.Module):
+        def forward(self, x, pos, cache):
+            cache.index_copy_(1, pos, x)
+            return x * 2
+
+    opts = {"check": "deferred", "executor": "reference", "workers": 2}
+    x, cache = torch.randn(1, 1, 8), torch.zeros(1, 4, 8)
+    with torch.no_grad():
+        one_off = compile_module(TwoLinears().eval(), (torch.randn(2, 8),), options=opts)
+        step = compile_module(Step(), (x, torch.tensor([0]), cache), positions=[1], max_positions=4, options=opts)
+    assert one_off._check is True and step._check is None  # None: the options' own ("deferred")
+
+
 def test_a_deferred_step_error_is_raised_once_its_record_arrives():
     """CudaExecutor.check_deferred: a record whose copy has not completed stays queued (no wait),
     and is raised, naming the op, once it has; then it is cleared. No GPU: the event and the pinned

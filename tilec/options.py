@@ -111,7 +111,8 @@ class Options:
         ``torch.compile(backend="tilec")``): the host does not wait for the step; its record is
         copied back behind it and raised, prefixed "a step before this call", at a later call of
         the program, the first one after the copy completed (an HF ``generate()`` loop
-        synchronizes every token, so the next call), or by ``CompiledProgram.check_errors()``. So
+        synchronizes every token, so the next call), or by ``CompiledProgram.check_errors()``; a
+        program that takes no decode position (not a decode step) is checked as with True. So
         the last step's error shows at the program's next use (for the backend: the next
         ``generate()``), and after a watchdog abort the steps run before it is raised return
         stale outputs. False: never (for timing).

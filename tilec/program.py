@@ -138,6 +138,10 @@ class CompiledProgram:
                              for i, (kind, name, shape, dtype, staged, inplace) in enumerate(self._arg_specs)
                              if kind == _TENSOR]
         self._position_args = [(i, shape) for i, (kind, _, shape, *_) in enumerate(self._arg_specs) if kind == _POSITION]
+        # check="deferred" is for decode steps, called in a loop: a program without a decode position is
+        # checked as it returns (a one-off call's bad index would otherwise go unreported)
+        check = getattr(opts, "check", True)
+        self._check = True if check == "deferred" and not self._position_args else None
         # trusted arguments whose example was contiguous are bound unchecked (their strides are
         # guarded, so they stay contiguous); the rest are checked (_bind_each)
         trusted = [spec for spec in self._tensor_args if spec[1] in trusted and spec[1] in contiguous]
@@ -287,7 +291,7 @@ class CompiledProgram:
             for name, b in self.graph.buffers.items():
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
                     tensors[name].fill_(float("nan"))
-        self.executor.run(tensors, self._table(tensors), position=p)
+        self.executor.run(tensors, self._table(tensors), position=p, check=self._check)
         # one tensor passed for several arguments gets only its last update (they all write a value
         # tabulated from p, so the same value as writing each in turn); all in one device copy
         last = {id(args[idx]): (args[idx], values) for idx, values in self._updates if isinstance(args[idx], torch.Tensor)}

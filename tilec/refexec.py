@@ -67,9 +67,10 @@ class ReferenceExecutor:
         self.epoch = 0
 
     def run(self, tensors: dict[str, torch.Tensor], operand_table: torch.Tensor,
-            queues: torch.Tensor | None = None, position: int = 0) -> None:
+            queues: torch.Tensor | None = None, position: int = 0, check=None) -> None:
         """One step at decode position ``position``. ``tensors`` maps buffer names to the tensors
         the operand table points into; entries move by ``position * pos_step`` (``apply_position``).
+        ``check`` is the CUDA executor's; this one raises as it runs, whatever it says.
 
         A step that raises is rolled back (event counters and epoch), so the executor stays
         usable for the next call.

@@ -307,15 +307,12 @@ def test_embedding_rows(dtype, dim, tile_cols, tile_rows):
         unchecked.executor.check()
     unchecked.executor.check()  # reported once
     assert torch.equal(prog(ids), want)
-    # check="deferred" (torch.compile's default): the host does not wait; the next call raises it
+    # check="deferred" is for decode steps: a program without a decode position is checked as it returns
     deferred = compile_module(m, (ids,), options=dict(executor="cuda", workers=7, tile_cols=tile_cols,
                                                       tile_rows=tile_rows, check="deferred"))
-    assert torch.isnan(deferred(bad)[1:3].float()).all()
-    torch.cuda.synchronize()
-    with pytest.raises(TilecError, match=r"op embedding.* failed: index (1000|-1) read at run time"):
-        deferred(ids)
-    assert torch.equal(deferred(ids), want)  # reported once
-    deferred.executor.check_deferred(wait=True)
+    with pytest.raises(TilecError, match=r"^task .*op embedding.* failed: index (1000|-1) read at run time"):
+        deferred(bad)
+    assert torch.equal(deferred(ids), want)
 
 
 class VIntoCache(torch.nn.Module):
@@ -330,6 +327,38 @@ class VIntoCache(torch.nn.Module):
         v = (x * 2).view(x.shape[0], 1, self.heads, self.dim).transpose(1, 2)
         cache.index_copy_(2, pos, v)
         return x + 1
+
+
+class GatherIntoCache(VIntoCache):
+    """Token rows gathered and written into ``cache`` at ``pos``: a program that takes a decode position."""
+
+    def __init__(self):
+        super().__init__(1, 64)
+        self.e = torch.nn.Embedding(1000, 64, dtype=torch.bfloat16)
+
+    def forward(self, ids, pos, cache):
+        return super().forward(self.e(ids), pos, cache)
+
+
+def test_a_deferred_check_raises_a_decode_steps_error_at_the_next_call():
+    """check="deferred" (torch.compile's default): a decode step's bad token id is not waited for; the
+    next call raises it, naming the op and that it was an earlier step's, once; later steps are right."""
+    torch.manual_seed(0)
+    m = GatherIntoCache().to(DEV)
+    ids, cache = torch.tensor([[3], [517]], device=DEV), torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16, device=DEV)
+    prog = compile_module(m, (ids, torch.tensor([0], device=DEV), cache.clone()), positions=[1], max_positions=8,
+                          options=dict(executor="cuda", workers=4, check="deferred"))
+    with torch.no_grad():
+        want = m(ids, torch.tensor([2], device=DEV), cache.clone())
+        assert torch.equal(prog(ids, torch.tensor([2], device=DEV), cache), want)
+        got = prog(torch.tensor([[5], [1000]], device=DEV), torch.tensor([3], device=DEV), cache)  # no raise here
+        assert torch.isnan(got[1].float()).all()
+        torch.cuda.synchronize()
+        with pytest.raises(TilecError, match=r"^a step before this call \(check=\"deferred\"\): task .*op "
+                                             r"embedding.* failed: index 1000 read at run time"):
+            prog(ids, torch.tensor([4], device=DEV), cache)
+        assert torch.equal(prog(ids, torch.tensor([4], device=DEV), cache), want)  # reported once
+        prog.check_errors()
 
 
 @pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 64), (torch.bfloat16, 12), (torch.float32, 64)])
