@@ -139,13 +139,18 @@ def main(argv=None) -> list[tuple]:
     print(f"HF generate(), {args.model}, {dev}, batch {args.batch}, prompt {args.context}"
           f"{f' (last sequence left-padded by {args.pad})' if args.pad else ''}, {new} new tokens, "
           f"median of {args.iters}")
-    print(f"{'':<12} {'ms / token':>11} {'tokens / s':>11} {f'ms for {new}':>12}  tokens equal to eager's")
+    print(f"{'':<12} {'ms / token':>11} {'tokens / s':>11} {f'ms for {new}':>12}  tokens equal to eager's"
+          f"   (ms for {new}: the whole call, prefill included)")
     for label, per, total in rows:
         agree = (tokens[label] == tokens["eager"]).float().mean().item()
         first = first_difference(tokens["eager"], tokens[label], eager_logits)
         said = "" if first is None else (f" (first differs at new token {first[0]}, where eager's logits of the "
                                          f"two tokens are {first[1]:.3g} apart)")
         print(f"{label:<12} {per:>11.3f} {args.batch * 1e3 / per:>11.1f} {total:>12.1f}  {agree:.1%}{said}")
+    if args.iters < 3:
+        print(f"(--iters {args.iters}: one or two runs of each length are noise; take 3 or more for a timing)")
+    if dev == "cpu":
+        print("(cpu: tilec runs its reference executor - a check that the path works, not a speed)")
     return rows
 
 

@@ -675,6 +675,24 @@ def test_only_decode_steps_defer_their_check():
     assert one_off._check is True and step._check is None  # None: the options' own ("deferred")
 
 
+def test_check_errors_asks_every_live_region(monkeypatch):
+    """tilec.backend.check_errors() (after generate(), say) asks each compiled program of every live
+    region for its queued record (a fresh user's finding: check_errors() was out of a torch.compile
+    user's reach); on the CPU there is none to raise."""
+    from tilec.program import CompiledProgram
+
+    lin = TwoLinears().eval()
+    with torch.no_grad():
+        torch.compile(lin, backend="tilec", options={"workers": 4})(torch.randn(2, 8))
+    asked = []
+    monkeypatch.setattr(CompiledProgram, "check_errors", lambda self: asked.append(self))
+    backend.check_errors()
+    assert asked and all(isinstance(p, CompiledProgram) for p in asked)
+    monkeypatch.undo()
+    backend.check_errors()  # the reference executor: nothing queued
+    torch._dynamo.reset()
+
+
 def test_a_deferred_step_error_is_raised_once_its_record_arrives():
     """CudaExecutor.check_deferred: a record whose copy has not completed stays queued (no wait),
     and is raised, naming the op, once it has; then it is cleared. No GPU: the event and the pinned

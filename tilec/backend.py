@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import warnings
+import weakref
 
 import torch
 import torch.fx as fx
@@ -44,6 +45,7 @@ BACKEND_KEYS = ("fallback", "max_positions")
 _PLAN_CACHE: dict[str, object] = {}
 CACHE_STATS = {"memory_hits": 0, "disk_hits": 0, "compiles": 0}
 _warned_cpu = False
+_REGIONS: "weakref.WeakSet[_Region]" = weakref.WeakSet()  # live compiled regions, for check_errors()
 _warned_dynamic = False  # the symbolic-shapes warning was given (once per process)
 _warned_grad = False  # the no-autograd warning was given (once per process)
 
@@ -310,6 +312,7 @@ class _Region:
         self.known: dict[tuple, tuple[str, list[torch.Tensor]]] = {}  # identity key -> (digest, the tensors)
         self.key = None
         self._use(flat, self._identity(flat))
+        _REGIONS.add(self)
 
     def _identity(self, args) -> tuple:
         return tuple((id(args[i]), args[i]._version, args[i].data_ptr()) for i in self.const_idx)
@@ -369,6 +372,21 @@ class _Region:
                 outs[i] = a.as_strided(shape, stride, a.storage_offset() + delta)
         outs = tuple(outs)
         return outs[0] if self.single else outs
+
+
+def check_errors() -> None:
+    """Raises what a decode step of any live ``torch.compile(backend="tilec")`` graph recorded and no
+    call has raised yet (``check="deferred"``, the backend's default: a step's error is otherwise raised
+    at that graph's next call), waiting for those records; e.g. after ``generate()``. Nothing on the
+    CPU, whose reference executor raises as it runs.
+
+    Raises:
+        WatchdogError / TilecError: as the step would have with ``check=True``, prefixed "a step
+            before this call".
+    """
+    for region in list(_REGIONS):
+        for program, _ in list(region.programs.values()):
+            program.check_errors()
 
 
 def _traced_val(node):
