@@ -348,17 +348,20 @@ def test_a_deferred_check_raises_a_decode_steps_error_at_the_next_call():
     ids, cache = torch.tensor([[3], [517]], device=DEV), torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16, device=DEV)
     prog = compile_module(m, (ids, torch.tensor([0], device=DEV), cache.clone()), positions=[1], max_positions=8,
                           options=dict(executor="cuda", workers=4, check="deferred"))
+    ref = cache.clone()
     with torch.no_grad():
-        want = m(ids, torch.tensor([2], device=DEV), cache.clone())
-        assert torch.equal(prog(ids, torch.tensor([2], device=DEV), cache), want)
+        want = m(ids, torch.tensor([2], device=DEV), ref)  # x + 1 (bf16): within one bf16 step of eager's
+        torch.testing.assert_close(prog(ids, torch.tensor([2], device=DEV), cache), want, rtol=1e-2, atol=1e-2)
         got = prog(torch.tensor([[5], [1000]], device=DEV), torch.tensor([3], device=DEV), cache)  # no raise here
         assert torch.isnan(got[1].float()).all()
         torch.cuda.synchronize()
         with pytest.raises(TilecError, match=r"^a step before this call \(check=\"deferred\"\): task .*op "
                                              r"embedding.* failed: index 1000 read at run time"):
             prog(ids, torch.tensor([4], device=DEV), cache)
-        assert torch.equal(prog(ids, torch.tensor([4], device=DEV), cache), want)  # reported once
-        prog.check_errors()
+        torch.testing.assert_close(prog(ids, torch.tensor([4], device=DEV), cache), want, rtol=1e-2, atol=1e-2)
+        m(ids, torch.tensor([4], device=DEV), ref)
+        assert torch.equal(cache[:, :, 4], ref[:, :, 4]) and torch.equal(cache[:, :, 2], ref[:, :, 2])
+        prog.check_errors()  # reported once: nothing queued now
 
 
 @pytest.mark.parametrize("dtype,dim", [(torch.bfloat16, 64), (torch.bfloat16, 12), (torch.float32, 64)])
