@@ -142,6 +142,9 @@ class CompiledProgram:
         # checked as it returns (a one-off call's bad index would otherwise go unreported)
         check = getattr(opts, "check", True)
         self._check = True if check == "deferred" and not self._position_args else None
+        # position arguments the mask guards read (clamped into the plan before they do: _positions)
+        self._guard_positions = sorted({i for g in self.guards for i in g.arg_index}
+                                       & {i for i, _ in self._position_args})
         # trusted arguments whose example was contiguous are bound unchecked (their strides are
         # guarded, so they stay contiguous); the rest are checked (_bind_each)
         trusted = [spec for spec in self._tensor_args if spec[1] in trusted and spec[1] in contiguous]
@@ -249,9 +252,10 @@ class CompiledProgram:
                 # evaluated before the range check below: a mask indexed by a position must not read past
                 # its table (a device assert), so the positions the masks read are clamped into the range
                 top = self.graph.max_positions - 1
-                clamped = list(args)
-                for i in {i for g in guards for i in g.arg_index} & set(tensors):
-                    clamped[i] = args[i].clamp(0, top)
+                clamped = list(args) if self._guard_positions else args
+                for i in self._guard_positions:
+                    if isinstance(args[i], torch.Tensor):
+                        clamped[i] = args[i].clamp(0, top)
                 bad = mismatches(guards, clamped, read[0][0].clamp(0, top), self._labels)
                 if bad.device == dev:
                     read.append(bad.to(torch.int64))

@@ -28,8 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tilec.backend as backend  # noqa: E402  (registers backend="tilec" from a source tree)
 import tilec.program as program  # noqa: E402
+from generate import generate as hf_generate  # noqa: E402  (benchmarks/generate.py: disable_compile, greedy)
 from tilec.zoo import CONFIGS, make_model  # noqa: E402
 
 
@@ -107,17 +109,13 @@ def main(argv=None) -> dict[str, float]:
         model.prepare_inputs_for_generation = prepare_timed
         model.forward = timed("compiled forward", torch.compile(forward, backend="tilec", dynamic=False,
                                                                 options=json.loads(args.options)), outer=True)
-
-        def generate(new):
-            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                  min_new_tokens=new, do_sample=False, cache_implementation="static",
-                                  pad_token_id=0, disable_compile=True)
+        mask = torch.ones_like(ids)
         with torch.no_grad():
-            generate(args.new_tokens)  # compiles
+            hf_generate(model, ids, mask, args.new_tokens)  # compiles
             times.clear()
             kernels.clear()
             t0 = time.perf_counter()
-            generate(args.new_tokens)
+            hf_generate(model, ids, mask, args.new_tokens)
             if dev == "cuda":
                 torch.cuda.synchronize()
             total = (time.perf_counter() - t0) * 1e3
