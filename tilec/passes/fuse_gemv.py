@@ -14,16 +14,39 @@ prologue keeps the product only).
 The rewrite keeps every rounding point of the unfused ops (``tilec.ops.linear_fused``), so
 results are bitwise those of the unfused plan. A producer whose output has no other reader
 is dropped. Only bias-free linears whose staged rows fit in shared memory are fused.
+
+The chain's views may differ in their leading dims: under ``torch.compile`` AOTAutograd hands
+a linear over as ``mm`` on a ``[rows, K]`` view of the norm's ``[batch, seq, K]`` output, and the
+residual add reads the ``mm`` result as ``[batch, seq, N]``. Such views cover the same
+contiguous elements with the same last dim (:func:`_same_rows`), and the fused op takes the
+producer's operands reshaped to the linear's own shapes.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from ..ir import Op, OpGraph
+from ..ir import Op, OpGraph, View, contiguous_strides
 from ..ops import leading_rows
 from ..ops.linear_fused import staged_bytes
 
 SMEM_LIMIT = 160 * 1024  # bytes of staged rows a fused tile may use (the CTA has 227 KiB)
+
+
+def _same_rows(a: View, b: View) -> bool:
+    """True when ``a`` and ``b`` are the same contiguous elements of one buffer, laid out as rows
+    of the same length (their leading dims may differ: ``[1, 1, K]`` and ``[1, K]``)."""
+    return (a.buffer == b.buffer and a.offset == b.offset and a.pos_stride == b.pos_stride
+            and a.numel == b.numel and a.shape[-1:] == b.shape[-1:] and a.is_contiguous() and b.is_contiguous())
+
+
+def _as_shape(v: View, shape: tuple[int, ...]) -> View | None:
+    """``v`` with ``shape`` (as many elements): ``v`` itself when the shapes are equal, a
+    reshaped view when ``v`` is contiguous, else None."""
+    if v.shape == tuple(shape):
+        return v
+    return dataclasses.replace(v, shape=tuple(shape), strides=contiguous_strides(tuple(shape))) \
+        if v.is_contiguous() and v.numel == math.prod(shape) else None
 
 
 def fuse_gemv_chains(graph: OpGraph, opts=None) -> OpGraph:
@@ -56,12 +79,18 @@ def fuse_gemv_chains(graph: OpGraph, opts=None) -> OpGraph:
         pw = writers(x.buffer)
         if len(pw) == 1 and pw[0] < i:
             p = ops[pw[0]]
-            if p.outputs == (x,) and p.kind == "rmsnorm" and dtype(p.inputs[0]) == dtype(x) \
-                    and dtype(p.inputs[1]) == dtype(x):
-                inputs, attrs = [p.inputs[0], p.inputs[1]], {"prologue": "rmsnorm", "eps": p.attr("eps")}
-            elif p.outputs == (x,) and p.kind == "silu_mul" and dtype(p.inputs[0]) == dtype(x) \
-                    and dtype(p.inputs[1]) == dtype(x) and p.inputs[0].shape == x.shape:
-                inputs, attrs = [p.inputs[0], p.inputs[1]], {"prologue": "silu_mul"}
+            sole = p.kind in ("rmsnorm", "silu_mul") and (
+                p.outputs == (x,) or len(p.outputs) == 1 and _same_rows(p.outputs[0], x))
+            a0, a1 = p.inputs[:2] if sole else (None, None)
+            if sole and p.kind == "rmsnorm" and dtype(a0) == dtype(x) and dtype(a1) == dtype(x) \
+                    and _as_shape(a0, x.shape) is not None:
+                inputs, attrs = [_as_shape(a0, x.shape), a1], {"prologue": "rmsnorm", "eps": p.attr("eps")}
+            elif sole and p.kind == "silu_mul" and dtype(a0) == dtype(x) and dtype(a1) == dtype(x):
+                if a0.shape == x.shape:  # (the up projection's rows may broadcast)
+                    inputs, attrs = [a0, a1], {"prologue": "silu_mul"}
+                elif a0.shape == a1.shape == p.outputs[0].shape and None not in (_as_shape(a0, x.shape),
+                                                                                 _as_shape(a1, x.shape)):
+                    inputs, attrs = [_as_shape(a0, x.shape), _as_shape(a1, x.shape)], {"prologue": "silu_mul"}
         attrs.setdefault("epilogue", "none")
         inputs.append(w)
         final_out = out
@@ -69,20 +98,22 @@ def fuse_gemv_chains(graph: OpGraph, opts=None) -> OpGraph:
         r = readers(out.buffer)
         if out.buffer not in outputs and len(r) == 1 and writers(out.buffer) == [i]:
             a = ops[r[0]]
-            if a.kind == "binary" and a.attr("fn") == "add" and out in a.inputs and a.outputs[0].shape == out.shape \
-                    and dtype(a.outputs[0]) == dtype(out):
-                resid = a.inputs[1] if a.inputs[0] == out else a.inputs[0]
+            mine = [k for k, v in enumerate(a.inputs) if v == out or _same_rows(v, out)] if a.kind == "binary" else []
+            y = a.outputs[0] if mine else None
+            if a.attr("fn") == "add" and len(mine) == 1 and y.shape == a.inputs[mine[0]].shape \
+                    and _as_shape(y, out.shape) is not None and dtype(y) == dtype(out):
+                resid = a.inputs[1 - mine[0]]
                 between = range(i + 1, r[0])
-                clobbered = any(ops[j] is not None and any(v.buffer in (resid.buffer, a.outputs[0].buffer)
+                clobbered = any(ops[j] is not None and any(v.buffer in (resid.buffer, y.buffer)
                                                            for v in ops[j].outputs + ops[j].inputs)
                                 for j in between)
                 # not y + y: the residual must be another buffer (the GEMV's own output is not written
                 # until its epilogue)
-                if resid.buffer != out.buffer and resid.shape == out.shape and dtype(resid) == dtype(out) \
-                        and not clobbered:
-                    inputs.append(resid)
+                if resid.buffer != out.buffer and resid.shape == y.shape and _as_shape(resid, out.shape) is not None \
+                        and dtype(resid) == dtype(out) and not clobbered:
+                    inputs.append(_as_shape(resid, out.shape))
                     attrs["epilogue"] = "add"
-                    final_out = a.outputs[0]
+                    final_out = _as_shape(y, out.shape)
                     ops[r[0]] = None
         if attrs["prologue"] == "none" and attrs["epilogue"] == "none":
             continue
@@ -109,9 +140,10 @@ def fuse_gemv_chains(graph: OpGraph, opts=None) -> OpGraph:
                 or any(v.buffer == g.buffer for v in op.inputs[1:]):  # u reads g too: silu(h) * h
             continue
         p = ops[pw[0]]
-        if p.outputs != (g,) or not (p.kind == "linear_fused" and p.attr("epilogue") == "none"
-                                     or p.kind == "linear" and len(p.inputs) == 2
-                                     and staged_bytes(leading_rows(g.shape), p.inputs[0].shape[-1]) <= SMEM_LIMIT):
+        same = p.outputs == (g,) or len(p.outputs) == 1 and _same_rows(p.outputs[0], g)
+        if not same or not (p.kind == "linear_fused" and p.attr("epilogue") == "none"
+                            or p.kind == "linear" and len(p.inputs) == 2
+                            and staged_bytes(leading_rows(g.shape), p.inputs[0].shape[-1]) <= SMEM_LIMIT):
             continue
         pattrs = dict(p.attrs) if p.kind == "linear_fused" else {"prologue": "none"}
         pattrs["epilogue"] = "silu"
