@@ -31,6 +31,22 @@ class GuardError(TilecError):
     padded batch): the message names the argument the mask is computed from and the position."""
 
 
+_LAGS: dict[tuple, torch.Tensor] = {}
+
+
+def _lags(device: torch.device, sq: int, s: int) -> torch.Tensor:
+    """int64 [sq, s]: column minus row, so that row i of the causal mask at position p is
+    ``lags[i] <= p`` (cached: one kernel a check instead of four on a GPU, where each costs
+    host time between HF generate()'s steps)."""
+    key = (device, sq, s)
+    lags = _LAGS.get(key)
+    if lags is None:
+        if len(_LAGS) >= 64:
+            _LAGS.clear()
+        lags = _LAGS[key] = torch.arange(s, device=device).view(1, s) - torch.arange(sq, device=device).view(sq, 1)
+    return lags
+
+
 def causal_mismatch(mask: torch.Tensor, p: int | torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
     """A 0-d bool tensor (on ``mask``'s device, no host sync): True unless ``mask`` is the causal
     mask at decode position ``p`` over a static cache.
@@ -42,11 +58,9 @@ def causal_mismatch(mask: torch.Tensor, p: int | torch.Tensor, shape: tuple[int,
         p: the decode position of the step's first query row: an int, or a 0-d integer tensor
             (read on the device: no host sync).
     """
-    sq, s = shape[2], shape[3]
     if isinstance(p, torch.Tensor):
         p = p.to(mask.device)
-    cols = torch.arange(s, device=mask.device)
-    want = cols.view(1, s) <= (p + torch.arange(sq, device=mask.device)).view(sq, 1)
+    want = _lags(mask.device, shape[2], shape[3]) <= p
     if mask.dtype == torch.bool:
         bad = mask != want
     else:
@@ -154,7 +168,8 @@ class MaskGuard:
 def mismatches(guards: list[MaskGuard], args, p, labels=None) -> torch.Tensor:
     """bool [len(guards)] on the masks' device, no host sync: each guard's :meth:`MaskGuard.mismatch`
     at decode position ``p`` (an int, or a 0-d integer tensor on the masks' device)."""
-    return torch.stack([g.mismatch(args, p, labels) for g in guards])
+    flags = [g.mismatch(args, p, labels) for g in guards]
+    return flags[0].view(1) if len(flags) == 1 else torch.stack(flags)  # (HF's layers share one mask)
 
 
 def raise_first_mismatch(guards: list[MaskGuard], flags: list[bool], p: int, labels=None) -> None:

@@ -146,14 +146,22 @@ class KernelPlan:
             raise TilecError(f"no tensor bound for buffer(s) {missing}")
         table = self.static_operands.clone()
         a, ps = OF["addr"][0], OF["pos_step"][0]
+        ptr = {name: t.data_ptr() for name, t in tensors.items()}
+        rows, slots, addrs, steps = [], [], [], []
         for r, row in enumerate(self.operands):
             for i, b in enumerate(row):
+                rows.append(r)
+                slots.append(i)
                 if b.scalar is not None:
-                    table[r, i, a] = b.scalar.base
-                    table[r, i, ps] = b.scalar.pos_scale
+                    addrs.append(b.scalar.base)
+                    steps.append(b.scalar.pos_scale)
                 else:
-                    table[r, i, a] = tensors[b.view.buffer].data_ptr() + b.view.offset * b.elem_size
-                    table[r, i, ps] = b.view.pos_stride * b.elem_size
+                    addrs.append(ptr[b.view.buffer] + b.view.offset * b.elem_size)
+                    steps.append(b.view.pos_stride * b.elem_size)
+        if rows:  # written at once: an element write each took ~50 µs in a torch.compile call (7k for a 1B step)
+            at = torch.tensor(rows), torch.tensor(slots)
+            table[at + (a,)] = torch.tensor(addrs, dtype=table.dtype)
+            table[at + (ps,)] = torch.tensor(steps, dtype=table.dtype)
         return table
 
     def to_tables(self) -> tuple[dict[str, torch.Tensor], dict]:

@@ -258,7 +258,7 @@ class CompiledProgram:
                         clamped[i] = args[i].clamp(0, top)
                 bad = mismatches(guards, clamped, read[0][0].clamp(0, top), self._labels)
                 if bad.device == dev:
-                    read.append(bad.to(torch.int64))
+                    read.append(bad)  # (cat promotes the flags to int64)
             values = torch.cat(read).tolist()
             out.update(zip(tensors, values))
             flags = [bool(v) for v in values[len(tensors):]] if len(values) > len(tensors) else \
