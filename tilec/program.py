@@ -256,7 +256,7 @@ class CompiledProgram:
                 for i in self._guard_positions:
                     if isinstance(args[i], torch.Tensor):
                         clamped[i] = args[i].clamp(0, top)
-                bad = mismatches(guards, clamped, read[0][0].clamp(0, top), self._labels)
+                bad = mismatches(guards, clamped, read[0][0], self._labels)  # (p out of range: raised below)
                 if bad.device == dev:
                     read.append(bad)  # (cat promotes the flags to int64)
             values = torch.cat(read).tolist()
