@@ -12,6 +12,7 @@ All classes are frozen dataclasses; the def-use graph is derived on demand as a
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -249,6 +250,19 @@ class OpGraph:
     # (aten mask node name, (batch, heads, query rows, cache length)): run-time attention masks
     # planned as causal, which the program checks on every call (tilec.guards.MaskGuard)
     mask_guards: tuple = ()
+
+    @functools.cached_property
+    def written(self) -> frozenset[str]:
+        """Names of the buffers some op writes."""
+        return frozenset(v.buffer for op in self.ops for v in op.outputs)
+
+    def read_only(self, name: str) -> bool:
+        """True when buffer ``name`` holds its values before the step starts and no op writes it:
+        weights (PARAM), folded constants (CONST), and call inputs no op writes - the
+        ``torch.compile`` backend passes module parameters as such inputs, bound per call. A GEMV's
+        loader streams (and prefetches) only such weights, without waiting on events."""
+        kind = self.buffers[name].kind
+        return kind in (BufferKind.PARAM, BufferKind.CONST) or kind is BufferKind.INPUT and name not in self.written
 
     def def_use(self) -> nx.DiGraph:
         """Bipartite def-use graph: op nodes ``("op", name)`` and buffer nodes ``("buf", name)``."""

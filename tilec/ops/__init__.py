@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..ir import BufferKind, Op, ScalarOperand, View
+from ..ir import Op, ScalarOperand, View
 
 Box = tuple[tuple[int, int], ...]
 WRITE, ACCUMULATE = "write", "accumulate"
@@ -242,7 +242,7 @@ def weight_rows_prefetch(graph, w: View, operand: int, n0: int, n1: int, k0: int
     :meth:`OpDef.prefetch`): one contiguous byte range, or None when W is written by the
     program or the range would be mostly gaps."""
     buf = graph.buffers[w.buffer]
-    if buf.kind not in (BufferKind.PARAM, BufferKind.CONST) or w.strides[1] != 1:
+    if not graph.read_only(w.buffer) or w.strides[1] != 1:
         return None
     if n1 - n0 > 1 and w.strides[0] != k1 - k0:
         return None
@@ -305,7 +305,8 @@ def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch:
     """The ``stream`` word (see :meth:`OpDef.stream`) of a GEMV tile whose coords are the out
     box, then the K range: ``operand + 1 | n-range index << 4 | k-range index << 8``
     (``| STREAM_KOUTER``: K blocks outer), or 0 unless the device can feed it from the weight ring -
-    bf16 weights no op writes (the loader reads them without waiting on events), unit K stride, K
+    bf16 weights no op writes (:meth:`tilec.ir.OpGraph.read_only`: the loader reads them without waiting on
+    events), unit K stride, K
     range a multiple of 8, and x rows that fit in ``scratch`` bytes:
 
     * at most :data:`GEMV_RING_ROWS` rows, staged whole (CUDA cores);
@@ -320,7 +321,7 @@ def gemv_stream_word(graph, x: View, w: View, operand: int, tile: Tile, scratch:
     from .linear_fused import ring_staged_bytes, staged_bytes
 
     buf = graph.buffers[w.buffer]
-    if buf.kind not in (BufferKind.PARAM, BufferKind.CONST) or buf.dtype != torch.bfloat16 or w.strides[1] != 1:
+    if not graph.read_only(w.buffer) or buf.dtype != torch.bfloat16 or w.strides[1] != 1:
         return 0
     rows = 1
     for lo, hi in tile.coords[:-2]:

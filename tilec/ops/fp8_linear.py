@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import BufferKind
 from . import (STREAM_BYTE, STREAM_K, STREAM_PAIRED, OpDef, Tile, TileArgs, bits_f32, box_rows, f32_bits,
                gemv_tile_n, leading_rows, out_tiles, register, sub, weight_rows_prefetch)
 from .fp8_quant import FP8_MAX, quantize
@@ -147,13 +146,13 @@ class Fp8LinearQuant(OpDef):
     def stream(self, op, tile, graph, scratch):
         """``wq + 1 | n-range index << 4 | k-range index << 8 | STREAM_BYTE`` (``| STREAM_PAIRED``
         for K <= STREAM_K: two column groups per stage) when the op's ``stream`` attr is on, the
-        weights are an FP8 parameter with unit K stride and 16-byte rows, K fits one 4096-byte item
+        weights are FP8, read-only (``OpGraph.read_only``), with unit K stride and 16-byte rows, K fits one 4096-byte item
         or the group divides 4096 (a consumer's K block never straddles two items), and the staged
         rows fit in ``scratch``; otherwise 0 (the device loads the weights itself)."""
         x, w, ws = op.inputs
         buf = graph.buffers[w.buffer]
         k = x.shape[-1]
-        if not op.attr("stream") or buf.kind not in (BufferKind.PARAM, BufferKind.CONST) \
+        if not op.attr("stream") or not graph.read_only(w.buffer) \
                 or buf.dtype != torch.float8_e4m3fn or w.strides[1] != 1 or k % 16 or w.strides[0] % 16:
             return 0
         if k > 2 * STREAM_K and (2 * STREAM_K) % op.attr("group"):  # a K block would straddle two items
