@@ -417,3 +417,54 @@ def test_a_mask_that_reads_a_module_buffer_is_checked_with_its_value():
         assert_close(prog(*args), want, 1e-4, "causal through the buffers")
         with pytest.raises(GuardError, match="at position 11"):
             prog(*_step_args(11, causal(11)))  # keep2 hides the last cache row: not causal there
+
+
+class WhereMask(MaskedStep):
+    """HF's form: a bool mask argument turned additive inside the step, ``where(mask, 0, fill)``."""
+
+    def __init__(self, fill: float):
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, x, k_cache, v_cache, pos, mask):
+        return super().forward(x, k_cache, v_cache, pos, torch.where(mask, 0.0, self.fill))
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min])
+def test_a_bool_mask_made_additive_is_checked_as_the_bool(fill):
+    """The guard checks ``c`` of ``where(c, 0, fill)`` (fill at most -1e4): 3 kernels a call on a GPU
+    instead of 9, the same verdicts."""
+    torch.manual_seed(0)
+    m = WhereMask(fill).eval()
+    with torch.no_grad():
+        prog = compile_module(m, _step_args(3, causal(3)), positions=[3], max_positions=S)
+        guard, = prog.guards
+        assert not [n for n in guard.module.graph.nodes if n.op == "call_function"], guard.module.code
+        for p in (0, 6):
+            args = _step_args(p, causal(p))
+            want, _ = _eager(m, args)
+            assert_close(prog(*args), want, 1e-4, f"position {p}")
+        with pytest.raises(GuardError, match="is not the causal mask over the static cache at position 5"):
+            prog(*_step_args(5, causal(6)))
+
+
+@pytest.mark.parametrize("form, peeled", [
+    (lambda c: torch.where(c, 0.0, float("-inf")), True),
+    (lambda c: torch.where(c, torch.scalar_tensor(0.0), torch.scalar_tensor(-1e30)), True),  # HF's, under Dynamo
+    (lambda c: torch.where(c, 0.0, -1.0), False),  # a soft bias: checked as the float mask it is
+    (lambda c: torch.where(c, float("-inf"), 0.0), False),  # inverted
+    (lambda c: torch.where(c, 0.0, float("nan")), False),
+    (lambda c: torch.where(~c, 0.0, float("-inf")), False),  # the where's condition is not an argument
+])
+def test_which_where_masks_are_checked_as_their_bool(form, peeled):
+    """Only ``where(c, 0, fill)`` of a bool ``c`` and a fill at most -1e4 is checked as ``c``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from tilec.guards import _bool_source
+
+    gm = make_fx(form)(causal(3))
+    out, = [n for n in gm.graph.nodes if n.op == "output"][0].args[0:1]
+    src = _bool_source(out)
+    if peeled:
+        assert src.op == "placeholder", gm.code
+    else:
+        assert src is out or src.op != "placeholder", gm.code

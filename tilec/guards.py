@@ -71,6 +71,30 @@ def causal_mismatch(mask: torch.Tensor, p: int | torch.Tensor, shape: tuple[int,
     return bad.any() if math.prod(full) else torch.zeros((), dtype=torch.bool, device=mask.device)
 
 
+def _scalar(a) -> float | None:
+    """The value of a Python number or of an ``aten.scalar_tensor`` node, else None."""
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return float(a)
+    if isinstance(a, fx.Node) and a.op == "call_function" and a.target is torch.ops.aten.scalar_tensor.default:
+        return _scalar(a.args[0])
+    return None
+
+
+def _bool_source(node: fx.Node) -> fx.Node:
+    """``c`` when ``node`` is ``where(c, 0, m)`` of a bool ``c`` and an ``m`` at most
+    :data:`MASKED_BELOW` (HF turns its bool mask into an additive one so), else ``node``: that float
+    mask is causal exactly when ``c`` is, and checking ``c`` takes 3 kernels a call instead of 9."""
+    if node.op == "call_function" and node.target in (torch.ops.aten.where.self, torch.ops.aten.where.ScalarSelf,
+                                                      torch.ops.aten.where.ScalarOther, torch.ops.aten.where.Scalar):
+        c, a, b = node.args[:3]
+        val = c.meta.get("val") if isinstance(c, fx.Node) else None
+        ma, mb = _scalar(a), _scalar(b)
+        if isinstance(val, torch.Tensor) and val.dtype == torch.bool and ma == 0.0 and mb is not None \
+                and mb <= MASKED_BELOW:
+            return c
+    return node
+
+
 class MaskGuard:
     """Evaluates one run-time attention mask from a call's arguments and checks it is causal.
 
@@ -97,7 +121,7 @@ class MaskGuard:
         if node not in nodes:
             raise TilecError(f"the plan checks attention mask {node!r}, which its graph does not hold (a tilec bug)")
         self.name, self.shape = node, tuple(shape)
-        keep, todo = set(), [nodes[node]]
+        keep, todo = set(), [_bool_source(nodes[node])]
         while todo:
             n = todo.pop()
             if n not in keep:
@@ -136,7 +160,7 @@ class MaskGuard:
             else:
                 env[n] = graph.node_copy(n, lambda a: env[a])
                 key.append((str(n.target), fx.node.map_aggregate(n.args, ref), fx.node.map_aggregate(n.kwargs, ref)))
-        graph.output(env[nodes[node]])
+        graph.output(env[_bool_source(nodes[node])])
         self.module = fx.GraphModule(root, graph)
         self.key = tuple(key)
 
