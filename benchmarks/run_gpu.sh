@@ -108,6 +108,7 @@ if [[ $what == pending ]]; then  # not part of all
     -k "decode_matches_eager and (qwen3-0.6b-4 or tiny)" 2>&1 | tee "$OUT/pending_models.log" | tail -6
   # torch.compile + HF generate() with the per-call attention-mask check (thirty-ninth session; 2 passed on an H200,
   # forty-second session, after two fixes: the backend name from a source tree, region outputs' traced strides)
+  # (forty-fifth session: + a bf16 generate() whose plan streams its weights, logits within bf16 rounding of eager's)
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py 2>&1 \
     | tee "$OUT/pending_backend.log" | tail -6
   # (forty-fifth session, H200: 4.13 ms a token under tilec against 2.58 for HF's Inductor decoding; generate_host.py
