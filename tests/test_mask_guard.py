@@ -468,3 +468,17 @@ def test_which_where_masks_are_checked_as_their_bool(form, peeled):
         assert src.op == "placeholder", gm.code
     else:
         assert src is out or src.op != "placeholder", gm.code
+
+
+def test_the_causal_grid_cache_keeps_only_small_grids():
+    """A reviewer's case: a compile-time check of a 1024 x 8192 mask left 64 MiB cached for the life
+    of the process (on a GPU, in its memory)."""
+    from tilec import guards
+
+    guards._LAGS.clear()
+    sq, s = 1024, 8192
+    mask = torch.ones(1, 1, sq, s, dtype=torch.bool).tril(s - sq)
+    assert not causal_mismatch(mask, s - sq, (1, 1, sq, s))
+    assert causal_mismatch(mask, s - sq - 1, (1, 1, sq, s))
+    assert not guards._LAGS
+    assert not causal_mismatch(causal(3), 3, (1, 2, 1, S)) and len(guards._LAGS) == 1  # a decode step's: cached

@@ -32,18 +32,21 @@ class GuardError(TilecError):
 
 
 _LAGS: dict[tuple, torch.Tensor] = {}
+_LAGS_CACHED = 1 << 17  # elements (1 MiB) at most of a cached grid: a decode step's rows, not a prefill's
 
 
 def _lags(device: torch.device, sq: int, s: int) -> torch.Tensor:
     """int64 [sq, s]: column minus row, so that row i of the causal mask at position p is
-    ``lags[i] <= p`` (cached: one kernel a check instead of four on a GPU, where each costs
-    host time between HF generate()'s steps)."""
+    ``lags[i] <= p``. Small grids are cached (16 at most): one kernel a decode call's check instead
+    of four on a GPU, where each costs host time between HF generate()'s steps."""
     key = (device, sq, s)
     lags = _LAGS.get(key)
     if lags is None:
-        if len(_LAGS) >= 64:
-            _LAGS.clear()
-        lags = _LAGS[key] = torch.arange(s, device=device).view(1, s) - torch.arange(sq, device=device).view(sq, 1)
+        lags = torch.arange(s, device=device).view(1, s) - torch.arange(sq, device=device).view(sq, 1)
+        if sq * s <= _LAGS_CACHED:
+            if len(_LAGS) >= 16:
+                _LAGS.clear()
+            _LAGS[key] = lags
     return lags
 
 
