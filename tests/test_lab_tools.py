@@ -326,3 +326,11 @@ def test_generate_host_times_the_decode_calls_on_the_cpu(capsys):
     assert all(v > 0 for v in rows.values()) and rows["compiled forward"] >= rows["tilec region"]
     assert tilec.backend._Region.__call__ is call and tilec.program.CompiledProgram._bind is bind
     assert "medians over its 2 decode calls" in capsys.readouterr().out  # 3 new tokens: the prefill and 2
+
+
+def test_generate_host_needs_a_decode_call():
+    """``--new-tokens 1`` printed "medians over its 0 decode calls" and an empty table."""
+    import generate_host
+
+    with pytest.raises(SystemExit):
+        generate_host.main(["--device", "cpu", "--model", "llama-tiny", "--new-tokens", "1"])

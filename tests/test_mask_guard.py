@@ -225,6 +225,36 @@ def test_generate_on_a_padded_batch_runs_its_attention_eagerly(caplog):
     assert [line for line in lines if "not the causal mask over the static cache for the example arguments" in line]
 
 
+def test_a_padded_batch_compiles_every_gemv_of_its_decode_step(monkeypatch, caplog):
+    """A fresh user's finding: with the attention split off, the last region of a padded batch's
+    decode step ran eagerly whole - the cache writes' write-back ``copy_`` (functionalization puts
+    them at the graph's end) copies an ``index_copy`` computed in an earlier region, which a region
+    cannot lower - and with it the last layer's o / gate / up / down projections and the LM head.
+    Now those ``copy_`` nodes run eagerly and every GEMV compiles: 7 a layer and the LM head."""
+    from tilec.program import CompiledProgram
+    from tilec.zoo import make_model
+
+    ran = {}
+    real = CompiledProgram.__call__
+    monkeypatch.setattr(CompiledProgram, "__call__", lambda self, *a: ran.setdefault(id(self), self) and real(self, *a))
+    torch.manual_seed(1)
+    model = make_model("llama-tiny", layers=2)
+    ids = torch.randint(3, 1000, (2, 5))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    with torch.no_grad():
+        want = greedy_generate(model, False, 4, {"workers": 8}, input_ids=ids, attention_mask=mask)
+        with caplog.at_level(logging.INFO, logger="tilec"):
+            got = greedy_generate(model, True, 4, {"workers": 8}, input_ids=ids, attention_mask=mask)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    lines = [r.getMessage() for r in caplog.records if r.name == "tilec"]
+    assert not [line for line in lines if "runs eagerly:" in line], lines
+    rows = [op.outputs[0].numel // op.outputs[0].shape[-1] for p in ran.values() for op in p.graph.ops
+            if op.kind in ("linear", "linear_fused")]
+    # the decode step's (one token for each of 2 sequences; the prefill's LM head too: its last tokens)
+    assert rows.count(2) >= 7 * 2 + 1, rows
+
+
 def test_torch_compile_checks_the_mask_of_a_plan_read_from_disk(tmp_path, monkeypatch, caplog):
     """The guards travel in the plan cache (OpGraph.mask_guards in graph.json): a plan loaded from
     disk still checks each call's mask, and a call with a padded mask runs eagerly."""

@@ -22,6 +22,8 @@ def test_make_model_names_an_unknown_field():
     (dict(name="llama-tiny", layers=1, num_hidden_layers=3), ValueError, "layer count given twice"),
     (dict(name="llama-tiny", layers=0), ValueError, "0 layers; at least 1"),
     (dict(name="llama-tiny", num_key_value_heads=3), ValueError, "8 query heads are not a multiple of 3 KV heads"),
+    (dict(name="llama-tiny", dtype="bfloat16"), TypeError, "dtype must be a torch.dtype.*'bfloat16'"),
+    (dict(name="llama-tiny", dtype="cpu"), TypeError, "dtype must be a torch.dtype.*'cpu'"),  # a device in its place
 ])
 def test_make_model_refuses_bad_shapes(call, error, message):
     with pytest.raises(error, match=message):

@@ -16,6 +16,7 @@ runs, with a one-time warning.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -682,7 +683,26 @@ def _foreign_dtype_nodes(gm: fx.GraphModule) -> set[str]:
 
 
 def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions, bad: set[str]):
-    """Splits the graph: supported regions become tilec programs, the rest runs eagerly."""
+    """Splits the graph: supported regions become tilec programs, the rest runs eagerly.
+
+    A region can refuse a node the whole graph lowered: functionalization puts a static cache's
+    write-back ``copy_`` at the graph's end, in the last region, while the ``index_copy`` it copies
+    lands in an earlier one when an eager node (a padded batch's attention) splits the graph there.
+    Such nodes then run eagerly and the graph is split again (a few rounds at most), so the rest of
+    that region - a layer's GEMVs and the LM head - still compiles."""
+    for _ in range(4):
+        refused = _partition_once(aot_gm, flat, kinds, labels, opts, bad)
+        if isinstance(refused, set):
+            bad = bad | refused
+            continue
+        return refused
+    return _partition_once(aot_gm, flat, kinds, labels, opts, bad, last=True)
+
+
+def _partition_once(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions, bad: set[str],
+                    last: bool = False):
+    """One split of :func:`_partitioned`: its forward, or (unless ``last``) the names of graph nodes
+    a region refused that the whole graph had lowered."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupportBase
 
@@ -693,7 +713,8 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
     # every region plans the positions the whole graph's caches hold (a region whose cache write
     # runs eagerly - a float64 model's - would otherwise plan position 0 only)
     opts = dataclasses.replace(opts, max_positions=opts.max_positions or _cache_length(aot_gm))
-    part = CapabilityBasedPartitioner(aot_gm, Support(), allows_single_node_partition=True)
+    gm = fx.GraphModule(aot_gm, copy.deepcopy(aot_gm.graph))  # (the partitioner rewrites the graph it is given)
+    part = CapabilityBasedPartitioner(gm, Support(), allows_single_node_partition=True)
     fused = part.fuse_partitions(part.propose_partitions())
     outer_ph = [n for n in fused.graph.nodes if n.op == "placeholder"]
     kind_of = {n.name: k for n, k in zip(outer_ph, kinds)}
@@ -712,6 +733,8 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
     with torch.no_grad():
         Recorder(fused).run(*[t.clone() if isinstance(t, torch.Tensor) and kind_of[n.name] not in ("param", "const")
                               else t for n, t in zip(outer_ph, flat)])
+    names = {n.name for n in aot_gm.graph.nodes if n.op == "call_function"}
+    refused, eager = set(), []
     for node in fused.graph.nodes:
         if node.op != "call_module":
             continue
@@ -729,9 +752,17 @@ def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptio
         try:
             runner = _Region(sub, args, sub_kinds, sub_labels, opts)
         except UnsupportedNodeError as e:
-            log.warning("tilec: region %s runs eagerly: %s", node.target, " ".join(str(e).split()))
+            mine = {n[0] for n in e.nodes} & names - bad
+            if mine and not last:
+                refused |= mine
+            else:
+                eager.append((node.target, " ".join(str(e).split())))
             continue
         setattr(fused, node.target, _Callable(runner))
+    if refused:
+        return refused
+    for target, why in eager:
+        log.warning("tilec: region %s runs eagerly: %s", target, why)
     fused.recompile()
     return fused.forward
 

@@ -38,7 +38,11 @@ def make_model(name: str, dtype=torch.float32, device="cpu", layers: int | None 
             the name).
         ValueError: ``layers`` below 1 or given twice (also as ``num_hidden_layers``), or query
             heads that are not a multiple of the KV heads.
+        TypeError: ``dtype`` is not a ``torch.dtype`` (``"bfloat16"``, or a device given in its place).
     """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"make_model({name!r}): dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r} "
+                        f"(the arguments are name, dtype, device)")
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     if name not in CONFIGS:

@@ -41,9 +41,13 @@ def main(argv=None) -> dict[str, float]:
     ap.add_argument("--model", default="llama-3.2-1b", choices=sorted(CONFIGS))
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="default: cuda when there is one")
     ap.add_argument("--options", default="{}", help='tilec options as JSON, e.g. \'{"check": true}\'')
     args = ap.parse_args(argv)
+    if args.new_tokens < 2:
+        ap.error(f"--new-tokens {args.new_tokens}: at least 2 (the first new token comes from the prefill; the rows "
+                 f"are medians over the decode calls after it)")
     import json
 
     warnings.simplefilter("ignore")
