@@ -225,20 +225,29 @@ def _token_ids(node: fx.Node) -> bool:
     return _reaches(node, _embedding_index) and not _reaches(node, _cache_write_index)
 
 
-def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, labels: list[str], consts: str):
-    """Compiles one aten graph whose placeholders bind to ``flat_args`` (classified by ``kinds``;
-    ``labels`` name them in errors; ``consts`` is the constants' :func:`_consts_digest`)."""
-    global _warned_cpu
+def _region_binding(gm: fx.GraphModule, flat_args, kinds, labels: list[str], snapshot: bool = False) -> GraphBinding:
+    """The :class:`GraphBinding` of a region graph whose placeholders bind to ``flat_args``
+    (classified by ``kinds``): constants bound (copied when ``snapshot``: a plan is keyed by their
+    values), the rest call inputs."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     binding = GraphBinding(labels=dict(zip((n.name for n in placeholders), labels)),
                            examples=dict(zip((n.name for n in placeholders), flat_args)))
     for node, t, kind in zip(placeholders, flat_args, kinds):
         if kind == "const":
-            binding.consts[node.name] = t.detach().clone()  # a snapshot: the plan is keyed by these values
+            binding.consts[node.name] = t.detach().clone() if snapshot else t
         else:
             binding.user_inputs.append(node.name)
             if kind == "position":
                 binding.positions.add(node.name)
+    return binding
+
+
+def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, labels: list[str], consts: str):
+    """Compiles one aten graph whose placeholders bind to ``flat_args`` (classified by ``kinds``;
+    ``labels`` name them in errors; ``consts`` is the constants' :func:`_consts_digest`)."""
+    global _warned_cpu
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    binding = _region_binding(gm, flat_args, kinds, labels, snapshot=True)
     max_positions = opts.max_positions or _cache_length(gm)
     key = _graph_key(gm, kinds, opts) + f":{max_positions}:{opts.compile.arch}:{consts}"
     key = hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -685,24 +694,24 @@ def _foreign_dtype_nodes(gm: fx.GraphModule) -> set[str]:
 def _partitioned(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions, bad: set[str]):
     """Splits the graph: supported regions become tilec programs, the rest runs eagerly.
 
-    A region can refuse a node the whole graph lowered: functionalization puts a static cache's
+    A region can refuse nodes the whole graph lowered: functionalization puts each static cache's
     write-back ``copy_`` at the graph's end, in the last region, while the ``index_copy`` it copies
     lands in an earlier one when an eager node (a padded batch's attention) splits the graph there.
-    Such nodes then run eagerly and the graph is split again (a few rounds at most), so the rest of
-    that region - a layer's GEMVs and the LM head - still compiles."""
+    Each region is probed before any is compiled; nodes a region refuses then run eagerly and the
+    graph is split again (a few rounds at most), so the rest of that region - the last layer's GEMVs
+    and the LM head - still compiles."""
     for _ in range(4):
-        refused = _partition_once(aot_gm, flat, kinds, labels, opts, bad)
-        if isinstance(refused, set):
-            bad = bad | refused
-            continue
-        return refused
+        split = _partition_once(aot_gm, flat, kinds, labels, opts, bad)
+        if not isinstance(split, set):
+            return split
+        bad = bad | split
     return _partition_once(aot_gm, flat, kinds, labels, opts, bad, last=True)
 
 
 def _partition_once(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOptions, bad: set[str],
                     last: bool = False):
     """One split of :func:`_partitioned`: its forward, or (unless ``last``) the names of graph nodes
-    a region refused that the whole graph had lowered."""
+    its regions refuse that the whole graph had lowered (then nothing is compiled)."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupportBase
 
@@ -733,8 +742,7 @@ def _partition_once(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOp
     with torch.no_grad():
         Recorder(fused).run(*[t.clone() if isinstance(t, torch.Tensor) and kind_of[n.name] not in ("param", "const")
                               else t for n, t in zip(outer_ph, flat)])
-    names = {n.name for n in aot_gm.graph.nodes if n.op == "call_function"}
-    refused, eager = set(), []
+    regions = []
     for node in fused.graph.nodes:
         if node.op != "call_module":
             continue
@@ -749,20 +757,27 @@ def _partition_once(aot_gm: fx.GraphModule, flat, kinds, labels, opts: BackendOp
                 sub_labels.append(f"the value of node {getattr(a, 'name', a)} (computed eagerly)")
         args = [value_of.get(a.name) if isinstance(a, fx.Node) and a.op == "placeholder" else r
                 for a, r in zip(node.args, recorded.get(node.target, []))]
+        regions.append((node.target, sub, args, sub_kinds, sub_labels))
+    recorded.clear()  # (the Recorder class keeps the dict, and its clones of the inputs, until collected)
+    if not last:  # probe every region (a pass over each finds all it refuses) before compiling any
+        names = {n.name for n in aot_gm.graph.nodes if n.op == "call_function"}
+        refused = set()
+        for _, sub, args, sub_kinds, sub_labels in regions:
+            own = {n.name for n in sub.graph.nodes if n.op == "placeholder"}
+            try:
+                found = find_unsupported(sub, _region_binding(sub, args, sub_kinds, sub_labels), opts.max_positions)
+            except TilecError:
+                continue  # (compiling it below says why)
+            refused |= {b[0] for b in found} & names - bad - own
+        if refused:
+            return refused
+    for target, sub, args, sub_kinds, sub_labels in regions:
         try:
             runner = _Region(sub, args, sub_kinds, sub_labels, opts)
         except UnsupportedNodeError as e:
-            mine = {n[0] for n in e.nodes} & names - bad
-            if mine and not last:
-                refused |= mine
-            else:
-                eager.append((node.target, " ".join(str(e).split())))
+            log.warning("tilec: region %s runs eagerly: %s", target, " ".join(str(e).split()))
             continue
-        setattr(fused, node.target, _Callable(runner))
-    if refused:
-        return refused
-    for target, why in eager:
-        log.warning("tilec: region %s runs eagerly: %s", target, why)
+        setattr(fused, target, _Callable(runner))
     fused.recompile()
     return fused.forward
 
