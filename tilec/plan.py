@@ -158,7 +158,7 @@ class KernelPlan:
                 else:
                     addrs.append(ptr[b.view.buffer] + b.view.offset * b.elem_size)
                     steps.append(b.view.pos_stride * b.elem_size)
-        if rows:  # written at once: an element write each took ~50 µs in a torch.compile call (7k for a 1B step)
+        if rows:  # written at once: element by element, a 1B step's 7k writes took 0.35 s (cProfile, in torch.compile)
             at = torch.tensor(rows), torch.tensor(slots)
             table[at + (a,)] = torch.tensor(addrs, dtype=table.dtype)
             table[at + (ps,)] = torch.tensor(steps, dtype=table.dtype)
