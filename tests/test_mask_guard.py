@@ -207,36 +207,18 @@ def test_an_hf_decode_step_given_a_4d_mask_compiles_whole(kind):
     torch._dynamo.reset()
 
 
-def test_generate_on_a_padded_batch_runs_its_attention_eagerly(caplog):
-    from tilec.zoo import make_model
-
-    torch.manual_seed(1)
-    model = make_model("llama-tiny", layers=2)
-    ids = torch.randint(3, 1000, (2, 5))
-    mask = torch.ones(2, 5, dtype=torch.long)
-    mask[1, :2] = 0  # left padding
-    with torch.no_grad():
-        want = greedy_generate(model, False, 5, {"workers": 8}, input_ids=ids, attention_mask=mask)
-        with caplog.at_level(logging.INFO, logger="tilec"):
-            got = greedy_generate(model, True, 5, {"workers": 8}, input_ids=ids, attention_mask=mask)
-    assert torch.equal(got, want), (got.tolist(), want.tolist())
-    # the first decode call's mask is already padded: its attention is split off when compiling
-    lines = [r.getMessage() for r in caplog.records if r.name == "tilec"]
-    assert [line for line in lines if "not the causal mask over the static cache for the example arguments" in line]
-
-
-def test_a_padded_batch_compiles_every_gemv_of_its_decode_step(monkeypatch, caplog):
-    """A fresh user's finding: with the attention split off, the last region of a padded batch's
+def test_generate_on_a_padded_batch_runs_its_attention_eagerly(monkeypatch, caplog):
+    """The first decode call's mask is already padded: its attention is split off when compiling.
+    A fresh user's finding: with the attention split off, the last region of a padded batch's
     decode step ran eagerly whole - the cache writes' write-back ``copy_`` (functionalization puts
     them at the graph's end) copies an ``index_copy`` computed in an earlier region, which a region
     cannot lower - and with it the last layer's o / gate / up / down projections and the LM head.
     Now each region is probed first, those ``copy_`` nodes run eagerly and every GEMV compiles: 7 a
     layer and the LM head. Three layers: a reviewer found the first fix (one refusal a region a round,
     4 rounds) covered two layers only."""
+    import tilec.backend as backend
     from tilec.program import CompiledProgram
     from tilec.zoo import make_model
-
-    import tilec.backend as backend
 
     ran, splits = {}, []
     real = CompiledProgram.__call__
@@ -254,6 +236,7 @@ def test_a_padded_batch_compiles_every_gemv_of_its_decode_step(monkeypatch, capl
             got = greedy_generate(model, True, 4, {"workers": 8}, input_ids=ids, attention_mask=mask)
     assert torch.equal(got, want), (got.tolist(), want.tolist())
     lines = [r.getMessage() for r in caplog.records if r.name == "tilec"]
+    assert [line for line in lines if "not the causal mask over the static cache for the example arguments" in line]
     assert not [line for line in lines if "runs eagerly:" in line], lines
     rows = [op.outputs[0].numel // op.outputs[0].shape[-1] for p in ran.values() for op in p.graph.ops
             if op.kind in ("linear", "linear_fused")]
