@@ -38,3 +38,11 @@ def _seed():
     torch.manual_seed(0)
     random.seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fallback_log(monkeypatch):
+    """The backend logs each group of eagerly run nodes once per process; each test starts afresh."""
+    from tilec import backend
+
+    monkeypatch.setattr(backend, "_LOGGED_GROUPS", set())

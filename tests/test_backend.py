@@ -151,6 +151,38 @@ def test_fallback_runs_unsupported_node_eagerly(caplog):
     assert "test_backend.py" in lines[0] and "torch.cumsum(h, -1)" in lines[0]
 
 
+class CumsumLayers(torch.nn.Module):
+    """Layers that each run a node tilec cannot take, at one source line (as a model's layers do)."""
+
+    def __init__(self, n=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.cumsum(layer(x), -1)  # not a tilec op
+        return x
+
+
+def test_eager_nodes_are_logged_once_a_source_line_and_process(caplog):
+    """A fresh user's finding: each new prompt length under generate() is a new prefill graph, and each
+    logged its eager nodes again, per layer. Nodes of one reason and source line are one line, and a
+    later graph's repeats are one line counting them (the lines themselves at DEBUG)."""
+    m = CumsumLayers().eval()
+    f = torch.compile(m, backend="tilec", dynamic=False)
+    with caplog.at_level(logging.DEBUG, logger="tilec"), torch.no_grad():
+        for rows in (2, 5):
+            x = torch.randn(rows, 64)
+            assert_close(f(x), m(x), 1e-5, f"{rows} rows")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "eagerly" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert warned[0].startswith("tilec: running 3 nodes (aten.cumsum.default: cumsum, cumsum_1, cumsum_2) eagerly at ")
+    assert "torch.cumsum(layer(x), -1)" in warned[0]
+    assert warned[1].startswith("tilec: running 3 node(s) eagerly for reasons logged above for an earlier graph")
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "eagerly" in r.getMessage()]
+    assert any("cumsum, cumsum_1, cumsum_2" in line for line in debug), debug
+
+
 def test_fallback_off_lists_every_unsupported_node():
     m = WithCumsum().eval()
     with pytest.raises(Exception) as info, torch.no_grad():
@@ -415,7 +447,7 @@ def test_a_float64_model_runs_eagerly_under_fallback(caplog):
         assert torch.allclose(torch.compile(m, backend="tilec")(x), m(x), rtol=1e-12, atol=1e-12)
     assert "graph input args[0]: dtype torch.float64 is not supported (cast the model and its inputs to float32" \
         in caplog.text and "the nodes reading it run eagerly" in caplog.text
-    assert "running arg0_1" not in caplog.text and "running addmm (aten.addmm.default) eagerly" in caplog.text
+    assert "arg0_1" not in caplog.text and "running 2 nodes (aten.addmm.default: addmm, addmm_1) eagerly" in caplog.text
     assert "graph input self[0].weight: dtype torch.float64" in caplog.text  # the user's names, not arg1_1
     torch._dynamo.reset()
     with pytest.raises(Exception) as info, torch.no_grad():

@@ -8,8 +8,8 @@ parameters are bound by reference, module buffers (e.g. RoPE ``inv_freq``) are c
 integer inputs with at most one element (``cache_position``, HF's ``cumulative_length``)
 hold the decode position, everything else is a per-call input.
 
-Unsupported nodes are partitioned out and run eagerly, with one log line each naming the
-node and its source line; with ``fallback=False`` one error lists them all. Plans are
+Unsupported nodes are partitioned out and run eagerly, with one log line per reason and
+source line naming the nodes (once per process); with ``fallback=False`` one error lists them all. Plans are
 cached in memory and on disk (``tilec.plancache``) by graph hash, options, tilec version
 and target arch; the built CUDA libraries are cached on disk by the nvcc build cache. Without CUDA the reference executor
 runs, with a one-time warning.
@@ -597,10 +597,13 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             src = source_of(node)
             nodes = [b for b in bad if b[0] not in label_of] or bad
             first = nodes[0]
-            log.warning("tilec: a prefill graph (%d tokens a sequence: %s%s) runs eagerly whole: tilec cannot take "
-                        "%d of its nodes (the first, %s: %s), and split around them it would make a tilec program of "
-                        "each region between them; tilec compiles decode steps", count, node.name,
-                        f" at {src}" if src else "", len(nodes), first[0], first[3] or "unsupported")
+            key = (src or node.name, first[3])  # each new prompt length is a new graph: said once
+            level = logging.DEBUG if key in _LOGGED_GROUPS else logging.WARNING
+            _LOGGED_GROUPS.add(key)
+            log.log(level, "tilec: a prefill graph (%d tokens a sequence: %s%s) runs eagerly whole: tilec cannot "
+                    "take %d of its nodes (the first, %s: %s), and split around them it would make a tilec program "
+                    "of each region between them; tilec compiles decode steps", count, node.name,
+                    f" at {src}" if src else "", len(nodes), first[0], first[3] or "unsupported")
             return aot_gm
         _log_fallback(bad, label_of)
         return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
@@ -645,20 +648,24 @@ def _tokens_per_sequence(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
     return max(((int(c), n) for c, n in counts), key=lambda cn: cn[0], default=None)
 
 
-FALLBACK_LINES = 4  # graph inputs or nodes run eagerly for one reason that are logged one line each
+FALLBACK_LINES = 4  # graph inputs or groups of nodes run eagerly for one reason that are logged one line each
+_LOGGED_GROUPS: set[tuple] = set()  # (reason, source line, targets) of the node groups logged in this process
 
 
 def _log_fallback(bad: list[tuple], label_of: dict[str, str]) -> None:
     """Logs what runs eagerly: the graph inputs tilec cannot take (by the user's names) and the
-    nodes, one line each up to FALLBACK_LINES per reason, then one line for the rest (a float64
-    model once logged every weight and every node of its graph)."""
+    nodes, grouped by reason and source line, or target without one (the same line in every layer
+    of a model is one line: "running 32 nodes eagerly at ..."), one line a group up to FALLBACK_LINES per reason,
+    then one line for the rest (a float64 model once logged every weight and every node of its
+    graph). Groups already logged in this process for an earlier graph - each new prompt length of
+    ``generate()`` is a new prefill graph - go to DEBUG, with one WARNING line counting them."""
     inputs: dict[str, list[str]] = {}
-    nodes: dict[str, list[tuple]] = {}
+    nodes: dict[str, dict[str, list[tuple]]] = {}  # reason -> source line -> [(name, target)]
     for name, target, src, reason in bad:
         if name in label_of:  # an input is not run: what reads it is (listed too)
             inputs.setdefault(reason, []).append(label_of[name])
         else:
-            nodes.setdefault(reason, []).append((name, target, src))
+            nodes.setdefault(reason, {}).setdefault(src or f"<{target}>", []).append((name, target))
     for reason, labels in inputs.items():
         if reason.startswith("dtype torch.float64"):  # also what a Python float argument becomes
             reason += (" (cast the model and its inputs to float32, bfloat16 or float16 to compile them; a "
@@ -668,14 +675,39 @@ def _log_fallback(bad: list[tuple], label_of: dict[str, str]) -> None:
         if len(labels) > FALLBACK_LINES:
             log.warning("tilec: %d more graph input(s): %s; the nodes reading them run eagerly",
                         len(labels) - FALLBACK_LINES, reason)
-    for reason, group in nodes.items():
+    repeated = 0
+    for reason, groups in nodes.items():
         why = f": {reason}" if reason else ""
-        for name, target, src in group[:FALLBACK_LINES]:
-            log.warning("tilec: running %s (%s) eagerly%s%s", name, target, f" at {src}" if src else "", why)
-        rest = group[FALLBACK_LINES:]
+        fresh = []
+        for src, group in groups.items():
+            key = (reason, src, tuple(sorted({t for _, t in group})))
+            if key in _LOGGED_GROUPS:
+                repeated += len(group)
+                log.debug("tilec: running %d node(s) eagerly%s%s (%s)", len(group),
+                          "" if src.startswith("<") else f" at {src}", why, ", ".join(n for n, _ in group))
+            else:
+                _LOGGED_GROUPS.add(key)
+                fresh.append((src, group))
+        for src, group in fresh[:FALLBACK_LINES]:
+            at = "" if src.startswith("<") else f" at {src}"
+            if len(group) == 1:
+                log.warning("tilec: running %s (%s) eagerly%s%s", *group[0], at, why)
+            else:
+                targets = ", ".join(sorted({t for _, t in group}))
+                log.warning("tilec: running %d nodes (%s: %s) eagerly%s%s", len(group), targets,
+                            _names(n for n, _ in group), at, why)
+        rest = [n for _, group in fresh[FALLBACK_LINES:] for n, _ in group]
         if rest:
-            log.warning("tilec: running %d more node(s) eagerly%s: %s", len(rest), why,
-                        ", ".join(n[0] for n in rest[:8]) + (", ..." if len(rest) > 8 else ""))
+            log.warning("tilec: running %d more node(s) eagerly%s: %s", len(rest), why, _names(rest))
+    if repeated:
+        log.warning("tilec: running %d node(s) eagerly for reasons logged above for an earlier graph (the logger "
+                    "'tilec' at DEBUG lists them)", repeated)
+
+
+def _names(names, shown: int = 8) -> str:
+    """Up to ``shown`` node names, comma-separated, then ", ..." for the rest."""
+    names = list(names)
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
 
 
 def _foreign_dtype_nodes(gm: fx.GraphModule) -> set[str]:
