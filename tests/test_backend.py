@@ -785,13 +785,14 @@ def _plans() -> int:
     return backend.CACHE_STATS["compiles"] + backend.CACHE_STATS["disk_hits"] + backend.CACHE_STATS["memory_hits"]
 
 
-@pytest.mark.parametrize("tokens, compiled", [(backend.PREFILL_TOKENS + 1, False), (backend.PREFILL_TOKENS, True)])
-def test_a_prefill_runs_eagerly_whole(tokens, compiled, caplog):
+@pytest.mark.parametrize("tokens", [4, backend.PREFILL_TOKENS + 1])
+def test_a_prefill_runs_eagerly_whole(tokens, caplog):
     """A prefill under generate() splits into a region per layer between its eager attention and cache
     writes; Llama-3.2-1B's of 1024 tokens made 34 tilec programs, whose compiles outlasted a 300 s GPU
-    call (forty-third session). A split graph of more than PREFILL_TOKENS tokens a sequence now runs
-    eagerly whole, with one warning naming what shows the token count and the first node tilec cannot
-    take; a shorter one is still split and compiled."""
+    call (forty-third session), and a prompt of a few tokens still made 4 programs to build (nvcc, once
+    each). HF's prefill attention is causal over the step's own tokens (``is_causal=True``: right only
+    from position 0), so such a graph is a prefill at any length: it runs eagerly whole, with one warning
+    naming the attention."""
     from transformers import StaticCache
 
     model = make_model("llama-tiny", layers=1)
@@ -807,10 +808,43 @@ def test_a_prefill_runs_eagerly_whole(tokens, compiled, caplog):
     assert_close(got, want, 1e-4, "prefill logits")
     assert_close(cache.layers[0].keys, want_cache.layers[0].keys, 1e-5, "key cache")
     whole = [r.getMessage() for r in caplog.records if "runs eagerly whole" in r.getMessage()]
+    assert _plans() == before, "no region of the prefill graph is planned"
+    assert len(whole) == 1 and f"a prefill graph ({tokens} tokens a sequence" in whole[0], whole
+    assert re.search(r"its attention \w+ is causal over the step's own tokens \(is_causal=True", whole[0]), whole
+
+
+class Verify(torch.nn.Module):
+    """A step of several tokens a sequence past the prompt (speculative decoding's verification: HF masks
+    its attention over the static cache), ending in an argmax (which tilec runs eagerly: the graph splits)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, cache, pos):
+        return self.model(ids, cache_position=pos, use_cache=True, **cache_kwargs(self.model, cache)).logits.argmax(-1)
+
+
+@pytest.mark.parametrize("tokens, compiled", [(4, True), (backend.PREFILL_TOKENS + 1, False)])
+def test_a_split_step_of_a_few_tokens_is_compiled(tokens, compiled, caplog):
+    """A split graph of at most PREFILL_TOKENS tokens a sequence whose attention reads the cache is
+    compiled (a region each side of its argmax); a longer one runs eagerly whole, naming the first node
+    tilec cannot take."""
+    model = make_model("llama-tiny", layers=1)
+    cache, _ = prefill(model, 1, 8, 8 + tokens + 2)
+    eager_cache = copy.deepcopy(cache)
+    ids, pos = torch.randint(0, 1000, (1, tokens)), torch.arange(8, 8 + tokens)
+    before = _plans()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
+        got = torch.compile(Verify(model), backend="tilec", options={"workers": 4}, dynamic=False)(ids, cache, pos)
+        want = Verify(model)(ids, eager_cache, pos)
+    assert torch.equal(got, want)
+    assert_close(cache.layers[0].keys, eager_cache.layers[0].keys, 1e-5, "key cache")
+    whole = [r.getMessage() for r in caplog.records if "runs eagerly whole" in r.getMessage()]
     if compiled:
-        assert _plans() > before and not whole
+        assert _plans() > before and not whole, whole
     else:
-        assert _plans() == before, "no region of the prefill graph is planned"
+        assert _plans() == before, "no region of the graph is planned"
         assert len(whole) == 1 and f"a prefill graph ({tokens} tokens a sequence" in whole[0], whole
         assert re.search(r"tilec cannot take \d+ of its nodes \(the first, \w+: .+\)", whole[0]), whole
 

@@ -31,7 +31,7 @@ import torch.fx as fx
 from . import __version__, plancache
 from .dump import with_dump
 from .errors import PositionError, TilecError, UnsupportedNodeError
-from .frontend import GraphBinding, find_unsupported, lower_graph
+from .frontend import PREFILL_ATTENTION_WHY, GraphBinding, find_unsupported, lower_graph
 from .fxgraph import is_call, source_of, val_of
 from .guards import GuardError, build_mask_guards
 from .ir import DTYPE_CODES, contiguous_strides, is_integer
@@ -592,18 +592,9 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             named = [(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad]
             raise UnsupportedNodeError(named, "fallback is off (options={'fallback': False})")
         tokens = _tokens_per_sequence(aot_gm)
-        if tokens is not None and tokens[0] > PREFILL_TOKENS:
-            count, node = tokens
-            src = source_of(node)
-            nodes = [b for b in bad if b[0] not in label_of] or bad
-            first = nodes[0]
-            key = (src or node.name, first[3])  # each new prompt length is a new graph: said once
-            level = logging.DEBUG if key in _LOGGED_GROUPS else logging.WARNING
-            _LOGGED_GROUPS.add(key)
-            log.log(level, "tilec: a prefill graph (%d tokens a sequence: %s%s) runs eagerly whole: tilec cannot "
-                    "take %d of its nodes (the first, %s: %s), and split around them it would make a tilec program "
-                    "of each region between them; tilec compiles decode steps", count, node.name,
-                    f" at {src}" if src else "", len(nodes), first[0], first[3] or "unsupported")
+        causal = next((b for b in bad if b[3] == PREFILL_ATTENTION_WHY), None)
+        if causal is not None or (tokens is not None and tokens[0] > PREFILL_TOKENS):
+            _log_prefill(tokens, causal, [b for b in bad if b[0] not in label_of] or bad)
             return aot_gm
         _log_fallback(bad, label_of)
         return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
@@ -619,7 +610,9 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
 # runs eagerly whole. Llama-3.2-1B's 1024-token prefill under generate() split into 34 regions between its eager
 # attention and cache writes, each planned and built as a program of its own; that outlasted a 300 s GPU call
 # (forty-third session), and at 256 tokens on the CPU it took 155 s. Decode steps of a few tokens a sequence
-# (speculative verification) stay below it.
+# (speculative verification) stay below it. A graph whose attention is causal over its own tokens alone
+# (is_causal=True: HF's prefill from position 0) is a prefill at any length: a prompt of a few tokens made 4
+# programs of its regions, an nvcc build each on a GPU.
 PREFILL_TOKENS = 16
 
 
@@ -646,6 +639,26 @@ def _tokens_per_sequence(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
                 and n.args[1] % max(dst.dim(), 1) != 0 and (v := val_of(n.args[2])) is not None:
             counts.append((v.numel(), n))  # a static cache's write along its position dim (paged: slots, dim 0)
     return max(((int(c), n) for c, n in counts), key=lambda cn: cn[0], default=None)
+
+
+def _log_prefill(tokens: tuple[int, fx.Node] | None, causal: tuple | None, nodes: list[tuple]) -> None:
+    """Says (once a process, then at DEBUG: each new prompt length is a new graph) that a prefill graph
+    runs eagerly whole: ``tokens`` as ``_tokens_per_sequence`` gives it, ``causal`` the unsupported-node
+    entry of its ``is_causal`` attention (or None), ``nodes`` those tilec cannot take."""
+    count, node = tokens if tokens is not None else (None, None)
+    src = source_of(node) if node is not None else None
+    first = causal or nodes[0]
+    key = (src or first[0], first[3])
+    level = logging.DEBUG if key in _LOGGED_GROUPS else logging.WARNING
+    _LOGGED_GROUPS.add(key)
+    what = f"{count} tokens a sequence: {node.name}{f' at {src}' if src else ''}" if node is not None else "prefill"
+    if causal is not None:  # attention over the new tokens alone: right only at position 0
+        why = (f"its attention {causal[0]} is causal over the step's own tokens (is_causal=True: a prefill from "
+               f"position 0, which tilec runs eagerly)")
+    else:
+        why = (f"tilec cannot take {len(nodes)} of its nodes (the first, {first[0]}: {first[3] or 'unsupported'}), "
+               f"and split around them it would make a tilec program of each region between them")
+    log.log(level, "tilec: a prefill graph (%s) runs eagerly whole: %s; tilec compiles decode steps", what, why)
 
 
 FALLBACK_LINES = 4  # graph inputs or groups of nodes run eagerly for one reason that are logged one line each
