@@ -1142,7 +1142,7 @@ def test_a_non_contiguous_argument_is_still_made_contiguous(monkeypatch):
 
     bound = []
     real = CompiledProgram._table
-    monkeypatch.setattr(CompiledProgram, "_table", lambda self, t: bound.append(dict(t)) or real(self, t))
+    monkeypatch.setattr(CompiledProgram, "_table", lambda self, t, a: bound.append(dict(t)) or real(self, t, a))
     torch.manual_seed(0)
     m = Transposed()
     f = torch.compile(m, backend="tilec", options={"workers": 4})

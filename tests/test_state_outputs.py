@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _helpers import assert_close
 from tilec.api import compile_module
 
 H, D, S = 2, 16, 8
@@ -68,6 +69,52 @@ def test_aliased_arguments_are_named():
     with pytest.raises(TilecError, match="arguments 2 and 3 share memory"):
         compile_module(TwoCaches(), (torch.randn(1, H, 1, D), torch.tensor([0]), cache, cache), positions=[1],
                        max_positions=S, options=dict(executor="reference"))
+
+
+class WriteThenRead(torch.nn.Module):
+    def forward(self, x, pos, cache, other):
+        cache.index_copy_(2, pos, x)
+        return other * 2
+
+
+@pytest.mark.parametrize("other", ["same", "overlapping", "strided"])
+def test_arguments_aliased_at_a_call_are_named(other):
+    """A program compiled with separate tensors and called with aliased ones (the cache the step
+    writes, or memory of it, passed also as the argument it reads) computed what eager does not, with
+    no error: the cache write and the read are planned as independent, and a strided argument is read
+    through a copy. Now the call raises, naming both arguments, before the step runs."""
+    from tilec.errors import TilecError
+
+    torch.manual_seed(0)
+    x, n = torch.randn(1, H, 1, D), H * S * D
+    prog = compile_module(WriteThenRead(), (x, torch.tensor([0]), torch.randn(1, H, S, D), torch.randn(1, H, S, D)),
+                          positions=[1], max_positions=S, options=dict(executor="reference"))
+    memory = torch.randn(2 * n)
+    cache = memory[:n].view(1, H, S, D)
+    view = {"same": cache, "overlapping": memory[n // 2:n // 2 + n].view(1, H, S, D),
+            "strided": cache.as_strided((1, H, S, D), (n, S * D, 1, S))}[other]
+    before = memory.clone()
+    with pytest.raises(TilecError, match=r"argument 2 \(cache\) and argument 3 \(other\) share memory, and the step writes argument 2 \(cache\)"):
+        prog(x, torch.tensor([3]), cache, view)
+    assert torch.equal(memory, before), "the failed call wrote the cache"
+    apart = memory[n:].view(1, H, S, D)  # no overlap: runs
+    got, want_cache = prog(x, torch.tensor([3]), cache, apart), cache.clone()
+    want = WriteThenRead()(x, torch.tensor([3]), want_cache, apart)
+    assert_close(got, want, 1e-6, "a call without aliases")
+    assert torch.equal(cache, want_cache)
+
+
+def test_read_only_arguments_may_share_memory():
+    """Two arguments the step only reads may be one tensor (tied weights)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 32), torch.randn(16, 32)
+    prog = compile_module(TiedReads(), (x, w, w.clone()), options=dict(executor="reference"))
+    assert_close(prog(x, w, w), TiedReads()(x, w, w), 1e-5, "tied reads")
+
+
+class TiedReads(torch.nn.Module):
+    def forward(self, x, a, b):
+        return x @ a.t() + x @ b.t()
 
 
 class ReadsTwice(torch.nn.Module):

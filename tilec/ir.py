@@ -261,8 +261,8 @@ class OpGraph:
         weights (PARAM), folded constants (CONST), and call inputs no op writes - the
         ``torch.compile`` backend passes module parameters as such inputs, bound per call. A GEMV's
         loader streams (and prefetches) only such weights, without waiting on events. Call arguments
-        are assumed not to share memory (not checked for ``compile_module``'s programs; the
-        ``torch.compile`` backend runs a graph whose inputs alias a tensor written in place eagerly)."""
+        must not share memory with a buffer the step writes (``CompiledProgram`` raises when they do;
+        the ``torch.compile`` backend runs a graph whose inputs alias a tensor written in place eagerly)."""
         kind = self.buffers[name].kind
         return kind in (BufferKind.PARAM, BufferKind.CONST) or kind is BufferKind.INPUT and name not in self.written
 

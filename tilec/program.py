@@ -271,16 +271,45 @@ class CompiledProgram:
                                     f"module's caches hold positions)")
         return out, flags
 
-    def _table(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _table(self, tensors: dict[str, torch.Tensor], args) -> torch.Tensor:
         """The operand table for this call's tensors: only buffers bound from the call's arguments
-        (state, large inputs) can change between calls, so they alone key the cache."""
+        (state, large inputs) can change between calls, so they alone key the cache. A new table's
+        arguments are checked not to alias a tensor the step writes (:meth:`_check_disjoint`)."""
         key = tuple(tensors[n].data_ptr() for n in self._arg_buffers)
         table = self._tables.get(key)
         if table is None:
+            self._check_disjoint(args)
             if len(self._tables) > 8:
                 self._tables.clear()
             table = self._tables[key] = self.plan.bind_base(tensors)
         return table
+
+    def _check_disjoint(self, args) -> None:
+        """Raises TilecError when a tensor argument the step writes (a KV cache) shares memory with
+        another argument or a module tensor the step reads: the plan reads each buffer as its own (a
+        weight it reads is streamed early, without waiting on the writes; a strided argument is read
+        through a copy), so eager's result for aliased arguments cannot be matched. Tensors that
+        share memory only to read it (tied weights) are fine. Checked with each new operand table (a
+        new set of argument tensors)."""
+        written = self.graph.written
+        spans = []  # (first byte, byte past the last, label, written)
+        for i, name, *_ in self._tensor_args:
+            a = args[i]
+            if isinstance(a, torch.Tensor) and a.numel():
+                extent = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
+                spans.append((a.data_ptr(), a.data_ptr() + extent * a.element_size(), self._labels[i], name in written))
+        for name, t in self.tensors.items():
+            if self.graph.buffers[name].kind is BufferKind.PARAM and t.numel():
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"the module's {name}", False))
+        spans.sort(key=lambda s: s[:2])
+        end, last = -1, None
+        for lo, hi, label, writes in spans:
+            if lo < end and (writes or last[3]):
+                raise TilecError(f"{last[2]} and {label} share memory, and the step writes "
+                                 f"{last[2] if last[3] else label}: pass tensors that do not overlap (tilec reads "
+                                 f"each argument as a tensor of its own)")
+            if hi > end:
+                end, last = hi, (lo, hi, label, writes)
 
     def __call__(self, *args, **kwargs):
         if kwargs:
@@ -295,7 +324,7 @@ class CompiledProgram:
             for name, b in self.graph.buffers.items():
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
                     tensors[name].fill_(float("nan"))
-        self.executor.run(tensors, self._table(tensors), position=p, check=self._check)
+        self.executor.run(tensors, self._table(tensors, args), position=p, check=self._check)
         # one tensor passed for several arguments gets only its last update (they all write a value
         # tabulated from p, so the same value as writing each in turn); all in one device copy
         last = {id(args[idx]): (args[idx], values) for idx, values in self._updates if isinstance(args[idx], torch.Tensor)}
