@@ -178,9 +178,23 @@ def test_eager_nodes_are_logged_once_a_source_line_and_process(caplog):
     assert len(warned) == 2, warned
     assert warned[0].startswith("tilec: running 3 nodes (aten.cumsum.default: cumsum, cumsum_1, cumsum_2) eagerly at ")
     assert "torch.cumsum(layer(x), -1)" in warned[0]
-    assert warned[1].startswith("tilec: running 3 node(s) eagerly for reasons logged above for an earlier graph")
+    assert warned[1].startswith("tilec: 3 node(s) run eagerly for reasons already logged in this process")
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "eagerly" in r.getMessage()]
     assert any("cumsum, cumsum_1, cumsum_2" in line for line in debug), debug
+
+
+def test_graph_inputs_not_taken_are_logged_once_a_process(caplog):
+    """A reviewer's finding: graph inputs tilec cannot take (float64) were logged again for each new graph."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).double().eval()
+    f = torch.compile(m, backend="tilec", dynamic=False)
+    with caplog.at_level(logging.WARNING, logger="tilec"), torch.no_grad():
+        for rows in (2, 3):
+            x = torch.randn(rows, 8, dtype=torch.float64)
+            assert torch.allclose(f(x), m(x), rtol=1e-12, atol=1e-12)
+    text = [r.getMessage() for r in caplog.records]
+    assert sum("graph input self[0].weight: dtype torch.float64" in line for line in text) == 1, text
+    assert any(line.startswith("tilec: 2 node(s) run eagerly and 5 graph input(s) not taken for reasons already "
+                               "logged") for line in text), text
 
 
 def test_fallback_off_lists_every_unsupported_node():
@@ -785,32 +799,63 @@ def _plans() -> int:
     return backend.CACHE_STATS["compiles"] + backend.CACHE_STATS["disk_hits"] + backend.CACHE_STATS["memory_hits"]
 
 
-@pytest.mark.parametrize("tokens", [4, backend.PREFILL_TOKENS + 1])
-def test_a_prefill_runs_eagerly_whole(tokens, caplog):
+@pytest.mark.parametrize("tokens, padded", [(4, False), (4, True), (backend.PREFILL_TOKENS + 1, False)])
+def test_a_prefill_runs_eagerly_whole(tokens, padded, caplog):
     """A prefill under generate() splits into a region per layer between its eager attention and cache
     writes; Llama-3.2-1B's of 1024 tokens made 34 tilec programs, whose compiles outlasted a 300 s GPU
     call (forty-third session), and a prompt of a few tokens still made 4 programs to build (nvcc, once
-    each). HF's prefill attention is causal over the step's own tokens (``is_causal=True``: right only
-    from position 0), so such a graph is a prefill at any length: it runs eagerly whole, with one warning
-    naming the attention."""
+    each, for every new prompt length). A split graph that writes its tokens into the cache from
+    position 0 in the example call is a prefill at any length (padded or not): it runs eagerly whole,
+    with one warning naming the cache write."""
     from transformers import StaticCache
 
     model = make_model("llama-tiny", layers=1)
-    ids = torch.randint(0, 1000, (1, tokens))
+    ids = torch.randint(0, 1000, (2 if padded else 1, tokens))
+    kw = {}
+    if padded:
+        kw["attention_mask"] = torch.ones_like(ids)
+        kw["attention_mask"][1, :2] = 0
     before = _plans()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
         want_cache = StaticCache(config=model.config, max_cache_len=tokens + 4)
-        want = model(ids, cache_position=torch.arange(tokens), use_cache=True,
+        want = model(ids, cache_position=torch.arange(tokens), use_cache=True, **kw,
                      **cache_kwargs(model, want_cache)).logits
         cache = StaticCache(config=model.config, max_cache_len=tokens + 4)
         f = torch.compile(model, backend="tilec", options={"workers": 4})
-        got = f(ids, cache_position=torch.arange(tokens), use_cache=True, **cache_kwargs(model, cache)).logits
+        got = f(ids, cache_position=torch.arange(tokens), use_cache=True, **kw, **cache_kwargs(model, cache)).logits
     assert_close(got, want, 1e-4, "prefill logits")
     assert_close(cache.layers[0].keys, want_cache.layers[0].keys, 1e-5, "key cache")
     whole = [r.getMessage() for r in caplog.records if "runs eagerly whole" in r.getMessage()]
     assert _plans() == before, "no region of the prefill graph is planned"
-    assert len(whole) == 1 and f"a prefill graph ({tokens} tokens a sequence" in whole[0], whole
-    assert re.search(r"its attention \w+ is causal over the step's own tokens \(is_causal=True", whole[0]), whole
+    assert len(whole) == 1, whole
+    assert f"a prefill graph ({tokens} tokens a sequence, written into the cache from position 0 by index_copy" \
+        in whole[0], whole
+
+
+class CausalNoCache(torch.nn.Module):
+    """Causal self-attention over the call's own tokens, with no cache (not generate()'s prefill)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 16).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(a.transpose(1, 2).reshape(x.shape))
+
+
+def test_causal_attention_without_a_cache_keeps_its_regions_compiled(caplog):
+    """A reviewer's case for a first form of the prefill rule (any is_causal attention made a graph a
+    prefill): a model with no cache, or a decode step with some other causal attention, ran eagerly
+    whole. Only a cache write from position 0 makes a prefill: here the linears still compile."""
+    torch.manual_seed(0)
+    m, x = CausalNoCache().eval(), torch.randn(2, 8, 32)
+    before = _plans()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
+        got = torch.compile(m, backend="tilec", options={"workers": 4}, dynamic=False)(x)
+    assert_close(got, m(x), 1e-5, "causal attention")
+    assert _plans() > before and not any("runs eagerly whole" in r.getMessage() for r in caplog.records)
 
 
 class Verify(torch.nn.Module):

@@ -31,7 +31,7 @@ import torch.fx as fx
 from . import __version__, plancache
 from .dump import with_dump
 from .errors import PositionError, TilecError, UnsupportedNodeError
-from .frontend import PREFILL_ATTENTION_WHY, GraphBinding, find_unsupported, lower_graph
+from .frontend import GraphBinding, find_unsupported, lower_graph
 from .fxgraph import is_call, source_of, val_of
 from .guards import GuardError, build_mask_guards
 from .ir import DTYPE_CODES, contiguous_strides, is_integer
@@ -592,9 +592,9 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             named = [(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad]
             raise UnsupportedNodeError(named, "fallback is off (options={'fallback': False})")
         tokens = _tokens_per_sequence(aot_gm)
-        causal = next((b for b in bad if b[3] == PREFILL_ATTENTION_WHY), None)
-        if causal is not None or (tokens is not None and tokens[0] > PREFILL_TOKENS):
-            _log_prefill(tokens, causal, [b for b in bad if b[0] not in label_of] or bad)
+        first = _write_from_zero(aot_gm, flat)
+        if first is not None or (tokens is not None and tokens[0] > PREFILL_TOKENS):
+            _log_prefill(tokens, first, [b for b in bad if b[0] not in label_of] or bad)
             return aot_gm
         _log_fallback(bad, label_of)
         return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
@@ -641,37 +641,92 @@ def _tokens_per_sequence(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
     return max(((int(c), n) for c, n in counts), key=lambda cn: cn[0], default=None)
 
 
-def _log_prefill(tokens: tuple[int, fx.Node] | None, causal: tuple | None, nodes: list[tuple]) -> None:
+def _log_prefill(tokens: tuple[int, fx.Node] | None, first: tuple[int, fx.Node] | None, nodes: list[tuple]) -> None:
     """Says (once a process, then at DEBUG: each new prompt length is a new graph) that a prefill graph
-    runs eagerly whole: ``tokens`` as ``_tokens_per_sequence`` gives it, ``causal`` the unsupported-node
-    entry of its ``is_causal`` attention (or None), ``nodes`` those tilec cannot take."""
-    count, node = tokens if tokens is not None else (None, None)
-    src = source_of(node) if node is not None else None
-    first = causal or nodes[0]
-    key = (src or first[0], first[3])
+    runs eagerly whole: ``tokens`` as ``_tokens_per_sequence`` gives it, ``first`` as ``_write_from_zero``
+    does (or None), ``nodes`` those tilec cannot take."""
+    count, node = first or tokens
+    src = source_of(node)
+    key = _logged_key("prefill", src or node.name, str(first is not None))
     level = logging.DEBUG if key in _LOGGED_GROUPS else logging.WARNING
     _LOGGED_GROUPS.add(key)
-    what = f"{count} tokens a sequence: {node.name}{f' at {src}' if src else ''}" if node is not None else "prefill"
-    if causal is not None:  # attention over the new tokens alone: right only at position 0
-        why = (f"its attention {causal[0]} is causal over the step's own tokens (is_causal=True: a prefill from "
-               f"position 0, which tilec runs eagerly)")
+    at = f" at {src}" if src else ""
+    if first is not None:  # the prompt's own cache rows: generate()'s prefill
+        what = f"{count} tokens a sequence, written into the cache from position 0 by {node.name}{at}"
     else:
-        why = (f"tilec cannot take {len(nodes)} of its nodes (the first, {first[0]}: {first[3] or 'unsupported'}), "
-               f"and split around them it would make a tilec program of each region between them")
-    log.log(level, "tilec: a prefill graph (%s) runs eagerly whole: %s; tilec compiles decode steps", what, why)
+        what = f"{count} tokens a sequence: {node.name}{at}"
+    log.log(level, "tilec: a prefill graph (%s) runs eagerly whole: tilec cannot take %d of its nodes (the first, "
+            "%s: %s), and split around them it would make a tilec program of each region between them; tilec "
+            "compiles decode steps", what, len(nodes), nodes[0][0], nodes[0][3] or "unsupported")
+
+
+def _write_from_zero(gm: fx.GraphModule, flat: list) -> tuple[int, fx.Node] | None:
+    """``(tokens, node)`` when ``gm`` writes a static cache (``index_copy`` along a dim other than the
+    first) at positions ``0 .. tokens - 1``, tokens > 1, in the example call: a prefill from position 0
+    (HF's, padded or not; a speculative-decoding verification step writes further on). The index is
+    evaluated from the example arguments when it depends on a few small graph inputs only (HF passes
+    ``cache_position``, or in newer versions adds a per-layer counter to an ``arange``); else None."""
+    aten = torch.ops.aten
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in gm.graph.nodes:
+        if not (is_call(n, aten.index_copy.default, aten.index_copy_.default) and len(n.args) > 2
+                and isinstance(n.args[1], int) and isinstance(n.args[2], fx.Node)):
+            continue
+        dst, idx = val_of(n.args[0]), val_of(n.args[2])
+        if dst is None or idx is None or n.args[1] % max(dst.dim(), 1) == 0 or idx.numel() < 2:
+            continue
+        value = _example_value(n.args[2], placeholders, order, flat)
+        if isinstance(value, torch.Tensor) and torch.equal(value.reshape(-1).cpu(),
+                                                           torch.arange(value.numel(), dtype=value.dtype)):
+            return value.numel(), n
+    return None
+
+
+def _example_value(node: fx.Node, placeholders: dict, order: dict, flat: list, limit: int = 32):
+    """``node``'s value in the example call (``flat``: the graph inputs' values, ``placeholders`` and
+    ``order`` the graph's placeholder and node indices), evaluated from the graph inputs it depends on
+    when those are small (at most 4096 elements each) and its ancestors few (``limit``); else None."""
+    needed, seen, stack = [], set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            v = flat[placeholders[n]]
+            if not isinstance(v, torch.Tensor) or v.numel() > 4096:
+                return None
+        elif n.op != "call_function" or len(seen) > limit or getattr(getattr(n.target, "_schema", None),
+                                                                     "is_mutable", True):
+            return None  # (an in-place op, or a Python function: not evaluated here)
+        needed.append(n)
+        stack.extend(n.all_input_nodes)
+    env = {}
+    try:
+        for n in sorted(needed, key=order.__getitem__):
+            if n.op == "placeholder":
+                env[n] = flat[placeholders[n]]
+            else:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+                env[n] = n.target(*args, **kwargs)
+    except Exception:  # an op that needs more than its inputs (a random op, ...): not a known prefill
+        return None
+    return env[node]
 
 
 FALLBACK_LINES = 4  # graph inputs or groups of nodes run eagerly for one reason that are logged one line each
-_LOGGED_GROUPS: set[tuple] = set()  # (reason, source line, targets) of the node groups logged in this process
+_LOGGED_GROUPS: set[tuple] = set()  # what _log_fallback and _log_prefill logged in this process (_logged_key)
 
 
 def _log_fallback(bad: list[tuple], label_of: dict[str, str]) -> None:
     """Logs what runs eagerly: the graph inputs tilec cannot take (by the user's names) and the
     nodes, grouped by reason and source line, or target without one (the same line in every layer
-    of a model is one line: "running 32 nodes eagerly at ..."), one line a group up to FALLBACK_LINES per reason,
-    then one line for the rest (a float64 model once logged every weight and every node of its
-    graph). Groups already logged in this process for an earlier graph - each new prompt length of
-    ``generate()`` is a new prefill graph - go to DEBUG, with one WARNING line counting them."""
+    of a model is one line: "running 32 nodes eagerly at ..."), one line a group up to
+    FALLBACK_LINES per reason, then one line for the rest (a float64 model once logged every weight
+    and every node of its graph). What was logged in this process for an earlier graph (of this
+    model or another: each new prompt length of ``generate()`` is a new graph) goes to DEBUG, with
+    one WARNING line counting it; reasons are compared without their numbers (a position)."""
     inputs: dict[str, list[str]] = {}
     nodes: dict[str, dict[str, list[tuple]]] = {}  # reason -> source line -> [(name, target)]
     for name, target, src, reason in bad:
@@ -679,42 +734,51 @@ def _log_fallback(bad: list[tuple], label_of: dict[str, str]) -> None:
             inputs.setdefault(reason, []).append(label_of[name])
         else:
             nodes.setdefault(reason, {}).setdefault(src or f"<{target}>", []).append((name, target))
+    old_inputs = old_nodes = 0
     for reason, labels in inputs.items():
         if reason.startswith("dtype torch.float64"):  # also what a Python float argument becomes
             reason += (" (cast the model and its inputs to float32, bfloat16 or float16 to compile them; a "
                        "Python float argument becomes a float64 input too: pass it as a tensor)")
-        for label in labels[:FALLBACK_LINES]:
+        fresh = [label for label in labels if _logged_key("input", reason, label) not in _LOGGED_GROUPS]
+        old_inputs += len(labels) - len(fresh)
+        for label in fresh[:FALLBACK_LINES]:
+            _LOGGED_GROUPS.add(_logged_key("input", reason, label))
             log.warning("tilec: graph input %s: %s; the nodes reading it run eagerly", label, reason)
-        if len(labels) > FALLBACK_LINES:
+        if len(fresh) > FALLBACK_LINES:  # (not remembered: a later graph names them)
             log.warning("tilec: %d more graph input(s): %s; the nodes reading them run eagerly",
-                        len(labels) - FALLBACK_LINES, reason)
-    repeated = 0
+                        len(fresh) - FALLBACK_LINES, reason)
     for reason, groups in nodes.items():
         why = f": {reason}" if reason else ""
         fresh = []
         for src, group in groups.items():
-            key = (reason, src, tuple(sorted({t for _, t in group})))
-            if key in _LOGGED_GROUPS:
-                repeated += len(group)
-                log.debug("tilec: running %d node(s) eagerly%s%s (%s)", len(group),
-                          "" if src.startswith("<") else f" at {src}", why, ", ".join(n for n, _ in group))
-            else:
-                _LOGGED_GROUPS.add(key)
-                fresh.append((src, group))
-        for src, group in fresh[:FALLBACK_LINES]:
+            key = _logged_key("nodes", reason, src, ", ".join(sorted({t for _, t in group})))
             at = "" if src.startswith("<") else f" at {src}"
+            if key in _LOGGED_GROUPS:
+                old_nodes += len(group)
+                log.debug("tilec: running %d node(s) eagerly%s%s (%s)", len(group), at, why,
+                          _names(n for n, _ in group))
+            else:
+                fresh.append((key, at, group))
+        for key, at, group in fresh[:FALLBACK_LINES]:
+            _LOGGED_GROUPS.add(key)
             if len(group) == 1:
                 log.warning("tilec: running %s (%s) eagerly%s%s", *group[0], at, why)
             else:
-                targets = ", ".join(sorted({t for _, t in group}))
-                log.warning("tilec: running %d nodes (%s: %s) eagerly%s%s", len(group), targets,
+                log.warning("tilec: running %d nodes (%s: %s) eagerly%s%s", len(group), key[-1],
                             _names(n for n, _ in group), at, why)
-        rest = [n for _, group in fresh[FALLBACK_LINES:] for n, _ in group]
-        if rest:
+        rest = [n for _, _, group in fresh[FALLBACK_LINES:] for n, _ in group]
+        if rest:  # (not remembered: a later graph shows their lines)
             log.warning("tilec: running %d more node(s) eagerly%s: %s", len(rest), why, _names(rest))
-    if repeated:
-        log.warning("tilec: running %d node(s) eagerly for reasons logged above for an earlier graph (the logger "
-                    "'tilec' at DEBUG lists them)", repeated)
+    if old_inputs or old_nodes:
+        said = " and ".join(f"{n} {what}" for n, what in ((old_nodes, "node(s) run eagerly"),
+                                                         (old_inputs, "graph input(s) not taken")) if n)
+        log.warning("tilec: %s for reasons already logged in this process (the logger 'tilec' at DEBUG lists "
+                    "them)", said)
+
+
+def _logged_key(*parts: str) -> tuple:
+    """A key of ``_LOGGED_GROUPS``: numbers (positions, counts) in the parts do not tell lines apart."""
+    return tuple(re.sub(r"\d+", "#", p) for p in parts)
 
 
 def _names(names, shown: int = 8) -> str:

@@ -49,7 +49,6 @@ SCANS = {getattr(aten, name).default for name in ("cumsum", "cumprod", "cummax",
          if hasattr(aten, name)}
 SCAN_WHY = ("a scan along a dim (each element depends on every earlier one): tilec has no scan op; its tiles compute "
             "elementwise ops, row reductions, GEMV / GEMM, norms, RoPE, attention and copies")
-PREFILL_ATTENTION_WHY = "is_causal=True (prefill attention) is not a decode step"
 NO_OP_WHY = "no tilec op computes it (the README's \"What works\" lists what tilec lowers)"
 
 
@@ -667,7 +666,7 @@ class Lowering(FormsLowering, DsaLowering):
         if rest.get("dropout_p", 0.0) not in (0, 0.0):
             self._unsupported(node, "dropout in attention")
         if rest.get("is_causal"):
-            self._unsupported(node, PREFILL_ATTENTION_WHY)
+            self._unsupported(node, "is_causal=True (prefill attention) is not a decode step")
         out = self._plan_attention(node, q_n, k_n, v_n, rest.get("attn_mask"), rest.get("scale"))
         if node.target is aten.scaled_dot_product_attention.default:
             return out
