@@ -592,9 +592,9 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             named = [(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad]
             raise UnsupportedNodeError(named, "fallback is off (options={'fallback': False})")
         tokens = _tokens_per_sequence(aot_gm)
-        first = _write_from_zero(aot_gm, flat)
+        first = _from_position_zero(aot_gm, flat, tokens)
         if first is not None or (tokens is not None and tokens[0] > PREFILL_TOKENS):
-            _log_prefill(tokens, first, [b for b in bad if b[0] not in label_of] or bad)
+            _log_prefill(tokens, first, [b for b in bad if b[0] not in label_of] or bad, label_of)
             return aot_gm
         _log_fallback(bad, label_of)
         return _partitioned(aot_gm, flat, kinds, labels, opts, {b[0] for b in bad} | _foreign_dtype_nodes(aot_gm))
@@ -641,17 +641,20 @@ def _tokens_per_sequence(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
     return max(((int(c), n) for c, n in counts), key=lambda cn: cn[0], default=None)
 
 
-def _log_prefill(tokens: tuple[int, fx.Node] | None, first: tuple[int, fx.Node] | None, nodes: list[tuple]) -> None:
+def _log_prefill(tokens: tuple[int, fx.Node] | None, first: tuple[int, fx.Node] | None, nodes: list[tuple],
+                 label_of: dict[str, str]) -> None:
     """Says (once a process, then at DEBUG: each new prompt length is a new graph) that a prefill graph
-    runs eagerly whole: ``tokens`` as ``_tokens_per_sequence`` gives it, ``first`` as ``_write_from_zero``
-    does (or None), ``nodes`` those tilec cannot take."""
+    runs eagerly whole: ``tokens`` as ``_tokens_per_sequence`` gives it, ``first`` as ``_from_position_zero``
+    does (or None), ``nodes`` those tilec cannot take, ``label_of`` the user's names of graph inputs."""
     count, node = first or tokens
     src = source_of(node)
-    key = _logged_key("prefill", src or node.name, str(first is not None))
+    key = _logged_key("prefill", "", src or node.name, str(first is not None))
     level = logging.DEBUG if key in _LOGGED_GROUPS else logging.WARNING
     _LOGGED_GROUPS.add(key)
     at = f" at {src}" if src else ""
-    if first is not None:  # the prompt's own cache rows: generate()'s prefill
+    if first is not None and node.op == "placeholder":  # the prompt's positions: generate()'s prefill
+        what = f"{count} tokens a sequence from position 0: {label_of.get(node.name, node.name)} holds 0 .. {count - 1}"
+    elif first is not None:  # the prompt's own cache rows
         what = f"{count} tokens a sequence, written into the cache from position 0 by {node.name}{at}"
     else:
         what = f"{count} tokens a sequence: {node.name}{at}"
@@ -660,12 +663,25 @@ def _log_prefill(tokens: tuple[int, fx.Node] | None, first: tuple[int, fx.Node] 
             "compiles decode steps", what, len(nodes), nodes[0][0], nodes[0][3] or "unsupported")
 
 
-def _write_from_zero(gm: fx.GraphModule, flat: list) -> tuple[int, fx.Node] | None:
-    """``(tokens, node)`` when ``gm`` writes a static cache (``index_copy`` along a dim other than the
-    first) at positions ``0 .. tokens - 1``, tokens > 1, in the example call: a prefill from position 0
-    (HF's, padded or not; a speculative-decoding verification step writes further on). The index is
-    evaluated from the example arguments when it depends on a few small graph inputs only (HF passes
-    ``cache_position``, or in newer versions adds a per-layer counter to an ``arange``); else None."""
+def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.Node] | None
+                        ) -> tuple[int, fx.Node] | None:
+    """``(P, node)`` when the example call of ``gm`` is a prefill from position 0 of P > 1 tokens a
+    sequence (HF's, padded or not; a speculative-decoding verification step starts further on): a
+    static cache write (``index_copy`` along a dim other than the first) at positions ``0 .. P - 1``
+    (node: the write), or an integer input ``[P]`` or ``[B, P]`` holding ``0 .. P - 1`` (in each row)
+    where the graph takes P tokens a sequence (``tokens``, as ``_tokens_per_sequence`` says; node: the
+    input - HF's ``cache_position`` or ``position_ids``, also with its default dynamic cache, which
+    writes by concatenation). The write's index is
+    evaluated from the example arguments when it depends on a few small graph inputs only (newer HF
+    versions add a per-layer counter to an ``arange``); else None. The decision holds for every
+    later call of the graph (its values are not guarded; HF's prefill and verification steps are
+    different graphs)."""
+    def counts_from_zero(v, rows: bool = False) -> bool:  # 0 .. P - 1 (rows: in each row of its last dim)
+        if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex() or v.dtype is torch.bool:
+            return False
+        n = v.shape[-1] if rows and v.dim() else v.numel()
+        return n > 1 and bool((v.reshape(-1, n).cpu() == torch.arange(n, dtype=v.dtype)).all())
+
     aten = torch.ops.aten
     placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -677,9 +693,14 @@ def _write_from_zero(gm: fx.GraphModule, flat: list) -> tuple[int, fx.Node] | No
         if dst is None or idx is None or n.args[1] % max(dst.dim(), 1) == 0 or idx.numel() < 2:
             continue
         value = _example_value(n.args[2], placeholders, order, flat)
-        if isinstance(value, torch.Tensor) and torch.equal(value.reshape(-1).cpu(),
-                                                           torch.arange(value.numel(), dtype=value.dtype)):
+        if counts_from_zero(value):
             return value.numel(), n
+    if tokens is not None and tokens[0] > 1:
+        for n, i in placeholders.items():
+            v = flat[i]
+            if isinstance(v, torch.Tensor) and 1 <= v.dim() <= 2 and v.shape[-1] == tokens[0] and v.numel() <= 4096 \
+                    and counts_from_zero(v, rows=True):
+                return tokens[0], n
     return None
 
 
@@ -698,8 +719,9 @@ def _example_value(node: fx.Node, placeholders: dict, order: dict, flat: list, l
             if not isinstance(v, torch.Tensor) or v.numel() > 4096:
                 return None
         elif n.op != "call_function" or len(seen) > limit or getattr(getattr(n.target, "_schema", None),
-                                                                     "is_mutable", True):
-            return None  # (an in-place op, or a Python function: not evaluated here)
+                                                                     "is_mutable", True) \
+                or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            return None  # (an in-place or random op, or a Python function: not evaluated here)
         needed.append(n)
         stack.extend(n.all_input_nodes)
     env = {}
@@ -776,9 +798,10 @@ def _log_fallback(bad: list[tuple], label_of: dict[str, str]) -> None:
                     "them)", said)
 
 
-def _logged_key(*parts: str) -> tuple:
-    """A key of ``_LOGGED_GROUPS``: numbers (positions, counts) in the parts do not tell lines apart."""
-    return tuple(re.sub(r"\d+", "#", p) for p in parts)
+def _logged_key(kind: str, reason: str, *parts: str) -> tuple:
+    """A key of ``_LOGGED_GROUPS``: numbers in the reason (a position) do not tell lines apart; in
+    the other parts (source lines, names) they do."""
+    return (kind, re.sub(r"\d+", "#", reason), *parts)
 
 
 def _names(names, shown: int = 8) -> str:

@@ -152,6 +152,9 @@ class CompiledProgram:
         self._t_staged = [(i, name) for i, name, _, _, staged, _ in trusted if staged]
         self._t_bound_index = [i for i, _, _, _, staged, _ in trusted if not staged]
         self._t_bound_names = [name for _, name, _, _, staged, _ in trusted if not staged]
+        # arguments that may be bound through a copy (staged, or strided): the operand table's key
+        # does not see their memory
+        self._maybe_copied = [(i, name) for i, name in self._t_staged] + [(i, name) for i, name, *_ in self._t_checked]
         # position updates: the tables on the step's device, so writing them is one device copy, no upload
         self._updates = [(idx, table.to(self.device)) for idx, table in self.graph.position_updates]
         # buffers bound from the call's arguments (the rest are bound once, above)
@@ -273,43 +276,60 @@ class CompiledProgram:
 
     def _table(self, tensors: dict[str, torch.Tensor], args) -> torch.Tensor:
         """The operand table for this call's tensors: only buffers bound from the call's arguments
-        (state, large inputs) can change between calls, so they alone key the cache. A new table's
-        arguments are checked not to alias a tensor the step writes (:meth:`_check_disjoint`)."""
+        (state, large inputs) can change between calls, so they alone key the cache. The arguments
+        are checked not to alias a tensor the step writes (:meth:`_check_disjoint`): all of them with
+        a new table, else those bound through a copy (small inputs, strided ones), whose own memory
+        the key does not see."""
         key = tuple(tensors[n].data_ptr() for n in self._arg_buffers)
-        table = self._tables.get(key)
-        if table is None:
-            self._check_disjoint(args)
+        entry = self._tables.get(key)
+        if entry is None:
             if len(self._tables) > 8:
                 self._tables.clear()
-            table = self._tables[key] = self.plan.bind_base(tensors)
-        return table
+            entry = self._tables[key] = (self.plan.bind_base(tensors), self._check_disjoint(args))
+        else:
+            self._check_disjoint(args, entry[1], [i for i, name in self._maybe_copied if tensors[name] is not args[i]])
+        return entry[0]
 
-    def _check_disjoint(self, args) -> None:
-        """Raises TilecError when a tensor argument the step writes (a KV cache) shares memory with
-        another argument or a module tensor the step reads: the plan reads each buffer as its own (a
-        weight it reads is streamed early, without waiting on the writes; a strided argument is read
-        through a copy), so eager's result for aliased arguments cannot be matched. Tensors that
-        share memory only to read it (tied weights) are fine. Checked with each new operand table (a
-        new set of argument tensors)."""
-        written = self.graph.written
-        spans = []  # (first byte, byte past the last, label, written)
-        for i, name, *_ in self._tensor_args:
-            a = args[i]
-            if isinstance(a, torch.Tensor) and a.numel():
-                extent = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
-                spans.append((a.data_ptr(), a.data_ptr() + extent * a.element_size(), self._labels[i], name in written))
-        for name, t in self.tensors.items():
-            if self.graph.buffers[name].kind is BufferKind.PARAM and t.numel():
-                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"the module's {name}", False))
+    def _check_disjoint(self, args, written: list | None = None, only: list[int] | None = None) -> list:
+        """Raises TilecError when a tensor argument the step writes (a KV cache) shares memory (their
+        byte ranges overlap) with another argument or a module parameter the step reads: the plan
+        reads each buffer as its own (a weight it reads is streamed early, without waiting on the
+        writes; a small or strided argument is read through a copy), so eager's result for aliased
+        arguments cannot be matched. Tensors that share memory only to read it (tied weights) are
+        fine. Checks every pair, or only arguments ``only`` against the spans ``written`` an earlier
+        check returned; returns the written arguments' spans (first byte, byte past the last,
+        label), sorted."""
+        def span(t: torch.Tensor, label: str, writes: bool) -> tuple:
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            return t.data_ptr(), t.data_ptr() + extent * t.element_size(), label, writes
+
+        def clash(a: tuple, b: tuple):
+            w = a if a[3] else b
+            raise TilecError(f"{a[2]} and {b[2]} share memory, and the step writes {w[2]}: pass tensors that do "
+                             f"not overlap (tilec reads each argument as a tensor of its own)")
+
+        if only is not None:
+            for i in only:
+                a = args[i]
+                if isinstance(a, torch.Tensor) and a.numel():
+                    lo, hi, label, _ = span(a, self._labels[i], False)
+                    for w in written:
+                        if lo < w[1] and w[0] < hi:
+                            clash(w, (lo, hi, label, False))
+            return written
+        graph_written = self.graph.written
+        spans = [span(args[i], self._labels[i], name in graph_written) for i, name, *_ in self._tensor_args
+                 if isinstance(args[i], torch.Tensor) and args[i].numel()]
+        spans += [span(t, f"the module's {name}", False) for name, t in self.tensors.items()
+                  if self.graph.buffers[name].kind is BufferKind.PARAM and t.numel()]
         spans.sort(key=lambda s: s[:2])
         end, last = -1, None
-        for lo, hi, label, writes in spans:
-            if lo < end and (writes or last[3]):
-                raise TilecError(f"{last[2]} and {label} share memory, and the step writes "
-                                 f"{last[2] if last[3] else label}: pass tensors that do not overlap (tilec reads "
-                                 f"each argument as a tensor of its own)")
-            if hi > end:
-                end, last = hi, (lo, hi, label, writes)
+        for cur in spans:
+            if cur[0] < end and (cur[3] or last[3]):
+                clash(last, cur)
+            if cur[1] > end:
+                end, last = cur[1], cur
+        return [s for s in spans if s[3]]
 
     def __call__(self, *args, **kwargs):
         if kwargs:
