@@ -1,6 +1,7 @@
 """A compiled program: the KernelPlan plus the tensors it binds, callable like the module."""
 from __future__ import annotations
 
+import bisect
 import numbers
 
 import torch
@@ -308,14 +309,14 @@ class CompiledProgram:
             raise TilecError(f"{a[2]} and {b[2]} share memory, and the step writes {w[2]}: pass tensors that do "
                              f"not overlap (tilec reads each argument as a tensor of its own)")
 
-        if only is not None:
+        if only is not None:  # (the written spans are disjoint and sorted: the one starting last before hi)
             for i in only:
                 a = args[i]
                 if isinstance(a, torch.Tensor) and a.numel():
                     lo, hi, label, _ = span(a, self._labels[i], False)
-                    for w in written:
-                        if lo < w[1] and w[0] < hi:
-                            clash(w, (lo, hi, label, False))
+                    k = bisect.bisect_left(written, (hi,)) - 1
+                    if k >= 0 and written[k][1] > lo:
+                        clash(written[k], (lo, hi, label, False))
             return written
         graph_written = self.graph.written
         spans = [span(args[i], self._labels[i], name in graph_written) for i, name, *_ in self._tensor_args
