@@ -879,24 +879,32 @@ def test_a_cache_write_from_position_zero_is_found_without_side_effects(index, f
     assert (got and got[0]) == found and torch.equal(rng, torch.get_rng_state())
 
 
-def test_a_short_prefill_with_the_default_dynamic_cache_runs_eagerly_whole(caplog):
-    """A reviewer's case: with HF's default cache (written by concatenation, no index_copy) a 6-token
-    prefill was split and its regions compiled; its position_ids [1, 6] hold 0..5, so it is a prefill."""
+def test_generate_with_the_default_dynamic_cache_runs_eagerly_with_a_hint(caplog):
+    """With HF's default cache (written by concatenation, no static cache) a 6-token prefill was split
+    and its regions compiled (a reviewer's case), and each decode step - a new graph per cache length -
+    was planned (and on a GPU built) and then ran eagerly, its position past the one it planned. The
+    prefill's position_ids [1, 6] hold 0..5: it runs eagerly whole; the decode graphs are not planned,
+    and one warning says to use a static cache."""
     model = make_model("llama-tiny", layers=1)
     ids = torch.randint(1, 1000, (1, 6))
+    before = _plans()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
-        want = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0, disable_compile=True)
+        want = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0, disable_compile=True)
         forward = model.forward
         model.forward = torch.compile(forward, backend="tilec", dynamic=False)
         try:
-            got = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0,
+            got = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
                                  disable_compile=True)
         finally:
             model.forward = forward
             torch._dynamo.reset()
     assert torch.equal(got, want)
-    whole = [r.getMessage() for r in caplog.records if "runs eagerly whole" in r.getMessage()]
-    assert len(whole) == 1 and "(6 tokens a sequence from position 0: position_ids holds 0 .. 5)" in whole[0], whole
+    assert _plans() == before, "nothing planned"
+    lines = [r.getMessage() for r in caplog.records]
+    whole = [line for line in lines if "runs eagerly whole" in line]
+    assert len(whole) == 1 and "(6 tokens a sequence from position 0: position_ids holds 0 .. 5)" in whole[0], lines
+    hint = [line for line in lines if "writes no static cache" in line]
+    assert len(hint) == 1 and 'pass cache_implementation="static"' in hint[0], lines
 
 
 def test_log_keys_ignore_numbers_in_reasons_only():

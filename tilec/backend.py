@@ -165,6 +165,24 @@ def _cache_length(gm: fx.GraphModule) -> int:
     return best
 
 
+def _past_position_zero(placeholders: list, kinds: list[str], flat: list, labels: list[str]) -> bool:
+    """True, with one warning a process, when a graph that plans position 0 only (it writes no static
+    cache, and no ``max_positions`` was given) is called at a decode position past 0: every call would
+    run eagerly (a ``PositionError``) after its program was planned and built - with HF's default
+    dynamic cache, a new graph, plan and nvcc build for every step's cache length."""
+    for node, kind, t, label in zip(placeholders, kinds, flat, labels):
+        if kind == "position" and isinstance(t, torch.Tensor) and t.numel() == 1 and int(t.reshape(-1)[0]) > 0:
+            key = _logged_key("position", "", "no static cache")
+            if key not in _LOGGED_GROUPS:
+                _LOGGED_GROUPS.add(key)
+                log.warning("tilec: a graph called at decode position %d (%s) writes no static cache, so tilec plans "
+                            "position 0 only: it runs eagerly, as do later such graphs. tilec compiles decode steps "
+                            "over a static KV cache: with HF generate(), pass cache_implementation=\"static\"",
+                            int(t.reshape(-1)[0]), label)
+            return True
+    return False
+
+
 def _graph_key(gm: fx.GraphModule, kinds, opts: BackendOptions) -> str:
     h = hashlib.sha256(gm.code.encode())
     for n in gm.graph.nodes:
@@ -584,6 +602,8 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             elif kind == "const":
                 binding.consts[node.name] = t
         max_positions = opts.max_positions or _cache_length(aot_gm)
+        if max_positions == 1 and _past_position_zero(placeholders, kinds, flat, labels):
+            return aot_gm
         bad = find_unsupported(aot_gm, binding, max_positions)
         if not bad:
             return _Region(aot_gm, flat, kinds, labels, opts)
