@@ -217,15 +217,17 @@ def test_unknown_option_lists_valid_keys():
         torch.compile(torch.nn.Linear(4, 4), backend="tilec", options={"wrokers": 3})(torch.randn(2, 4))
 
 
-def test_cpu_warning_once(monkeypatch, recwarn):
+def test_cpu_warning_once(monkeypatch, caplog):
+    """Said once, through the 'tilec' logger like tilec's other messages (a warnings.warn pointed into
+    tilec's own source line: a fresh user's papercut)."""
     monkeypatch.setattr(backend, "_warned_cpu", False)
     lin = torch.nn.Linear(8, 8)
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec"):
         torch.compile(lin, backend="tilec")(torch.randn(2, 8))
         torch._dynamo.reset()
         torch.compile(lin, backend="tilec")(torch.randn(3, 8))
-    msgs = [str(w.message) for w in recwarn if "reference executor" in str(w.message)]
-    assert len(msgs) == 1
+    msgs = [r.getMessage() for r in caplog.records if "reference executor" in r.getMessage()]
+    assert msgs == ["tilec: no CUDA device; running the CPU reference executor (for validation, not speed)"]
 
 
 def test_dump_dir_option_writes_stages(tmp_path):
@@ -879,22 +881,28 @@ def test_a_cache_write_from_position_zero_is_found_without_side_effects(index, f
     assert (got and got[0]) == found and torch.equal(rng, torch.get_rng_state())
 
 
-def test_generate_with_the_default_dynamic_cache_runs_eagerly_with_a_hint(caplog):
+@pytest.mark.parametrize("batch, pad", [(1, 0), (2, 0), (2, 3)])
+def test_generate_with_the_default_dynamic_cache_runs_eagerly_with_a_hint(batch, pad, caplog):
     """With HF's default cache (written by concatenation, no static cache) a 6-token prefill was split
     and its regions compiled (a reviewer's case), and each decode step - a new graph per cache length -
     was planned (and on a GPU built) and then ran eagerly, its position past the one it planned. The
-    prefill's position_ids [1, 6] hold 0..5: it runs eagerly whole; the decode graphs are not planned,
-    and one warning says to use a static cache."""
+    prefill's position_ids [1, 6] hold 0..5, a padded batch's attention mask [2, 6] covers no earlier
+    position: it runs eagerly whole. The decode graphs (a fresh user's batch of 2: its position_ids
+    [2, 1] are no decode position, and each step's graph was compiled) are not planned: their attention
+    reads keys concatenated onto a graph input. One warning says to use a static cache."""
     model = make_model("llama-tiny", layers=1)
-    ids = torch.randint(1, 1000, (1, 6))
+    ids = torch.randint(1, 1000, (batch, 6))
+    mask = torch.ones_like(ids)
+    mask[-1, :pad] = 0
     before = _plans()
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
-        want = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0, disable_compile=True)
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                              disable_compile=True)
         forward = model.forward
         model.forward = torch.compile(forward, backend="tilec", dynamic=False)
         try:
-            got = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
-                                 disable_compile=True)
+            got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                                 pad_token_id=0, disable_compile=True)
         finally:
             model.forward = forward
             torch._dynamo.reset()
@@ -902,7 +910,8 @@ def test_generate_with_the_default_dynamic_cache_runs_eagerly_with_a_hint(caplog
     assert _plans() == before, "nothing planned"
     lines = [r.getMessage() for r in caplog.records]
     whole = [line for line in lines if "runs eagerly whole" in line]
-    assert len(whole) == 1 and "(6 tokens a sequence from position 0: position_ids holds 0 .. 5)" in whole[0], lines
+    said = "the mask attention_mask covers no earlier position" if pad else "position_ids holds 0 .. 5"
+    assert len(whole) == 1 and f"(6 tokens a sequence from position 0: {said})" in whole[0], lines
     hint = [line for line in lines if "writes no static cache" in line]
     assert len(hint) == 1 and 'pass cache_implementation="static"' in hint[0], lines
 

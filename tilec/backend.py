@@ -22,7 +22,6 @@ import hashlib
 import logging
 import os
 import re
-import warnings
 import weakref
 
 import torch
@@ -165,21 +164,55 @@ def _cache_length(gm: fx.GraphModule) -> int:
     return best
 
 
-def _past_position_zero(placeholders: list, kinds: list[str], flat: list, labels: list[str]) -> bool:
-    """True, with one warning a process, when a graph that plans position 0 only (it writes no static
-    cache, and no ``max_positions`` was given) is called at a decode position past 0: every call would
-    run eagerly (a ``PositionError``) after its program was planned and built - with HF's default
-    dynamic cache, a new graph, plan and nvcc build for every step's cache length."""
+def _growing_cache(gm: fx.GraphModule, placeholders: list, kinds: list[str], flat: list, labels: list[str]) -> bool:
+    """True, with one warning a process, for a decode step over a cache that grows by concatenation
+    (HF's default dynamic cache): a graph that writes no static cache (no ``index_copy`` /
+    ``index_put``; the caller checked that it plans position 0 only) and is called at a decode
+    position past 0, or whose attention reads more keys than it has queries. Each step of such a cache
+    is a new graph, whose program would be planned and built (an nvcc build on a GPU) for one call;
+    at a position past 0 it would run eagerly anyway (a ``PositionError``)."""
+    aten = torch.ops.aten
+    if any(is_call(n, aten.index_copy.default, aten.index_copy_.default, aten.index_put.default,
+                   aten.index_put_.default) for n in gm.graph.nodes):
+        return False
+    why = None
     for node, kind, t, label in zip(placeholders, kinds, flat, labels):
         if kind == "position" and isinstance(t, torch.Tensor) and t.numel() == 1 and int(t.reshape(-1)[0]) > 0:
-            key = _logged_key("position", "", "no static cache")
-            if key not in _LOGGED_GROUPS:
-                _LOGGED_GROUPS.add(key)
-                log.warning("tilec: a graph called at decode position %d (%s) writes no static cache, so tilec plans "
-                            "position 0 only: it runs eagerly, as do later such graphs. tilec compiles decode steps "
-                            "over a static KV cache: with HF generate(), pass cache_implementation=\"static\"",
-                            int(t.reshape(-1)[0]), label)
-            return True
+            why = f"called at decode position {int(t.reshape(-1)[0])} ({label})"
+            break
+    for n in gm.graph.nodes if why is None else ():
+        if n.op == "call_function" and "scaled_dot_product" in getattr(n.target, "__name__", "") and len(n.args) > 1:
+            q, k = val_of(n.args[0]), val_of(n.args[1])
+            if q is not None and k is not None and q.dim() >= 2 and k.dim() >= 2 and k.shape[-2] > q.shape[-2] \
+                    and _concatenated_input(n.args[1]):
+                why = f"whose attention {n.name} reads {k.shape[-2]} keys for {q.shape[-2]} quer(ies)"
+                break
+    if why is None:
+        return False
+    key = _logged_key("position", "", "no static cache")
+    if key not in _LOGGED_GROUPS:
+        _LOGGED_GROUPS.add(key)
+        log.warning("tilec: a decode graph %s writes no static cache (a cache grown by concatenation, as HF's "
+                    "default one: a new graph each step): it runs eagerly, as do later such graphs. tilec compiles "
+                    "decode steps over a static KV cache: with HF generate(), pass cache_implementation=\"static\"",
+                    why)
+    return True
+
+
+def _concatenated_input(node, hops: int = 8) -> bool:
+    """True when ``node`` is, through at most ``hops`` single-tensor reshapes (GQA's expand / view),
+    an ``aten.cat`` of a graph input and new rows: keys of a cache grown by concatenation."""
+    aten = torch.ops.aten
+    for _ in range(hops):
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return False
+        if is_call(node, aten.cat.default):
+            return any(getattr(a, "op", None) == "placeholder" for a in node.args[0])
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if name not in ("view", "_unsafe_view", "reshape", "expand", "unsqueeze", "clone", "contiguous", "slice",
+                        "transpose", "permute", "alias") or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
     return False
 
 
@@ -290,8 +323,7 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
                               trusted={n.name for n, k in zip(placeholders, kinds) if k != "computed"})
     if program.executor_kind == "reference" and not _warned_cpu:
         _warned_cpu = True
-        warnings.warn("tilec: no CUDA device; running the CPU reference executor (for validation, not speed)",
-                      stacklevel=3)
+        log.warning("tilec: no CUDA device; running the CPU reference executor (for validation, not speed)")
     # parameters are per-call inputs: Dynamo reuses a graph for another module of the same
     # class and passes that module's weights, so they must never be bound at compile time
     user_idx = [i for i, k in enumerate(kinds) if k != "const"]
@@ -602,7 +634,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             elif kind == "const":
                 binding.consts[node.name] = t
         max_positions = opts.max_positions or _cache_length(aot_gm)
-        if max_positions == 1 and _past_position_zero(placeholders, kinds, flat, labels):
+        if max_positions == 1 and _growing_cache(aot_gm, placeholders, kinds, flat, labels):
             return aot_gm
         bad = find_unsupported(aot_gm, binding, max_positions)
         if not bad:
@@ -661,20 +693,23 @@ def _tokens_per_sequence(gm: fx.GraphModule) -> tuple[int, fx.Node] | None:
     return max(((int(c), n) for c, n in counts), key=lambda cn: cn[0], default=None)
 
 
-def _log_prefill(tokens: tuple[int, fx.Node] | None, first: tuple[int, fx.Node] | None, nodes: list[tuple],
+def _log_prefill(tokens: tuple[int, fx.Node] | None, first: tuple[int, fx.Node, str] | None, nodes: list[tuple],
                  label_of: dict[str, str]) -> None:
     """Says (once a process, then at DEBUG: each new prompt length is a new graph) that a prefill graph
     runs eagerly whole: ``tokens`` as ``_tokens_per_sequence`` gives it, ``first`` as ``_from_position_zero``
     does (or None), ``nodes`` those tilec cannot take, ``label_of`` the user's names of graph inputs."""
-    count, node = first or tokens
+    count, node, how = first or (*tokens, None)
     src = source_of(node)
-    key = _logged_key("prefill", "", src or node.name, str(first is not None))
+    key = _logged_key("prefill", "", src or node.name, str(how))
     level = logging.DEBUG if key in _LOGGED_GROUPS else logging.WARNING
     _LOGGED_GROUPS.add(key)
     at = f" at {src}" if src else ""
-    if first is not None and node.op == "placeholder":  # the prompt's positions: generate()'s prefill
-        what = f"{count} tokens a sequence from position 0: {label_of.get(node.name, node.name)} holds 0 .. {count - 1}"
-    elif first is not None:  # the prompt's own cache rows
+    name = label_of.get(node.name, node.name)
+    if how == "positions":  # the prompt's positions: generate()'s prefill
+        what = f"{count} tokens a sequence from position 0: {name} holds 0 .. {count - 1}"
+    elif how == "mask":
+        what = f"{count} tokens a sequence from position 0: the mask {name} covers no earlier position"
+    elif how == "write":  # the prompt's own cache rows
         what = f"{count} tokens a sequence, written into the cache from position 0 by {node.name}{at}"
     else:
         what = f"{count} tokens a sequence: {node.name}{at}"
@@ -684,18 +719,19 @@ def _log_prefill(tokens: tuple[int, fx.Node] | None, first: tuple[int, fx.Node] 
 
 
 def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.Node] | None
-                        ) -> tuple[int, fx.Node] | None:
-    """``(P, node)`` when the example call of ``gm`` is a prefill from position 0 of P > 1 tokens a
-    sequence (HF's, padded or not; a speculative-decoding verification step starts further on): a
-    static cache write (``index_copy`` along a dim other than the first) at positions ``0 .. P - 1``
-    (node: the write), or an integer input ``[P]`` or ``[B, P]`` holding ``0 .. P - 1`` (in each row)
-    where the graph takes P tokens a sequence (``tokens``, as ``_tokens_per_sequence`` says; node: the
-    input - HF's ``cache_position`` or ``position_ids``, also with its default dynamic cache, which
-    writes by concatenation). The write's index is
-    evaluated from the example arguments when it depends on a few small graph inputs only (newer HF
-    versions add a per-layer counter to an ``arange``); else None. The decision holds for every
-    later call of the graph (its values are not guarded; HF's prefill and verification steps are
-    different graphs)."""
+                        ) -> tuple[int, fx.Node, str] | None:
+    """``(P, node, how)`` (how: "write", "positions" or "mask") when the example call of ``gm`` is a
+    prefill from position 0 of P > 1 tokens a sequence (HF's, padded or not; a speculative-decoding
+    verification step starts further on): a static cache write (``index_copy`` along a dim other than
+    the first) at positions ``0 .. P - 1`` (node: the write; its index evaluated from the example
+    arguments when it depends on a few small graph inputs only - newer HF versions add a per-layer
+    counter to an ``arange``), or, where the graph takes P tokens a sequence (``tokens``, as
+    ``_tokens_per_sequence`` says), an integer input ``[P]`` or ``[B, P]`` holding ``0 .. P - 1`` (in
+    each row; HF's ``cache_position`` or ``position_ids``) or a 2-d attention mask ``[B, P]`` of 0 / 1
+    ending in 1 (HF's covers every position so far: P columns are the step's own, no past; a padded
+    batch) - node: the input. The inputs find it also with HF's default dynamic cache, which writes
+    by concatenation. Else None. The decision holds for every later call of the graph (its values
+    are not guarded; HF's prefill and verification steps are different graphs)."""
     def counts_from_zero(v, rows: bool = False) -> bool:  # 0 .. P - 1 (rows: in each row of its last dim)
         if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex() or v.dtype is torch.bool:
             return False
@@ -714,13 +750,17 @@ def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.No
             continue
         value = _example_value(n.args[2], placeholders, order, flat)
         if counts_from_zero(value):
-            return value.numel(), n
+            return value.numel(), n, "write"
+    def mask_of_only(v) -> bool:  # an HF 2-d attention mask [B, P] (0 / 1, left padded) of the step's tokens alone
+        return v.dim() == 2 and not v.is_floating_point() and not v.is_complex() and \
+            bool(((v == 0) | (v == 1)).all()) and bool((v[:, -1] == 1).all())
+
     if tokens is not None and tokens[0] > 1:
         for n, i in placeholders.items():
             v = flat[i]
             if isinstance(v, torch.Tensor) and 1 <= v.dim() <= 2 and v.shape[-1] == tokens[0] and v.numel() <= 4096 \
-                    and counts_from_zero(v, rows=True):
-                return tokens[0], n
+                    and (counts_from_zero(v, rows=True) or mask_of_only(v)):
+                return tokens[0], n, "positions" if counts_from_zero(v, rows=True) else "mask"
     return None
 
 
