@@ -877,7 +877,7 @@ def test_a_cache_write_from_position_zero_is_found_without_side_effects(index, f
     pos = torch.arange(5, 9) if index == "further on" else torch.arange(4)
     gm = make_fx(write)(cache, x, pos)
     rng = torch.get_rng_state()
-    got = backend._from_position_zero(gm, [cache, x, pos], None)
+    got = backend._from_position_zero(gm, [cache, x, pos], None, ["input"] * 3)
     assert (got and got[0]) == found and torch.equal(rng, torch.get_rng_state())
 
 
@@ -912,8 +912,56 @@ def test_generate_with_the_default_dynamic_cache_runs_eagerly_with_a_hint(batch,
     whole = [line for line in lines if "runs eagerly whole" in line]
     said = "the mask attention_mask covers no earlier position" if pad else "position_ids holds 0 .. 5"
     assert len(whole) == 1 and f"(6 tokens a sequence from position 0: {said})" in whole[0], lines
-    hint = [line for line in lines if "writes no static cache" in line]
+    hint = [line for line in lines if "a cache grown by concatenation" in line]
     assert len(hint) == 1 and 'pass cache_implementation="static"' in hint[0], lines
+
+
+class Concats(torch.nn.Module):
+    """Attention over keys concatenated onto a parameter (prefix memory) or onto an input then sliced (a
+    rolling window): stable shapes, not a grown cache."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode, self.qkv = mode, torch.nn.Linear(32, 96)
+        self.mem = torch.nn.Parameter(torch.randn(2, 1, 2, 3, 16))
+
+    def forward(self, x, past):
+        q, k, v = self.qkv(x).view(1, x.shape[1], 3, 2, 16).permute(2, 0, 3, 1, 4)
+        if self.mode == "prefix":
+            k, v = torch.cat([self.mem[0], k], 2), torch.cat([self.mem[1], v], 2)
+        else:
+            k, v = torch.cat([past[0], k], 2)[:, :, 1:], torch.cat([past[1], v], 2)[:, :, 1:]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
+
+
+class TokenTypes(torch.nn.Module):
+    """A BERT-like input: token ids and 0 / 1 token types [B, P], split around a cumsum (no cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.types, self.out = torch.nn.Embedding(100, 32), torch.nn.Embedding(2, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, ids, tt):
+        return self.out(torch.cumsum(self.emb(ids) + self.types(tt), -1))
+
+
+@pytest.mark.parametrize("case", ["prefix", "window", "token types"])
+def test_concatenations_and_masks_that_are_no_cache_still_compile(case, caplog):
+    """A reviewer's cases for a first form of the default-cache rules: keys concatenated onto a
+    parameter or onto an input then sliced, and a [B, P] input of 0 / 1 token types, made graphs run
+    eagerly unplanned ("a cache grown by concatenation", "a prefill"). A grown cache is now a graph
+    output concatenated onto a per-call input, and a prefill by its positions or mask needs one."""
+    torch.manual_seed(0)
+    if case == "token types":
+        m, args = TokenTypes().eval(), (torch.randint(0, 100, (1, 6)), torch.tensor([[0, 0, 0, 1, 1, 1]]))
+    else:
+        m, args = Concats(case).eval(), (torch.randn(1, 1, 32), torch.randn(2, 1, 2, 4, 16))
+    before = _plans()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
+        got = torch.compile(m, backend="tilec", options={"workers": 4}, dynamic=False)(*args)
+    assert_close(got, m(*args), 1e-5, case)
+    assert _plans() > before, "compiled"
+    assert not any("eagerly whole" in r.getMessage() or "static cache" in r.getMessage() for r in caplog.records)
 
 
 def test_log_keys_ignore_numbers_in_reasons_only():

@@ -164,56 +164,42 @@ def _cache_length(gm: fx.GraphModule) -> int:
     return best
 
 
-def _growing_cache(gm: fx.GraphModule, placeholders: list, kinds: list[str], flat: list, labels: list[str]) -> bool:
-    """True, with one warning a process, for a decode step over a cache that grows by concatenation
-    (HF's default dynamic cache): a graph that writes no static cache (no ``index_copy`` /
-    ``index_put``; the caller checked that it plans position 0 only) and is called at a decode
-    position past 0, or whose attention reads more keys than it has queries. Each step of such a cache
-    is a new graph, whose program would be planned and built (an nvcc build on a GPU) for one call;
-    at a position past 0 it would run eagerly anyway (a ``PositionError``)."""
+def _grown_caches(gm: fx.GraphModule, kinds: list[str]) -> list[fx.Node]:
+    """The graph's outputs that are a concatenation onto a per-call graph input (not a parameter or
+    constant) or onto an empty tensor: a cache grown by concatenation (HF's default dynamic cache; its
+    first step concatenates onto an empty one). Each step of such a cache has new shapes, so is a new
+    graph. None when the graph also writes a static cache (``index_copy`` / ``index_put``)."""
     aten = torch.ops.aten
     if any(is_call(n, aten.index_copy.default, aten.index_copy_.default, aten.index_put.default,
                    aten.index_put_.default) for n in gm.graph.nodes):
-        return False
-    why = None
-    for node, kind, t, label in zip(placeholders, kinds, flat, labels):
-        if kind == "position" and isinstance(t, torch.Tensor) and t.numel() == 1 and int(t.reshape(-1)[0]) > 0:
-            why = f"called at decode position {int(t.reshape(-1)[0])} ({label})"
-            break
-    for n in gm.graph.nodes if why is None else ():
-        if n.op == "call_function" and "scaled_dot_product" in getattr(n.target, "__name__", "") and len(n.args) > 1:
-            q, k = val_of(n.args[0]), val_of(n.args[1])
-            if q is not None and k is not None and q.dim() >= 2 and k.dim() >= 2 and k.shape[-2] > q.shape[-2] \
-                    and _concatenated_input(n.args[1]):
-                why = f"whose attention {n.name} reads {k.shape[-2]} keys for {q.shape[-2]} quer(ies)"
-                break
-    if why is None:
+        return []
+    inputs = {n for n, kind in zip((n for n in gm.graph.nodes if n.op == "placeholder"), kinds) if kind == "input"}
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    grown = []
+    for n in out.all_input_nodes:
+        if is_call(n, aten.cat.default) and any(
+                a in inputs or (isinstance(a, fx.Node) and (v := val_of(a)) is not None and v.numel() == 0)
+                for a in n.args[0]):
+            grown.append(n)
+    return grown
+
+
+def _growing_cache(gm: fx.GraphModule, kinds: list[str]) -> bool:
+    """True, with one warning a process, for a decode step (one token a sequence) that returns a cache
+    grown by concatenation (``_grown_caches``): its program would be planned and built (an nvcc build
+    on a GPU) for the one call of that cache length."""
+    grown = _grown_caches(gm, kinds)
+    tokens = _tokens_per_sequence(gm)
+    if not grown or (tokens is not None and tokens[0] > 1):
         return False
     key = _logged_key("position", "", "no static cache")
     if key not in _LOGGED_GROUPS:
         _LOGGED_GROUPS.add(key)
-        log.warning("tilec: a decode graph %s writes no static cache (a cache grown by concatenation, as HF's "
-                    "default one: a new graph each step): it runs eagerly, as do later such graphs. tilec compiles "
-                    "decode steps over a static KV cache: with HF generate(), pass cache_implementation=\"static\"",
-                    why)
+        log.warning("tilec: a decode graph returning %s, a concatenation onto its input (a cache grown by "
+                    "concatenation, as HF's default one: a new graph each step), runs eagerly, as do later such "
+                    "graphs. tilec compiles decode steps over a static KV cache: with HF generate(), pass "
+                    "cache_implementation=\"static\"", grown[0].name)
     return True
-
-
-def _concatenated_input(node, hops: int = 8) -> bool:
-    """True when ``node`` is, through at most ``hops`` single-tensor reshapes (GQA's expand / view),
-    an ``aten.cat`` of a graph input and new rows: keys of a cache grown by concatenation."""
-    aten = torch.ops.aten
-    for _ in range(hops):
-        if not isinstance(node, fx.Node) or node.op != "call_function":
-            return False
-        if is_call(node, aten.cat.default):
-            return any(getattr(a, "op", None) == "placeholder" for a in node.args[0])
-        name = getattr(node.target, "__name__", "").split(".")[0]
-        if name not in ("view", "_unsafe_view", "reshape", "expand", "unsqueeze", "clone", "contiguous", "slice",
-                        "transpose", "permute", "alias") or not node.args or not isinstance(node.args[0], fx.Node):
-            return False
-        node = node.args[0]
-    return False
 
 
 def _graph_key(gm: fx.GraphModule, kinds, opts: BackendOptions) -> str:
@@ -634,7 +620,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             elif kind == "const":
                 binding.consts[node.name] = t
         max_positions = opts.max_positions or _cache_length(aot_gm)
-        if max_positions == 1 and _growing_cache(aot_gm, placeholders, kinds, flat, labels):
+        if opts.fallback and max_positions == 1 and _growing_cache(aot_gm, kinds):
             return aot_gm
         bad = find_unsupported(aot_gm, binding, max_positions)
         if not bad:
@@ -644,7 +630,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             named = [(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad]
             raise UnsupportedNodeError(named, "fallback is off (options={'fallback': False})")
         tokens = _tokens_per_sequence(aot_gm)
-        first = _from_position_zero(aot_gm, flat, tokens)
+        first = _from_position_zero(aot_gm, flat, tokens, kinds)
         if first is not None or (tokens is not None and tokens[0] > PREFILL_TOKENS):
             _log_prefill(tokens, first, [b for b in bad if b[0] not in label_of] or bad, label_of)
             return aot_gm
@@ -718,7 +704,7 @@ def _log_prefill(tokens: tuple[int, fx.Node] | None, first: tuple[int, fx.Node, 
             "compiles decode steps", what, len(nodes), nodes[0][0], nodes[0][3] or "unsupported")
 
 
-def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.Node] | None
+def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.Node] | None, kinds: list[str]
                         ) -> tuple[int, fx.Node, str] | None:
     """``(P, node, how)`` (how: "write", "positions" or "mask") when the example call of ``gm`` is a
     prefill from position 0 of P > 1 tokens a sequence (HF's, padded or not; a speculative-decoding
@@ -726,12 +712,13 @@ def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.No
     the first) at positions ``0 .. P - 1`` (node: the write; its index evaluated from the example
     arguments when it depends on a few small graph inputs only - newer HF versions add a per-layer
     counter to an ``arange``), or, where the graph takes P tokens a sequence (``tokens``, as
-    ``_tokens_per_sequence`` says), an integer input ``[P]`` or ``[B, P]`` holding ``0 .. P - 1`` (in
-    each row; HF's ``cache_position`` or ``position_ids``) or a 2-d attention mask ``[B, P]`` of 0 / 1
-    ending in 1 (HF's covers every position so far: P columns are the step's own, no past; a padded
-    batch) - node: the input. The inputs find it also with HF's default dynamic cache, which writes
-    by concatenation. Else None. The decision holds for every later call of the graph (its values
-    are not guarded; HF's prefill and verification steps are different graphs)."""
+    ``_tokens_per_sequence`` says) and returns a cache grown by concatenation (``_grown_caches``, with
+    ``kinds`` the placeholders' kinds: HF's default cache; a model with no cache - a BERT's mask or
+    token types - is no prefill), an integer input ``[P]`` or ``[B, P]`` holding ``0 .. P - 1`` (in
+    each row; HF's ``cache_position`` or ``position_ids``) or a 2-d integer attention mask ``[B, P]``
+    of 0 / 1 ending in 1 (HF's covers every position so far: P columns are the step's own, no past; a
+    padded batch) - node: the input. Else None. The decision holds for every later call of the graph
+    (its values are not guarded; HF's prefill and verification steps are different graphs)."""
     def counts_from_zero(v, rows: bool = False) -> bool:  # 0 .. P - 1 (rows: in each row of its last dim)
         if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex() or v.dtype is torch.bool:
             return False
@@ -752,10 +739,10 @@ def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.No
         if counts_from_zero(value):
             return value.numel(), n, "write"
     def mask_of_only(v) -> bool:  # an HF 2-d attention mask [B, P] (0 / 1, left padded) of the step's tokens alone
-        return v.dim() == 2 and not v.is_floating_point() and not v.is_complex() and \
+        return v.dim() == 2 and not v.is_floating_point() and not v.is_complex() and v.dtype is not torch.bool and \
             bool(((v == 0) | (v == 1)).all()) and bool((v[:, -1] == 1).all())
 
-    if tokens is not None and tokens[0] > 1:
+    if tokens is not None and tokens[0] > 1 and _grown_caches(gm, kinds):
         for n, i in placeholders.items():
             v = flat[i]
             if isinstance(v, torch.Tensor) and 1 <= v.dim() <= 2 and v.shape[-1] == tokens[0] and v.numel() <= 4096 \
