@@ -184,13 +184,13 @@ def _grown_caches(gm: fx.GraphModule, kinds: list[str]) -> list[fx.Node]:
     return grown
 
 
-def _growing_cache(gm: fx.GraphModule, kinds: list[str]) -> bool:
-    """True, with one warning a process, for a decode step (one token a sequence) that returns a cache
-    grown by concatenation (``_grown_caches``): its program would be planned and built (an nvcc build
-    on a GPU) for the one call of that cache length."""
-    grown = _grown_caches(gm, kinds)
-    tokens = _tokens_per_sequence(gm)
-    if not grown or (tokens is not None and tokens[0] > 1):
+def _growing_cache(gm: fx.GraphModule, kinds: list[str], tokens: tuple[int, fx.Node] | None) -> bool:
+    """True, with one warning a process, for a decode step (one token a sequence: ``tokens`` as
+    ``_tokens_per_sequence`` gives them) that returns a cache grown by concatenation
+    (``_grown_caches``): its program would be planned and built (an nvcc build on a GPU) for the one
+    call of that cache length."""
+    grown = _grown_caches(gm, kinds) if tokens is None or tokens[0] <= 1 else []
+    if not grown:
         return False
     key = _logged_key("position", "", "no static cache")
     if key not in _LOGGED_GROUPS:
@@ -620,7 +620,8 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
             elif kind == "const":
                 binding.consts[node.name] = t
         max_positions = opts.max_positions or _cache_length(aot_gm)
-        if opts.fallback and max_positions == 1 and _growing_cache(aot_gm, kinds):
+        tokens = _tokens_per_sequence(aot_gm)
+        if opts.fallback and max_positions == 1 and _growing_cache(aot_gm, kinds, tokens):
             return aot_gm
         bad = find_unsupported(aot_gm, binding, max_positions)
         if not bad:
@@ -629,7 +630,6 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
         if not opts.fallback:
             named = [(label_of[b[0]], "graph input", *b[2:]) if b[0] in label_of else b for b in bad]
             raise UnsupportedNodeError(named, "fallback is off (options={'fallback': False})")
-        tokens = _tokens_per_sequence(aot_gm)
         first = _from_position_zero(aot_gm, flat, tokens, kinds)
         if first is not None or (tokens is not None and tokens[0] > PREFILL_TOKENS):
             _log_prefill(tokens, first, [b for b in bad if b[0] not in label_of] or bad, label_of)
@@ -648,9 +648,8 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
 # runs eagerly whole. Llama-3.2-1B's 1024-token prefill under generate() split into 34 regions between its eager
 # attention and cache writes, each planned and built as a program of its own; that outlasted a 300 s GPU call
 # (forty-third session), and at 256 tokens on the CPU it took 155 s. Decode steps of a few tokens a sequence
-# (speculative verification) stay below it. A graph whose attention is causal over its own tokens alone
-# (is_causal=True: HF's prefill from position 0) is a prefill at any length: a prompt of a few tokens made 4
-# programs of its regions, an nvcc build each on a GPU.
+# (speculative verification) stay below it. A graph that starts at position 0 (_from_position_zero) is a prefill
+# at any length: a prompt of a few tokens made 4 programs of its regions, an nvcc build each on a GPU.
 PREFILL_TOKENS = 16
 
 
@@ -738,6 +737,7 @@ def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.No
         value = _example_value(n.args[2], placeholders, order, flat)
         if counts_from_zero(value):
             return value.numel(), n, "write"
+
     def mask_of_only(v) -> bool:  # an HF 2-d attention mask [B, P] (0 / 1, left padded) of the step's tokens alone
         return v.dim() == 2 and not v.is_floating_point() and not v.is_complex() and v.dtype is not torch.bool and \
             bool(((v == 0) | (v == 1)).all()) and bool((v[:, -1] == 1).all())
@@ -745,9 +745,11 @@ def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.No
     if tokens is not None and tokens[0] > 1 and _grown_caches(gm, kinds):
         for n, i in placeholders.items():
             v = flat[i]
-            if isinstance(v, torch.Tensor) and 1 <= v.dim() <= 2 and v.shape[-1] == tokens[0] and v.numel() <= 4096 \
-                    and (counts_from_zero(v, rows=True) or mask_of_only(v)):
-                return tokens[0], n, "positions" if counts_from_zero(v, rows=True) else "mask"
+            if isinstance(v, torch.Tensor) and 1 <= v.dim() <= 2 and v.shape[-1] == tokens[0] and v.numel() <= 4096:
+                if counts_from_zero(v, rows=True):
+                    return tokens[0], n, "positions"
+                if mask_of_only(v):
+                    return tokens[0], n, "mask"
     return None
 
 
@@ -779,7 +781,7 @@ def _example_value(node: fx.Node, placeholders: dict, order: dict, flat: list, l
             else:
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
                 env[n] = n.target(*args, **kwargs)
-    except Exception:  # an op that needs more than its inputs (a random op, ...): not a known prefill
+    except Exception:  # an op that fails on these inputs: not a known prefill
         return None
     return env[node]
 
