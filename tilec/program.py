@@ -94,7 +94,7 @@ class CompiledProgram:
             raise TilecError("executor='cuda' needs the model on a CUDA device (its parameters are on the CPU)")
         self.executor_kind = kind
         self.tensors: dict[str, torch.Tensor] = {}
-        written = {v.buffer for op in self.graph.ops for v in op.outputs}
+        written = self.graph.written
         example = list(example_args) if len(example_args) == len(self.graph.inputs) else [None] * len(self.graph.inputs)
         contiguous = {name for name, ex in zip(self.graph.inputs, example)
                       if isinstance(ex, torch.Tensor) and ex.is_contiguous()}  # examples bound as they are
