@@ -1,0 +1,108 @@
+"""Where the GEMV microbenchmark's time goes besides streaming: a fixed cost per launch.
+
+``decode.py --gemv`` times one plan of 8 independent 2048 x 8192 GEMVs (268 MB) between two CUDA
+events; at 3.2 TB/s that is 84 µs, where 268 MB at the 4.3-4.4 TB/s of the larger shapes is ~62.
+This script times plans of 1, 2, 4, 8, 16 and 32 such GEMVs (bf16, M = 1) and fits
+``µs = fixed + MB / rate`` by least squares, each plan timed two ways: one launch between two events
+(as decode.py does), and a CUDA graph of ``--chain`` launches back to back (the event-to-kernel latency
+then counts once a chain); a plan timed right after compiling ("cold", as decode.py does) and after ~300 ms
+of replays ("warm"). Prints a table and the fits, then one profiled run's stamps; needs a CUDA GPU.
+
+    python benchmarks/lab/gemv_fixed.py [--n 2048] [--k 8192] [--counts 1,2,4,8,16,32] [--chain 10]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from decode import Gemvs  # noqa: E402
+from tilec.api import compile_module  # noqa: E402
+from tilec.timing import cuda_graph, median_ms, need_gpu  # noqa: E402
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b x``: (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def stamp_table(n: int, k: int, count: int) -> None:
+    """One profiled run of ``count`` GEMVs (``Options.profile``: each instruction's start, x staged, first
+    weight stage in, end; one instruction a worker here): the kernel's event time against the span its
+    workers stamped, and medians over the workers (µs)."""
+    import statistics as st
+
+    mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        prog = compile_module(mod, (x,), options=dict(check=False, profile=True))
+    tensors, p = prog.bind_args((x,))
+    table = prog.plan.bind_base(tensors)
+    graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))
+    kernel = median_ms(graph.replay, 200, 50, "cuda") * 1e3  # the last replay's stamps are kept
+    s = prog.executor.stamps.cpu()[:, 0].double() / 1e3  # [W, 4] µs (one instruction a worker)
+    start, end, m1, m2 = s[:, 0], s[:, 1], s[:, 2], s[:, 3]
+    t0 = float(start.min())
+    med = lambda v: st.median(v.tolist())  # noqa: E731
+    print(f"\nprofiled, {count} x {n} x {k}: kernel {kernel:.2f} us (events, median); stamped span {float(end.max()) - t0:.2f}"
+          f" (first start to last end); medians over {s.shape[0]} workers: start {med(start - t0):.2f} after the "
+          f"first, x staged {med(m1 - start):.2f} and first stage in {med(m2 - start):.2f} after their start, end "
+          f"{med(end - start):.2f} after it; last end {float(end.max()) - med(end):.2f} after the median end")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--k", type=int, default=8192)
+    ap.add_argument("--counts", default="1,2,4,8,16,32")
+    ap.add_argument("--chain", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--stamps", type=int, default=8, metavar="COUNT",
+                    help="then one profiled plan of COUNT GEMVs (0: none)")
+    args = ap.parse_args()
+    need_gpu("gemv_fixed.py")
+    counts = [int(c) for c in args.counts.split(",")]
+    print(f"{'GEMVs':>6} {'MB':>8} {'tasks':>6} {'us cold':>9} {'TB/s':>6} {'us warm':>9} {'TB/s':>6} {'chained':>9} "
+          f"{'TB/s':>6}")
+    rows = []
+    for count in counts:
+        mod = Gemvs(args.n, args.k, count).to("cuda", torch.bfloat16)
+        x = torch.randn(1, args.k, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            prog = compile_module(mod, (x,), options=dict(check=False))
+            got, want = prog(x), mod(x)
+        got = got if isinstance(got, tuple) else (got,)
+        want = want if isinstance(want, tuple) else (want,)
+        err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))
+        tensors, p = prog.bind_args((x,))
+        table = prog.plan.bind_base(tensors)
+        run = lambda ex=prog.executor: ex.run(tensors, table, position=p)  # noqa: E731
+        graph = cuda_graph(run)
+        one = median_ms(graph.replay, args.iters, 5, "cuda") * 1e3  # right after compiling, as decode.py
+        warm = median_ms(graph.replay, args.iters, max(5, int(300e3 / one)), "cuda") * 1e3  # after ~300 ms busy
+        chain = cuda_graph(lambda: [run() for _ in range(args.chain)])
+        chained = median_ms(chain.replay, max(5, args.iters // args.chain), 2, "cuda") * 1e3 / args.chain
+        prog.executor.check()
+        mb = count * args.n * args.k * 2 / 1e6
+        rows.append((mb, one, warm, chained))
+        print(f"{count:>6} {mb:>8.1f} {prog.plan.stats['tasks']:>6} {one:>9.2f} {mb / one:>6.2f} {warm:>9.2f} "
+              f"{mb / warm:>6.2f} {chained:>9.2f} {mb / chained:>6.2f}   (rel. L2 vs torch {err:.1e})", flush=True)
+        del mod, prog
+        torch.cuda.empty_cache()
+    for label, col in (("1 launch, cold", 1), ("1 launch, warm", 2), ("chained", 3)):
+        a, b = fit([r[0] for r in rows], [r[col] for r in rows])
+        print(f"fit ({label}): fixed {a:.2f} us + MB / {1 / b:.3f} TB/s")
+    if args.stamps:
+        stamp_table(args.n, args.k, args.stamps)
+
+
+if __name__ == "__main__":
+    main()
