@@ -415,6 +415,26 @@ def test_position_arguments_as_ints_tensors_and_one_shared_counter():
     assert int(c1) == 6 and int(c2) == 7
 
 
+def test_position_arguments_of_other_dtypes_and_shapes_are_read_and_advanced():
+    """A call reads its position tensors with one stack when their shapes agree (promoting int32 to
+    int64) and one by one when they do not, and writes the counters' new values from one table row
+    when they share a dtype and one table each when they do not: every form gives the same values."""
+    torch.manual_seed(0)
+    m, x = TwoCounters(), torch.randn(1, 8)
+    for pos_dtype, c1_dtype, c1_shape in ((torch.int32, torch.int64, ()), (torch.int64, torch.int32, (1,)),
+                                          (torch.int32, torch.int32, (1,))):
+        c1 = torch.tensor(3, dtype=c1_dtype).reshape(c1_shape)
+        prog = compile_module(m, (x, torch.tensor([3], dtype=pos_dtype), c1, torch.tensor([3])),
+                              positions=[1, 2, 3], max_positions=16)
+        a, b = torch.tensor(9, dtype=c1_dtype).reshape(c1_shape), torch.tensor([9])
+        assert torch.equal(prog(x, torch.tensor([9], dtype=pos_dtype), a, b), x * 2 + 9)
+        assert a.dtype == c1_dtype and int(a) == int(b) == 10
+        with pytest.raises(TilecError, match=r"position arguments disagree \(argument 1 holds 5, argument 2 holds 5, "
+                                             r"argument 3 holds 6\)"):
+            prog(x, torch.tensor([5], dtype=pos_dtype), torch.tensor(5, dtype=c1_dtype).reshape(c1_shape),
+                 torch.tensor([6]))
+
+
 class BufferCache(torch.nn.Module):
     """A cache kept as a module buffer and written in place (a fresh user's module)."""
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 import numbers
+import operator
 
 import torch
 import torch.utils._pytree as pytree
@@ -158,8 +159,15 @@ class CompiledProgram:
         self._maybe_copied = [(i, name) for i, name in self._t_staged] + [(i, name) for i, name, *_ in self._t_checked]
         # position updates: the tables on the step's device, so writing them is one device copy, no upload
         self._updates = [(idx, table.to(self.device)) for idx, table in self.graph.position_updates]
+        # when each update is one element of one dtype (HF's per-layer cache counters), the tables side by
+        # side, [max_positions, updates]: a call indexes one row instead of a table per update
+        tables = [table for _, table in self._updates]
+        self._update_rows = torch.stack([t.reshape(len(t)) for t in tables], 1) \
+            if tables and all(t[0].numel() == 1 and t.dtype == tables[0].dtype for t in tables) else None
         # buffers bound from the call's arguments (the rest are bound once, above)
         self._arg_buffers = [n for n in self.graph.inputs if n in self.graph.buffers and n not in self.tensors]
+        get = operator.itemgetter(*self._arg_buffers) if self._arg_buffers else (lambda _: ())
+        self._arg_tensors = get if len(self._arg_buffers) != 1 else (lambda t: (get(t),))  # (a tuple, in C)
         self._tables: dict[tuple, torch.Tensor] = {}
         if kind == "cuda":
             from .cuda import CudaExecutor
@@ -250,7 +258,10 @@ class CompiledProgram:
         flags = None
         if tensors:
             dev = args[tensors[0]].device
-            read = [args[i].reshape(-1).to(dev, torch.int64) for i in tensors]
+            try:  # one stack for all of them (HF passes a counter per layer): 2 calls, not 2 a tensor
+                read = [torch.stack([args[i] for i in tensors]).reshape(-1).to(dev, torch.int64)]
+            except RuntimeError:  # shapes or devices that differ
+                read = [args[i].reshape(-1).to(dev, torch.int64) for i in tensors]
             bad = None
             if guards:
                 # evaluated before the range check below: a mask indexed by a position must not read past
@@ -281,7 +292,7 @@ class CompiledProgram:
         are checked not to alias a tensor the step writes (:meth:`_check_disjoint`): all of them with
         a new table, else those bound through a copy (small inputs, strided ones), whose own memory
         the key does not see."""
-        key = tuple(tensors[n].data_ptr() for n in self._arg_buffers)
+        key = tuple(map(torch.Tensor.data_ptr, self._arg_tensors(tensors)))
         entry = self._tables.get(key)
         if entry is None:
             if len(self._tables) > 8:
@@ -348,10 +359,15 @@ class CompiledProgram:
         self.executor.run(tensors, self._table(tensors, args), position=p, check=self._check)
         # one tensor passed for several arguments gets only its last update (they all write a value
         # tabulated from p, so the same value as writing each in turn); all in one device copy
-        last = {id(args[idx]): (args[idx], values) for idx, values in self._updates if isinstance(args[idx], torch.Tensor)}
+        last = {id(args[idx]): (args[idx], k) for k, (idx, _) in enumerate(self._updates)
+                if isinstance(args[idx], torch.Tensor)}
         if last:
             dst = [a for a, _ in last.values()]
-            torch._foreach_copy_(dst, [values[p].reshape(a.shape) for a, values in last.values()])
+            if self._update_rows is not None:
+                row = self._update_rows[p].unbind()
+                torch._foreach_copy_(dst, [row[k] for _, k in last.values()])
+            else:
+                torch._foreach_copy_(dst, [self._updates[k][1][p].reshape(a.shape) for a, k in last.values()])
         outs = []
         for v in self.graph.outputs:
             whole = tensors[v.buffer]
