@@ -140,6 +140,12 @@ class CompiledProgram:
                              for i, (kind, name, shape, dtype, staged, inplace) in enumerate(self._arg_specs)
                              if kind == _TENSOR]
         self._position_args = [(i, shape) for i, (kind, _, shape, *_) in enumerate(self._arg_specs) if kind == _POSITION]
+        # position tensors by example shape (HF: position_ids [b, 1], then a 0-d counter per layer), each group
+        # read with one stack: 2 torch calls a call instead of 2 a tensor
+        groups: dict[tuple | None, list[int]] = {}
+        for i, shape in self._position_args:
+            groups.setdefault(shape, []).append(i)
+        self._position_groups = list(groups.values())
         # check="deferred" is for decode steps, called in a loop: a program without a decode position is
         # checked as it returns (a one-off call's bad index would otherwise go unreported)
         check = getattr(opts, "check", True)
@@ -214,7 +220,7 @@ class CompiledProgram:
         self._bind_each(args, tensors)
         held = set(positions.values())
         if len(held) > 1:
-            said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in positions.items())
+            said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in sorted(positions.items()))
             raise PositionError(f"the decode position arguments disagree ({said}): integer inputs with one "
                                 f"element are read as the decode position")
         return tensors, held.pop() if held else 0, flags
@@ -258,9 +264,15 @@ class CompiledProgram:
         flags = None
         if tensors:
             dev = args[tensors[0]].device
-            try:  # one stack for all of them (HF passes a counter per layer): 2 calls, not 2 a tensor
-                read = [torch.stack([args[i] for i in tensors]).reshape(-1).to(dev, torch.int64)]
-            except RuntimeError:  # shapes or devices that differ
+            read = None
+            if len(tensors) == len(self._position_args):  # (no int among them) one stack a shape
+                try:
+                    read = [(torch.stack([args[i] for i in g]) if len(g) > 1 else args[g[0]]).reshape(-1)
+                            .to(dev, torch.int64) for g in self._position_groups]
+                    tensors = [i for g in self._position_groups for i in g]
+                except RuntimeError:  # on devices that differ
+                    read = None
+            if read is None:
                 read = [args[i].reshape(-1).to(dev, torch.int64) for i in tensors]
             bad = None
             if guards:
