@@ -334,3 +334,15 @@ def test_generate_host_needs_a_decode_call():
 
     with pytest.raises(SystemExit):
         generate_host.main(["--device", "cpu", "--model", "llama-tiny", "--new-tokens", "1"])
+
+
+def test_gemv_fixed_fits_a_fixed_cost_and_a_rate():
+    """benchmarks/lab/gemv_fixed.py splits a GEMV plan's time into a fixed cost a launch and MB / rate: its
+    least-squares fit finds an exact line, and without a GPU the script exits with one line, before timing."""
+    import gemv_fixed
+
+    a, b = gemv_fixed.fit([33.6, 67.1, 134.2, 268.4], [12.0 + mb / 3.0 for mb in (33.6, 67.1, 134.2, 268.4)])
+    assert a == pytest.approx(12.0) and 1 / b == pytest.approx(3.0)
+    if not gemv_fixed.torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="gemv_fixed.py: needs a CUDA GPU"):
+            gemv_fixed.main([])

@@ -58,7 +58,7 @@ def stamp_table(n: int, k: int, count: int) -> None:
           f"{med(end - start):.2f} after it; last end {float(end.max()) - med(end):.2f} after the median end")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--k", type=int, default=8192)
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--stamps", type=int, default=8, metavar="COUNT",
                     help="then one profiled plan of COUNT GEMVs (0: none)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     need_gpu("gemv_fixed.py")
     counts = [int(c) for c in args.counts.split(",")]
     print(f"{'GEMVs':>6} {'MB':>8} {'tasks':>6} {'us cold':>9} {'TB/s':>6} {'us warm':>9} {'TB/s':>6} {'chained':>9} "
