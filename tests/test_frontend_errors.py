@@ -416,9 +416,10 @@ def test_position_arguments_as_ints_tensors_and_one_shared_counter():
 
 
 def test_position_arguments_of_other_dtypes_and_shapes_are_read_and_advanced():
-    """A call reads its position tensors with one stack when their shapes agree (promoting int32 to
-    int64) and one by one when they do not, and writes the counters' new values from one table row
-    when they share a dtype and one table each when they do not: every form gives the same values."""
+    """A call reads its position tensors with one stack a group of equal example shape (promoting int32
+    to int64), and writes the counters' new values from one table row when they share a dtype and from
+    each one's table when they do not: every form gives the same values, and the first argument out of
+    range in call order is named (a reviewer's case: groups [1], (), [1] named the third)."""
     torch.manual_seed(0)
     m, x = TwoCounters(), torch.randn(1, 8)
     for pos_dtype, c1_dtype, c1_shape in ((torch.int32, torch.int64, ()), (torch.int64, torch.int32, (1,)),
@@ -433,6 +434,33 @@ def test_position_arguments_of_other_dtypes_and_shapes_are_read_and_advanced():
                                              r"argument 3 holds 6\)"):
             prog(x, torch.tensor([5], dtype=pos_dtype), torch.tensor(5, dtype=c1_dtype).reshape(c1_shape),
                  torch.tensor([6]))
+        with pytest.raises(TilecError, match=r"^argument 2 holds decode position 100, outside"):
+            prog(x, torch.tensor([3], dtype=pos_dtype), torch.tensor(100, dtype=c1_dtype).reshape(c1_shape),
+                 torch.tensor([200]))
+
+
+def test_position_tensors_that_do_not_stack_are_read_one_by_one(monkeypatch):
+    """When stacking a group of position tensors fails (devices that differ, dtypes such as uint32 that do
+    not promote), the call reads them one by one, and so do later calls (not a failed stack each)."""
+    torch.manual_seed(0)
+    m, x = TwoCounters(), torch.randn(1, 8)
+    prog = compile_module(m, (x, torch.tensor([3]), torch.tensor([3]), torch.tensor([3])), positions=[1, 2, 3],
+                          max_positions=16)
+    stacks = []
+
+    def failing_stack(tensors, *a, **k):
+        stacks.append(len(tensors))
+        raise RuntimeError("cannot stack these")
+
+    monkeypatch.setattr(torch, "stack", failing_stack)
+    for p in (4, 5):
+        a, b = torch.tensor([p]), torch.tensor([p])
+        assert torch.equal(prog(x, torch.tensor([p]), a, b), x * 2 + p)
+        assert int(a) == int(b) == p + 1
+    assert stacks == [3]  # tried once
+    with pytest.raises(TilecError, match=r"position arguments disagree \(argument 1 holds 5, argument 2 holds 5, "
+                                         r"argument 3 holds 6\)"):
+        prog(x, torch.tensor([5]), torch.tensor([5]), torch.tensor([6]))
 
 
 class BufferCache(torch.nn.Module):

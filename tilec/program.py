@@ -141,11 +141,11 @@ class CompiledProgram:
                              if kind == _TENSOR]
         self._position_args = [(i, shape) for i, (kind, _, shape, *_) in enumerate(self._arg_specs) if kind == _POSITION]
         # position tensors by example shape (HF: position_ids [b, 1], then a 0-d counter per layer), each group
-        # read with one stack: 2 torch calls a call instead of 2 a tensor
+        # read with one stack (2 torch calls a group instead of 2 a tensor); None once a stack has failed
         groups: dict[tuple | None, list[int]] = {}
         for i, shape in self._position_args:
             groups.setdefault(shape, []).append(i)
-        self._position_groups = list(groups.values())
+        self._position_groups: list[list[int]] | None = list(groups.values())
         # check="deferred" is for decode steps, called in a loop: a program without a decode position is
         # checked as it returns (a one-off call's bad index would otherwise go unreported)
         check = getattr(opts, "check", True)
@@ -164,16 +164,19 @@ class CompiledProgram:
         # does not see their memory
         self._maybe_copied = [(i, name) for i, name in self._t_staged] + [(i, name) for i, name, *_ in self._t_checked]
         # position updates: the tables on the step's device, so writing them is one device copy, no upload
-        self._updates = [(idx, table.to(self.device)) for idx, table in self.graph.position_updates]
-        # when each update is one element of one dtype (HF's per-layer cache counters), the tables side by
-        # side, [max_positions, updates]: a call indexes one row instead of a table per update
-        tables = [table for _, table in self._updates]
-        self._update_rows = torch.stack([t.reshape(len(t)) for t in tables], 1) \
+        # (a counter holds one element, so when the tables share a dtype - HF's per-layer cache counters - they
+        # are kept side by side, [max_positions, updates]: a call indexes one row instead of each table)
+        tables = [table for _, table in self.graph.position_updates]
+        self._update_rows = torch.stack([t.reshape(len(t)) for t in tables], 1).to(self.device) \
             if tables and all(t[0].numel() == 1 and t.dtype == tables[0].dtype for t in tables) else None
+        self._updates = [(idx, None if self._update_rows is not None else table.to(self.device))
+                         for idx, table in self.graph.position_updates]
         # buffers bound from the call's arguments (the rest are bound once, above)
         self._arg_buffers = [n for n in self.graph.inputs if n in self.graph.buffers and n not in self.tensors]
+        # their tensors out of a call's buffer dict as a tuple, gathered by itemgetter (one C call; for one
+        # name it returns the bare tensor, so that case is wrapped)
         get = operator.itemgetter(*self._arg_buffers) if self._arg_buffers else (lambda _: ())
-        self._arg_tensors = get if len(self._arg_buffers) != 1 else (lambda t: (get(t),))  # (a tuple, in C)
+        self._arg_tensors = get if len(self._arg_buffers) != 1 else (lambda t: (get(t),))
         self._tables: dict[tuple, torch.Tensor] = {}
         if kind == "cuda":
             from .cuda import CudaExecutor
@@ -265,13 +268,14 @@ class CompiledProgram:
         if tensors:
             dev = args[tensors[0]].device
             read = None
-            if len(tensors) == len(self._position_args):  # (no int among them) one stack a shape
-                try:
-                    read = [(torch.stack([args[i] for i in g]) if len(g) > 1 else args[g[0]]).reshape(-1)
-                            .to(dev, torch.int64) for g in self._position_groups]
-                    tensors = [i for g in self._position_groups for i in g]
-                except RuntimeError:  # on devices that differ
-                    read = None
+            groups = self._position_groups
+            if groups is not None and len(tensors) == len(self._position_args):  # (no int among them)
+                try:  # (group 0 holds the first position argument, first: the guards read it)
+                    stacked = [torch.stack([args[i] for i in g]) if len(g) > 1 else args[g[0]] for g in groups]
+                    read = [t.reshape(-1).to(dev, torch.int64) for t in stacked]
+                    tensors = [i for g in groups for i in g]
+                except RuntimeError:  # devices, shapes (no example) or dtypes (uint32) that do not stack
+                    self._position_groups = read = None  # one by one from now on
             if read is None:
                 read = [args[i].reshape(-1).to(dev, torch.int64) for i in tensors]
             bad = None
@@ -290,7 +294,7 @@ class CompiledProgram:
             out.update(zip(tensors, values))
             flags = [bool(v) for v in values[len(tensors):]] if len(values) > len(tensors) else \
                 None if bad is None else bad.tolist()
-        for i, p in out.items():
+        for i, p in sorted(out.items()):  # (the first out of range in call order)
             if not 0 <= p < self.graph.max_positions:
                 raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
                                     f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
