@@ -439,6 +439,22 @@ def test_position_arguments_of_other_dtypes_and_shapes_are_read_and_advanced():
                  torch.tensor([200]))
 
 
+def test_a_step_compiled_under_inference_mode_runs_outside_it():
+    """Its own buffers (staged inputs, outputs, the executor's) were inference tensors when it was compiled
+    under ``torch.inference_mode()``, so a call outside it raised "Inplace update to inference tensor outside
+    InferenceMode" (a reviewer's case); now they are normal tensors, and calls in every mode agree."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 8)
+    with torch.inference_mode():
+        prog = compile_module(TwoCounters(), (x, torch.tensor([3]), torch.tensor(3), torch.tensor(3)),
+                              positions=[1, 2, 3], max_positions=16)
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        with mode():
+            a, b = torch.tensor(4), torch.tensor(4)
+            assert torch.equal(prog(x, torch.tensor([4]), a, b), x * 2 + 4), mode
+            assert int(a) == int(b) == 5
+
+
 def test_position_tensors_that_do_not_stack_are_read_one_by_one(monkeypatch):
     """When stacking a group of position tensors fails (devices that differ, dtypes such as uint32 that do
     not promote), the call reads them one by one, and so do later calls (not a failed stack each)."""

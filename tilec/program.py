@@ -110,7 +110,8 @@ class CompiledProgram:
             elif b.kind in (BufferKind.CONST, BufferKind.TABLE):
                 t = self.graph.constants[name].to(self.device)
             elif b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) or name in self.staged_inputs:
-                t = torch.empty(b.shape, dtype=b.dtype, device=self.device)
+                with torch.inference_mode(False):  # written at each call, also outside inference mode
+                    t = torch.empty(b.shape, dtype=b.dtype, device=self.device)
             else:
                 continue
             self.tensors[name] = t.contiguous()
@@ -178,12 +179,13 @@ class CompiledProgram:
         get = operator.itemgetter(*self._arg_buffers) if self._arg_buffers else (lambda _: ())
         self._arg_tensors = get if len(self._arg_buffers) != 1 else (lambda t: (get(t),))
         self._tables: dict[tuple, torch.Tensor] = {}
-        if kind == "cuda":
-            from .cuda import CudaExecutor
+        with torch.inference_mode(False):  # its buffers (counters, operand table) are written at each call
+            if kind == "cuda":
+                from .cuda import CudaExecutor
 
-            self.executor = CudaExecutor(self.plan, opts, self.device, progress, library)
-        else:
-            self.executor = ReferenceExecutor(self.plan)
+                self.executor = CudaExecutor(self.plan, opts, self.device, progress, library)
+            else:
+                self.executor = ReferenceExecutor(self.plan)
 
     @property
     def stats(self) -> dict:
