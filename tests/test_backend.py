@@ -781,6 +781,33 @@ def test_a_deferred_step_error_is_raised_once_its_record_arrives():
     assert ex._err_copied is None
 
 
+def test_a_deferred_check_started_in_inference_mode_goes_on_outside_it(monkeypatch):
+    """The pinned copy of the error record is made at the first deferred call: made in inference mode it was an
+    inference tensor, and every later call outside that mode raised after its launch (a reviewer's case, the
+    GPU parts stubbed as here)."""
+    from types import SimpleNamespace
+
+    from tilec.cuda import _ERR_INTS, CudaExecutor
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda stream: None, query=lambda: False))
+    ex = object.__new__(CudaExecutor)
+    ex.opts, ex.device = SimpleNamespace(check="deferred", watchdog_ms=1000), torch.device("cpu")
+    ex.queues, ex.table = torch.zeros(1, 1, 32, dtype=torch.int32), torch.zeros(1, 4, 4, dtype=torch.int64)
+    ex.counters, ex.state = torch.zeros(1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    ex.err, ex.stamps, ex._last_table = torch.zeros(_ERR_INTS, dtype=torch.int32), None, None
+    ex.smem_bytes = ex.ring_stages = 0
+    ex._err_host = ex._err_copied = None
+    ex.lib = SimpleNamespace(tilec_launch=lambda *args: 0)
+    table = torch.zeros(1, 4, 4, dtype=torch.int64)
+    with torch.inference_mode():
+        ex.run({}, table, position=0)
+    assert not ex._err_host.is_inference()
+    with torch.no_grad():
+        ex.run({}, table, position=1)  # raised "Inplace update to inference tensor outside InferenceMode"
+
+
 def test_prefill_into_a_static_cache_not_yet_allocated():
     """generate(cache_implementation="static") prefills into a StaticCache that allocates on its first
     update; that graph ended in BackendCompilerFailed (an internal _OperandError in the probe)."""

@@ -127,8 +127,9 @@ class CudaExecutor:
         if rc != 0:
             raise TilecError(f"tilec launch failed: {self.lib.tilec_last_error().decode()}")
         if mode == "deferred":
-            if self._err_host is None:
-                self._err_host = torch.zeros(_ERR_INTS, dtype=torch.int32).pin_memory()
+            if self._err_host is None:  # a normal tensor also when this first call is in inference mode
+                with torch.inference_mode(False):
+                    self._err_host = torch.zeros(_ERR_INTS, dtype=torch.int32).pin_memory()
             self._err_host.copy_(self.err, non_blocking=True)  # behind the step, on its stream
             self._err_copied = torch.cuda.Event()
             self._err_copied.record(torch.cuda.current_stream(self.device))  # the step's device, maybe not current
