@@ -66,13 +66,14 @@ if [[ $what == perf || $what == all ]]; then
   python3 benchmarks/lab/layer_phases.py "$OUT/trace.json" 2>&1 | tee "$OUT/layer_phases.log"
   python3 benchmarks/fit_cost.py "$OUT/trace.json" 2>&1 | tee "$OUT/fit_cost.log"
 fi
-if [[ $what == lab || $what == all ]]; then  # weight streaming, cold code, release cost, phase hops: outside the executor
+if [[ $what == lab || $what == all ]]; then  # weight streaming, cold code, release cost, phase hops, launches
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/gemv_stream_lab benchmarks/lab/gemv_stream_lab.cu &&
     /tmp/gemv_stream_lab 2>&1 | tee "$OUT/lab.log" | tail -8
-  for lab in icache_lab fence_lab hop_lab; do
+  for lab in icache_lab fence_lab hop_lab launch_lab; do
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/$lab benchmarks/lab/$lab.cu &&
       /tmp/$lab 2>&1 | tee "$OUT/$lab.log"
   done
+  python3 benchmarks/lab/gemv_fixed.py 2>&1 | tee "$OUT/gemv_fixed.log"  # a launch's fixed cost, the workers' tail
 fi
 if [[ $what == glm5 || $what == all ]]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_glm5_prelude.py 2>&1 | tee "$OUT/glm5_test.log" | tail -15
