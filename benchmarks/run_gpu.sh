@@ -69,7 +69,7 @@ fi
 if [[ $what == lab || $what == all ]]; then  # weight streaming, cold code, release cost, phase hops, launches
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/gemv_stream_lab benchmarks/lab/gemv_stream_lab.cu &&
     /tmp/gemv_stream_lab 2>&1 | tee "$OUT/lab.log" | tail -8
-  for lab in icache_lab fence_lab hop_lab launch_lab; do
+  for lab in icache_lab fence_lab hop_lab launch_lab sm_rate_lab; do
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/$lab benchmarks/lab/$lab.cu &&
       /tmp/$lab 2>&1 | tee "$OUT/$lab.log"
   done
@@ -128,6 +128,9 @@ if [[ $what == pending ]]; then  # not part of all
   # before; 4 rows stream nothing over those K without the patch above)
   timeout 240 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --batch 4 --gemv --gemv-rows 1,4,8 \
     --skip-inductor --iters 30 2>&1 | tee "$OUT/bench.log" | tail -24
+  # (forty-seventh session) the 8-GEMV plan's 7.75 us tail between equal byte shares: slow SMs, or slow memory?
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/sm_rate_lab benchmarks/lab/sm_rate_lab.cu &&
+    timeout 60 /tmp/sm_rate_lab 2>&1 | tee "$OUT/pending_sm_rate.log"
 fi
 if ((${#failed[@]})); then
   echo "run_gpu.sh: ${#failed[@]} command(s) failed: ${failed[*]}" >&2
