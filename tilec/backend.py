@@ -719,7 +719,7 @@ def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.No
     padded batch) - node: the input. Else None. The decision holds for every later call of the graph
     (its values are not guarded; HF's prefill and verification steps are different graphs)."""
     def counts_from_zero(v, rows: bool = False) -> bool:  # 0 .. P - 1 (rows: in each row of its last dim)
-        if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex() or v.dtype is torch.bool:
+        if not isinstance(v, torch.Tensor) or not is_integer(v.dtype):
             return False
         n = v.shape[-1] if rows and v.dim() else v.numel()
         return n > 1 and bool((v.reshape(-1, n).cpu() == torch.arange(n, dtype=v.dtype)).all())
@@ -739,8 +739,7 @@ def _from_position_zero(gm: fx.GraphModule, flat: list, tokens: tuple[int, fx.No
             return value.numel(), n, "write"
 
     def mask_of_only(v) -> bool:  # an HF 2-d attention mask [B, P] (0 / 1, left padded) of the step's tokens alone
-        return v.dim() == 2 and not v.is_floating_point() and not v.is_complex() and v.dtype is not torch.bool and \
-            bool(((v == 0) | (v == 1)).all()) and bool((v[:, -1] == 1).all())
+        return v.dim() == 2 and is_integer(v.dtype) and bool(((v == 0) | (v == 1)).all()) and bool((v[:, -1] == 1).all())
 
     if tokens is not None and tokens[0] > 1 and _grown_caches(gm, kinds):
         for n, i in placeholders.items():

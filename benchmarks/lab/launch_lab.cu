@@ -12,8 +12,7 @@
 #include <cuda_runtime.h>
 #include <stdio.h>
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-  printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); return 1; } } while (0)
+#include "lab_stream.cuh"  // CK
 
 constexpr int kCtas = 132, kThreads = 320, kBigSmem = 223 * 1024;
 
