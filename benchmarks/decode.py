@@ -224,10 +224,19 @@ class Gemvs(torch.nn.Module):
         return tuple(w(x) for w in self.ws)
 
 
+GEMV_WARM_MS = 50.0  # replays of a GEMV plan before it is timed (see gemv_table)
+
+
 def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = (), rows: int = 1) -> None:
     """Prints TB/s of weight bytes for ``count`` independent GEMVs of ``rows`` x rows (M) per plan,
     run by the persistent executor (kernel only: the operand table is bound once, the launch
-    replayed from a CUDA graph); also with each weight-ring depth in ``stages``."""
+    replayed from a CUDA graph); also with each weight-ring depth in ``stages``.
+
+    Each plan replays for ``GEMV_WARM_MS`` (50 ms) before its ``iters`` timed replays: right after
+    ``read_bandwidth()`` and the weights' allocation, the 8 x 2048 x 8192 plan's first ~80 replays
+    (~9 ms) took 111-112 µs each and every later one 97-98 (forty-eighth session, H100,
+    ``benchmarks/lab/gemv_context.py``); timed with 5 warm-up replays, as before, this table's first
+    row read 114-117 µs where the same plan alone steadies at 98-102."""
     from tilec.api import compile_module
 
     print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = {rows}, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
@@ -252,7 +261,8 @@ def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = 
                 print(f"ring stages {depth}: {e}")
                 continue
             graph = cuda_graph(lambda pr=prog, t=tensors, tb=table, p=p: pr.executor.run(t, tb, position=p))  # no host time
-            ms = time_cuda(graph.replay, iters)
+            once = time_cuda(graph.replay, 3, warmup=1)
+            ms = time_cuda(graph.replay, iters, warmup=max(5, int(GEMV_WARM_MS / once)))
             ex.check()
             print(f"{f'{n} x {k}':<20} {depth:>5} {nbytes / 1e6:>8.1f} {ms * 1e3:>9.1f} {nbytes / ms / 1e9:>7.2f}"
                   f"   (rel. L2 vs torch {err:.1e})")

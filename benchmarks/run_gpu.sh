@@ -74,6 +74,7 @@ if [[ $what == lab || $what == all ]]; then  # weight streaming, cold code, rele
       /tmp/$lab 2>&1 | tee "$OUT/$lab.log"
   done
   python3 benchmarks/lab/gemv_fixed.py 2>&1 | tee "$OUT/gemv_fixed.log"  # a launch's fixed cost, the workers' tail
+  python3 benchmarks/lab/gemv_context.py 2>&1 | grep -v "tilec: " | tee "$OUT/gemv_context.log"  # decode.py's slow first row
 fi
 if [[ $what == glm5 || $what == all ]]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda_glm5_prelude.py 2>&1 | tee "$OUT/glm5_test.log" | tail -15

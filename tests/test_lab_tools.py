@@ -346,3 +346,13 @@ def test_gemv_fixed_fits_a_fixed_cost_and_a_rate():
     if not gemv_fixed.torch.cuda.is_available():
         with pytest.raises(SystemExit, match="gemv_fixed.py: needs a CUDA GPU"):
             gemv_fixed.main([])
+
+
+def test_gemv_context_needs_a_gpu():
+    """benchmarks/lab/gemv_context.py (decode.py's slow first GEMV row) exits with one line without a GPU,
+    before it builds a model."""
+    import gemv_context
+
+    if not gemv_context.torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="gemv_context.py: needs a CUDA GPU"):
+            gemv_context.main()

@@ -9,6 +9,7 @@ then counts once a chain); a plan timed right after compiling ("cold", as decode
 of replays ("warm"). Prints a table and the fits, then one profiled run's stamps; needs a CUDA GPU.
 
     python benchmarks/lab/gemv_fixed.py [--n 2048] [--k 8192] [--counts 1,2,4,8,16,32] [--chain 10]
+    python benchmarks/lab/gemv_fixed.py --order 8    # one plan, under what ran or was allocated before it
 """
 from __future__ import annotations
 
@@ -58,6 +59,66 @@ def stamp_table(n: int, k: int, count: int) -> None:
           f"{med(end - start):.2f} after it; last end {float(end.max()) - med(end):.2f} after the median end")
 
 
+def read_4gib() -> None:
+    """decode.py's ``read_bandwidth()``: 4 GiB allocated, summed 25 times, freed (its block stays cached)."""
+    x = torch.empty(1 << 30, dtype=torch.float32, device="cuda").uniform_()
+    median_ms(lambda: x.sum(), 20, 5, "cuda")  # x is freed on return
+
+
+def time_plan(n: int, k: int, count: int, iters: int, after_weights=None, trace: int = 0) -> list[float]:
+    """µs of one plan of ``count`` GEMVs [n, k] (bf16, M = 1), timed three times as decode.py's GEMV table
+    does (a CUDA graph replayed ``iters`` times right after compiling; the first timing is decode.py's);
+    ``after_weights()`` runs after the weights are allocated and the plan compiled, before the timings.
+    With ``trace``: instead, each of the first ``trace`` replays' µs (two events each, no warm-up)."""
+    mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        prog = compile_module(mod, (x,), options=dict(check=False))
+    tensors, p = prog.bind_args((x,))
+    table = prog.plan.bind_base(tensors)
+    graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))
+    if after_weights is not None:
+        after_weights()
+    if trace:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(trace + 1)]
+        events[0].record()
+        for e in events[1:]:
+            graph.replay()
+            e.record()
+        torch.cuda.synchronize()
+        us = [a.elapsed_time(b) * 1e3 for a, b in zip(events, events[1:])]
+    else:
+        us = [median_ms(graph.replay, iters, 5, "cuda") * 1e3 for _ in range(3)]
+    prog.executor.check()
+    return us
+
+
+def print_times(label: str, us: list[float], mb: float) -> None:
+    """One row of ``time_plan``'s three timings and the first one's TB/s."""
+    print(f"{label:<52} " + " ".join(f"{u:>8.2f}" for u in us) + f"   {mb / us[0]:.2f} TB/s (first)", flush=True)
+
+
+def order_table(n: int, k: int, count: int, iters: int) -> None:
+    """One plan of ``count`` GEMVs timed as decode.py's GEMV table does, under what ran or was allocated
+    before it: decode.py's first GEMV row ran ~15 µs slower than this script's same plan (forty-seventh
+    session, H100). Conditions: weights in fresh memory; weights carved from the cached 4 GiB block of
+    decode.py's ``read_bandwidth()``; that block freed first (``empty_cache``); the 4 GiB read run after the
+    weights were allocated (a busy GPU, fresh memory)."""
+    mb = count * n * k * 2 / 1e6
+    conditions = (("fresh memory", None, None),
+                  ("carved from read_bandwidth()'s freed 4 GiB", read_4gib, None),
+                  ("read_bandwidth(), empty_cache(), then weights", lambda: (read_4gib(), torch.cuda.empty_cache()),
+                   None),
+                  ("fresh memory, read_bandwidth() before timing", None, read_4gib),
+                  ("fresh memory (again)", None, None))
+    print(f"\n{count} x {n} x {k} GEMVs, us (three timings of {iters} replays each, the first as decode.py's)")
+    for label, before, after in conditions:
+        torch.cuda.empty_cache()
+        if before is not None:
+            before()
+        print_times(label, time_plan(n, k, count, iters, after), mb)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2048)
@@ -67,8 +128,13 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--stamps", type=int, default=8, metavar="COUNT",
                     help="then one profiled plan of COUNT GEMVs (0: none)")
+    ap.add_argument("--order", type=int, default=0, metavar="COUNT",
+                    help="only time one plan of COUNT GEMVs under what ran or was allocated before it (decode.py's "
+                         "slow first GEMV row)")
     args = ap.parse_args(argv)
     need_gpu("gemv_fixed.py")
+    if args.order:
+        return order_table(args.n, args.k, args.order, args.iters)
     counts = [int(c) for c in args.counts.split(",")]
     print(f"{'GEMVs':>6} {'MB':>8} {'tasks':>6} {'us cold':>9} {'TB/s':>6} {'us warm':>9} {'TB/s':>6} {'chained':>9} "
           f"{'TB/s':>6}")

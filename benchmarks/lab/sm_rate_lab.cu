@@ -8,9 +8,13 @@
 // 32 KiB stages (tilec's) and stamps %globaltimer at its start and end and its %smid. Each launch reads a buffer of
 // 132 shares (4x the L2 or more); in "fixed" launches CTA b reads share b, in "rotated" ones share (b + 17 r) % 132,
 // so a slow SM stays slow over rotations, a slow share moves with it.
+// A third form, "claimed", streams the same bytes in units (`--unit-kb`, 64 by default) that CTAs claim from a
+// global counter: what a dynamic schedule of the last bytes would gain over equal static shares.
 // Prints per launch form: the median, p90 and max of the CTAs' stream times, the median of max - median over
-// launches; whether blockIdx -> %smid was the same in every launch; and per SM (sorted, slowest first) its median
-// time over launches less the launch median, how often it was among the slowest 10 % of a launch.
+// launches; whether blockIdx -> %smid was the same in every launch; per SM (sorted, slowest first) its median
+// time over launches less the launch median, how often it was among the slowest 10 % of a launch; the kernel's
+// time by events and its stamped span; for the static forms, the span if every CTA's share were sized to its
+// own measured rate ("balanced"); for the fixed form every SM's median, in smid order.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o sm_rate_lab sm_rate_lab.cu
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -56,6 +60,43 @@ __global__ void __launch_bounds__(64, 1) stream_share(const char* buf, long long
   out[blockIdx.x] = Stamp{t0, tilec::global_timer(), smid, 0};
 }
 
+// The "claimed" form: the same bytes in units of `unit` bytes claimed from a global counter (one claimed ahead, so
+// the atomic's round trip overlaps the current unit's copies): a fast SM streams more units, and the launch ends
+// when the last unit lands instead of when the slowest SM's equal share does.
+__global__ void __launch_bounds__(64, 1) stream_claimed(const char* buf, int units, long long unit, int* counter,
+                                                        Stamp* out) {
+  extern __shared__ __align__(128) char ring[];
+  __shared__ unsigned long long full[kStages];
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < kStages; ++s) tilec::mbar_init(full + s, 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  const unsigned long long policy = tilec::evict_first_policy();
+  const int per_unit = (int)(unit / kStageBytes);
+  const unsigned long long t0 = tilec::global_timer();
+  int next = atomicAdd(counter, 1), i = 0, done = 0;
+  while (next < units) {
+    const long long cur = next;
+    next = atomicAdd(counter, 1);
+    for (int u = 0; u < per_unit; ++u, ++i) {
+      const int s = i % kStages;
+      if (i >= kStages)
+        while (!tilec::mbar_test(full + s, ((i - kStages) / kStages) & 1)) {
+        }
+      tilec::mbar_expect_tx(full + s, kStageBytes);
+      for (int q = 0; q < kStageBytes / 4096; ++q)
+        tilec::bulk_load(ring + s * kStageBytes + q * 4096, buf + cur * unit + (long long)u * kStageBytes + q * 4096,
+                         4096, full + s, policy);
+    }
+    ++done;
+  }
+  for (int j = i > kStages ? i - kStages : 0; j < i; ++j)
+    while (!tilec::mbar_test(full + j % kStages, (j / kStages) & 1)) {
+    }
+  out[blockIdx.x] = Stamp{t0, tilec::global_timer(), smid, (unsigned)done};
+}
+
 static double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -63,9 +104,10 @@ static double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   double mb = 2.0;
-  int launches = 30;
+  int launches = 30, unit_kb = 64;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--mb")) mb = atof(argv[i + 1]);
+    else if (!strcmp(argv[i], "--unit-kb")) unit_kb = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--launches")) launches = atoi(argv[i + 1]);
   }
   int dev, sms, l2;
@@ -82,23 +124,50 @@ int main(int argc, char** argv) {
   CK(cudaMemset(buf, 1, share * sms));
   Stamp* d_out;
   CK(cudaMalloc(&d_out, sizeof(Stamp) * sms));
+  CK(cudaFuncSetAttribute(stream_claimed, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const long long unit = std::max(1, unit_kb * 1024 / kStageBytes) * (long long)kStageBytes;
+  const int units = (int)(share * sms / unit);
+  int* d_counter;
+  CK(cudaMalloc(&d_counter, sizeof(int)));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
   std::vector<Stamp> h(sms);
   printf("%s: %d CTAs, %.2f MB each (%.1f MB in all), %d launches a form; us\n", prop.name, sms, share / 1e6,
          share * sms / 1e6, launches);
-  for (int form = 0; form < 2; ++form) {
-    const char* name = form ? "rotated" : "fixed";
+  for (int form = 0; form < 3; ++form) {
+    const char* name = form == 2 ? "claimed" : form ? "rotated" : "fixed";
+    std::vector<double> spans, kernel_us, balanced;
+    unsigned fewest = ~0u, most = 0;  // units a CTA claimed (the claimed form)
     std::vector<std::vector<double>> per_sm(1024);      // smid -> time less its launch's median
     std::vector<int> slow_count(1024, 0), seen(1024, 0);
     std::vector<unsigned> map0(sms);
     bool stable = true;
     std::vector<double> meds, p90s, maxs, tails;
     for (int r = -3; r < launches; ++r) {  // 3 warm-up launches
-      stream_share<<<sms, 64, smem>>>(buf, share, form ? 17 * (r < 0 ? 0 : r) : 0, d_out);
+      CK(cudaMemset(d_counter, 0, sizeof(int)));
+      CK(cudaEventRecord(e0));
+      if (form == 2)
+        stream_claimed<<<sms, 64, smem>>>(buf, units, unit, d_counter, d_out);
+      else
+        stream_share<<<sms, 64, smem>>>(buf, share, form ? 17 * (r < 0 ? 0 : r) : 0, d_out);
       CK(cudaGetLastError());
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
       CK(cudaMemcpy(h.data(), d_out, sizeof(Stamp) * sms, cudaMemcpyDeviceToHost));
       if (r < 0) continue;
       std::vector<double> t(sms);
-      for (int b = 0; b < sms; ++b) t[b] = (h[b].end - h[b].start) / 1e3;
+      unsigned long long first = ~0ull, last = 0;
+      double rate = 0;  // shares a microsecond, summed over the CTAs (the fixed forms)
+      for (int b = 0; b < sms; ++b) {
+        t[b] = (h[b].end - h[b].start) / 1e3;
+        first = std::min(first, h[b].start), last = std::max(last, h[b].end);
+        rate += 1.0 / t[b];
+        fewest = std::min(fewest, h[b].pad), most = std::max(most, h[b].pad);
+      }
+      spans.push_back((last - first) / 1e3), kernel_us.push_back(ms * 1e3), balanced.push_back(sms / rate);
       std::vector<double> sorted = t;
       std::sort(sorted.begin(), sorted.end());
       const double med = sorted[sms / 2], p90 = sorted[sms * 9 / 10], mx = sorted[sms - 1];
@@ -129,9 +198,22 @@ int main(int argc, char** argv) {
     printf("\n  fastest:");
     for (int k = (int)order.size() - 1; k >= (int)order.size() - 4 && k >= 0; --k)
       printf(" %d: %+.2f;", order[k].second, order[k].first);
+    printf("\n  launch (median): kernel %.2f by events, stamped span %.2f (first start to last end)", median(kernel_us),
+           median(spans));
+    if (form < 2)
+      printf("; equal shares at each CTA's own rate, balanced: %.2f", median(balanced));
+    else
+      printf("; %d units of %lld KiB, %u to %u a CTA", units, unit / 1024, fewest, most);
     printf("\n");
+    if (form == 0) {
+      printf("  every SM (smid:median time less the launch median):");
+      for (int id = 0; id < 1024; ++id)
+        if (seen[id]) printf("%s%d:%+.1f", id % 16 ? " " : "\n   ", id, median(per_sm[id]));
+      printf("\n");
+    }
   }
   CK(cudaFree(buf));
   CK(cudaFree(d_out));
+  CK(cudaFree(d_counter));
   return 0;
 }
