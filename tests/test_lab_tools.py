@@ -356,3 +356,21 @@ def test_gemv_context_needs_a_gpu():
     if not gemv_context.torch.cuda.is_available():
         with pytest.raises(SystemExit, match="gemv_context.py: needs a CUDA GPU"):
             gemv_context.main()
+
+
+def test_gemv_fixed_stamp_summary_leaves_out_idle_workers():
+    """A plan of 128 tiles on 132 workers left four workers' stamps zero, and the profiled line read a span of
+    1796538065148347 us (from a zero start): the summary keeps only workers that ran an instruction."""
+    import gemv_fixed
+    import torch
+
+    us = 1_000.0
+    stamps = torch.tensor([[100 * us, 110 * us, 101 * us, 102 * us],
+                           [101 * us, 113 * us, 103 * us, 104 * us],
+                           [102 * us, 112 * us, 103 * us, 105 * us],
+                           [0, 0, 0, 0]], dtype=torch.int64)
+    line = gemv_fixed.stamp_summary(stamps)
+    assert "stamped span 13.00" in line and "medians over 3 workers" in line
+    assert "start 1.00 after the first" in line and "end 10.00 after it" in line and "last end 1.00 after" in line
+    with pytest.raises(ValueError, match="no worker stamped"):
+        gemv_fixed.stamp_summary(torch.zeros(4, 4, dtype=torch.int64))

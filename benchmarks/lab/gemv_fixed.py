@@ -35,12 +35,32 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def stamp_summary(stamps_ns: torch.Tensor) -> str:
+    """The workers' part of ``stamp_table``'s line from ``Executor.stamps[:, 0]`` ([W, 4] int64 ns: each
+    worker's first instruction's start, end, mark 1 (x staged), mark 2 (first weight stage in)): the span
+    from the first start to the last end and medians over the workers that ran an instruction (µs) - a
+    plan with fewer tiles than workers leaves the others' stamps zero, which are left out.
+
+    Raises ValueError when no worker stamped an instruction."""
+    import statistics as st
+
+    s = stamps_ns.double() / 1e3
+    s = s[s[:, 0] > 0]
+    if not len(s):
+        raise ValueError("no worker stamped an instruction (was the plan compiled with profile=True?)")
+    start, end, m1, m2 = s[:, 0], s[:, 1], s[:, 2], s[:, 3]
+    t0 = float(start.min())
+    med = lambda v: st.median(v.tolist())  # noqa: E731
+    return (f"stamped span {float(end.max()) - t0:.2f} (first start to last end); medians over {s.shape[0]} workers: "
+            f"start {med(start - t0):.2f} after the first, x staged {med(m1 - start):.2f} and first stage in "
+            f"{med(m2 - start):.2f} after their start, end {med(end - start):.2f} after it; last end "
+            f"{float(end.max()) - med(end):.2f} after the median end")
+
+
 def stamp_table(n: int, k: int, count: int) -> None:
     """One profiled run of ``count`` GEMVs (``Options.profile``: each instruction's start, x staged, first
     weight stage in, end; one instruction a worker here): the kernel's event time against the span its
     workers stamped, and medians over the workers (µs)."""
-    import statistics as st
-
     mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
@@ -49,14 +69,8 @@ def stamp_table(n: int, k: int, count: int) -> None:
     table = prog.plan.bind_base(tensors)
     graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))
     kernel = median_ms(graph.replay, 200, 50, "cuda") * 1e3  # the last replay's stamps are kept
-    s = prog.executor.stamps.cpu()[:, 0].double() / 1e3  # [W, 4] µs (one instruction a worker)
-    start, end, m1, m2 = s[:, 0], s[:, 1], s[:, 2], s[:, 3]
-    t0 = float(start.min())
-    med = lambda v: st.median(v.tolist())  # noqa: E731
-    print(f"\nprofiled, {count} x {n} x {k}: kernel {kernel:.2f} us (events, median); stamped span {float(end.max()) - t0:.2f}"
-          f" (first start to last end); medians over {s.shape[0]} workers: start {med(start - t0):.2f} after the "
-          f"first, x staged {med(m1 - start):.2f} and first stage in {med(m2 - start):.2f} after their start, end "
-          f"{med(end - start):.2f} after it; last end {float(end.max()) - med(end):.2f} after the median end")
+    print(f"\nprofiled, {count} x {n} x {k}: kernel {kernel:.2f} us (events, median); "
+          + stamp_summary(prog.executor.stamps.cpu()[:, 0]))
 
 
 def read_4gib() -> None:
