@@ -105,6 +105,22 @@ def test_arguments_aliased_at_a_call_are_named(other):
         assert torch.equal(cache, want_cache)
 
 
+def test_a_cache_aliasing_a_parameter_is_named_by_the_module():
+    """A written cache passed in a parameter's memory: the error named the parameter by its capture
+    placeholder (``the module's p_k_proj_weight``); now by the module's own name for it."""
+    from tilec.errors import TilecError
+
+    torch.manual_seed(0)
+    m = CacheStep("k").eval()
+    x = torch.randn(1, 1, H * D)
+    prog = compile_module(m, (x, torch.tensor([0]), torch.randn(1, H, S, D)), positions=[1], max_positions=S,
+                          options=dict(workers=3, executor="reference"))
+    weight = m.k_proj.weight.data  # [H D, H D]: 1024 elements, a [1, H, S, D] cache 256
+    with pytest.raises(TilecError, match=r"argument 2 \(cache\) and parameter k_proj\.weight share memory, and "
+                                         r"the step writes argument 2 \(cache\)"):
+        prog(x, torch.tensor([3]), weight.view(-1)[:H * S * D].view(1, H, S, D))
+
+
 def test_read_only_arguments_may_share_memory():
     """Two arguments the step only reads may be one tensor (tied weights)."""
     torch.manual_seed(0)

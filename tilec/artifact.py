@@ -444,7 +444,8 @@ class Artifact:
                                 f"{_recompile_hint(self.manifest, self.path)}") from e
         lib = self.path / LIBRARY if kind == "cuda" and (self.path / LIBRARY).exists() else None
         compiled = Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(plan.stats))
-        return CompiledProgram(compiled, GraphBinding(params=self.params(device)),
+        return CompiledProgram(compiled, GraphBinding(params=self.params(device),
+                                                   param_names=dict(self.manifest.get("param_sources") or {})),
                                single_output=self.manifest["call"]["single_output"], opts=opts, progress=progress,
                                example_args=tuple(self.inputs(device)),
                                library=lib, out_spec=_spec_of(self.manifest["call"].get("out_spec"), self.path))

@@ -57,6 +57,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             binding.params[name] = state.get(spec.target, ep.state_dict.get(spec.target)).detach()
+            binding.param_names[name] = spec.target
         elif spec.kind == InputKind.BUFFER:
             t = state.get(spec.target, ep.state_dict.get(spec.target) if spec.target in ep.state_dict
                           else ep.constants.get(spec.target))

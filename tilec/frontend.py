@@ -116,6 +116,8 @@ class GraphBinding:
         point at one the caller did not list.
     labels: placeholder name -> how the user knows that argument (the ``torch.compile`` backend's
         ``past_key_values.layers[0].keys``), for errors; else ``argument i (name)``.
+    param_names: placeholder name of a parameter -> the module's name for it
+        (``layers.0.self_attn.k_proj.weight``), for errors; else the placeholder's name.
     examples: placeholder name -> the example value of a user input (a real tensor or a Python
         value), when the caller has them: a run-time attention mask that is not causal on them is
         refused when compiling (else every call would fail its check, :mod:`tilec.guards`).
@@ -130,6 +132,7 @@ class GraphBinding:
     single_output: bool | None = None
     out_spec: object | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    param_names: dict[str, str] = field(default_factory=dict)
     listed_positions: bool = False
     examples: dict[str, object] = field(default_factory=dict)
 
@@ -236,9 +239,12 @@ class Lowering(FormsLowering, DsaLowering):
         return Provenance(node.name, target_name(node), source_of(node))
 
     def _argument(self, name: str) -> str:
-        """How the user knows placeholder ``name``: ``argument 2 (state_0)``, or ``buffer b_cache``."""
+        """How the user knows placeholder ``name``: ``argument 2 (state_0)``, ``parameter k_proj.weight``, or
+        ``buffer b_cache``."""
         if name in self.b.labels:
             return self.b.labels[name]
+        if name in self.b.params:
+            return f"parameter {self.b.param_names.get(name, name)}"
         if name in self.b.user_inputs:
             return f"argument {self.b.user_inputs.index(name)} ({name})"
         return f"buffer {name}"

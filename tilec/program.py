@@ -95,6 +95,7 @@ class CompiledProgram:
             raise TilecError("executor='cuda' needs the model on a CUDA device (its parameters are on the CPU)")
         self.executor_kind = kind
         self.tensors: dict[str, torch.Tensor] = {}
+        self._param_names = dict(binding.param_names)  # for errors: the module's names of its parameters
         written = self.graph.written
         example = list(example_args) if len(example_args) == len(self.graph.inputs) else [None] * len(self.graph.inputs)
         contiguous = {name for name, ex in zip(self.graph.inputs, example)
@@ -350,7 +351,7 @@ class CompiledProgram:
         graph_written = self.graph.written
         spans = [span(args[i], self._labels[i], name in graph_written) for i, name, *_ in self._tensor_args
                  if isinstance(args[i], torch.Tensor) and args[i].numel()]
-        spans += [span(t, f"the module's {name}", False) for name, t in self.tensors.items()
+        spans += [span(t, f"parameter {self._param_names.get(name, name)}", False) for name, t in self.tensors.items()
                   if self.graph.buffers[name].kind is BufferKind.PARAM and t.numel()]
         spans.sort(key=lambda s: s[:2])
         end, last = -1, None
