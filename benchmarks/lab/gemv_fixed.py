@@ -5,8 +5,9 @@ events; at 3.2 TB/s that is 84 µs, where 268 MB at the 4.3-4.4 TB/s of the larg
 This script times plans of 1, 2, 4, 8, 16 and 32 such GEMVs (bf16, M = 1) and fits
 ``µs = fixed + MB / rate`` by least squares, each plan timed two ways: one launch between two events
 (as decode.py does), and a CUDA graph of ``--chain`` launches back to back (the event-to-kernel latency
-then counts once a chain); a plan timed right after compiling ("cold", as decode.py does) and after ~300 ms
-of replays ("warm"). Prints a table and the fits, then one profiled run's stamps; needs a CUDA GPU.
+then counts once a chain); a plan timed right after compiling ("cold", as decode.py did before it warmed
+each plan for 50 ms, forty-eighth session) and after ~300 ms of replays ("warm"). Prints a table and the
+fits, then one profiled run's stamps; needs a CUDA GPU.
 
     python benchmarks/lab/gemv_fixed.py [--n 2048] [--k 8192] [--counts 1,2,4,8,16,32] [--chain 10]
     python benchmarks/lab/gemv_fixed.py --order 8    # one plan, under what ran or was allocated before it
@@ -81,7 +82,7 @@ def read_4gib() -> None:
 
 def time_plan(n: int, k: int, count: int, iters: int, after_weights=None, trace: int = 0) -> list[float]:
     """µs of one plan of ``count`` GEMVs [n, k] (bf16, M = 1), timed three times as decode.py's GEMV table
-    does (a CUDA graph replayed ``iters`` times right after compiling; the first timing is decode.py's);
+    did (a CUDA graph replayed ``iters`` times right after compiling, 5 warm-up replays; it now warms 50 ms);
     ``after_weights()`` runs after the weights are allocated and the plan compiled, before the timings.
     With ``trace``: instead, each of the first ``trace`` replays' µs (two events each, no warm-up)."""
     mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
@@ -113,7 +114,7 @@ def print_times(label: str, us: list[float], mb: float) -> None:
 
 
 def order_table(n: int, k: int, count: int, iters: int) -> None:
-    """One plan of ``count`` GEMVs timed as decode.py's GEMV table does, under what ran or was allocated
+    """One plan of ``count`` GEMVs timed as decode.py's GEMV table did (``time_plan``), under what ran or was allocated
     before it: decode.py's first GEMV row ran ~15 µs slower than this script's same plan (forty-seventh
     session, H100). Conditions: weights in fresh memory; weights carved from the cached 4 GiB block of
     decode.py's ``read_bandwidth()``; that block freed first (``empty_cache``); the 4 GiB read run after the
@@ -125,7 +126,7 @@ def order_table(n: int, k: int, count: int, iters: int) -> None:
                    None),
                   ("fresh memory, read_bandwidth() before timing", None, read_4gib),
                   ("fresh memory (again)", None, None))
-    print(f"\n{count} x {n} x {k} GEMVs, us (three timings of {iters} replays each, the first as decode.py's)")
+    print(f"\n{count} x {n} x {k} GEMVs, us (three timings of {iters} replays each, the first as decode.py's did)")
     for label, before, after in conditions:
         torch.cuda.empty_cache()
         if before is not None:
@@ -166,7 +167,7 @@ def main(argv=None) -> None:
         table = prog.plan.bind_base(tensors)
         run = lambda ex=prog.executor: ex.run(tensors, table, position=p)  # noqa: E731
         graph = cuda_graph(run)
-        one = median_ms(graph.replay, args.iters, 5, "cuda") * 1e3  # right after compiling, as decode.py
+        one = median_ms(graph.replay, args.iters, 5, "cuda") * 1e3  # right after compiling (decode.py warms 50 ms first)
         warm = median_ms(graph.replay, args.iters, max(5, int(300e3 / one)), "cuda") * 1e3  # after ~300 ms busy
         chain = cuda_graph(lambda: [run() for _ in range(args.chain)])
         chained = median_ms(chain.replay, max(5, args.iters // args.chain), 2, "cuda") * 1e3 / args.chain
