@@ -121,6 +121,23 @@ def test_a_cache_aliasing_a_parameter_is_named_by_the_module():
         prog(x, torch.tensor([3]), weight.view(-1)[:H * S * D].view(1, H, S, D))
 
 
+def test_a_saved_program_names_its_parameters_too(tmp_path):
+    """An artifact saved from Python (not the CLI, which matched parameters to the state_dict) kept no
+    parameter names, and its loaded program's error named ``parameter p_k_proj_weight`` (a reviewer's case)."""
+    from tilec import artifact
+    from tilec.errors import TilecError
+
+    torch.manual_seed(0)
+    m = CacheStep("k").eval()
+    args = (torch.randn(1, 1, H * D), torch.tensor([0]), torch.randn(1, H, S, D))
+    prog = compile_module(m, args, positions=[1], max_positions=S, options=dict(workers=3, executor="reference"))
+    artifact.save(tmp_path / "a", prog, args, positions=[1], max_positions=S, build=False)
+    loaded = artifact.load(tmp_path / "a").program("reference")
+    weight = loaded.tensors[next(n for n in loaded.tensors if "k_proj" in n)]
+    with pytest.raises(TilecError, match=r"and parameter k_proj\.weight share memory"):
+        loaded(args[0], torch.tensor([3]), weight.view(-1)[:H * S * D].view(1, H, S, D))
+
+
 def test_read_only_arguments_may_share_memory():
     """Two arguments the step only reads may be one tensor (tied weights)."""
     torch.manual_seed(0)

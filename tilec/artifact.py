@@ -99,7 +99,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         factory: how to rebuild the eager module (``{"spec", "module", "file", "name", "cwd"}``),
             recorded for ``tilec run --check`` and ``tilec bench``.
         positions, max_positions: as given to ``compile_module``.
-        param_sources: parameter buffer name -> the module's ``state_dict`` key it came from.
+        param_sources: parameter buffer name -> the module's ``state_dict`` key it came from (over the
+            names the capture recorded; either names a parameter in a loaded program's errors).
         build: build ``cuda/libtilec.so`` with nvcc when nvcc is present.
         force: replace an existing artifact at ``path`` (a non-empty folder without a
             ``manifest.json`` is never replaced).
@@ -168,7 +169,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
             "factory": factory,
             "call": {"args": call_args, "positions": list(positions), "max_positions": max_positions,
                      "single_output": program.single_output, "out_spec": _spec_text(program.out_spec)},
-            "param_sources": dict(param_sources or {}),
+            "param_sources": {**program._param_names, **(param_sources or {})},  # the capture's, or the caller's
             "stats": program.stats,
             "cuda": {"sources": sorted(f"cuda/{n}" for n in sources), "library": LIBRARY if lib else None,
                      "note": cuda_note},

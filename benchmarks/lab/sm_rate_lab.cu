@@ -112,8 +112,10 @@ int main(int argc, char** argv) {
   }
   int dev, sms, l2;
   lab_device(dev, sms, l2);
-  long long share = (long long)(mb * 1e6) / kStageBytes * kStageBytes;
-  share = std::max(share, (long long)(4LL * l2 / sms) / kStageBytes * kStageBytes + kStageBytes);  // past the L2
+  // the claimed form's unit: whole ring stages; every share a whole number of units, so all forms read the same bytes
+  const long long unit = std::max(1, unit_kb * 1024 / kStageBytes) * (long long)kStageBytes;
+  long long share = (long long)(mb * 1e6) / unit * unit;
+  share = std::max(share, (long long)(4LL * l2 / sms) / unit * unit + unit);  // past the L2
   const int smem = 120 * 1024;  // > half an SM's 228 KiB: one CTA an SM (the ring uses kStages * kStageBytes)
   static_assert(kStages * kStageBytes <= 120 * 1024, "the ring fits the request");
   CK(cudaFuncSetAttribute(stream_share, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -125,7 +127,6 @@ int main(int argc, char** argv) {
   Stamp* d_out;
   CK(cudaMalloc(&d_out, sizeof(Stamp) * sms));
   CK(cudaFuncSetAttribute(stream_claimed, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const long long unit = std::max(1, unit_kb * 1024 / kStageBytes) * (long long)kStageBytes;
   const int units = (int)(share * sms / unit);
   int* d_counter;
   CK(cudaMalloc(&d_counter, sizeof(int)));
