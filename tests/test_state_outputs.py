@@ -71,6 +71,22 @@ def test_aliased_arguments_are_named():
                        max_positions=S, options=dict(executor="reference"))
 
 
+@pytest.mark.parametrize("detached", [True, False])
+def test_an_example_cache_aliasing_a_parameter_is_named(detached):
+    """An example cache in a parameter's memory: torch.export failed with an IndexError (or an
+    AttributeError from its guards) that named nothing of the user's; now the argument and the parameter
+    are named (a fresh user's case)."""
+    from tilec.errors import TilecError
+
+    torch.manual_seed(0)
+    m = CacheStep("k").eval()
+    weight = m.k_proj.weight.data if detached else m.k_proj.weight
+    cache = weight.view(-1)[:H * S * D].view(1, H, S, D)
+    with pytest.raises(TilecError, match=r"argument 2 and the module's parameter k_proj\.weight share memory"):
+        compile_module(m, (torch.randn(1, 1, H * D), torch.tensor([0]), cache), positions=[1], max_positions=S,
+                       options=dict(executor="reference"))
+
+
 class WriteThenRead(torch.nn.Module):
     def forward(self, x, pos, cache, other):
         cache.index_copy_(2, pos, x)

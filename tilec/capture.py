@@ -167,23 +167,40 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
-    """After a failed export: raises :class:`TilecError` naming two tensor arguments whose memory
-    overlaps when the export succeeds with the second one cloned (``torch.export`` cannot capture
-    an input updated in place that aliases another, and says so only obscurely); returns when
-    no arguments overlap or the overlap is not the cause."""
+    """After a failed export: raises :class:`TilecError` naming two tensor arguments, or an argument
+    and a parameter or buffer of the module, whose memory overlaps when the export succeeds with
+    the argument cloned (``torch.export`` cannot capture an input updated in place that aliases
+    another tensor, and says so only obscurely: an IndexError or AttributeError from its guards);
+    returns when nothing overlaps or the overlap is not the cause."""
+    def exports_with_clone(j: int) -> bool:
+        trial = list(args)
+        trial[j] = args[j].clone()
+        try:
+            torch.export.export(module, tuple(trial), strict=False).run_decompositions({})
+        except Exception:  # noqa: BLE001 - fails without the overlap too: not the cause
+            return False
+        return True
+
     ranges = [(i, _byte_range(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.numel() > 0]
     for x, (i, (lo_i, hi_i)) in enumerate(ranges):
         for j, (lo_j, hi_j) in ranges[x + 1:]:
             if lo_i < hi_j and lo_j < hi_i:
-                trial = list(args)
-                trial[j] = args[j].clone()
-                try:
-                    torch.export.export(module, tuple(trial), strict=False).run_decompositions({})
-                except Exception:  # noqa: BLE001 - fails without the overlap too: not the cause
+                if not exports_with_clone(j):
                     return
                 raise TilecError(f"arguments {i} and {j} share memory (one tensor, or overlapping views of one): "
                                  f"torch.export cannot capture them when one is updated in place; pass distinct "
                                  f"tensors (e.g. a clone)") from cause
+    state = [(name, _byte_range(t)) for name, t in module.state_dict(keep_vars=True).items()
+             if isinstance(t, torch.Tensor) and t.numel() > 0 and t.device.type != "meta"]
+    for i, (lo_i, hi_i) in ranges:
+        for name, (lo, hi) in state:
+            if lo_i < hi and lo < hi_i:
+                if not exports_with_clone(i):
+                    return
+                what = "parameter" if name in dict(module.named_parameters(remove_duplicate=False)) else "buffer"
+                raise TilecError(f"argument {i} and the module's {what} {name} share memory: torch.export cannot "
+                                 f"capture an argument updated in place that aliases the module's state; pass a "
+                                 f"tensor of its own (e.g. a clone)") from cause
 
 
 def _check_runs_eagerly(module: torch.nn.Module, args) -> None:
