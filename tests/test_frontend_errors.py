@@ -493,9 +493,10 @@ class BufferCache(torch.nn.Module):
 
 def test_in_place_update_of_a_module_buffer_is_refused_at_compile_time():
     """Nothing would bind the buffer when the program runs ("no tensor bound" on every call), so
-    the compile refuses it, naming the write's source line and what to do instead."""
-    with pytest.raises(UnsupportedNodeError, match=r"(?s)in-place update of b_cache, a buffer of the module rather "
-                                                   r"than a forward argument.*index_copy_\(1, pos, x\)"):
+    the compile refuses it, naming the buffer as the module does (not the capture's ``b_cache``), the
+    write's source line and what to do instead."""
+    with pytest.raises(UnsupportedNodeError, match=r"(?s)in-place update of buffer cache, kept in the module rather "
+                                                   r"than passed to forward.*index_copy_\(1, pos, x\)"):
         compile_module(BufferCache(), (torch.randn(2, 1, 8), torch.tensor([3])), positions=[1], max_positions=16)
 
 
@@ -831,3 +832,16 @@ def test_a_five_dim_operand_is_named_by_its_argument():
     with pytest.raises(UnsupportedNodeError, match=r"operand argument 0 \(x\) viewed as \[2, 2, 2, 2, 2\] has more "
                                                    r"than 4 dims \(tilec ops take at most 4\)"):
         compile_module(FiveDims(), (torch.randn(2, 16),))
+
+
+def test_refused_parameters_are_named_as_the_module_names_them():
+    """A float64 module's refused inputs were listed by their capture placeholders (``p_weight (p_weight)``,
+    ``argument 0 (input) (input)``); now as the user knows them, with their dtype and shape (a fresh user's
+    case)."""
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(torch.nn.Linear(4, 4).double(), (torch.randn(1, 4, dtype=torch.float64),))
+    text = str(info.value)
+    assert "  parameter weight (torch.float64[4, 4])" in text and "  parameter bias (torch.float64[4])" in text
+    assert "  argument 0 (input) (torch.float64[1, 4])" in text
+    assert "p_weight" not in text and "p_bias" not in text

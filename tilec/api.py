@@ -52,6 +52,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     except UnsupportedNodeError as first:
         every = find_unsupported(gm, binding, max_positions)  # report all of them, not just the first
         nodes = every if len(every) > 1 else [(*first.nodes[0], first.why[0])]
+        inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}  # named as the user knows them
+        nodes = [(binding.label(n[0]), _value_text(inputs[n[0]]), *n[2:]) if n[0] in inputs else n for n in nodes]
         whys = [first.reason, *(n[-1] for n in nodes if isinstance(n[-1], str))]
         raise UnsupportedNodeError(nodes, first.reason if len(every) <= 1 else "", _hint(args, whys)) from first
     compiled = compile_opgraph(graph, opts, with_dump(hook, opts), opgraph_seconds=time.perf_counter() - t0)
@@ -60,6 +62,12 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     single = n_user == 1 if binding.single_output is None else binding.single_output and n_user == 1
     return CompiledProgram(compiled, binding, single_output=single, opts=opts, example_args=args,
                            out_spec=binding.out_spec, guards=build_mask_guards(gm, binding, graph.mask_guards))
+
+
+def _value_text(node) -> str:
+    """``torch.float64[4, 4]``: a graph input's dtype and shape, for an error naming it."""
+    v = node.meta.get("val")
+    return f"{v.dtype}{list(v.shape)}" if isinstance(v, torch.Tensor) else "graph input"
 
 
 def _hint(args, whys=()) -> str:

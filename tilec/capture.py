@@ -62,6 +62,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             t = state.get(spec.target, ep.state_dict.get(spec.target) if spec.target in ep.state_dict
                           else ep.constants.get(spec.target))
             binding.consts[name] = t.detach().clone()  # a snapshot, as the plan folds their values
+            binding.buffer_names[name] = spec.target
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             binding.consts[name] = ep.constants[spec.target]
         elif spec.kind == InputKind.USER_INPUT:

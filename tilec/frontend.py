@@ -118,6 +118,7 @@ class GraphBinding:
         ``past_key_values.layers[0].keys``), for errors; else ``argument i (name)``.
     param_names: placeholder name of a parameter -> the module's name for it
         (``layers.0.self_attn.k_proj.weight``), for errors; else the placeholder's name.
+    buffer_names: the same for the module's buffers (``cache``, not ``b_cache``).
     examples: placeholder name -> the example value of a user input (a real tensor or a Python
         value), when the caller has them: a run-time attention mask that is not causal on them is
         refused when compiling (else every call would fail its check, :mod:`tilec.guards`).
@@ -133,8 +134,20 @@ class GraphBinding:
     out_spec: object | None = None
     labels: dict[str, str] = field(default_factory=dict)
     param_names: dict[str, str] = field(default_factory=dict)
+    buffer_names: dict[str, str] = field(default_factory=dict)
     listed_positions: bool = False
     examples: dict[str, object] = field(default_factory=dict)
+
+    def label(self, name: str) -> str:
+        """How the user knows placeholder ``name``: its label (``past_key_values.layers[0].keys``),
+        ``argument 2 (state_0)``, ``parameter k_proj.weight``, ``buffer cache``, or ``buffer NAME``."""
+        if name in self.labels:
+            return self.labels[name]
+        if name in self.user_inputs:
+            return f"argument {self.user_inputs.index(name)} ({name})"
+        if name in self.params:
+            return f"parameter {self.param_names.get(name, name)}"
+        return f"buffer {self.buffer_names.get(name, name)}"
 
 
 class _OperandError(TypeError):
@@ -239,15 +252,8 @@ class Lowering(FormsLowering, DsaLowering):
         return Provenance(node.name, target_name(node), source_of(node))
 
     def _argument(self, name: str) -> str:
-        """How the user knows placeholder ``name``: ``argument 2 (state_0)``, ``parameter k_proj.weight``, or
-        ``buffer b_cache``."""
-        if name in self.b.labels:
-            return self.b.labels[name]
-        if name in self.b.params:
-            return f"parameter {self.b.param_names.get(name, name)}"
-        if name in self.b.user_inputs:
-            return f"argument {self.b.user_inputs.index(name)} ({name})"
-        return f"buffer {name}"
+        """How the user knows placeholder ``name`` (:meth:`GraphBinding.label`)."""
+        return self.b.label(name)
 
     def _unsupported(self, node: fx.Node, reason: str | None = None):
         """Raises UnsupportedNodeError for ``node`` with ``reason``; without one, the hint about an unlisted
@@ -910,7 +916,7 @@ class Lowering(FormsLowering, DsaLowering):
             while root.op == "call_function" and root.target in INDEX_WRITES:
                 root = root.args[0]
             if root is not dst_node and root.op == "placeholder":  # a write into an earlier write's result
-                self._unsupported(node, f"a second write into {root.name!r} in one step (tilec plans one "
+                self._unsupported(node, f"a second write into {self._argument(root.name)} in one step (tilec plans one "
                                         f"in-place write per cache and step: write all of the step's rows at once)")
             self._unsupported(node, "index write into a tensor that is not a graph input (static cache)")
         dst = self.view_of(dst_node)
@@ -1112,15 +1118,15 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
                         low.position_update(r, target, r)
                         continue
                     if target in binding.consts:  # no argument binds it, so the program could never run
-                        low._unsupported(r, f"in-place update of {target}, a buffer of the module rather than a "
-                                            f"forward argument: tilec updates state its caller passes in (a KV "
+                        low._unsupported(r, f"in-place update of {low._argument(target)}, kept in the module rather "
+                                            f"than passed to forward: tilec updates state its caller passes in (a KV "
                                             f"cache argument, as HF's StaticCache layers are); pass the tensor to "
                                             f"forward instead of keeping it as a module buffer")
                     v = low.value(r)
                     if not (isinstance(v, View) and v.buffer == target and target in low.state_writes):
-                        low._unsupported(r, f"in-place update of input {target} that is not a KV-cache write "
-                                            f"(tilec plans writes at the decode position: {target}.index_copy_(dim, "
-                                            f"pos, new) or {target}[..., pos, ...] = new with pos a position argument)")
+                        low._unsupported(r, f"in-place update of {low._argument(target)} that is not a KV-cache write "
+                                            f"(tilec plans writes at the decode position: cache.index_copy_(dim, "
+                                            f"pos, new) or cache[..., pos, ...] = new with pos a position argument)")
                 except UnsupportedNodeError as e:
                     if not probe:
                         raise
