@@ -845,3 +845,24 @@ def test_refused_parameters_are_named_as_the_module_names_them():
     assert "  parameter weight (torch.float64[4, 4])" in text and "  parameter bias (torch.float64[4])" in text
     assert "  argument 0 (input) (torch.float64[1, 4])" in text
     assert "p_weight" not in text and "p_bias" not in text
+
+
+class ItemSlice(torch.nn.Module):
+    def forward(self, x, n):
+        return x[:, :n.item()]
+
+
+class MaskSelect(torch.nn.Module):
+    def forward(self, x):
+        return x[x > 0] * 2
+
+
+@pytest.mark.parametrize("module,args,node", [(ItemSlice(), (torch.randn(1, 16), torch.tensor(4)), "slice"),
+                                               (MaskSelect(), (torch.randn(1, 16),), "index")])
+def test_a_shape_read_from_data_is_refused_by_name(module, args, node):
+    """torch.export captures ``x[:, :n.item()]`` with a symbolic size (``u1``); the lowering then crashed in
+    torch's symbolic shapes (GuardOnDataDependentSymNode from tilec/ir.py). Now the node is refused, naming
+    its shape and why (a fresh user's case)."""
+    with pytest.raises(UnsupportedNodeError, match=rf"(?s){node}\S* \(aten\.{node}\.Tensor\).*its shape \[[^\]]*u\d+\] "
+                                                   r"depends on a tensor's value read at run time"):
+        compile_module(module, args)

@@ -150,6 +150,13 @@ class GraphBinding:
         return f"buffer {self.buffer_names.get(name, name)}"
 
 
+def _data_dependent_shape(node: fx.Node) -> bool:
+    """Whether ``node``'s tensor has a size that is a symbol (torch.export's unbacked ``u0`` for a size read
+    from data), not a number."""
+    v = val_of(node)
+    return v is not None and not all(isinstance(d, int) for d in v.shape)
+
+
 class _OperandError(TypeError):
     """An operand that is not a tensor value (e.g. the output of a node probe mode skipped)."""
 
@@ -379,7 +386,7 @@ class Lowering(FormsLowering, DsaLowering):
                     self.unsupported.append((node.name, target_name(node), source_of(node), str(e)))
                 for inp in node.all_input_nodes:  # find unsupported ancestors too (the backend's partitioner
                     self.value(inp)  # runs them eagerly: a refused attention's repeat_kv clones among them)
-                out = None if val_of(node) is None else self._opaque(node)
+                out = None if val_of(node) is None or _data_dependent_shape(node) else self._opaque(node)
         else:
             out = self._lower(node)
         self.env[node] = out
@@ -410,6 +417,10 @@ class Lowering(FormsLowering, DsaLowering):
         t = node.target
         if t in SKIP:
             return None
+        if _data_dependent_shape(node):
+            self._unsupported(node, f"its shape {list(val_of(node).shape)} depends on a tensor's value read at run "
+                                    f"time (.item(), nonzero, a mask's count): tilec plans every shape when it "
+                                    f"compiles")
         if t is operator.getitem:
             src = self.value(node.args[0])
             if not isinstance(src, (tuple, list)):
