@@ -87,6 +87,27 @@ def test_an_example_cache_aliasing_a_parameter_is_named(detached):
                        options=dict(executor="reference"))
 
 
+def test_a_strided_example_cache_is_refused_when_compiling():
+    """A non-contiguous example cache compiled, then every call was refused ("is updated in place and must
+    be contiguous"), also with the example's own layout; now the compile says so (a fresh user's case), and a
+    call's refusal gives the strides."""
+    from tilec.errors import InputError, TilecError
+
+    torch.manual_seed(0)
+    m = CacheStep("k").eval()
+    x = torch.randn(1, 1, H * D)
+    strided = torch.randn(1, H, S, 2 * D)[..., :D]
+    with pytest.raises(InputError, match=r"argument 2 \(cache\) is updated in place and must be contiguous; its "
+                                         r"example is not \(shape \[1, 2, 8, 16\], strides \[512, 256, 32, 1\]\)"):
+        compile_module(m, (x, torch.tensor([0]), strided), positions=[1], max_positions=S,
+                       options=dict(executor="reference"))
+    prog = compile_module(m, (x, torch.tensor([0]), torch.randn(1, H, S, D)), positions=[1], max_positions=S,
+                          options=dict(executor="reference"))
+    with pytest.raises(TilecError, match=r"argument 2 \(cache\) is updated in place and must be contiguous \(got "
+                                         r"strides \[512, 256, 32, 1\]\)"):
+        prog(x, torch.tensor([3]), strided)
+
+
 class WriteThenRead(torch.nn.Module):
     def forward(self, x, pos, cache, other):
         cache.index_copy_(2, pos, x)
