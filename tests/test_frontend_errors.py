@@ -200,6 +200,18 @@ def test_unknown_option_lists_valid_keys():
         assert f"'{key}'" in msg.split("valid")[1], msg
 
 
+def test_option_errors_are_tilec_errors():
+    """Bad options raised a bare ValueError where every other refusal is a TilecError (a fresh user's case);
+    an OptionsError is both."""
+    from tilec.errors import OptionsError
+    from tilec.options import Options
+
+    for bad in ({"workers": "four"}, {"wokers": 4}, ["workers", 4]):
+        with pytest.raises(OptionsError) as info:
+            Options.from_dict(bad)
+        assert isinstance(info.value, TilecError) and isinstance(info.value, ValueError)
+
+
 def test_a_non_bool_flag_option_is_a_clear_error():
     """A flag option given anything but a bool names the option, the value and both spellings
     (Python's True / False, the command line's true / false)."""

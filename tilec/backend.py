@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from . import __version__, plancache
 from .dump import with_dump
-from .errors import PositionError, TilecError, UnsupportedNodeError
+from .errors import OptionsError, PositionError, TilecError, UnsupportedNodeError
 from .frontend import GraphBinding, find_unsupported, lower_graph
 from .fxgraph import is_call, source_of, val_of
 from .guards import GuardError, build_mask_guards
@@ -70,16 +70,16 @@ class BackendOptions:
     @staticmethod
     def as_dict(options) -> dict:
         """``torch.compile``'s ``options`` as a dict: a dict, an :class:`Options` (its fields) or None.
-        Raises ``ValueError`` for anything else."""
+        Raises ``OptionsError`` (a ``ValueError``) for anything else."""
         if isinstance(options, Options):
             return {f.name: getattr(options, f.name) for f in dataclasses.fields(Options)}
         if options is not None and not isinstance(options, dict):
-            raise ValueError(f"tilec options: expected a dict or a tilec.options.Options, got {type(options).__name__}")
+            raise OptionsError(f"tilec options: expected a dict or a tilec.options.Options, got {type(options).__name__}")
         return dict(options or {})
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "BackendOptions":
-        """Raises ``ValueError`` naming an unknown key (with a "did you mean") or a bad value."""
+        """Raises ``OptionsError`` (a ``ValueError``) naming an unknown key (with a "did you mean") or a bad value."""
         d = dict(d or {})
         d.setdefault("check", "deferred")  # a decode loop's host does not wait for each step (Options.check)
         extra = {k: d.pop(k) for k in BACKEND_KEYS if k in d}
@@ -88,13 +88,13 @@ class BackendOptions:
         except ValueError as e:
             if "unknown tilec option" in str(e):
                 valid = [f.name for f in dataclasses.fields(Options)] + list(BACKEND_KEYS)
-                raise ValueError(unknown_options_message(sorted(set(d) - set(valid)), valid)) from None
+                raise OptionsError(unknown_options_message(sorted(set(d) - set(valid)), valid)) from None
             raise
         if not isinstance(extra.get("fallback", True), bool):
-            raise ValueError(f"tilec option fallback={extra['fallback']!r}: must be True or False")
+            raise OptionsError(f"tilec option fallback={extra['fallback']!r}: must be True or False")
         mp = extra.get("max_positions")
         if mp is not None and (not isinstance(mp, int) or isinstance(mp, bool) or mp < 1):
-            raise ValueError(f"tilec option max_positions={mp!r}: must be an int >= 1 or None")
+            raise OptionsError(f"tilec option max_positions={mp!r}: must be an int >= 1 or None")
         return cls(opts, **extra)
 
 

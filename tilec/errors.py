@@ -35,6 +35,12 @@ class InputError(TilecError, ValueError):
     ``ValueError``, which :func:`tilec.api.compile_module` raised for such inputs before."""
 
 
+class OptionsError(TilecError, ValueError):
+    """A compile option's name or value is not valid (the message names the option, and for an
+    unknown name the nearest valid one). Also a ``ValueError``, which :class:`tilec.options.Options`
+    raised before."""
+
+
 class ExampleInputError(InputError):
     """The module fails when run eagerly on its own example arguments (wrong count, shapes or
     dtypes): the message names the argument shapes and the user's source line that raised, or

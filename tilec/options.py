@@ -9,6 +9,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from .errors import OptionsError
+
 SCHEDULERS = ("list", "round_robin")
 EXECUTORS = ("auto", "cuda", "reference")
 
@@ -151,7 +153,7 @@ class Options:
 
     def __post_init__(self):
         if not (isinstance(self.check, bool) or self.check == "deferred"):
-            raise ValueError(f"tilec option check={self.check!r}: must be True, False or \"deferred\"")
+            raise OptionsError(f"tilec option check={self.check!r}: must be True, False or \"deferred\"")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "check":
@@ -162,49 +164,50 @@ class Options:
             base = f.type.split("|")[0].strip() if isinstance(f.type, str) else ""
             want = {"int": int, "bool": bool, "str": str}.get(base)
             if want is int and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"tilec option {f.name}={v!r}: must be an int")
+                raise OptionsError(f"tilec option {f.name}={v!r}: must be an int")
             if want is bool and not isinstance(v, bool):
-                raise ValueError(f"tilec option {f.name}={v!r}: must be a bool (True or False; true or false "
+                raise OptionsError(f"tilec option {f.name}={v!r}: must be a bool (True or False; true or false "
                                  f"on the command line)")
             if want is str and not isinstance(v, (str, os.PathLike)):
-                raise ValueError(f"tilec option {f.name}={v!r}: must be a string")
+                raise OptionsError(f"tilec option {f.name}={v!r}: must be a string")
         if not 1 <= self.workers <= 1024:
-            raise ValueError(f"tilec option workers={self.workers}: must be in 1..1024")
+            raise OptionsError(f"tilec option workers={self.workers}: must be in 1..1024")
         if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"tilec option scheduler={self.scheduler!r}: must be one of {SCHEDULERS}")
+            raise OptionsError(f"tilec option scheduler={self.scheduler!r}: must be one of {SCHEDULERS}")
         for name in ("tile_n", "split_k", "tile_rows", "attn_heads_per_tile"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"tilec option {name}={getattr(self, name)}: must be >= 1")
+                raise OptionsError(f"tilec option {name}={getattr(self, name)}: must be >= 1")
         if self.executor not in EXECUTORS:
-            raise ValueError(f"tilec option executor={self.executor!r}: must be one of {EXECUTORS}")
+            raise OptionsError(f"tilec option executor={self.executor!r}: must be one of {EXECUTORS}")
         m = re.fullmatch(r"sm_(\d+)a?", self.arch)
         if m is None or int(m.group(1)) < 90:
-            raise ValueError(f"tilec option arch={self.arch!r}: must be sm_90a or a newer sm_XX[a] (the executor "
+            raise OptionsError(f"tilec option arch={self.arch!r}: must be sm_90a or a newer sm_XX[a] (the executor "
                              f"uses Hopper's bulk copies and transaction mbarriers)")
         if self.watchdog_ms < 1:
-            raise ValueError(f"tilec option watchdog_ms={self.watchdog_ms}: must be >= 1")
+            raise OptionsError(f"tilec option watchdog_ms={self.watchdog_ms}: must be >= 1")
         if self.attn_kv_chunk is not None and self.attn_kv_chunk < 1:
-            raise ValueError(f"tilec option attn_kv_chunk={self.attn_kv_chunk}: must be >= 1 or None")
+            raise OptionsError(f"tilec option attn_kv_chunk={self.attn_kv_chunk}: must be >= 1 or None")
         if self.ring_stages is not None and not 2 <= self.ring_stages <= 8:
-            raise ValueError(f"tilec option ring_stages={self.ring_stages}: must be 2..8 or None")
+            raise OptionsError(f"tilec option ring_stages={self.ring_stages}: must be 2..8 or None")
         if self.tile_cols is not None and self.tile_cols < 1:
-            raise ValueError(f"tilec option tile_cols={self.tile_cols}: must be >= 1 or None")
+            raise OptionsError(f"tilec option tile_cols={self.tile_cols}: must be >= 1 or None")
         if self.dump_dir is not None:
             if not isinstance(self.dump_dir, (str, os.PathLike)) or not os.fspath(self.dump_dir):
-                raise ValueError(f"tilec option dump_dir={self.dump_dir!r}: must be a non-empty path or None")
+                raise OptionsError(f"tilec option dump_dir={self.dump_dir!r}: must be a non-empty path or None")
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))  # a str, so digest() can hash it
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "Options":
-        """Build from a user dict; an unknown key raises ``ValueError`` listing the valid keys (and the
-        nearest valid key where one is close, e.g. ``Workers`` -> ``workers``)."""
+        """Build from a user dict; an unknown key raises :class:`tilec.errors.OptionsError` (a
+        ``ValueError`` too) listing the valid keys (and the nearest valid key where one is close, e.g.
+        ``Workers`` -> ``workers``), and so does a value of the wrong type or range."""
         if d is not None and not isinstance(d, dict) and not hasattr(d, "keys"):
-            raise ValueError(f"tilec options must be a dict such as {{'workers': 8}}, not {type(d).__name__} {d!r}")
+            raise OptionsError(f"tilec options must be a dict such as {{'workers': 8}}, not {type(d).__name__} {d!r}")
         d = dict(d or {})
         valid = list(OPTION_TYPES)
         unknown = sorted(set(d) - set(valid))
         if unknown:
-            raise ValueError(unknown_options_message(unknown, valid))
+            raise OptionsError(unknown_options_message(unknown, valid))
         return cls(**d)
 
     def digest(self) -> str:
