@@ -761,8 +761,14 @@ def test_a_deferred_step_error_is_raised_once_its_record_arrives():
         def synchronize(self):
             self.done = True
 
+    from tilec.ir import Buffer, BufferKind, Op, View
+
+    ids, table = (View.whole(Buffer(n, s, d, k)) for n, s, d, k in (("ids", (1, 1), torch.int64, BufferKind.INPUT),
+                                                                      ("w", (1000, 8), torch.float32, BufferKind.PARAM)))
     ex = object.__new__(CudaExecutor)
-    ex.plan = SimpleNamespace(op_names=["embedding"], graph=SimpleNamespace(ops=[SimpleNamespace(provenance=None)]))
+    ex.plan = SimpleNamespace(op_names=["embedding"], graph=SimpleNamespace(ops=[Op("embedding", "embedding", (table, ids),
+                                                                                     ())]))
+    ex.input_labels = {"ids": "argument 0 (input_ids)"}  # (set by CompiledProgram: the op names what it reads)
     ex.err = torch.zeros(_ERR_INTS, dtype=torch.int32)
     rec = torch.zeros(_ERR_INTS, dtype=torch.int32)
     rec[10], rec[11], rec[12] = 1, 7, 0
@@ -771,8 +777,9 @@ def test_a_deferred_step_error_is_raised_once_its_record_arrives():
     ex.check_deferred()  # the copy has not completed: nothing yet
     assert ex._err_copied is not None
     ex._err_copied.done = True
-    with pytest.raises(TilecError, match=r"^a step before this call \(check=\"deferred\"\): task 7 \(op embedding\) "
-                                         r"failed: index 1000 read at run time is outside \[0, 1000\)"):
+    with pytest.raises(TilecError, match=r"^a step before this call \(check=\"deferred\"\): task 7 \(op embedding; it "
+                                         r"reads argument 0 \(input_ids\)\) failed: index 1000 read at run time is "
+                                         r"outside \[0, 1000\)"):
         ex.check_deferred()
     assert ex._err_copied is None
     ex.check_deferred(wait=True)  # nothing queued

@@ -34,6 +34,7 @@ class CudaExecutor:
         """``lib_path``: an already built library of this plan (e.g. an artifact's ``cuda/libtilec.so``);
         without it the plan's sources are rendered and built (cached) with nvcc."""
         self.plan, self.opts, self.device = plan, opts, device
+        self.input_labels: dict[str, str] = {}  # buffer name -> its argument's label, for errors (CompiledProgram's)
         self.sources = codegen.render(plan)
         self.lib_path = lib_path if lib_path is not None else codegen.build(self.sources, opts.arch, progress)
         lib = ctypes.CDLL(str(self.lib_path))
@@ -141,7 +142,8 @@ class CudaExecutor:
         name = self.plan.op_names[op] if 0 <= op < len(self.plan.op_names) else "empty task"
         if 0 <= op < len(self.plan.graph.ops) and self.plan.graph.ops[op].provenance:
             name += f" from FX node {self.plan.graph.ops[op].provenance.render()}"
-        return name
+        reads = self.plan.graph.ops[op].read_labels(self.input_labels) if 0 <= op < len(self.plan.graph.ops) else []
+        return name + (f"; it reads {', '.join(reads)}" if reads else "")
 
     def check(self) -> None:
         """Synchronizes and raises what the steps since the last check recorded: a step that ended

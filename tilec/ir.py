@@ -198,6 +198,16 @@ class Op:
                 return v
         return default
 
+    def read_labels(self, labels: dict[str, str]) -> list[str]:
+        """How the user knows the buffers this op reads that ``labels`` names (buffer name -> a
+        program argument's label, ``argument 0 (input_ids)``): in input order, each once."""
+        out = []
+        for v in self.inputs:
+            label = labels.get(v.buffer)
+            if label is not None and label not in out:
+                out.append(label)
+        return out
+
     def to_dict(self) -> dict:
         prov = self.provenance
         return {"name": self.name, "kind": self.kind, "inputs": [v.to_dict() for v in self.inputs],

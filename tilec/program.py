@@ -192,6 +192,9 @@ class CompiledProgram:
                 self.executor = CudaExecutor(self.plan, opts, self.device, progress, library)
             else:
                 self.executor = ReferenceExecutor(self.plan)
+        # a run-time error names the arguments its op reads (a token id outside the table: argument 0 (input_ids))
+        self.executor.input_labels = {name: label for name, label in zip(self.graph.inputs, self._labels)
+                                      if name not in (POSITION, IGNORED)}
 
     @property
     def stats(self) -> dict:

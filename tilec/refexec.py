@@ -63,6 +63,7 @@ class ReferenceExecutor:
 
     def __init__(self, plan: KernelPlan):
         self.plan = plan
+        self.input_labels: dict[str, str] = {}  # buffer name -> its argument's label, for errors (CompiledProgram's)
         self.counters = torch.zeros(plan.events.shape[0] + plan.arrivals, dtype=torch.int64)
         self.epoch = 0
 
@@ -149,7 +150,9 @@ class ReferenceExecutor:
         except (IndexError, RuntimeError) as e:
             op = self.plan.graph.ops[d[F["op"][0]]]
             where = f" from {op.provenance.render()}" if op.provenance else ""
-            raise TilecError(f"task {d[_W['task']]} (op {op.name}{where}) failed: {e}") from e
+            reads = op.read_labels(self.input_labels)
+            reads = f"; it reads {', '.join(reads)}" if reads else ""
+            raise TilecError(f"task {d[_W['task']]} (op {op.name}{where}{reads}) failed: {e}") from e
 
     def _arrive(self, counter: int, count: int) -> bool:
         """An arrival at ``counter`` (an index the plan gave the tile): whether it was the step's last of ``count``.
