@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tilec.api import compile_module
-from tilec.errors import DataDependentError, InputError, TilecError, UnsupportedNodeError
+from tilec.errors import DataDependentError, InputError, PositionError, TilecError, UnsupportedNodeError
 from tilec.hf import cache_kwargs
 from tilec.options import Options
 
@@ -346,7 +346,7 @@ def test_seek_checks_its_position_before_changing_anything():
     before = [int(l.cumulative_length) for l in cache.layers if isinstance(getattr(l, "cumulative_length", None),
                                                                             torch.Tensor)]
     for bad in (8.0, True, "3", torch.tensor(4.0), torch.tensor([True]), torch.tensor([4, 5])):
-        with pytest.raises(ValueError, match="position must be an int or an integer tensor of one element"):
+        with pytest.raises(PositionError, match="position must be an int or an integer tensor of one element"):
             step.seek(bad)
     after = [int(l.cumulative_length) for l in cache.layers if isinstance(getattr(l, "cumulative_length", None),
                                                                            torch.Tensor)]

@@ -58,9 +58,11 @@ def describe_exception(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else f"{type(e).__name__} (no message)"
 
 
-class PositionError(TilecError):
+class PositionError(TilecError, ValueError):
     """A call's decode position arguments do not fit its program: one is outside the planned range
-    ``[0, max_positions)``, or two disagree. The message names the arguments and values."""
+    ``[0, max_positions)``, two disagree, or (``HFDecodeStep``) it is not an integer or not the
+    cache's next position. The message names the arguments and values. Also a ``ValueError``, which
+    ``HFDecodeStep`` raised for the latter before."""
 
 
 class DataDependentError(TilecError):

@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from .api import compile_module
-from .errors import DataDependentError, InputError, TilecError
+from .errors import DataDependentError, InputError, PositionError
 from .options import Options
 from .ir import is_integer
 
@@ -134,7 +134,7 @@ class HFDecodeStep:
                              f"static cache and does not support sliding windows yet")
         cache_batch = int(layers[0].keys.shape[0])
         if batch_size != cache_batch:
-            raise ValueError(f"batch_size={batch_size}, but the StaticCache holds {cache_batch} "
+            raise InputError(f"batch_size={batch_size}, but the StaticCache holds {cache_batch} "
                              f"sequence{'s' if cache_batch != 1 else ''}")
         self.cache = cache
         self.module = StaticCacheStep(model, cache)
@@ -155,16 +155,16 @@ class HFDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
         """``position``: an int, or an integer tensor of one element (read on the host: a device
-        tensor costs a sync). Raises ``ValueError`` if it is neither, or does not equal the number of
-        tokens the cache holds (on transformers versions whose cache counts them), and
-        ``TilecError`` if it is outside ``[0, max_cache_len)``."""
+        tensor costs a sync). Raises :class:`tilec.errors.PositionError` (a ``TilecError`` and a
+        ``ValueError``) if it is neither, does not equal the number of tokens the cache holds (on
+        transformers versions whose cache counts them), or is outside ``[0, max_cache_len)``."""
         position = self._check_position(position)
         counters = self._counters()
         if counters and position != self._expected:  # checked on the device only when in doubt
             held = torch.stack([c.reshape(()) for c in counters]).tolist()
             bad = [h for h in held if h != position]
             if bad:
-                raise ValueError(f"position {position}, but the cache holds {bad[0]} tokens: "
+                raise PositionError(f"position {position}, but the cache holds {bad[0]} tokens: "
                                  f"decode steps must write consecutive positions (to re-decode from a position, "
                                  f"call step.seek(position) first)")
         # the position argument and every layer's counter argument as the int (no host tensors to
@@ -195,10 +195,10 @@ class HFDecodeStep:
         elif not isinstance(position, numbers.Integral) or isinstance(position, bool):
             got = f"a {position.dtype} tensor of shape {list(position.shape)}" if isinstance(position, torch.Tensor) \
                 else repr(position)
-            raise ValueError(f"position must be an int or an integer tensor of one element, got {got}")
+            raise PositionError(f"position must be an int or an integer tensor of one element, got {got}")
         position = int(position)
         if not 0 <= position < self.max_len:
-            raise TilecError(f"decode position {position} outside the planned range [0, {self.max_len}) "
+            raise PositionError(f"decode position {position} outside the planned range [0, {self.max_len}) "
                              f"(the static cache holds {self.max_len} positions)")
         return position
 
