@@ -31,33 +31,45 @@ struct Stamp {
   unsigned smid, pad;
 };
 
+// Thread 0's ring: init the stages' full barriers; item i into stage i % kStages once the item kStages back
+// has landed; wait for the last items (they write this CTA's shared memory).
+__device__ void ring_init(unsigned long long* full) {
+  for (int s = 0; s < kStages; ++s) tilec::mbar_init(full + s, 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ void ring_item(char* ring, unsigned long long* full, int i, const char* src, unsigned long long policy) {
+  const int s = i % kStages;
+  if (i >= kStages)  // stage s held item i - kStages: wait for it to land before refilling it
+    while (!tilec::mbar_test(full + s, ((i - kStages) / kStages) & 1)) {
+    }
+  tilec::mbar_expect_tx(full + s, kStageBytes);
+  for (int q = 0; q < kStageBytes / 4096; ++q)
+    tilec::bulk_load(ring + s * kStageBytes + q * 4096, src + q * 4096, 4096, full + s, policy);
+}
+__device__ void ring_drain(unsigned long long* full, int items) {
+  for (int j = items > kStages ? items - kStages : 0; j < items; ++j)
+    while (!tilec::mbar_test(full + j % kStages, (j / kStages) & 1)) {
+    }
+}
+__device__ unsigned smid() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
 __global__ void __launch_bounds__(64, 1) stream_share(const char* buf, long long share, int rotate, Stamp* out) {
   extern __shared__ __align__(128) char ring[];
   __shared__ unsigned long long full[kStages];
   if (threadIdx.x != 0) return;
-  for (int s = 0; s < kStages; ++s) tilec::mbar_init(full + s, 1);
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  unsigned smid;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  ring_init(full);
   const long long chunk = (blockIdx.x + (long long)rotate) % gridDim.x;
   const char* mine = buf + chunk * share;
   const unsigned long long policy = tilec::evict_first_policy();
   const int items = (int)(share / kStageBytes);
   const unsigned long long t0 = tilec::global_timer();
-  for (int i = 0; i < items; ++i) {
-    const int s = i % kStages;
-    if (i >= kStages)  // stage s held item i - kStages: wait for it to land before refilling it
-      while (!tilec::mbar_test(full + s, ((i - kStages) / kStages) & 1)) {
-      }
-    tilec::mbar_expect_tx(full + s, kStageBytes);
-    for (int q = 0; q < kStageBytes / 4096; ++q)
-      tilec::bulk_load(ring + s * kStageBytes + q * 4096, mine + (long long)i * kStageBytes + q * 4096, 4096,
-                       full + s, policy);
-  }
-  for (int j = items > kStages ? items - kStages : 0; j < items; ++j)
-    while (!tilec::mbar_test(full + j % kStages, (j / kStages) & 1)) {
-    }
-  out[blockIdx.x] = Stamp{t0, tilec::global_timer(), smid, 0};
+  for (int i = 0; i < items; ++i) ring_item(ring, full, i, mine + (long long)i * kStageBytes, policy);
+  ring_drain(full, items);
+  out[blockIdx.x] = Stamp{t0, tilec::global_timer(), smid(), 0};
 }
 
 // The "claimed" form: the same bytes in units of `unit` bytes claimed from a global counter (one claimed ahead, so
@@ -68,10 +80,7 @@ __global__ void __launch_bounds__(64, 1) stream_claimed(const char* buf, int uni
   extern __shared__ __align__(128) char ring[];
   __shared__ unsigned long long full[kStages];
   if (threadIdx.x != 0) return;
-  for (int s = 0; s < kStages; ++s) tilec::mbar_init(full + s, 1);
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  unsigned smid;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  ring_init(full);
   const unsigned long long policy = tilec::evict_first_policy();
   const int per_unit = (int)(unit / kStageBytes);
   const unsigned long long t0 = tilec::global_timer();
@@ -79,22 +88,12 @@ __global__ void __launch_bounds__(64, 1) stream_claimed(const char* buf, int uni
   while (next < units) {
     const long long cur = next;
     next = atomicAdd(counter, 1);
-    for (int u = 0; u < per_unit; ++u, ++i) {
-      const int s = i % kStages;
-      if (i >= kStages)
-        while (!tilec::mbar_test(full + s, ((i - kStages) / kStages) & 1)) {
-        }
-      tilec::mbar_expect_tx(full + s, kStageBytes);
-      for (int q = 0; q < kStageBytes / 4096; ++q)
-        tilec::bulk_load(ring + s * kStageBytes + q * 4096, buf + cur * unit + (long long)u * kStageBytes + q * 4096,
-                         4096, full + s, policy);
-    }
+    for (int u = 0; u < per_unit; ++u, ++i)
+      ring_item(ring, full, i, buf + cur * unit + (long long)u * kStageBytes, policy);
     ++done;
   }
-  for (int j = i > kStages ? i - kStages : 0; j < i; ++j)
-    while (!tilec::mbar_test(full + j % kStages, (j / kStages) & 1)) {
-    }
-  out[blockIdx.x] = Stamp{t0, tilec::global_timer(), smid, (unsigned)done};
+  ring_drain(full, i);
+  out[blockIdx.x] = Stamp{t0, tilec::global_timer(), smid(), (unsigned)done};
 }
 
 static double median(std::vector<double> v) {
