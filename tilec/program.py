@@ -8,7 +8,7 @@ import operator
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import InputError, PositionError, TilecError
+from .errors import PositionError, TilecError
 from .frontend import IGNORED, POSITION, GraphBinding
 from .guards import check_mask_guards, mismatches, raise_first_mismatch
 from .ir import BufferKind, is_integer
@@ -129,11 +129,6 @@ class CompiledProgram:
         self._labels = list(arg_labels) if arg_labels is not None and len(arg_labels) == len(self.graph.inputs) else \
             [f"argument {i}" + ("" if name in (POSITION, IGNORED) else f" ({name})")
              for i, name in enumerate(self.graph.inputs)]
-        for (kind, name, *_, inplace), ex, label in zip(self._arg_specs, example, self._labels):
-            if kind == _TENSOR and inplace and isinstance(ex, torch.Tensor) and not ex.is_contiguous():
-                raise InputError(f"{label} is updated in place and must be contiguous; its example is not (shape "
-                                 f"{list(ex.shape)}, strides {list(ex.stride())}): pass a contiguous tensor, as "
-                                 f"every call must (a .contiguous() copy would be updated instead of the caller's)")
         # Python values among the example arguments (a float scale, an int count): torch.export
         # baked them into the graph, so a call must pass the same values
         self._baked = {i: a for i, (a, name) in enumerate(zip(example_args, self.graph.inputs))
@@ -255,7 +250,9 @@ class CompiledProgram:
             if not a.is_contiguous():
                 if inplace:
                     raise TilecError(f"{self._labels[i]} is updated in place and must be contiguous (got strides "
-                                     f"{list(a.stride())}); a .contiguous() copy would be updated instead of yours")
+                                     f"{list(a.stride())} for shape {list(a.shape)}; the step was planned for any "
+                                     f"contiguous tensor of that shape, whatever the example's strides): a "
+                                     f".contiguous() copy would be updated instead of yours")
                 a = a.contiguous()  # a read-only input: a contiguous copy is equivalent
             tensors[name] = a
 
