@@ -111,6 +111,43 @@ def test_a_strided_cache_is_refused_at_a_call_with_its_strides():
         prog(x, torch.tensor([3]), strided)
 
 
+class CacheBesideState(torch.nn.Module):
+    """Reads a weight argument ``w`` (a caller may pass the module's own, tied) and keeps a non-persistent
+    buffer (not in its state_dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(H * D, H * D))
+        self.register_buffer("store", torch.randn(1, H, S, D), persistent=False)
+
+    def forward(self, x, w, pos, cache):
+        cache.index_copy_(2, pos, (x @ w).view(x.shape[0], 1, H, D).transpose(1, 2))
+        return (x @ self.w) * 2 + self.store[:, :, :1].reshape(1, 1, -1)[..., :H * D]
+
+
+def test_an_example_cache_aliasing_state_is_found_past_a_tied_read_and_in_unsaved_buffers():
+    """Two holes a reviewer found in the check above: a non-persistent buffer (not in the state_dict) and an
+    earlier harmless overlap (a tied weight argument, only read) left torch.export's raw errors."""
+    from tilec.errors import TilecError
+
+    torch.manual_seed(0)
+    m = CacheBesideState().eval()
+    x = torch.randn(1, 1, H * D)
+    with pytest.raises(TilecError, match=r"argument 3 and the module's buffer store share memory"):
+        compile_module(m, (x, m.w.detach().clone(), torch.tensor([0]), m.store), positions=[2], max_positions=S,
+                       options=dict(executor="reference"))
+    with pytest.raises(TilecError, match=r"argument 3 and the module's buffer store share memory"):
+        compile_module(m, (x, m.w, torch.tensor([0]), m.store), positions=[2], max_positions=S,
+                       options=dict(executor="reference"))
+    prog = compile_module(m, (x, m.w, torch.tensor([0]), m.store.clone()), positions=[2], max_positions=S,
+                          options=dict(executor="reference"))  # the tied read alone is fine
+    mine, ref = m.store.clone(), m.store.clone()
+    with torch.no_grad():
+        want = m(x, m.w, torch.tensor([3]), ref)
+        assert_close(prog(x, m.w, torch.tensor([3]), mine), want, 1e-5, "tied read")
+    assert_close(mine, ref, 1e-5, "the cache written")
+
+
 class WriteThenRead(torch.nn.Module):
     def forward(self, x, pos, cache, other):
         cache.index_copy_(2, pos, x)

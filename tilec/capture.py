@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import itertools
 import logging
 import os
 import sys
@@ -169,39 +170,45 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
 
 def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
     """After a failed export: raises :class:`TilecError` naming two tensor arguments, or an argument
-    and a parameter or buffer of the module, whose memory overlaps when the export succeeds with
-    the argument cloned (``torch.export`` cannot capture an input updated in place that aliases
-    another tensor, and says so only obscurely: an IndexError or AttributeError from its guards);
-    returns when nothing overlaps or the overlap is not the cause."""
-    def exports_with_clone(j: int) -> bool:
-        trial = list(args)
-        trial[j] = args[j].clone()
+    and a parameter or buffer of the module, whose memory overlaps, when the export succeeds with
+    the (second) argument cloned (``torch.export`` cannot capture an input updated in place that
+    aliases another tensor, and says so only obscurely: an IndexError, or an AttributeError from its
+    guards); returns when nothing overlaps or the overlaps are not the cause. Exports once more with
+    every overlapping argument cloned, then once per overlap to name the one that matters."""
+    def exports_with_clones(idx) -> bool:
+        trial = [a.clone() if i in idx else a for i, a in enumerate(args)]
         try:
             torch.export.export(module, tuple(trial), strict=False).run_decompositions({})
-        except Exception:  # noqa: BLE001 - fails without the overlap too: not the cause
+        except Exception:  # noqa: BLE001 - fails with these overlaps gone too: not (only) their cause
             return False
         return True
 
     ranges = [(i, _byte_range(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.numel() > 0]
+    params = dict(module.named_parameters(remove_duplicate=False))
+    state = [(("parameter" if name in params else "buffer"), name, _byte_range(t))
+             for name, t in itertools.chain(params.items(), module.named_buffers(remove_duplicate=False))
+             if isinstance(t, torch.Tensor) and t.numel() > 0 and t.device.type != "meta"]
+    overlaps = []  # (argument to clone, message)
     for x, (i, (lo_i, hi_i)) in enumerate(ranges):
         for j, (lo_j, hi_j) in ranges[x + 1:]:
             if lo_i < hi_j and lo_j < hi_i:
-                if not exports_with_clone(j):
-                    return
-                raise TilecError(f"arguments {i} and {j} share memory (one tensor, or overlapping views of one): "
-                                 f"torch.export cannot capture them when one is updated in place; pass distinct "
-                                 f"tensors (e.g. a clone)") from cause
-    state = [(name, _byte_range(t)) for name, t in module.state_dict(keep_vars=True).items()
-             if isinstance(t, torch.Tensor) and t.numel() > 0 and t.device.type != "meta"]
+                overlaps.append((j, f"arguments {i} and {j} share memory (one tensor, or overlapping views of one): "
+                                    f"torch.export cannot capture them when one is updated in place; pass distinct "
+                                    f"tensors (e.g. a clone)"))
     for i, (lo_i, hi_i) in ranges:
-        for name, (lo, hi) in state:
+        for what, name, (lo, hi) in state:
             if lo_i < hi and lo < hi_i:
-                if not exports_with_clone(i):
-                    return
-                what = "parameter" if name in dict(module.named_parameters(remove_duplicate=False)) else "buffer"
-                raise TilecError(f"argument {i} and the module's {what} {name} share memory: torch.export cannot "
-                                 f"capture an argument updated in place that aliases the module's state; pass a "
-                                 f"tensor of its own (e.g. a clone)") from cause
+                overlaps.append((i, f"argument {i} and the module's {what} {name} share memory: torch.export cannot "
+                                    f"capture an argument updated in place that aliases the module's state; pass a "
+                                    f"tensor of its own (e.g. a clone)"))
+    if not overlaps or not exports_with_clones({i for i, _ in overlaps}):
+        return
+    for i, message in overlaps:
+        if len(overlaps) == 1 or exports_with_clones({i}):
+            raise TilecError(message) from cause
+    raise TilecError("; ".join(dict.fromkeys(m.split(":")[0] for _, m in overlaps)) +
+                     ": torch.export cannot capture an argument updated in place that aliases another tensor; pass "
+                     "tensors of their own (e.g. clones)") from cause
 
 
 def _check_runs_eagerly(module: torch.nn.Module, args) -> None:
