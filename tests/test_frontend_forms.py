@@ -207,6 +207,19 @@ def test_a_bool_mask_added_to_scores_is_refused_by_name():
         compile_module(f.eval(), QKV)
 
 
+class IntMaskArgument(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return torch.softmax((q @ k.transpose(-2, -1)) * 0.25 + mask, -1) @ v
+
+
+def test_an_integer_mask_argument_is_named_as_the_user_passed_it():
+    """The refusal named the mask by its capture placeholder (``arg2_1`` under torch.compile, ``mask`` here);
+    now by the argument (a reviewer's case), with the article an int64 takes."""
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(UnsupportedNodeError, match=r"an int64 mask added to attention scores \(argument 3 \(mask\)\)"):
+        compile_module(IntMaskArgument(), (q, k, v, torch.zeros(1, 1, 1, 8, dtype=torch.long)))
+
+
 @pytest.mark.parametrize("shapes", [((1, 2, 1, 16), (1, 1, 8, 16), (1, 2, 8, 16)),
                                     ((1, 2, 1, 16), (2, 2, 8, 16), (2, 2, 8, 16)),
                                     ((2, 2, 1, 16), (1, 2, 8, 16), (2, 2, 8, 16))],

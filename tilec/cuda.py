@@ -142,7 +142,8 @@ class CudaExecutor:
         name = self.plan.op_names[op] if 0 <= op < len(self.plan.op_names) else "empty task"
         if 0 <= op < len(self.plan.graph.ops) and self.plan.graph.ops[op].provenance:
             name += f" from FX node {self.plan.graph.ops[op].provenance.render()}"
-        reads = self.plan.graph.ops[op].read_labels(self.input_labels) if 0 <= op < len(self.plan.graph.ops) else []
+        labels = getattr(self, "input_labels", {})  # (set in __init__; an executor made otherwise has none)
+        reads = self.plan.graph.ops[op].read_labels(labels) if 0 <= op < len(self.plan.graph.ops) else []
         return name + (f"; it reads {', '.join(reads)}" if reads else "")
 
     def check(self) -> None:

@@ -761,7 +761,10 @@ class Lowering(FormsLowering, DsaLowering):
             return None
         k_n = upcast_source(kt.args[0])
         if mask is not None and not val_of(mask).dtype.is_floating_point:
-            self._unsupported(node, f"a {dtype_name(val_of(mask).dtype)} mask added to attention scores ({mask.name}): "
+            name = dtype_name(val_of(mask).dtype)
+            what = self._argument(mask.name) if mask.op == "placeholder" else f"node {mask.name}"
+            self._unsupported(node, f"a{'n' if name[0] in 'aeiou' else ''} {name} mask added to attention scores "
+                                    f"({what}): "
                                     f"eager adds its values, 0 or 1 - a mask to add is float, 0 where allowed and a "
                                     f"large negative number where masked")
         if mask is not None and is_call(mask, aten.slice.Tensor) and tuple(val_of(mask).shape) == tuple(val_of(mask.args[0]).shape):
@@ -979,8 +982,8 @@ class Lowering(FormsLowering, DsaLowering):
         tabulated over p and written back by the program after each step."""
         val = self.value(value_node)
         if not isinstance(val, Positional):
-            self._unsupported(node, f"in-place update of position input {target} with a value that does not depend "
-                                    f"only on the position")
+            self._unsupported(node, f"in-place update of position {self._argument(target)} with a value that does "
+                                    f"not depend only on the position")
         self.position_updates[target] = val.table
 
 
