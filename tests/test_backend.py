@@ -532,6 +532,7 @@ def test_errors_name_the_users_argument_not_a_graph_placeholder():
     ("L['args'][0]._modules['model']._modules['layers']._modules['0']._parameters['weight']",
      "self.model.layers[0].weight"),
     ("L['args'][1]", "args[1]"),
+    (("L['args'][1]", True), "forward's positional argument 0"),  # Dynamo's args[0] is the module (a reviewer's case)
     ("L['pos']", "pos"),
     ("L['fn']._modules['0']._parameters['bias']", "self[0].bias"),
     ("", "graph input arg3_1"),
@@ -540,10 +541,11 @@ def test_user_labels_of_dynamo_sources(source, label):
     class Node:
         name, meta = "arg3_1", {}
 
+    source, module_first = source if isinstance(source, tuple) else (source, False)
     node = Node()
     if source:
         node.meta["grapharg"] = type("GraphArg", (), {"source": type("Source", (), {"name": lambda self: source})()})()
-    assert backend._user_label(node) == label
+    assert backend._user_label(node, module_first) == label
 
 
 def test_a_prefill_forward_runs_and_matches_eager():

@@ -104,14 +104,18 @@ def _source_name(node: fx.Node) -> str:
     return src.name() if callable(getattr(src, "name", None)) else str(getattr(src, "name", "") or "")
 
 
-def _user_label(node: fx.Node) -> str:
+def _user_label(node: fx.Node, module_first: bool = False) -> str:
     """The user's name of a Dynamo graph input, for errors: its source written as Python
     (``L['kwargs']['past_key_values'].layers[0].keys`` -> ``past_key_values.layers[0].keys``,
     ``L['args'][0]._modules['layers']._modules['0']._parameters['weight']`` -> ``self.layers[0].weight``),
-    else the node's name."""
+    else the node's name. ``module_first``: Dynamo's ``L['args'][0]`` is the compiled module (its
+    parameters come from there), so ``L['args'][k]`` is forward's positional argument k - 1."""
     src = _source_name(node)
     if not src:
         return f"graph input {node.name}"
+    k = re.fullmatch(r"L\['args'\]\[(\d+)\]", src)
+    if module_first and k and int(k[1]) >= 1:
+        return f"forward's positional argument {int(k[1]) - 1}"
     # the compiled module itself (Dynamo passes it as the first argument of its call)
     src = re.sub(r"^L\['(?:fn|self)'\]|^L\['args'\]\[0\](?=\._(?:modules|parameters|buffers)\[)", "self", src)
     src = re.sub(r"\._modules\['(\d+)'\]", r"[\1]", src)  # a ModuleList entry
@@ -583,8 +587,10 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
                     "fail on them). Call the model under torch.no_grad() or torch.inference_mode(); tilec does not "
                     "train")
     kinds = [*("param" for _ in gm.parameters()), *("const" for _ in gm.buffers()), *_classify(gm, example_inputs)]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    module_first = any(_source_name(n).startswith("L['args'][0]._") for n in placeholders)
     labels = [*(name for name, _ in gm.named_parameters()), *(name for name, _ in gm.named_buffers()),
-              *(_user_label(n) for n in gm.graph.nodes if n.op == "placeholder")]
+              *(_user_label(n, module_first) for n in placeholders)]
 
     def fw_compiler(aot_gm: fx.GraphModule, aot_inputs):
         from torch._subclasses.fake_tensor import unset_fake_temporarily
