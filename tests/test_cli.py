@@ -1038,6 +1038,17 @@ def test_option_hints_stay_where_they_apply(facts, tmp_path):
     assert r.exit_code == 2 and "-O KEY=VALUE" not in r.stderr and "--workers" in r.stderr, r.output
 
 
+@pytest.mark.parametrize("flag", ["-q", "--quiet"])
+def test_quiet_after_the_command_says_where_it_goes(facts, tmp_path, flag):
+    """``tilec compile ... -q`` said only "No such option: -q" (a fresh user's case); it goes before the
+    command, and there it works."""
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build", flag)
+    assert r.exit_code == 2 and f"No such option: {flag}. It goes before the command: tilec {flag} compile" \
+        in r.stderr, r.output
+    r = invoke(flag, "compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build")
+    assert r.exit_code == 0 and r.stderr == "", r.output
+
+
 def test_a_factory_spec_with_two_colons_is_a_usage_error(facts, tmp_path):
     """``FILE::NAME`` said there was no such file ``FILE:``."""
     r = invoke("compile", f"{facts}::linear", "-o", tmp_path / "a", "--no-build")

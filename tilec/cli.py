@@ -81,6 +81,10 @@ class _Group(click.Group):
                     name in OPTION_TYPES:
                 raise click.NoSuchOption(e.option_name, f"No such option: {e.option_name}. tilec options are given "
                                                         f"as -O KEY=VALUE, e.g. -O {name}=...", ctx=e.ctx) from None
+            if e.ctx is not None and e.ctx.parent is not None and e.option_name in ("-q", "--quiet"):
+                raise click.NoSuchOption(e.option_name, f"No such option: {e.option_name}. It goes before the "
+                                                        f"command: tilec {e.option_name} {e.ctx.command.name} ...",
+                                         ctx=e.ctx) from None
             raise
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
