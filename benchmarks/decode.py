@@ -224,6 +224,20 @@ class Gemvs(torch.nn.Module):
         return tuple(w(x) for w in self.ws)
 
 
+def gemv_plan(n: int, k: int, count: int, rows: int = 1, profile: bool = False):
+    """``(module, x, program, run)`` for ``count`` GEMVs [n, k] of ``rows`` x rows (bf16) on the GPU: ``run()``
+    launches the executor once on an operand table bound once (no host work to time, so a CUDA graph can hold it)."""
+    from tilec.api import compile_module
+
+    mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        prog = compile_module(mod, (x,), options=dict(check=False, profile=profile))
+    tensors, p = prog.bind_args((x,))
+    table = prog.plan.bind_base(tensors)
+    return mod, x, prog, lambda: prog.executor.run(tensors, table, position=p)
+
+
 GEMV_WARM_MS = 50.0  # replays of a GEMV plan before it is timed (see gemv_table)
 
 
@@ -237,20 +251,14 @@ def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = 
     (~9 ms) took 111-112 µs each and every later one 97-98 (forty-eighth session, H100,
     ``benchmarks/lab/gemv_context.py``); timed with 5 warm-up replays, as before, this table's first
     row read 114-117 µs where the same plan alone steadies at 98-102."""
-    from tilec.api import compile_module
-
     print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = {rows}, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
     print(f"{'weight [N, K]':<20} {'ring':>5} {'MB':>8} {'us':>9} {'TB/s':>7}")
     for n, k in ((2048, 8192), (4096, 14336), (128256, 2048)):
-        mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        mod, x, prog, run = gemv_plan(n, k, count, rows)
         with torch.no_grad():
-            prog = compile_module(mod, (x,), options=dict(check=False))
             got = prog(x)
             want = mod(x)
         err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))
-        tensors, p = prog.bind_args((x,))
-        table = prog.plan.bind_base(tensors)
         ex = prog.executor
         nbytes = count * n * k * 2
         for depth in (ex.ring_stages, *stages):
@@ -260,13 +268,13 @@ def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = 
             except TilecError as e:
                 print(f"ring stages {depth}: {e}")
                 continue
-            graph = cuda_graph(lambda pr=prog, t=tensors, tb=table, p=p: pr.executor.run(t, tb, position=p))  # no host time
+            graph = cuda_graph(run)  # no host time
             once = time_cuda(graph.replay, 3, warmup=1)
             ms = time_cuda(graph.replay, iters, warmup=max(5, int(GEMV_WARM_MS / once)))
             ex.check()
             print(f"{f'{n} x {k}':<20} {depth:>5} {nbytes / 1e6:>8.1f} {ms * 1e3:>9.1f} {nbytes / ms / 1e9:>7.2f}"
                   f"   (rel. L2 vs torch {err:.1e})")
-        del mod, prog
+        del mod, prog, run
 
 
 if __name__ == "__main__":

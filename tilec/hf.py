@@ -165,8 +165,8 @@ class HFDecodeStep:
             bad = [h for h in held if h != position]
             if bad:
                 raise PositionError(f"position {position}, but the cache holds {bad[0]} tokens: "
-                                 f"decode steps must write consecutive positions (to re-decode from a position, "
-                                 f"call step.seek(position) first)")
+                                    f"decode steps must write consecutive positions (to re-decode from a position, "
+                                    f"call step.seek(position) first)")
         # the position argument and every layer's counter argument as the int (no host tensors to
         # parse; the cache's own counters are advanced below)
         state = [position if t.dim() == 0 else t for t in self.module.state()]
@@ -199,7 +199,7 @@ class HFDecodeStep:
         position = int(position)
         if not 0 <= position < self.max_len:
             raise PositionError(f"decode position {position} outside the planned range [0, {self.max_len}) "
-                             f"(the static cache holds {self.max_len} positions)")
+                                f"(the static cache holds {self.max_len} positions)")
         return position
 
     def _counters(self) -> list[torch.Tensor]:

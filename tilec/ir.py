@@ -198,15 +198,12 @@ class Op:
                 return v
         return default
 
-    def read_labels(self, labels: dict[str, str]) -> list[str]:
-        """How the user knows the buffers this op reads that ``labels`` names (buffer name -> a
-        program argument's label, ``argument 0 (input_ids)``): in input order, each once."""
-        out = []
-        for v in self.inputs:
-            label = labels.get(v.buffer)
-            if label is not None and label not in out:
-                out.append(label)
-        return out
+    def reads_text(self, labels: dict[str, str]) -> str:
+        """``; it reads argument 0 (input_ids)``: the buffers this op reads that ``labels`` names (buffer
+        name -> a program argument's label), in input order, each once, for a run-time error; "" when
+        it reads none of them."""
+        names = list(dict.fromkeys(labels[v.buffer] for v in self.inputs if v.buffer in labels))
+        return f"; it reads {', '.join(names)}" if names else ""
 
     def to_dict(self) -> dict:
         prov = self.provenance

@@ -23,8 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from decode import Gemvs  # noqa: E402
-from tilec.api import compile_module  # noqa: E402
+from decode import gemv_plan  # noqa: E402
 from tilec.timing import cuda_graph, median_ms, need_gpu  # noqa: E402
 
 
@@ -62,13 +61,8 @@ def stamp_table(n: int, k: int, count: int) -> None:
     """One profiled run of ``count`` GEMVs (``Options.profile``: each instruction's start, x staged, first
     weight stage in, end; one instruction a worker here): the kernel's event time against the span its
     workers stamped, and medians over the workers (µs)."""
-    mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        prog = compile_module(mod, (x,), options=dict(check=False, profile=True))
-    tensors, p = prog.bind_args((x,))
-    table = prog.plan.bind_base(tensors)
-    graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))
+    _, _, prog, run = gemv_plan(n, k, count, profile=True)
+    graph = cuda_graph(run)
     kernel = median_ms(graph.replay, 200, 50, "cuda") * 1e3  # the last replay's stamps are kept
     print(f"\nprofiled, {count} x {n} x {k}: kernel {kernel:.2f} us (events, median); "
           + stamp_summary(prog.executor.stamps.cpu()[:, 0]))
@@ -85,13 +79,8 @@ def time_plan(n: int, k: int, count: int, iters: int, after_weights=None, trace:
     did (a CUDA graph replayed ``iters`` times right after compiling, 5 warm-up replays; it now warms 50 ms);
     ``after_weights()`` runs after the weights are allocated and the plan compiled, before the timings.
     With ``trace``: instead, each of the first ``trace`` replays' µs (two events each, no warm-up)."""
-    mod = Gemvs(n, k, count).to("cuda", torch.bfloat16)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        prog = compile_module(mod, (x,), options=dict(check=False))
-    tensors, p = prog.bind_args((x,))
-    table = prog.plan.bind_base(tensors)
-    graph = cuda_graph(lambda: prog.executor.run(tensors, table, position=p))
+    _, _, prog, run = gemv_plan(n, k, count)
+    graph = cuda_graph(run)
     if after_weights is not None:
         after_weights()
     if trace:
@@ -155,28 +144,23 @@ def main(argv=None) -> None:
           f"{'TB/s':>6}")
     rows = []
     for count in counts:
-        mod = Gemvs(args.n, args.k, count).to("cuda", torch.bfloat16)
-        x = torch.randn(1, args.k, device="cuda", dtype=torch.bfloat16)
+        mod, x, prog, run = gemv_plan(args.n, args.k, count)
         with torch.no_grad():
-            prog = compile_module(mod, (x,), options=dict(check=False))
             got, want = prog(x), mod(x)
         got = got if isinstance(got, tuple) else (got,)
         want = want if isinstance(want, tuple) else (want,)
         err = max(float((g.float() - w.float()).norm() / w.float().norm()) for g, w in zip(got, want))
-        tensors, p = prog.bind_args((x,))
-        table = prog.plan.bind_base(tensors)
-        run = lambda ex=prog.executor: ex.run(tensors, table, position=p)  # noqa: E731
         graph = cuda_graph(run)
         one = median_ms(graph.replay, args.iters, 5, "cuda") * 1e3  # right after compiling (decode.py warms 50 ms first)
         warm = median_ms(graph.replay, args.iters, max(5, int(300e3 / one)), "cuda") * 1e3  # after ~300 ms busy
-        chain = cuda_graph(lambda: [run() for _ in range(args.chain)])
+        chain = cuda_graph(lambda r=run: [r() for _ in range(args.chain)])
         chained = median_ms(chain.replay, max(5, args.iters // args.chain), 2, "cuda") * 1e3 / args.chain
         prog.executor.check()
         mb = count * args.n * args.k * 2 / 1e6
         rows.append((mb, one, warm, chained))
         print(f"{count:>6} {mb:>8.1f} {prog.plan.stats['tasks']:>6} {one:>9.2f} {mb / one:>6.2f} {warm:>9.2f} "
               f"{mb / warm:>6.2f} {chained:>9.2f} {mb / chained:>6.2f}   (rel. L2 vs torch {err:.1e})", flush=True)
-        del mod, prog
+        del mod, prog, run, graph, chain  # (run holds the program, and with it the weights)
         torch.cuda.empty_cache()
     for label, col in (("1 launch, cold", 1), ("1 launch, warm", 2), ("chained", 3)):
         a, b = fit([r[0] for r in rows], [r[col] for r in rows])
