@@ -7,7 +7,8 @@
 //      as the consumer warps release it (full/empty mbarriers, no block barrier), so tile i+1's
 //      weights stream while tile i finishes
 //   C  register streaming: 16-byte ld.global.cg, 8 loads in flight per column, 2 columns per warp
-// Prints GB/s per scheme, shape, stage size and stage count.
+// Prints GB/s per scheme, shape, stage size and stage count. -DLAB_PAD=64 pads scheme B's stage rows as the
+// executor's kRowPitch does.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o gemv_stream_lab gemv_stream_lab.cu
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -19,6 +20,9 @@
 #include "lab_stream.cuh"  // CK, dot8, warp_sum (and runtime/tilec/ptx.cuh)
 
 constexpr int kConsumers = 8;
+#ifndef LAB_PAD
+#define LAB_PAD 0  // bytes of padding after each weight row of a scheme-B stage (the executor's kRowPitch: 64)
+#endif
 constexpr int kMats = 8;
 
 using namespace tilec;  // the runtime's PTX wrappers (runtime/tilec/ptx.cuh): the same instructions
@@ -103,7 +107,7 @@ __global__ void __launch_bounds__(288, 1) kern_b(Prob p, int kc, int nstages) {
   extern __shared__ float4 sm4[];
   float* xs = reinterpret_cast<float*>(sm4);
   char* ring = reinterpret_cast<char*>(xs + p.K);
-  const int stage_bytes = kConsumers * kc * 2;
+  const int pitch = kc * 2 + LAB_PAD, stage_bytes = kConsumers * pitch;
   unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + (size_t)nstages * stage_bytes);
   unsigned long long* empty = full + nstages;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -130,7 +134,7 @@ __global__ void __launch_bounds__(288, 1) kern_b(Prob p, int kc, int nstages) {
         char* stage = ring + (size_t)s * stage_bytes;
         mbar_expect_tx(full + s, (unsigned)(rows * len * 2));
         for (int r = 0; r < rows; ++r)
-          bulk_load(stage + r * kc * 2, w + (long long)(c0 + r) * p.K + kk, (unsigned)(len * 2), full + s, policy);
+          bulk_load(stage + r * pitch, w + (long long)(c0 + r) * p.K + kk, (unsigned)(len * 2), full + s, policy);
       }
     }
     return;
@@ -143,7 +147,7 @@ __global__ void __launch_bounds__(288, 1) kern_b(Prob p, int kc, int nstages) {
     const int kk = kb * kc, len = min(kc, p.K - kk);
     mbar_wait(full + s, (unsigned)((i / nstages) & 1));
     if (n < n1) {
-      const uint4* row = reinterpret_cast<const uint4*>(ring + (size_t)s * stage_bytes + warp * kc * 2);
+      const uint4* row = reinterpret_cast<const uint4*>(ring + (size_t)s * stage_bytes + warp * pitch);
 #pragma unroll 2
       for (int v = lane; v < len / 8; v += 32) acc += dot8(row[v], xs + kk + v * 8);
     }
@@ -238,13 +242,13 @@ int main() {
     std::vector<Cfg> cfgs = {{'C', 0, 0}};
     for (int kc : {1024, 2048, 4096})
       for (int st : {2, 3, 4, 6, 8, 12}) {
-        const long long need = (long long)K * 4 + (long long)st * kConsumers * kc * 2 + 256;
+        const long long need = (long long)K * 4 + (long long)st * kConsumers * (kc * 2 + LAB_PAD) + 256;
         if (need > 227 * 1024) continue;
         cfgs.push_back({'A', kc, st});
         cfgs.push_back({'B', kc, st});
       }
     for (auto& cf : cfgs) {
-      const int smem = cf.scheme == 'C' ? K * 4 : K * 4 + cf.st * kConsumers * cf.kc * 2 + 256;
+      const int smem = cf.scheme == 'C' ? K * 4 : K * 4 + cf.st * kConsumers * (cf.kc * 2 + (cf.scheme == 'B' ? LAB_PAD : 0)) + 256;
       auto launch = [&]() {
         if (cf.scheme == 'A') kern_a<<<sms, 256, smem>>>(p, cf.kc, cf.st);
         else if (cf.scheme == 'B') kern_b<<<sms, 288, smem>>>(p, cf.kc, cf.st);

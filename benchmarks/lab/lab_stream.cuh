@@ -11,7 +11,10 @@
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e_)); exit(1); } } while (0)
 
 constexpr int kStageBytes = 32 * 1024;  // one ring stage: 8 bulk copies of 4 KiB (the executor's rows)
-constexpr int kStages = 3;              // the executor's default ring depth
+#ifndef LAB_STAGES
+#define LAB_STAGES 3
+#endif
+constexpr int kStages = LAB_STAGES;     // the executor's default ring depth (3; -DLAB_STAGES=N for another)
 
 // The current device, its SM count and its L2 size in bytes (what stream_slice_bytes sizes by).
 inline void lab_device(int& dev, int& sms, int& l2_bytes) {

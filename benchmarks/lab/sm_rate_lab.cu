@@ -15,6 +15,9 @@
 // time over launches less the launch median, how often it was among the slowest 10 % of a launch; the kernel's
 // time by events and its stamped span; for the static forms, the span if every CTA's share were sized to its
 // own measured rate ("balanced"); for the fixed form every SM's median, in smid order.
+// `--l2`: shares as given by --mb (0.16 for 21 MB in all), read again by every launch, so from the L2 after the
+// warm-up launches: how fast one SM ingests bulk copies that hit (forty-ninth session, H200: 61 GB/s a CTA against
+// 35 from HBM). -DLAB_STAGES=N builds an N-stage ring (3 by default, the executor's).
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o sm_rate_lab sm_rate_lab.cu
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -104,7 +107,13 @@ static double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   double mb = 2.0;
   int launches = 30, unit_kb = 64;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool l2_resident = false;  // --l2: shares as given (--mb), read again every launch: the L2's rate, not HBM's
+  for (int i = 1; i < argc; i += 2) {
+    if (!strcmp(argv[i], "--l2")) {
+      l2_resident = true, --i;
+      continue;
+    }
+    if (i + 1 >= argc) break;
     if (!strcmp(argv[i], "--mb")) mb = atof(argv[i + 1]);
     else if (!strcmp(argv[i], "--unit-kb")) unit_kb = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--launches")) launches = atoi(argv[i + 1]);
@@ -114,9 +123,11 @@ int main(int argc, char** argv) {
   // the claimed form's unit: whole ring stages; every share a whole number of units, so all forms read the same bytes
   const long long unit = std::max(1, unit_kb * 1024 / kStageBytes) * (long long)kStageBytes;
   long long share = (long long)(mb * 1e6) / unit * unit;
-  share = std::max(share, (long long)(4LL * l2 / sms) / unit * unit + unit);  // past the L2
-  const int smem = 120 * 1024;  // > half an SM's 228 KiB: one CTA an SM (the ring uses kStages * kStageBytes)
-  static_assert(kStages * kStageBytes <= 120 * 1024, "the ring fits the request");
+  if (!l2_resident) share = std::max(share, (long long)(4LL * l2 / sms) / unit * unit + unit);  // past the L2
+  else if (share * sms > l2 / 2) printf("warning: %.1f MB of shares may not stay in the L2 (%.1f MB)\n", share * sms / 1e6, l2 / 1e6);
+  // > half an SM's 228 KiB: one CTA an SM (the ring uses kStages * kStageBytes)
+  const int smem = std::max(120 * 1024, kStages * kStageBytes);
+  static_assert(kStages * kStageBytes <= 227 * 1024, "the ring fits a CTA");
   CK(cudaFuncSetAttribute(stream_share, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, dev));
@@ -133,8 +144,9 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   std::vector<Stamp> h(sms);
-  printf("%s: %d CTAs, %.2f MB each (%.1f MB in all), %d launches a form; us\n", prop.name, sms, share / 1e6,
-         share * sms / 1e6, launches);
+  printf("%s: %d CTAs, %.3f MB each (%.1f MB in all, %s), %d-stage ring, %d launches a form; us\n", prop.name, sms,
+         share / 1e6, share * sms / 1e6, l2_resident ? "read from the L2 after the warm-up launches" : "past the L2",
+         kStages, launches);
   for (int form = 0; form < 3; ++form) {
     const char* name = form == 2 ? "claimed" : form ? "rotated" : "fixed";
     std::vector<double> spans, kernel_us, balanced;
@@ -198,8 +210,9 @@ int main(int argc, char** argv) {
     printf("\n  fastest:");
     for (int k = (int)order.size() - 1; k >= (int)order.size() - 4 && k >= 0; --k)
       printf(" %d: %+.2f;", order[k].second, order[k].first);
-    printf("\n  launch (median): kernel %.2f by events, stamped span %.2f (first start to last end)", median(kernel_us),
-           median(spans));
+    printf("\n  launch (median): kernel %.2f by events, stamped span %.2f (first start to last end): %.2f TB/s; a CTA's "
+           "median stream %.1f GB/s", median(kernel_us), median(spans), share * sms / median(spans) / 1e6,
+           form < 2 ? share / median(meds) / 1e3 : 0.0);
     if (form < 2)
       printf("; equal shares at each CTA's own rate, balanced: %.2f", median(balanced));
     else
