@@ -90,6 +90,41 @@ class FixedWriteAndCumsum(torch.nn.Module):
         return torch.cumsum(k, dim=-1)
 
 
+def test_refused_node_in_torchs_own_modules_names_the_module():
+    """A compiled torch.nn.Linear (or a Sequential of torch's modules) records only torch's frames: its refused
+    node's line is torch's linear.py (a fresh user's case), so the module that ran it follows, by its path."""
+    with pytest.raises(UnsupportedNodeError, match=r"linear \(aten\.linear\.default\) at .*linear\.py.*\(in the "
+                                                   r"compiled module, a Linear\)") as info:
+        compile_module(torch.nn.Linear(8, 4), (torch.randn(1, 8, dtype=torch.bfloat16),))
+    assert "mixed dtypes" in str(info.value)
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4).double())
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(seq, (torch.randn(1, 8),))
+    src = dict((n[0], n[2]) for n in info.value.nodes)["linear_1"]
+    assert "linear.py" in src and src.endswith("(in 2, a Linear)"), src
+    # a line of the user's is left as it was (the backend groups the nodes it runs eagerly by it)
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(LibraryModule(), (torch.randn(2, 8),))
+    assert info.value.nodes[0][2].endswith("# MARK-groupnorm"), info.value.nodes[0]
+
+
+@pytest.mark.parametrize("path, want", [
+    ("L['self'].model.layers[3].mlp", "model.layers.3.mlp"),  # Dynamo
+    ("L['m']._modules['fc1']", "fc1"),
+    ("L__self___fc1", "fc1"),
+    ("layers.0.mlp", "layers.0.mlp"),  # torch.export
+    ("", ""),  # the compiled module
+])
+def test_module_of_gives_the_modules_own_path(path, want):
+    from tilec.fxgraph import module_of
+
+    node = torch.fx.Graph().placeholder("x")
+    node.meta["nn_module_stack"] = {"k0": ("", "pkg.Outer"), "k1": (path, "transformers.models.llama.LlamaMLP")}
+    assert module_of(node) == (want, "LlamaMLP")
+    node.meta["nn_module_stack"] = {}
+    assert module_of(node) == ("", "")
+
+
 def test_unsupported_in_place_write_is_listed_with_the_others():
     with pytest.raises(UnsupportedNodeError) as info:
         compile_module(FixedWriteAndCumsum(), (torch.randn(1, 2, 1, 8), torch.randn(1, 2, 16, 8)))

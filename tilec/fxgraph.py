@@ -19,7 +19,12 @@ def source_of(node: fx.Node) -> str:
     """The innermost user source line recorded in ``node.meta["stack_trace"]``.
 
     Frames inside torch itself (``nn.Module`` library code such as ``nn.GroupNorm.forward``)
-    are skipped when a frame outside torch exists: the user's line is the one calling them.
+    are skipped when a frame outside torch exists: the user's line is the one calling them. When
+    only torch's frames were recorded (a compiled ``nn.Linear`` or ``nn.Sequential`` of torch's
+    modules: no line of the user's ran it), the innermost one is given with the module that ran
+    it (``node.meta["nn_module_stack"]``): ``... linear.py", line 134, in forward: ... (in 0, a
+    Linear)``, or ``(in the compiled module, a Linear)``. A line of the user's is left alone: the
+    backend groups the nodes it runs eagerly by it, one line for every layer of a model.
     """
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
@@ -30,10 +35,31 @@ def source_of(node: fx.Node) -> str:
             m = re.match(r'File "([^"]+)"', ln)
             in_torch = bool(m) and os.path.abspath(m.group(1)).startswith(_TORCH_DIR)
             frames.append((in_torch, f"{ln.removeprefix('File ')}: {code}".strip()))
-    for in_torch, text in reversed(frames):
-        if not in_torch:
-            return text
-    return frames[-1][1] if frames else ""
+    user = next((text for in_torch, text in reversed(frames) if not in_torch), None)
+    text = user if user is not None else frames[-1][1] if frames else ""
+    path, cls = module_of(node)
+    if user is None and text and cls:
+        text += f" (in {path}, a {cls})" if path else f" (in the compiled module, a {cls})"
+    return text
+
+
+def module_of(node: fx.Node) -> tuple[str, str]:
+    """``(path, class name)`` of the innermost module that ran ``node`` (``node.meta["nn_module_stack"]``:
+    path ``""`` for the compiled module itself), or ``("", "")`` when none was recorded. Dynamo's paths
+    (``L['self'].layers[0].mlp``, ``L['self']._modules['fc1']``) become the module's own (``layers.0.mlp``, ``fc1``)."""
+    stack = node.meta.get("nn_module_stack")
+    if not isinstance(stack, dict) or not stack:
+        return "", ""
+    entry = list(stack.values())[-1]
+    if not (isinstance(entry, tuple) and len(entry) == 2):
+        return "", ""
+    path, cls = entry
+    cls = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+    path = str(path)
+    path = re.sub(r"^L\['[^']*'\]\.?|^L__self__[._]?", "", path)  # Dynamo's name of the compiled module
+    path = re.sub(r"\.?_modules\['([^']*)'\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.strip("."), cls.rsplit(".", 1)[-1]
 
 
 def target_name(node: fx.Node) -> str:
