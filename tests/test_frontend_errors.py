@@ -371,6 +371,28 @@ def test_negative_token_id_is_an_error_not_a_wrapped_row():
         step(torch.full((1, 1), -1), 4)
 
 
+class CastIds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        return self.emb(ids.long()) * 2.0
+
+
+def test_index_error_through_a_cast_names_the_argument():
+    """The ids reach the embedding through a cast (a copy op): the error names the argument behind it (a fresh
+    user's case: it named none)."""
+    torch.manual_seed(0)
+    m = CastIds()
+    prog = compile_module(m, (torch.tensor([[3]], dtype=torch.int32),))
+    ids = torch.tensor([[5]], dtype=torch.int32)
+    assert torch.equal(prog(ids), m(ids))
+    with pytest.raises(TilecError, match=r"; it reads a copy of argument 0 \(ids\)\) failed: token id 99 outside the "
+                                         r"embedding table \[0, 16\)"):
+        prog(torch.tensor([[99]], dtype=torch.int32))
+
+
 def test_seek_checks_its_position_before_changing_anything():
     from tilec.hf import compile_decode_step
     from tilec.zoo import make_model, prefill

@@ -143,7 +143,8 @@ class CudaExecutor:
         if 0 <= op < len(self.plan.graph.ops) and self.plan.graph.ops[op].provenance:
             name += f" from FX node {self.plan.graph.ops[op].provenance.render()}"
         labels = getattr(self, "input_labels", {})  # (set in __init__; an executor made otherwise has none)
-        return name + (self.plan.graph.ops[op].reads_text(labels) if 0 <= op < len(self.plan.graph.ops) else "")
+        graph = self.plan.graph
+        return name + (graph.ops[op].reads_text(labels, graph) if 0 <= op < len(graph.ops) else "")
 
     def check(self) -> None:
         """Synchronizes and raises what the steps since the last check recorded: a step that ended

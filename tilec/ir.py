@@ -198,11 +198,17 @@ class Op:
                 return v
         return default
 
-    def reads_text(self, labels: dict[str, str]) -> str:
+    def reads_text(self, labels: dict[str, str], graph: "OpGraph | None" = None) -> str:
         """``; it reads argument 0 (input_ids)``: the buffers this op reads that ``labels`` names (buffer
         name -> a program argument's label), in input order, each once, for a run-time error; "" when
-        it reads none of them."""
-        names = list(dict.fromkeys(labels[v.buffer] for v in self.inputs if v.buffer in labels))
+        it reads none of them. With ``graph``, a buffer a ``copy`` op of ``graph`` wrote from a labelled
+        one (a cast: ``ids.long()``) is named through it: ``a copy of argument 0 (ids)``."""
+        copies = {}
+        if graph is not None:
+            copies = {o.outputs[0].buffer: labels[o.inputs[0].buffer] for o in graph.ops
+                      if o.kind == "copy" and o.inputs and o.outputs and o.inputs[0].buffer in labels}
+        names = list(dict.fromkeys(labels[v.buffer] if v.buffer in labels else f"a copy of {copies[v.buffer]}"
+                                   for v in self.inputs if v.buffer in labels or v.buffer in copies))
         return f"; it reads {', '.join(names)}" if names else ""
 
     def to_dict(self) -> dict:

@@ -150,7 +150,7 @@ class ReferenceExecutor:
         except (IndexError, RuntimeError) as e:
             op = self.plan.graph.ops[d[F["op"][0]]]
             where = f" from {op.provenance.render()}" if op.provenance else ""
-            raise TilecError(f"task {d[_W['task']]} (op {op.name}{where}{op.reads_text(self.input_labels)}) failed: "
+            raise TilecError(f"task {d[_W['task']]} (op {op.name}{where}{op.reads_text(self.input_labels, self.plan.graph)}) failed: "
                              f"{e}") from e
 
     def _arrive(self, counter: int, count: int) -> bool:
