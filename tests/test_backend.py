@@ -1517,3 +1517,29 @@ def test_outputs_that_view_a_region_input_share_its_storage(case):
         for g, w in zip(got, want):
             assert g.stride() == w.stride()
             assert_close(g, w, 1e-6, f"{case}, output {k} edited")
+
+
+class TwoCacheWrites(torch.nn.Module):
+    def forward(self, x, cache, pos):
+        cache.index_copy_(1, pos, x)
+        cache.index_copy_(1, pos + 1, x * 2)
+        return (cache * 1.0).sum(1)
+
+
+def test_a_second_cache_write_runs_eagerly_with_its_write_back(caplog):
+    """Under torch.compile a second write into a cache runs eagerly, and so does AOTAutograd's copy_ that writes
+    its value back into the input: that line said "copy_ into a graph input that is not an in-place cache write"
+    (a fresh user read it as a second problem); it now says whose value it writes back. The results are eager's."""
+    torch.manual_seed(0)
+    x, pos = torch.randn(1, 1, 4), torch.tensor([2])
+    cache = torch.randn(1, 8, 4)
+    ref = cache.clone()
+    want = TwoCacheWrites()(x, ref, pos)
+    torch._dynamo.reset()
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        got = torch.compile(TwoCacheWrites(), backend="tilec")(x, cache, pos)
+    assert torch.equal(got, want) and torch.equal(cache, ref)
+    assert "a second write into cache in one step" in caplog.text, caplog.text
+    assert re.search(r"running copy_ \(aten\.copy_\.default\) eagerly at .*: writes index_copy_1's value back into "
+                     r"cache, and index_copy_1 runs eagerly \(above\)", caplog.text), caplog.text
+    assert "not an in-place cache write" not in caplog.text

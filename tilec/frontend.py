@@ -182,6 +182,7 @@ class Lowering(FormsLowering, DsaLowering):
         self.position_updates: dict[str, torch.Tensor] = {}
         self.probe = probe
         self.unsupported: list[tuple[str, str, str, str]] = []
+        self._opaque_buffers: set[str] = set()  # probe mode: buffers standing in for values that run eagerly
         self.cls = self._classify()
 
     # ---- classification: static / positional / runtime --------------------------------
@@ -297,6 +298,7 @@ class Lowering(FormsLowering, DsaLowering):
         val = val_of(node)
         buf = Buffer(self._name(f"opaque_{node.name}"), tuple(int(s) for s in val.shape), val.dtype, BufferKind.INPUT)
         self.buffers[buf.name] = buf
+        self._opaque_buffers.add(buf.name)
         return View.whole(buf)
 
     def _emit(self, node: fx.Node, kind: str, inputs, out_shape=None, out_dtype=None, attrs=(), name=None) -> View:
@@ -975,6 +977,10 @@ class Lowering(FormsLowering, DsaLowering):
         src = self.value(src_n)
         if isinstance(src, View) and dst_n.op == "placeholder" and src.buffer == dst_n.name:
             return src
+        if isinstance(src, View) and src.buffer in self._opaque_buffers and dst_n.op == "placeholder":
+            # probe mode: the write-back of a value that runs eagerly (a second cache write) runs with it
+            self._unsupported(node, f"writes {src_n.name}'s value back into {self._argument(dst_n.name)}, and "
+                                    f"{src_n.name} runs eagerly (above)")
         self._unsupported(node, "copy_ into a graph input that is not an in-place cache write")
 
     def position_update(self, node: fx.Node, target: str, value_node) -> None:
