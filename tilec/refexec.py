@@ -150,8 +150,8 @@ class ReferenceExecutor:
         except (IndexError, RuntimeError) as e:
             op = self.plan.graph.ops[d[F["op"][0]]]
             where = f" from {op.provenance.render()}" if op.provenance else ""
-            raise TilecError(f"task {d[_W['task']]} (op {op.name}{where}{op.reads_text(self.input_labels, self.plan.graph)}) failed: "
-                             f"{e}") from e
+            reads = op.reads_text(self.input_labels, self.plan.graph)
+            raise TilecError(f"task {d[_W['task']]} (op {op.name}{where}{reads}) failed: {e}") from e
 
     def _arrive(self, counter: int, count: int) -> bool:
         """An arrival at ``counter`` (an index the plan gave the tile): whether it was the step's last of ``count``.
