@@ -12,7 +12,8 @@ while it was timed (``tilec.timing.SmClock``; "-" without nvidia-smi): the persi
 latency-bound and slows with the clock, which differs between machines.
 
 GEMV microbenchmark (``--gemv``): a compiled plan of 8 independent GEMVs (M = 1, bf16, the
-weights larger than L2 together) run by the persistent executor, as TB/s of weight bytes.
+weights larger than L2 together) run by the persistent executor, as TB/s of weight bytes, with the
+median memory clock while it was timed.
 
     python benchmarks/decode.py --model llama-3.2-1b --context 1024 [--batch 1] [--skip-inductor] [--gemv]
 """
@@ -252,7 +253,7 @@ def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = 
     ``benchmarks/lab/gemv_context.py``); timed with 5 warm-up replays, as before, this table's first
     row read 114-117 µs where the same plan alone steadies at 98-102."""
     print(f"\nGEMV streaming: {count} independent GEMVs per plan, M = {rows}, bf16 (HBM read {bw / 1e12:.2f} TB/s)")
-    print(f"{'weight [N, K]':<20} {'ring':>5} {'MB':>8} {'us':>9} {'TB/s':>7}")
+    print(f"{'weight [N, K]':<20} {'ring':>5} {'MB':>8} {'us':>9} {'TB/s':>7} {'mem MHz':>8}")
     for n, k in ((2048, 8192), (4096, 14336), (128256, 2048)):
         mod, x, prog, run = gemv_plan(n, k, count, rows)
         with torch.no_grad():
@@ -270,10 +271,12 @@ def gemv_table(bw: float, iters: int, count: int = 8, stages: tuple[int, ...] = 
                 continue
             graph = cuda_graph(run)  # no host time
             once = time_cuda(graph.replay, 3, warmup=1)
-            ms = time_cuda(graph.replay, iters, warmup=max(5, int(GEMV_WARM_MS / once)))
+            with SmClock() as clk:  # the memory clock while timed (a stream's rate follows it)
+                ms = time_cuda(graph.replay, iters, warmup=max(5, int(GEMV_WARM_MS / once)))
             ex.check()
+            mem = clk.mem_mhz if clk.mem_mhz is not None else "-"
             print(f"{f'{n} x {k}':<20} {depth:>5} {nbytes / 1e6:>8.1f} {ms * 1e3:>9.1f} {nbytes / ms / 1e9:>7.2f}"
-                  f"   (rel. L2 vs torch {err:.1e})")
+                  f" {mem:>8}   (rel. L2 vs torch {err:.1e})")
         del mod, prog, run
 
 

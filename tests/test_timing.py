@@ -1,5 +1,5 @@
-"""tilec.timing.SmClock: the SM clock sampled with nvidia-smi while a block runs, and no error
-when the tool is missing or prints nonsense (CPU machines, CI)."""
+"""tilec.timing.SmClock: the SM and memory clocks sampled with nvidia-smi while a block runs, and no
+error when the tool is missing or prints nonsense (CPU machines, CI)."""
 import os
 import stat
 import time
@@ -24,13 +24,25 @@ def test_median_of_the_samples(tmp_path, monkeypatch):
         time.sleep(0.3)
     assert len(clk.samples) >= 3 and set(clk.samples) <= {1980, 1755}
     assert clk.samples[0] == 1980 and clk.mhz in (1755, 1867, 1980)
+    assert clk.mem_mhz is None  # a tool that prints one value: no memory clock
+
+
+def test_memory_clock_is_the_second_value(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", fake_smi(tmp_path, "echo '1980, 3201'") + os.pathsep + os.environ["PATH"])
+    with SmClock(period_s=0.02) as clk:
+        time.sleep(0.1)
+    assert clk.mhz == 1980 and clk.mem_mhz == 3201
+    monkeypatch.setenv("PATH", fake_smi(tmp_path, "echo '1980, [N/A]'") + os.pathsep + os.environ["PATH"])
+    with SmClock(period_s=0.02) as clk:
+        time.sleep(0.05)
+    assert clk.mhz == 1980 and clk.mem_mhz is None
 
 
 def test_missing_or_broken_tool_gives_none(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with SmClock() as clk:
         pass
-    assert clk.mhz is None and clk.samples == []
+    assert clk.mhz is None and clk.samples == [] and clk.mem_mhz is None
     monkeypatch.setenv("PATH", fake_smi(tmp_path, "echo '[N/A]'; exit 3"))
     with SmClock(period_s=0.01) as clk:
         time.sleep(0.05)

@@ -60,22 +60,25 @@ def need_gpu(script: str) -> None:
 
 
 class SmClock:
-    """Samples the GPU's SM clock (MHz) while a block runs, with ``nvidia-smi`` queries from a
-    background thread (one every ``period_s``), so a timing table can say at what clock it was
-    measured: the latency-bound persistent kernel slows with the SM clock, which differs between
-    machines and moves with power and heat, while bandwidth-bound baselines barely do.
+    """Samples the GPU's SM and memory clocks (MHz) while a block runs, with ``nvidia-smi`` queries
+    from a background thread (one every ``period_s``), so a timing table can say at what clock it
+    was measured: the latency-bound persistent kernel slows with the SM clock, which differs between
+    machines and moves with power and heat, while bandwidth-bound baselines barely do (they move with
+    the memory clock).
 
         with SmClock() as clk:
             ms = median_ms(fn, 100)
-        clk.mhz  # median of the samples, or None
+        clk.mhz, clk.mem_mhz  # medians of the samples, or None
 
-    ``mhz`` is None when ``nvidia-smi`` is missing or its output is not a number. Never raises
-    for a missing or broken tool; the first query runs on entry, so a short block has a sample.
+    ``mhz`` / ``mem_mhz`` are None when ``nvidia-smi`` is missing or its output is not a number.
+    Never raises for a missing or broken tool; the first query runs on entry, so a short block has a
+    sample.
     """
 
     def __init__(self, device: int | None = None, period_s: float = 0.1):
         self.device, self.period_s = device, period_s
-        self.samples: list[int] = []
+        self.samples: list[int] = []  # SM clock, MHz
+        self.mem_samples: list[int] = []  # memory clock, MHz
         self._stop = None
         self._thread = None
         self._cmd = None
@@ -85,9 +88,11 @@ class SmClock:
             out = subprocess.run(self._cmd, capture_output=True, text=True, timeout=5).stdout
         except (OSError, subprocess.SubprocessError):
             return
-        vals = [int(v) for v in out.split() if v.strip().isdigit()]
-        if vals:
-            self.samples.append(vals[0])
+        vals = [v.strip() for v in out.strip().splitlines()[0].split(",")] if out.strip() else []
+        if vals and vals[0].isdigit():
+            self.samples.append(int(vals[0]))
+        if len(vals) > 1 and vals[1].isdigit():
+            self.mem_samples.append(int(vals[1]))
 
     def __enter__(self) -> "SmClock":
         exe = shutil.which("nvidia-smi")
@@ -99,7 +104,7 @@ class SmClock:
             props = torch.cuda.get_device_properties(d)
             ids = [getattr(props, a, None) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
             gpu = f"{ids[0]:08X}:{ids[1]:02X}:{ids[2]:02X}.0" if None not in ids else str(d)
-        self._cmd = [exe, "-i", gpu, "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"]
+        self._cmd = [exe, "-i", gpu, "--query-gpu=clocks.sm,clocks.mem", "--format=csv,noheader,nounits"]
         self._query()
         self._stop = threading.Event()
 
@@ -119,3 +124,7 @@ class SmClock:
     @property
     def mhz(self) -> int | None:
         return int(statistics.median(self.samples)) if self.samples else None
+
+    @property
+    def mem_mhz(self) -> int | None:
+        return int(statistics.median(self.mem_samples)) if self.mem_samples else None
