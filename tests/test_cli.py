@@ -708,6 +708,28 @@ def test_compile_with_a_missing_codegen_template_fails_loudly(facts, tmp_path, m
     assert not (tmp_path / "a").exists()
 
 
+def test_the_current_directory_as_output_is_refused_before_compiling(facts, tmp_path, monkeypatch):
+    """``-o .`` (or the current directory by its path, or a directory holding it): the artifact is written
+    beside its output and renamed into place, so '.' put the temporary folder inside the target, which the
+    final check then took for foreign files (after the whole compile), and with --force inside an artifact the
+    swap itself failed as an internal error (exit 4) leaving a stray folder (a fresh user's cases)."""
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build").exit_code == 0
+    before = sorted(os.listdir(out))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    calls = []
+    monkeypatch.setattr(commands, "load_factory", lambda *a, **k: calls.append(a))  # not reached
+    for cwd, target, extra in ((empty, ".", ()), (empty, empty, ()), (out, ".", ("--force",)),
+                               (out / "cuda" if (out / "cuda").is_dir() else out, out, ("--force",))):
+        monkeypatch.chdir(cwd)
+        r = invoke("compile", f"{facts}:linear", "-o", target, "--no-build", *extra)
+        assert r.exit_code == 2 and "current" in r.stderr and "give a new directory" in r.stderr, r.output
+    assert not calls  # refused before the compile
+    assert os.listdir(empty) == [] and sorted(os.listdir(out)) == before
+    assert sorted(os.listdir(tmp_path)) == ["a", "empty"]
+
+
 def test_compile_force_never_replaces_a_folder_that_is_not_an_artifact(facts, tmp_path):
     out = tmp_path / "precious"
     out.mkdir()

@@ -114,7 +114,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         TilecError: nvcc failed, ``TILEC_NVCC`` names a program that does not run as nvcc, or a
             codegen template is missing or broken (nothing is written).
     """
-    final = Path(path)
+    final = Path(os.path.abspath(path))  # "." or "a/..": its temporary and backup folders go beside it
     check_target(final, force)
     missing = [s for s in STAGES if s not in program.compiled.stages]
     if missing:
@@ -211,9 +211,21 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
 
 def check_target(final: Path, force: bool) -> None:
     """Raises :class:`ArtifactError` unless an artifact may be written at ``final``: a missing or
-    empty directory, or (with ``force``) an existing artifact. Writability is checked up front by
+    empty directory, or (with ``force``) an existing artifact - not the current directory or one
+    holding it (an artifact is written beside it and renamed into place as a whole, which would
+    leave the shell in a directory that no longer exists). Writability is checked up front by
     creating and removing a probe directory in the nearest existing ancestor, so an unwritable
     place fails before a long compile."""
+    final = Path(os.path.abspath(final))
+    try:
+        cwd = Path(os.getcwd())
+    except OSError:  # the current directory was removed: nothing to protect
+        cwd = None
+    if cwd is not None and (final == cwd or final in cwd.parents):
+        where = "the current directory" if final == cwd else f"a directory holding the current one ({cwd})"
+        raise ArtifactError(f"{final} is {where}: tilec writes an artifact beside its output directory and "
+                            f"renames it into place whole, which would leave your shell in a removed directory; "
+                            f"give a new directory (e.g. -o out) or run from another directory")
     for parent in final.parents:
         if parent.exists():
             if not parent.is_dir():
