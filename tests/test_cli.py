@@ -47,6 +47,24 @@ def linear():
 def unsupported():
     return Sorter(), (torch.randn(2, 8),)
 
+class Scaled(torch.nn.Module):  # a buffer drawn at random, unseeded: each factory call differs
+    def __init__(self, persistent=True, fold=False):
+        super().__init__()
+        self.l, self.fold = torch.nn.Linear(8, 8), fold
+        self.register_buffer("scale", torch.randn(8), persistent=persistent)
+
+    def forward(self, x):
+        return self.l(x) * (self.scale.exp() if self.fold else self.scale)
+
+def random_buffer():
+    return Scaled(), (torch.randn(1, 8),)
+
+def random_nonpersistent_buffer():
+    return Scaled(persistent=False), (torch.randn(1, 8),)
+
+def random_folded_buffer():
+    return Scaled(fold=True), (torch.randn(1, 8),)
+
 def returns_none():
     return None
 
@@ -728,6 +746,28 @@ def test_the_current_directory_as_output_is_refused_before_compiling(facts, tmp_
     assert not calls  # refused before the compile
     assert os.listdir(empty) == [] and sorted(os.listdir(out)) == before
     assert sorted(os.listdir(tmp_path)) == ["a", "empty"]
+
+
+@pytest.mark.parametrize("factory", ["random_buffer", "random_nonpersistent_buffer"])
+def test_run_check_loads_the_artifacts_module_buffers(facts, tmp_path, factory):
+    """run --check rebuilt the eager module with the artifact's parameters but the factory's fresh buffers, so a
+    module with a random buffer failed a correct artifact (a fresh user's case); the buffers the plan keeps as
+    constants now go into the eager module too."""
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:{factory}", "-o", out, "--no-build").exit_code == 0
+    r = invoke("run", out, "--check")
+    assert r.exit_code == 0 and "PASS: worst relative L2 0.000e+00" in r.output, r.output
+    assert json.loads((out / "manifest.json").read_text())["buffer_sources"] == {"b_scale": "scale"}
+
+
+def test_run_check_names_a_folded_buffer_when_it_fails(facts, tmp_path):
+    """A buffer the plan folded into another value is not stored as such: eager keeps the factory's, and a
+    failed check says so."""
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:random_folded_buffer", "-o", out, "--no-build").exit_code == 0
+    r = invoke("run", out, "--check")
+    assert r.exit_code == 1 and "MISMATCH" in r.output, r.output
+    assert "the plan folded module buffer(s) scale into other values" in r.stderr, r.stderr
 
 
 def test_compile_force_never_replaces_a_folder_that_is_not_an_artifact(facts, tmp_path):

@@ -170,6 +170,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
             "call": {"args": call_args, "positions": list(positions), "max_positions": max_positions,
                      "single_output": program.single_output, "out_spec": _spec_text(program.out_spec)},
             "param_sources": {**program._param_names, **(param_sources or {})},  # the capture's, or the caller's
+            # module buffers (placeholder -> state name): tilec run --check loads those kept as constants
+            "buffer_sources": dict(getattr(program, "_buffer_names", {})),
             "stats": program.stats,
             "cuda": {"sources": sorted(f"cuda/{n}" for n in sources), "library": LIBRARY if lib else None,
                      "note": cuda_note},
@@ -427,6 +429,11 @@ class Artifact:
 
     def params(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         return load_file(str(self.path / "params.safetensors"), device=str(device))
+
+    def constants(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The plan's constant tensors by buffer name (a module buffer the plan did not fold is
+        ``const_<placeholder>``, the placeholder named in the manifest's ``buffer_sources``)."""
+        return load_file(str(self.path / "constants.safetensors"), device=str(device))
 
     def program(self, executor: str | None = None, progress=None) -> CompiledProgram:
         """A runnable program: ``program(*artifact.inputs(program.device))``.

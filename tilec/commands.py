@@ -427,7 +427,7 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
                    f"{'' if finite else ' (NOT FINITE)'}")
     if not check:
         return
-    module, device = eager_reference(art, progress)
+    module, device, folded = eager_reference(art, progress)
     eager_args = art.inputs(device)
     with progress.step("running eager PyTorch"), torch.no_grad():
         try:
@@ -460,6 +460,11 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
     worst = float("nan") if any(math.isnan(e) for e in errors) else max(errors)
     click.echo(f"{'PASS' if ok else 'FAIL'}: worst relative L2 {worst:.3e} (tolerance {tol:.0e})")
     if not ok:
+        if folded:
+            names = ", ".join(folded[:4]) + (", ..." if len(folded) > 4 else "")
+            click.echo(f"note: the plan folded module buffer(s) {names} into other values, so eager uses the "
+                       f"factory's own values for them: a factory that draws them at random (unseeded) fails this "
+                       f"check", err=True)
         raise click.exceptions.Exit(EXIT_MISMATCH)
 
 
@@ -506,7 +511,9 @@ def build_program(art, executor: str | None, progress: Progress):
 
 
 def eager_reference(art, progress: Progress):
-    """The factory's module with the artifact's weights loaded: ``(module, device of its inputs)``."""
+    """The factory's module with the artifact's weights loaded, and the module buffers it kept as constants:
+    ``(module, device of its inputs, the module's names of the buffers the plan folded into other values)`` -
+    for those eager has only the factory's own values."""
     f = art.factory
     if not f:
         raise Failure(f"{art.path} records no factory: cannot build the eager reference")
@@ -515,12 +522,18 @@ def eager_reference(art, progress: Progress):
         fn, _ = load_factory(spec, f.get("cwd"))
         module, _, _, _ = call_factory(fn, f["spec"])
     state = module.state_dict(keep_vars=True)
+    state.update(dict(module.named_buffers(remove_duplicate=False)))  # with the non-persistent buffers
     sources = art.manifest.get("param_sources") or {}
     device = next((t.device for t in state.values()), torch.device("cpu"))
+    # the buffers the plan kept as constants (const_<placeholder>); those it folded into other values are not stored
+    buffer_sources = art.manifest.get("buffer_sources") or {}
+    consts = art.constants() if buffer_sources else {}
+    buffers = {f"const_{name}": target for name, target in buffer_sources.items() if f"const_{name}" in consts}
+    folded = sorted(target for name, target in buffer_sources.items() if f"const_{name}" not in consts)
     changed, unmapped = 0, []
     with torch.no_grad():
-        for name, t in art.params().items():
-            key = sources.get(name)
+        for name, t in [*art.params().items(), *((n, consts[n]) for n in buffers)]:
+            key = buffers.get(name) or sources.get(name)
             target = state.get(key) if key else None
             if target is None or tuple(target.shape) != tuple(t.shape):
                 unmapped.append(name)
@@ -531,11 +544,11 @@ def eager_reference(art, progress: Progress):
                 changed += 1
     if changed:
         progress(f"note: the factory's weights differ from the artifact's in {changed} tensor(s) (not deterministic?); "
-                 f"eager uses the artifact's weights")
+                 f"eager uses the artifact's weights and buffers")
     if unmapped:
-        progress(f"warning: {len(unmapped)} parameter(s) could not be matched to the module's state_dict; eager "
-                 f"uses the factory's own values for them")
-    return module.eval(), device
+        progress(f"warning: {len(unmapped)} parameter(s) or buffer(s) could not be matched to the module's state; "
+                 f"eager uses the factory's own values for them")
+    return module.eval(), device, folded
 
 
 # ---- bench -------------------------------------------------------------------------------
@@ -552,7 +565,7 @@ def bench_artifact(progress: Progress, artifact_dir: Path, executor: str | None,
     positions = art.manifest["call"]["positions"]
     rows = []
     try:
-        module, device = eager_reference(art, progress)
+        module, device, _ = eager_reference(art, progress)
     except Failure as e:
         note = f"n/a: {e.format_message()}"
         rows += [("eager PyTorch", None, note), ("eager PyTorch under a CUDA graph", None, note)]
