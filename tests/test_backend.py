@@ -1543,3 +1543,17 @@ def test_a_second_cache_write_runs_eagerly_with_its_write_back(caplog):
     assert re.search(r"running copy_ \(aten\.copy_\.default\) eagerly at .*: writes index_copy_1's value back into "
                      r"cache, and index_copy_1 runs eagerly \(above\)", caplog.text), caplog.text
     assert "not an in-place cache write" not in caplog.text
+
+
+def test_a_plain_concatenation_of_an_input_compiles(caplog):
+    """A graph returning ``cat`` of one of its inputs with no embedding, attention or cache write is no decode
+    step: it ran eagerly as "a cache grown by concatenation" with a hint about HF's caches (a fresh user's case)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 4), torch.randn(3, 4)
+    before = _plans()
+    torch._dynamo.reset()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
+        got = torch.compile(lambda a, b: torch.cat([a, b * 2]), backend="tilec", dynamic=False)(x, y)
+    assert torch.equal(got, torch.cat([x, y * 2]))
+    assert _plans() > before, "compiled"
+    assert not any("concatenation" in r.getMessage() for r in caplog.records), caplog.text

@@ -192,8 +192,10 @@ def _growing_cache(gm: fx.GraphModule, kinds: list[str], tokens: tuple[int, fx.N
     """True, with one warning a process, for a decode step (one token a sequence: ``tokens`` as
     ``_tokens_per_sequence`` gives them) that returns a cache grown by concatenation
     (``_grown_caches``): its program would be planned and built (an nvcc build on a GPU) for the one
-    call of that cache length."""
-    grown = _grown_caches(gm, kinds) if tokens is None or tokens[0] <= 1 else []
+    call of that cache length. A graph with no sign of a decode step (no embedding of passed ids,
+    attention or cache write: ``tokens`` None) is not one: ``torch.cat([x, y])`` returned by a plain
+    function compiles (it ran eagerly, with a hint about HF's caches, a fresh user's case)."""
+    grown = _grown_caches(gm, kinds) if tokens is not None and tokens[0] <= 1 else []
     if not grown:
         return False
     key = _logged_key("position", "", "no static cache")
