@@ -1162,6 +1162,41 @@ def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
     assert compile_fresh()["compiles"] == 1
 
 
+@pytest.mark.parametrize("damage", ["plan.json emptied", "plan.json removed"])
+def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, caplog, damage):
+    """A damaged on-disk plan was a cache miss every time for good: store() left an existing entry alone (a fresh
+    user's case, whose warning was a bare KeyError text). It is removed and rewritten, once."""
+    from tilec import plancache
+
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TILEC_DUMP_DIR", raising=False)
+    torch.manual_seed(0)
+    m, x = TwoLinears().eval(), torch.randn(2, 8)
+
+    def compile_fresh():
+        torch._dynamo.reset()
+        backend._PLAN_CACHE.clear()
+        before = dict(backend.CACHE_STATS)
+        with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.plancache"):
+            assert_close(torch.compile(m, backend="tilec")(x), m(x), 1e-5, "output")
+        return {k: backend.CACHE_STATS[k] - before[k] for k in before}
+
+    assert compile_fresh()["compiles"] == 1
+    (entry,) = (tmp_path / "plans").iterdir()
+    if damage == "plan.json emptied":
+        (entry / "plan.json").write_text("{}")
+    else:
+        (entry / "plan.json").unlink()
+    caplog.clear()
+    assert compile_fresh()["compiles"] == 1
+    if damage == "plan.json emptied":
+        assert "ignoring unreadable plan cache entry" in caplog.text and "KeyError: 'plan'" in caplog.text
+        assert "removed and written again" in caplog.text
+    caplog.clear()
+    assert compile_fresh()["disk_hits"] == 1 and "unreadable" not in caplog.text  # repaired
+    assert [p.name for p in (tmp_path / "plans").iterdir()] == [entry.name]  # nothing left aside
+
+
 class LearnedPositions(torch.nn.Module):
     """GPT-2 / OPT style: h = tok(ids) + pe(pos), and the cache row written at pos."""
 

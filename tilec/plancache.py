@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from .artifact import save_tensors
 from .codegen.build import cache_path
+from .errors import describe_exception
 from .ir import OpGraph
 from .pipeline import Compiled
 from .plan import KernelPlan
@@ -56,17 +57,31 @@ def load(key: str) -> Compiled | None:
         graph = OpGraph.from_dict(json.loads((root / "graph.json").read_text()), graph_tensors)
         meta = json.loads((root / "plan.json").read_text())
         plan = KernelPlan.from_tables(graph, plan_tensors, meta["plan"], meta["stats"])
-    except Exception as e:  # a corrupt entry is a cache miss, never an error
-        log.warning("tilec: ignoring unreadable plan cache entry %s: %s", root, e)
+    except Exception as e:  # a corrupt entry is a cache miss, never an error; removed, so this compile rewrites it
+        log.warning("tilec: ignoring unreadable plan cache entry %s (%s); it is removed and written again", root,
+                    describe_exception(e))
+        _discard(root)
         return None
     return Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(meta["stats"]))
+
+
+def _discard(entry: Path) -> None:
+    """Removes a cache entry (best effort): renamed aside first, so no reader sees it half removed."""
+    try:
+        aside = Path(tempfile.mkdtemp(prefix=f".{entry.name[:12]}.bad-", dir=entry.parent))
+        os.replace(entry, aside / "entry")
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def store(key: str, compiled: Compiled) -> None:
     """Writes ``compiled`` under ``key`` atomically (best effort: failures are logged)."""
     final = _dir(key)
-    if final.exists():
+    if (final / "plan.json").exists():
         return
+    if final.exists():  # an entry without its plan (a copy or a disk cut short): replaced
+        _discard(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=final.parent))
