@@ -770,6 +770,29 @@ def test_run_check_names_a_folded_buffer_when_it_fails(facts, tmp_path):
     assert "the plan folded module buffer(s) scale into other values" in r.stderr, r.stderr
 
 
+def test_saving_from_python_checks_the_example_inputs(tmp_path):
+    """tilec.artifact.save took example inputs the program does not take, and `tilec run` then failed on them
+    (a fresh user's case); and its refusal of an existing artifact named only the CLI's --force."""
+    from tilec import artifact
+    from tilec.api import compile_module
+    from tilec.artifact import ArtifactError
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    prog = compile_module(m, (torch.randn(1, 8),))
+    with pytest.raises(ArtifactError, match=r"the example inputs do not fit the program: argument 0 \(\w+\): the step "
+                                            r"takes torch\.float32\[1, 8\], got torch\.float32\[3, 3\]"):
+        artifact.save(tmp_path / "a", prog, (torch.randn(3, 3),), build=False)
+    with pytest.raises(ArtifactError, match=r"takes 1 arguments, got 2"):
+        artifact.save(tmp_path / "a", prog, (torch.randn(1, 8), torch.randn(1, 8)), build=False)
+    assert not (tmp_path / "a").exists()
+    artifact.save(tmp_path / "a", prog, (torch.randn(1, 8),), build=False)
+    with pytest.raises(ArtifactError, match=r"pass --force to replace it \(from Python: force=True\)"):
+        artifact.save(tmp_path / "a", prog, (torch.randn(1, 8),), build=False)
+    r = invoke("run", tmp_path / "a")
+    assert r.exit_code == 0, r.output
+
+
 def test_compile_force_never_replaces_a_folder_that_is_not_an_artifact(facts, tmp_path):
     out = tmp_path / "precious"
     out.mkdir()

@@ -49,7 +49,7 @@ import tilec
 
 from . import codegen
 from .dump import render_schedule
-from .errors import TilecError
+from .errors import InputError, TilecError
 from .frontend import GraphBinding
 from .ir import OpGraph
 from .options import Options
@@ -125,6 +125,10 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
                             f"carry yet: compile a step without a mask argument (its attention is causal), or use "
                             f"the program in this process")
     call_args, input_tensors = _describe_inputs(inputs)
+    try:  # the inputs tilec run and tilec bench will pass
+        program.check_example(list(inputs))
+    except InputError as e:
+        raise ArtifactError(f"the example inputs do not fit the program: {e}") from e
     plan, opts = program.plan, program.opts
     try:
         sources, cuda_note = codegen.render(plan), None
@@ -247,7 +251,7 @@ def check_target(final: Path, force: bool) -> None:
             raise ArtifactError(f"{final} exists and is not a tilec artifact (no {MANIFEST}); "
                                 f"choose another output directory")
         if not force:
-            raise ArtifactError(f"{final} holds an artifact; pass --force to replace it")
+            raise ArtifactError(f"{final} holds an artifact; pass --force to replace it (from Python: force=True)")
 
 
 def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources: dict, lib: Path | None) -> None:

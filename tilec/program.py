@@ -8,7 +8,7 @@ import operator
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import PositionError, TilecError
+from .errors import InputError, PositionError, TilecError
 from .frontend import IGNORED, POSITION, GraphBinding
 from .guards import check_mask_guards, mismatches, raise_first_mismatch
 from .ir import BufferKind, is_integer
@@ -202,6 +202,21 @@ class CompiledProgram:
         executor, which raises as it runs. Raises WatchdogError / TilecError as the step would have."""
         if self.executor_kind == "cuda":
             self.executor.check_deferred(wait=True)
+
+    def check_example(self, args) -> None:
+        """Checks ``args`` against the step's arguments without binding them: their count, each tensor's
+        shape and dtype, each baked Python value. Raises InputError naming the first that does not fit
+        (what :func:`tilec.artifact.save` does with its example inputs, which ``tilec run`` passes later)."""
+        if len(args) != len(self._arg_specs):
+            raise InputError(f"the step takes {len(self._arg_specs)} arguments, got {len(args)}")
+        for i, (kind, name, shape, dtype, _, _) in enumerate(self._arg_specs):
+            a = args[i]
+            if kind == _TENSOR and not (isinstance(a, torch.Tensor) and tuple(a.shape) == tuple(shape)
+                                        and a.dtype == dtype):
+                got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                raise InputError(f"{self._labels[i]}: the step takes {dtype}{list(shape)}, got {got}")
+            if i in self._baked and (type(a) is not type(self._baked[i]) or repr(a) != repr(self._baked[i])):
+                raise InputError(f"{self._labels[i]} is {a!r}, but the step was compiled for {self._baked[i]!r}")
 
     def bind_args(self, args) -> tuple[dict[str, torch.Tensor], int]:
         """Checks the call arguments and returns (buffer tensors, decode position). Position
