@@ -11,6 +11,7 @@ for leaving nothing behind in the output's parent directory.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -768,6 +769,20 @@ def test_run_check_names_a_folded_buffer_when_it_fails(facts, tmp_path):
     r = invoke("run", out, "--check")
     assert r.exit_code == 1 and "MISMATCH" in r.output, r.output
     assert "the plan folded module buffer(s) scale into other values" in r.stderr, r.stderr
+
+
+def test_check_compares_the_finite_values_when_the_nans_match():
+    """run --check's relative error: eager's own NaNs and infinities, matched by tilec's, are no mismatch (an all-NaN
+    input read "nan MISMATCH" though both agreed, a fresh user's case); unmatched ones and other shapes are."""
+    from tilec.commands import rel_l2
+
+    ref = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
+    assert rel_l2(torch.tensor([1.0, float("nan"), float("inf"), 2.0]), ref) == 0.0
+    assert abs(rel_l2(torch.tensor([1.0, float("nan"), float("inf"), 2.2]), ref) - 0.2 / 5 ** 0.5) < 1e-6  # float32 2.2
+    for bad in ([1.0, 0.0, float("inf"), 2.0], [1.0, float("nan"), float("-inf"), 2.0], [float("nan")] * 4):
+        assert math.isnan(rel_l2(torch.tensor(bad), ref)), bad
+    assert math.isnan(rel_l2(torch.ones(3), torch.ones(4)))
+    assert rel_l2(torch.full((2,), float("nan")), torch.full((2,), float("nan"))) == 0.0
 
 
 def test_saving_from_python_checks_the_example_inputs(tmp_path):
