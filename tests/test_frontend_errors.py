@@ -936,3 +936,22 @@ def test_a_shape_read_from_data_is_refused_by_name(module, args, node):
     with pytest.raises(UnsupportedNodeError, match=rf"(?s){node}\S* \(aten\.{node}\.Tensor\).*its shape \[[^\]]*u\d+\] "
                                                    r"depends on a tensor's value read at run time"):
         compile_module(module, args)
+
+
+@pytest.mark.parametrize("hook, pattern", [
+    (5, r"hook=5: must be a callable hook\(stage, ir, seconds\), or None"),
+    (lambda stage, ir: None, r"hook '<lambda>'\(stage, ir\): it is called as hook\(stage, ir, seconds\)"),
+])
+def test_a_bad_hook_is_refused_before_the_capture(hook, pattern, monkeypatch):
+    """compile_module(hook=5) or a hook of the wrong arity failed with Python's TypeError after the whole capture
+    (a fresh user's case): refused first, as an OptionsError."""
+    import tilec.api
+
+    monkeypatch.setattr(tilec.api, "export_graph", lambda *a, **k: pytest.fail("captured"))
+    with pytest.raises(TilecError, match=pattern) as info:
+        compile_module(torch.nn.Linear(4, 4), (torch.randn(1, 4),), hook=hook)
+    assert isinstance(info.value, ValueError)
+    seen = []
+    monkeypatch.undo()
+    compile_module(torch.nn.Linear(4, 4), (torch.randn(1, 4),), hook=lambda stage, ir, seconds, *more: seen.append(stage))
+    assert seen[0] == "opgraph" and seen[-1] == "plan"

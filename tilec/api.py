@@ -1,19 +1,38 @@
 """Public entry points of the offline path."""
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
 
 from .capture import export_graph
 from .dump import with_dump
-from .errors import InputError, UnsupportedNodeError
+from .errors import InputError, OptionsError, UnsupportedNodeError
 from .frontend import find_unsupported, lower_graph
 from .guards import build_mask_guards
 from .options import Options
 from .pipeline import Hook, compile_opgraph
 from .ir import is_integer
 from .program import CompiledProgram
+
+
+def check_hook(hook) -> None:
+    """Raises OptionsError unless ``hook`` is None or can be called as ``hook(stage, ir, seconds)``: a bad one
+    failed with Python's own TypeError after the whole capture (a fresh user's case)."""
+    if hook is None:
+        return
+    if not callable(hook):
+        raise OptionsError(f"hook={hook!r}: must be a callable hook(stage, ir, seconds), or None")
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin or an extension type: no signature to check
+        return
+    try:
+        sig.bind("opgraph", None, 0.0)
+    except TypeError as e:
+        raise OptionsError(f"hook {getattr(hook, '__qualname__', hook)!r}{sig}: it is called as "
+                           f"hook(stage, ir, seconds) ({e})") from None
 
 
 def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_positions: int = 1,
@@ -39,6 +58,7 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         VerificationError: a stage broke an invariant (a tilec bug: please report it).
     """
     opts = options if isinstance(options, Options) else Options.from_dict(options)
+    check_hook(hook)
     check_call(module, args, positions)
     meta = meta_tensors(module, args)
     if meta:
