@@ -1162,12 +1162,10 @@ def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
     assert compile_fresh()["compiles"] == 1
 
 
-@pytest.mark.parametrize("damage", ["plan.json emptied", "plan.json removed"])
+@pytest.mark.parametrize("damage", ["plan.json emptied", "plan.json removed", "tensors removed"])
 def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, caplog, damage):
     """A damaged on-disk plan was a cache miss every time for good: store() left an existing entry alone (a fresh
     user's case, whose warning was a bare KeyError text). It is removed and rewritten, once."""
-    from tilec import plancache
-
     monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TILEC_DUMP_DIR", raising=False)
     torch.manual_seed(0)
@@ -1185,6 +1183,8 @@ def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, capl
     (entry,) = (tmp_path / "plans").iterdir()
     if damage == "plan.json emptied":
         (entry / "plan.json").write_text("{}")
+    elif damage == "tensors removed":
+        (entry / "tensors.safetensors").unlink()
     else:
         (entry / "plan.json").unlink()
     caplog.clear()
@@ -1592,3 +1592,53 @@ def test_a_plain_concatenation_of_an_input_compiles(caplog):
     assert torch.equal(got, torch.cat([x, y * 2]))
     assert _plans() > before, "compiled"
     assert not any("concatenation" in r.getMessage() for r in caplog.records), caplog.text
+
+
+class CatAttention(torch.nn.Module):
+    """Hand-written attention over keys and values grown by concatenation (no embedding, SDPA or cache write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, h, pk, pv):
+        k, v = torch.cat([pk, self.k(h)], 1), torch.cat([pv, self.v(h)], 1)
+        return torch.softmax(self.q(h) @ k.transpose(1, 2), -1) @ v, k, v
+
+
+def test_a_cache_grown_by_concatenation_under_hand_written_attention_runs_eagerly(caplog):
+    """A reviewer's case for the rule above: keys grown by concatenation and read by a hand-written attention, in a
+    graph with no sign of a decode step otherwise, are still a grown cache (a new plan at every length)."""
+    torch.manual_seed(0)
+    m = CatAttention().eval()
+    before = _plans()
+    torch._dynamo.reset()
+    f = torch.compile(m, backend="tilec", dynamic=False)
+    pk, pv = torch.randn(1, 3, 16), torch.randn(1, 3, 16)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.backend"):
+        for _ in range(3):
+            h = torch.randn(1, 1, 16)
+            (got, k, v), (want, _, _) = f(h, pk, pv), m(h, pk, pv)
+            assert_close(got, want, 1e-5, "attention")
+            pk, pv = k, v
+    assert _plans() == before
+    assert "a cache grown by concatenation" in caplog.text
+
+
+def test_a_plan_cache_repair_is_not_undone_by_a_second_reader(tmp_path, monkeypatch):
+    """A reviewer's case: two processes read one corrupt entry; the first removes and rewrites it, then the second,
+    whose read failed earlier, removed the repaired entry too. It removes only the entry it read."""
+    from tilec import plancache
+
+    entry = tmp_path / "plans" / "k"
+    entry.mkdir(parents=True)
+    (entry / "plan.json").write_text("{}")
+    stale = plancache._stamp(entry)  # what the second process read
+    plancache._discard(entry, stale)  # the first one's repair: removed...
+    entry.mkdir()
+    (entry / "plan.json").write_text('{"plan": 1}')  # ...and written again
+    plancache._discard(entry, stale)  # the second one's late removal
+    assert (entry / "plan.json").read_text() == '{"plan": 1}'
+    assert [p.name for p in entry.parent.iterdir()] == ["k"]  # nothing left aside
+    plancache._discard(entry, plancache._stamp(entry))  # the entry it read: removed
+    assert not entry.exists()

@@ -744,9 +744,20 @@ def test_the_current_directory_as_output_is_refused_before_compiling(facts, tmp_
         monkeypatch.chdir(cwd)
         r = invoke("compile", f"{facts}:linear", "-o", target, "--no-build", *extra)
         assert r.exit_code == 2 and "current" in r.stderr and "give a new directory" in r.stderr, r.output
+    # the current directory through a symlink (a reviewer's case), and a relative path once it is removed
+    (tmp_path / "link").symlink_to(tmp_path)
+    monkeypatch.chdir(empty)
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "link" / "empty", "--no-build")
+    assert r.exit_code == 2 and "is the current directory" in r.stderr, r.output
     assert not calls  # refused before the compile
     assert os.listdir(empty) == [] and sorted(os.listdir(out)) == before
-    assert sorted(os.listdir(tmp_path)) == ["a", "empty"]
+    assert sorted(os.listdir(tmp_path)) == ["a", "empty", "link"]
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    r = invoke("compile", f"{facts}:linear", "-o", "rel", "--no-build")
+    assert r.exit_code == 2 and "the current directory no longer exists" in r.stderr, r.output
 
 
 @pytest.mark.parametrize("factory", ["random_buffer", "random_nonpersistent_buffer"])
@@ -768,7 +779,7 @@ def test_run_check_names_a_folded_buffer_when_it_fails(facts, tmp_path):
     assert invoke("compile", f"{facts}:random_folded_buffer", "-o", out, "--no-build").exit_code == 0
     r = invoke("run", out, "--check")
     assert r.exit_code == 1 and "MISMATCH" in r.output, r.output
-    assert "the plan folded module buffer(s) scale into other values" in r.stderr, r.stderr
+    assert "does not store module buffer(s) scale (the plan folded them" in r.stderr, r.stderr
 
 
 def test_check_compares_the_finite_values_when_the_nans_match():
@@ -783,6 +794,12 @@ def test_check_compares_the_finite_values_when_the_nans_match():
         assert math.isnan(rel_l2(torch.tensor(bad), ref)), bad
     assert math.isnan(rel_l2(torch.ones(3), torch.ones(4)))
     assert rel_l2(torch.full((2,), float("nan")), torch.full((2,), float("nan"))) == 0.0
+    from tilec.commands import _nonfinite_why
+
+    assert _nonfinite_why(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])).startswith("tilec has")
+    assert _nonfinite_why(torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("inf")])).startswith("eager has")
+    assert _nonfinite_why(torch.tensor([float("nan"), 2.0]), torch.tensor([1.0, float("inf")])) == \
+        "their NaN and infinite values differ"
 
 
 def test_saving_from_python_checks_the_example_inputs(tmp_path):
@@ -806,6 +823,18 @@ def test_saving_from_python_checks_the_example_inputs(tmp_path):
         artifact.save(tmp_path / "a", prog, (torch.randn(1, 8),), build=False)
     r = invoke("run", tmp_path / "a")
     assert r.exit_code == 0, r.output
+    # decode positions too (a reviewer's cases): outside the planned range, not an integer, another shape
+    ns: dict = {}
+    exec(FACTORIES, ns)  # noqa: S102 - the test's own factories
+    module, args, kw = ns["cache_write"]()
+    prog = compile_module(module, args, **kw)
+    for pos, pattern in ((torch.tensor([99]), r"holds decode position 99, outside the planned range \[0, 16\)"),
+                         (1.5, r"an int or an integer tensor of one element, got float"),
+                         (torch.tensor(4), r"expected an integer tensor of shape \[1\]")):
+        with pytest.raises(ArtifactError, match=pattern):
+            artifact.save(tmp_path / "b", prog, (args[0], pos, args[2]), build=False, **kw)
+    assert not (tmp_path / "b").exists()
+    artifact.save(tmp_path / "b", prog, args, build=False, **kw)
 
 
 def test_compile_force_never_replaces_a_folder_that_is_not_an_artifact(facts, tmp_path):

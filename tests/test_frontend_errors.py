@@ -111,6 +111,7 @@ def test_refused_node_in_torchs_own_modules_names_the_module():
 @pytest.mark.parametrize("path, want", [
     ("L['self'].model.layers[3].mlp", "model.layers.3.mlp"),  # Dynamo
     ("L['m']._modules['fc1']", "fc1"),
+    ("G['model'].layers[0].mlp", "layers.0.mlp"),  # a global module under torch.compile of a function
     ("L__self___fc1", "fc1"),
     ("layers.0.mlp", "layers.0.mlp"),  # torch.export
     ("", ""),  # the compiled module

@@ -114,7 +114,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         TilecError: nvcc failed, ``TILEC_NVCC`` names a program that does not run as nvcc, or a
             codegen template is missing or broken (nothing is written).
     """
-    final = Path(os.path.abspath(path))  # "." or "a/..": its temporary and backup folders go beside it
+    given = Path(path)
+    final = _absolute(given)  # "." or "a/..": its temporary and backup folders go beside it
     check_target(final, force)
     missing = [s for s in STAGES if s not in program.compiled.stages]
     if missing:
@@ -127,7 +128,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     call_args, input_tensors = _describe_inputs(inputs)
     try:  # the inputs tilec run and tilec bench will pass
         program.check_example(list(inputs))
-    except InputError as e:
+    except InputError as e:  # (also a bad decode position)
         raise ArtifactError(f"the example inputs do not fit the program: {e}") from e
     plan, opts = program.plan, program.opts
     try:
@@ -212,7 +213,17 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
             for d in created:  # innermost first
                 with contextlib.suppress(OSError):
                     d.rmdir()
-    return final
+    return given
+
+
+def _absolute(path: Path) -> Path:
+    """``path`` made absolute (not through symlinks). Raises ArtifactError for a relative path when the
+    current directory no longer exists."""
+    try:
+        return Path(os.path.abspath(path))
+    except OSError as e:
+        raise ArtifactError(f"cannot write the artifact {path}: the current directory no longer exists "
+                            f"({e.strerror}); give an absolute path") from e
 
 
 def check_target(final: Path, force: bool) -> None:
@@ -222,13 +233,14 @@ def check_target(final: Path, force: bool) -> None:
     leave the shell in a directory that no longer exists). Writability is checked up front by
     creating and removing a probe directory in the nearest existing ancestor, so an unwritable
     place fails before a long compile."""
-    final = Path(os.path.abspath(final))
+    final = _absolute(final)
     try:
-        cwd = Path(os.getcwd())
+        cwd = Path(os.path.realpath(os.getcwd()))
     except OSError:  # the current directory was removed: nothing to protect
         cwd = None
-    if cwd is not None and (final == cwd or final in cwd.parents):
-        where = "the current directory" if final == cwd else f"a directory holding the current one ({cwd})"
+    real = Path(os.path.realpath(final))  # through symlinks: the shell's directory by another name
+    if cwd is not None and (real == cwd or real in cwd.parents):
+        where = "the current directory" if real == cwd else f"a directory holding the current one ({cwd})"
         raise ArtifactError(f"{final} is {where}: tilec writes an artifact beside its output directory and "
                             f"renames it into place whole, which would leave your shell in a removed directory; "
                             f"give a new directory (e.g. -o out) or run from another directory")

@@ -170,9 +170,12 @@ def _cache_length(gm: fx.GraphModule) -> int:
 
 def _grown_caches(gm: fx.GraphModule, kinds: list[str]) -> list[fx.Node]:
     """The graph's outputs that are a concatenation onto a per-call graph input (not a parameter or
-    constant) or onto an empty tensor: a cache grown by concatenation (HF's default dynamic cache; its
-    first step concatenates onto an empty one). Each step of such a cache has new shapes, so is a new
-    graph. None when the graph also writes a static cache (``index_copy`` / ``index_put``)."""
+    constant) or onto an empty tensor, which the graph also reads: a cache grown by concatenation (HF's
+    default dynamic cache, whose attention reads the grown keys; its first step concatenates onto an
+    empty one). Each step of such a cache has new shapes, so is a new graph. None when the graph also
+    writes a static cache (``index_copy`` / ``index_put``). A concatenation only returned
+    (``torch.cat([x, y])`` of a plain function) is none: it ran eagerly with a hint about HF's caches (a
+    fresh user's case)."""
     aten = torch.ops.aten
     if any(is_call(n, aten.index_copy.default, aten.index_copy_.default, aten.index_put.default,
                    aten.index_put_.default) for n in gm.graph.nodes):
@@ -181,7 +184,7 @@ def _grown_caches(gm: fx.GraphModule, kinds: list[str]) -> list[fx.Node]:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     grown = []
     for n in out.all_input_nodes:
-        if is_call(n, aten.cat.default) and any(
+        if is_call(n, aten.cat.default) and any(u.op != "output" for u in n.users) and any(
                 a in inputs or (isinstance(a, fx.Node) and (v := val_of(a)) is not None and v.numel() == 0)
                 for a in n.args[0]):
             grown.append(n)
@@ -192,10 +195,8 @@ def _growing_cache(gm: fx.GraphModule, kinds: list[str], tokens: tuple[int, fx.N
     """True, with one warning a process, for a decode step (one token a sequence: ``tokens`` as
     ``_tokens_per_sequence`` gives them) that returns a cache grown by concatenation
     (``_grown_caches``): its program would be planned and built (an nvcc build on a GPU) for the one
-    call of that cache length. A graph with no sign of a decode step (no embedding of passed ids,
-    attention or cache write: ``tokens`` None) is not one: ``torch.cat([x, y])`` returned by a plain
-    function compiles (it ran eagerly, with a hint about HF's caches, a fresh user's case)."""
-    grown = _grown_caches(gm, kinds) if tokens is not None and tokens[0] <= 1 else []
+    call of that cache length."""
+    grown = _grown_caches(gm, kinds) if tokens is None or tokens[0] <= 1 else []
     if not grown:
         return False
     key = _logged_key("position", "", "no static cache")

@@ -458,7 +458,7 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
         if got.shape != ref.shape:
             why = f" (tilec returned {str(got.dtype).removeprefix('torch.')}{list(got.shape)})"
         elif math.isnan(err):
-            why = " (tilec has NaN or infinite values where eager has not)"
+            why = f" ({_nonfinite_why(got, ref)})"
         click.echo(f"  {label:<32} {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}  {err:.3e}  "
                    f"{'ok' if err <= tol else 'MISMATCH'}{why}")
     ok = all(e <= tol for e in errors)  # NaN (not finite, wrong shape) fails
@@ -467,12 +467,23 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
     if not ok:
         if folded:
             names = ", ".join(folded[:4]) + (", ..." if len(folded) > 4 else "")
-            click.echo(f"note: the plan folded module buffer(s) {names} into other values, so eager uses the "
-                       f"factory's own values for them: a factory that draws them at random (unseeded) fails this "
-                       f"check", err=True)
+            click.echo(f"note: the artifact does not store module buffer(s) {names} (the plan folded them into "
+                       f"other values, or does not read them), so eager uses the factory's own values for them: a "
+                       f"factory that draws them at random (unseeded) fails this check", err=True)
         raise click.exceptions.Exit(EXIT_MISMATCH)
 
 
+
+
+def _nonfinite_why(got: torch.Tensor, ref: torch.Tensor) -> str:
+    """Why :func:`rel_l2` of two tensors of one shape is NaN: whose NaN / infinite values the other lacks."""
+    a, e = torch.isfinite(got.detach().cpu()), torch.isfinite(ref.detach().cpu())
+    extra_tilec, extra_eager = bool((~a & e).any()), bool((a & ~e).any())
+    if extra_tilec and not extra_eager:
+        return "tilec has NaN or infinite values where eager has not"
+    if extra_eager and not extra_tilec:
+        return "eager has NaN or infinite values where tilec has not"
+    return "their NaN and infinite values differ"
 
 
 def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:

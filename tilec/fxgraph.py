@@ -56,7 +56,7 @@ def module_of(node: fx.Node) -> tuple[str, str]:
     path, cls = entry
     cls = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
     path = str(path)
-    path = re.sub(r"^L\['[^']*'\]\.?|^L__self__[._]?", "", path)  # Dynamo's name of the compiled module
+    path = re.sub(r"^[LG]\['[^']*'\]\.?|^L__self__[._]?", "", path)  # Dynamo's name of the module (local, global)
     path = re.sub(r"\.?_modules\['([^']*)'\]|\['([^']*)'\]", lambda m: "." + (m.group(1) or m.group(2)), path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     return path.strip("."), cls.rsplit(".", 1)[-1]

@@ -10,6 +10,7 @@ entry that fails to load is ignored (and recompiled).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -48,7 +49,9 @@ def _dir(key: str) -> Path:
 def load(key: str) -> Compiled | None:
     """The cached plan for ``key``, or None (missing or unreadable)."""
     root = _dir(key)
-    if not (root / "plan.json").exists():
+    try:
+        read = _stamp(root)  # the entry this load reads (a repair by another process is another)
+    except OSError:
         return None
     try:
         tensors = load_file(str(root / "tensors.safetensors"))
@@ -58,20 +61,45 @@ def load(key: str) -> Compiled | None:
         meta = json.loads((root / "plan.json").read_text())
         plan = KernelPlan.from_tables(graph, plan_tensors, meta["plan"], meta["stats"])
     except Exception as e:  # a corrupt entry is a cache miss, never an error; removed, so this compile rewrites it
+        if isinstance(e, FileNotFoundError) and not _same(root, read):  # another process's repair, mid-way: a miss
+            return None
         log.warning("tilec: ignoring unreadable plan cache entry %s (%s); it is removed and written again", root,
                     describe_exception(e))
-        _discard(root)
+        _discard(root, read)
         return None
     return Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(meta["stats"]))
 
 
-def _discard(entry: Path) -> None:
-    """Removes a cache entry (best effort): renamed aside first, so no reader sees it half removed."""
+def _stamp(entry: Path) -> tuple:
+    """Which entry is at ``entry`` now (its plan file's inode and change time). Raises OSError when it has
+    no plan file."""
+    st = os.stat(entry / "plan.json")
+    return st.st_ino, st.st_mtime_ns
+
+
+def _same(entry: Path, stamp: tuple) -> bool:
+    """Whether the entry at ``entry`` is still the one ``stamp`` (:func:`_stamp`) names."""
+    try:
+        return _stamp(entry) == stamp
+    except OSError:
+        return False
+
+
+def _discard(entry: Path, stamp: tuple | None = None) -> None:
+    """Removes a cache entry (best effort): renamed aside first, so no reader sees it half removed. With
+    ``stamp``, only if the entry is still the one stamped: two processes that read one corrupt entry must
+    not both remove it, the second the first one's repair."""
     try:
         aside = Path(tempfile.mkdtemp(prefix=f".{entry.name[:12]}.bad-", dir=entry.parent))
-        os.replace(entry, aside / "entry")
     except OSError:
         return
+    try:
+        os.replace(entry, aside / "entry")
+        if stamp is not None and _stamp(aside / "entry") != stamp:  # repaired meanwhile: put it back
+            with contextlib.suppress(OSError):
+                os.rename(aside / "entry", entry)  # (fails if yet another entry was written there: fine)
+    except OSError:
+        pass
     shutil.rmtree(aside, ignore_errors=True)
 
 

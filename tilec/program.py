@@ -205,8 +205,9 @@ class CompiledProgram:
 
     def check_example(self, args) -> None:
         """Checks ``args`` against the step's arguments without binding them: their count, each tensor's
-        shape and dtype, each baked Python value. Raises InputError naming the first that does not fit
-        (what :func:`tilec.artifact.save` does with its example inputs, which ``tilec run`` passes later)."""
+        shape and dtype, each baked Python value, the decode position arguments (as a call reads them: a
+        device tensor costs a sync). Raises InputError naming the first that does not fit (what
+        :func:`tilec.artifact.save` does with its example inputs, which ``tilec run`` passes later)."""
         if len(args) != len(self._arg_specs):
             raise InputError(f"the step takes {len(self._arg_specs)} arguments, got {len(args)}")
         for i, (kind, name, shape, dtype, _, _) in enumerate(self._arg_specs):
@@ -217,6 +218,13 @@ class CompiledProgram:
                 raise InputError(f"{self._labels[i]}: the step takes {dtype}{list(shape)}, got {got}")
             if i in self._baked and (type(a) is not type(self._baked[i]) or repr(a) != repr(self._baked[i])):
                 raise InputError(f"{self._labels[i]} is {a!r}, but the step was compiled for {self._baked[i]!r}")
+        try:  # the decode position arguments: type, the example's shape, the planned range, one value
+            held = self._positions(args, [])[0]
+        except TilecError as e:
+            raise InputError(str(e)) from None
+        if len(set(held.values())) > 1:
+            said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in sorted(held.items()))
+            raise InputError(f"the decode position arguments disagree ({said})")
 
     def bind_args(self, args) -> tuple[dict[str, torch.Tensor], int]:
         """Checks the call arguments and returns (buffer tensors, decode position). Position

@@ -88,8 +88,10 @@ class SmClock:
             out = subprocess.run(self._cmd, capture_output=True, text=True, timeout=5).stdout
         except (OSError, subprocess.SubprocessError):
             return
-        vals = [v.strip() for v in out.strip().splitlines()[0].split(",")] if out.strip() else []
-        if vals and vals[0].isdigit():
+        rows = [[v.strip() for v in ln.split(",")] for ln in out.strip().splitlines()]
+        rows = [r for r in rows if r and r[0].isdigit()]  # (past a warning line, e.g. an infoROM one)
+        vals = rows[-1] if rows else []
+        if vals:
             self.samples.append(int(vals[0]))
         if len(vals) > 1 and vals[1].isdigit():
             self.mem_samples.append(int(vals[1]))
