@@ -246,6 +246,10 @@ def test_option_errors_are_tilec_errors():
         with pytest.raises(OptionsError) as info:
             Options.from_dict(bad)
         assert isinstance(info.value, TilecError) and isinstance(info.value, ValueError)
+    # the constructor too (it raised Python's TypeError, naming no valid option: a fresh user's case)
+    with pytest.raises(OptionsError, match=r"unknown tilec option\(s\) \['Workers'\] \(did you mean 'workers'"):
+        Options(Workers=8)
+    assert Options(workers=8).workers == 8 and Options().workers == 132
 
 
 def test_a_non_bool_flag_option_is_a_clear_error():

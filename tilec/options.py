@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import difflib
 import hashlib
 import json
@@ -220,3 +221,18 @@ class Options:
 # option name -> its annotation as written ("int", "str | None", ...): the valid keys of from_dict
 # and of the command line's -O KEY=VALUE
 OPTION_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(Options)}
+
+
+def _checked_init(init):
+    """``Options(**kw)`` with an unknown keyword raises OptionsError as ``from_dict`` does (Python's own
+    TypeError named the keyword but not the valid ones: a fresh user's case)."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown = sorted(set(kwargs) - set(OPTION_TYPES))
+        if unknown:
+            raise OptionsError(unknown_options_message(unknown, list(OPTION_TYPES)))
+        init(self, *args, **kwargs)
+    return __init__
+
+
+Options.__init__ = _checked_init(Options.__init__)
