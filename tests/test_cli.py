@@ -737,7 +737,7 @@ def test_the_current_directory_as_output_is_refused_before_compiling(facts, tmp_
     before = sorted(os.listdir(out))
     empty = tmp_path / "empty"
     empty.mkdir()
-    calls = []
+    calls, load_factory = [], commands.load_factory
     monkeypatch.setattr(commands, "load_factory", lambda *a, **k: calls.append(a))  # not reached
     for cwd, target, extra in ((empty, ".", ()), (empty, empty, ()), (out, ".", ("--force",)),
                                (out / "cuda" if (out / "cuda").is_dir() else out, out, ("--force",))):
@@ -752,6 +752,21 @@ def test_the_current_directory_as_output_is_refused_before_compiling(facts, tmp_
     assert not calls  # refused before the compile
     assert os.listdir(empty) == [] and sorted(os.listdir(out)) == before
     assert sorted(os.listdir(tmp_path)) == ["a", "empty", "link"]
+    # ... and through a symlink and "..": the directory the system means (a second fresh user's case: the path was
+    # cleaned up as text, so the artifact went to link's parent's "empty", and "wrote" named a path without it)
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "down").symlink_to(empty)
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "deep" / "down" / ".." / "empty", "--no-build")
+    assert r.exit_code == 2 and "is the current directory" in r.stderr, r.output
+    assert os.listdir(tmp_path / "deep") == ["down"]
+    # --force over a symlink to an artifact replaces the artifact, and the link stays a link to it
+    assert not calls  # refused before the compile
+    monkeypatch.setattr(commands, "load_factory", load_factory)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "to_a").symlink_to(out)
+    r = invoke("compile", f"{facts}:linear", "-o", "to_a", "--no-build", "--force", "-O", "workers=3")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "to_a").is_symlink() and json.loads((out / "manifest.json").read_text())["options"]["workers"] == 3
     gone = tmp_path / "gone"
     gone.mkdir()
     monkeypatch.chdir(gone)
@@ -835,6 +850,14 @@ def test_saving_from_python_checks_the_example_inputs(tmp_path):
             artifact.save(tmp_path / "b", prog, (args[0], pos, args[2]), build=False, **kw)
     assert not (tmp_path / "b").exists()
     artifact.save(tmp_path / "b", prog, args, build=False, **kw)
+    # the inputs as a container (a second fresh user's cases: None raised a raw TypeError, a bare tensor was read
+    # as its rows, a generator was used up before the check) and no meta tensors
+    for bad, pattern in ((None, r"a tuple or list, not NoneType"), (args[0], r"a tuple or list, not Tensor"),
+                         ((a for a in args), r"a tuple or list, not generator"),
+                         ((args[0], args[1], args[2].to("meta")), r"example argument 2 is a meta-device tensor")):
+        with pytest.raises(ArtifactError, match=pattern):
+            artifact.save(tmp_path / "c", prog, bad, build=False, **kw)
+    assert not (tmp_path / "c").exists()
 
 
 def test_compile_force_never_replaces_a_folder_that_is_not_an_artifact(facts, tmp_path):

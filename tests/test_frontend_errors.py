@@ -250,6 +250,8 @@ def test_option_errors_are_tilec_errors():
     with pytest.raises(OptionsError, match=r"unknown tilec option\(s\) \['Workers'\] \(did you mean 'workers'"):
         Options(Workers=8)
     assert Options(workers=8).workers == 8 and Options().workers == 132
+    with pytest.raises(OptionsError, match=r"keywords \(Options\(workers=8\)\), not positional values \(8,\)"):
+        Options(8)
 
 
 def test_a_non_bool_flag_option_is_a_clear_error():

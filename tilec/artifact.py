@@ -117,6 +117,12 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     given = Path(path)
     final = _absolute(given)  # "." or "a/..": its temporary and backup folders go beside it
     check_target(final, force)
+    if isinstance(inputs, torch.Tensor) or not isinstance(inputs, (tuple, list)):
+        raise ArtifactError(f"inputs: the example arguments as a tuple or list, not {type(inputs).__name__} "
+                            f"(one tensor: (x,))")
+    meta = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.is_meta]
+    if meta:
+        raise ArtifactError(f"example argument {meta[0]} is a meta-device tensor (no data to store)")
     missing = [s for s in STAGES if s not in program.compiled.stages]
     if missing:
         raise ArtifactError(f"the program lacks pipeline stage(s) {missing}; compile it with tilec.api.compile_module")
@@ -217,10 +223,12 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
 
 
 def _absolute(path: Path) -> Path:
-    """``path`` made absolute (not through symlinks). Raises ArtifactError for a relative path when the
-    current directory no longer exists."""
+    """``path`` as the directory the system means by it: absolute, through symlinks and ``..`` as the OS
+    resolves them (``link/../out`` is beside the link's target; ``--force`` over a link to an artifact
+    replaces the artifact, not the link). Raises ArtifactError for a relative path when the current
+    directory no longer exists."""
     try:
-        return Path(os.path.abspath(path))
+        return Path(os.path.realpath(path))
     except OSError as e:
         raise ArtifactError(f"cannot write the artifact {path}: the current directory no longer exists "
                             f"({e.strerror}); give an absolute path") from e
@@ -233,14 +241,13 @@ def check_target(final: Path, force: bool) -> None:
     leave the shell in a directory that no longer exists). Writability is checked up front by
     creating and removing a probe directory in the nearest existing ancestor, so an unwritable
     place fails before a long compile."""
-    final = _absolute(final)
+    final = _absolute(final)  # through symlinks: the shell's directory by another name
     try:
         cwd = Path(os.path.realpath(os.getcwd()))
     except OSError:  # the current directory was removed: nothing to protect
         cwd = None
-    real = Path(os.path.realpath(final))  # through symlinks: the shell's directory by another name
-    if cwd is not None and (real == cwd or real in cwd.parents):
-        where = "the current directory" if real == cwd else f"a directory holding the current one ({cwd})"
+    if cwd is not None and (final == cwd or final in cwd.parents):
+        where = "the current directory" if final == cwd else f"a directory holding the current one ({cwd})"
         raise ArtifactError(f"{final} is {where}: tilec writes an artifact beside its output directory and "
                             f"renames it into place whole, which would leave your shell in a removed directory; "
                             f"give a new directory (e.g. -o out) or run from another directory")

@@ -225,9 +225,11 @@ OPTION_TYPES: dict[str, str] = {f.name: str(f.type) for f in dataclasses.fields(
 
 def _checked_init(init):
     """``Options(**kw)`` with an unknown keyword raises OptionsError as ``from_dict`` does (Python's own
-    TypeError named the keyword but not the valid ones: a fresh user's case)."""
+    TypeError named the keyword but not the valid ones: a fresh user's case); so does a positional value."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        if args:
+            raise OptionsError(f"tilec options are keywords (Options(workers=8)), not positional values {args!r}")
         unknown = sorted(set(kwargs) - set(OPTION_TYPES))
         if unknown:
             raise OptionsError(unknown_options_message(unknown, list(OPTION_TYPES)))
