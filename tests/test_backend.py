@@ -1137,11 +1137,9 @@ def test_a_buffer_given_new_storage_through_data_is_seen():
         assert_close(f(x), m(x), 1e-5, "after .data = new")
 
 
-def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
-    """The on-disk plan key held tilec's version string only, so a changed pass (a pull, a fix)
-    kept running plans the old code made (a breaker trial's finding): it hashes the sources too."""
-    from tilec import plancache
-
+def fresh_compiler(tmp_path, monkeypatch):
+    """A function that compiles TwoLinears under torch.compile afresh (Dynamo and the in-memory plan cache
+    reset, the on-disk one at ``tmp_path``), checks it against eager and returns the cache counters' change."""
     monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TILEC_DUMP_DIR", raising=False)
     torch.manual_seed(0)
@@ -1155,6 +1153,15 @@ def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
             assert_close(torch.compile(m, backend="tilec")(x), m(x), 1e-5, "output")
         return {k: backend.CACHE_STATS[k] - before[k] for k in before}
 
+    return compile_fresh
+
+
+def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
+    """The on-disk plan key held tilec's version string only, so a changed pass (a pull, a fix)
+    kept running plans the old code made (a breaker trial's finding): it hashes the sources too."""
+    from tilec import plancache
+
+    compile_fresh = fresh_compiler(tmp_path, monkeypatch)
     assert compile_fresh()["compiles"] == 1
     assert compile_fresh()["disk_hits"] == 1
     assert len(plancache.code_digest()) == 16
@@ -1166,19 +1173,8 @@ def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
 def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, caplog, damage):
     """A damaged on-disk plan was a cache miss every time for good: store() left an existing entry alone (a fresh
     user's case, whose warning was a bare KeyError text). It is removed and rewritten, once."""
-    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TILEC_DUMP_DIR", raising=False)
-    torch.manual_seed(0)
-    m, x = TwoLinears().eval(), torch.randn(2, 8)
-
-    def compile_fresh():
-        torch._dynamo.reset()
-        backend._PLAN_CACHE.clear()
-        before = dict(backend.CACHE_STATS)
-        with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tilec.plancache"):
-            assert_close(torch.compile(m, backend="tilec")(x), m(x), 1e-5, "output")
-        return {k: backend.CACHE_STATS[k] - before[k] for k in before}
-
+    compile_fresh = fresh_compiler(tmp_path, monkeypatch)
+    caplog.set_level(logging.WARNING, logger="tilec.plancache")
     assert compile_fresh()["compiles"] == 1
     (entry,) = (tmp_path / "plans").iterdir()
     if damage == "plan.json emptied":
