@@ -29,6 +29,7 @@ from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, P
 from .codegen.build import cache_root, extra_flags
 from .dump import check_dump_root, dump_root
 from .errors import InputError, TilecError, describe_exception
+from .frontend import const_name
 from .ir import BufferKind
 from .options import OPTION_TYPES, Options, did_you_mean
 from .stages import OPGRAPH_STAGES, STAGES
@@ -551,8 +552,8 @@ def eager_reference(art, progress: Progress):
     # the buffers the plan kept as constants (const_<placeholder>); those it folded into other values are not stored
     buffer_sources = art.manifest.get("buffer_sources") or {}
     consts = art.constants() if buffer_sources else {}
-    buffers = {f"const_{name}": target for name, target in buffer_sources.items() if f"const_{name}" in consts}
-    folded = sorted(target for name, target in buffer_sources.items() if f"const_{name}" not in consts)
+    buffers = {const_name(name): target for name, target in buffer_sources.items() if const_name(name) in consts}
+    folded = sorted(target for name, target in buffer_sources.items() if const_name(name) not in consts)
     changed, unmapped = 0, []
     with torch.no_grad():
         for name, t in [*art.params().items(), *((n, consts[n]) for n in buffers)]:

@@ -150,6 +150,12 @@ class GraphBinding:
         return f"buffer {self.buffer_names.get(name, name)}"
 
 
+def const_name(node_name: str) -> str:
+    """The buffer name of the constant a node folds to (a module buffer the plan keeps as it is:
+    ``const_<placeholder>``, which ``tilec run --check`` loads back into the eager module)."""
+    return f"const_{node_name}"
+
+
 def _data_dependent_shape(node: fx.Node) -> bool:
     """Whether ``node``'s tensor has a size that is a symbol (torch.export's unbacked ``u0`` for a size read
     from data), not a number."""
@@ -343,7 +349,7 @@ class Lowering(FormsLowering, DsaLowering):
     def _materialize(self, value, node: fx.Node | None) -> View:
         if isinstance(value, Static):
             t = value.value.contiguous()
-            buf = self._new_buffer(f"const_{node.name if node is not None else 'c'}", tuple(t.shape), t.dtype,
+            buf = self._new_buffer(const_name(node.name if node is not None else "c"), tuple(t.shape), t.dtype,
                                    BufferKind.CONST, node=node)
             self.constants[buf.name] = t
             return View.whole(buf)

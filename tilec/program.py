@@ -208,23 +208,38 @@ class CompiledProgram:
         shape and dtype, each baked Python value, the decode position arguments (as a call reads them: a
         device tensor costs a sync). Raises InputError naming the first that does not fit (what
         :func:`tilec.artifact.save` does with its example inputs, which ``tilec run`` passes later)."""
-        if len(args) != len(self._arg_specs):
-            raise InputError(f"the step takes {len(self._arg_specs)} arguments, got {len(args)}")
-        for i, (kind, name, shape, dtype, _, _) in enumerate(self._arg_specs):
-            a = args[i]
-            if kind == _TENSOR and not (isinstance(a, torch.Tensor) and tuple(a.shape) == tuple(shape)
-                                        and a.dtype == dtype):
-                got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
-                raise InputError(f"{self._labels[i]}: the step takes {dtype}{list(shape)}, got {got}")
-            if i in self._baked and (type(a) is not type(self._baked[i]) or repr(a) != repr(self._baked[i])):
-                raise InputError(f"{self._labels[i]} is {a!r}, but the step was compiled for {self._baked[i]!r}")
-        try:  # the decode position arguments: type, the example's shape, the planned range, one value
-            held = self._positions(args, [])[0]
-        except TilecError as e:
+        try:
+            self._check_fixed(args)
+            for i, (kind, name, shape, dtype, _, _) in enumerate(self._arg_specs):
+                a = args[i]
+                if kind == _TENSOR and not (isinstance(a, torch.Tensor) and tuple(a.shape) == tuple(shape)
+                                            and a.dtype == dtype):
+                    got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                    raise InputError(f"{self._labels[i]}: the step takes {dtype}{list(shape)}, got {got}")
+            self._one_position(self._positions(args, [])[0])
+        except TilecError as e:  # (a PositionError, or the call's own TilecError)
             raise InputError(str(e)) from None
-        if len(set(held.values())) > 1:
-            said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in sorted(held.items()))
-            raise InputError(f"the decode position arguments disagree ({said})")
+
+    def _check_fixed(self, args) -> None:
+        """Raises TilecError unless ``args`` has the step's number of arguments and each baked Python value."""
+        if len(args) != len(self._arg_specs):
+            raise TilecError(f"compiled step takes {len(self._arg_specs)} arguments, got {len(args)}")
+        for i, v in self._baked.items():
+            a = args[i]
+            if type(a) is not type(v) or not (a == v or repr(a) == repr(v)):
+                raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
+                                 f"value is baked into the compiled step (compile with a tensor as that "
+                                 f"example argument to vary it, or compile for this value)")
+
+    def _one_position(self, positions: dict[int, int]) -> int:
+        """The decode position ``positions`` (argument index -> value, :meth:`_positions`) hold, 0 without any.
+        Raises PositionError when they disagree."""
+        held = set(positions.values())
+        if len(held) > 1:
+            said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in sorted(positions.items()))
+            raise PositionError(f"the decode position arguments disagree ({said}): integer inputs with one "
+                                f"element are read as the decode position")
+        return held.pop() if held else 0
 
     def bind_args(self, args) -> tuple[dict[str, torch.Tensor], int]:
         """Checks the call arguments and returns (buffer tensors, decode position). Position
@@ -236,14 +251,7 @@ class CompiledProgram:
     def _bind(self, args, guards: list) -> tuple[dict[str, torch.Tensor], int, list[bool] | None]:
         """:meth:`bind_args`, and the mismatch flag of each of ``guards`` (``tilec.guards.MaskGuard``)
         when they were read with the positions, else None."""
-        if len(args) != len(self._arg_specs):
-            raise TilecError(f"compiled step takes {len(self._arg_specs)} arguments, got {len(args)}")
-        for i, v in self._baked.items():
-            a = args[i]
-            if type(a) is not type(v) or not (a == v or repr(a) == repr(v)):
-                raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
-                                 f"value is baked into the compiled step (compile with a tensor as that "
-                                 f"example argument to vary it, or compile for this value)")
+        self._check_fixed(args)
         positions, flags = self._positions(args, guards)
         tensors = dict(self.tensors)
         # (trusted: torch.compile's guards already hold shapes, dtypes, devices and strides)
@@ -251,12 +259,7 @@ class CompiledProgram:
         for i, name in self._t_staged:
             tensors[name].copy_(args[i])  # a small read-only input: into the program's own buffer
         self._bind_each(args, tensors)
-        held = set(positions.values())
-        if len(held) > 1:
-            said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in sorted(positions.items()))
-            raise PositionError(f"the decode position arguments disagree ({said}): integer inputs with one "
-                                f"element are read as the decode position")
-        return tensors, held.pop() if held else 0, flags
+        return tensors, self._one_position(positions), flags
 
     def _bind_each(self, args, tensors: dict) -> None:
         """Checks and binds the tensor arguments that are not trusted, naming the first bad one."""
