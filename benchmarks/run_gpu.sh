@@ -69,7 +69,7 @@ fi
 if [[ $what == lab || $what == all ]]; then  # weight streaming, cold code, release cost, phase hops, launches
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/gemv_stream_lab benchmarks/lab/gemv_stream_lab.cu &&
     /tmp/gemv_stream_lab 2>&1 | tee "$OUT/lab.log" | tail -8
-  for lab in icache_lab fence_lab hop_lab launch_lab sm_rate_lab; do
+  for lab in icache_lab fence_lab hop_lab launch_lab sm_rate_lab consumer_lab; do
     nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/$lab benchmarks/lab/$lab.cu &&
       /tmp/$lab 2>&1 | tee "$OUT/$lab.log"
   done

@@ -219,7 +219,7 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
     return;
   }
   if (threadIdx.x >= kThreads) {
-    if (ring_stages > 0) stream_weights(q, L, operands, position, ring);
+    if (ring_stages > 0) stream_weights(q, L, operands, position, ring, &ctrl_consumed);
     return;
   }
   float* scratch = reinterpret_cast<float*>(reinterpret_cast<char*>(dyn_smem4) + (size_t)ring_stages * kStageBytes);

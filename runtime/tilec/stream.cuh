@@ -129,26 +129,57 @@ __device__ __forceinline__ bool loader_wait(unsigned long long* bar, unsigned pa
   return true;
 }
 
+// An instruction's release fence (the signal that ends it) waits for the SM's bulk copies in flight
+// (benchmarks/RESULTS.md: fifteenth and twenty-fourth sessions), and the loader has by then usually
+// queued the next instructions' first items. So the loader issues at most TILEC_HOLD_AHEAD items of
+// an instruction before the last earlier instruction that signals an event has signaled: its fence
+// waits for fewer copies, and the first items still stream while it finishes. Measured on an H100
+// (benchmarks/lab/variants_ab.py, batch 1, context 1024, one process, logits bitwise equal, two
+// leases): Llama-3.2-1B 1.312 against 1.319 ms a step with 2 (1 item: 1.318; none: 1.333 against
+// 1.312), Llama-3.1-8B 6.173 against 6.211 (1 item: 6.144); the GEMV table's plans (no events)
+// unchanged. A value >= the ring's stages holds nothing back.
+#ifndef TILEC_HOLD_AHEAD
+#define TILEC_HOLD_AHEAD 2
+#endif
+// The loader's wait until the compute warps have finished instruction `gate` (*consumed > gate;
+// the executor's ctrl_consumed). False on an abort, or (as loader_wait) when the compute warps have
+// left the queue first.
+__device__ __forceinline__ bool loader_hold(const int* consumed, int gate, const WeightRing& r) {
+  while (*((volatile const int*)consumed) <= gate) {
+    if (*((volatile int*)r.abort)) return false;
+    if (*((volatile const int*)r.done)) {
+      atomicCAS(r.abort, 0, 2);
+      return false;
+    }
+  }
+  return true;
+}
+
 // The loader warp's loop (lane 0 issues): all streamed weights of queue q, in queue order.
 // Before it returns it waits for its last copies to land (they write this CTA's shared
 // memory, which must outlive them), also after an abort.
 __device__ __noinline__ void stream_weights(const int* q, int L, const long long* operands, long long position,
-                                            const WeightRing& r) {
+                                            const WeightRing& r, const int* consumed) {
   if ((threadIdx.x & 31) != 0) return;
   const unsigned long long policy = evict_first_policy();
   int item = 0, s = 0;  // the next item and its slot (item % nstages)
   unsigned ph = 0;      // its full barrier's phase parity (item / nstages & 1)
   bool ok = true;
+  int last_sig = -1;    // the last instruction so far that signals an event
   for (int i = 0; i < L && ok; ++i) {
     const int* d = q + (size_t)i * TILEC_DESCRIPTOR_WORDS;
     if (d[TILEC_W_OPCODE] == TILEC_OP_NOOP) break;
     StreamTile t;
+    const int gate = last_sig;  // the last instruction before i that signals an event (-1: none)
+    if (d[TILEC_W_SIGNAL_EVENT] >= 0) last_sig = i;
     if (!stream_tile(d, operands, position, t)) continue;
     const int kblocks = t.kblocks(), groups = t.groups(), items = t.items();
 #pragma unroll 1
     for (int j = 0; j < items && ok; ++j, ++item) {
       // slot s was last filled with item - nstages: wait for the compute warps to release it
       if (item >= r.nstages && !(ok = loader_wait(r.empty + s, ph ^ 1u, r))) break;
+      // past the first TILEC_HOLD_AHEAD items, wait until instruction `gate` has signaled
+      if (j >= TILEC_HOLD_AHEAD && !(ok = loader_hold(consumed, gate, r))) break;
       const int g = t.kouter ? j % groups : j / kblocks, kb = t.kouter ? j / groups : j % kblocks;
       const int c0 = t.n0 + g * t.group_rows(), rows = min(t.group_rows(), t.n1 - c0);
       const int kk = t.k0 + kb * t.kitem(), bytes = min(t.kitem(), t.k1 - kk) * t.esz;
