@@ -7,14 +7,15 @@
 //       8 x 16-byte weight chunks against bf16 x read from shared memory per chunk, one accumulator,
 //       a warp sum and a store per column
 //   V2  K slices: warp w owns K elements [256 w, 256 w + 256) of all 8 rows of a stage, so a lane
-//       holds its 8 x values in registers (loaded once per tile while the tile has one K block) and
+//       holds its 8 x values in registers (loaded once: the lab runs V2 only with one K block) and
 //       keeps 8 accumulators (one per row); at a column group's last K block a butterfly over the
 //       lanes leaves each row's warp partial in a lane quad, written to shared memory and summed
 //       over the 8 warps once per tile (the tile's epilogue)
 //   V3  V2 with x read from shared memory for every stage (the tile's K spans several blocks)
-// Two placements of the weights: `l2` (a CTA re-reads 96 or 128 KiB, 12.7 / 17.3 MB in all, so every read
-// after the first pass hits the L2: what the consumer can do when bytes arrive faster than HBM gives them;
-// with 160 KiB a CTA, 21 MB in all, an H100's V0 ran at 27 GB/s a CTA, about its HBM share)
+// Two placements of the weights: `l2` (a CTA re-reads 96 or 128 KiB, 13.0 / 17.3 MB in all, so reads after
+// the first pass should hit the L2: what the consumer can do when bytes arrive faster than HBM gives them;
+// with 160 KiB a CTA, 21.6 MB in all, an H100's V0 ran at 27 GB/s a CTA, about its HBM share, and one lease
+// read the 17.3 MB set at 33 GB/s - the loader keeps the executor's evict-first hint in every mode)
 // and `hbm` (4x the L2 in all, read once). Prints per variant the median CTA's GB/s (its bytes over
 // its stamped span), the aggregate TB/s over the launch's stamped span, and the results' largest
 // difference from V1 (float32 sums in another order).

@@ -1,6 +1,6 @@
 // Shared by the standalone labs (fence_lab.cu, hop_lab.cu, gemv_stream_lab.cu, mlp_split_lab.cu, launch_lab.cu,
-// sm_rate_lab.cu, consumer_lab.cu): the error check, the device query, the executor-like ring of bulk-copy stages, the streaming
-// warp, and a bf16-row GEMV's dot product and warp sum.
+// sm_rate_lab.cu, consumer_lab.cu): the error check, the device query, the executor-like ring of bulk-copy
+// stages, the streaming warp, and a bf16-row GEMV's dot product and warp sum.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdio.h>

@@ -64,7 +64,8 @@ __device__ __forceinline__ void st_release_cta(int* p, int v) {
 // ctrl_decoded = i + 1 once instruction i's descriptor (slot i & 1) and operands (ctrl_ops[i & 1])
 // are in shared memory, ctrl_ready = i + 1 once its event is done (-1: the wait gave up), and from
 // the compute warps ctrl_consumed = i + 1 once they have finished instruction i (its slot is then
-// free for instruction i + 2). Stored with st.release.cta, read with ld.acquire.cta.
+// free for instruction i + 2). Stored with st.release.cta, read with ld.acquire.cta (the loader
+// warp polls ctrl_consumed relaxed: loader_hold in stream.cuh).
 __shared__ int ctrl_decoded, ctrl_ready, ctrl_consumed;
 __shared__ Operand ctrl_ops[2][TILEC_MAX_OPERANDS];
 static_assert(sizeof(Operand) % 4 == 0 && sizeof(tilec_ops) <= 4 * kThreads,

@@ -4,9 +4,11 @@
 // tile's weight rows into a ring of shared-memory stages with Hopper bulk copies
 // (cp.async.bulk, completing on a "full" mbarrier per stage). The compute warps consume the
 // stages in the same order and release each one on its "empty" mbarrier (every compute thread
-// arrives: an arrive releases only the arriving thread's own reads). The loader waits on
-// nothing but free stages - never on events - so the next instructions' weights stream in
-// while the compute warps wait for their producers or finish the current tile.
+// arrives: an arrive releases only the arriving thread's own reads). The loader waits on free
+// stages and, past an instruction's first TILEC_HOLD_AHEAD items, on the compute warps having
+// finished the last earlier instruction that signals (below) - never on events - so the next
+// instructions' weights stream in while the compute warps wait for their producers or finish
+// the current tile.
 // (The producer/consumer ring follows the warp-specialized pipelines of CUTLASS and
 // ThunderKittens; the loader running ahead across instructions follows Hazy Research's
 // low-latency megakernel and Mirage MPK.)
@@ -114,18 +116,22 @@ struct WeightRing {
   __device__ unsigned parity(int item) const { return (unsigned)(item / nstages) & 1u; }  // of item's full phase
 };
 
+// Whether a waiting loader gives up: on an abort, or when the compute warps have left the queue
+// while a streamed item is still unconsumed - loader and compute warps disagree: flag 2.
+__device__ __forceinline__ bool loader_gives_up(const WeightRing& r) {
+  if (*((volatile int*)r.abort)) return true;
+  if (*((volatile const int*)r.done)) {
+    atomicCAS(r.abort, 0, 2);
+    return true;
+  }
+  return false;
+}
 // The loader's wait for a free stage. It has no time bound of its own: the compute warps it
 // waits for are either working, waiting on an event (whose watchdog names the op), or waiting
-// on this loader. It gives up on an abort, or when the compute warps have left the queue while
-// a streamed item is still unconsumed - loader and compute warps disagree: flag 2.
+// on this loader.
 __device__ __forceinline__ bool loader_wait(unsigned long long* bar, unsigned parity, const WeightRing& r) {
-  while (!mbar_test(bar, parity)) {
-    if (*((volatile int*)r.abort)) return false;
-    if (*((volatile const int*)r.done)) {
-      atomicCAS(r.abort, 0, 2);
-      return false;
-    }
-  }
+  while (!mbar_test(bar, parity))
+    if (loader_gives_up(r)) return false;
   return true;
 }
 
@@ -133,25 +139,25 @@ __device__ __forceinline__ bool loader_wait(unsigned long long* bar, unsigned pa
 // (benchmarks/RESULTS.md: fifteenth and twenty-fourth sessions), and the loader has by then usually
 // queued the next instructions' first items. So the loader issues at most TILEC_HOLD_AHEAD items of
 // an instruction before the last earlier instruction that signals an event has signaled: its fence
-// waits for fewer copies, and the first items still stream while it finishes. Measured on an H100
-// (benchmarks/lab/variants_ab.py, batch 1, context 1024, one process, logits bitwise equal, two
-// leases): Llama-3.2-1B 1.312 against 1.319 ms a step with 2 (1 item: 1.318; none: 1.333 against
-// 1.312), Llama-3.1-8B 6.173 against 6.211 (1 item: 6.144); the GEMV table's plans (no events)
-// unchanged. A value >= the ring's stages holds nothing back.
+// waits for fewer copies, and the first items still stream while it finishes. Measured on H100s
+// (benchmarks/lab/variants_ab.py, batch 1, context 1024, one process, logits bitwise equal; two
+// leases of this code): Llama-3.2-1B 1.312 / 1.308 against 1.319 / 1.314 ms a step with 2 (1 item:
+// 1.318), Llama-3.1-8B 6.173 against 6.211 (1 item: 6.144). A first version that held items behind
+// any earlier instruction: with none ahead 1.333 against 1.312 (the fifteenth session's loader
+// hold on an H200: no gain). The GEMV table's plans (no events, nothing held) were unchanged. A
+// value >= the ring's stages holds nothing back.
 #ifndef TILEC_HOLD_AHEAD
 #define TILEC_HOLD_AHEAD 2
 #endif
 // The loader's wait until the compute warps have finished instruction `gate` (*consumed > gate;
-// the executor's ctrl_consumed). False on an abort, or (as loader_wait) when the compute warps have
-// left the queue first.
+// the executor's ctrl_consumed, read relaxed: the loader reads no data the compute warps publish,
+// a stage's reuse is ordered by its empty mbarrier). Like loader_wait it has no time bound of its
+// own and gives up on an abort, or when the compute warps have left the queue first. (Each poll
+// also reads the abort flag in global memory, so the loader sees the count a fraction of an L2
+// round trip late - as measured.)
 __device__ __forceinline__ bool loader_hold(const int* consumed, int gate, const WeightRing& r) {
-  while (*((volatile const int*)consumed) <= gate) {
-    if (*((volatile int*)r.abort)) return false;
-    if (*((volatile const int*)r.done)) {
-      atomicCAS(r.abort, 0, 2);
-      return false;
-    }
-  }
+  while (*((volatile const int*)consumed) <= gate)
+    if (loader_gives_up(r)) return false;
   return true;
 }
 
