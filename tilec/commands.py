@@ -446,7 +446,7 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
     for i, name in enumerate(program.graph.inputs):  # state updated in place (KV caches)
         b = program.graph.buffers.get(name)
         if b is not None and b.kind is BufferKind.STATE:
-            rows.append((f"state arg {i} ({name})", args[i], eager_args[i]))
+            rows.append((f"state arg {i} ({_param_label(module, i, name)})", args[i], eager_args[i]))
     if tol is None:
         tol = 1e-4 if all(w.dtype in (torch.float32, torch.float64) for _, _, w in rows
                           if w.is_floating_point()) else 2e-2
@@ -474,6 +474,24 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
         raise click.exceptions.Exit(EXIT_MISMATCH)
 
 
+
+
+def _param_label(module, i: int, fallback: str) -> str:
+    """The name of positional argument ``i`` of ``module.forward`` as its signature spells it
+    (``past_key``; ``state[1]`` for the second value of ``*state``), else ``fallback`` (the graph's
+    input name)."""
+    try:
+        params = list(pyinspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return fallback
+    for j, p in enumerate(params):
+        if p.kind is p.VAR_POSITIONAL:
+            return f"{p.name}[{i - j}]"
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        if j == i:
+            return p.name
+    return fallback
 
 
 def _nonfinite_why(got: torch.Tensor, ref: torch.Tensor) -> str:
