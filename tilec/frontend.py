@@ -655,8 +655,8 @@ class Lowering(FormsLowering, DsaLowering):
         val = val_of(node)
         if len(shape) != 1:
             self._unsupported(node, "rms_norm over more than the last dim")
-        if eps is None:
-            eps = torch.finfo(val.dtype).eps
+        if eps is None:  # torch's default: the epsilon of the op's float32 math (float64 for float64 input)
+            eps = torch.finfo(torch.float64 if val.dtype == torch.float64 else torch.float32).eps
         wv = self.view_of(w) if w is not None else self.as_view(Static(torch.ones(shape[0], dtype=val.dtype)), node)
         xv = self.view_of(x)
         if self.buffers[xv.buffer].dtype != torch.float32:  # torch normalizes in float32 with no rounding before
