@@ -1169,10 +1169,13 @@ def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
     assert compile_fresh()["compiles"] == 1
 
 
-@pytest.mark.parametrize("damage", ["plan.json emptied", "plan.json removed", "tensors removed"])
+@pytest.mark.parametrize("damage", ["plan.json emptied", "plan.json removed", "tensors removed", "tensors flipped",
+                                    "digests removed"])
 def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, caplog, damage):
     """A damaged on-disk plan was a cache miss every time for good: store() left an existing entry alone (a fresh
-    user's case, whose warning was a bare KeyError text). It is removed and rewritten, once."""
+    user's case, whose warning was a bare KeyError text). It is removed and rewritten, once. Bytes flipped inside the
+    plan's tables loaded as a plan (a fresh user's case: a verifier error on the reference executor, on a GPU a
+    table the executor would have run): each file's sha256 is checked."""
     compile_fresh = fresh_compiler(tmp_path, monkeypatch)
     caplog.set_level(logging.WARNING, logger="tilec.plancache")
     assert compile_fresh()["compiles"] == 1
@@ -1181,12 +1184,21 @@ def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, capl
         (entry / "plan.json").write_text("{}")
     elif damage == "tensors removed":
         (entry / "tensors.safetensors").unlink()
+    elif damage == "tensors flipped":
+        data = bytearray((entry / "tensors.safetensors").read_bytes())
+        for i in range(len(data) - 64, len(data) - 8, 7):  # inside the last tensor's bytes: still a safetensors file
+            data[i] ^= 0x5A
+        (entry / "tensors.safetensors").write_bytes(bytes(data))
+    elif damage == "digests removed":
+        (entry / "sha256.json").unlink()
     else:
         (entry / "plan.json").unlink()
     caplog.clear()
     assert compile_fresh()["compiles"] == 1
-    if damage == "plan.json emptied":
-        assert "ignoring unreadable plan cache entry" in caplog.text and "KeyError: 'plan'" in caplog.text
+    if damage in ("plan.json emptied", "tensors flipped"):
+        name = "plan.json" if damage == "plan.json emptied" else "tensors.safetensors"
+        assert "ignoring unreadable plan cache entry" in caplog.text
+        assert f"damaged on disk: {name} differs from the digest in sha256.json" in caplog.text
         assert "removed and written again" in caplog.text
     caplog.clear()
     assert compile_fresh()["disk_hits"] == 1 and "unreadable" not in caplog.text  # repaired

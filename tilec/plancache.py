@@ -5,8 +5,9 @@ A plan is stored under ``$TILEC_CACHE_DIR/plans/<key>/`` (default ``~/.cache/til
 (plan tables, constants, position tables). The key hashes the aten graph, its input
 shapes/dtypes, the options, tilec's version, its Python sources (:func:`code_digest`: a plan
 made by other code - before a pull or a fix - is not reused) and the target arch. Entries are written to a
-temporary directory and renamed into place, so a crash never leaves a partial entry; an
-entry that fails to load is ignored (and recompiled).
+temporary directory and renamed into place, so a crash never leaves a partial entry; ``sha256.json``
+holds the other files' digests, so a file damaged on disk is caught before its tables reach an executor; an
+entry that fails to load or to match them is ignored (removed and recompiled).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import load_file
+from safetensors.torch import load as load_tensors
 
 from .artifact import save_tensors
 from .codegen.build import cache_path
@@ -30,6 +31,7 @@ from .pipeline import Compiled
 from .plan import KernelPlan
 
 log = logging.getLogger("tilec")
+FILES = ("tensors.safetensors", "graph.json", "plan.json")  # an entry's files, each hashed in its sha256.json
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,11 +56,17 @@ def load(key: str) -> Compiled | None:
     except OSError:
         return None
     try:
-        tensors = load_file(str(root / "tensors.safetensors"))
+        data = {name: (root / name).read_bytes() for name in FILES}
+        want = json.loads((root / "sha256.json").read_text())
+        bad = [name for name in FILES if want.get(name) != hashlib.sha256(data[name]).hexdigest()]
+        if bad:
+            raise ValueError(f"damaged on disk: {', '.join(bad)} {'differs' if len(bad) == 1 else 'differ'} "
+                             f"from the digest in sha256.json")
+        tensors = load_tensors(data["tensors.safetensors"])
         graph_tensors = {k.removeprefix("graph."): v for k, v in tensors.items() if k.startswith("graph.")}
         plan_tensors = {k.removeprefix("plan."): v for k, v in tensors.items() if k.startswith("plan.")}
-        graph = OpGraph.from_dict(json.loads((root / "graph.json").read_text()), graph_tensors)
-        meta = json.loads((root / "plan.json").read_text())
+        graph = OpGraph.from_dict(json.loads(data["graph.json"]), graph_tensors)
+        meta = json.loads(data["plan.json"])
         plan = KernelPlan.from_tables(graph, plan_tensors, meta["plan"], meta["stats"])
     except Exception as e:  # a corrupt entry is a cache miss, never an error; removed, so this compile rewrites it
         if isinstance(e, FileNotFoundError) and not _same(root, read):  # another process's repair, mid-way: a miss
@@ -124,6 +132,8 @@ def store(key: str, compiled: Compiled) -> None:
         save_tensors(tmp / "tensors.safetensors", tensors)
         (tmp / "graph.json").write_text(json.dumps(plan.graph.to_dict()))
         (tmp / "plan.json").write_text(json.dumps({"plan": meta, "stats": compiled.stats}))
+        digests = {name: hashlib.sha256((tmp / name).read_bytes()).hexdigest() for name in FILES}
+        (tmp / "sha256.json").write_text(json.dumps(digests))
         os.replace(tmp, final)
     except (OSError, RuntimeError, ValueError) as e:  # a cache is an optimization: never fail the compile
         log.warning("tilec: could not write the plan cache entry %s: %s", final, e)
