@@ -962,3 +962,23 @@ def test_a_bad_hook_is_refused_before_the_capture(hook, pattern, monkeypatch):
     monkeypatch.undo()
     compile_module(torch.nn.Linear(4, 4), (torch.randn(1, 4),), hook=lambda stage, ir, seconds, *more: seen.append(stage))
     assert seen[0] == "opgraph" and seen[-1] == "plan"
+
+
+def test_max_positions_past_what_tilec_tabulates_is_refused_at_once():
+    """Every position-dependent value is tabulated per planned position, so max_positions=10**9 on a cacheless step ran
+    until killed (a fresh user's case; a KV cache's own length check refuses such values first). Past 2**20 the
+    first such value is refused, naming it; 2**10 still plans."""
+    from tilec.frontend import MAX_POSITIONS
+
+    class Scale(torch.nn.Module):
+        def forward(self, x, pos):
+            return x * (pos.float() + 1)
+
+    args = (torch.randn(4), torch.tensor([2]))
+    with pytest.raises(InputError, match=rf"add \(aten.add.Tensor\) at .*test_frontend_errors.py.* depends on the "
+                                         rf"decode position.*max_positions=1000000000 is more than the {MAX_POSITIONS}"):
+        compile_module(Scale(), args, positions=[1], max_positions=10**9)
+    with pytest.raises(InputError, match=r"^argument 0 \(input\) depends on the decode position"):
+        compile_module(torch.nn.Embedding(10, 4), (torch.tensor([[3]]),), positions=[0], max_positions=MAX_POSITIONS + 1)
+    prog = compile_module(Scale(), args, positions=[1], max_positions=1 << 10)
+    assert torch.allclose(prog(*args), Scale()(*args))

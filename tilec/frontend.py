@@ -97,6 +97,13 @@ def fold_dims(shape, views):
                  for v in views]
     return new_shape, new_views
 
+
+# The most decode positions a plan covers: every position-dependent value (RoPE rows, masks, cache indices) is
+# tabulated per position in Python and kept as a table, so time and memory grow with max_positions (a 1M-position
+# embedding step took 7.6 s and 1.2 GB to plan; 10**9 ran until killed). 2**20 covers a million-token context.
+MAX_POSITIONS = 1 << 20
+
+
 @dataclass
 class GraphBinding:
     """How an aten graph's placeholders bind.
@@ -243,6 +250,13 @@ class Lowering(FormsLowering, DsaLowering):
     def _fold(self, node: fx.Node):
         if self.cls[node] == "static":
             return Static(self._evaluate(node, None, self._static_cache))
+        if self.max_positions > MAX_POSITIONS:  # (a cache's own length check came first: check_cache_writes)
+            where = source_of(node)
+            what = self._argument(node.name) if node.op == "placeholder" else f"{node.name} ({target_name(node)})"
+            raise InputError(f"{what}{f' at {where}' if where else ''} depends on the "
+                             f"decode position, so tilec tabulates it for every planned position: "
+                             f"max_positions={self.max_positions} is more than the {MAX_POSITIONS} it plans - use "
+                             f"the model's context length")
         caches = self._pos_caches
         tables = []
         for p in range(self.max_positions):
