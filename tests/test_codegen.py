@@ -3,6 +3,7 @@ Python definition, and the generated sources of the tiny Llama and Qwen3 steps c
 with the machine's nvcc (they are not run here)."""
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 import shutil
@@ -58,6 +59,30 @@ def test_template_errors_name_the_template(monkeypatch):
     from tilec.codegen import sources as r
     with pytest.raises(TilecError, match="layout.h.j2"):
         r._render("layout.h.j2", version="x")  # StrictUndefined: missing context keys are errors
+
+
+def test_a_cached_library_damaged_on_disk_is_built_again(tmp_path, monkeypatch, capsys):
+    """The build cache returned any existing libtilec.so: 8 garbage bytes in its place were copied into a new artifact,
+    whose manifest then hashed and "verified" them (a fresh user's case). A library is checked against the sha256
+    written with it, and rebuilt on a mismatch; an entry from before the digests is trusted once and gets one."""
+    fake = tmp_path / "nvcc"
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
+                    'while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo lib > "$2"; fi; shift; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("TILEC_NVCC", str(fake))
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+    lib = codegen.build({"program.cu": "// cached\n"})
+    digest = lib.with_name("libtilec.so.sha256")
+    assert digest.read_text() == hashlib.sha256(b"lib\n").hexdigest()
+    capsys.readouterr()
+    lib.write_bytes(b"garbage!")
+    assert codegen.build({"program.cu": "// cached\n"}) == lib and lib.read_text() == "lib\n"
+    err = capsys.readouterr().err
+    assert "does not match its sha256 digest (damaged on disk): building it again" in err and "built in" in err
+    digest.unlink()  # an entry from before the digests: used as it is, and given one
+    assert codegen.build({"program.cu": "// cached\n"}) == lib and capsys.readouterr().err == ""
+    assert digest.read_text() == hashlib.sha256(b"lib\n").hexdigest()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == [lib.parent.name]
 
 
 @needs_nvcc

@@ -1,6 +1,7 @@
 """nvcc build with a content-hash cache, atomic writes and a file lock."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shlex
@@ -98,6 +99,29 @@ def _stderr(text: str) -> None:
     print(f"tilec: {text}", file=sys.stderr, flush=True)
 
 
+DIGEST = "libtilec.so.sha256"  # beside a cached library: its sha256, written with it
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(lib: Path) -> bool:
+    """Whether the cached library ``lib`` exists and matches the digest built with it. An entry from before the
+    digests (none beside it) is trusted and gets one; a library changed on disk since is not intact."""
+    try:
+        digest = lib.with_name(DIGEST)
+        if not digest.exists():
+            if not lib.exists():
+                return False
+            with contextlib.suppress(OSError):
+                digest.write_text(_sha256(lib))
+            return True
+        return digest.read_text().strip() == _sha256(lib)
+    except OSError:
+        return False
+
+
 def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
     """Compiles ``sources`` (``program.cu`` + generated headers) into a shared library.
 
@@ -124,18 +148,23 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
     root = cache_root()
     final = root / key
     lib = final / "libtilec.so"
-    if lib.exists():
+    if _intact(lib):
         return lib
     with FileLock(str(root / f"{key}.lock")):
-        if lib.exists():
+        if _intact(lib):
             return lib
+        say = progress or _stderr
+        if final.exists():  # damaged on disk (or a build's leftovers): set aside, then built again
+            say(f"the cached library {lib} does not match its sha256 digest (damaged on disk): building it again")
+            aside = Path(tempfile.mkdtemp(prefix=f"{key}.bad-", dir=root))
+            os.replace(final, aside / "entry")
+            shutil.rmtree(aside, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=root))
         try:
             for name, text in sources.items():
                 (tmp / name).write_text(text)
             cmd = [nvcc, *flags(arch), "-I", str(rt), "-I", str(tmp), str(tmp / "program.cu"), "-o",
                    str(tmp / "libtilec.so")]
-            say = progress or _stderr
             say(f"nvcc {arch}: building the executor {key} (once per plan; cached in {root})")
             t0 = time.perf_counter()
             res = subprocess.run(cmd, capture_output=True, text=True)
@@ -143,6 +172,7 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
                 extra = extra_flags()
                 note = f" (with TILEC_NVCC_FLAGS={' '.join(extra)})" if extra else ""
                 raise TilecError(f"nvcc failed ({res.returncode}){note}:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
+            (tmp / DIGEST).write_text(_sha256(tmp / "libtilec.so"))
             os.replace(tmp, final)
             say(f"nvcc {arch}: built in {time.perf_counter() - t0:.0f} s")
         finally:
