@@ -830,7 +830,7 @@ def test_saving_from_python_checks_the_example_inputs(tmp_path):
     with pytest.raises(ArtifactError, match=r"the example inputs do not fit the program: argument 0 \(\w+\): the step "
                                             r"takes torch\.float32\[1, 8\], got torch\.float32\[3, 3\]"):
         artifact.save(tmp_path / "a", prog, (torch.randn(3, 3),), build=False)
-    with pytest.raises(ArtifactError, match=r"takes 1 arguments, got 2"):
+    with pytest.raises(ArtifactError, match=r"takes 1 argument, got 2"):
         artifact.save(tmp_path / "a", prog, (torch.randn(1, 8), torch.randn(1, 8)), build=False)
     assert not (tmp_path / "a").exists()
     artifact.save(tmp_path / "a", prog, (torch.randn(1, 8),), build=False)
@@ -1226,3 +1226,19 @@ def test_check_labels_state_arguments_by_the_forward_signature():
     import types
 
     assert _param_label(types.SimpleNamespace(forward=max), 0, "state_0") == "state_0"  # no signature: the graph's
+
+
+def test_run_check_says_the_factory_it_needs_moved(copy, tmp_path):
+    """run --check after the factory file moved said only "no such file" (a fresh user's case): it says the check
+    calls the factory the manifest records. A directory given as the factory module is named as one."""
+    dst = copy
+    m = json.loads((dst / "manifest.json").read_text())
+    m["factory"]["file"] = str(tmp_path / "gone" / "factories.py")
+    (dst / "manifest.json").write_text(json.dumps(m))
+    rehash(dst)
+    r = invoke("run", dst, "--check", "--executor", "reference")
+    assert r.exit_code == 2, r.output
+    assert re.search(r"gone/factories.py: no such file .*; the eager side of this check calls the factory the "
+                     r"artifact's manifest records \(\S*factories.py:tiny_llama_step_cpu, compiled in ", r.stderr), r.stderr
+    r = invoke("compile", f"{tmp_path}:make", "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "is a directory, not a Python file" in r.stderr, r.stderr

@@ -210,7 +210,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
                 os.replace(tmp, final)
             except OSError as e:  # ENOTEMPTY / EEXIST: written by another compile after the check
                 raise ArtifactError(f"{final} holds an artifact (written while this one compiled); pass --force "
-                                    f"to replace it") from e
+                                    f"to replace it (from Python: force=True)") from e
         done = True
     finally:
         if tmp.exists():

@@ -170,7 +170,8 @@ def load_factory(spec: str, cwd: str | None = None):
     if mod_part.endswith(".py") or "/" in mod_part or os.sep in mod_part:
         file = Path(mod_part) if os.path.isabs(mod_part) else Path(cwd) / mod_part
         if not file.is_file():
-            raise Failure(f"factory module {mod_part}: no such file ({file})")
+            what = "is a directory, not a Python file" if file.is_dir() else "no such file"
+            raise Failure(f"factory module {mod_part}: {what} ({file})")
         file = file.resolve()
         modname = "_tilec_factory_" + hashlib.sha256(str(file).encode()).hexdigest()[:12]
         spec_obj = importlib.util.spec_from_file_location(modname, file)
@@ -561,7 +562,11 @@ def eager_reference(art, progress: Progress):
         raise Failure(f"{art.path} records no factory: cannot build the eager reference")
     spec = f"{f['file']}:{f['name']}" if f.get("file") else f["spec"]
     with progress.step(f"rebuilding the eager module ({f['spec']})"):
-        fn, _ = load_factory(spec, f.get("cwd"))
+        try:
+            fn, _ = load_factory(spec, f.get("cwd"))
+        except Failure as e:  # moved or deleted since the compile: say where the check looks and why
+            raise Failure(f"{e}; the eager side of this check calls the factory the artifact's manifest records "
+                          f"({f['spec']}, compiled in {f.get('cwd') or 'an unrecorded directory'})", e.exit_code) from e
         module, _, _, _ = call_factory(fn, f["spec"])
     state = module.state_dict(keep_vars=True)
     state.update(dict(module.named_buffers(remove_duplicate=False)))  # with the non-persistent buffers

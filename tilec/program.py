@@ -223,7 +223,8 @@ class CompiledProgram:
     def _check_fixed(self, args) -> None:
         """Raises TilecError unless ``args`` has the step's number of arguments and each baked Python value."""
         if len(args) != len(self._arg_specs):
-            raise TilecError(f"compiled step takes {len(self._arg_specs)} arguments, got {len(args)}")
+            n = len(self._arg_specs)
+            raise TilecError(f"compiled step takes {n} argument{'' if n == 1 else 's'}, got {len(args)}")
         for i, v in self._baked.items():
             a = args[i]
             if type(a) is not type(v) or not (a == v or repr(a) == repr(v)):
