@@ -1242,3 +1242,23 @@ def test_run_check_says_the_factory_it_needs_moved(copy, tmp_path):
                      r"artifact's manifest records \(\S*factories.py:tiny_llama_step_cpu, compiled in ", r.stderr), r.stderr
     r = invoke("compile", f"{tmp_path}:make", "-o", tmp_path / "out")
     assert r.exit_code == 2 and "is a directory, not a Python file" in r.stderr, r.stderr
+
+
+def test_force_never_removes_what_is_not_the_artifact(facts, tmp_path):
+    """--force replaced an artifact's whole folder, with an artifact compiled inside it and the user's own files
+    (a fresh user's case). An output inside an artifact is refused, and so is --force over an artifact that holds
+    entries its manifest does not list; the artifact itself is still replaced."""
+    base = tmp_path / "base"
+    args = ["--no-build", "-O", "workers=2"]
+    assert invoke("compile", f"{facts}:linear", "-o", base, *args).exit_code == 0
+    r = invoke("compile", f"{facts}:linear", "-o", base / "sub", *args)
+    assert r.exit_code == 2 and f"{base / 'sub'} is inside the tilec artifact {base}: write it beside" in r.stderr, \
+        r.output
+    assert not (base / "sub").exists()
+    (base / "ir" / "my notes.txt").write_text("mine")
+    r = invoke("compile", f"{facts}:linear", "-o", base, "--force", *args)
+    assert r.exit_code == 2 and "holds an artifact and 1 other entry (ir/my notes.txt) that --force would remove" \
+                                in r.stderr, r.output
+    assert (base / "ir" / "my notes.txt").read_text() == "mine"
+    (base / "ir" / "my notes.txt").unlink()
+    assert invoke("compile", f"{facts}:linear", "-o", base, "--force", *args).exit_code == 0

@@ -251,6 +251,10 @@ def check_target(final: Path, force: bool) -> None:
         raise ArtifactError(f"{final} is {where}: tilec writes an artifact beside its output directory and "
                             f"renames it into place whole, which would leave your shell in a removed directory; "
                             f"give a new directory (e.g. -o out) or run from another directory")
+    inside = next((p for p in final.parents if (p / MANIFEST).is_file()), None)
+    if inside is not None:  # a later --force on that artifact would remove this one with it
+        raise ArtifactError(f"{final} is inside the tilec artifact {inside}: write it beside that artifact, not in "
+                            f"it (replacing that artifact with --force would remove this one too)")
     for parent in final.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -271,6 +275,22 @@ def check_target(final: Path, force: bool) -> None:
                                 f"choose another output directory")
         if not force:
             raise ArtifactError(f"{final} holds an artifact; pass --force to replace it (from Python: force=True)")
+        extra = _foreign_entries(final)
+        if extra:  # --force replaces the whole folder: never what the user put beside the artifact's files
+            shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
+            raise ArtifactError(f"{final} holds an artifact and {len(extra)} other entr{'y' if len(extra) == 1 else 'ies'} "
+                                f"({shown}) that --force would remove with it: move them out first")
+
+
+def _foreign_entries(root: Path) -> list[str]:
+    """Paths under the artifact ``root`` that its manifest does not list (nor their folders), sorted; none when
+    the manifest cannot be read (a damaged artifact is replaced as it is)."""
+    try:
+        listed = set(json.loads((root / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    keep = {MANIFEST} | listed | {parent.as_posix() for rel in listed for parent in Path(rel).parents}
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.relative_to(root).as_posix() not in keep)
 
 
 def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources: dict, lib: Path | None) -> None:
