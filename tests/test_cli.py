@@ -1262,3 +1262,9 @@ def test_force_never_removes_what_is_not_the_artifact(facts, tmp_path):
     assert (base / "ir" / "my notes.txt").read_text() == "mine"
     (base / "ir" / "my notes.txt").unlink()
     assert invoke("compile", f"{facts}:linear", "-o", base, "--force", *args).exit_code == 0
+    web = tmp_path / "web"  # another tool's manifest.json is no artifact: an output inside is fine, --force is not
+    web.mkdir()
+    (web / "manifest.json").write_text('{"name": "an extension"}')
+    assert invoke("compile", f"{facts}:linear", "-o", web / "out", *args).exit_code == 0
+    r = invoke("compile", f"{facts}:linear", "-o", web, "--force", *args)
+    assert r.exit_code == 2 and "is not a tilec artifact" in r.stderr, r.output

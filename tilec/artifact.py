@@ -251,7 +251,7 @@ def check_target(final: Path, force: bool) -> None:
         raise ArtifactError(f"{final} is {where}: tilec writes an artifact beside its output directory and "
                             f"renames it into place whole, which would leave your shell in a removed directory; "
                             f"give a new directory (e.g. -o out) or run from another directory")
-    inside = next((p for p in final.parents if (p / MANIFEST).is_file()), None)
+    inside = next((p for p in final.parents if _is_artifact(p)), None)
     if inside is not None:  # a later --force on that artifact would remove this one with it
         raise ArtifactError(f"{final} is inside the tilec artifact {inside}: write it beside that artifact, not in "
                             f"it (replacing that artifact with --force would remove this one too)")
@@ -270,7 +270,7 @@ def check_target(final: Path, force: bool) -> None:
     if not final.is_dir():
         raise ArtifactError(f"{final} exists and is not a directory")
     if any(final.iterdir()):
-        if not (final / MANIFEST).is_file():  # --force replaces artifacts, never other folders
+        if not _is_artifact(final):  # --force replaces artifacts, never other folders
             raise ArtifactError(f"{final} exists and is not a tilec artifact (no {MANIFEST}); "
                                 f"choose another output directory")
         if not force:
@@ -280,6 +280,18 @@ def check_target(final: Path, force: bool) -> None:
             shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
             raise ArtifactError(f"{final} holds an artifact and {len(extra)} other entr{'y' if len(extra) == 1 else 'ies'} "
                                 f"({shown}) that --force would remove with it: move them out first")
+
+
+def _is_artifact(root: Path) -> bool:
+    """Whether ``root`` holds a tilec artifact's manifest (a ``manifest.json`` of tilec's format, damaged or not: one
+    that is not JSON counts; another tool's JSON manifest - a browser extension's - does not)."""
+    try:
+        m = json.loads((root / MANIFEST).read_text())
+    except ValueError:
+        return True
+    except OSError:
+        return False
+    return not isinstance(m, dict) or m.get("format") == FORMAT
 
 
 def _foreign_entries(root: Path) -> list[str]:
