@@ -61,16 +61,21 @@ def test_template_errors_name_the_template(monkeypatch):
         r._render("layout.h.j2", version="x")  # StrictUndefined: missing context keys are errors
 
 
-def test_a_cached_library_damaged_on_disk_is_built_again(tmp_path, monkeypatch, capsys):
-    """The build cache returned any existing libtilec.so: 8 garbage bytes in its place were copied into a new artifact,
-    whose manifest then hashed and "verified" them (a fresh user's case). A library is checked against the sha256
-    written with it, and rebuilt on a mismatch; an entry from before the digests is trusted once and gets one."""
+@pytest.fixture
+def fake_nvcc(tmp_path, monkeypatch):
+    """A stand-in nvcc (writes "lib\\n" as the library) and a fresh build cache under tmp_path/cache."""
     fake = tmp_path / "nvcc"
     fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
                     'while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo lib > "$2"; fi; shift; done\n')
     fake.chmod(0o755)
     monkeypatch.setenv("TILEC_NVCC", str(fake))
     monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, capsys):
+    """The build cache returned any existing libtilec.so: 8 garbage bytes in its place were copied into a new artifact,
+    whose manifest then hashed and "verified" them (a fresh user's case). A library is checked against the sha256
+    written with it, and rebuilt on a mismatch; an entry from before the digests is trusted once and gets one."""
     lib = codegen.build({"program.cu": "// cached\n"})
     digest = lib.with_name("libtilec.so.sha256")
     assert digest.read_text() == hashlib.sha256(b"lib\n").hexdigest()
@@ -185,15 +190,9 @@ def test_ops_differing_only_in_operand_count_get_their_own_instances():
     torch.testing.assert_close(prog(x), mod(x), rtol=1e-5, atol=1e-5)
 
 
-def test_a_build_is_announced_on_stderr_once(tmp_path, monkeypatch, capsys):
+def test_a_build_is_announced_on_stderr_once(fake_nvcc, capsys):
     """An nvcc build takes a minute or more for a model; from the Python API (no progress callback)
     it ran silently. A cache hit says nothing."""
-    fake = tmp_path / "nvcc"
-    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
-                    'while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo lib > "$2"; fi; shift; done\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("TILEC_NVCC", str(fake))
-    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
     lib = codegen.build({"program.cu": "// announced\n"})
     err = capsys.readouterr().err
     assert lib.read_text() == "lib\n"

@@ -172,14 +172,6 @@ __global__ void __launch_bounds__(kCons + 32, 1) kern(Args a) {
   }
 }
 
-__global__ void init_bf16(__nv_bfloat16* w, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned h = (unsigned)i * 2654435761u ^ seed;
-    h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-    w[i] = __float2bfloat16(((h & 0xffff) / 65536.f - 0.5f));
-  }
-}
-
 int main() {
   int dev, sms, l2;
   lab_device(dev, sms, l2);
@@ -200,8 +192,8 @@ int main() {
   CK(cudaMalloc(&y, (size_t)sms * hbm_rows * 4));
   CK(cudaMalloc(&y1, (size_t)sms * hbm_rows * 4));
   CK(cudaMalloc(&stamp, sms * 16));
-  init_bf16<<<1024, 256>>>(w, maxw, 17u);
-  init_bf16<<<8, 256>>>(x, 8192, 91u);
+  lab_fill_bf16<<<1024, 256>>>(w, maxw, 17u);
+  lab_fill_bf16<<<8, 256>>>(x, 8192, 91u);
   CK(cudaDeviceSynchronize());
   void (*kerns[])(Args) = {kern<0>, kern<1>, kern<2>, kern<3>};
   printf("%-5s %6s %6s %5s %3s %12s %12s %12s %10s\n", "place", "rows", "K", "reps", "V", "CTA GB/s", "p10 GB/s",

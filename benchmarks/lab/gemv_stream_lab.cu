@@ -197,14 +197,6 @@ __global__ void __launch_bounds__(256, 1) kern_c(Prob p) {
   }
 }
 
-__global__ void init_bf16(__nv_bfloat16* w, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned h = (unsigned)i * 2654435761u ^ seed;
-    h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
-    w[i] = __float2bfloat16(((h & 0xffff) / 65536.f - 0.5f));
-  }
-}
-
 int main() {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -217,7 +209,7 @@ int main() {
   CK(cudaMalloc(&x, 16384 * 4));
   CK(cudaMalloc(&y, (size_t)kMats * 128256 * 4));
   CK(cudaMalloc(&yref, (size_t)kMats * 128256 * 4));
-  init_bf16<<<1024, 256>>>(w, maxw, 17u);
+  lab_fill_bf16<<<1024, 256>>>(w, maxw, 17u);
   std::vector<float> hx(16384);
   for (int i = 0; i < 16384; ++i) hx[i] = ((i * 7919) % 1000) / 1000.f - 0.5f;
   CK(cudaMemcpy(x, hx.data(), 16384 * 4, cudaMemcpyHostToDevice));

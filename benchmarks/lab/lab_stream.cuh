@@ -1,7 +1,8 @@
 // Shared by the standalone labs (fence_lab.cu, hop_lab.cu, gemv_stream_lab.cu, mlp_split_lab.cu, launch_lab.cu,
 // sm_rate_lab.cu, consumer_lab.cu): the error check, the device query, the executor-like ring of bulk-copy
-// stages, the streaming warp, and a bf16-row GEMV's dot product and warp sum.
+// stages, the streaming warp, random bf16 fill, and a bf16-row GEMV's dot product and warp sum.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +51,15 @@ __device__ inline void stream_stages(char* ring, unsigned long long* full, const
   for (int j = i > kStages ? i - kStages : 0; j < i; ++j)  // drain
     while (!tilec::mbar_test(full + j % kStages, (j / kStages) & 1)) {
     }
+}
+
+// w[0, n) = pseudo-random bf16 values in [-0.5, 0.5), a hash of (i, seed).
+__global__ void lab_fill_bf16(__nv_bfloat16* w, size_t n, unsigned seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    unsigned h = (unsigned)i * 2654435761u ^ seed;
+    h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+    w[i] = __float2bfloat16(((h & 0xffff) / 65536.f - 0.5f));
+  }
 }
 
 // 8 bf16 weights (a 16-byte vector) times 8 float x values.
