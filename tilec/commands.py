@@ -475,8 +475,6 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
         raise click.exceptions.Exit(EXIT_MISMATCH)
 
 
-
-
 def _param_label(module, i: int, fallback: str) -> str:
     """The name of positional argument ``i`` of ``module.forward`` as its signature spells it
     (``past_key``; ``state[1]`` for the second value of ``*state``), else ``fallback`` (the graph's
