@@ -1650,3 +1650,44 @@ def test_a_plan_cache_repair_is_not_undone_by_a_second_reader(tmp_path, monkeypa
     assert [p.name for p in entry.parent.iterdir()] == ["k"]  # nothing left aside
     plancache._discard(entry, plancache._stamp(entry))  # the entry it read: removed
     assert not entry.exists()
+
+
+def test_a_cache_longer_than_tilec_tabulates_plans_its_first_positions(monkeypatch, caplog):
+    """The backend's default max_positions is the cache length; past MAX_POSITIONS (2**20) lowering refused it with
+    an error naming an argument the user never passed (a reviewer's case). It plans the first MAX_POSITIONS, says so
+    once, and later positions run eagerly (here with MAX_POSITIONS patched to 16 for a 32-position cache)."""
+    from tilec import backend
+
+    monkeypatch.setattr(backend, "MAX_POSITIONS", 16)
+    monkeypatch.setattr(backend, "_warned_long_cache", False)
+    caplog.set_level(logging.WARNING, logger="tilec")
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("k", torch.zeros(1, 32, 4))
+
+        def forward(self, x, pos):
+            self.k.index_copy_(1, pos, x)
+            return self.k[0, :8] * (pos.float() + 1)
+
+    torch._dynamo.reset()
+    m, ref = Step(), Step()
+    f = torch.compile(m, backend="tilec")
+    for p in (3, 20):
+        x = torch.randn(1, 1, 4)
+        torch.testing.assert_close(f(x, torch.tensor([p])), ref(x, torch.tensor([p])))
+    torch.testing.assert_close(m.k, ref.k)
+    text = caplog.text
+    assert text.count("a KV cache of 32 positions: tilec plans the first 16") == 1, text
+    assert "outside the planned range [0, 16)" in text and "such calls run eagerly" in text, text
+
+
+@pytest.mark.parametrize("mp", [0, True, 2.0, (1 << 20) + 1])
+def test_max_positions_option_is_checked_when_given(mp):
+    """The backend option max_positions past 2**20 failed deep in lowering; it is refused with the others' checks."""
+    from tilec.backend import BackendOptions
+    from tilec.errors import OptionsError
+
+    with pytest.raises(OptionsError, match=rf"tilec option max_positions={mp!r}: must be an int in 1\.\.1048576"):
+        BackendOptions.from_dict({"max_positions": mp})

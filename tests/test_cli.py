@@ -1256,15 +1256,23 @@ def test_force_never_removes_what_is_not_the_artifact(facts, tmp_path):
         r.output
     assert not (base / "sub").exists()
     (base / "ir" / "my notes.txt").write_text("mine")
+    (base / "notes").mkdir()
+    for i in range(3):
+        (base / "notes" / f"{i}.txt").write_text("mine")
     r = invoke("compile", f"{facts}:linear", "-o", base, "--force", *args)
-    assert r.exit_code == 2 and "holds an artifact and 1 other entry (ir/my notes.txt) that --force would remove" \
-                                in r.stderr, r.output
+    assert r.exit_code == 2 and "holds an artifact and 2 other entries (ir/my notes.txt, notes) that --force would " \
+                                "remove" in r.stderr, r.output
     assert (base / "ir" / "my notes.txt").read_text() == "mine"
     (base / "ir" / "my notes.txt").unlink()
+    shutil.rmtree(base / "notes")
     assert invoke("compile", f"{facts}:linear", "-o", base, "--force", *args).exit_code == 0
     web = tmp_path / "web"  # another tool's manifest.json is no artifact: an output inside is fine, --force is not
     web.mkdir()
     (web / "manifest.json").write_text('{"name": "an extension"}')
     assert invoke("compile", f"{facts}:linear", "-o", web / "out", *args).exit_code == 0
     r = invoke("compile", f"{facts}:linear", "-o", web, "--force", *args)
-    assert r.exit_code == 2 and "is not a tilec artifact" in r.stderr, r.output
+    assert r.exit_code == 2 and "is not a tilec artifact (its manifest.json is not tilec's)" in r.stderr, r.output
+    for text in ("", "[1, 2]", "not json"):  # an empty, a docker-save list or a broken manifest.json above: no artifact
+        (web / "manifest.json").write_text(text)
+        out = web / f"out{len(text)}"
+        assert invoke("compile", f"{facts}:linear", "-o", out, *args).exit_code == 0, text

@@ -4,9 +4,11 @@ with the machine's nvcc (they are not run here)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,10 +74,11 @@ def fake_nvcc(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, capsys):
+def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, capsys, monkeypatch):
     """The build cache returned any existing libtilec.so: 8 garbage bytes in its place were copied into a new artifact,
     whose manifest then hashed and "verified" them (a fresh user's case). A library is checked against the sha256
-    written with it, and rebuilt on a mismatch; an entry from before the digests is trusted once and gets one."""
+    written with it, and rebuilt on a mismatch; an entry from before the digests is trusted once when it is an ELF
+    file, and gets one. An entry that cannot be set aside (another user's, in a shared cache) is a TilecError."""
     lib = codegen.build({"program.cu": "// cached\n"})
     digest = lib.with_name("libtilec.so.sha256")
     assert digest.read_text() == hashlib.sha256(b"lib\n").hexdigest()
@@ -83,10 +86,27 @@ def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, ca
     lib.write_bytes(b"garbage!")
     assert codegen.build({"program.cu": "// cached\n"}) == lib and lib.read_text() == "lib\n"
     err = capsys.readouterr().err
-    assert "does not match its sha256 digest (damaged on disk): building it again" in err and "built in" in err
-    digest.unlink()  # an entry from before the digests: used as it is, and given one
+    assert "is missing or does not match its sha256 digest (damaged on disk): building it again" in err and "built in" in err
+    digest.unlink()  # an entry from before the digests, not a library: built again
+    assert codegen.build({"program.cu": "// cached\n"}) == lib and "building it again" in capsys.readouterr().err
+    elf = b"\x7fELF" + bytes(12)
+    lib.write_bytes(elf)
+    digest.unlink()  # an ELF entry from before the digests: used as it is, and given one
     assert codegen.build({"program.cu": "// cached\n"}) == lib and capsys.readouterr().err == ""
-    assert digest.read_text() == hashlib.sha256(b"lib\n").hexdigest()
+    assert lib.read_bytes() == elf and digest.read_text() == hashlib.sha256(elf).hexdigest()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == [lib.parent.name]
+    lib.write_bytes(b"garbage!")
+    real = os.replace
+
+    def refused(src, dst):
+        if Path(dst).name == "entry":
+            raise PermissionError(13, "Permission denied")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(TilecError, match=r"cannot replace the damaged build cache entry .*: Permission denied; "
+                                         r"remove it, or set TILEC_CACHE_DIR"):
+        codegen.build({"program.cu": "// cached\n"})
     assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == [lib.parent.name]
 
 

@@ -251,7 +251,7 @@ def check_target(final: Path, force: bool) -> None:
         raise ArtifactError(f"{final} is {where}: tilec writes an artifact beside its output directory and "
                             f"renames it into place whole, which would leave your shell in a removed directory; "
                             f"give a new directory (e.g. -o out) or run from another directory")
-    inside = next((p for p in final.parents if _is_artifact(p)), None)
+    inside = next((p for p in final.parents if _is_artifact(p, damaged=False)), None)
     if inside is not None:  # a later --force on that artifact would remove this one with it
         raise ArtifactError(f"{final} is inside the tilec artifact {inside}: write it beside that artifact, not in "
                             f"it (replacing that artifact with --force would remove this one too)")
@@ -270,9 +270,9 @@ def check_target(final: Path, force: bool) -> None:
     if not final.is_dir():
         raise ArtifactError(f"{final} exists and is not a directory")
     if any(final.iterdir()):
-        if not _is_artifact(final):  # --force replaces artifacts, never other folders
-            raise ArtifactError(f"{final} exists and is not a tilec artifact (no {MANIFEST}); "
-                                f"choose another output directory")
+        if not _is_artifact(final, damaged=True):  # --force replaces artifacts, never other folders
+            why = f"its {MANIFEST} is not tilec's" if (final / MANIFEST).exists() else f"no {MANIFEST}"
+            raise ArtifactError(f"{final} exists and is not a tilec artifact ({why}); choose another output directory")
         if not force:
             raise ArtifactError(f"{final} holds an artifact; pass --force to replace it (from Python: force=True)")
         extra = _foreign_entries(final)
@@ -282,27 +282,35 @@ def check_target(final: Path, force: bool) -> None:
                                 f"({shown}) that --force would remove with it: move them out first")
 
 
-def _is_artifact(root: Path) -> bool:
-    """Whether ``root`` holds a tilec artifact's manifest (a ``manifest.json`` of tilec's format, damaged or not: one
-    that is not JSON counts; another tool's JSON manifest - a browser extension's - does not)."""
+def _is_artifact(root: Path, damaged: bool) -> bool:
+    """Whether ``root`` holds a tilec artifact: a ``manifest.json`` file that is a JSON object of tilec's format
+    (another tool's - a browser extension's, ``docker save``'s list - is not one); with ``damaged``, also one that
+    does not parse as JSON or is larger than a manifest gets (a damaged artifact, which ``--force`` may replace)."""
+    path = root / MANIFEST
     try:
-        m = json.loads((root / MANIFEST).read_text())
-    except ValueError:
-        return True
+        if not path.is_file():
+            return False
+        if path.stat().st_size > 64 << 20:
+            return damaged
+        m = json.loads(path.read_text())
+    except ValueError:  # (UnicodeDecodeError too)
+        return damaged
     except OSError:
         return False
-    return not isinstance(m, dict) or m.get("format") == FORMAT
+    return isinstance(m, dict) and m.get("format") == FORMAT
 
 
 def _foreign_entries(root: Path) -> list[str]:
-    """Paths under the artifact ``root`` that its manifest does not list (nor their folders), sorted; none when
-    the manifest cannot be read (a damaged artifact is replaced as it is)."""
+    """The top-most paths under the artifact ``root`` that its manifest does not list (nor their folders), sorted -
+    a foreign folder once, not its files; none when the manifest cannot be read (a damaged artifact is replaced as
+    it is)."""
     try:
         listed = set(json.loads((root / MANIFEST).read_text())["files"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
     keep = {MANIFEST} | listed | {parent.as_posix() for rel in listed for parent in Path(rel).parents}
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.relative_to(root).as_posix() not in keep)
+    rels = (p.relative_to(root) for p in root.rglob("*"))
+    return sorted(r.as_posix() for r in rels if r.as_posix() not in keep and r.parent.as_posix() in keep)
 
 
 def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources: dict, lib: Path | None) -> None:

@@ -30,7 +30,7 @@ import torch.fx as fx
 from . import __version__, plancache
 from .dump import with_dump
 from .errors import OptionsError, PositionError, TilecError, UnsupportedNodeError
-from .frontend import GraphBinding, find_unsupported, lower_graph
+from .frontend import MAX_POSITIONS, GraphBinding, find_unsupported, lower_graph
 from .fxgraph import is_call, source_of, val_of
 from .guards import GuardError, build_mask_guards
 from .ir import DTYPE_CODES, contiguous_strides, is_integer
@@ -45,6 +45,7 @@ BACKEND_KEYS = ("fallback", "max_positions")
 _PLAN_CACHE: dict[str, object] = {}
 CACHE_STATS = {"memory_hits": 0, "disk_hits": 0, "compiles": 0}
 _warned_cpu = False
+_warned_long_cache = False  # _cache_length clamped a cache past MAX_POSITIONS (said once)
 _REGIONS: "weakref.WeakSet[_Region]" = weakref.WeakSet()  # live compiled regions, for check_errors()
 _warned_dynamic = False  # the symbolic-shapes warning was given (once per process)
 _warned_grad = False  # the no-autograd warning was given (once per process)
@@ -93,8 +94,9 @@ class BackendOptions:
         if not isinstance(extra.get("fallback", True), bool):
             raise OptionsError(f"tilec option fallback={extra['fallback']!r}: must be True or False")
         mp = extra.get("max_positions")
-        if mp is not None and (not isinstance(mp, int) or isinstance(mp, bool) or mp < 1):
-            raise OptionsError(f"tilec option max_positions={mp!r}: must be an int >= 1 or None")
+        if mp is not None and (not isinstance(mp, int) or isinstance(mp, bool) or not 1 <= mp <= MAX_POSITIONS):
+            raise OptionsError(f"tilec option max_positions={mp!r}: must be an int in 1..{MAX_POSITIONS} (the most "
+                               f"positions tilec tabulates) or None (the static cache's length)")
         return cls(opts, **extra)
 
 
@@ -165,6 +167,13 @@ def _cache_length(gm: fx.GraphModule) -> int:
         val = index.meta.get("val") if isinstance(index, fx.Node) else None
         rows = int(val.numel()) if isinstance(val, torch.Tensor) else 1
         best = max(best, length - rows + 1)
+    if best > MAX_POSITIONS:  # planned positions are tabulated one by one: the rest run eagerly (PositionError)
+        global _warned_long_cache
+        if not _warned_long_cache:
+            _warned_long_cache = True
+            log.warning("tilec: a KV cache of %d positions: tilec plans the first %d (the most it tabulates); "
+                        "steps at later positions run eagerly", best, MAX_POSITIONS)
+        best = MAX_POSITIONS
     return best
 
 

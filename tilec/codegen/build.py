@@ -106,16 +106,25 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _write_digest(lib: Path) -> None:
+    """Writes ``lib``'s digest beside it, whole or not at all (a temporary file renamed into place)."""
+    tmp = lib.with_name(f".{DIGEST}.{os.getpid()}")
+    tmp.write_text(_sha256(lib))
+    os.replace(tmp, lib.with_name(DIGEST))
+
+
 def _intact(lib: Path) -> bool:
     """Whether the cached library ``lib`` exists and matches the digest built with it. An entry from before the
-    digests (none beside it) is trusted and gets one; a library changed on disk since is not intact."""
+    digests (none beside it) is trusted when it is an ELF file, and gets one (best effort: a read-only cache is
+    used as it is); a library changed on disk since is not intact."""
     try:
         digest = lib.with_name(DIGEST)
         if not digest.exists():
-            if not lib.exists():
-                return False
+            with lib.open("rb") as f:
+                if f.read(4) != b"\x7fELF":
+                    return False
             with contextlib.suppress(OSError):
-                digest.write_text(_sha256(lib))
+                _write_digest(lib)
             return True
         return digest.read_text().strip() == _sha256(lib)
     except OSError:
@@ -154,11 +163,17 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
         if _intact(lib):
             return lib
         say = progress or _stderr
-        if final.exists():  # damaged on disk (or a build's leftovers): set aside, then built again
-            say(f"the cached library {lib} does not match its sha256 digest (damaged on disk): building it again")
+        if final.exists():  # missing or damaged on disk: set aside, then built again
+            say(f"the cached library {lib} is missing or does not match its sha256 digest (damaged on disk): "
+                f"building it again")
             aside = Path(tempfile.mkdtemp(prefix=f"{key}.bad-", dir=root))
-            os.replace(final, aside / "entry")
-            shutil.rmtree(aside, ignore_errors=True)
+            try:
+                os.replace(final, aside / "entry")
+            except OSError as e:  # e.g. another user's entry in a shared cache
+                raise TilecError(f"cannot replace the damaged build cache entry {final}: {e.strerror}; remove it, "
+                                 f"or set TILEC_CACHE_DIR to another directory") from e
+            finally:
+                shutil.rmtree(aside, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=root))
         try:
             for name, text in sources.items():
@@ -172,7 +187,7 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
                 extra = extra_flags()
                 note = f" (with TILEC_NVCC_FLAGS={' '.join(extra)})" if extra else ""
                 raise TilecError(f"nvcc failed ({res.returncode}){note}:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
-            (tmp / DIGEST).write_text(_sha256(tmp / "libtilec.so"))
+            _write_digest(tmp / "libtilec.so")
             os.replace(tmp, final)
             say(f"nvcc {arch}: built in {time.perf_counter() - t0:.0f} s")
         finally:
