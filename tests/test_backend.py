@@ -1691,3 +1691,23 @@ def test_max_positions_option_is_checked_when_given(mp):
 
     with pytest.raises(OptionsError, match=rf"tilec option max_positions={mp!r}: must be an int in 1\.\.1048576"):
         BackendOptions.from_dict({"max_positions": mp})
+
+
+def test_a_corrupt_plan_cache_entry_that_cannot_be_removed_says_so(tmp_path, monkeypatch, caplog):
+    """In a read-only cache every process warned that a damaged entry "is removed and written again", though neither
+    happened (a fresh user's case): it says the entry stays a miss, and the compile still succeeds."""
+    from tilec import plancache
+
+    compile_fresh = fresh_compiler(tmp_path, monkeypatch)
+    caplog.set_level(logging.WARNING, logger="tilec.plancache")
+    assert compile_fresh()["compiles"] == 1
+    (entry,) = (tmp_path / "plans").iterdir()
+    (entry / "plan.json").write_text("{}")
+
+    def read_only(*a, **k):
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(plancache.tempfile, "mkdtemp", read_only)
+    caplog.clear()
+    assert compile_fresh()["compiles"] == 1
+    assert "it could not be removed (it stays a miss)" in caplog.text and "written again" not in caplog.text

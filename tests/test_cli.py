@@ -1238,8 +1238,8 @@ def test_run_check_says_the_factory_it_needs_moved(copy, tmp_path):
     rehash(dst)
     r = invoke("run", dst, "--check", "--executor", "reference")
     assert r.exit_code == 2, r.output
-    assert re.search(r"gone/factories.py: no such file .*; the eager side of this check calls the factory the "
-                     r"artifact's manifest records \(\S*factories.py:tiny_llama_step_cpu, compiled in ", r.stderr), r.stderr
+    assert re.search(r"gone/factories.py: no such file .*; the eager reference \(run --check, bench\) calls the "
+                     r"factory the artifact's manifest records \(\S*factories.py:tiny_llama_step_cpu, compiled in ", r.stderr), r.stderr
     r = invoke("compile", f"{tmp_path}:make", "-o", tmp_path / "out")
     assert r.exit_code == 2 and "is a directory, not a Python file" in r.stderr, r.stderr
 
@@ -1272,6 +1272,12 @@ def test_force_never_removes_what_is_not_the_artifact(facts, tmp_path):
     assert invoke("compile", f"{facts}:linear", "-o", web / "out", *args).exit_code == 0
     r = invoke("compile", f"{facts}:linear", "-o", web, "--force", *args)
     assert r.exit_code == 2 and "is not a tilec artifact (its manifest.json is not tilec's)" in r.stderr, r.output
+    for text in ("", '{"format": "tilec-artifact"}'):  # a damaged manifest: --force may replace only an artifact's
+        (web / "manifest.json").write_text(text)          # layout, never the user's files beside it
+        (web / "thesis.tex").write_text("precious")
+        r = invoke("compile", f"{facts}:linear", "-o", web, "--force", *args)
+        assert r.exit_code == 2 and "other entr" in r.stderr and "thesis.tex" in r.stderr, r.output
+        assert (web / "thesis.tex").read_text() == "precious"
     for text in ("", "[1, 2]", "not json"):  # an empty, a docker-save list or a broken manifest.json above: no artifact
         (web / "manifest.json").write_text(text)
         out = web / f"out{len(text)}"

@@ -77,8 +77,8 @@ def fake_nvcc(tmp_path, monkeypatch):
 def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, capsys, monkeypatch):
     """The build cache returned any existing libtilec.so: 8 garbage bytes in its place were copied into a new artifact,
     whose manifest then hashed and "verified" them (a fresh user's case). A library is checked against the sha256
-    written with it, and rebuilt on a mismatch; an entry from before the digests is trusted once when it is an ELF
-    file, and gets one. An entry that cannot be set aside (another user's, in a shared cache) is a TilecError."""
+    written with it, and rebuilt on a mismatch; an entry from before the digests is trusted once when it is a whole
+    ELF file, and gets one. An entry that cannot be set aside (another user's, in a shared cache) is a TilecError."""
     lib = codegen.build({"program.cu": "// cached\n"})
     digest = lib.with_name("libtilec.so.sha256")
     assert digest.read_text() == hashlib.sha256(b"lib\n").hexdigest()
@@ -89,7 +89,13 @@ def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, ca
     assert "is missing or does not match its sha256 digest (damaged on disk): building it again" in err and "built in" in err
     digest.unlink()  # an entry from before the digests, not a library: built again
     assert codegen.build({"program.cu": "// cached\n"}) == lib and "building it again" in capsys.readouterr().err
-    elf = b"\x7fELF" + bytes(12)
+    cut = bytearray(b"\x7fELF\x02\x01" + bytes(58))  # a 64-bit ELF header whose section headers lie past its end
+    cut[0x28:0x30] = (4096).to_bytes(8, "little")  # e_shoff
+    cut[0x3A:0x3E] = (64).to_bytes(2, "little") + (3).to_bytes(2, "little")  # e_shentsize, e_shnum
+    lib.write_bytes(bytes(cut))
+    digest.unlink()  # a library cut short, from before the digests: built again
+    assert codegen.build({"program.cu": "// cached\n"}) == lib and "building it again" in capsys.readouterr().err
+    elf = b"\x7fELF\x02\x01" + bytes(58)  # (no section headers: whole)
     lib.write_bytes(elf)
     digest.unlink()  # an ELF entry from before the digests: used as it is, and given one
     assert codegen.build({"program.cu": "// cached\n"}) == lib and capsys.readouterr().err == ""

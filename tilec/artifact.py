@@ -278,8 +278,9 @@ def check_target(final: Path, force: bool) -> None:
         extra = _foreign_entries(final)
         if extra:  # --force replaces the whole folder: never what the user put beside the artifact's files
             shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
-            raise ArtifactError(f"{final} holds an artifact and {len(extra)} other entr{'y' if len(extra) == 1 else 'ies'} "
-                                f"({shown}) that --force would remove with it: move them out first")
+            n = f"{len(extra)} other entr{'y' if len(extra) == 1 else 'ies'}"
+            raise ArtifactError(f"{final} holds an artifact and {n} ({shown}) that --force would remove with it: "
+                                f"move them out first")
 
 
 def _is_artifact(root: Path, damaged: bool) -> bool:
@@ -300,14 +301,22 @@ def _is_artifact(root: Path, damaged: bool) -> bool:
     return isinstance(m, dict) and m.get("format") == FORMAT
 
 
+# What an artifact's folder holds at its top (_write_contents): a damaged manifest's folder may hold nothing else.
+LAYOUT = frozenset({MANIFEST, "params.safetensors", "constants.safetensors", "inputs.safetensors", "trace.json", "ir",
+                    "plan", "cuda"})
+
+
 def _foreign_entries(root: Path) -> list[str]:
     """The top-most paths under the artifact ``root`` that its manifest does not list (nor their folders), sorted -
-    a foreign folder once, not its files; none when the manifest cannot be read (a damaged artifact is replaced as
-    it is)."""
+    a foreign folder once, not its files. When the manifest's file list cannot be read (a damaged artifact), the
+    top-level entries outside an artifact's layout (:data:`LAYOUT`)."""
     try:
-        listed = set(json.loads((root / MANIFEST).read_text())["files"])
+        listed = json.loads((root / MANIFEST).read_text())["files"]
+        if not isinstance(listed, dict) or not all(isinstance(k, str) for k in listed):
+            raise TypeError("files")
+        listed = set(listed)
     except (OSError, ValueError, KeyError, TypeError):
-        return []
+        return sorted(p.name for p in root.iterdir() if p.name not in LAYOUT)
     keep = {MANIFEST} | listed | {parent.as_posix() for rel in listed for parent in Path(rel).parents}
     rels = (p.relative_to(root) for p in root.rglob("*"))
     return sorted(r.as_posix() for r in rels if r.as_posix() not in keep and r.parent.as_posix() in keep)

@@ -563,8 +563,9 @@ def eager_reference(art, progress: Progress):
         try:
             fn, _ = load_factory(spec, f.get("cwd"))
         except Failure as e:  # moved or deleted since the compile: say where the check looks and why
-            raise Failure(f"{e}; the eager side of this check calls the factory the artifact's manifest records "
-                          f"({f['spec']}, compiled in {f.get('cwd') or 'an unrecorded directory'})", e.exit_code) from e
+            where = f.get("cwd") or "an unrecorded directory"
+            raise Failure(f"{e}; the eager reference (run --check, bench) calls the factory the artifact's manifest "
+                          f"records ({f['spec']}, compiled in {where})", e.exit_code) from e
         module, _, _, _ = call_factory(fn, f["spec"])
     state = module.state_dict(keep_vars=True)
     state.update(dict(module.named_buffers(remove_duplicate=False)))  # with the non-persistent buffers

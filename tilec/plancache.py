@@ -71,9 +71,9 @@ def load(key: str) -> Compiled | None:
     except Exception as e:  # a corrupt entry is a cache miss, never an error; removed, so this compile rewrites it
         if isinstance(e, FileNotFoundError) and not _same(root, read):  # another process's repair, mid-way: a miss
             return None
-        log.warning("tilec: ignoring unreadable plan cache entry %s (%s); it is removed and written again", root,
-                    describe_exception(e))
-        _discard(root, read)
+        removed = _discard(root, read)
+        log.warning("tilec: ignoring unreadable plan cache entry %s (%s); %s", root, describe_exception(e),
+                    "it is removed and written again" if removed else "it could not be removed (it stays a miss)")
         return None
     return Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(meta["stats"]))
 
@@ -93,22 +93,26 @@ def _same(entry: Path, stamp: tuple) -> bool:
         return False
 
 
-def _discard(entry: Path, stamp: tuple | None = None) -> None:
+def _discard(entry: Path, stamp: tuple | None = None) -> bool:
     """Removes a cache entry (best effort): renamed aside first, so no reader sees it half removed. With
     ``stamp``, only if the entry is still the one stamped: two processes that read one corrupt entry must
-    not both remove it, the second the first one's repair."""
+    not both remove it, the second the first one's repair. False when it could not be moved (a read-only
+    cache)."""
     try:
         aside = Path(tempfile.mkdtemp(prefix=f".{entry.name[:12]}.bad-", dir=entry.parent))
     except OSError:
-        return
+        return False
+    moved = False
     try:
         os.replace(entry, aside / "entry")
+        moved = True
         if stamp is not None and _stamp(aside / "entry") != stamp:  # repaired meanwhile: put it back
             with contextlib.suppress(OSError):
                 os.rename(aside / "entry", entry)  # (fails if yet another entry was written there: fine)
     except OSError:
         pass
     shutil.rmtree(aside, ignore_errors=True)
+    return moved
 
 
 def store(key: str, compiled: Compiled) -> None:

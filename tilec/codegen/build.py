@@ -6,6 +6,7 @@ import hashlib
 import os
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -113,16 +114,27 @@ def _write_digest(lib: Path) -> None:
     os.replace(tmp, lib.with_name(DIGEST))
 
 
+def _whole_elf(path: Path) -> bool:
+    """Whether ``path`` starts as a 64-bit little-endian ELF file whose section header table ends inside it (a
+    library cut short fails this; nvcc's libraries are ELF64 LSB)."""
+    with path.open("rb") as f:
+        head = f.read(64)
+    if len(head) < 64 or head[:6] != b"\x7fELF\x02\x01":
+        return False
+    shoff, = struct.unpack_from("<Q", head, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+    return shoff + shentsize * shnum <= path.stat().st_size
+
+
 def _intact(lib: Path) -> bool:
     """Whether the cached library ``lib`` exists and matches the digest built with it. An entry from before the
-    digests (none beside it) is trusted when it is an ELF file, and gets one (best effort: a read-only cache is
+    digests (none beside it) is trusted when it is a whole ELF file, and gets one (best effort: a read-only cache is
     used as it is); a library changed on disk since is not intact."""
     try:
         digest = lib.with_name(DIGEST)
         if not digest.exists():
-            with lib.open("rb") as f:
-                if f.read(4) != b"\x7fELF":
-                    return False
+            if not _whole_elf(lib):
+                return False
             with contextlib.suppress(OSError):
                 _write_digest(lib)
             return True
