@@ -48,6 +48,7 @@ from safetensors.torch import load_file, save_file
 import tilec
 
 from . import codegen
+from .codegen.build import sha256_file as _sha256
 from .dump import render_schedule
 from .errors import InputError, TilecError
 from .frontend import GraphBinding
@@ -652,14 +653,6 @@ def _set_modes(root: Path) -> None:
     os.umask(umask)
     for p in (root, *root.rglob("*")):
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _digest(manifest: dict) -> str:

@@ -103,14 +103,19 @@ def _stderr(text: str) -> None:
 DIGEST = "libtilec.so.sha256"  # beside a cached library: its sha256, written with it
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def sha256_file(path: Path) -> str:
+    """The sha256 hex digest of the file at ``path``, read in 1 MiB blocks (also the artifacts' file digests)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _write_digest(lib: Path) -> None:
     """Writes ``lib``'s digest beside it, whole or not at all (a temporary file renamed into place)."""
     tmp = lib.with_name(f".{DIGEST}.{os.getpid()}")
-    tmp.write_text(_sha256(lib))
+    tmp.write_text(sha256_file(lib))
     os.replace(tmp, lib.with_name(DIGEST))
 
 
@@ -138,7 +143,7 @@ def _intact(lib: Path) -> bool:
             with contextlib.suppress(OSError):
                 _write_digest(lib)
             return True
-        return digest.read_text().strip() == _sha256(lib)
+        return digest.read_text().strip() == sha256_file(lib)
     except OSError:
         return False
 
