@@ -1205,6 +1205,24 @@ def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, capl
     assert [p.name for p in (tmp_path / "plans").iterdir()] == [entry.name]  # nothing left aside
 
 
+def test_a_plan_cache_hit_reads_its_tables_once(tmp_path, monkeypatch):
+    """A hit read ``tensors.safetensors`` whole into a bytes object to hash it, then built its tensors from those
+    bytes: twice the tables in memory at once (a reviewer's note, for ~1 GB entries). It hashes the file in blocks
+    and loads the tensors from the file."""
+    import pathlib
+
+    compile_fresh = fresh_compiler(tmp_path, monkeypatch)
+    assert compile_fresh()["compiles"] == 1
+    whole = pathlib.Path.read_bytes
+
+    def read_bytes(path):
+        assert path.name != "tensors.safetensors", "the plan's tables read whole into memory"
+        return whole(path)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    assert compile_fresh()["disk_hits"] == 1
+
+
 class LearnedPositions(torch.nn.Module):
     """GPT-2 / OPT style: h = tok(ids) + pe(pos), and the cache row written at pos."""
 

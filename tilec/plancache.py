@@ -21,10 +21,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import load as load_tensors
+from safetensors.torch import load_file as load_tensors
 
 from .artifact import save_tensors
-from .codegen.build import cache_path
+from .codegen.build import cache_path, sha256_file
 from .errors import describe_exception
 from .ir import OpGraph
 from .pipeline import Compiled
@@ -56,17 +56,17 @@ def load(key: str) -> Compiled | None:
     except OSError:
         return None
     try:
-        data = {name: (root / name).read_bytes() for name in FILES}
         want = json.loads((root / "sha256.json").read_text())
-        bad = [name for name in FILES if want.get(name) != hashlib.sha256(data[name]).hexdigest()]
+        # hashed in blocks, then loaded: the tables are in memory once (an entry can hold ~1 GB of them)
+        bad = [name for name in FILES if want.get(name) != sha256_file(root / name)]
         if bad:
             raise ValueError(f"damaged on disk: {', '.join(bad)} {'differs' if len(bad) == 1 else 'differ'} "
                              f"from the digest in sha256.json")
-        tensors = load_tensors(data["tensors.safetensors"])
+        tensors = load_tensors(root / "tensors.safetensors")
         graph_tensors = {k.removeprefix("graph."): v for k, v in tensors.items() if k.startswith("graph.")}
         plan_tensors = {k.removeprefix("plan."): v for k, v in tensors.items() if k.startswith("plan.")}
-        graph = OpGraph.from_dict(json.loads(data["graph.json"]), graph_tensors)
-        meta = json.loads(data["plan.json"])
+        graph = OpGraph.from_dict(json.loads((root / "graph.json").read_text()), graph_tensors)
+        meta = json.loads((root / "plan.json").read_text())
         plan = KernelPlan.from_tables(graph, plan_tensors, meta["plan"], meta["stats"])
     except Exception as e:  # a corrupt entry is a cache miss, never an error; removed, so this compile rewrites it
         if isinstance(e, FileNotFoundError) and not _same(root, read):  # another process's repair, mid-way: a miss
@@ -136,7 +136,7 @@ def store(key: str, compiled: Compiled) -> None:
         save_tensors(tmp / "tensors.safetensors", tensors)
         (tmp / "graph.json").write_text(json.dumps(plan.graph.to_dict()))
         (tmp / "plan.json").write_text(json.dumps({"plan": meta, "stats": compiled.stats}))
-        digests = {name: hashlib.sha256((tmp / name).read_bytes()).hexdigest() for name in FILES}
+        digests = {name: sha256_file(tmp / name) for name in FILES}
         (tmp / "sha256.json").write_text(json.dumps(digests))
         os.replace(tmp, final)
     except (OSError, RuntimeError, ValueError) as e:  # a cache is an optimization: never fail the compile
