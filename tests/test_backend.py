@@ -477,6 +477,20 @@ def test_a_float64_model_runs_eagerly_under_fallback(caplog):
     assert str(err).count("why: dtype torch.float64") < len(err.nodes)  # said once per run of nodes
 
 
+def test_a_float64_rmsnorm_names_the_dtype_for_its_mean(caplog):
+    """A float64 RMSNorm ran its ``mean`` eagerly with "no tilec op computes it" (a fresh user's note): the node
+    has no tilec op in float64 because of its dtype, which the warning now says, in one run with the others."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.RMSNorm(16), torch.nn.Linear(16, 4)).double().eval()
+    x = torch.randn(2, 16, dtype=torch.float64)
+    torch._dynamo.reset()
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        assert torch.allclose(torch.compile(m, backend="tilec")(x), m(x), rtol=1e-12, atol=1e-12)
+    assert "no tilec op computes it" not in caplog.text
+    eager = [line for line in caplog.text.splitlines() if "eagerly at" in line]
+    assert len(eager) == 1 and "aten.mean.dim" in eager[0] and "dtype torch.float64 is not supported" in eager[0]
+
+
 class WriteAtInt(torch.nn.Module):
     def forward(self, x, pos: int, cache):
         cache[:, pos] = x

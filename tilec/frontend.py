@@ -49,6 +49,13 @@ SCANS = {getattr(aten, name).default for name in ("cumsum", "cumprod", "cummax",
          if hasattr(aten, name)}
 SCAN_WHY = ("a scan along a dim (each element depends on every earlier one): tilec has no scan op; its tiles compute "
             "elementwise ops, row reductions, GEMV / GEMM, norms, RoPE, attention and copies")
+
+
+def dtype_why(dtype: torch.dtype) -> str:
+    """Why a value of ``dtype`` (not in ``DTYPE_CODES``) cannot be lowered."""
+    return f"dtype {dtype} is not supported by tilec (supported: {sorted(map(str, DTYPE_CODES))})"
+
+
 NO_OP_WHY = "no tilec op computes it (the README's \"What works\" lists what tilec lowers)"
 
 
@@ -295,6 +302,12 @@ class Lowering(FormsLowering, DsaLowering):
                               f"decode position, mark it as one (compile_module's "
                               f"positions=[{self.b.user_inputs.index(a.name)}])")
                     break
+        if reason is None:  # an input of a dtype tilec has no code for says more than "no op computes it" (a
+            # float64 mean); an op that makes such a value from supported ones (an FFT) has no op, whatever the dtype
+            for v in (val_of(a) for a in node.all_input_nodes):
+                if isinstance(v, torch.Tensor) and v.dtype not in DTYPE_CODES:
+                    reason = dtype_why(v.dtype)
+                    break
         raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason or NO_OP_WHY)
 
     def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP, node: fx.Node | None = None) -> Buffer:
@@ -304,8 +317,7 @@ class Lowering(FormsLowering, DsaLowering):
             raise UnsupportedNodeError(who, f"zero-size tensor of shape {list(shape)}: "
                                             f"tilec plans need at least one element per dim")
         if dtype not in DTYPE_CODES:
-            raise UnsupportedNodeError(who, f"dtype {dtype} is not supported by tilec "
-                                            f"(supported: {sorted(map(str, DTYPE_CODES))})")
+            raise UnsupportedNodeError(who, dtype_why(dtype))
         buf = Buffer(self._name(name), tuple(int(s) for s in shape), dtype, kind)
         self.buffers[buf.name] = buf
         return buf
