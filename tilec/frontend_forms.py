@@ -35,11 +35,21 @@ def _rsqrt_plus_eps(r):
     return add.args[0], float(add.args[1])
 
 
+def _same_value(a, b) -> bool:
+    """Whether nodes ``a`` and ``b`` hold the same values: the same node, or float32 upcasts of one value
+    (``x.float()`` written twice, as a hand-written RMSNorm may: two nodes unless something merged them)."""
+    if a is b:
+        return a is not None
+    return isinstance(a, fx.Node) and isinstance(b, fx.Node) and is_call(a, *CASTS) and is_call(b, *CASTS) \
+        and val_of(a) is not None and val_of(b) is not None and val_of(a).dtype == val_of(b).dtype == torch.float32 \
+        and upcast_source(a) is upcast_source(b) and upcast_source(a) is not a
+
+
 def _squared(n):
     """``pow(v, 2)`` or ``v * v`` -> v, or None."""
     if is_call(n, aten.pow.Tensor_Scalar) and n.args[1] == 2:
         return n.args[0]
-    if is_call(n, aten.mul.Tensor) and n.args[0] is n.args[1]:
+    if is_call(n, aten.mul.Tensor) and _same_value(n.args[0], n.args[1]):
         return n.args[0]
     return None
 
@@ -65,7 +75,7 @@ def _norm_core(n):
         return None
     for x, r in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
         m = _rsqrt_plus_eps(r)
-        if m is None or _squared(_row_mean(m[0])) is not x:
+        if m is None or not _same_value(_squared(_row_mean(m[0])), x):
             continue
         if back is None:
             return x, m[1]
