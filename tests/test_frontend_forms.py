@@ -177,11 +177,33 @@ X16 = (torch.randn(1, 2, 1, 16), torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 
         (x - x.mean(-1, keepdim=True)).to(torch.int32).float().pow(2).mean(-1, keepdim=True) + 1e-5), (torch.randn(3, 32) * 3,)),
     ("rope cos wider than x", lambda m, x, c, s: x * c + rot2(x) * s,
      (torch.randn(1, 1, 1, 16), torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16))),
+    # a fresh user's finding: bf16 rows times a float32 rsqrt (a mean with dtype=float32) is a float32 product;
+    # as an rmsnorm op it was rounded to bf16 (every element differed from eager, 6x further from float64)
+    ("rmsnorm float32 product of bf16 rows", lambda m, x: x * torch.rsqrt(
+        x.pow(2).mean(-1, keepdim=True, dtype=torch.float32) + 1e-6), ((torch.randn(4, 256) * 3).bfloat16(),)),
 ], ids=lambda c: c[0])
 def test_look_alikes_are_not_planned_as_the_form(case):
     name, fn, args = case
     kinds = matches_or_refused(fn, args)
     assert "rope" not in kinds and "layernorm" not in kinds and "rmsnorm" not in kinds and "attention" not in kinds, kinds
+
+
+def test_layernorm_with_its_centered_rows_in_one_variable_is_one_layernorm_op():
+    """``c = x - mean(x)`` held in a variable: the RMSNorm form matched first (an RMSNorm of c), leaving c's own
+    mean with no op - refused, where ``x - mean(x)`` written twice was one layernorm op (a fresh user's finding).
+    A lone row mean now says why it has no op."""
+    def ln(m, x):
+        c = x - x.mean(-1, keepdim=True)
+        return m.w * (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    m = Fn(ln, w=torch.randn(32)).eval()
+    x = torch.randn(3, 32) * 3 + 1
+    prog = compile_module(m, (x,), options={"workers": 3})
+    assert [op.kind for op in prog.plan.graph.ops] == ["layernorm"]
+    with torch.no_grad():
+        assert_close(prog(x), m(x), 1e-6)
+    with pytest.raises(UnsupportedNodeError, match="a row mean is lowered as part of an RMSNorm or LayerNorm"):
+        compile_module(Fn(lambda m, x: x - x.mean(-1, keepdim=True)).eval(), (x,))
 
 
 def test_layernorm_weight_wider_than_the_rows_is_not_a_layernorm():

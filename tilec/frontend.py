@@ -56,6 +56,8 @@ def dtype_why(dtype: torch.dtype) -> str:
     return f"dtype {dtype} is not supported by tilec (supported: {sorted(map(str, DTYPE_CODES))})"
 
 
+MEAN_WHY = ("no tilec op computes a mean alone: a row mean is lowered as part of an RMSNorm or LayerNorm written out "
+            "(tilec/frontend_forms.py has the forms; the README's \"What works\"), and this one is not in such a form")
 NO_OP_WHY = "no tilec op computes it (the README's \"What works\" lists what tilec lowers)"
 
 
@@ -308,6 +310,8 @@ class Lowering(FormsLowering, DsaLowering):
                 if isinstance(v, torch.Tensor) and v.dtype not in DTYPE_CODES:
                     reason = dtype_why(v.dtype)
                     break
+        if reason is None and node.target is aten.mean.dim:
+            reason = MEAN_WHY
         raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason or NO_OP_WHY)
 
     def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP, node: fx.Node | None = None) -> Buffer:
@@ -460,7 +464,8 @@ class Lowering(FormsLowering, DsaLowering):
             if not isinstance(src, (tuple, list)):
                 raise _OperandError(f"{node.args[0].name} has no lowered tuple value")
             return src[node.args[1]]
-        for pattern in (self._rmsnorm, self._layernorm_decomposed, self._silu_mul, self._rope_rotate_half, self._rope_interleaved,
+        # LayerNorm first: the RMSNorm of a centered value (x - mean(x) held in one variable) is a LayerNorm
+        for pattern in (self._layernorm_decomposed, self._rmsnorm, self._silu_mul, self._rope_rotate_half, self._rope_interleaved,
                         self._rope_pairwise, self._eager_attention,
                         self._fp8_quant, self._fp8_quant_scale, self._fp8_linear, self._einsum,
                         self._paged_cache_write, self._paged_index_score):

@@ -77,8 +77,9 @@ def _norm_core(n):
         m = _rsqrt_plus_eps(r)
         if m is None or not _same_value(_squared(_row_mean(m[0])), x):
             continue
-        if back is None:
-            return x, m[1]
+        if back is None:  # the op rounds x * rsqrt(..) to x's dtype: eager's product must be of that dtype (a
+            # float32 rsqrt of bf16 x - mean(.., dtype=torch.float32) - makes a float32 product, unrounded)
+            return (x, m[1]) if val_of(n).dtype == val_of(x).dtype else None
         src = upcast_source(x)
         return (src, m[1]) if val_of(src).dtype == back else None
     return None
