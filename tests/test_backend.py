@@ -5,6 +5,7 @@ import copy
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -1234,6 +1235,65 @@ def test_a_plan_cache_hit_reads_its_tables_once(tmp_path, monkeypatch):
         return whole(path)
 
     monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    assert compile_fresh()["disk_hits"] == 1
+
+
+def test_a_plan_cache_entry_under_another_key_is_not_its_plan(tmp_path, monkeypatch, caplog):
+    """An entry copied under another key's name (digests intact) loaded as that key's plan: two models differing
+    only in a buffer's value gave one's result for the other (a fresh user's finding). plan.json records its key."""
+    from tilec import plancache
+
+    compile_fresh = fresh_compiler(tmp_path, monkeypatch)
+    caplog.set_level(logging.WARNING, logger="tilec.plancache")
+    assert compile_fresh()["compiles"] == 1
+    (first,) = (tmp_path / "plans").iterdir()
+    monkeypatch.setattr(plancache, "code_digest", lambda: "0" * 16)  # another key for the same graph
+    assert compile_fresh()["compiles"] == 1
+    (second,) = [p for p in (tmp_path / "plans").iterdir() if p != first]
+    shutil.rmtree(second)
+    shutil.copytree(first, second)
+    caplog.clear()
+    assert compile_fresh()["compiles"] == 1  # not a hit: the copy names its own key
+    assert f"holds the plan of key {first.name!r}, not of its directory's name" in caplog.text
+    assert compile_fresh()["disk_hits"] == 1  # rewritten under its own key
+
+
+def test_a_plan_cache_entry_that_cannot_be_read_is_a_miss_not_an_error(tmp_path, monkeypatch, caplog):
+    """An entry another user wrote into a shared cache (its directory private to them) made store() raise
+    PermissionError out of torch.compile (a fresh user's finding): it is a miss, with a warning."""
+    import pathlib
+
+    compile_fresh = fresh_compiler(tmp_path, monkeypatch)
+    caplog.set_level(logging.WARNING, logger="tilec.plancache")
+    exists = pathlib.Path.exists
+
+    def private(path, *a, **k):
+        if path.name == "plan.json" and tmp_path in path.parents:
+            raise PermissionError(13, "Permission denied", str(path))
+        return exists(path, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "exists", private)
+    assert compile_fresh()["compiles"] == 1
+    assert "could not write the plan cache entry" in caplog.text and "Permission denied" in caplog.text
+
+
+def test_a_plan_cache_entry_written_meanwhile_by_another_process_is_kept_quietly(tmp_path, monkeypatch, caplog):
+    """Two processes storing one key: the second's rename met the first's entry and logged "could not write ...
+    Directory not empty" although the entry was there (a fresh user's finding). The entry is kept, no warning."""
+    from tilec import plancache
+
+    compile_fresh = fresh_compiler(tmp_path, monkeypatch)
+    caplog.set_level(logging.WARNING, logger="tilec.plancache")
+    replace = os.replace
+
+    def racing(src, dst):  # the other process's entry lands first
+        shutil.copytree(src, dst)
+        return replace(src, dst)
+
+    monkeypatch.setattr(plancache.os, "replace", racing)
+    assert compile_fresh()["compiles"] == 1
+    monkeypatch.setattr(plancache.os, "replace", replace)
+    assert "could not write" not in caplog.text
     assert compile_fresh()["disk_hits"] == 1
 
 

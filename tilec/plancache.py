@@ -6,8 +6,9 @@ A plan is stored under ``$TILEC_CACHE_DIR/plans/<key>/`` (default ``~/.cache/til
 shapes/dtypes, the options, tilec's version, its Python sources (:func:`code_digest`: a plan
 made by other code - before a pull or a fix - is not reused) and the target arch. Entries are written to a
 temporary directory and renamed into place, so a crash never leaves a partial entry; ``sha256.json``
-holds the other files' digests, so a file damaged on disk is caught before its tables reach an executor; an
-entry that fails to load or to match them is ignored (removed and recompiled).
+holds the other files' digests, so a file damaged on disk is caught before its tables reach an executor, and
+``plan.json`` its key, so an entry copied under another key's name is not taken for that key's plan; an entry
+that fails to load or to match them is ignored (removed and recompiled).
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def load(key: str) -> Compiled | None:
         plan_tensors = {k.removeprefix("plan."): v for k, v in tensors.items() if k.startswith("plan.")}
         graph = OpGraph.from_dict(json.loads((root / "graph.json").read_text()), graph_tensors)
         meta = json.loads((root / "plan.json").read_text())
+        if meta.get("key") != key:  # an entry copied or moved under another key: another graph's plan
+            raise ValueError(f"it holds the plan of key {meta.get('key')!r}, not of its directory's name")
         plan = KernelPlan.from_tables(graph, plan_tensors, meta["plan"], meta["stats"])
     except Exception as e:  # a corrupt entry is a cache miss, never an error; removed, so this compile rewrites it
         if isinstance(e, FileNotFoundError) and not _same(root, read):  # another process's repair, mid-way: a miss
@@ -118,10 +121,15 @@ def _discard(entry: Path, stamp: tuple | None = None) -> bool:
 def store(key: str, compiled: Compiled) -> None:
     """Writes ``compiled`` under ``key`` atomically (best effort: failures are logged)."""
     final = _dir(key)
-    if (final / "plan.json").exists():
+    try:
+        if (final / "plan.json").exists():
+            return
+        if final.exists():  # an entry without its plan (a copy or a disk cut short): replaced
+            log.warning("tilec: replacing the plan cache entry %s, which has no plan.json", final)
+            _discard(final)
+    except OSError as e:  # e.g. another user's entry in a shared cache (entries are private to their writer)
+        log.warning("tilec: could not write the plan cache entry %s: %s", final, e)
         return
-    if final.exists():  # an entry without its plan (a copy or a disk cut short): replaced
-        _discard(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.", dir=final.parent))
@@ -135,10 +143,15 @@ def store(key: str, compiled: Compiled) -> None:
         tensors.update({f"graph.{k}": v for k, v in plan.graph.tensors().items()})
         save_tensors(tmp / "tensors.safetensors", tensors)
         (tmp / "graph.json").write_text(json.dumps(plan.graph.to_dict()))
-        (tmp / "plan.json").write_text(json.dumps({"plan": meta, "stats": compiled.stats}))
+        (tmp / "plan.json").write_text(json.dumps({"key": key, "plan": meta, "stats": compiled.stats}))
         digests = {name: sha256_file(tmp / name) for name in FILES}
         (tmp / "sha256.json").write_text(json.dumps(digests))
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / "plan.json").exists():
+                raise
+            # another process wrote this key's entry meanwhile (the same plan): keep it
     except (OSError, RuntimeError, ValueError) as e:  # a cache is an optimization: never fail the compile
         log.warning("tilec: could not write the plan cache entry %s: %s", final, e)
     finally:
