@@ -111,6 +111,10 @@ def main():
         if not isinstance(extra, dict):
             raise ValueError(f"expected a JSON object, got {args.options}")
         Options.from_dict(extra)
+        if "check" in extra:  # (it would be overridden silently)
+            raise ValueError("decode.py sets check=False itself (the step is timed without the per-call check)")
+        if extra.get("executor", "cuda") not in ("cuda", "auto"):
+            raise ValueError("decode.py times the CUDA executor (executor='cuda')")
     except ValueError as e:
         ap.error(f"--options {args.options!r}: {e}")
     need_gpu("decode.py")

@@ -1,5 +1,6 @@
 """CPU tests of the lab's tools (benchmarks/lab): the profile readers, and that its CUDA programs compile."""
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -356,6 +357,17 @@ def test_gemv_context_needs_a_gpu():
     if not gemv_context.torch.cuda.is_available():
         with pytest.raises(SystemExit, match="gemv_context.py: needs a CUDA GPU"):
             gemv_context.main()
+
+
+@pytest.mark.parametrize("options, why", [('{"check": true}', "decode.py sets check=False itself"),
+                                           ('{"executor": "reference"}', "decode.py times the CUDA executor")])
+def test_decode_refuses_options_it_would_override(options, why):
+    """``decode.py --options`` took ``check`` and ``executor`` and then timed with its own (a fresh user's finding):
+    they are refused with the argument errors, before anything needs a GPU."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "decode.py"), "--options", options],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert run.returncode == 2 and why in run.stderr, run.stderr
 
 
 def test_gemv_fixed_stamp_summary_leaves_out_idle_workers():
