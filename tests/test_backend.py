@@ -463,8 +463,8 @@ def test_a_float64_model_runs_eagerly_under_fallback(caplog):
     torch._dynamo.reset()
     with torch.no_grad(), caplog.at_level("WARNING"):
         assert torch.allclose(torch.compile(m, backend="tilec")(x), m(x), rtol=1e-12, atol=1e-12)
-    assert "graph input args[0]: dtype torch.float64 is not supported (cast the model and its inputs to float32" \
-        in caplog.text and "the nodes reading it run eagerly" in caplog.text
+    assert "graph input args[0]: dtype torch.float64 is not supported by tilec (supported: ['torch.bfloat16', " \
+        in caplog.text and "; cast the model and its inputs to float32" in caplog.text and "the nodes reading it run eagerly" in caplog.text
     assert "arg0_1" not in caplog.text and "running 2 nodes (aten.addmm.default: addmm, addmm_1) eagerly" in caplog.text
     assert "graph input self[0].weight: dtype torch.float64" in caplog.text  # the user's names, not arg1_1
     torch._dynamo.reset()

@@ -825,7 +825,7 @@ def _log_fallback(bad: list[tuple], label_of: dict[str, str]) -> None:
     old_inputs = old_nodes = 0
     for reason, labels in inputs.items():
         if reason.startswith("dtype torch.float64"):  # also what a Python float argument becomes
-            reason += (" (cast the model and its inputs to float32, bfloat16 or float16 to compile them; a "
+            reason += ("; cast the model and its inputs to float32, bfloat16 or float16 to compile them (a "
                        "Python float argument becomes a float64 input too: pass it as a tensor)")
         fresh = [label for label in labels if _logged_key("input", reason, label) not in _LOGGED_GROUPS]
         old_inputs += len(labels) - len(fresh)

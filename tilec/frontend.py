@@ -445,8 +445,8 @@ class Lowering(FormsLowering, DsaLowering):
             kind = BufferKind.INPUT
         if 0 in tuple(val.shape) or val.dtype not in DTYPE_CODES:
             role = {BufferKind.PARAM: "parameter", BufferKind.STATE: "state tensor"}.get(kind, "input")
-            what = f"zero-size {role} of shape {list(val.shape)}" if 0 in tuple(val.shape) else f"dtype {val.dtype}"
-            self._unsupported(node, f"{what} is not supported")
+            self._unsupported(node, f"zero-size {role} of shape {list(val.shape)} is not supported"
+                              if 0 in tuple(val.shape) else dtype_why(val.dtype))
         buf = Buffer(node.name, tuple(val.shape), val.dtype, kind)
         self.buffers[buf.name] = buf
         return View.whole(buf)
