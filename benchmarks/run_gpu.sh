@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run, in one go (results under $OUT when set).
-# usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|pending|ncu|all]
+# usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|pending|h200|ncu|all]
 #        bash benchmarks/run_gpu.sh ncu [PROGRAM [FUNCTION]]
 # ncu (not in all): an ncu source-counter profile of one step of PROGRAM (a benchmarks/lab/one_step.py
 # program: glm5-fp8, the default, glm5-bf16 or llama-1b), attributed to the executor's device
@@ -10,6 +10,10 @@
 # Llama-3.2-1B (batch 1 and 16) benchmarks without Inductor, each under a time limit. Build the
 # GLM-5 libraries beforehand with benchmarks/prebuild.py and carry .tilec-cache
 # (TILEC_CACHE_DIR=$PWD/.tilec-cache) to save their nvcc time.
+# h200 (not in all; ~6 minutes): issue 6's table and the runtime A/B measured on H100s only since the forty-ninth
+# session - decode.py for both models (batch 1, context 1024; since the fifty-first session its GEMV table runs
+# after the model is freed), the GEMV plans alone in their own process, the loader hold (fiftieth) against
+# main's loader before it (TILEC_HOLD_AHEAD=8) and a hold of 1.
 # pending (not in all): what a session prepared and could not run - the K-outer GPU tests, the batch-4 greedy
 # checks, the batch-4 decode benchmark with the GEMV microbenchmark at 1, 4 and 8 rows (thirty-eighth session);
 # generate() under torch.compile (thirty-ninth) and where its time per token goes (forty-fourth); the other HF
@@ -28,8 +32,8 @@ for tarball in .tilec-cache-carry/*.tar.xz; do
 done
 what=${1:-all}
 case $what in
-  smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|pending|ncu|all) ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|pending|ncu|all]" >&2; exit 2 ;;
+  smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|pending|h200|ncu|all) ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|pending|h200|ncu|all]" >&2; exit 2 ;;
 esac
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || {
   echo "run_gpu.sh: needs torch with a CUDA GPU" >&2; exit 2; }
@@ -100,6 +104,18 @@ if [[ $what == quick ]]; then  # not part of all: all runs each of these in full
   timeout 120 python3 benchmarks/glm5_prelude.py --iters 30 --skip-inductor --profile "$OUT" 2>&1 | tee "$OUT/glm5_bench.log" | tail -14
   timeout 95 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --gemv --skip-inductor --iters 50 2>&1 | tee "$OUT/bench.log" | tail -12
   timeout 70 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --skip-inductor --batch 16 --iters 20 2>&1 | tee "$OUT/bench_b16.log" | tail -8
+fi
+if [[ $what == h200 ]]; then  # not part of all
+  timeout 150 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --gemv --skip-inductor --iters 50 2>&1 \
+    | grep -v "tilec: " | tee "$OUT/h200_decode_1b.log" | tail -16
+  timeout 150 python3 benchmarks/decode.py --model llama-3.1-8b --context 1024 --skip-inductor --iters 30 2>&1 \
+    | grep -v "tilec: " | tee "$OUT/h200_decode_8b.log" | tail -9
+  timeout 60 python3 benchmarks/lab/gemv_rates.py 2>&1 | tee "$OUT/h200_gemv_rates.log"
+  for model in llama-3.2-1b llama-3.1-8b; do
+    [[ $model == llama-3.2-1b ]] && rounds=5 || rounds=2
+    timeout 200 python3 benchmarks/lab/variants_ab.py --model $model --rounds $rounds 'base=' \
+      'nohold=TILEC_HOLD_AHEAD=8' 'hold1=TILEC_HOLD_AHEAD=1' 2>&1 | grep -v "tilec: " | tee "$OUT/h200_hold_$model.log" | tail -6
+  done
 fi
 if [[ $what == pending ]]; then  # not part of all
   # K-outer tensor-core tiles (sibling GEMVs 32 columns wide; 2..4 rows over K > 4096: 4-14336, 3-8192, 2-14336)
