@@ -100,7 +100,8 @@ def main():
                     help="with --gemv: x rows (M) of the microbenchmark's GEMVs, one table each (default 1)")
     ap.add_argument("--ring-stages", type=int_list(2), default=[], metavar="N,N,...",
                     help="also time the tilec step (CUDA graph replay) with each of these weight-ring depths")
-    ap.add_argument("--options", default="{}", help='extra tilec compile options as JSON, e.g. \'{"fold_cache_writes": false}\'')
+    ap.add_argument("--options", default="{}", help='extra tilec compile options as JSON, e.g. \'{"fold_cache_writes": false}\' '
+                         '(not check or executor: it sets check=False and times the CUDA executor)')
     args = ap.parse_args()
     depths = args.ring_stages
     if args.gemv_rows is not None and not args.gemv:

@@ -1210,6 +1210,8 @@ def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, capl
         (entry / "plan.json").unlink()
     caplog.clear()
     assert compile_fresh()["compiles"] == 1
+    if damage == "plan.json removed":  # (was silent)
+        assert "replacing the plan cache entry" in caplog.text and "which has no plan.json" in caplog.text
     if damage in ("plan.json emptied", "tensors flipped"):
         name = "plan.json" if damage == "plan.json emptied" else "tensors.safetensors"
         assert "ignoring unreadable plan cache entry" in caplog.text
@@ -1275,6 +1277,24 @@ def test_a_plan_cache_entry_that_cannot_be_read_is_a_miss_not_an_error(tmp_path,
     monkeypatch.setattr(pathlib.Path, "exists", private)
     assert compile_fresh()["compiles"] == 1
     assert "could not write the plan cache entry" in caplog.text and "Permission denied" in caplog.text
+
+
+def test_a_full_disk_while_storing_a_plan_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog):
+    """A full disk under the plan cache failed the compile: safetensors raises its own SafetensorError (no
+    OSError), which store() let through into torch.compile (a reviewer's reproducer on a full tmpfs)."""
+    from safetensors import SafetensorError
+
+    from tilec import plancache
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    compile_fresh = fresh_compiler(tmp_path, monkeypatch)
+    caplog.set_level(logging.WARNING, logger="tilec.plancache")
+    monkeypatch.setattr(plancache, "save_tensors", full)
+    assert compile_fresh()["compiles"] == 1
+    assert "could not write the plan cache entry" in caplog.text and "No space left on device" in caplog.text
+    assert [p.name for p in (tmp_path / "plans").iterdir()] == []  # no partial entry left
 
 
 def test_a_plan_cache_entry_written_meanwhile_by_another_process_is_kept_quietly(tmp_path, monkeypatch, caplog):

@@ -57,7 +57,8 @@ def dtype_why(dtype: torch.dtype) -> str:
 
 
 MEAN_WHY = ("no tilec op computes a mean alone: a row mean is lowered as part of an RMSNorm or LayerNorm written out "
-            "(tilec/frontend_forms.py has the forms; the README's \"What works\"), and this one is not in such a form")
+            "(tilec/frontend_forms.py has the forms; the README's \"What works\"), and this one is not part of a form "
+            "tilec plans as one op (its rounding or its shapes differ)")
 NO_OP_WHY = "no tilec op computes it (the README's \"What works\" lists what tilec lowers)"
 
 
@@ -294,7 +295,8 @@ class Lowering(FormsLowering, DsaLowering):
 
     def _unsupported(self, node: fx.Node, reason: str | None = None):
         """Raises UnsupportedNodeError for ``node`` with ``reason``; without one, the hint about an unlisted
-        decode-position argument where it applies, else ``NO_OP_WHY``."""
+        decode-position argument where it applies, else the dtype an input has that tilec has no code for
+        (:func:`dtype_why`), else ``MEAN_WHY`` for a row mean, else ``NO_OP_WHY``."""
         if reason is None and self.b.listed_positions:  # a decode position argument the caller did not list?
             for a in node.all_input_nodes:
                 v = val_of(a)

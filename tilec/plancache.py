@@ -78,6 +78,8 @@ def load(key: str) -> Compiled | None:
         log.warning("tilec: ignoring unreadable plan cache entry %s (%s); %s", root, describe_exception(e),
                     "it is removed and written again" if removed else "it could not be removed (it stays a miss)")
         return None
+    if not _same(root, read):  # replaced between its hashing and its loading (another process's repair): a miss
+        return None
     return Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(meta["stats"]))
 
 
@@ -124,7 +126,8 @@ def store(key: str, compiled: Compiled) -> None:
     try:
         if (final / "plan.json").exists():
             return
-        if final.exists():  # an entry without its plan (a copy or a disk cut short): replaced
+        if final.exists() and not (final / "plan.json").exists():  # (checked again: another process's entry
+            # may have landed since) an entry without its plan (a copy or a disk cut short): replaced
             log.warning("tilec: replacing the plan cache entry %s, which has no plan.json", final)
             _discard(final)
     except OSError as e:  # e.g. another user's entry in a shared cache (entries are private to their writer)
@@ -152,8 +155,9 @@ def store(key: str, compiled: Compiled) -> None:
             if not (final / "plan.json").exists():
                 raise
             # another process wrote this key's entry meanwhile (the same plan): keep it
-    except (OSError, RuntimeError, ValueError) as e:  # a cache is an optimization: never fail the compile
-        log.warning("tilec: could not write the plan cache entry %s: %s", final, e)
+    except Exception as e:  # a cache is an optimization: never fail the compile (a full disk is safetensors'
+        # SafetensorError, no OSError)
+        log.warning("tilec: could not write the plan cache entry %s: %s", final, describe_exception(e))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
