@@ -303,8 +303,8 @@ def test_eager_attention_with_a_mask_widening_the_result_is_refused():
         compile_module(f.eval(), QKV)
 
 
-@pytest.mark.parametrize("form", ["llama", "llama, x.float() twice", "x.float() squared by a product", "gemma", "olmo2",
-                                  "F.rms_norm", "cohere_ln"])
+@pytest.mark.parametrize("form", ["llama", "llama, x.float() twice", "x.float() squared by a product", "torch.square",
+                                  "gemma", "olmo2", "F.rms_norm", "cohere_ln"])
 def test_norm_forms_round_where_eager_does(form):
     """bf16: each norm form planned with eager's rounding points, so the results are bitwise eager's
     on the reference executor (Gemma, OLMo-2 and F.rms_norm normalize in float32 without Llama's
@@ -319,6 +319,9 @@ def test_norm_forms_round_where_eager_does(form):
             return m.w * (h * rs(h)).to(x.dtype)
         if form == "llama, x.float() twice":
             return m.w * (x.float() * rs(x.float())).to(x.dtype)
+        if form == "torch.square":  # aten.square under torch.export (a fresh user's finding: refused)
+            h = x.float()
+            return m.w * (h * torch.rsqrt(torch.square(h).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
         if form == "x.float() squared by a product":
             r = torch.rsqrt((x.float() * x.float()).mean(-1, keepdim=True) + 1e-6)
             return m.w * (x.float() * r).to(x.dtype)

@@ -46,8 +46,10 @@ def _same_value(a, b) -> bool:
 
 
 def _squared(n):
-    """``pow(v, 2)`` or ``v * v`` -> v, or None."""
+    """``pow(v, 2)``, ``square(v)`` or ``v * v`` -> v, or None."""
     if is_call(n, aten.pow.Tensor_Scalar) and n.args[1] == 2:
+        return n.args[0]
+    if is_call(n, aten.square.default):
         return n.args[0]
     if is_call(n, aten.mul.Tensor) and _same_value(n.args[0], n.args[1]):
         return n.args[0]
