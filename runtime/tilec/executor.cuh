@@ -13,10 +13,10 @@
 // Event counters are monotonic: step `epoch` waits for epoch * count, so no reset between
 // steps. The epoch lives on the device (state[0] = steps completed), so a launch replayed from
 // a CUDA graph advances it too: each CTA's controller and compute warps read it at start, and the
-// last CTA to finish the step (state[1] counts finished CTAs) publishes epoch + 1. A wait past `timeout_ns` writes an
-// ErrorRecord, raises the abort flag (which the controller's and the loader's waits and the ring
-// waits poll) and exits; the controller then hands the compute warps "gave up" (ctrl_ready = -1),
-// so a bad plan never hangs the GPU.
+// last CTA to finish the step (state[1] counts finished CTAs) publishes epoch + 1. A wait past
+// `timeout_ns` writes an ErrorRecord, raises the abort flag (which the controller's and the
+// loader's waits and the ring waits poll) and exits; the controller then hands the compute warps
+// "gave up" (ctrl_ready = -1), so a bad plan never hangs the GPU.
 #pragma once
 #include "common.cuh"
 #include "stream.cuh"
@@ -222,8 +222,9 @@ __device__ void run_queue(const int* __restrict__ queues, int L, const long long
   // Measured on an H100 (benchmarks/lab/variants_ab.py, batch 1, context 1024, one process, logits
   // bitwise equal; the epoch read by thread 0 before the barrier as the other variant): Llama-3.2-1B
   // 1.319 against 1.334 ms a step (5 rounds), Llama-3.1-8B 6.215 against 6.295 (3 rounds) - more than
-  // the one round trip it moves; the GEMV plans did not change. The kernel's stack frame shrank from 928
-  // to 880 bytes (cuobjdump -res-usage; 168 registers both), which may be where the rest comes from.
+  // the one round trip it moves; the GEMV plans did not change. nvcc compiled the inlined ops otherwise
+  // too (the kernel's stack frame 880 against 928 bytes, other GEMV loop code and addresses), which may
+  // be where the rest comes from - and which a later change can move again (benchmarks/RESULTS.md).
   if (threadIdx.x >= kThreads + 32) {
     unsigned long long e = 0;
     if ((threadIdx.x & 31) == 0) e = ld_acquire(state) + 1;
