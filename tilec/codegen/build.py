@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shlex
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -104,7 +106,11 @@ DIGEST = "libtilec.so.sha256"  # beside a cached library: its sha256, written wi
 
 
 def sha256_file(path: Path) -> str:
-    """The sha256 hex digest of the file at ``path``, read in 1 MiB blocks (also the artifacts' file digests)."""
+    """The sha256 hex digest of the file at ``path``, read in 1 MiB blocks (also the artifacts' file digests).
+    Raises OSError when ``path`` is not a regular file: a FIFO or a device in a cache would block the open or never
+    end the read."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
