@@ -101,7 +101,7 @@ def main():
     ap.add_argument("--ring-stages", type=int_list(2), default=[], metavar="N,N,...",
                     help="also time the tilec step (CUDA graph replay) with each of these weight-ring depths")
     ap.add_argument("--options", default="{}", help='extra tilec compile options as JSON, e.g. \'{"fold_cache_writes": false}\' '
-                         '(not check or executor: it sets check=False and times the CUDA executor)')
+                         '(it sets check=False and times the CUDA executor: other values of those are refused)')
     args = ap.parse_args()
     depths = args.ring_stages
     if args.gemv_rows is not None and not args.gemv:
@@ -112,7 +112,7 @@ def main():
         if not isinstance(extra, dict):
             raise ValueError(f"expected a JSON object, got {args.options}")
         Options.from_dict(extra)
-        if "check" in extra:  # (it would be overridden silently)
+        if extra.get("check", False) is not False:  # (it would be overridden silently)
             raise ValueError("decode.py sets check=False itself (the step is timed without the per-call check)")
         if extra.get("executor", "cuda") not in ("cuda", "auto"):
             raise ValueError("decode.py times the CUDA executor (executor='cuda')")

@@ -35,7 +35,7 @@ case $what in
   smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|pending|h200|ncu|all) ;;
   *) echo "usage: bash benchmarks/run_gpu.sh [smoke|models|noise|bench|perf|lab|glm5|example|sanitize|quick|pending|h200|ncu|all]" >&2; exit 2 ;;
 esac
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" || {
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>/dev/null || {
   echo "run_gpu.sh: needs torch with a CUDA GPU" >&2; exit 2; }
 failed=()  # parts whose command failed; the script exits 1 if any did
 trap '[[ $? -ne 0 ]] && failed+=("line $LINENO")' ERR

@@ -1185,7 +1185,7 @@ def test_a_plan_cached_by_other_tilec_code_is_not_reused(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["plan.json emptied", "plan.json removed", "tensors removed", "tensors flipped",
-                                    "digests removed", "tensors a FIFO"])
+                                    "digests removed", "tensors a FIFO", "digests a FIFO"])
 def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, caplog, damage):
     """A damaged on-disk plan was a cache miss every time for good: store() left an existing entry alone (a fresh
     user's case, whose warning was a bare KeyError text). It is removed and rewritten, once. Bytes flipped inside the
@@ -1206,17 +1206,19 @@ def test_a_corrupt_plan_cache_entry_is_written_again(tmp_path, monkeypatch, capl
         (entry / "tensors.safetensors").write_bytes(bytes(data))
     elif damage == "digests removed":
         (entry / "sha256.json").unlink()
-    elif damage == "tensors a FIFO":  # (a fresh user's case: the hash's open blocked for good)
-        (entry / "tensors.safetensors").unlink()
-        os.mkfifo(entry / "tensors.safetensors")
+    elif damage in ("tensors a FIFO", "digests a FIFO"):  # (fresh users' cases: the open blocked for good)
+        name = "tensors.safetensors" if damage == "tensors a FIFO" else "sha256.json"
+        (entry / name).unlink()
+        os.mkfifo(entry / name)
     else:
         (entry / "plan.json").unlink()
     caplog.clear()
     assert compile_fresh()["compiles"] == 1
     if damage == "plan.json removed":  # (was silent)
-        assert "replacing the plan cache entry" in caplog.text and "which has no plan.json" in caplog.text
-    if damage == "tensors a FIFO":
-        assert "not a regular file" in caplog.text and "tensors.safetensors" in caplog.text
+        assert "replacing the plan cache entry" in caplog.text and "which had no plan.json" in caplog.text
+    if damage in ("tensors a FIFO", "digests a FIFO"):
+        assert "not a regular file" in caplog.text
+        assert ("tensors.safetensors" if damage == "tensors a FIFO" else "sha256.json") in caplog.text
     if damage in ("plan.json emptied", "tensors flipped"):
         name = "plan.json" if damage == "plan.json emptied" else "tensors.safetensors"
         assert "ignoring unreadable plan cache entry" in caplog.text

@@ -57,6 +57,8 @@ def load(key: str) -> Compiled | None:
     except OSError:
         return None
     try:
+        if not (root / "sha256.json").is_file():  # a FIFO or a device there would block or never end the read
+            raise ValueError("sha256.json is not a regular file")
         want = json.loads((root / "sha256.json").read_text())
         # hashed in blocks, then loaded: the tables are in memory once (an entry can hold ~1 GB of them)
         bad = [name for name in FILES if want.get(name) != sha256_file(root / name)]
@@ -128,8 +130,10 @@ def store(key: str, compiled: Compiled) -> None:
             return
         if final.exists() and not (final / "plan.json").exists():  # (checked again: another process's entry
             # may have landed since) an entry without its plan (a copy or a disk cut short): replaced
-            log.warning("tilec: replacing the plan cache entry %s, which has no plan.json", final)
-            _discard(final)
+            if not _discard(final):
+                log.warning("tilec: could not replace the plan cache entry %s, which has no plan.json", final)
+                return
+            log.warning("tilec: replacing the plan cache entry %s, which had no plan.json", final)
     except OSError as e:  # e.g. another user's entry in a shared cache (entries are private to their writer)
         log.warning("tilec: could not write the plan cache entry %s: %s", final, e)
         return
