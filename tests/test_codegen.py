@@ -116,6 +116,18 @@ def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, ca
     assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == [lib.parent.name]
 
 
+def test_a_cached_library_that_is_no_regular_file_is_built_again(fake_nvcc, tmp_path, capsys):
+    """A FIFO in place of a cached libtilec.so from before the digests (none beside it): the ELF check's open blocked
+    for good (the plan cache's case, sha256_file, had been mended; this reader had not). It is built again."""
+    lib = codegen.build({"program.cu": "// fifo\n"})
+    lib.unlink()
+    lib.with_name("libtilec.so.sha256").unlink()
+    os.mkfifo(lib)
+    capsys.readouterr()
+    assert codegen.build({"program.cu": "// fifo\n"}) == lib and lib.read_text() == "lib\n"
+    assert "building it again" in capsys.readouterr().err
+
+
 @needs_nvcc
 @pytest.mark.slow
 @pytest.mark.parametrize("name,dtype,batch", [("llama-tiny", torch.bfloat16, 1), ("qwen3-tiny", torch.bfloat16, 2),

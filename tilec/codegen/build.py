@@ -142,6 +142,8 @@ def _intact(lib: Path) -> bool:
     digests (none beside it) is trusted when it is a whole ELF file, and gets one (best effort: a read-only cache is
     used as it is); a library changed on disk since is not intact."""
     try:
+        if not lib.is_file():  # (missing, or a FIFO / device, whose open or read would never end)
+            return False
         digest = lib.with_name(DIGEST)
         if not digest.exists():
             if not _whole_elf(lib):
