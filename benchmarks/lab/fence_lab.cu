@@ -10,10 +10,13 @@
 //           cp.async.bulk (mbarrier-completed, kStages in flight: the executor's weight ring)
 //   ldg     warp 1 streams the same buffer with 16-byte ld.global.cg loads, 32 in flight per lane
 //           (16 KiB a warp: less than the bulk ring's 96 KiB)
-// and per release operation:
+//   async   warp 1's 32 lanes stream it into the same 3-stage ring with 16-byte cp.async.cg copies
+//           (the SM's load path, LDGSTS, instead of the TMA engine; 96 KiB in flight as with bulk)
+// and per timed operation:
 //   red     red.release.gpu.global.add (the executor's signal)
 //   fence   fence.release.gpu (the release's fence alone; fence.acq_rel would also invalidate L1)
 //   relaxed red.relaxed.gpu.global.add (no fence: the floor; both adds are warp-aggregated alike)
+// Each row also prints the streaming warp's rate (GB/s a CTA, median over CTAs).
 // Prints the median and 90th percentile over all SMs' samples, in SM cycles and in us at the
 // device's clock-rate attribute (its maximum clock). The dynamic shared memory (kSmemBytes) keeps
 // one CTA per SM.
@@ -35,7 +38,7 @@ constexpr int kSamples = 64;             // timed release operations per SM
 constexpr long long kGapNs = 2000;       // between two of them (the loads stay in flight meanwhile)
 constexpr long long kWarmNs = 20000;     // before the first (warp 1's stream reaches steady state)
 
-enum Mode { kNone, kBulk, kLdg };
+enum Mode { kNone, kBulk, kLdg, kAsync };
 enum Op { kRed, kFence, kRelaxed };
 
 template <int kOp>
@@ -49,7 +52,8 @@ __device__ __forceinline__ void release_op(unsigned long long* ctr) {
 // cycles: [gridDim.x][kSamples] clock64 deltas of the release operation
 template <int kOp>
 __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long per_sm, int mode,
-                                                     unsigned long long* ctr, float* out, long long* cycles) {
+                                                     unsigned long long* ctr, float* out, long long* cycles,
+                                                     long long* rate) {
   extern __shared__ __align__(128) char ring[];
   __shared__ unsigned long long full[kStages];
   __shared__ volatile int done;
@@ -62,8 +66,12 @@ __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long p
   }
   __syncthreads();
   if (warp == 1) {  // the memory traffic
+    const unsigned long long t0 = global_timer();
+    long long bytes = 0;
     if (mode == kBulk && lane == 0) {
-      stream_stages(ring, full, mine, per_sm, kStages, &done);
+      bytes = stream_stages(ring, full, mine, per_sm, kStages, &done);
+    } else if (mode == kAsync) {
+      bytes = stream_stages_async(ring, mine, per_sm, kStages, &done);
     } else if (mode == kLdg) {
       uint4 acc = make_uint4(0u, 0u, 0u, 0u);
       long long off = 0;  // per_sm is a multiple of kLdgLoads x 512 bytes: no wrap inside an iteration
@@ -75,10 +83,12 @@ __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long p
 #pragma unroll
         for (int u = 0; u < kLdgLoads; ++u) acc.x ^= v[u].x, acc.y ^= v[u].y, acc.z ^= v[u].z, acc.w ^= v[u].w;
         off += kLdgLoads * 512;
+        bytes += kLdgLoads * 512;
         if (off >= per_sm) off = 0;
       }
       if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) out[blockIdx.x] += 1.f;  // keeps the loads
     }
+    if (lane == 0) rate[2 * blockIdx.x] = bytes, rate[2 * blockIdx.x + 1] = (long long)(global_timer() - t0);
     return;
   }
   if (lane == 0) {  // warp 0: store, then time one release operation
@@ -113,26 +123,34 @@ int main() {
   CK(cudaMalloc(&ctr, 8));
   CK(cudaMalloc(&out, sms * sizeof(float)));
   CK(cudaMalloc(&cycles, (size_t)sms * kSamples * sizeof(long long)));
+  long long* rate;
+  CK(cudaMalloc(&rate, (size_t)sms * 2 * 8));
   static_assert(kStageBytes % (kLdgLoads * 512) == 0 && kSmemBytes >= kStages * kStageBytes, "layout");
-  void (*kernels[])(const char*, long long, int, unsigned long long*, float*, long long*) = {
+  void (*kernels[])(const char*, long long, int, unsigned long long*, float*, long long*, long long*) = {
       fence_kernel<kRed>, fence_kernel<kFence>, fence_kernel<kRelaxed>};
   for (auto k : kernels) CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   printf("%d SMs, L2 %d MiB, %lld KiB streamed per SM, clock rate attribute %.0f MHz (us below at that clock)\n",
          sms, l2 >> 20, per_sm >> 10, khz / 1e3);
-  const char* modes[] = {"none", "bulk", "ldg"};
+  const char* modes[] = {"none", "bulk", "ldg", "async"};
   const char* ops[] = {"red.release", "fence.release", "red.relaxed"};
-  printf("%-6s %-14s %12s %12s %10s %10s\n", "loads", "operation", "median cyc", "p90 cyc", "median us", "p90 us");
-  std::vector<long long> h((size_t)sms * kSamples);
-  for (int mode = kNone; mode <= kLdg; ++mode)
+  printf("%-6s %-14s %12s %12s %10s %10s %12s\n", "loads", "operation", "median cyc", "p90 cyc", "median us", "p90 us",
+         "GB/s a CTA");
+  std::vector<long long> h((size_t)sms * kSamples), rt((size_t)sms * 2);
+  for (int mode = kNone; mode <= kAsync; ++mode)
     for (int op = kRed; op <= kRelaxed; ++op) {
-      kernels[op]<<<sms, 64, kSmemBytes>>>(w, per_sm, mode, ctr, out, cycles);
+      CK(cudaMemset(rate, 0, rt.size() * 8));
+      kernels[op]<<<sms, 64, kSmemBytes>>>(w, per_sm, mode, ctr, out, cycles, rate);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       CK(cudaMemcpy(h.data(), cycles, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
       std::sort(h.begin(), h.end());
       const long long med = h[h.size() / 2], p90 = h[h.size() * 9 / 10];
-      printf("%-6s %-14s %12lld %12lld %10.3f %10.3f\n", modes[mode], ops[op], med, p90, med / (khz / 1e3),
-             p90 / (khz / 1e3));
+      CK(cudaMemcpy(rt.data(), rate, rt.size() * 8, cudaMemcpyDeviceToHost));
+      std::vector<double> gbs;
+      for (int c = 0; c < sms; ++c) gbs.push_back(rt[2 * c + 1] > 0 ? (double)rt[2 * c] / rt[2 * c + 1] : 0.0);
+      std::sort(gbs.begin(), gbs.end());
+      printf("%-6s %-14s %12lld %12lld %10.3f %10.3f %12.2f\n", modes[mode], ops[op], med, p90, med / (khz / 1e3),
+             p90 / (khz / 1e3), gbs[gbs.size() / 2]);
     }
   return 0;
 }

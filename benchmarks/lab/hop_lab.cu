@@ -5,7 +5,10 @@
 // One CTA per SM (every SM of the GPU, co-resident by a cooperative launch), 8 compute warps plus
 // one warp that, per mode, streams 32 KiB stages of an HBM-sized buffer into shared memory with
 // bulk copies (as the executor's weight loader does: bulk, 3 stages in flight; bulk1, one stage -
-// 8 bulk copies of 4 KiB - at a time) or idles. The compute warps run a chain of
+// 8 bulk copies of 4 KiB - at a time), with 16-byte cp.async copies of all its lanes (the SM's load
+// path instead of the TMA engine: async, 3 stages in flight; async1, one) or idles. The stream's rate
+// beside the chain (bytes the streaming warp copied over its span, GB/s a CTA: median over CTAs, and
+// the sum over CTAs in TB/s) is printed beside each row. The compute warps run a chain of
 // kRounds rounds; in round r every CTA
 //   consumes: waits until all CTAs have written vector v[r-1] (kN bf16, 4 KiB: a decoder's
 //     hidden state), loads all of it, checks every value and sums it across the CTA (per warp,
@@ -50,7 +53,7 @@ static_assert(kN * 2 == kThreads * 16, "event mode: one 16-byte load per thread"
 static_assert(kN / 2 == kThreads * 4, "ll mode: four 8-byte words (two 16-byte loads) per thread");
 static_assert(kSmemBytes >= kStages * kStageBytes, "the streaming ring fits");
 
-enum Stream { kIdle, kBulk, kBulk1 };
+enum Stream { kIdle, kBulk, kBulk1, kAsync, kAsync1 };
 enum Proto { kEvent, kEventSleep, kLL };
 
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
@@ -68,11 +71,11 @@ __device__ __forceinline__ float value(int r, int j) { return (float)((r + j) % 
 
 // slice: elements per CTA (slice * gridDim.x >= kN, even); v: the vectors (event: bf16 [kRounds][kN],
 // ll: u64 [kRounds][kN / 2]); ctr: [kRounds] (event); stamps: [kRounds] ns of CTA 0 (written after
-// the chain); bad: wrong values; abort: a poll timed out
+// the chain); bad: wrong values; abort: a poll timed out; rate: [CTAs][2] the streaming warp's bytes and ns
 template <int kProto>
 __global__ void __launch_bounds__(kThreads + 32, 1)
 hop_kernel(const char* w, long long per_sm, int stream, int slice, void* v, unsigned long long* ctr,
-           unsigned long long* stamps, unsigned* bad, int* abort) {
+           unsigned long long* stamps, unsigned* bad, int* abort, long long* rate) {
   extern __shared__ __align__(128) char ring[];
   __shared__ unsigned long long full[kStages];
   __shared__ volatile int done;
@@ -86,8 +89,13 @@ hop_kernel(const char* w, long long per_sm, int stream, int slice, void* v, unsi
   }
   __syncthreads();
   if (warp == kThreads / 32) {  // the streaming warp (lab_stream.cuh)
-    if (stream != kIdle && lane == 0)  // kBulk: kStages stages in flight, kBulk1: one
-      stream_stages(ring, full, w + blockIdx.x * per_sm, per_sm, stream == kBulk ? kStages : 1, &done);
+    const unsigned long long t0 = global_timer();
+    long long bytes = 0;
+    if ((stream == kBulk || stream == kBulk1) && lane == 0)  // kBulk: kStages stages in flight, kBulk1: one
+      bytes = stream_stages(ring, full, w + blockIdx.x * per_sm, per_sm, stream == kBulk ? kStages : 1, &done);
+    else if (stream == kAsync || stream == kAsync1)
+      bytes = stream_stages_async(ring, w + blockIdx.x * per_sm, per_sm, stream == kAsync ? kStages : 1, &done);
+    if (lane == 0) rate[2 * blockIdx.x] = bytes, rate[2 * blockIdx.x + 1] = (long long)(global_timer() - t0);
     return;
   }
   unsigned wrong = 0;
@@ -191,6 +199,7 @@ int main() {
   unsigned long long *ctr, *stamps;
   unsigned* bad;
   int* abort;
+  long long* rate;
   if (slice > kThreads) {  // a thread per element of a slice (event mode)
     printf("%d SMs: a slice of %d elements is more than %d threads write\n", sms, slice, kThreads);
     return 1;
@@ -202,6 +211,7 @@ int main() {
   CK(cudaMalloc(&stamps, kRounds * 8));
   CK(cudaMalloc(&bad, 4));
   CK(cudaMalloc(&abort, 4));
+  CK(cudaMalloc(&rate, (size_t)sms * 2 * 8));
   // round 0's vector, written by the host in both layouts
   std::vector<__nv_bfloat16> v0(kN);
   std::vector<unsigned long long> w0(kN / 2);
@@ -213,16 +223,18 @@ int main() {
     memcpy(&bhi, &hi, 4);
     w0[j / 2] = (blo >> 16) | (bhi & 0xffff0000u);  // flag 0
   }
-  void (*kernels[])(const char*, long long, int, int, void*, unsigned long long*, unsigned long long*, unsigned*, int*) = {
+  void (*kernels[])(const char*, long long, int, int, void*, unsigned long long*, unsigned long long*, unsigned*, int*,
+                   long long*) = {
       hop_kernel<kEvent>, hop_kernel<kEventSleep>, hop_kernel<kLL>};
   for (auto k : kernels) CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   printf("%d CTAs (one per SM), %d bf16 per vector, %d per CTA slice, %d rounds (first %d left out)\n", sms, kN,
          slice, kRounds, kWarm);
-  printf("%-6s %-6s %10s %10s %10s %8s\n", "stream", "proto", "median us", "p90 us", "mean us", "wrong");
-  const char* streams[] = {"idle", "bulk", "bulk1"};
+  printf("%-6s %-6s %10s %10s %10s %8s %12s %10s\n", "stream", "proto", "median us", "p90 us", "mean us", "wrong",
+         "GB/s a CTA", "TB/s");
+  const char* streams[] = {"idle", "bulk", "bulk1", "async", "async1"};
   const char* protos[] = {"event", "sleep", "ll"};
   std::vector<unsigned long long> h(kRounds);
-  for (int s = kIdle; s <= kBulk1; ++s)
+  for (int s = kIdle; s <= kAsync1; ++s)
     for (int p = kEvent; p <= kLL; ++p) {
       // every flag / counter of rounds >= 1 must read "not yet": ll flags are round numbers, so 0xff bytes
       CK(cudaMemset(vec, 0xff, (size_t)kRounds * kN * 4));
@@ -235,7 +247,7 @@ int main() {
       else CK(cudaMemcpy(vec, w0.data(), kN * 4, cudaMemcpyHostToDevice));
       long long ps = per_sm;
       int stream = s;
-      void* args[] = {&w, &ps, &stream, &slice, &vec, &ctr, &stamps, &bad, &abort};
+      void* args[] = {&w, &ps, &stream, &slice, &vec, &ctr, &stamps, &bad, &abort, &rate};
       CK(cudaLaunchCooperativeKernel((const void*)kernels[p], dim3(sms), dim3(kThreads + 32), args, kSmemBytes, 0));
       CK(cudaDeviceSynchronize());
       unsigned nbad = 0;
@@ -247,9 +259,16 @@ int main() {
       for (int r = kWarm; r + 1 < kRounds; ++r) d.push_back((h[r + 1] - h[r]) / 1e3);
       std::sort(d.begin(), d.end());
       const double mean = (h[kRounds - 1] - h[kWarm]) / 1e3 / (kRounds - 1 - kWarm);
+      std::vector<long long> rt((size_t)sms * 2);
+      CK(cudaMemcpy(rt.data(), rate, rt.size() * 8, cudaMemcpyDeviceToHost));
+      std::vector<double> gbs;  // bytes / ns = GB/s
+      for (int c = 0; c < sms; ++c) gbs.push_back(rt[2 * c + 1] > 0 ? (double)rt[2 * c] / rt[2 * c + 1] : 0.0);
+      double tbs = 0;
+      for (double g : gbs) tbs += g / 1e3;
+      std::sort(gbs.begin(), gbs.end());
       if (timed_out) printf("%-6s %-6s a poll timed out (protocol bug)\n", streams[s], protos[p]);
-      else printf("%-6s %-6s %10.3f %10.3f %10.3f %8u\n", streams[s], protos[p], d[d.size() / 2], d[d.size() * 9 / 10],
-                  mean, nbad);
+      else printf("%-6s %-6s %10.3f %10.3f %10.3f %8u %12.2f %10.3f\n", streams[s], protos[p], d[d.size() / 2],
+                  d[d.size() * 9 / 10], mean, nbad, gbs[gbs.size() / 2], tbs);
     }
   return 0;
 }

@@ -32,9 +32,9 @@ inline long long stream_slice_bytes(int l2_bytes, int sms) {
 // The streaming warp's lane 0: copies this CTA's `mine` (per_sm bytes, wrapping) stage by stage into
 // `ring` (kStages stages, completing on `full`, initialized with count 1) with an evict-first policy,
 // at most `ahead` (1..kStages) stages in flight, until *done; then waits for its last copies to land
-// (they write this CTA's shared memory). The stages' bytes are never read.
-__device__ inline void stream_stages(char* ring, unsigned long long* full, const char* mine, long long per_sm,
-                                     int ahead, volatile int* done) {
+// (they write this CTA's shared memory). The stages' bytes are never read. Returns the bytes copied.
+__device__ inline long long stream_stages(char* ring, unsigned long long* full, const char* mine, long long per_sm,
+                                          int ahead, volatile int* done) {
   const unsigned long long policy = tilec::evict_first_policy();
   long long off = 0;
   int i = 0;  // item i fills stage i % kStages; its full barrier's phase parity is (i / kStages) & 1
@@ -51,6 +51,33 @@ __device__ inline void stream_stages(char* ring, unsigned long long* full, const
   for (int j = i > kStages ? i - kStages : 0; j < i; ++j)  // drain
     while (!tilec::mbar_test(full + j % kStages, (j / kStages) & 1)) {
     }
+  return (long long)i * kStageBytes;
+}
+
+// The same stream with the SM's load path instead of the bulk-copy (TMA) engine: all 32 lanes of the
+// calling warp copy each 32 KiB stage with 16-byte cp.async.cg (LDGSTS, L2 evict-first hint), one
+// commit group a stage, at most `ahead` (1..3) groups in flight, until *done. Returns the bytes copied.
+__device__ inline long long stream_stages_async(char* ring, const char* mine, long long per_sm, int ahead,
+                                                volatile int* done) {
+  const unsigned long long policy = tilec::evict_first_policy();
+  const int lane = threadIdx.x & 31;
+  long long off = 0;
+  int i = 0;
+  for (; !__shfl_sync(0xffffffffu, *done, 0); ++i) {
+    if (ahead >= 3) asm volatile("cp.async.wait_group 2;" ::: "memory");
+    else if (ahead == 2) asm volatile("cp.async.wait_group 1;" ::: "memory");
+    else asm volatile("cp.async.wait_group 0;" ::: "memory");
+    char* dst = ring + (i % kStages) * kStageBytes + lane * 16;
+    const char* src = mine + off + lane * 16;
+#pragma unroll 8
+    for (int q = 0; q < kStageBytes / 512; ++q)
+      asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                   ::"r"(tilec::smem_u32(dst + q * 512)), "l"(src + q * 512), "l"(policy) : "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    off = (off + kStageBytes) % per_sm;
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  return (long long)i * kStageBytes;
 }
 
 // w[0, n) = pseudo-random bf16 values in [-0.5, 0.5), a hash of (i, seed).
