@@ -10,13 +10,16 @@ for leaving nothing behind in the output's parent directory.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -629,6 +632,80 @@ def test_ctrl_c_exits_130(facts, tmp_path, monkeypatch):
     assert "130 interrupted" in invoke("--help").output  # the help lists every exit code
 
 
+def test_sigterm_stops_a_compile_as_ctrl_c_does(facts, tmp_path, monkeypatch):
+    """SIGTERM (timeout, a batch scheduler, docker stop) killed the process where it stood: a hidden partial
+    artifact stayed for good and nvcc ran on without its parent (a fresh user's case). It now raises in the
+    main thread like Ctrl-C: exit 143, nothing left. In-process the handler is restored after the command."""
+    def terminated(*a, **k):
+        raise cli.Terminated
+
+    monkeypatch.setattr(commands, "load_factory", terminated)
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build")
+    assert r.exit_code == 143 and "tilec: terminated" in r.stderr, r.output
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and os.listdir(tmp_path) == []
+    assert "143 terminated" in invoke("--help").output
+    # a real signal, delivered while the factory runs in a tilec process of its own
+    mark = tmp_path / "started"
+    slow = tmp_path / "slow.py"
+    slow.write_text(f"import pathlib, time\nimport torch\ndef f():\n    pathlib.Path({str(mark)!r}).touch()\n"
+                    f"    time.sleep(60)\n    return torch.nn.Linear(4, 4), (torch.randn(1, 4),)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "tilec", "compile", f"{slow}:f", "-o", str(tmp_path / "b"),
+                             "--no-build"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "tilec: terminated" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["slow.py", "started"]
+
+
+def test_a_killed_compiles_partial_folder_is_removed_by_the_next(facts, tmp_path):
+    """A compile killed mid-write (SIGKILL) left .NAME.partial-* beside the output for good - up to a model's
+    weights each - and later compiles neither removed nor mentioned it (a fresh user's case). A folder whose
+    writer is gone is removed (with a note); a live writer's is kept."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    prefix = artifact._partial_prefix(tmp_path / "a")
+    (tmp_path / f"{prefix}{int(dead.stdout)}-x1").mkdir()
+    (tmp_path / f"{prefix}{int(dead.stdout)}-x1" / "params.safetensors").write_bytes(b"half a model")
+    (tmp_path / f"{prefix}{os.getpid()}-x2").mkdir()  # a compile still writing
+    (tmp_path / ".b.partial-other-1-x3").mkdir()  # not this output's, nor this host's
+    r = CliRunner().invoke(cli.main, ["compile", f"{facts}:linear", "-o", str(tmp_path / "a"), "--no-build"])
+    assert r.exit_code == 0, r.output
+    assert "removed 1 partial artifact folder(s) beside" in r.stderr and "left by interrupted compiles" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted([".b.partial-other-1-x3", f"{prefix}{os.getpid()}-x2", "a"])
+
+
+def test_an_empty_mount_point_as_the_output_is_refused_before_compiling(facts, tmp_path, monkeypatch):
+    """An empty mounted volume as -o (docker -v ./out:/out): after the whole compile the rename failed (EBUSY)
+    and tilec said the folder "holds an artifact"; with --force it crashed (internal error) and left its
+    .NAME.old-* folder (a fresh user's case). A mount point is refused up front, naming a folder inside it."""
+    out = tmp_path / "vol"
+    out.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out or real(p))
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build")
+    assert r.exit_code == 2 and f"{out} is a mount point" in r.stderr and f"-o {out / 'artifact'}" in r.stderr
+    assert "compiling" not in r.stderr and os.listdir(tmp_path) == ["vol"]
+
+
+def test_a_force_replace_that_cannot_move_the_old_artifact_says_why_and_leaves_nothing(facts, tmp_path, monkeypatch):
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+    real = os.replace
+
+    def busy(src, dst):
+        if Path(dst).name == "artifact":
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", busy)
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3", "--force")
+    assert r.exit_code == 2 and f"cannot replace the artifact {out}: Device or resource busy" in r.stderr, r.output
+    assert os.listdir(tmp_path) == ["a"] and json.loads((out / "manifest.json").read_text())["options"]["workers"] == 2
+
+
 def test_compile_force_replaces_an_artifact(facts, tmp_path):
     out = tmp_path / "a"
     assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
@@ -1088,13 +1165,34 @@ def _edit_manifest(path: Path, edit) -> None:
     (lambda m: m["call"].pop("args"), "run", "call.args is missing, expected list"),
     (lambda m: m["call"].update(max_positions=True), "run", "call.max_positions is bool, expected int"),
     (lambda m: m["call"]["args"][0].update(tensor="argX"), "run", "inputs.safetensors holds no tensor 'argX'"),
-], ids=["no-files", "files-str", "no-cuda", "no-args", "bool-max", "renamed-input"])
+    (lambda m: m.update(param_sources=["w"]), "run", "param_sources is list, expected dict or null"),
+    (lambda m: m.update(buffer_sources="b"), "run", "buffer_sources is str, expected dict or null"),
+    (lambda m: m.update(factory="f"), "run", "factory is str, expected dict or null"),
+    (lambda m: m["factory"].pop("name"), "run", "factory lacks its spec or name"),
+    (lambda m: m["files"].update({"../outside": "0" * 64}), "inspect", "files lists '../outside', not a file"),
+    (lambda m: m["files"].update({"/etc/hostname": "0" * 64}), "run", "files lists '/etc/hostname', not a file"),
+], ids=["no-files", "files-str", "no-cuda", "no-args", "bool-max", "renamed-input", "param-sources-list",
+        "buffer-sources-str", "factory-str", "factory-no-name", "file-outside", "file-absolute"])
 def test_a_manifest_missing_a_key_is_an_artifact_error(copy, edit, command, message):
     """A self-consistent manifest (digest recomputed) lacking a key gave internal KeyError /
     AttributeError, exit 4 (a breaker trial's finding)."""
     _edit_manifest(copy, edit)
     r = invoke(command, copy)
     assert r.exit_code == 2 and message in r.stderr, r.output
+
+
+def test_a_library_the_manifest_does_not_list_is_never_loaded(facts, tmp_path, monkeypatch):
+    """load() verifies only the files the manifest lists, but program() loaded any cuda/libtilec.so present: one
+    copied into an artifact compiled with --no-build (another plan's) would have run (a fresh user's case)."""
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+    (out / "cuda" / "libtilec.so").write_bytes(b"\x7fELF another plan's library")
+    art = artifact.load(out)  # still verifies: the file is not listed
+    monkeypatch.setattr(artifact, "gpu_arch", lambda: "sm_90")
+    with pytest.raises(artifact.ArtifactError, match=r"libtilec.so: this artifact was compiled without a library "
+                                                      r"\(its manifest lists none\), so that file is not its plan's"):
+        art.program("cuda")
+    assert art.program("reference") is not None  # the reference executor loads no library
 
 
 def test_another_tilec_version_is_refused(art, monkeypatch):

@@ -116,6 +116,19 @@ def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, ca
     assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == [lib.parent.name]
 
 
+def test_a_killed_builds_temporary_folder_is_removed_by_the_next_build(fake_nvcc, tmp_path):
+    """A build killed during nvcc (SIGKILL) left its <key>.XXXX folder in the cache for good (a fresh user's case).
+    Only the holder of the key's lock makes those, so the next build of the key removes them."""
+    lib = codegen.build({"program.cu": "// killed\n"})
+    key, cache = lib.parent.name, tmp_path / "cache"
+    shutil.rmtree(lib.parent)
+    (cache / f"{key}.abc123").mkdir()
+    (cache / f"{key}.abc123" / "program.cu").write_text("// half written")
+    (cache / "other.def456").mkdir()  # another key's: not this build's business
+    assert codegen.build({"program.cu": "// killed\n"}) == lib and lib.read_text() == "lib\n"
+    assert sorted(p.name for p in cache.iterdir()) == sorted([key, f"{key}.lock", "other.def456"])
+
+
 def test_a_cached_library_that_is_no_regular_file_is_built_again(fake_nvcc, tmp_path, capsys):
     """A FIFO in place of a cached libtilec.so from before the digests (none beside it): the ELF check's open blocked
     for good (the plan cache's case, sha256_file, had been mended; this reader had not). It is built again."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -38,7 +39,7 @@ import subprocess
 import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import jinja2
 import torch
@@ -157,7 +158,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     created = [d for d in (final.parent, *final.parent.parents) if not d.exists()]  # removed again on failure
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+        _remove_stale_partials(final, progress)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_partial_prefix(final)}{os.getpid()}-", dir=final.parent))
     except OSError as e:
         for d in created:
             if d.exists() and not any(d.iterdir()):
@@ -198,20 +200,34 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         check_target(final, force)
         if force and final.exists():  # swap the old one out only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-            os.replace(final, old / "artifact")
+            keep_old = False  # the old artifact could not be put back: leave it where it is and say so
             try:
-                os.replace(tmp, final)
-            except OSError:
-                os.replace(old / "artifact", final)
-                raise
+                try:
+                    os.replace(final, old / "artifact")
+                except OSError as e:  # the old artifact stays as it was
+                    raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror}") from e
+                try:
+                    os.replace(tmp, final)
+                except OSError as e:
+                    try:
+                        os.replace(old / "artifact", final)
+                    except OSError:
+                        keep_old = True
+                        raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror}; the old one is "
+                                            f"now at {old / 'artifact'}") from e
+                    raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror} (the old one is kept)") \
+                        from e
             finally:
-                shutil.rmtree(old, ignore_errors=True)
+                if not keep_old:
+                    shutil.rmtree(old, ignore_errors=True)
         else:
             try:
                 os.replace(tmp, final)
-            except OSError as e:  # ENOTEMPTY / EEXIST: written by another compile after the check
-                raise ArtifactError(f"{final} holds an artifact (written while this one compiled); pass --force "
-                                    f"to replace it (from Python: force=True)") from e
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # written by another compile after the check
+                    raise ArtifactError(f"{final} holds an artifact (written while this one compiled); pass --force "
+                                        f"to replace it (from Python: force=True)") from e
+                raise ArtifactError(f"cannot write the artifact {final}: {e.strerror}") from e
         done = True
     finally:
         if tmp.exists():
@@ -221,6 +237,40 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
                 with contextlib.suppress(OSError):
                     d.rmdir()
     return given
+
+
+def _partial_prefix(final: Path) -> str:
+    """The name prefix of the folders a compile writes ``final`` in before renaming it into place; a writer's
+    folder is ``<prefix><pid>-<random>``. The host's hash keeps a shared (network) directory's writers apart."""
+    host = hashlib.sha256(platform.node().encode()).hexdigest()[:8]
+    return f".{final.name}.partial-{host}-"
+
+
+def _remove_stale_partials(final: Path, progress=None) -> None:
+    """Removes the folders beside ``final`` that compiles of this host killed mid-write left (SIGKILL, a crash:
+    their process is gone), each up to a model's weights in size; a live writer's folder is kept."""
+    prefix, stale = _partial_prefix(final), []
+    with contextlib.suppress(OSError):
+        for entry in final.parent.iterdir():
+            pid = entry.name[len(prefix):].split("-", 1)[0] if entry.name.startswith(prefix) else ""
+            if pid.isdigit() and entry.is_dir() and not entry.is_symlink() and not _alive(int(pid)):
+                stale.append(entry)
+    for entry in stale:
+        shutil.rmtree(entry, ignore_errors=True)
+    if stale:
+        (progress or log.warning)(f"removed {len(stale)} partial artifact folder(s) beside {final} left by "
+                                   f"interrupted compiles ({stale[0].name}{', ...' if len(stale) > 1 else ''})")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid > 0
+    return True
 
 
 def _absolute(path: Path) -> Path:
@@ -270,6 +320,10 @@ def check_target(final: Path, force: bool) -> None:
         return
     if not final.is_dir():
         raise ArtifactError(f"{final} exists and is not a directory")
+    if os.path.ismount(final):  # e.g. a container's volume: a rename can neither replace it nor move into it
+        raise ArtifactError(f"{final} is a mount point: tilec writes an artifact beside its output directory and "
+                            f"renames it into place, which a mount point does not allow; write it into a new "
+                            f"directory inside it (e.g. -o {final / 'artifact'})")
     if any(final.iterdir()):
         if not _is_artifact(final, damaged=True):  # --force replaces artifacts, never other folders
             why = f"its {MANIFEST} is not tilec's" if (final / MANIFEST).exists() else f"no {MANIFEST}"
@@ -515,11 +569,19 @@ class Artifact:
             executor: ``"cuda"``, ``"reference"``, or None: CUDA when a GPU is available.
         Raises:
             ArtifactArchError: executor ``cuda`` on a GPU of another architecture than the artifact's.
+            ArtifactError: executor ``cuda`` and a ``cuda/libtilec.so`` the manifest does not list (another plan's).
             TilecError: executor ``cuda`` without a GPU.
         """
         kind = executor or ("cuda" if torch.cuda.is_available() else "reference")
         if kind not in ("cuda", "reference"):
             raise TilecError(f"executor {kind!r}: must be 'cuda' or 'reference'")
+        listed = self.manifest["cuda"].get("library") == LIBRARY and LIBRARY in self.manifest["files"]
+        if kind == "cuda" and not listed and os.path.lexists(self.path / LIBRARY):
+            # load() hashed only what the manifest lists: an unlisted library is some other plan's code
+            raise ArtifactError(f"{self.path / LIBRARY}: this artifact was compiled without a library (its manifest "
+                                f"lists none), so that file is not its plan's; remove it (the program then builds "
+                                f"its library from cuda/ with nvcc), or recompile the artifact"
+                                f"{_recompile_hint(self.manifest, self.path, ' ')}")
         device = torch.device("cpu")
         if kind == "cuda":
             gpu = gpu_arch()
@@ -535,7 +597,7 @@ class Artifact:
         except (TypeError, ValueError) as e:
             raise ArtifactError(f"{self.path}: its options are not understood by this tilec ({e}); recompile it"
                                 f"{_recompile_hint(self.manifest, self.path)}") from e
-        lib = self.path / LIBRARY if kind == "cuda" and (self.path / LIBRARY).exists() else None
+        lib = self.path / LIBRARY if kind == "cuda" and listed else None
         compiled = Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(plan.stats))
         return CompiledProgram(compiled, GraphBinding(params=self.params(device),
                                                    param_names=dict(self.manifest.get("param_sources") or {})),
@@ -571,6 +633,10 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
                                    f"reads version {FORMAT_VERSION}; recompile it{_recompile_hint(manifest, root)}")
     _check_schema(manifest, mpath)
     for rel, want in sorted(manifest["files"].items()):
+        parts = PurePosixPath(rel).parts
+        if not isinstance(want, str) or not parts or PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel:
+            raise ArtifactError(f"{mpath} is not a valid manifest: files lists {rel!r}, not a file inside the "
+                                f"artifact with its sha256")
         f = root / rel
         if not f.is_file():
             raise ArtifactError(f"{root} is incomplete: {rel} (listed in the manifest) is missing")
@@ -588,6 +654,8 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
 _SCHEMA = {"tilec": str, "arch": str, "device": str, "options": dict, "stats": dict, "files": dict,
            "call": {"args": list, "positions": list, "max_positions": int, "single_output": bool},
            "cuda": {"sources": list}}
+# keys that may be null (absent in older artifacts of this format): key -> type when present
+_OPTIONAL = {"param_sources": dict, "buffer_sources": dict, "factory": dict}
 
 
 def _check_schema(manifest: dict, mpath: Path, schema: dict = _SCHEMA, where: str = "") -> None:
@@ -601,6 +669,14 @@ def _check_schema(manifest: dict, mpath: Path, schema: dict = _SCHEMA, where: st
                                 f"{'missing' if value is None else type(value).__name__}, expected {want.__name__}")
         if isinstance(kind, dict):
             _check_schema(value, mpath, kind, f"{where}{key}.")
+    for key, want in (_OPTIONAL.items() if not where else ()):
+        value = manifest.get(key)
+        if value is not None and not isinstance(value, want):
+            raise ArtifactError(f"{mpath} is not a valid manifest: {key} is {type(value).__name__}, expected "
+                                f"{want.__name__} or null")
+    factory = manifest.get("factory") if not where else None
+    if isinstance(factory, dict) and not all(isinstance(factory.get(k), str) for k in ("spec", "name")):
+        raise ArtifactError(f"{mpath} is not a valid manifest: factory lacks its spec or name")
     for i, a in enumerate(manifest.get("call", {}).get("args", []) if not where else ()):
         if not isinstance(a, dict) or not ("tensor" in a or "value" in a):
             raise ArtifactError(f"{mpath} is not a valid manifest: call.args[{i}] is neither a tensor nor a value")

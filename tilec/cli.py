@@ -12,13 +12,16 @@ The artifact format is described in :mod:`tilec.artifact`.
 
 Exit codes: 0 ok; 1 ``run --check`` found a mismatch; 2 usage or bad input (arguments, options,
 factory, artifact, missing GPU); 3 compile error (including nvcc); 4 the step failed at run time,
-or an internal error; 130 interrupted (Ctrl-C).
+or an internal error; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: ``timeout``, a batch scheduler,
+``docker stop``), which stops a command as Ctrl-C does - nvcc killed, no partial artifact left.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -35,7 +38,16 @@ from .stages import STAGES
 # The commands' work is in tilec.commands, imported when a command runs: `tilec --help` and usage
 # errors answer without importing torch.
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_COMPILE, EXIT_ERROR = 0, 1, 2, 3, 4
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT / SIGTERM, the shell's convention
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread: a command stops as on Ctrl-C (every ``except KeyboardInterrupt`` /
+    ``finally`` cleans up, ``subprocess.run`` kills nvcc) instead of the process dying where it stands."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 class Failure(click.ClickException):
@@ -88,9 +100,10 @@ class _Group(click.Group):
             raise
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
-        except KeyboardInterrupt:  # Ctrl-C: the shell's convention (128 + SIGINT), not 1 (a --check mismatch)
-            click.echo("tilec: interrupted", err=True)
-            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: 128 + the signal, not 1 (a --check mismatch)
+            term = isinstance(e, Terminated)
+            click.echo(f"tilec: {'terminated' if term else 'interrupted'}", err=True)
+            raise click.exceptions.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED) from None
         except BrokenPipeError:  # `tilec inspect DIR | head`: stop quietly
             with contextlib.suppress(AttributeError, OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -110,9 +123,13 @@ def main(ctx: click.Context, quiet: bool) -> None:
     """Compile PyTorch decode steps to tile instruction streams for one persistent CUDA kernel.
 
     Exit codes: 0 ok, 1 check mismatch, 2 usage or bad input, 3 compile error, 4 run-time error,
-    130 interrupted.
+    130 interrupted, 143 terminated.
     """
     ctx.obj = Progress(quiet)
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # never over a handler the caller installed
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))  # (main() called in-process)
     for category in (FutureWarning, DeprecationWarning):  # third-party noise (torch.export, transformers)
         warnings.filterwarnings("ignore", category=category)
 

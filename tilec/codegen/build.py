@@ -188,6 +188,9 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
         if _intact(lib):
             return lib
         say = progress or _stderr
+        for entry in root.glob(f"{key}.*"):  # only the lock's holder makes these: a killed build's leftovers
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
         if final.exists():  # missing or damaged on disk: set aside, then built again
             say(f"the cached library {lib} is missing or does not match its sha256 digest (damaged on disk): "
                 f"building it again")
