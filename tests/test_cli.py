@@ -1195,6 +1195,21 @@ def test_a_library_the_manifest_does_not_list_is_never_loaded(facts, tmp_path, m
     assert art.program("reference") is not None  # the reference executor loads no library
 
 
+def test_a_changed_factory_names_the_unmatched_parameters_even_when_quiet(tmp_path):
+    """run --check after the factory lost a bias: the warning named no parameter, and -q hid it (a fresh user's
+    case); the check still reports the mismatch."""
+    fac = tmp_path / "fac.py"
+    fac.write_text("import torch\ndef f():\n    torch.manual_seed(0)\n"
+                   "    return torch.nn.Linear(32, 16), (torch.randn(2, 32),)\n")
+    assert invoke("compile", f"{fac}:f", "-o", tmp_path / "a", "--no-build", "-O", "workers=2").exit_code == 0
+    fac.write_text(fac.read_text().replace("Linear(32, 16)", "Linear(32, 16, bias=False)"))
+    r = invoke("run", tmp_path / "a", "--check", "--executor", "reference")
+    assert r.exit_code == 1, r.output
+    assert re.search(r"tilec: warning: 1 of the artifact's parameter\(s\) or buffer\(s\) could not be matched to "
+                     r"the factory module's state \(\S+ \(16,\) -> bias \(no such entry\)\): has the factory "
+                     r"changed since the compile\?", r.stderr), r.stderr
+
+
 def test_another_tilec_version_is_refused(art, monkeypatch):
     monkeypatch.setattr(tilec, "__version__", "9.9.9")
     r = invoke("run", art)

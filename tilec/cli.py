@@ -71,6 +71,10 @@ class Progress:
         if not self.quiet:
             click.echo(f"tilec: {message}", err=True)
 
+    def warn(self, message: str) -> None:
+        """A warning: shown under ``-q`` too (it is not progress)."""
+        click.echo(f"tilec: warning: {message}", err=True)
+
     @contextlib.contextmanager
     def step(self, what: str):
         self(f"{what} ...")

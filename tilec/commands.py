@@ -323,7 +323,7 @@ def inspect_artifact(progress: Progress, artifact_dir: Path, stage: str | None, 
     """``tilec inspect``: prints the artifact's stages (or one) as text, JSON or DOT."""
     art = open_artifact(artifact_dir, check_version=False)
     if art.manifest["tilec"] != tilec.__version__:
-        progress(f"warning: {artifact_dir} was built by tilec {art.manifest['tilec']} (this is {tilec.__version__})")
+        progress.warn(f"{artifact_dir} was built by tilec {art.manifest['tilec']} (this is {tilec.__version__})")
     try:
         stages = [resolve_stage(stage)] if stage is not None else list(STAGES)
     except ValueError as e:
@@ -582,7 +582,8 @@ def eager_reference(art, progress: Progress):
             key = buffers.get(name) or sources.get(name)
             target = state.get(key) if key else None
             if target is None or tuple(target.shape) != tuple(t.shape):
-                unmapped.append(name)
+                why = ("no such entry" if target is None else f"shape {tuple(target.shape)} there") if key else "no source"
+                unmapped.append(f"{name} {tuple(t.shape)} -> {key or '?'} ({why})")
                 continue
             t = t.to(target.device, target.dtype)
             if not torch.equal(target, t):
@@ -592,8 +593,10 @@ def eager_reference(art, progress: Progress):
         progress(f"note: the factory's weights differ from the artifact's in {changed} tensor(s) (not deterministic?); "
                  f"eager uses the artifact's weights and buffers")
     if unmapped:
-        progress(f"warning: {len(unmapped)} parameter(s) or buffer(s) could not be matched to the module's state; "
-                 f"eager uses the factory's own values for them")
+        shown = "; ".join(unmapped[:3]) + ("; ..." if len(unmapped) > 3 else "")
+        progress.warn(f"{len(unmapped)} of the artifact's parameter(s) or buffer(s) could not be matched to the "
+                      f"factory module's state ({shown}): has the factory changed since the compile? Eager uses "
+                      f"the factory's own values for them")
     return module.eval(), device, folded
 
 
