@@ -663,18 +663,90 @@ def test_sigterm_stops_a_compile_as_ctrl_c_does(facts, tmp_path, monkeypatch):
 
 def test_a_killed_compiles_partial_folder_is_removed_by_the_next(facts, tmp_path):
     """A compile killed mid-write (SIGKILL) left .NAME.partial-* beside the output for good - up to a model's
-    weights each - and later compiles neither removed nor mentioned it (a fresh user's case). A folder whose
-    writer is gone is removed (with a note); a live writer's is kept."""
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    prefix = artifact._partial_prefix(tmp_path / "a")
-    (tmp_path / f"{prefix}{int(dead.stdout)}-x1").mkdir()
-    (tmp_path / f"{prefix}{int(dead.stdout)}-x1" / "params.safetensors").write_bytes(b"half a model")
-    (tmp_path / f"{prefix}{os.getpid()}-x2").mkdir()  # a compile still writing
-    (tmp_path / ".b.partial-other-1-x3").mkdir()  # not this output's, nor this host's
-    r = CliRunner().invoke(cli.main, ["compile", f"{facts}:linear", "-o", str(tmp_path / "a"), "--no-build"])
+    weights each - and later compiles neither removed nor mentioned it (a fresh user's case). A folder nobody holds
+    locked and untouched for a minute is removed (with a note); a live writer's (its flock held, also from another
+    PID namespace) and a young one (between a writer's mkdtemp and its lock) are kept."""
+    prefix, old = artifact._partial_prefix(tmp_path / "a"), time.time() - 3600
+    for name in ("dead", "live", "young"):
+        (tmp_path / f"{prefix}{name}").mkdir()
+    (tmp_path / f"{prefix}dead" / "params.safetensors").write_bytes(b"half a model")
+    (tmp_path / ".b.partial-x").mkdir()  # another output's
+    for name in (f"{prefix}dead", f"{prefix}live", ".b.partial-x"):
+        os.utime(tmp_path / name, (old, old))
+    held = artifact._hold(tmp_path / f"{prefix}live")
+    try:
+        r = CliRunner().invoke(cli.main, ["compile", f"{facts}:linear", "-o", str(tmp_path / "a"), "--no-build"])
+    finally:
+        os.close(held)
     assert r.exit_code == 0, r.output
-    assert "removed 1 partial artifact folder(s) beside" in r.stderr and "left by interrupted compiles" in r.stderr
-    assert sorted(os.listdir(tmp_path)) == sorted([".b.partial-other-1-x3", f"{prefix}{os.getpid()}-x2", "a"])
+    assert f"removed 1 partial artifact folder(s) beside {tmp_path / 'a'} left by interrupted compiles " \
+           f"({prefix}dead)" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted([".b.partial-x", f"{prefix}live", f"{prefix}young", "a"])
+
+
+def test_sigterm_between_the_force_replaces_renames_puts_the_old_artifact_back(facts, tmp_path, monkeypatch):
+    """Ctrl-C / SIGTERM after the old artifact was moved aside and before the new one was renamed in removed both
+    (a reviewer's case); an old artifact that cannot be put back stays where it is, and the error says where."""
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+    real, calls = os.replace, []
+
+    def interrupted(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise cli.Terminated
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3", "--force")
+    assert r.exit_code == 143, r.output
+    assert os.listdir(tmp_path) == ["a"] and json.loads((out / "manifest.json").read_text())["options"]["workers"] == 2
+
+    def stuck(src, dst):  # neither the new one in nor the old one back
+        calls.append(dst)
+        if len(calls) > 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst)
+
+    calls.clear()
+    monkeypatch.setattr(os, "replace", stuck)
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3", "--force")
+    assert r.exit_code == 2 and "the old one could not be put back (Input/output error) and is now at" in r.stderr
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith(".a.old-")]
+    assert len(kept) == 1 and json.loads((kept[0] / "artifact" / "manifest.json").read_text())["options"]["workers"] == 2
+
+
+def test_sigterm_handler_of_the_caller_is_kept(facts, tmp_path, monkeypatch):
+    """tilec's SIGTERM handler goes in only over the default action, and out only if it is still tilec's."""
+    def mine(signum, frame):
+        pass
+
+    seen = []
+
+    def factory(*a, **k):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "load_factory", factory)
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build").exit_code == 130
+        assert seen == [mine] and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build").exit_code == 130
+    assert seen[1] is cli._on_sigterm and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    def installs_its_own(*a, **k):  # a factory (or a library it imports) that sets its own handler
+        signal.signal(signal.SIGTERM, mine)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "load_factory", installs_its_own)
+    try:
+        assert invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build").exit_code == 130
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def test_an_empty_mount_point_as_the_output_is_refused_before_compiling(facts, tmp_path, monkeypatch):
@@ -1168,17 +1240,25 @@ def _edit_manifest(path: Path, edit) -> None:
     (lambda m: m.update(param_sources=["w"]), "run", "param_sources is list, expected dict or null"),
     (lambda m: m.update(buffer_sources="b"), "run", "buffer_sources is str, expected dict or null"),
     (lambda m: m.update(factory="f"), "run", "factory is str, expected dict or null"),
-    (lambda m: m["factory"].pop("name"), "run", "factory lacks its spec or name"),
+    (lambda m: m["factory"].pop("name"), "run", "factory lacks its spec (or, with a file, its name)"),
     (lambda m: m["files"].update({"../outside": "0" * 64}), "inspect", "files lists '../outside', not a file"),
     (lambda m: m["files"].update({"/etc/hostname": "0" * 64}), "run", "files lists '/etc/hostname', not a file"),
+    (lambda m: m["files"].update({"..\\x": "0" * 64}), "run", "files lists '..\\\\x', not a file"),
 ], ids=["no-files", "files-str", "no-cuda", "no-args", "bool-max", "renamed-input", "param-sources-list",
-        "buffer-sources-str", "factory-str", "factory-no-name", "file-outside", "file-absolute"])
+        "buffer-sources-str", "factory-str", "factory-no-name", "file-outside", "file-absolute", "file-backslash"])
 def test_a_manifest_missing_a_key_is_an_artifact_error(copy, edit, command, message):
     """A self-consistent manifest (digest recomputed) lacking a key gave internal KeyError /
     AttributeError, exit 4 (a breaker trial's finding)."""
     _edit_manifest(copy, edit)
     r = invoke(command, copy)
     assert r.exit_code == 2 and message in r.stderr, r.output
+
+
+def test_a_factory_recorded_by_its_spec_alone_still_loads(copy):
+    """``artifact.save(..., factory={"spec": "pkg.mod:f"})`` from Python records no name or file: valid."""
+    _edit_manifest(copy, lambda m: m.update(factory={"spec": m["factory"]["spec"]}))
+    r = invoke("inspect", copy)
+    assert r.exit_code == 0 and "factory" in r.stdout, r.output
 
 
 def test_a_library_the_manifest_does_not_list_is_never_loaded(facts, tmp_path, monkeypatch):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import subprocess
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,40 @@ def test_a_killed_builds_temporary_folder_is_removed_by_the_next_build(fake_nvcc
     (cache / "other.def456").mkdir()  # another key's: not this build's business
     assert codegen.build({"program.cu": "// killed\n"}) == lib and lib.read_text() == "lib\n"
     assert sorted(p.name for p in cache.iterdir()) == sorted([key, f"{key}.lock", "other.def456"])
+
+
+def test_an_interrupted_build_kills_nvccs_children_too(tmp_path, monkeypatch):
+    """Ctrl-C / SIGTERM during nvcc killed nvcc alone: its cicc / ptxas / host compiler ran on (a reviewer's case).
+    nvcc runs in a process group of its own, killed whole."""
+    pidfile = tmp_path / "child.pid"
+    fake = tmp_path / "nvcc"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
+                    f'sleep 60 &\necho $! > {pidfile}\nwait\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("TILEC_NVCC", str(fake))
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(KeyboardInterrupt):
+            codegen.build({"program.cu": "// interrupted\n"})
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    child = int(pidfile.read_text())
+    for _ in range(100):  # reaped by init once killed
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"nvcc's child {child} still runs")
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []  # no half-built entry
 
 
 def test_a_cached_library_that_is_no_regular_file_is_built_again(fake_nvcc, tmp_path, capsys):

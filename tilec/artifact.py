@@ -37,9 +37,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path, PurePosixPath
+
+try:
+    import fcntl
+except ImportError:  # (not on Windows: no partial-folder cleanup there)
+    fcntl = None
 
 import jinja2
 import torch
@@ -156,11 +162,15 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
             lib = codegen.build(sources, opts.arch, progress)
 
     created = [d for d in (final.parent, *final.parent.parents) if not d.exists()]  # removed again on failure
+    tmp = None
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(final, progress)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_partial_prefix(final)}{os.getpid()}-", dir=final.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(final), dir=final.parent))
+        writing = _hold(tmp)  # until the rename: a later compile's cleanup leaves a live writer's folder alone
     except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         for d in created:
             if d.exists() and not any(d.iterdir()):
                 d.rmdir()
@@ -200,26 +210,27 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         check_target(final, force)
         if force and final.exists():  # swap the old one out only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-            keep_old = False  # the old artifact could not be put back: leave it where it is and say so
+            swapped = False  # the old artifact sits in `old`, and `final` is not yet the new one
             try:
                 try:
                     os.replace(final, old / "artifact")
                 except OSError as e:  # the old artifact stays as it was
                     raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror}") from e
+                swapped = True
                 try:
                     os.replace(tmp, final)
                 except OSError as e:
-                    try:
-                        os.replace(old / "artifact", final)
-                    except OSError:
-                        keep_old = True
-                        raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror}; the old one is "
-                                            f"now at {old / 'artifact'}") from e
                     raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror} (the old one is kept)") \
                         from e
-            finally:
-                if not keep_old:
-                    shutil.rmtree(old, ignore_errors=True)
+                swapped = False
+            finally:  # also on Ctrl-C / SIGTERM between the two renames: the old artifact goes back
+                if swapped:
+                    try:
+                        os.replace(old / "artifact", final)
+                    except OSError as e:
+                        raise ArtifactError(f"cannot replace the artifact {final}; the old one could not be put back "
+                                            f"({e.strerror}) and is now at {old / 'artifact'}") from e
+                shutil.rmtree(old, ignore_errors=True)
         else:
             try:
                 os.replace(tmp, final)
@@ -232,6 +243,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if writing is not None:
+            os.close(writing)
         if not done:
             for d in created:  # innermost first
                 with contextlib.suppress(OSError):
@@ -240,37 +253,52 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
 
 
 def _partial_prefix(final: Path) -> str:
-    """The name prefix of the folders a compile writes ``final`` in before renaming it into place; a writer's
-    folder is ``<prefix><pid>-<random>``. The host's hash keeps a shared (network) directory's writers apart."""
-    host = hashlib.sha256(platform.node().encode()).hexdigest()[:8]
-    return f".{final.name}.partial-{host}-"
+    """The name prefix of the folders a compile writes ``final`` in before renaming it into place."""
+    return f".{final.name}.partial-"
+
+
+def _hold(folder: Path) -> int | None:
+    """Opens ``folder`` and takes an exclusive ``flock`` on it: the writer's mark, held until the descriptor
+    (returned) is closed or the process dies - also across PID namespaces and, on NFSv4, hosts. None where the
+    system has no ``flock``."""
+    if fcntl is None:
+        return None
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+_STALE_AFTER_S = 60  # a folder younger than this may be a writer's between its mkdtemp and its lock
 
 
 def _remove_stale_partials(final: Path, progress=None) -> None:
-    """Removes the folders beside ``final`` that compiles of this host killed mid-write left (SIGKILL, a crash:
-    their process is gone), each up to a model's weights in size; a live writer's folder is kept."""
+    """Removes the folders beside ``final`` that compiles killed mid-write left (SIGKILL, a crash), each up to a
+    model's weights in size: those nobody holds locked (:func:`_hold`) and untouched for a minute; a live
+    writer's folder is kept. Errors are ignored (a folder that cannot be removed stays)."""
+    if fcntl is None:
+        return
     prefix, stale = _partial_prefix(final), []
     with contextlib.suppress(OSError):
         for entry in final.parent.iterdir():
-            pid = entry.name[len(prefix):].split("-", 1)[0] if entry.name.startswith(prefix) else ""
-            if pid.isdigit() and entry.is_dir() and not entry.is_symlink() and not _alive(int(pid)):
-                stale.append(entry)
-    for entry in stale:
-        shutil.rmtree(entry, ignore_errors=True)
+            if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
+                continue
+            with contextlib.suppress(OSError):
+                if time.time() - entry.stat().st_mtime < _STALE_AFTER_S:
+                    continue
+                fd = os.open(entry, os.O_RDONLY)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live writer holds it
+                    stale.append(entry)
+                    shutil.rmtree(entry, ignore_errors=True)
+                finally:
+                    os.close(fd)
     if stale:
         (progress or log.warning)(f"removed {len(stale)} partial artifact folder(s) beside {final} left by "
-                                   f"interrupted compiles ({stale[0].name}{', ...' if len(stale) > 1 else ''})")
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return pid > 0
-    return True
+                                  f"interrupted compiles ({stale[0].name}{', ...' if len(stale) > 1 else ''})")
 
 
 def _absolute(path: Path) -> Path:
@@ -289,7 +317,8 @@ def check_target(final: Path, force: bool) -> None:
     """Raises :class:`ArtifactError` unless an artifact may be written at ``final``: a missing or
     empty directory, or (with ``force``) an existing artifact - not the current directory or one
     holding it (an artifact is written beside it and renamed into place as a whole, which would
-    leave the shell in a directory that no longer exists). Writability is checked up front by
+    leave the shell in a directory that no longer exists), nor a mount point (which a rename cannot
+    replace). Writability is checked up front by
     creating and removing a probe directory in the nearest existing ancestor, so an unwritable
     place fails before a long compile."""
     final = _absolute(final)  # through symlinks: the shell's directory by another name
@@ -675,8 +704,9 @@ def _check_schema(manifest: dict, mpath: Path, schema: dict = _SCHEMA, where: st
             raise ArtifactError(f"{mpath} is not a valid manifest: {key} is {type(value).__name__}, expected "
                                 f"{want.__name__} or null")
     factory = manifest.get("factory") if not where else None
-    if isinstance(factory, dict) and not all(isinstance(factory.get(k), str) for k in ("spec", "name")):
-        raise ArtifactError(f"{mpath} is not a valid manifest: factory lacks its spec or name")
+    if isinstance(factory, dict) and not (isinstance(factory.get("spec"), str) and
+                                          (not factory.get("file") or isinstance(factory.get("name"), str))):
+        raise ArtifactError(f"{mpath} is not a valid manifest: factory lacks its spec (or, with a file, its name)")
     for i, a in enumerate(manifest.get("call", {}).get("args", []) if not where else ()):
         if not isinstance(a, dict) or not ("tensor" in a or "value" in a):
             raise ArtifactError(f"{mpath} is not a valid manifest: call.args[{i}] is neither a tensor nor a value")

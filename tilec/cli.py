@@ -50,6 +50,12 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+def _restore_sigterm() -> None:
+    """The default SIGTERM action again, unless something the command ran installed its own handler."""
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class Failure(click.ClickException):
     """An error shown as ``tilec: error: ...`` that exits with ``code``."""
 
@@ -133,7 +139,7 @@ def main(ctx: click.Context, quiet: bool) -> None:
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # never over a handler the caller installed
         signal.signal(signal.SIGTERM, _on_sigterm)
-        ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))  # (main() called in-process)
+        ctx.call_on_close(_restore_sigterm)  # (main() called in-process)
     for category in (FutureWarning, DeprecationWarning):  # third-party noise (torch.export, transformers)
         warnings.filterwarnings("ignore", category=category)
 

@@ -7,6 +7,7 @@ import hashlib
 import os
 import shlex
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -156,6 +157,21 @@ def _intact(lib: Path) -> bool:
         return False
 
 
+def _run_group(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` (nvcc) in a process group of its own, capturing its output; on any exception in the wait
+    (Ctrl-C, SIGTERM raised by the CLI) kills the whole group - nvcc's cicc, ptxas and host compiler too, which
+    killing nvcc alone leaves running."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
     """Compiles ``sources`` (``program.cu`` + generated headers) into a shared library.
 
@@ -210,7 +226,7 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
                    str(tmp / "libtilec.so")]
             say(f"nvcc {arch}: building the executor {key} (once per plan; cached in {root})")
             t0 = time.perf_counter()
-            res = subprocess.run(cmd, capture_output=True, text=True)
+            res = _run_group(cmd)
             if res.returncode != 0:
                 extra = extra_flags()
                 note = f" (with TILEC_NVCC_FLAGS={' '.join(extra)})" if extra else ""
