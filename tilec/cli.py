@@ -43,7 +43,7 @@ EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT / SIGTERM, the shel
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread: a command stops as on Ctrl-C (every ``except KeyboardInterrupt`` /
-    ``finally`` cleans up, ``subprocess.run`` kills nvcc) instead of the process dying where it stands."""
+    ``finally`` cleans up, the build kills nvcc's process group) instead of the process dying where it stands."""
 
 
 def _on_sigterm(signum, frame):
