@@ -711,9 +711,40 @@ def test_sigterm_between_the_force_replaces_renames_puts_the_old_artifact_back(f
     calls.clear()
     monkeypatch.setattr(os, "replace", stuck)
     r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3", "--force")
-    assert r.exit_code == 2 and "the old one could not be put back (Input/output error) and is now at" in r.stderr
+    assert r.exit_code == 2 and "and the old one could not be put back (Input/output error): it is now at" in r.stderr
     kept = [p for p in tmp_path.iterdir() if p.name.startswith(".a.old-")]
     assert len(kept) == 1 and json.loads((kept[0] / "artifact" / "manifest.json").read_text())["options"]["workers"] == 2
+
+
+def test_a_signal_during_the_force_replaces_renames_waits_for_both(facts, tmp_path, monkeypatch):
+    """A real SIGTERM right after the old artifact was moved aside: it used to land between the renames (both
+    artifacts lost, or a false "could not be put back" and a .NAME.old-* folder left - a fresh user's trials with
+    real processes). SIGINT / SIGTERM are held back over the two renames: the new artifact is in place, exit 143."""
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+    real = os.replace
+
+    def signaled(src, dst):
+        real(src, dst)
+        if Path(dst).name == "artifact":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(os, "replace", signaled)
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=3", "--force")
+    assert r.exit_code == 143, r.output
+    assert os.listdir(tmp_path) == ["a"] and json.loads((out / "manifest.json").read_text())["options"]["workers"] == 3
+
+
+def test_a_killed_force_replaces_old_artifact_folder_is_removed_by_the_next(facts, tmp_path):
+    """SIGKILL between --force's renames leaves the old artifact in .NAME.old-* and none at the output; nothing
+    found it again (a fresh user's case). The next compile there removes it (the replacement the user asked for)."""
+    stale = tmp_path / f"{artifact._old_prefix(tmp_path / 'a')}x1"
+    (stale / "artifact").mkdir(parents=True)
+    (stale / "artifact" / "params.safetensors").write_bytes(b"the old weights")
+    os.utime(stale, (time.time() - 3600,) * 2)
+    r = CliRunner().invoke(cli.main, ["compile", f"{facts}:linear", "-o", str(tmp_path / "a"), "--no-build"])
+    assert r.exit_code == 0 and f"removed 1 partial artifact folder(s) beside {tmp_path / 'a'}" in r.stderr, r.output
+    assert os.listdir(tmp_path) == ["a"]
 
 
 def test_sigterm_handler_of_the_caller_is_kept(facts, tmp_path, monkeypatch):

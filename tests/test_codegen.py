@@ -133,7 +133,8 @@ def test_a_killed_builds_temporary_folder_is_removed_by_the_next_build(fake_nvcc
 
 def test_an_interrupted_build_kills_nvccs_children_too(tmp_path, monkeypatch):
     """Ctrl-C / SIGTERM during nvcc killed nvcc alone: its cicc / ptxas / host compiler ran on (a reviewer's case).
-    nvcc runs in a process group of its own, killed whole."""
+    nvcc and the processes below it get SIGINT, and SIGKILL after a grace (this child, a shell's background job,
+    ignores SIGINT)."""
     pidfile = tmp_path / "child.pid"
     fake = tmp_path / "nvcc"
     fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
@@ -163,6 +164,35 @@ def test_an_interrupted_build_kills_nvccs_children_too(tmp_path, monkeypatch):
     else:
         pytest.fail(f"nvcc's child {child} still runs")
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []  # no half-built entry
+
+
+def test_nvccs_temporary_files_go_to_the_build_folder(tmp_path, monkeypatch):
+    """nvcc killed mid-build left its tmpxft_* files in /tmp (a fresh user's case): its TMPDIR is the build's
+    folder, removed with it."""
+    fake = tmp_path / "nvcc"
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
+                    'while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo "$TMPDIR" > "$2"; fi; shift; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("TILEC_NVCC", str(fake))
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+    lib = codegen.build({"program.cu": "// tmpdir\n"})
+    used = Path(lib.read_text().strip())
+    assert used.parent == tmp_path / "cache" and used.name.startswith(f"{lib.parent.name}.") and not used.exists()
+
+
+def test_a_killed_build_of_another_key_is_removed_once_nobody_builds_it(fake_nvcc, tmp_path):
+    """A killed build's folder was removed only by a later build of the same key - never for a plan not built
+    again (a fresh user's case). Any build removes other keys' folders whose lock nobody holds."""
+    from filelock import FileLock
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for key in ("aaaa", "bbbb"):
+        (cache / f"{key}.lock").touch()
+        (cache / f"{key}.x1").mkdir()
+    with FileLock(str(cache / "bbbb.lock")):  # bbbb is being built right now
+        lib = codegen.build({"program.cu": "// other keys\n"})
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        ["aaaa.lock", "bbbb.lock", "bbbb.x1", lib.parent.name, f"{lib.parent.name}.lock"])
 
 
 def test_a_cached_library_that_is_no_regular_file_is_built_again(fake_nvcc, tmp_path, capsys):

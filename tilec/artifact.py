@@ -35,6 +35,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -209,28 +210,31 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         # then fails on the non-empty folder
         check_target(final, force)
         if force and final.exists():  # swap the old one out only once the new one is complete
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-            swapped = False  # the old artifact sits in `old`, and `final` is not yet the new one
+            old = Path(tempfile.mkdtemp(prefix=_old_prefix(final), dir=final.parent))
+            keep_old = False  # the old artifact could not be put back: leave it where it is
             try:
-                try:
-                    os.replace(final, old / "artifact")
-                except OSError as e:  # the old artifact stays as it was
-                    raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror}") from e
-                swapped = True
-                try:
-                    os.replace(tmp, final)
-                except OSError as e:
-                    raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror} (the old one is kept)") \
-                        from e
-                swapped = False
-            finally:  # also on Ctrl-C / SIGTERM between the two renames: the old artifact goes back
-                if swapped:
+                with _signals_held():  # no Ctrl-C / SIGTERM between the renames (a SIGKILL: see _remove_stale_partials)
                     try:
-                        os.replace(old / "artifact", final)
-                    except OSError as e:
-                        raise ArtifactError(f"cannot replace the artifact {final}; the old one could not be put back "
-                                            f"({e.strerror}) and is now at {old / 'artifact'}") from e
-                shutil.rmtree(old, ignore_errors=True)
+                        os.replace(final, old / "artifact")
+                    except OSError as e:  # the old artifact stays as it was
+                        raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror}") from e
+                    try:
+                        os.replace(tmp, final)
+                    except BaseException as e:  # the old one goes back
+                        try:
+                            os.replace(old / "artifact", final)
+                        except OSError as e2:
+                            keep_old = True
+                            raise ArtifactError(f"cannot replace the artifact {final} ({e}), and the old one "
+                                                f"could not be put back ({e2.strerror}): it is now at "
+                                                f"{old / 'artifact'}") from e
+                        if isinstance(e, OSError):
+                            raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror} (the old one "
+                                                f"is kept)") from e
+                        raise
+            finally:
+                if not keep_old:
+                    shutil.rmtree(old, ignore_errors=True)
         else:
             try:
                 os.replace(tmp, final)
@@ -257,6 +261,27 @@ def _partial_prefix(final: Path) -> str:
     return f".{final.name}.partial-"
 
 
+def _old_prefix(final: Path) -> str:
+    """The name prefix of the folder ``--force`` moves the replaced artifact into, removed once the new one is in."""
+    return f".{final.name}.old-"
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Holds SIGINT and SIGTERM back (``pthread_sigmask``) for a few system calls that must not be split; a signal
+    sent meanwhile is delivered - its handler raises - on leaving. A no-op where the system has no signal masks."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _hold(folder: Path) -> int | None:
     """Opens ``folder`` and takes an exclusive ``flock`` on it: the writer's mark, held until the descriptor
     (returned) is closed or the process dies - also across PID namespaces and, on NFSv4, hosts. None where the
@@ -278,13 +303,15 @@ _STALE_AFTER_S = 60  # a folder younger than this may be a writer's between its 
 def _remove_stale_partials(final: Path, progress=None) -> None:
     """Removes the folders beside ``final`` that compiles killed mid-write left (SIGKILL, a crash), each up to a
     model's weights in size: those nobody holds locked (:func:`_hold`) and untouched for a minute; a live
-    writer's folder is kept. Errors are ignored (a folder that cannot be removed stays)."""
+    writer's folder is kept. That includes a ``--force`` replacement's folder of the old artifact (one killed
+    between its two renames left the old artifact there and none at ``final``: the replacement the user asked
+    for, which this compile now makes). Errors are ignored (a folder that cannot be removed stays)."""
     if fcntl is None:
         return
-    prefix, stale = _partial_prefix(final), []
+    prefixes, stale = (_partial_prefix(final), _old_prefix(final)), []
     with contextlib.suppress(OSError):
         for entry in final.parent.iterdir():
-            if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
+            if not entry.name.startswith(prefixes) or entry.is_symlink() or not entry.is_dir():
                 continue
             with contextlib.suppress(OSError):
                 if time.time() - entry.stat().st_mtime < _STALE_AFTER_S:

@@ -17,7 +17,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from .. import __version__
 from ..errors import TilecError
@@ -157,19 +157,64 @@ def _intact(lib: Path) -> bool:
         return False
 
 
-def _run_group(cmd: list[str]) -> subprocess.CompletedProcess:
-    """Runs ``cmd`` (nvcc) in a process group of its own, capturing its output; on any exception in the wait
-    (Ctrl-C, SIGTERM raised by the CLI) kills the whole group - nvcc's cicc, ptxas and host compiler too, which
-    killing nvcc alone leaves running."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+_NVCC_GRACE_S = 3  # after SIGINT, before SIGKILL
+
+
+def _run_nvcc(cmd: list[str], tmpdir: Path) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` (nvcc) with its temporary files in ``tmpdir`` (the build's folder, removed with it), capturing
+    its output. On any exception in the wait (Ctrl-C, SIGTERM raised by the CLI) nvcc and the processes it started
+    (cicc, ptxas, the host compiler) get SIGINT, on which nvcc removes its files, and those still running
+    ``_NVCC_GRACE_S`` later SIGKILL. nvcc stays in tilec's process group, so a signal to the group (a terminal's
+    Ctrl-C, ``timeout``) reaches them all too."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmpdir)})
     try:
         out, err = proc.communicate()
     except BaseException:
+        below = _descendants(proc.pid)
         with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.send_signal(signal.SIGINT)
+        for pid in below:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=_NVCC_GRACE_S)
+        except BaseException:  # (also a second Ctrl-C)
+            pass
+        proc.kill()  # (nothing once it has ended)
+        for pid in below:  # reparented when nvcc ended: killed by the pids noted before
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux ``/proc``; none found elsewhere)."""
+    parent = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            parent[int(stat_file.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, pp in parent.items() if pp in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _remove_stale_builds(root: Path) -> None:
+    """Removes the build folders (``<key>.XXXX``) that builds killed mid-way left in the cache, of every key
+    whose lock nobody holds (only a key's lock holder makes them); errors are ignored."""
+    for entry in root.glob("*.*"):
+        key, _, rest = entry.name.partition(".")
+        if rest == "lock" or not entry.is_dir() or entry.is_symlink() or not (root / f"{key}.lock").exists():
+            continue
+        with contextlib.suppress(Timeout, OSError):
+            with FileLock(str(root / f"{key}.lock"), timeout=0):
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
@@ -207,6 +252,7 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
         for entry in root.glob(f"{key}.*"):  # only the lock's holder makes these: a killed build's leftovers
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
+        _remove_stale_builds(root)  # and other keys' (a plan that is never built again)
         if final.exists():  # missing or damaged on disk: set aside, then built again
             say(f"the cached library {lib} is missing or does not match its sha256 digest (damaged on disk): "
                 f"building it again")
@@ -226,7 +272,7 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
                    str(tmp / "libtilec.so")]
             say(f"nvcc {arch}: building the executor {key} (once per plan; cached in {root})")
             t0 = time.perf_counter()
-            res = _run_group(cmd)
+            res = _run_nvcc(cmd, tmp)
             if res.returncode != 0:
                 extra = extra_flags()
                 note = f" (with TILEC_NVCC_FLAGS={' '.join(extra)})" if extra else ""
