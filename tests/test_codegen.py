@@ -65,15 +65,25 @@ def test_template_errors_name_the_template(monkeypatch):
         r._render("layout.h.j2", version="x")  # StrictUndefined: missing context keys are errors
 
 
-@pytest.fixture
-def fake_nvcc(tmp_path, monkeypatch):
-    """A stand-in nvcc (writes "lib\\n" as the library) and a fresh build cache under tmp_path/cache."""
+def install_nvcc(tmp_path, monkeypatch, build_script: str) -> None:
+    """A stand-in nvcc at tmp_path/nvcc (``--version`` answers, any other call runs ``build_script``, sh) and a
+    fresh build cache under tmp_path/cache."""
     fake = tmp_path / "nvcc"
-    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
-                    'while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo lib > "$2"; fi; shift; done\n')
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n' + build_script)
     fake.chmod(0o755)
     monkeypatch.setenv("TILEC_NVCC", str(fake))
     monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def writing_to_o(what: str) -> str:
+    """A stand-in nvcc's build: writes ``what`` (sh words) as its -o file."""
+    return f'while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo {what} > "$2"; fi; shift; done\n'
+
+
+@pytest.fixture
+def fake_nvcc(tmp_path, monkeypatch):
+    """A stand-in nvcc (writes "lib\\n" as the library) and a fresh build cache under tmp_path/cache."""
+    install_nvcc(tmp_path, monkeypatch, writing_to_o("lib"))
 
 
 def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, capsys, monkeypatch):
@@ -136,12 +146,7 @@ def test_an_interrupted_build_kills_nvccs_children_too(tmp_path, monkeypatch):
     nvcc and the processes below it get SIGINT, and SIGKILL after a grace (this child, a shell's background job,
     ignores SIGINT)."""
     pidfile = tmp_path / "child.pid"
-    fake = tmp_path / "nvcc"
-    fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
-                    f'sleep 60 &\necho $! > {pidfile}\nwait\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("TILEC_NVCC", str(fake))
-    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+    install_nvcc(tmp_path, monkeypatch, f"sleep 60 &\necho $! > {pidfile}\nwait\n")
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -169,12 +174,7 @@ def test_an_interrupted_build_kills_nvccs_children_too(tmp_path, monkeypatch):
 def test_nvccs_temporary_files_go_to_the_build_folder(tmp_path, monkeypatch):
     """nvcc killed mid-build left its tmpxft_* files in /tmp (a fresh user's case): its TMPDIR is the build's
     folder, removed with it."""
-    fake = tmp_path / "nvcc"
-    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo "fake nvcc V0"; exit 0; fi\n'
-                    'while [ $# -gt 1 ]; do if [ "$1" = -o ]; then echo "$TMPDIR" > "$2"; fi; shift; done\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("TILEC_NVCC", str(fake))
-    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+    install_nvcc(tmp_path, monkeypatch, writing_to_o('"$TMPDIR"'))
     lib = codegen.build({"program.cu": "// tmpdir\n"})
     used = Path(lib.read_text().strip())
     assert used.parent == tmp_path / "cache" and used.name.startswith(f"{lib.parent.name}.") and not used.exists()
