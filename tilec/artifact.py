@@ -38,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from datetime import datetime, timezone
 from importlib import metadata
@@ -210,10 +211,12 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         # then fails on the non-empty folder
         check_target(final, force)
         if force and final.exists():  # swap the old one out only once the new one is complete
-            old = Path(tempfile.mkdtemp(prefix=_old_prefix(final), dir=final.parent))
-            keep_old = False  # the old artifact could not be put back: leave it where it is
-            try:
-                with _signals_held():  # no Ctrl-C / SIGTERM between the renames (a SIGKILL: see _remove_stale_partials)
+            # no Ctrl-C / SIGTERM from here until the old one is removed: a signal between the renames lost both
+            # artifacts; during the removal, it left the old one's folder (a SIGKILL: see _remove_stale_partials)
+            with _signals_held():
+                old = Path(tempfile.mkdtemp(prefix=_old_prefix(final), dir=final.parent))
+                keep_old = False  # the old artifact could not be put back: leave it where it is
+                try:
                     try:
                         os.replace(final, old / "artifact")
                     except OSError as e:  # the old artifact stays as it was
@@ -232,9 +235,9 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
                             raise ArtifactError(f"cannot replace the artifact {final}: {e.strerror} (the old one "
                                                 f"is kept)") from e
                         raise
-            finally:
-                if not keep_old:
-                    shutil.rmtree(old, ignore_errors=True)
+                finally:
+                    if not keep_old:
+                        shutil.rmtree(old, ignore_errors=True)
         else:
             try:
                 os.replace(tmp, final)
@@ -268,18 +271,30 @@ def _old_prefix(final: Path) -> str:
 
 @contextlib.contextmanager
 def _signals_held():
-    """Holds SIGINT and SIGTERM back (``pthread_sigmask``) for a few system calls that must not be split; a signal
-    sent meanwhile is delivered - its handler raises - on leaving. A no-op where the system has no signal masks."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    try:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    except (AttributeError, OSError, ValueError):
+    """Defers SIGINT and SIGTERM over a few steps that must not be split: their Python handlers are swapped for
+    one that notes the signal, and the first noted is handed to the handler it was meant for on leaving (which
+    raises KeyboardInterrupt / the CLI's Terminated; a default SIGTERM then ends the process as it would have).
+    A thread mask would not do: the signal goes to whichever of torch's threads does not block it. Outside the
+    main thread (no handlers can be set there) a no-op."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():  # (None: set in C)
         yield
         return
+    noted = []
+    for s in previous:
+        signal.signal(s, lambda signum, frame: noted.append((signum, frame)))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if noted:
+            signum, frame = noted[0]
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def _hold(folder: Path) -> int | None:
