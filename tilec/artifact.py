@@ -213,7 +213,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         if force and final.exists():  # swap the old one out only once the new one is complete
             # no Ctrl-C / SIGTERM from here until the old one is removed: a signal between the renames lost both
             # artifacts; during the removal, it left the old one's folder (a SIGKILL: see _remove_stale_partials)
-            with _signals_held():
+            with _signals_deferred():
                 old = Path(tempfile.mkdtemp(prefix=_old_prefix(final), dir=final.parent))
                 keep_old = False  # the old artifact could not be put back: leave it where it is
                 try:
@@ -270,7 +270,7 @@ def _old_prefix(final: Path) -> str:
 
 
 @contextlib.contextmanager
-def _signals_held():
+def _signals_deferred():
     """Defers SIGINT and SIGTERM over a few steps that must not be split: their Python handlers are swapped for
     one that notes the signal, and the first noted is handed to the handler it was meant for on leaving (which
     raises KeyboardInterrupt / the CLI's Terminated; a default SIGTERM then ends the process as it would have).

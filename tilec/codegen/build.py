@@ -205,16 +205,20 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _remove_stale_builds(root: Path) -> None:
-    """Removes the build folders (``<key>.XXXX``) that builds killed mid-way left in the cache, of every key
-    whose lock nobody holds (only a key's lock holder makes them); errors are ignored."""
+def _remove_stale_builds(root: Path, held: str) -> None:
+    """Removes the build folders (``<key>.XXXX``, also ``<key>.bad-XXXX``) that builds killed mid-way left in the
+    cache: only a key's lock holder makes them, so those of ``held`` (whose lock the caller holds) and of every key
+    whose lock nobody holds are leftovers. Errors are ignored."""
     for entry in root.glob("*.*"):
         key, _, rest = entry.name.partition(".")
-        if rest == "lock" or not entry.is_dir() or entry.is_symlink() or not (root / f"{key}.lock").exists():
+        if rest == "lock" or not entry.is_dir() or entry.is_symlink():
             continue
-        with contextlib.suppress(Timeout, OSError):
-            with FileLock(str(root / f"{key}.lock"), timeout=0):
-                shutil.rmtree(entry, ignore_errors=True)
+        if key == held:
+            shutil.rmtree(entry, ignore_errors=True)
+        elif (root / f"{key}.lock").exists():
+            with contextlib.suppress(Timeout, OSError):
+                with FileLock(str(root / f"{key}.lock"), timeout=0):
+                    shutil.rmtree(entry, ignore_errors=True)
 
 
 def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
@@ -249,10 +253,7 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
         if _intact(lib):
             return lib
         say = progress or _stderr
-        for entry in root.glob(f"{key}.*"):  # only the lock's holder makes these: a killed build's leftovers
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-        _remove_stale_builds(root)  # and other keys' (a plan that is never built again)
+        _remove_stale_builds(root, key)  # this key's and other keys' (a plan never built again) killed builds
         if final.exists():  # missing or damaged on disk: set aside, then built again
             say(f"the cached library {lib} is missing or does not match its sha256 digest (damaged on disk): "
                 f"building it again")
