@@ -152,6 +152,30 @@ def test_fallback_runs_unsupported_node_eagerly(caplog):
     assert "test_backend.py" in lines[0] and "torch.cumsum(h, -1)" in lines[0]
 
 
+class Noisy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) + torch.randn(4, 8)  # a random op on no input: runs eagerly, drawn on every call
+
+
+def test_random_op_draws_on_every_call():
+    """torch.compile runs a random op eagerly (tilec lowers none and never folds one into a constant):
+    two calls differ, and under one seed the compiled module gives eager's values."""
+    m = Noisy().eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        f = torch.compile(m, backend="tilec", dynamic=False)
+        assert not torch.equal(f(x), f(x))
+        torch.manual_seed(3)
+        want = m(x)
+        torch.manual_seed(3)
+        got = f(x)
+    assert_close(got, want)
+
+
 class CumsumLayers(torch.nn.Module):
     """Layers that each run a node tilec cannot take, at one source line (as a model's layers do)."""
 

@@ -55,6 +55,35 @@ class Fft(torch.nn.Module):
         return torch.fft.fft(x).real  # MARK-fft
 
 
+class Noise(torch.nn.Module):
+    """Random values drawn inside forward from no input (folded once, every call would reuse them)."""
+
+    def forward(self, x):
+        return x + torch.randn(2, 8)  # MARK-randn
+
+
+class NoiseAtPosition(torch.nn.Module):
+    """Random values scaled by the decode position (tabulated per position, they would repeat)."""
+
+    def forward(self, x, pos):
+        return x + torch.empty(2, 8).normal_() * pos.float()  # MARK-normal
+
+
+@pytest.mark.parametrize("module, args, kwargs, node, marker", [
+    (Noise(), (torch.randn(2, 8),), {}, r"randn \(aten\.randn\.default\)", "MARK-randn"),
+    (NoiseAtPosition(), (torch.randn(2, 8), torch.tensor([1])), dict(positions=[1], max_positions=4),
+     r"normal\w* \(aten\.normal\w*\.default\)", "MARK-normal"),  # (functionalized: normal_functional)
+], ids=["constant", "positional"])
+def test_random_op_is_refused_not_frozen(module, args, kwargs, node, marker):
+    """A random op is never evaluated at compile time: its values would repeat on every call (a fresh
+    user's finding: the compiled module returned the same "random" noise each time)."""
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(module, args, **kwargs)
+    msg = str(info.value)
+    assert re.search(node, msg), msg
+    assert re.search(rf'{re.escape(THIS_FILE)}", line {line_of(marker)}, in forward', msg), msg
+
+
 @pytest.mark.parametrize("module, node, target, marker, code", [
     (Cumsum(), "cumsum", "aten.cumsum.default", "MARK-cumsum", "return torch.cumsum(y, dim=-1)"),
     (Fft(), "fft_fft", "aten.fft_fft.default", "MARK-fft", "return torch.fft.fft(x).real"),
@@ -343,6 +372,11 @@ def test_hf_batch_size_must_match_the_cache():
     cache, _ = prefill(model, 2, 4, 12)
     with pytest.raises(ValueError, match="batch_size=1, but the StaticCache holds 2 sequences"):
         compile_decode_step(model, cache, 1)
+    # True and 1.0 equal the cache's 1 and failed later inside torch.zeros; "1" read as "batch_size=1, but ... 1"
+    cache, _ = prefill(model, 1, 4, 12)
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(InputError, match=re.escape(f"batch_size must be an int, got {bad!r}")):
+            compile_decode_step(model, cache, bad)
 
 
 def test_state_read_before_in_place_write_sees_the_old_value():
@@ -409,7 +443,8 @@ def test_seek_checks_its_position_before_changing_anything():
     step = compile_decode_step(model, cache, 1, options=dict(workers=4))
     before = [int(l.cumulative_length) for l in cache.layers if isinstance(getattr(l, "cumulative_length", None),
                                                                             torch.Tensor)]
-    for bad in (8.0, True, "3", torch.tensor(4.0), torch.tensor([True]), torch.tensor([4, 5])):
+    for bad in (8.0, True, "3", torch.tensor(4.0), torch.tensor([True]), torch.tensor([4, 5]),
+                torch.tensor([5], device="meta")):  # (meta: no value; int() raised torch's RuntimeError)
         with pytest.raises(PositionError, match="position must be an int or an integer tensor of one element"):
             step.seek(bad)
     after = [int(l.cumulative_length) for l in cache.layers if isinstance(getattr(l, "cumulative_length", None),

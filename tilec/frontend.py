@@ -226,6 +226,11 @@ class Lowering(FormsLowering, DsaLowering):
                 kinds = {cls[a] for a in n.all_input_nodes}
                 if n.target in INDEX_WRITES or n.target in (aten.copy_.default,):
                     cls[n] = "runtime"
+                elif torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+                    # a random op (randn, randint, normal_, bernoulli, ...) draws anew on every call: never
+                    # folded into a constant or a per-position table, so it is lowered (none is: refused, or
+                    # run eagerly by torch.compile's fallback) like any op on run-time values
+                    cls[n] = "runtime"
                 elif "runtime" in kinds:
                     cls[n] = "runtime"
                 elif "pos" in kinds:

@@ -133,8 +133,10 @@ class HFDecodeStep:
                              f"{f', window {window}' if window else ''}): tilec plans causal attention over the whole "
                              f"static cache and does not support sliding windows yet")
         cache_batch = int(layers[0].keys.shape[0])
+        if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
+            raise InputError(f"batch_size must be an int, got {batch_size!r}")
         if batch_size != cache_batch:
-            raise InputError(f"batch_size={batch_size}, but the StaticCache holds {cache_batch} "
+            raise InputError(f"batch_size={batch_size!r}, but the StaticCache holds {cache_batch} "
                              f"sequence{'s' if cache_batch != 1 else ''}")
         self.cache = cache
         self.module = StaticCacheStep(model, cache)
@@ -190,11 +192,13 @@ class HFDecodeStep:
 
     def _check_position(self, position) -> int:
         """``position`` as an int, checked against the cache's length."""
-        if isinstance(position, torch.Tensor) and position.numel() == 1 and is_integer(position.dtype):
+        if isinstance(position, torch.Tensor) and position.numel() == 1 and is_integer(position.dtype) \
+                and not position.is_meta:
             position = int(position.reshape(-1)[0])
         elif not isinstance(position, numbers.Integral) or isinstance(position, bool):
-            got = f"a {position.dtype} tensor of shape {list(position.shape)}" if isinstance(position, torch.Tensor) \
-                else repr(position)
+            got = (f"a {position.dtype} tensor of shape {list(position.shape)}"
+                   f"{' on the meta device (no value)' if position.is_meta else ''}"
+                   if isinstance(position, torch.Tensor) else repr(position))
             raise PositionError(f"position must be an int or an integer tensor of one element, got {got}")
         position = int(position)
         if not 0 <= position < self.max_len:
