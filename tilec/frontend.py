@@ -638,7 +638,16 @@ class Lowering(FormsLowering, DsaLowering):
             return self._emit(node, "unary", [self._bcast(b, node)], attrs=(("fn", fn2), ("scalar", s)))
         if fn not in BINARY_FNS:
             self._unsupported(node)
-        return self._emit(node, "binary", [self._bcast(a, node), self._bcast(b, node)], attrs=(("fn", fn),))
+        operands = [self._bcast(a, node), self._bcast(b, node)]
+        out_dtype = val_of(node).dtype
+        if out_dtype in (torch.bfloat16, torch.float16):
+            # eager converts an integer tensor to the result's 16-bit dtype first (rounding it), then
+            # computes; the binary op reads each operand as float32, so the rounding is a copy before it
+            for i, v in enumerate(operands):
+                if is_integer(self.buffers[v.buffer].dtype):
+                    operands[i] = self._emit(node, "copy", [v], out_dtype=out_dtype,
+                                             name=f"{node.name}_{dtype_name(out_dtype)}{i}")
+        return self._emit(node, "binary", operands, attrs=(("fn", fn),))
 
     def _linear(self, node: fx.Node):
         t = node.target

@@ -210,8 +210,10 @@ def opdef(kind: str) -> OpDef:
 # ---- helpers shared by op modules -------------------------------------------------------
 
 def f32_bits(x: float) -> int:
-    """A float32 as the int32 with the same bits (descriptor params are int32)."""
-    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+    """``x`` rounded to float32 (IEEE round to nearest: past float32's range, +-inf, as eager's float32
+    arithmetic takes a Python scalar such as 1e39), as the int32 with the same bits (descriptor params
+    are int32)."""
+    return struct.unpack("<i", torch.tensor(float(x), dtype=torch.float64).to(torch.float32).numpy().tobytes())[0]
 
 
 def bits_f32(i: int) -> float:

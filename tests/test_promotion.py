@@ -1,0 +1,48 @@
+"""Mixed-dtype elementwise arithmetic and scalar encoding against eager PyTorch (the CPU reference
+executor, bitwise): what a fresh user's numerics hunt found (fifty-third session)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _helpers import Fn
+from tilec.api import compile_module
+from tilec.ops import bits_f32, f32_bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_integer_tensor_is_rounded_to_the_16_bit_result_dtype_first(dtype):
+    """Eager converts the integer operand to the result's dtype (bf16 / fp16) before the op; tilec's
+    binary op reads operands as float32, so 257 + 0.5 gave 257.5 -> 258 where eager gives 256 + 0.5 ->
+    256 (16 of 32 elements differed by up to 16)."""
+    torch.manual_seed(0)
+    x = (torch.randn(4, 96) * 3).to(dtype)
+    i = torch.randint(-3000, 3000, (4, 96))
+    c = torch.tensor(0.3, dtype=dtype)  # a 0-d tensor read at run time: the int tensor is still rounded
+    m = Fn(lambda m, x, i, c: (x + i, x * i, i - x, i + c)).eval()
+    got = compile_module(m, (x, i, c))(x, i, c)
+    with torch.no_grad():
+        want = m(x, i, c)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == dtype and torch.equal(g, w), int((g != w).sum())
+
+
+def test_a_scalar_past_float32s_range_is_infinite_as_in_eager():
+    """x * 1e39 raised struct's OverflowError (exit 4 from the CLI); eager's float32 arithmetic takes the
+    scalar as inf."""
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    m = Fn(lambda m, x: (x * 1e39, x + 1e39, x * -1e39)).eval()
+    got = compile_module(m, (x,))(x)
+    with torch.no_grad():
+        want = m(x)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("value, want", [
+    (0.1, float(torch.tensor(0.1, dtype=torch.float32))), (1e39, math.inf), (-1e39, -math.inf),
+    (3.4028234663852886e38, 3.4028234663852886e38), (1e-50, 0.0), (math.inf, math.inf)])
+def test_f32_bits_rounds_to_float32(value, want):
+    assert bits_f32(f32_bits(value)) == want
