@@ -10,10 +10,12 @@
 # Llama-3.2-1B (batch 1 and 16) benchmarks without Inductor, each under a time limit. Build the
 # GLM-5 libraries beforehand with benchmarks/prebuild.py and carry .tilec-cache
 # (TILEC_CACHE_DIR=$PWD/.tilec-cache) to save their nvcc time.
-# h200 (not in all; ~6 minutes): issue 6's table and the runtime A/B measured on H100s only since the forty-ninth
+# h200 (not in all; ~8 minutes): issue 6's table and the runtime A/B measured on H100s only since the forty-ninth
 # session - decode.py for both models (batch 1, context 1024; since the fifty-first session its GEMV table runs
-# after the model is freed), the GEMV plans alone in their own process, the loader hold (fiftieth) against
-# main's loader before it (TILEC_HOLD_AHEAD=8) and a hold of 1.
+# after the model is freed; also at deeper weight rings: does the H200's stream, 12 % under a bare bulk-copy
+# stream on the LM-head shape, need more bytes in flight?), the GEMV plans alone in their own process, and with
+# the forty-ninth session's consumer switches (no dot products; the stage released as soon as it lands), the
+# loader hold (fiftieth) against main's loader before it (TILEC_HOLD_AHEAD=8) and a hold of 1.
 # pending (not in all): what a session prepared and could not run - the K-outer GPU tests, the batch-4 greedy
 # checks, the batch-4 decode benchmark with the GEMV microbenchmark at 1, 4 and 8 rows (thirty-eighth session);
 # generate() under torch.compile (thirty-ninth) and where its time per token goes (forty-fourth); the other HF
@@ -106,11 +108,22 @@ if [[ $what == quick ]]; then  # not part of all: all runs each of these in full
   timeout 70 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --skip-inductor --batch 16 --iters 20 2>&1 | tee "$OUT/bench_b16.log" | tail -8
 fi
 if [[ $what == h200 ]]; then  # not part of all
-  timeout 150 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --gemv --skip-inductor --iters 50 2>&1 \
-    | grep -v "tilec: " | tee "$OUT/h200_decode_1b.log" | tail -16
-  timeout 150 python3 benchmarks/decode.py --model llama-3.1-8b --context 1024 --skip-inductor --iters 30 2>&1 \
-    | grep -v "tilec: " | tee "$OUT/h200_decode_8b.log" | tail -9
+  timeout 170 python3 benchmarks/decode.py --model llama-3.2-1b --context 1024 --gemv --skip-inductor --iters 50 \
+    --ring-stages 4,6 2>&1 | grep -v "tilec: " | tee "$OUT/h200_decode_1b.log" | tail -22
+  timeout 170 python3 benchmarks/decode.py --model llama-3.1-8b --context 1024 --skip-inductor --iters 30 \
+    --ring-stages 4 2>&1 | grep -v "tilec: " | tee "$OUT/h200_decode_8b.log" | tail -10
   timeout 60 python3 benchmarks/lab/gemv_rates.py 2>&1 | tee "$OUT/h200_gemv_rates.log"
+  # a short context (the issue's Hazy megakernel figure is 0.79 ms at 32 positions, 1.23 at 1024)
+  timeout 90 python3 benchmarks/decode.py --model llama-3.2-1b --context 32 --skip-inductor --iters 50 2>&1 \
+    | grep -v "tilec: " | tee "$OUT/h200_decode_1b_ctx32.log" | tail -9
+  # the forty-ninth session's consumer switches on the GEMV plans (patched here, restored after; build the two
+  # variants' libraries beforehand with the patch applied: gemv_rates.py --prebuild under each TILEC_NVCC_FLAGS)
+  if patch -p1 -s < benchmarks/lab/patches/s49-consumer-labs.patch; then
+    for flags in -DTILEC_LAB_NODOTS "-DTILEC_LAB_EARLY_RELEASE -DTILEC_LAB_RELEASE_AT_ONCE"; do
+      TILEC_NVCC_FLAGS=$flags timeout 60 python3 benchmarks/lab/gemv_rates.py 2>&1 | tee -a "$OUT/h200_gemv_consumer.log"
+    done
+    patch -R -p1 -s < benchmarks/lab/patches/s49-consumer-labs.patch
+  fi
   for model in llama-3.2-1b llama-3.1-8b; do
     [[ $model == llama-3.2-1b ]] && rounds=5 || rounds=2
     timeout 200 python3 benchmarks/lab/variants_ab.py --model $model --rounds $rounds 'base=' \
