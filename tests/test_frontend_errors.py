@@ -84,6 +84,28 @@ def test_random_op_is_refused_not_frozen(module, args, kwargs, node, marker):
     assert re.search(rf'{re.escape(THIS_FILE)}", line {line_of(marker)}, in forward', msg), msg
 
 
+def test_a_random_op_in_a_run_time_mask_is_refused():
+    """A mask the step cannot check per call from its arguments (a random op in it) is not guarded
+    (a reviewer's finding: the guard re-drew torch.rand from the global generator on every call)."""
+    length = 8
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("k", torch.randn(1, 2, length, 4))
+            self.register_buffer("v", torch.randn(1, 2, length, 4))
+
+        def forward(self, q, pos):
+            mask = (torch.arange(length) <= pos) & (torch.rand(length) >= 0)  # MARK-randmask
+            return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask.view(1, 1, 1, length))
+
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(M(), (torch.randn(1, 2, 1, 4), torch.tensor([3])), positions=[1], max_positions=length)
+    msg = str(info.value)
+    assert re.search(r"rand \(aten\.rand\.default\)", msg), msg
+    assert re.search(rf'{re.escape(THIS_FILE)}", line {line_of("MARK-randmask")}, in forward', msg), msg
+
+
 @pytest.mark.parametrize("module, node, target, marker, code", [
     (Cumsum(), "cumsum", "aten.cumsum.default", "MARK-cumsum", "return torch.cumsum(y, dim=-1)"),
     (Fft(), "fft_fft", "aten.fft_fft.default", "MARK-fft", "return torch.fft.fft(x).real"),

@@ -627,27 +627,29 @@ class Lowering(FormsLowering, DsaLowering):
         scalars = [x if not isinstance(x, fx.Node) else (self.value(x).value.item() if self.cls[x] == "static"
                                                          and self.value(x).value.numel() == 1 else None)
                    for x in (a, b)]
+        out_dtype = val_of(node).dtype
+
+        def operand(x, i: int) -> View:
+            """Operand ``x`` expanded to the output's shape; an integer tensor in bf16 / fp16 arithmetic is
+            first rounded to that dtype, as eager (CUDA) converts it to the result's dtype before the op -
+            the elementwise ops read every operand as float32, so the rounding is a copy before them."""
+            v = self._bcast(x, node)
+            if out_dtype in (torch.bfloat16, torch.float16) and is_integer(self.buffers[v.buffer].dtype):
+                v = self._emit(node, "copy", [v], out_dtype=out_dtype, name=f"{node.name}_{dtype_name(out_dtype)}{i}")
+            return v
+
         if scalars[1] is not None and fn in ("add", "sub", "mul", "div", "rsub"):
             s = float(scalars[1])
             fn2, s = {"add": ("add_scalar", s), "sub": ("add_scalar", -s), "mul": ("mul_scalar", s),
                       "div": ("div_scalar", s), "rsub": ("rsub_scalar", s)}[fn]
-            return self._emit(node, "unary", [self._bcast(a, node)], attrs=(("fn", fn2), ("scalar", s)))
+            return self._emit(node, "unary", [operand(a, 0)], attrs=(("fn", fn2), ("scalar", s)))
         if scalars[0] is not None and fn in ("add", "mul", "sub"):
             s = float(scalars[0])
             fn2 = {"add": "add_scalar", "mul": "mul_scalar", "sub": "rsub_scalar"}[fn]
-            return self._emit(node, "unary", [self._bcast(b, node)], attrs=(("fn", fn2), ("scalar", s)))
+            return self._emit(node, "unary", [operand(b, 1)], attrs=(("fn", fn2), ("scalar", s)))
         if fn not in BINARY_FNS:
             self._unsupported(node)
-        operands = [self._bcast(a, node), self._bcast(b, node)]
-        out_dtype = val_of(node).dtype
-        if out_dtype in (torch.bfloat16, torch.float16):
-            # eager converts an integer tensor to the result's 16-bit dtype first (rounding it), then
-            # computes; the binary op reads each operand as float32, so the rounding is a copy before it
-            for i, v in enumerate(operands):
-                if is_integer(self.buffers[v.buffer].dtype):
-                    operands[i] = self._emit(node, "copy", [v], out_dtype=out_dtype,
-                                             name=f"{node.name}_{dtype_name(out_dtype)}{i}")
-        return self._emit(node, "binary", operands, attrs=(("fn", fn),))
+        return self._emit(node, "binary", [operand(a, 0), operand(b, 1)], attrs=(("fn", fn),))
 
     def _linear(self, node: fx.Node):
         t = node.target
@@ -927,6 +929,8 @@ class Lowering(FormsLowering, DsaLowering):
                 return f"it reads {self._argument(n.name)}, which the step updates in place"
             if n.op == "call_function" and (n.target in INDEX_WRITES or n.target is aten.copy_.default):
                 return f"it reads {n.name} ({target_name(n)}), an in-place write"
+            if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+                return f"it reads {n.name} ({target_name(n)}), a random op (drawn anew on every call)"
             if n.op not in ("placeholder", "get_attr", "call_function"):
                 return f"it reads {n.name}, a {n.op} node"
             todo.extend(n.all_input_nodes)

@@ -213,7 +213,10 @@ def f32_bits(x: float) -> int:
     """``x`` rounded to float32 (IEEE round to nearest: past float32's range, +-inf, as eager's float32
     arithmetic takes a Python scalar such as 1e39), as the int32 with the same bits (descriptor params
     are int32)."""
-    return struct.unpack("<i", torch.tensor(float(x), dtype=torch.float64).to(torch.float32).numpy().tobytes())[0]
+    try:
+        return struct.unpack("<i", struct.pack("<f", float(x)))[0]
+    except OverflowError:  # finite but past float32's largest value after rounding
+        return struct.unpack("<i", struct.pack("<f", math.copysign(math.inf, x)))[0]
 
 
 def bits_f32(i: int) -> float:
