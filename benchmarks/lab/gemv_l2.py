@@ -13,7 +13,10 @@ GB/s (512 x 8192, 8.4 MB, 128 KB tiles), 19.9 / 20.4 (1024 x 8192, 16.8 MB), 24.
 both runs, 2 MB per worker) 29.4 / 31.2. So ~30 GB/s per worker at most - about HBM's 4 TB/s / 132:
 a GEMV phase with every worker streaming is at the HBM limit, but a worker cannot catch up from
 L2 what it did not stream while it waited (prefetching into L2 during the attention window did
-not help either: README, fourteenth session).
+not help either: README, fourteenth session). On an H100 (fifty-third session, 3 stages, warm L2) a tile streamed
+34-40 GB/s after x was staged with its dot products and 46-62 without them (TILEC_LAB_NODOTS of
+benchmarks/lab/patches/s49-consumer-labs.patch): the batch-1 consumer, not the copies, sets a worker's rate from L2 -
+at or under an H200 worker's 35 GB/s share of HBM.
 
     PYTHONPATH=. python benchmarks/lab/gemv_l2.py [--define MACRO[=VALUE] ...] [--stages 2,3,4,5]
     TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/gemv_l2.py --prebuild [--define ...]
