@@ -10,11 +10,12 @@
 # Llama-3.2-1B (batch 1 and 16) benchmarks without Inductor, each under a time limit. Build the
 # GLM-5 libraries beforehand with benchmarks/prebuild.py and carry .tilec-cache
 # (TILEC_CACHE_DIR=$PWD/.tilec-cache) to save their nvcc time.
-# h200 (not in all; ~8 minutes): issue 6's table and the runtime A/B measured on H100s only since the forty-ninth
+# h200 (not in all; ~10 minutes): issue 6's table and the runtime A/B measured on H100s only since the forty-ninth
 # session - decode.py for both models (batch 1, context 1024; since the fifty-first session its GEMV table runs
 # after the model is freed; also at deeper weight rings: does the H200's stream, 12 % under a bare bulk-copy
 # stream on the LM-head shape, need more bytes in flight?), the GEMV plans alone in their own process, and with
-# the forty-ninth session's consumer switches (no dot products; the stage released as soon as it lands), the
+# the forty-ninth session's consumer switches (no dot products; the stage released as soon as it lands) on them and
+# on lab/gemv_l2.py's tiles with their weights in L2 (what a worker's consumer ingests), the
 # loader hold (fiftieth) against main's loader before it (TILEC_HOLD_AHEAD=8) and a hold of 1.
 # pending (not in all): what a session prepared and could not run - the K-outer GPU tests, the batch-4 greedy
 # checks, the batch-4 decode benchmark with the GEMV microbenchmark at 1, 4 and 8 rows (thirty-eighth session);
@@ -118,9 +119,14 @@ if [[ $what == h200 ]]; then  # not part of all
     | grep -v "tilec: " | tee "$OUT/h200_decode_1b_ctx32.log" | tail -9
   # the forty-ninth session's consumer switches on the GEMV plans (patched here, restored after; build the two
   # variants' libraries beforehand with the patch applied: gemv_rates.py --prebuild under each TILEC_NVCC_FLAGS)
+  # what a worker's consumer ingests with its weights in L2 and from HBM (fifty-third session: 34-40 GB/s from L2
+  # on an H100 with the dot products, 46-62 without; an H200 worker's share of HBM is 35)
+  timeout 60 python3 benchmarks/lab/gemv_l2.py --stages 3,4 2>&1 | tee "$OUT/h200_gemv_l2.log"
   if patch -p1 -s < benchmarks/lab/patches/s49-consumer-labs.patch; then
     for flags in -DTILEC_LAB_NODOTS "-DTILEC_LAB_EARLY_RELEASE -DTILEC_LAB_RELEASE_AT_ONCE"; do
       TILEC_NVCC_FLAGS=$flags timeout 60 python3 benchmarks/lab/gemv_rates.py 2>&1 | tee -a "$OUT/h200_gemv_consumer.log"
+      timeout 45 python3 benchmarks/lab/gemv_l2.py $(printf -- '--define %s ' ${flags//-D/}) --stages 3 2>&1 \
+        | tee -a "$OUT/h200_gemv_l2_consumer.log"
     done
     patch -R -p1 -s < benchmarks/lab/patches/s49-consumer-labs.patch
   fi
