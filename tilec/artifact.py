@@ -297,15 +297,15 @@ def _signals_deferred():
                 signal.raise_signal(signum)
 
 
-def _hold(folder: Path) -> int | None:
+def _hold(folder: Path, wait: bool = True) -> int | None:
     """Opens ``folder`` and takes an exclusive ``flock`` on it: the writer's mark, held until the descriptor
     (returned) is closed or the process dies - also across PID namespaces and, on NFSv4, hosts. None where the
-    system has no ``flock``."""
+    system has no ``flock``. Raises OSError (BlockingIOError when ``wait`` is false and another holds it)."""
     if fcntl is None:
         return None
     fd = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except OSError:
         os.close(fd)
         raise
@@ -331,9 +331,8 @@ def _remove_stale_partials(final: Path, progress=None) -> None:
             with contextlib.suppress(OSError):
                 if time.time() - entry.stat().st_mtime < _STALE_AFTER_S:
                     continue
-                fd = os.open(entry, os.O_RDONLY)
+                fd = _hold(entry, wait=False)  # BlockingIOError: a live writer holds it
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live writer holds it
                     stale.append(entry)
                     shutil.rmtree(entry, ignore_errors=True)
                 finally:

@@ -31,7 +31,7 @@ from . import __version__, plancache
 from .dump import with_dump
 from .errors import OptionsError, PositionError, TilecError, UnsupportedNodeError
 from .frontend import MAX_POSITIONS, GraphBinding, find_unsupported, lower_graph
-from .fxgraph import is_call, source_of, val_of
+from .fxgraph import is_call, is_random, source_of, val_of
 from .guards import GuardError, build_mask_guards
 from .ir import DTYPE_CODES, contiguous_strides, is_integer
 from .options import Options, unknown_options_message
@@ -786,7 +786,7 @@ def _example_value(node: fx.Node, placeholders: dict, order: dict, flat: list, l
                 return None
         elif n.op != "call_function" or len(seen) > limit or getattr(getattr(n.target, "_schema", None),
                                                                      "is_mutable", True) \
-                or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+                or is_random(n):
             return None  # (an in-place or random op, or a Python function: not evaluated here)
         needed.append(n)
         stack.extend(n.all_input_nodes)

@@ -28,7 +28,8 @@ from .frontend_dsa import DsaLowering
 from .frontend_forms import FormsLowering
 from .guards import MaskGuard, causal_mismatch
 from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
-                      Positional, Static, alpha_of, aten, is_call, source_of, target_name, upcast_source, val_of)
+                      Positional, Static, alpha_of, aten, is_call, is_random, source_of, target_name, upcast_source,
+                      val_of)
 from .ir import (DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, dtype_name,
                  is_integer)
 from .ops.ewise import BINARY_FNS
@@ -226,7 +227,7 @@ class Lowering(FormsLowering, DsaLowering):
                 kinds = {cls[a] for a in n.all_input_nodes}
                 if n.target in INDEX_WRITES or n.target in (aten.copy_.default,):
                     cls[n] = "runtime"
-                elif torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+                elif is_random(n):
                     # a random op (randn, randint, normal_, bernoulli, ...) draws anew on every call: never
                     # folded into a constant or a per-position table, so it is lowered (none is: refused, or
                     # run eagerly by torch.compile's fallback) like any op on run-time values
@@ -929,7 +930,7 @@ class Lowering(FormsLowering, DsaLowering):
                 return f"it reads {self._argument(n.name)}, which the step updates in place"
             if n.op == "call_function" and (n.target in INDEX_WRITES or n.target is aten.copy_.default):
                 return f"it reads {n.name} ({target_name(n)}), an in-place write"
-            if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+            if is_random(n):
                 return f"it reads {n.name} ({target_name(n)}), a random op (drawn anew on every call)"
             if n.op not in ("placeholder", "get_attr", "call_function"):
                 return f"it reads {n.name}, a {n.op} node"

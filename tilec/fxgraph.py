@@ -130,6 +130,12 @@ def is_call(node, *targets) -> bool:
     return alpha_of(node) == 1
 
 
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` calls a random op (``randn``, ``normal_``, ``bernoulli``, ...: aten's
+    ``nondeterministic_seeded`` tag), which draws anew on every call and so is never evaluated when compiling."""
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 _SCALAR_ALPHA = (aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar)  # alpha positional: add.Scalar(self, other, alpha)
 
 
