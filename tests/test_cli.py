@@ -51,6 +51,13 @@ def linear():
 def unsupported():
     return Sorter(), (torch.randn(2, 8),)
 
+def nan_weights():  # every output NaN, in eager and in tilec alike
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16)
+    with torch.no_grad():
+        lin.weight.fill_(float("nan"))
+    return lin, (torch.randn(2, 32),)
+
 class Scaled(torch.nn.Module):  # a buffer drawn at random, unseeded: each factory call differs
     def __init__(self, persistent=True, fold=False):
         super().__init__()
@@ -504,11 +511,31 @@ def test_run_check_matches_eager(art):
     assert r.exit_code == 0, r.output
     filecheck(r.stdout, [r"^ran .*llama on the reference executor \(cpu\)",
                          r"^  output 0: float32\[1, 1, 1000\] mean ",
-                         r"^check against eager \(relative L2, tolerance 1e-04\):$",
+                         r"^check against eager \(relative L2, tolerance 1e-04; integer tensors must be equal\):$",
                          r"^  output 0 +float32\[1, 1, 1000\]  \d\.\d+e-0[5-9]  ok$",
                          r"^  state arg 2 \(state\[0\]\) +float32\[1, 2, 16, 32\]  \S+  ok$",
                          r"^  state arg 6 \(state\[4\]\) ",
+                         r"^  counter arg 4 \(state\[2\]\) +int64\[\]  0\.000e\+00  ok$",
+                         r"^  counter arg 7 \(state\[5\]\) +int64\[\]  0\.000e\+00  ok$",
                          r"^PASS: worst relative L2 "])
+
+
+@pytest.mark.parametrize("delta", [100, 1])
+def test_run_check_compares_the_position_counters(copy, delta):
+    """The step advances its position counters in place from position_update tables: a wrong table fails
+    the check (it passed when only outputs and KV caches were compared) - exactly, even by one step."""
+    from safetensors.torch import load_file, save_file
+
+    consts = load_file(str(copy / "constants.safetensors"))
+    assert "position_update.4" in consts
+    consts["position_update.4"] = consts["position_update.4"] + delta
+    save_file(consts, str(copy / "constants.safetensors"))
+    rehash(copy)
+    r = invoke("run", copy, "--check", "--executor", "reference")
+    assert r.exit_code == 1, r.output
+    assert re.search(r"^  counter arg 4 .* MISMATCH$", r.stdout, re.M), r.stdout
+    assert re.search(r"^  counter arg 7 .* ok$", r.stdout, re.M), r.stdout
+    assert "FAIL: worst relative L2" in r.stdout
 
 
 def test_run_check_reports_a_mismatch(copy):
@@ -548,6 +575,17 @@ def test_bench_exits_4_when_the_tilec_step_fails(art, monkeypatch):
     assert re.search(r"eager PyTorch \(cpu\) +│ +\d+\.\d+ │", r.stdout)
     assert re.search(r"tilec \(CPU reference executor\) +│ +n/a │", r.stdout)
     assert "tilec: error: tilec step: the step failed: no tensor bound for buffer(s) ['b_cache']" in r.stderr
+
+
+def test_run_check_says_when_no_finite_values_were_compared(facts, tmp_path):
+    """Matching NaNs pass the check, but the row says nothing finite was compared (it read a bare 0.000e+00 ok)."""
+    out = tmp_path / "nan"
+    r = invoke("compile", f"{facts}:nan_weights", "-o", out, "-O", "workers=4", "--no-build")
+    assert r.exit_code == 0, r.output
+    r = invoke("run", out, "--check", "--executor", "reference")
+    assert r.exit_code == 0, r.output
+    assert re.search(r"^  output 0 +float32\[2, 16\]  0\.000e\+00  ok \(no finite values to compare: the NaN / "
+                     r"infinite values match\)$", r.stdout, re.M), r.stdout
 
 
 def test_compile_run_a_factory_without_positions(facts, tmp_path):
@@ -1283,6 +1321,23 @@ def test_a_manifest_missing_a_key_is_an_artifact_error(copy, edit, command, mess
     _edit_manifest(copy, edit)
     r = invoke(command, copy)
     assert r.exit_code == 2 and message in r.stderr, r.output
+
+
+@pytest.mark.parametrize("what", ["inputs", "params", "constants", "plan", "stage_text"])
+def test_a_file_replaced_after_load_is_an_artifact_error(copy, what):
+    """An artifact read after a compile --force replaced its files (here: a file rewritten and the manifest
+    re-signed) raises, instead of mixing the verified manifest with the new files (run --check compared the
+    new artifact's eager inputs against the old one's tilec run)."""
+    art_ = artifact.load(copy)
+    rel = {"inputs": "inputs.safetensors", "params": "params.safetensors", "constants": "constants.safetensors",
+           "plan": "plan/operands.json", "stage_text": "ir/11-plan.txt"}[what]
+    with open(copy / rel, "ab") as f:
+        f.write(b" ")
+    rehash(copy)
+    call = getattr(art_, what)
+    with pytest.raises(artifact.ArtifactError, match=f"{re.escape(rel)} changed since the artifact was opened"):
+        call("plan") if what == "stage_text" else call()
+    assert artifact.load(copy).stage_text("plan")  # opened again: it is the new artifact, verified
 
 
 def test_a_factory_recorded_by_its_spec_alone_still_loads(copy):

@@ -52,7 +52,8 @@ except ImportError:  # (not on Windows: no partial-folder cleanup there)
 import jinja2
 import torch
 import torch.utils._pytree as pytree
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
 
 import tilec
 
@@ -585,7 +586,9 @@ def plan_json(plan: KernelPlan) -> dict:
 # ---- reading -----------------------------------------------------------------------------
 
 class Artifact:
-    """A verified artifact directory (use :func:`load`)."""
+    """A verified artifact directory (use :func:`load`). Every later read of one of its files checks
+    the bytes it read against the manifest's sha256 again, so a ``compile --force`` that replaces the
+    artifact meanwhile is an :class:`ArtifactError`, never a mix of two artifacts' files."""
 
     def __init__(self, path: Path, manifest: dict):
         self.path, self.manifest = path, manifest
@@ -594,30 +597,54 @@ class Artifact:
     def factory(self) -> dict | None:
         return self.manifest.get("factory")
 
+    def read_bytes(self, rel: str) -> bytes:
+        """The bytes of the artifact's file ``rel`` (a manifest ``files`` key, e.g. ``plan/graph.json``).
+
+        Raises:
+            ArtifactError: the file is gone, or no longer the one :func:`load` verified (replaced since).
+        """
+        try:
+            data = (self.path / rel).read_bytes()
+        except OSError as e:
+            raise ArtifactError(f"{self.path}: cannot read {rel} ({e.strerror or e}); was the artifact removed or "
+                                f"replaced since it was opened?") from e
+        want = self.manifest["files"].get(rel)
+        if want is None or hashlib.sha256(data).hexdigest() != want:
+            raise ArtifactError(f"{self.path}: {rel} changed since the artifact was opened and verified (another "
+                                f"compile --force replaced it?); open it again")
+        return data
+
+    def _tensors(self, rel: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        tensors = safetensors_load(self.read_bytes(rel))
+        return tensors if str(device) == "cpu" else {k: v.to(device) for k, v in tensors.items()}
+
+    def _json(self, rel: str):
+        return json.loads(self.read_bytes(rel))
+
     def stage_text(self, stage: str) -> str:
-        return (self.path / "ir" / STAGE_FILES[resolve_stage(stage)]).read_text()
+        return self.read_bytes(f"ir/{STAGE_FILES[resolve_stage(stage)]}").decode()
 
     def stage_json(self, stage: str):
-        return json.loads((self.path / "ir" / STAGE_FILES[resolve_stage(stage)].replace(".txt", ".json")).read_text())
+        return self._json(f"ir/{STAGE_FILES[resolve_stage(stage)].replace('.txt', '.json')}")
 
     def graph(self) -> OpGraph:
         """The OpGraph, rebuilt from ``plan/graph.json`` and ``constants.safetensors``."""
-        d = json.loads((self.path / "plan" / "graph.json").read_text())
+        d = self._json("plan/graph.json")
         try:
-            return OpGraph.from_dict(d, load_file(str(self.path / "constants.safetensors")))
+            return OpGraph.from_dict(d, self._tensors("constants.safetensors"))
         except (KeyError, TypeError, ValueError) as e:
             raise ArtifactError(f"{self.path}: plan/graph.json does not describe an OpGraph: {e}") from e
 
     def plan(self, graph: OpGraph | None = None) -> KernelPlan:
         """The KernelPlan, rebuilt from ``plan/`` (no tracing, no recompilation)."""
         graph = graph or self.graph()
-        tables = load_file(str(self.path / "plan" / "plan.safetensors"))
-        meta = json.loads((self.path / "plan" / "operands.json").read_text())
+        tables = self._tensors("plan/plan.safetensors")
+        meta = self._json("plan/operands.json")
         return KernelPlan.from_tables(graph, tables, meta, self.manifest.get("stats"))
 
     def inputs(self, device: str | torch.device = "cpu") -> list:
         """A fresh copy of the example arguments (tensors on ``device``), in call order."""
-        tensors = load_file(str(self.path / "inputs.safetensors"), device=str(device))
+        tensors = self._tensors("inputs.safetensors", device)
         missing = [a["tensor"] for a in self.manifest["call"]["args"] if "tensor" in a and a["tensor"] not in tensors]
         if missing:
             raise ArtifactError(f"{self.path}: inputs.safetensors holds no tensor {missing[0]!r}, which the "
@@ -625,12 +652,12 @@ class Artifact:
         return [tensors[a["tensor"]] if "tensor" in a else a["value"] for a in self.manifest["call"]["args"]]
 
     def params(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        return load_file(str(self.path / "params.safetensors"), device=str(device))
+        return self._tensors("params.safetensors", device)
 
     def constants(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """The plan's constant tensors by buffer name (a module buffer the plan did not fold is
         ``const_<placeholder>``, the placeholder named in the manifest's ``buffer_sources``)."""
-        return load_file(str(self.path / "constants.safetensors"), device=str(device))
+        return self._tensors("constants.safetensors", device)
 
     def program(self, executor: str | None = None, progress=None) -> CompiledProgram:
         """A runnable program: ``program(*artifact.inputs(program.device))``.
@@ -668,6 +695,8 @@ class Artifact:
             raise ArtifactError(f"{self.path}: its options are not understood by this tilec ({e}); recompile it"
                                 f"{_recompile_hint(self.manifest, self.path)}") from e
         lib = self.path / LIBRARY if kind == "cuda" and listed else None
+        if lib is not None:
+            self.read_bytes(LIBRARY)  # still the library load() verified (not one a compile --force put there since)
         compiled = Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(plan.stats))
         return CompiledProgram(compiled, GraphBinding(params=self.params(device),
                                                    param_names=dict(self.manifest.get("param_sources") or {})),

@@ -448,22 +448,33 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
         b = program.graph.buffers.get(name)
         if b is not None and b.kind is BufferKind.STATE:
             rows.append((f"state arg {i} ({_param_label(module, i, name)})", args[i], eager_args[i]))
+    for i, _ in program.graph.position_updates:  # position counters the step advances in place
+        if isinstance(args[i], torch.Tensor) and isinstance(eager_args[i], torch.Tensor):
+            rows.append((f"counter arg {i} ({_param_label(module, i, str(program.graph.inputs[i]))})", args[i],
+                         eager_args[i]))
     if tol is None:
         tol = 1e-4 if all(w.dtype in (torch.float32, torch.float64) for _, _, w in rows
                           if w.is_floating_point()) else 2e-2
-    errors = []
-    click.echo(f"check against eager (relative L2, tolerance {tol:.0e}):")
+    errors, oks = [], []
+    click.echo(f"check against eager (relative L2, tolerance {tol:.0e}; integer tensors must be equal):")
     for label, got, ref in rows:
         err = rel_l2(got, ref)
+        # integer tensors (token ids, position counters) are exact: a relative tolerance would let a counter
+        # of 1000 pass at 1001
+        ok_row = err <= tol if ref.is_floating_point() else (
+            got.shape == ref.shape and torch.equal(got.detach().cpu(), ref.detach().cpu()))
         errors.append(err)
+        oks.append(ok_row)
         why = ""
         if got.shape != ref.shape:
             why = f" (tilec returned {str(got.dtype).removeprefix('torch.')}{list(got.shape)})"
         elif math.isnan(err):
             why = f" ({_nonfinite_why(got, ref)})"
+        elif ref.numel() and not torch.isfinite(ref.detach().cpu().double()).any():
+            why = " (no finite values to compare: the NaN / infinite values match)"
         click.echo(f"  {label:<32} {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}  {err:.3e}  "
-                   f"{'ok' if err <= tol else 'MISMATCH'}{why}")
-    ok = all(e <= tol for e in errors)  # NaN (not finite, wrong shape) fails
+                   f"{'ok' if ok_row else 'MISMATCH'}{why}")
+    ok = all(oks)  # NaN (not finite, wrong shape) fails
     worst = float("nan") if any(math.isnan(e) for e in errors) else max(errors)
     click.echo(f"{'PASS' if ok else 'FAIL'}: worst relative L2 {worst:.3e} (tolerance {tol:.0e})")
     if not ok:
