@@ -1561,3 +1561,54 @@ def test_force_never_removes_what_is_not_the_artifact(facts, tmp_path):
         (web / "manifest.json").write_text(text)
         out = web / f"out{len(text)}"
         assert invoke("compile", f"{facts}:linear", "-o", out, *args).exit_code == 0, text
+
+
+@pytest.mark.parametrize("where", ["safetensors", "json"])
+def test_a_full_disk_while_writing_is_named_not_an_internal_error(facts, tmp_path, monkeypatch, where):
+    """ENOSPC while writing the artifact was "internal error: SafetensorError ... (please report it)" with a
+    traceback, exit 4 (a fresh user's finding): now the artifact and the system's error are named, exit 2 (as for
+    an unwritable output), and nothing is left behind."""
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        if where == "safetensors":
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(artifact, "save_file" if where == "safetensors" else "_write_json", full)
+    out = tmp_path / "new" / "art"
+    r = invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2")
+    assert r.exit_code == 2, r.output
+    assert f"tilec: error: cannot write the artifact {out}: No space left on device" in r.stderr, r.stderr
+    if where == "safetensors":
+        assert "(writing params.safetensors)" in r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr and "please report" not in r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+FULL_STDOUT = '''
+import errno, io, os, sys
+from tilec.cli import main
+
+class Full(io.FileIO):  # stdout on a full disk: every write fails with ENOSPC
+    def write(self, b):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+sys.stdout = io.TextIOWrapper(io.BufferedWriter(Full(sys.argv[1], "w")))
+try:
+    main(["-q", "inspect", *sys.argv[2:]], prog_name="tilec")
+except SystemExit as e:
+    sys.stderr.write(f"exit {e.code}\\n")
+    sys.stderr.flush()
+    os._exit(0)  # (not the exit's flush of the fake stdout's buffer)
+'''
+
+
+@pytest.mark.parametrize("extra", [[], ["--stage", "plan", "--format", "json"]])
+def test_a_full_stdout_is_named_not_an_internal_error(art, tmp_path, extra):
+    """``tilec inspect DIR > file`` on a full disk gave a traceback and "internal error ... (please report it)",
+    exit 4 (a fresh user's finding): now one line naming standard output and the system's error, exit 2."""
+    r = subprocess.run([sys.executable, "-c", FULL_STDOUT, str(tmp_path / "out.txt"), str(art), *extra],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.stderr.splitlines() == ["tilec: error: cannot write to standard output: No space left on device",
+                                     "exit 2"], r.stderr

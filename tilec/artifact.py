@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -52,6 +53,7 @@ except ImportError:  # (not on Windows: no partial-folder cleanup there)
 import jinja2
 import torch
 import torch.utils._pytree as pytree
+from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 
@@ -180,33 +182,18 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         raise ArtifactError(f"cannot write the artifact {final}: {e.strerror} ({e.filename})") from e
     done = False
     try:
-        _write_contents(tmp, program, input_tensors, sources, lib)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "tilec": tilec.__version__,
-            "torch": torch.__version__,
-            "transformers": _dist_version("transformers"),
-            "nvcc": _nvcc_version(),
-            "python": platform.python_version(),
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "arch": opts.arch,
-            "device": program.device.type,
-            "options": dataclasses.asdict(opts),
-            "factory": factory,
-            "call": {"args": call_args, "positions": list(positions), "max_positions": max_positions,
-                     "single_output": program.single_output, "out_spec": _spec_text(program.out_spec)},
-            "param_sources": {**program._param_names, **(param_sources or {})},  # the capture's, or the caller's
-            # module buffers (placeholder -> state name): tilec run --check loads those kept as constants
-            "buffer_sources": dict(getattr(program, "_buffer_names", {})),
-            "stats": program.stats,
-            "cuda": {"sources": sorted(f"cuda/{n}" for n in sources), "library": LIBRARY if lib else None,
-                     "note": cuda_note},
-            "files": {rel: _sha256(tmp / rel) for rel in _list_files(tmp)},
-        }
-        manifest["digest"] = _digest(manifest)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _set_modes(tmp)
+        try:
+            _write_contents(tmp, program, input_tensors, sources, lib)
+            _write_manifest(tmp, program, opts, factory, call_args, positions, max_positions, param_sources,
+                            sources, lib, cuda_note)
+        except OSError as e:
+            if e.errno is None:  # not the system's error (no errno): a bug, reported as one
+                raise
+            # a full disk or quota, an I/O error: the user's place, not tilec - named, without a traceback
+            where = f" (writing {os.path.relpath(e.filename, tmp)})" if e.filename and \
+                str(e.filename).startswith(str(tmp)) else f" ({e.filename})" if e.filename else ""
+            raise ArtifactError(f"cannot write the artifact {final}: {e.strerror or e}{where}; nothing was "
+                                f"written") from e
         # again: another compile may have written there meanwhile (two compiles to one path both
         # "succeeded", the second silently replacing the first); without force the rename itself
         # then fails on the non-empty folder
@@ -258,6 +245,38 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
                 with contextlib.suppress(OSError):
                     d.rmdir()
     return given
+
+
+def _write_manifest(tmp: Path, program: CompiledProgram, opts: Options, factory, call_args, positions, max_positions,
+                    param_sources, sources: dict, lib: Path | None, cuda_note: str | None) -> None:
+    """Writes ``manifest.json`` (with the sha256 of every file written before it) and gives the folder ordinary
+    permissions. Raises OSError as the file system does."""
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tilec": tilec.__version__,
+        "torch": torch.__version__,
+        "transformers": _dist_version("transformers"),
+        "nvcc": _nvcc_version(),
+        "python": platform.python_version(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "arch": opts.arch,
+        "device": program.device.type,
+        "options": dataclasses.asdict(opts),
+        "factory": factory,
+        "call": {"args": call_args, "positions": list(positions), "max_positions": max_positions,
+                 "single_output": program.single_output, "out_spec": _spec_text(program.out_spec)},
+        "param_sources": {**program._param_names, **(param_sources or {})},  # the capture's, or the caller's
+        # module buffers (placeholder -> state name): tilec run --check loads those kept as constants
+        "buffer_sources": dict(getattr(program, "_buffer_names", {})),
+        "stats": program.stats,
+        "cuda": {"sources": sorted(f"cuda/{n}" for n in sources), "library": LIBRARY if lib else None,
+                 "note": cuda_note},
+        "files": {rel: _sha256(tmp / rel) for rel in _list_files(tmp)},
+    }
+    manifest["digest"] = _digest(manifest)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    _set_modes(tmp)
 
 
 def _partial_prefix(final: Path) -> str:
@@ -529,7 +548,13 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
             t = t.contiguous().clone()
         seen.add(t.untyped_storage().data_ptr())
         out[name] = t
-    save_file(out, str(path))
+    try:
+        save_file(out, str(path))
+    except SafetensorError as e:  # safetensors reports the system's errors as its own: "... (os error 28)"
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
 
 
 def _write_json(path: Path, obj) -> None:

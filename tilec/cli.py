@@ -11,7 +11,7 @@ MODULE is a dotted module name importable from the current directory, or a path 
 The artifact format is described in :mod:`tilec.artifact`.
 
 Exit codes: 0 ok; 1 ``run --check`` found a mismatch; 2 usage or bad input (arguments, options,
-factory, artifact, missing GPU); 3 compile error (including nvcc); 4 the step failed at run time,
+factory, artifact, missing GPU, an artifact or standard output that cannot be written: a full disk); 3 compile error (including nvcc); 4 the step failed at run time,
 or an internal error; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: ``timeout``, a batch scheduler,
 ``docker stop``), which stops a command as Ctrl-C does - nvcc killed, no partial artifact left.
 """
@@ -120,9 +120,34 @@ class _Group(click.Group):
             raise click.exceptions.Exit(EXIT_OK) from None
         except TilecError as e:
             raise Failure(str(e), EXIT_ERROR) from e
+        except OSError as e:  # `tilec inspect DIR > file` on a full disk: the user's output, not a tilec bug
+            if e.errno is None or not _on_stdout(e):
+                traceback.print_exc()
+                raise Failure(f"internal error: {type(e).__name__}: {e} (please report it)", EXIT_ERROR) from e
+            with contextlib.suppress(AttributeError, OSError, ValueError):  # what is left goes nowhere at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise Failure(f"cannot write to standard output: {e.strerror or e}") from None
         except Exception as e:
             traceback.print_exc()
             raise Failure(f"internal error: {type(e).__name__}: {e} (please report it)", EXIT_ERROR) from e
+
+
+def _on_stdout(e: BaseException) -> bool:
+    """Whether ``e`` was raised writing to standard output: the innermost frame of its traceback (click.echo's,
+    rich's console's) holds the stream it wrote to, open on stdout's descriptor."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no stdout, a closed one, or one in memory
+        return False
+    for value in (tb.tb_frame.f_locals.values() if tb is not None else ()):
+        for stream in (value, getattr(value, "file", None)):  # (rich's Console holds its stream as .file)
+            with contextlib.suppress(AttributeError, OSError, TypeError, ValueError):
+                if stream is not None and stream.fileno() == fd:
+                    return True
+    return False
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
