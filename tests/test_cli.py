@@ -1612,3 +1612,20 @@ def test_a_full_stdout_is_named_not_an_internal_error(art, tmp_path, extra):
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.stderr.splitlines() == ["tilec: error: cannot write to standard output: No space left on device",
                                      "exit 2"], r.stderr
+
+
+def test_a_full_dump_directory_is_named_and_bad_input(facts, tmp_path, monkeypatch):
+    """A dump directory filling up mid-compile gave "compile failed: OSError: [Errno 28] No space left on device",
+    exit 3, naming no directory (a fresh user's finding): the README gives dump-directory problems exit 2."""
+    from tilec import dump
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dump, "write_atomic", full)
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build", "-O", "workers=2",
+               "-O", f"dump_dir={tmp_path / 'd'}")
+    assert r.exit_code == 2, r.output
+    assert re.search(rf"tilec option dump_dir={tmp_path / 'd'}: cannot write the dump {tmp_path / 'd'}/[0-9a-f]{{12}}: "
+                     rf"No space left on device", r.stderr), r.stderr
+    assert "compile failed" not in r.stderr and not (tmp_path / "a").exists()

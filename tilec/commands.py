@@ -27,7 +27,7 @@ from . import artifact as art_mod
 from .artifact import ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress
 from .codegen.build import cache_root, extra_flags
-from .dump import check_dump_root, dump_root
+from .dump import DumpError, check_dump_root, dump_root
 from .errors import InputError, TilecError, describe_exception
 from .frontend import const_name
 from .ir import BufferKind
@@ -80,6 +80,8 @@ def compile_artifact(progress: Progress, factory: str, output: Path, option_pair
                                      options=opts, hook=hook)
         except InputError as e:  # its example arguments, positions or max_positions do not fit the module
             raise Failure(f"bad input from {_defined_at(fn, factory)}: {e}") from e
+        except DumpError as e:  # the dump directory filled up or went away during the compile: bad input (2)
+            raise Failure(str(e)) from e
         except TilecError as e:
             raise Failure(f"compile failed: {e}", EXIT_COMPILE) from e
         except KeyboardInterrupt:

@@ -50,6 +50,11 @@ STATS_FILE, TRACE_FILE = "stats.txt", "trace.json"
 ALL_FILES = (*STAGE_FILES.values(), STATS_FILE, TRACE_FILE)
 
 
+class DumpError(TilecError):
+    """The dump directory cannot be created or written (a file in its place, no permission, a full disk): the
+    message names it and where it came from (option ``dump_dir`` or ``$TILEC_DUMP_DIR``)."""
+
+
 def dump_root(opts: Options) -> Path | None:
     """The dump directory: ``opts.dump_dir``, else ``$TILEC_DUMP_DIR``, else None (off)."""
     root = opts.dump_dir or os.environ.get(ENV_VAR) or None
@@ -61,7 +66,7 @@ def check_dump_root(opts: Options) -> None:
     compile rather than after it.
 
     Raises:
-        TilecError: it cannot be created or written, naming where the path came from.
+        DumpError: it cannot be created or written, naming where the path came from.
     """
     root = dump_root(opts)
     if root is None:
@@ -70,9 +75,9 @@ def check_dump_root(opts: Options) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise TilecError(f"{source}={root}: cannot create the dump directory ({e.strerror or e})") from e
+        raise DumpError(f"{source}={root}: cannot create the dump directory ({e.strerror or e})") from e
     if not os.access(root, os.W_OK | os.X_OK):
-        raise TilecError(f"{source}={root}: the dump directory is not writable")
+        raise DumpError(f"{source}={root}: the dump directory is not writable")
 
 
 def with_dump(hook: Hook | None, opts: Options) -> Hook | None:
@@ -104,7 +109,7 @@ class DumpHook:
     ``root/<compile_key>/``; ``directory`` is that subdirectory once the OpGraph is seen.
 
     Raises:
-        OSError: the directory cannot be created or written.
+        DumpError: the directory cannot be created or written (naming it and the system's error).
     """
 
     def __init__(self, root: str | os.PathLike, opts: Options):
@@ -122,10 +127,20 @@ class DumpHook:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                origin = "option dump_dir" if self.opts.dump_dir else f"${ENV_VAR}"
-                raise TilecError(f"tilec {origin}={self.root}: cannot create {self.directory}: {e.strerror or e}") from e
+                raise DumpError(f"tilec {self._origin()}={self.root}: cannot create {self.directory}: "
+                                f"{e.strerror or e}") from e
         if self.directory is None or stage not in STAGE_FILES:
             return
+        try:
+            self._write(stage, ir)
+        except OSError as e:  # e.g. a full disk: the dump directory's problem, named, not the compile's
+            raise DumpError(f"tilec {self._origin()}={self.root}: cannot write the dump {self.directory}: "
+                            f"{e.strerror or e}") from e
+
+    def _origin(self) -> str:
+        return "option dump_dir" if self.opts.dump_dir else f"${ENV_VAR}"
+
+    def _write(self, stage: str, ir) -> None:
         if isinstance(ir, OpGraph):
             self._graph = ir  # the last one is the graph the plan runs (stats count its ops)
         if isinstance(ir, TaskGraph):
