@@ -1629,3 +1629,21 @@ def test_a_full_dump_directory_is_named_and_bad_input(facts, tmp_path, monkeypat
     assert re.search(rf"tilec option dump_dir={tmp_path / 'd'}: cannot write the dump {tmp_path / 'd'}/[0-9a-f]{{12}}: "
                      rf"No space left on device", r.stderr), r.stderr
     assert "compile failed" not in r.stderr and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("how,sub", [("option", ""), ("option", "ir"), ("env", "ir/new")])
+def test_a_dump_directory_inside_another_artifact_is_refused_before_compiling(art, facts, tmp_path, how, sub):
+    """A dump directory in another artifact was accepted and wrote a folder into it, after which
+    ``compile -o THAT --force`` refused the artifact for the foreign entry (a fresh user's finding)."""
+    other = tmp_path / "other"
+    shutil.copytree(art, other)
+    dumps = other / sub if sub else other
+    opt = ("-O", f"dump_dir={dumps}") if how == "option" else ()
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "-O", "workers=2", "--no-build", *opt,
+               env={"TILEC_DUMP_DIR": str(dumps)} if how == "env" else None)
+    source = "option dump_dir" if how == "option" else "$TILEC_DUMP_DIR"
+    where = "is inside" if sub else "is"
+    assert r.exit_code == 2, r.output
+    assert f"{source}={dumps}: the dump directory {where} the tilec artifact {other}: " in r.stderr, r.stderr
+    assert "compiling" not in r.stderr and not (tmp_path / "a").exists()
+    assert artifact._foreign_entries(other) == []  # nothing written into it

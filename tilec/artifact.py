@@ -428,6 +428,14 @@ def check_target(final: Path, force: bool) -> None:
                                 f"move them out first")
 
 
+def enclosing_artifact(path: str | os.PathLike) -> Path | None:
+    """The tilec artifact ``path`` is, or lies inside (through symlinks and ``..``): the nearest of ``path`` and its
+    parents holding a tilec ``manifest.json``; None when there is none. Nothing but tilec writes into an artifact
+    (a ``--force`` replacement refuses a folder holding anything else)."""
+    real = Path(os.path.realpath(path))
+    return next((p for p in (real, *real.parents) if _is_artifact(p, damaged=False)), None)
+
+
 def _is_artifact(root: Path, damaged: bool) -> bool:
     """Whether ``root`` holds a tilec artifact: a ``manifest.json`` file that is a JSON object of tilec's format
     (another tool's - a browser extension's, ``docker save``'s list - is not one); with ``damaged``, also one that
