@@ -261,6 +261,16 @@ def returns_dict():
     torch.manual_seed(0)
     return DictOut(), (torch.randn(2, 8),)
 
+class Accumulate(torch.nn.Module):
+    def forward(self, x, acc):
+        acc.add_(x)
+        return acc * 2
+
+# one tensor as both arguments, one updated in place: torch.export cannot capture it
+def shared_args():
+    x = torch.randn(2, 4)
+    return Accumulate(), (x, x)
+
 not_callable = 42
 '''
 
@@ -1174,7 +1184,8 @@ def test_bad_compile_inputs(facts, tmp_path, spec, extra, code, message):
     assert os.listdir(parent) == []
 
 
-@pytest.mark.parametrize("name", ["cache_too_short", "three_tokens", "wrong_positions", "too_many_args"])
+@pytest.mark.parametrize("name", ["cache_too_short", "three_tokens", "wrong_positions", "too_many_args",
+                                  "shared_args"])
 def test_bad_input_names_the_factory_and_its_line(facts, tmp_path, name):
     """Example arguments, positions or max_positions that do not fit the module are bad input
     (exit 2) named at the user's factory and line, not at a tilec op or source line."""
@@ -1647,3 +1658,14 @@ def test_a_dump_directory_inside_another_artifact_is_refused_before_compiling(ar
     assert f"{source}={dumps}: the dump directory {where} the tilec artifact {other}: " in r.stderr, r.stderr
     assert "compiling" not in r.stderr and not (tmp_path / "a").exists()
     assert artifact._foreign_entries(other) == []  # nothing written into it
+
+
+def test_example_arguments_sharing_memory_are_bad_input(facts, tmp_path):
+    """They were "compile failed: arguments 0 and 1 share memory ...", exit 3 (a fresh user's finding); the README
+    makes bad example arguments an input error, exit 2, named at the factory's line."""
+    r = invoke("compile", f"{facts}:shared_args", "-o", tmp_path / "art", "--no-build")
+    line = FACTORIES.splitlines().index("def shared_args():") + 1
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith(f"tilec: error: bad input from shared_args() at {facts}:{line}: arguments 0 and 1 "
+                               f"share memory"), r.stderr
+    assert "compile failed" not in r.stderr and not (tmp_path / "art").exists()

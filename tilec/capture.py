@@ -169,8 +169,8 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
-    """After a failed export: raises :class:`TilecError` naming two tensor arguments, or an argument
-    and a parameter or buffer of the module, whose memory overlaps, when the export succeeds with
+    """After a failed export: raises :class:`InputError` (bad example arguments) naming two tensor arguments, or an
+    argument and a parameter or buffer of the module, whose memory overlaps, when the export succeeds with
     the (second) argument cloned (``torch.export`` cannot capture an input updated in place that
     aliases another tensor, and says so only obscurely: an IndexError, or an AttributeError from its
     guards); returns when nothing overlaps or the overlaps are not the cause. Exports once more with
@@ -205,8 +205,8 @@ def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
         return
     for i, message in overlaps:
         if len(overlaps) == 1 or exports_with_clones({i}):
-            raise TilecError(message) from cause
-    raise TilecError("; ".join(dict.fromkeys(m.split(":")[0] for _, m in overlaps)) +
+            raise InputError(message) from cause
+    raise InputError("; ".join(dict.fromkeys(m.split(":")[0] for _, m in overlaps)) +
                      ": torch.export cannot capture an argument updated in place that aliases another tensor; pass "
                      "tensors of their own (e.g. clones)") from cause
 
