@@ -1669,3 +1669,24 @@ def test_example_arguments_sharing_memory_are_bad_input(facts, tmp_path):
     assert r.stderr.startswith(f"tilec: error: bad input from shared_args() at {facts}:{line}: arguments 0 and 1 "
                                f"share memory"), r.stderr
     assert "compile failed" not in r.stderr and not (tmp_path / "art").exists()
+
+
+def test_the_advice_for_an_unlisted_library_works_as_given(facts, tmp_path, monkeypatch):
+    """The error suggested "recompile the artifact tilec compile ... -o DIR --force" (no colon), which --force then
+    refused for that very file, unlisted (a fresh user's finding): the advice now says to remove it first, and the
+    command it gives then works."""
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+    (out / "cuda" / "libtilec.so").write_bytes(b"\x7fELF another plan's library")
+    monkeypatch.setattr(artifact, "gpu_arch", lambda: "sm_90")
+    with pytest.raises(artifact.ArtifactError) as info:
+        artifact.load(out).program("cuda")
+    message = str(info.value)
+    assert "remove it (the program then builds its library from cuda/ with nvcc), and to have the artifact carry a " \
+           "built library, recompile it once the file is removed: tilec compile " in message, message
+    command = message.split(": tilec ", 1)[1].split()
+    assert command[0] == "compile" and command[-3:] == ["-o", str(out), "--force"], command
+    assert invoke(*command, "--no-build").exit_code == 2  # as the advice says: not with the file there
+    (out / "cuda" / "libtilec.so").unlink()
+    r = invoke(*command, "--no-build")
+    assert r.exit_code == 0, r.output

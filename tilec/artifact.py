@@ -710,8 +710,8 @@ class Artifact:
             # load() hashed only what the manifest lists: an unlisted library is some other plan's code
             raise ArtifactError(f"{self.path / LIBRARY}: this artifact was compiled without a library (its manifest "
                                 f"lists none), so that file is not its plan's; remove it (the program then builds "
-                                f"its library from cuda/ with nvcc), or recompile the artifact"
-                                f"{_recompile_hint(self.manifest, self.path, ' ')}")
+                                f"its library from cuda/ with nvcc), and to have the artifact carry a built library, "
+                                f"recompile it once the file is removed{_recompile_hint(self.manifest, self.path)}")
         device = torch.device("cpu")
         if kind == "cuda":
             gpu = gpu_arch()
