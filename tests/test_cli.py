@@ -1690,3 +1690,30 @@ def test_the_advice_for_an_unlisted_library_works_as_given(facts, tmp_path, monk
     (out / "cuda" / "libtilec.so").unlink()
     r = invoke(*command, "--no-build")
     assert r.exit_code == 0, r.output
+
+
+def test_dump_dir_none_turns_off_the_environment_variable(facts, tmp_path):
+    """``-O dump_dir=none`` did not turn off ``$TILEC_DUMP_DIR``, though the README says the option wins (a fresh
+    user's finding)."""
+    env_dumps = tmp_path / "env-dumps"
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build", "-O", "workers=2",
+               "-O", "dump_dir=none", env={"TILEC_DUMP_DIR": str(env_dumps)})
+    assert r.exit_code == 0, r.output
+    assert not env_dumps.exists()
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "b", "--no-build", "-O", "workers=2",
+               env={"TILEC_DUMP_DIR": str(env_dumps)})  # without the option the variable still dumps
+    assert r.exit_code == 0 and len(list(env_dumps.glob("*/11-plan.txt"))) == 1, r.output
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_a_file_as_the_dump_directory_is_called_a_file(facts, tmp_path, how):
+    """It was "cannot create the dump directory (File exists)" (a fresh user's finding)."""
+    file = tmp_path / "dumps.txt"
+    file.write_text("")
+    opt = ("-O", f"dump_dir={file}") if how == "option" else ()
+    r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "-O", "workers=2", "--no-build", *opt,
+               env={"TILEC_DUMP_DIR": str(file)} if how == "env" else None)
+    source = "option dump_dir" if how == "option" else "$TILEC_DUMP_DIR"
+    assert r.exit_code == 2, r.output
+    assert f"{source}={file}: the dump directory is a file; give a directory" in r.stderr, r.stderr
+    assert "compiling" not in r.stderr and not (tmp_path / "a").exists()

@@ -5,6 +5,7 @@ Each ``*_artifact`` function is one command's body; errors meant for the user ar
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -43,10 +44,29 @@ EXPECTED_RETURN = ("expected (module, example_args) or (module, example_args, di
 # ---- compile -----------------------------------------------------------------------------
 
 def compile_artifact(progress: Progress, factory: str, output: Path, option_pairs, force: bool, no_build: bool) -> None:
-    """``tilec compile``: compiles FACTORY's module and writes the artifact at ``output``."""
+    """``tilec compile``: compiles FACTORY's module and writes the artifact at ``output``. ``-O dump_dir=none``
+    turns dumps off over ``$TILEC_DUMP_DIR`` (the option wins; the variable is restored after)."""
+    opts = parse_options(option_pairs)
+    dumps_off = opts.dump_dir is None and any(p.partition("=")[0].strip() == "dump_dir" for p in option_pairs)
+    with _without_env(DUMP_ENV_VAR) if dumps_off else contextlib.nullcontext():
+        _compile_artifact(progress, factory, output, opts, force, no_build)
+
+
+@contextlib.contextmanager
+def _without_env(name: str):
+    """The environment without variable ``name`` inside the block; it is put back after."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Options, force: bool,
+                      no_build: bool) -> None:
     from .api import compile_module
 
-    opts = parse_options(option_pairs)
     try:  # a bad output path, dump directory or build environment fails before a long compile
         art_mod.check_target(output, force)
         dumps = dump_root(opts)

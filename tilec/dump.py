@@ -72,6 +72,9 @@ def check_dump_root(opts: Options) -> None:
     if root is None:
         return
     source = "option dump_dir" if opts.dump_dir else f"${ENV_VAR}"
+    if root.exists() and not root.is_dir():  # (mkdir would say "File exists")
+        what = "a file" if root.is_file() else "not a directory"
+        raise DumpError(f"{source}={root}: the dump directory is {what}; give a directory (a new one is created)")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
