@@ -1717,3 +1717,16 @@ def test_a_file_as_the_dump_directory_is_called_a_file(facts, tmp_path, how):
     assert r.exit_code == 2, r.output
     assert f"{source}={file}: the dump directory is a file; give a directory" in r.stderr, r.stderr
     assert "compiling" not in r.stderr and not (tmp_path / "a").exists()
+
+
+def test_inspect_dot_without_a_stage_prints_the_plan_as_the_help_says(art):
+    """The help said "Print every stage" while --format dot without --stage prints the plan's graph alone (a fresh
+    user's finding): the help now says what it does."""
+    r = invoke("inspect", "--help")
+    assert r.exit_code == 0
+    text = " ".join(r.stdout.split())
+    assert "--format dot prints one graph: --stage's, else the plan's." in text, text
+    assert "dot: graphviz of one stage's graph (the plan's task/event graph unless --stage names another)" in text
+    r = invoke("inspect", art, "--format", "dot")
+    assert r.exit_code == 0 and r.stdout == invoke("inspect", art, "--format", "dot", "--stage", "plan").stdout
+    assert r.stdout.startswith('digraph "tilec plan" {') and r.stdout.count("digraph") == 1

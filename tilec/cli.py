@@ -209,10 +209,12 @@ def compile_cmd(progress: Progress, factory: str, output: Path, option_pairs, fo
 @click.option("-s", "--stage", default=None,
               help=f"One stage: {', '.join(f'{i:02d}-{n}' for i, n in enumerate(STAGES, 1))} (name or number).")
 @click.option("-f", "--format", "fmt", type=click.Choice(["text", "json", "dot"]), default="text", show_default=True,
-              help="text: the stable IR text; json: structured dump; dot: graphviz of the task/event graph.")
+              help="text: the stable IR text; json: structured dump; dot: graphviz of one stage's graph (the plan's "
+                   "task/event graph unless --stage names another).")
 @click.pass_obj
 def inspect(progress: Progress, artifact_dir: Path, stage: str | None, fmt: str) -> None:
-    """Print every stage of an artifact (or one with --stage)."""
+    """Print every stage of an artifact (or one with --stage); --format dot prints one graph: --stage's, else the
+    plan's."""
     from .commands import inspect_artifact
 
     inspect_artifact(progress, artifact_dir, stage, fmt)
