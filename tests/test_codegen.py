@@ -338,3 +338,33 @@ def test_integer_copies_compile(tmp_path, monkeypatch):
     assert "op_copy<int, long long>" in src and "op_copy<long long, long long>" in src
     assert "op_concat<long long, long long>" in src
     assert codegen.build(codegen.render(prog.plan)).exists()
+
+
+def test_waiting_for_another_build_of_the_same_library_says_so(fake_nvcc, tmp_path):
+    """Two compiles building the same library: the second waited on the file lock without a word, for as long as
+    nvcc ran in the other (a fresh user's finding). It now says it waits, and for whom, through progress."""
+    import threading
+
+    from filelock import FileLock
+
+    lib = codegen.build({"program.cu": "// shared\n"})
+    lib.unlink()  # built again below, by the waiting build
+    key = lib.parent.name
+    said: list[str] = []
+    other = FileLock(str(tmp_path / "cache" / f"{key}.lock"))
+    other.acquire()  # another process building it right now
+    try:
+        waiter = threading.Thread(target=codegen.build, args=({"program.cu": "// shared\n"},),
+                                  kwargs={"progress": said.append})
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert said == [f"waiting for another process building the same executor {key} (it holds "
+                        f"{tmp_path / 'cache' / (key + '.lock')}) ..."], said
+        assert waiter.is_alive()  # still waiting
+    finally:
+        other.release()
+    waiter.join(30)
+    assert not waiter.is_alive() and lib.read_text() == "lib\n"
+    assert said[1].startswith("waited ") and said[1].endswith(f"s for the other build of {key}"), said

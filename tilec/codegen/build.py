@@ -221,6 +221,24 @@ def _remove_stale_builds(root: Path, held: str) -> None:
                     shutil.rmtree(entry, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _locked(path: Path, key: str, say):
+    """Holds the build lock ``path`` of ``key`` in the block; when another process holds it (a compile building the
+    same library), says so through ``say`` before waiting for it - that build may take minutes."""
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        say(f"waiting for another process building the same executor {key} (it holds {path}) ...")
+        t0 = time.perf_counter()
+        lock.acquire()
+        say(f"waited {time.perf_counter() - t0:.0f} s for the other build of {key}")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
     """Compiles ``sources`` (``program.cu`` + generated headers) into a shared library.
 
@@ -249,10 +267,10 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
     lib = final / "libtilec.so"
     if _intact(lib):
         return lib
-    with FileLock(str(root / f"{key}.lock")):
+    say = progress or _stderr
+    with _locked(root / f"{key}.lock", key, say):
         if _intact(lib):
             return lib
-        say = progress or _stderr
         _remove_stale_builds(root, key)  # this key's and other keys' (a plan never built again) killed builds
         if final.exists():  # missing or damaged on disk: set aside, then built again
             say(f"the cached library {lib} is missing or does not match its sha256 digest (damaged on disk): "
