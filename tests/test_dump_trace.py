@@ -356,3 +356,35 @@ def test_read_trace_reads_what_write_trace_writes_plain_or_gzip(tmp_path):
         read_trace(listed)
     with pytest.raises(OSError):
         read_trace(tmp_path / "missing.json")
+
+
+def test_measured_trace_leaves_out_unstamped_instructions_and_refuses_invalid_stamps(monkeypatch):
+    """One unstamped (zero) instruction among %globaltimer stamps gave a makespan of ~1.765e15 us and a nonsense op
+    table; negative or float stamps were taken as they came (a fresh user's finding). Unstamped instructions now
+    have no slice and are counted; negative and non-integer stamps are a TilecError."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    _, rec = compile_mlp(Options(**{**BASE, "workers": 5, "scheduler": "round_robin"}))
+    plan = rec.stages["plan"]
+    w_n, l_n = plan.queues.shape[:2]
+    instrs = instructions(plan)
+    t0 = 1_765_000_000_000_000_000
+    stamps = torch.zeros(w_n, l_n, 2, dtype=torch.int64)
+    for w, j, _ in instrs:
+        stamps[w, j] = torch.tensor([t0 + 1_000 * j, t0 + 1_000 * j + 500])
+    full = measured_trace(plan, stamps)
+    w, j, _ = instrs[-1]
+    stamps[w, j] = 0  # not stamped
+    trace = measured_trace(plan, stamps)
+    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert len(slices) == len(instrs) - 1 and (w, j) not in {(s["tid"], s["args"]["instruction"]) for s in slices}
+    assert trace["otherData"]["unstamped"] == 1 and trace["otherData"]["unstamped_at"] == [[w, j]]
+    assert trace["otherData"]["makespan_us"] <= full["otherData"]["makespan_us"] < 1e6
+    assert max(float(r.split()[3]) for r in op_table(trace).splitlines()[1:]) < 1e6
+    assert "unstamped" not in full["otherData"]
+
+    negative = stamps.clone()
+    negative[instrs[0][0], instrs[0][1]] = torch.tensor([-5, 10])
+    with pytest.raises(TilecError, match=r"measured stamps are negative at \(worker, instruction\)"):
+        measured_trace(plan, negative)
+    with pytest.raises(TilecError, match="stamps must be integer nanoseconds .* got float64"):
+        measured_trace(plan, stamps.double() + 0.5)

@@ -19,7 +19,8 @@ Two ways to get the times:
   of its wait event + HOP_US)`` and lasts ``task_time_us(bytes, flops, kind)``. This is the model
   the list scheduler optimizes, so the last slice ends at ``Schedule.makespan_us``.
 * :func:`measured_trace` takes per-instruction ``(start_ns, end_ns)`` stamps from a GPU run
-  (``%globaltimer``) and shifts them so the earliest start is at 0.
+  (``%globaltimer``) and shifts them so the earliest start is at 0; instructions left unstamped
+  (both 0) get no slice and are counted in ``otherData["unstamped"]``.
 """
 from __future__ import annotations
 
@@ -101,18 +102,31 @@ def measured_trace(plan: KernelPlan, stamps: torch.Tensor, taskgraph: TaskGraph 
             end_ns)`` of each instruction, e.g. from ``%globaltimer``, then optionally two marks
             an op recorded (ns, 0 for none; slices carry them as ``mark1_us``/``mark2_us`` after
             the start); entries of NoOps are ignored. Times are shifted so the earliest start is 0.
+            An instruction whose start and end are both 0 was not stamped (a run that did not reach
+            it): it has no slice, and ``otherData["unstamped"]`` counts it (with the first few
+            ``(worker, instruction)`` in ``otherData["unstamped_at"]``).
         taskgraph: optional; when given, slices also carry the tasks' bytes and flops.
     Raises:
-        TilecError: ``stamps`` has the wrong shape, or an instruction ends before it starts.
+        TilecError: ``stamps`` has the wrong shape or is not integer nanoseconds, or an instruction's
+            stamps are negative or end before they start.
     """
     stamps = torch.as_tensor(stamps)
     w_n, l_n = plan.queues.shape[:2]
     if tuple(stamps.shape) not in ((w_n, l_n, 2), (w_n, l_n, 4)):
         raise TilecError(f"stamps must have shape [W, L, 2] or [W, L, 4] = [{w_n}, {l_n}, 2 or 4], "
                          f"got {list(stamps.shape)}")
+    if stamps.is_floating_point() or stamps.is_complex() or stamps.dtype == torch.bool:
+        raise TilecError(f"stamps must be integer nanoseconds (int64, as %globaltimer gives them), got "
+                         f"{str(stamps.dtype).removeprefix('torch.')}")
     tasks = _tasks_by_index(plan, taskgraph) if taskgraph is not None else None
     live = (plan.queues[:, :, _W["opcode"]] != NOOP).nonzero().tolist()
     st = stamps.to(torch.int64).tolist()
+    negative = [(w, j) for w, j in live if min(st[w][j]) < 0]
+    if negative:
+        raise TilecError(f"measured stamps are negative at (worker, instruction) {negative[:8]}: not %globaltimer "
+                         f"nanoseconds")
+    unstamped = [(w, j) for w, j in live if st[w][j][0] == 0 and st[w][j][1] == 0]
+    live = [(w, j) for w, j in live if st[w][j][0] != 0 or st[w][j][1] != 0]
     bad = [(w, j) for w, j in live if st[w][j][1] < st[w][j][0]]
     if bad:
         raise TilecError(f"measured stamps end before they start at (worker, instruction) {bad[:8]}")
@@ -121,7 +135,10 @@ def measured_trace(plan: KernelPlan, stamps: torch.Tensor, taskgraph: TaskGraph 
     marks = {(w, j): tuple(round((m - st[w][j][0]) / 1000.0, 3) if m else None for m in st[w][j][2:])
              for w, j in live if any(st[w][j][2:])}
     makespan = max((end for _, end in times.values()), default=0.0)
-    return _build(plan, times, tasks, {"clock": "measured", "makespan_us": round(makespan, 3)}, marks)
+    other = {"clock": "measured", "makespan_us": round(makespan, 3)}
+    if unstamped:
+        other.update(unstamped=len(unstamped), unstamped_at=[list(p) for p in unstamped[:8]])
+    return _build(plan, times, tasks, other, marks)
 
 
 def kind_table(trace: dict, taskgraph: TaskGraph) -> str:
@@ -318,7 +335,7 @@ def _build(plan: KernelPlan, times: dict, tasks: list | None, other: dict, marks
     events: list[dict] = [{"ph": "M", "pid": 0, "tid": 0, "name": "process_name", "args": {"name": PROCESS_NAME}}]
     slices: list[dict] = []
     for w, q in enumerate(queues):
-        mine = [(j, d) for j, d in enumerate(q) if d[_W["opcode"]] != NOOP]
+        mine = [(j, d) for j, d in enumerate(q) if d[_W["opcode"]] != NOOP and (w, j) in times]  # (not unstamped)
         if not mine:
             continue
         events.append({"ph": "M", "pid": 0, "tid": w, "name": "thread_name", "args": {"name": f"worker {w}"}})
