@@ -813,6 +813,15 @@ def _check_schema(manifest: dict, mpath: Path, schema: dict = _SCHEMA, where: st
     for i, a in enumerate(manifest.get("call", {}).get("args", []) if not where else ()):
         if not isinstance(a, dict) or not ("tensor" in a or "value" in a):
             raise ArtifactError(f"{mpath} is not a valid manifest: call.args[{i}] is neither a tensor nor a value")
+    call = manifest.get("call", {}) if not where else {}
+    args = call.get("args", [])
+    for p in call.get("positions", []):  # run and bench index the arguments with them
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(args) or "tensor" not in args[p]:
+            raise ArtifactError(f"{mpath} is not a valid manifest: call.positions lists {p!r}, not the index of a "
+                                f"tensor argument (of {len(args)} in call.args)")
+    if call and call.get("max_positions", 1) < 1:
+        raise ArtifactError(f"{mpath} is not a valid manifest: call.max_positions is {call['max_positions']}, "
+                            f"expected >= 1")
 
 
 def resolve_stage(stage: str) -> str:
