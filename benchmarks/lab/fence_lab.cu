@@ -12,6 +12,12 @@
 //           (16 KiB a warp: less than the bulk ring's 96 KiB)
 //   async   warp 1's 32 lanes stream it into the same 3-stage ring with 16-byte cp.async.cg copies
 //           (the SM's load path, LDGSTS, instead of the TMA engine; 96 KiB in flight as with bulk)
+//   pref    warp 1 issues a 32 KiB cp.async.bulk.prefetch.L2 every microsecond (32 GB/s a CTA, ~an H200
+//           worker's share of HBM): does the release wait for L2 prefetches, which have no completion?
+//   none2   two CTAs on each SM (100 KiB of shared memory each); the first to start times the releases,
+//           the other idles
+//   bulk2   the same, the other CTA streams with bulk copies (the bulk row's ring): does the release wait
+//           for the SM's copies in flight or only its own CTA's?
 // and per timed operation:
 //   red     red.release.gpu.global.add (the executor's signal)
 //   fence   fence.release.gpu (the release's fence alone; fence.acq_rel would also invalidate L1)
@@ -33,12 +39,14 @@
 using namespace tilec;  // the runtime's PTX wrappers (runtime/tilec/ptx.cuh): the same instructions
 
 constexpr int kSmemBytes = 120 * 1024;  // the ring uses kStages x 32 KiB; the rest keeps a second CTA off the SM
+constexpr int kPairSmemBytes = 100 * 1024;  // none2 / bulk2: exactly two CTAs an SM (a third does not fit)
+constexpr long long kPrefetchGapNs = 1000;  // pref: one 32 KiB L2 prefetch a microsecond
 constexpr int kLdgLoads = 32;           // ld.global.cg per lane in flight (ldg mode)
 constexpr int kSamples = 64;             // timed release operations per SM
 constexpr long long kGapNs = 2000;       // between two of them (the loads stay in flight meanwhile)
 constexpr long long kWarmNs = 20000;     // before the first (warp 1's stream reaches steady state)
 
-enum Mode { kNone, kBulk, kLdg, kAsync };
+enum Mode { kNone, kBulk, kLdg, kAsync, kPref, kNone2, kBulk2 };
 enum Op { kRed, kFence, kRelaxed };
 
 template <int kOp>
@@ -49,27 +57,56 @@ __device__ __forceinline__ void release_op(unsigned long long* ctr) {
 }
 
 // w: the streamed buffer, per_sm bytes per CTA (a multiple of kStageBytes); out: a word per CTA;
-// cycles: [gridDim.x][kSamples] clock64 deltas of the release operation
+// cycles: [SMs][kSamples] clock64 deltas of the release operation. The pair modes (two CTAs an SM) index
+// everything by the SM's id; ticket[SMs] (zeroed) picks each SM's timing CTA, pair_done[SMs] (zeroed) stops
+// the other CTA's stream.
+__device__ __forceinline__ int sm_id() {
+  int id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
 template <int kOp>
 __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long per_sm, int mode,
                                                      unsigned long long* ctr, float* out, long long* cycles,
-                                                     long long* rate) {
+                                                     long long* rate, int* ticket, int* pair_done) {
   extern __shared__ __align__(128) char ring[];
   __shared__ unsigned long long full[kStages];
   __shared__ volatile int done;
+  __shared__ int role;  // pair modes: 0 times the releases, 1 is the other CTA
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const char* mine = w + blockIdx.x * per_sm;
+  const bool pair = mode == kNone2 || mode == kBulk2;
+  const int slot = pair ? sm_id() : blockIdx.x;
+  const char* mine = w + slot * per_sm;
   if (threadIdx.x == 0) {
     done = 0;
+    role = pair ? atomicAdd(ticket + slot, 1) : 0;
     for (int s = 0; s < kStages; ++s) mbar_init(full + s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  if (pair && role == 1) {  // the other CTA on this SM: streams (bulk2) until the timing CTA is done
+    if (mode == kBulk2 && threadIdx.x == 0) {
+      const unsigned long long t0 = global_timer();
+      const long long bytes = stream_stages(ring, full, mine, per_sm, kStages, pair_done + slot);
+      rate[2 * slot] = bytes, rate[2 * slot + 1] = (long long)(global_timer() - t0);
+    }
+    return;
+  }
   if (warp == 1) {  // the memory traffic
     const unsigned long long t0 = global_timer();
     long long bytes = 0;
     if (mode == kBulk && lane == 0) {
       bytes = stream_stages(ring, full, mine, per_sm, kStages, &done);
+    } else if (mode == kPref && lane == 0) {
+      long long off = 0;
+      while (!done) {
+        const unsigned long long t1 = global_timer();
+        prefetch_l2(mine + off, kStageBytes);
+        bytes += kStageBytes;
+        off = (off + kStageBytes) % per_sm;
+        while (!done && global_timer() - t1 < kPrefetchGapNs) {
+        }
+      }
     } else if (mode == kAsync) {
       bytes = stream_stages_async(ring, mine, per_sm, kStages, &done);
     } else if (mode == kLdg) {
@@ -88,7 +125,7 @@ __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long p
       }
       if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) out[blockIdx.x] += 1.f;  // keeps the loads
     }
-    if (lane == 0) rate[2 * blockIdx.x] = bytes, rate[2 * blockIdx.x + 1] = (long long)(global_timer() - t0);
+    if (lane == 0 && !pair) rate[2 * slot] = bytes, rate[2 * slot + 1] = (long long)(global_timer() - t0);
     return;
   }
   if (lane == 0) {  // warp 0: store, then time one release operation
@@ -103,9 +140,10 @@ __global__ void __launch_bounds__(64, 1) fence_kernel(const char* w, long long p
       const long long c0 = clock64();
       release_op<kOp>(ctr);
       const long long c1 = clock64();
-      cycles[blockIdx.x * kSamples + k] = c1 - c0;
+      cycles[slot * kSamples + k] = c1 - c0;
     }
     done = 1;
+    if (pair) *(volatile int*)(pair_done + slot) = 1;
   }
 }
 
@@ -125,21 +163,29 @@ int main() {
   CK(cudaMalloc(&cycles, (size_t)sms * kSamples * sizeof(long long)));
   long long* rate;
   CK(cudaMalloc(&rate, (size_t)sms * 2 * 8));
+  int *ticket, *pair_done;
+  CK(cudaMalloc(&ticket, sms * sizeof(int)));
+  CK(cudaMalloc(&pair_done, sms * sizeof(int)));
   static_assert(kStageBytes % (kLdgLoads * 512) == 0 && kSmemBytes >= kStages * kStageBytes, "layout");
-  void (*kernels[])(const char*, long long, int, unsigned long long*, float*, long long*, long long*) = {
+  void (*kernels[])(const char*, long long, int, unsigned long long*, float*, long long*, long long*, int*, int*) = {
       fence_kernel<kRed>, fence_kernel<kFence>, fence_kernel<kRelaxed>};
   for (auto k : kernels) CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   printf("%d SMs, L2 %d MiB, %lld KiB streamed per SM, clock rate attribute %.0f MHz (us below at that clock)\n",
          sms, l2 >> 20, per_sm >> 10, khz / 1e3);
-  const char* modes[] = {"none", "bulk", "ldg", "async"};
+  const char* modes[] = {"none", "bulk", "ldg", "async", "pref", "none2", "bulk2"};
   const char* ops[] = {"red.release", "fence.release", "red.relaxed"};
   printf("%-6s %-14s %12s %12s %10s %10s %12s\n", "loads", "operation", "median cyc", "p90 cyc", "median us", "p90 us",
          "GB/s a CTA");
   std::vector<long long> h((size_t)sms * kSamples), rt((size_t)sms * 2);
-  for (int mode = kNone; mode <= kAsync; ++mode)
+  for (int mode = kNone; mode <= kBulk2; ++mode)
     for (int op = kRed; op <= kRelaxed; ++op) {
+      const bool pair = mode == kNone2 || mode == kBulk2;
       CK(cudaMemset(rate, 0, rt.size() * 8));
-      kernels[op]<<<sms, 64, kSmemBytes>>>(w, per_sm, mode, ctr, out, cycles, rate);
+      CK(cudaMemset(cycles, 0, h.size() * sizeof(long long)));
+      CK(cudaMemset(ticket, 0, sms * sizeof(int)));
+      CK(cudaMemset(pair_done, 0, sms * sizeof(int)));
+      kernels[op]<<<pair ? 2 * sms : sms, 64, pair ? kPairSmemBytes : kSmemBytes>>>(w, per_sm, mode, ctr, out, cycles,
+                                                                                 rate, ticket, pair_done);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       CK(cudaMemcpy(h.data(), cycles, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
@@ -149,6 +195,7 @@ int main() {
       std::vector<double> gbs;
       for (int c = 0; c < sms; ++c) gbs.push_back(rt[2 * c + 1] > 0 ? (double)rt[2 * c] / rt[2 * c + 1] : 0.0);
       std::sort(gbs.begin(), gbs.end());
+      if (h[0] == 0) printf("(some SM ran no timing CTA: the pair modes' placement failed)\n");
       printf("%-6s %-14s %12lld %12lld %10.3f %10.3f %12.2f\n", modes[mode], ops[op], med, p90, med / (khz / 1e3),
              p90 / (khz / 1e3), gbs[gbs.size() / 2]);
     }
