@@ -543,9 +543,9 @@ def test_run_check_compares_the_position_counters(copy, delta):
     rehash(copy)
     r = invoke("run", copy, "--check", "--executor", "reference")
     assert r.exit_code == 1, r.output
-    assert re.search(r"^  counter arg 4 .* MISMATCH$", r.stdout, re.M), r.stdout
+    assert re.search(rf"^  counter arg 4 .* MISMATCH \(tilec {5 + delta}, eager 5\)$", r.stdout, re.M), r.stdout
     assert re.search(r"^  counter arg 7 .* ok$", r.stdout, re.M), r.stdout
-    assert "FAIL: worst relative L2" in r.stdout
+    assert "FAIL: integer values differ (counter arg 4 (state[2])); worst relative L2" in r.stdout
 
 
 def test_run_check_reports_a_mismatch(copy):
@@ -1324,13 +1324,14 @@ def _edit_manifest(path: Path, edit) -> None:
     (lambda m: m["files"].update({"../outside": "0" * 64}), "inspect", "files lists '../outside', not a file"),
     (lambda m: m["files"].update({"/etc/hostname": "0" * 64}), "run", "files lists '/etc/hostname', not a file"),
     (lambda m: m["files"].update({"..\\x": "0" * 64}), "run", "files lists '..\\\\x', not a file"),
-    (lambda m: m["call"].update(positions=[99]), "bench", "call.positions lists 99, not the index of a tensor argument"),
-    (lambda m: m["call"].update(positions=["a"]), "bench", "call.positions lists 'a', not the index of a tensor"),
-    (lambda m: m["call"].update(positions=[True]), "run", "call.positions lists True, not the index of a tensor"),
+    (lambda m: m["call"].update(positions=[99]), "bench", "call.positions lists 99, not the index of an integer tensor argument"),
+    (lambda m: m["call"].update(positions=["a"]), "bench", "call.positions lists 'a', not the index of an integer tensor"),
+    (lambda m: m["call"].update(positions=[True]), "run", "call.positions lists True, not the index of an integer tensor"),
+    (lambda m: m["call"].update(positions=[2]), "run", "call.positions lists 2, not the index of an integer tensor"),
     (lambda m: m["call"].update(max_positions=0), "run", "call.max_positions is 0, expected >= 1"),
 ], ids=["no-files", "files-str", "no-cuda", "no-args", "bool-max", "renamed-input", "param-sources-list",
         "buffer-sources-str", "factory-str", "factory-no-name", "file-outside", "file-absolute", "file-backslash",
-        "position-out-of-range", "position-str", "position-bool", "max-positions-0"])
+        "position-out-of-range", "position-str", "position-bool", "position-float-tensor", "max-positions-0"])
 def test_a_manifest_missing_a_key_is_an_artifact_error(copy, edit, command, message):
     """A self-consistent manifest (digest recomputed) lacking a key gave internal KeyError /
     AttributeError, exit 4 (a breaker trial's finding)."""

@@ -381,6 +381,11 @@ def test_measured_trace_leaves_out_unstamped_instructions_and_refuses_invalid_st
     assert trace["otherData"]["makespan_us"] <= full["otherData"]["makespan_us"] < 1e6
     assert max(float(r.split()[3]) for r in op_table(trace).splitlines()[1:]) < 1e6
     assert "unstamped" not in full["otherData"]
+    stamps[w, j] = torch.tensor([t0 + 1_000 * j, 0])  # started, never finished (trapped in it): counted, no slice
+    trace = measured_trace(plan, stamps)
+    assert trace["otherData"]["unfinished"] == 1 and trace["otherData"]["unfinished_at"] == [[w, j]]
+    assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) == len(instrs) - 1
+    stamps[w, j] = 0
 
     negative = stamps.clone()
     negative[instrs[0][0], instrs[0][1]] = torch.tensor([-5, 10])

@@ -54,8 +54,7 @@ import jinja2
 import torch
 import torch.utils._pytree as pytree
 from safetensors import SafetensorError
-from safetensors.torch import load as safetensors_load
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import tilec
 
@@ -623,33 +622,55 @@ class Artifact:
     the bytes it read against the manifest's sha256 again, so a ``compile --force`` that replaces the
     artifact meanwhile is an :class:`ArtifactError`, never a mix of two artifacts' files."""
 
-    def __init__(self, path: Path, manifest: dict):
+    def __init__(self, path: Path, manifest: dict, verified: dict[str, tuple] | None = None):
         self.path, self.manifest = path, manifest
+        self._verified = verified  # file -> its stat identity when load() hashed it (None: not checked)
 
     @property
     def factory(self) -> dict | None:
         return self.manifest.get("factory")
 
-    def read_bytes(self, rel: str) -> bytes:
-        """The bytes of the artifact's file ``rel`` (a manifest ``files`` key, e.g. ``plan/graph.json``).
+    def file(self, rel: str) -> Path:
+        """The path of the artifact's file ``rel`` (a manifest ``files`` key, e.g. ``plan/graph.json``),
+        checked to be the file :func:`load` verified: same device, inode, size and modification time (a
+        ``compile --force`` renames a new folder into place, so every file's inode changes).
 
         Raises:
-            ArtifactError: the file is gone, or no longer the one :func:`load` verified (replaced since).
+            ArtifactError: ``rel`` is not one of the artifact's files, is gone, or was replaced since.
         """
+        if rel not in self.manifest["files"]:
+            raise ArtifactError(f"{self.path}: {rel} is not one of the artifact's files (its manifest does not "
+                                f"list it)")
+        f = self.path / rel
         try:
-            data = (self.path / rel).read_bytes()
+            now = _identity(f)
         except OSError as e:
-            raise ArtifactError(f"{self.path}: cannot read {rel} ({e.strerror or e}); was the artifact removed or "
-                                f"replaced since it was opened?") from e
-        want = self.manifest["files"].get(rel)
-        if want is None or hashlib.sha256(data).hexdigest() != want:
+            raise ArtifactError(f"{self.path}: cannot read {rel} ({e.strerror or e}); was the artifact removed "
+                                f"since it was opened?") from e
+        if self._verified is not None and self._verified.get(rel) != now:
+            raise ArtifactError(f"{self.path}: {rel} changed since the artifact was opened and verified (another "
+                                f"compile --force replaced it?); open it again")
+        return f
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The bytes of the artifact's file ``rel``, checked as :meth:`file` does and against its sha256.
+
+        Raises:
+            ArtifactError: as :meth:`file`, or the bytes read are not the ones the manifest records.
+        """
+        f = self.file(rel)
+        try:
+            data = f.read_bytes()
+        except OSError as e:
+            raise ArtifactError(f"{self.path}: cannot read {rel} ({e.strerror or e})") from e
+        if hashlib.sha256(data).hexdigest() != self.manifest["files"][rel]:
             raise ArtifactError(f"{self.path}: {rel} changed since the artifact was opened and verified (another "
                                 f"compile --force replaced it?); open it again")
         return data
 
     def _tensors(self, rel: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        tensors = safetensors_load(self.read_bytes(rel))
-        return tensors if str(device) == "cpu" else {k: v.to(device) for k, v in tensors.items()}
+        # memory-mapped, not read whole and hashed again (load() hashed it; file() checks it is that file)
+        return load_file(str(self.file(rel)), device=str(device))
 
     def _json(self, rel: str):
         return json.loads(self.read_bytes(rel))
@@ -729,7 +750,7 @@ class Artifact:
                                 f"{_recompile_hint(self.manifest, self.path)}") from e
         lib = self.path / LIBRARY if kind == "cuda" and listed else None
         if lib is not None:
-            self.read_bytes(LIBRARY)  # still the library load() verified (not one a compile --force put there since)
+            self.file(LIBRARY)  # still the library load() verified (not one a compile --force put there since)
         compiled = Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(plan.stats))
         return CompiledProgram(compiled, GraphBinding(params=self.params(device),
                                                    param_names=dict(self.manifest.get("param_sources") or {})),
@@ -764,6 +785,7 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
         raise ArtifactVersionError(f"{root}: artifact format version {manifest.get('format_version')}, this tilec "
                                    f"reads version {FORMAT_VERSION}; recompile it{_recompile_hint(manifest, root)}")
     _check_schema(manifest, mpath)
+    verified: dict[str, tuple] = {}
     for rel, want in sorted(manifest["files"].items()):
         parts = PurePosixPath(rel).parts
         if not isinstance(want, str) or not parts or PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel:
@@ -772,14 +794,25 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
         f = root / rel
         if not f.is_file():
             raise ArtifactError(f"{root} is incomplete: {rel} (listed in the manifest) is missing")
+        before = _identity(f)
         got = _sha256(f)
         if got != want:
             raise ArtifactError(f"{root} is corrupt or was tampered with: {rel} has sha256 {got[:16]}..., "
                                 f"the manifest records {want[:16]}...")
+        if _identity(f) != before:
+            raise ArtifactError(f"{root}: {rel} changed while it was verified (a compile writing this artifact?); "
+                                f"open it again")
+        verified[rel] = before
     if check_version and manifest["tilec"] != tilec.__version__:
         raise ArtifactVersionError(f"{root} was built by tilec {manifest['tilec']}; this is tilec {tilec.__version__}. "
                                    f"Recompile it{_recompile_hint(manifest, root)}")
-    return Artifact(root, manifest)
+    return Artifact(root, manifest, verified)
+
+
+def _identity(f: Path) -> tuple:
+    """What tells one file from its replacement: device, inode, size and modification time (ns)."""
+    st = os.stat(f)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 # what load and its callers read from a manifest: key -> type (a dict: the keys within)
@@ -816,9 +849,10 @@ def _check_schema(manifest: dict, mpath: Path, schema: dict = _SCHEMA, where: st
     call = manifest.get("call", {}) if not where else {}
     args = call.get("args", [])
     for p in call.get("positions", []):  # run and bench index the arguments with them
-        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(args) or "tensor" not in args[p]:
-            raise ArtifactError(f"{mpath} is not a valid manifest: call.positions lists {p!r}, not the index of a "
-                                f"tensor argument (of {len(args)} in call.args)")
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(args) or "tensor" not in args[p] or \
+                not str(args[p].get("dtype", "int64")).startswith(("int", "uint")):
+            raise ArtifactError(f"{mpath} is not a valid manifest: call.positions lists {p!r}, not the index of an "
+                                f"integer tensor argument (of {len(args)} in call.args)")
     if call and call.get("max_positions", 1) < 1:
         raise ArtifactError(f"{mpath} is not a valid manifest: call.max_positions is {call['max_positions']}, "
                             f"expected >= 1")

@@ -499,13 +499,17 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
             why = f" (tilec returned {str(got.dtype).removeprefix('torch.')}{list(got.shape)})"
         elif math.isnan(err):
             why = f" ({_nonfinite_why(got, ref)})"
+        elif not ok_row and ref.numel() == 1:  # an integer scalar (a position counter): show both values
+            why = f" (tilec {got.item()}, eager {ref.item()})"
         elif ref.numel() and not torch.isfinite(ref.detach().cpu().double()).any():
             why = " (no finite values to compare: the NaN / infinite values match)"
         click.echo(f"  {label:<32} {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}  {err:.3e}  "
                    f"{'ok' if ok_row else 'MISMATCH'}{why}")
     ok = all(oks)  # NaN (not finite, wrong shape) fails
     worst = float("nan") if any(math.isnan(e) for e in errors) else max(errors)
-    click.echo(f"{'PASS' if ok else 'FAIL'}: worst relative L2 {worst:.3e} (tolerance {tol:.0e})")
+    differ = [label.strip() for (label, _, ref), row_ok in zip(rows, oks) if not row_ok and not ref.is_floating_point()]
+    click.echo(f"{'PASS' if ok else 'FAIL'}: " + (f"integer values differ ({', '.join(differ)}); " if differ else "")
+               + f"worst relative L2 {worst:.3e} (tolerance {tol:.0e})")
     if not ok:
         if folded:
             names = ", ".join(folded[:4]) + (", ..." if len(folded) > 4 else "")

@@ -104,7 +104,9 @@ def measured_trace(plan: KernelPlan, stamps: torch.Tensor, taskgraph: TaskGraph 
             the start); entries of NoOps are ignored. Times are shifted so the earliest start is 0.
             An instruction whose start and end are both 0 was not stamped (a run that did not reach
             it): it has no slice, and ``otherData["unstamped"]`` counts it (with the first few
-            ``(worker, instruction)`` in ``otherData["unstamped_at"]``).
+            ``(worker, instruction)`` in ``otherData["unstamped_at"]``); one with a start but no end
+            started and never finished (a step that trapped or timed out in it): no slice either, counted
+            in ``otherData["unfinished"]`` / ``["unfinished_at"]``.
         taskgraph: optional; when given, slices also carry the tasks' bytes and flops.
     Raises:
         TilecError: ``stamps`` has the wrong shape or is not integer nanoseconds, or an instruction's
@@ -126,7 +128,9 @@ def measured_trace(plan: KernelPlan, stamps: torch.Tensor, taskgraph: TaskGraph 
         raise TilecError(f"measured stamps are negative at (worker, instruction) {negative[:8]}: not %globaltimer "
                          f"nanoseconds")
     unstamped = [(w, j) for w, j in live if st[w][j][0] == 0 and st[w][j][1] == 0]
-    live = [(w, j) for w, j in live if st[w][j][0] != 0 or st[w][j][1] != 0]
+    # started but not finished (a step that trapped or timed out inside the op): the kernel stamps the end last
+    unfinished = [(w, j) for w, j in live if st[w][j][0] != 0 and st[w][j][1] == 0]
+    live = [(w, j) for w, j in live if st[w][j][1] != 0]
     bad = [(w, j) for w, j in live if st[w][j][1] < st[w][j][0]]
     if bad:
         raise TilecError(f"measured stamps end before they start at (worker, instruction) {bad[:8]}")
@@ -138,6 +142,8 @@ def measured_trace(plan: KernelPlan, stamps: torch.Tensor, taskgraph: TaskGraph 
     other = {"clock": "measured", "makespan_us": round(makespan, 3)}
     if unstamped:
         other.update(unstamped=len(unstamped), unstamped_at=[list(p) for p in unstamped[:8]])
+    if unfinished:
+        other.update(unfinished=len(unfinished), unfinished_at=[list(p) for p in unfinished[:8]])
     return _build(plan, times, tasks, other, marks)
 
 
