@@ -10,6 +10,7 @@ for leaving nothing behind in the output's parent directory.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -1357,6 +1358,20 @@ def test_a_file_replaced_after_load_is_an_artifact_error(copy, what):
     assert artifact.load(copy).stage_text("plan")  # opened again: it is the new artifact, verified
 
 
+def test_the_recompile_hint_keeps_the_artifacts_options(art):
+    """The suggested `tilec compile SPEC -o DIR --force` left out the -O options the artifact was built with, so
+    following it compiled another plan (a reviewer's finding): the hint's -O pairs parse back to its options."""
+    m = json.loads((art / "manifest.json").read_text())
+    hint = artifact._recompile_hint(m, art)
+    assert hint.startswith(f": tilec compile {FACTORY} -o {art} -O ") and hint.endswith(" --force"), hint
+    pairs = re.findall(r" -O (\S+)", hint)
+    assert "workers=8" in pairs and "fuse_gemv=false" in pairs and "tile_n=64" in pairs, pairs
+    skip = ("dump_dir", "executor")
+    want = {k: v for k, v in m["options"].items() if k not in skip}
+    got = {k: v for k, v in dataclasses.asdict(commands.parse_options(pairs)).items() if k not in skip}
+    assert got == want
+
+
 def test_a_factory_recorded_by_its_spec_alone_still_loads(copy):
     """``artifact.save(..., factory={"spec": "pkg.mod:f"})`` from Python records no name or file: valid."""
     _edit_manifest(copy, lambda m: m.update(factory={"spec": m["factory"]["spec"]}))
@@ -1691,7 +1706,7 @@ def test_the_advice_for_an_unlisted_library_works_as_given(facts, tmp_path, monk
     assert "remove it (the program then builds its library from cuda/ with nvcc), and to have the artifact carry a " \
            "built library, recompile it once the file is removed: tilec compile " in message, message
     command = message.split(": tilec ", 1)[1].split()
-    assert command[0] == "compile" and command[-3:] == ["-o", str(out), "--force"], command
+    assert command[0] == "compile" and command[2:] == ["-o", str(out), "-O", "workers=2", "--force"], command
     assert invoke(*command, "--no-build").exit_code == 2  # as the advice says: not with the file there
     (out / "cuda" / "libtilec.so").unlink()
     r = invoke(*command, "--no-build")

@@ -889,8 +889,21 @@ def check_arch(artifact: Artifact, gpu: str) -> None:
 
 
 def _recompile_hint(manifest: dict, root: Path, lead: str = ": ") -> str:
+    """The command that compiles the artifact again from its factory, with the ``-O`` options it was compiled with
+    that are not the defaults (without them it would be another plan); "" without a recorded factory."""
     spec = (manifest.get("factory") or {}).get("spec")
-    return f"{lead}tilec compile {spec} -o {root} --force" if spec else ""
+    if not spec:
+        return ""
+    defaults = dataclasses.asdict(Options())
+    opts = manifest.get("options") if isinstance(manifest.get("options"), dict) else {}
+    pairs = [f" -O {k}={_option_text(v)}" for k, v in sorted(opts.items())
+             if k in defaults and k not in ("dump_dir", "executor") and v != defaults[k]]
+    return f"{lead}tilec compile {spec} -o {root}{''.join(pairs)} --force"
+
+
+def _option_text(v) -> str:
+    """An option's value as ``-O KEY=VALUE`` spells it (commands.parse_options reads it back)."""
+    return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 # ---- helpers -----------------------------------------------------------------------------
