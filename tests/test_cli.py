@@ -1628,7 +1628,7 @@ class Full(io.FileIO):  # stdout on a full disk: every write fails with ENOSPC
 
 sys.stdout = io.TextIOWrapper(io.BufferedWriter(Full(sys.argv[1], "w")))
 try:
-    main(["-q", "inspect", *sys.argv[2:]], prog_name="tilec")
+    main(["-q", *sys.argv[2:]], prog_name="tilec")
 except SystemExit as e:
     sys.stderr.write(f"exit {e.code}\\n")
     sys.stderr.flush()
@@ -1640,10 +1640,22 @@ except SystemExit as e:
 def test_a_full_stdout_is_named_not_an_internal_error(art, tmp_path, extra):
     """``tilec inspect DIR > file`` on a full disk gave a traceback and "internal error ... (please report it)",
     exit 4 (a fresh user's finding): now one line naming standard output and the system's error, exit 2."""
-    r = subprocess.run([sys.executable, "-c", FULL_STDOUT, str(tmp_path / "out.txt"), str(art), *extra],
+    r = subprocess.run([sys.executable, "-c", FULL_STDOUT, str(tmp_path / "out.txt"), "inspect", str(art), *extra],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.stderr.splitlines() == ["tilec: error: cannot write to standard output: No space left on device",
                                      "exit 2"], r.stderr
+
+
+def test_a_compile_whose_summary_cannot_be_printed_still_succeeds(facts, tmp_path):
+    """``tilec compile ... > file`` on a full disk exited 2 although the artifact was written (a retry without
+    --force was then refused): the compile succeeds, saying on stderr that its summary line was lost (reviewer)."""
+    out = tmp_path / "art"
+    r = subprocess.run([sys.executable, "-c", FULL_STDOUT, str(tmp_path / "out.txt"), "compile", f"{facts}:linear",
+                        "-o", str(out), "--no-build", "-O", "workers=2"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert r.stderr.splitlines() == [f"tilec: wrote {out}, but cannot write to standard output: No space left on "
+                                     f"device", "exit 0"], r.stderr
+    assert artifact.load(out).stage_text("plan")
 
 
 def test_a_full_dump_directory_is_named_and_bad_input(facts, tmp_path, monkeypatch):

@@ -115,7 +115,7 @@ class _Group(click.Group):
             click.echo(f"tilec: {'terminated' if term else 'interrupted'}", err=True)
             raise click.exceptions.Exit(EXIT_TERMINATED if term else EXIT_INTERRUPTED) from None
         except BrokenPipeError:  # `tilec inspect DIR | head`: stop quietly
-            _stdout_to_devnull()
+            stdout_to_devnull()
             raise click.exceptions.Exit(EXIT_OK) from None
         except TilecError as e:
             raise Failure(str(e), EXIT_ERROR) from e
@@ -123,14 +123,14 @@ class _Group(click.Group):
             if e.errno is None or not _on_stdout(e):
                 traceback.print_exc()
                 raise Failure(f"internal error: {type(e).__name__}: {e} (please report it)", EXIT_ERROR) from e
-            _stdout_to_devnull()
+            stdout_to_devnull()
             raise Failure(f"cannot write to standard output: {e.strerror or e}") from None
         except Exception as e:
             traceback.print_exc()
             raise Failure(f"internal error: {type(e).__name__}: {e} (please report it)", EXIT_ERROR) from e
 
 
-def _stdout_to_devnull() -> None:
+def stdout_to_devnull() -> None:
     """Points standard output's descriptor at /dev/null: what is left in its buffer goes nowhere at exit (no second
     error from Python's final flush to a closed pipe or a full disk)."""
     with contextlib.suppress(AttributeError, OSError, ValueError):

@@ -26,7 +26,7 @@ import tilec
 
 from . import artifact as art_mod
 from .artifact import ArtifactError, resolve_stage
-from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress
+from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
 from .codegen.build import cache_root, extra_flags
 from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root
 from .errors import InputError, TilecError, describe_exception
@@ -126,9 +126,16 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
             raise Failure(f"compile failed: {e}", EXIT_COMPILE) from e
     s = program.stats
     lib = (path / art_mod.LIBRARY).exists()
-    click.echo(f"wrote {path}: {s['ops']} ops, {s['tasks']} tasks, {s['events']} events on {program.plan.workers} "
-               f"workers (cost-model makespan {s['predicted_step_us']} us: planning weights, not a timing); library "
-               f"{'cuda/libtilec.so (' + program.opts.arch + ')' if lib else 'not built'}")
+    try:
+        click.echo(f"wrote {path}: {s['ops']} ops, {s['tasks']} tasks, {s['events']} events on "
+                   f"{program.plan.workers} workers (cost-model makespan {s['predicted_step_us']} us: planning "
+                   f"weights, not a timing); library "
+                   f"{'cuda/libtilec.so (' + program.opts.arch + ')' if lib else 'not built'}")
+    except OSError as e:  # `compile ... > file` on a full disk: the artifact is written, only its summary is lost
+        if e.errno is None:
+            raise
+        stdout_to_devnull()
+        click.echo(f"tilec: wrote {path}, but cannot write to standard output: {e.strerror or e}", err=True)
 
 
 
