@@ -391,7 +391,7 @@ def check_target(final: Path, force: bool) -> None:
         raise ArtifactError(f"{final} is {where}: tilec writes an artifact beside its output directory and "
                             f"renames it into place whole, which would leave your shell in a removed directory; "
                             f"give a new directory (e.g. -o out) or run from another directory")
-    inside = next((p for p in final.parents if _is_artifact(p, damaged=False)), None)
+    inside = enclosing_artifact(final.parent)
     if inside is not None:  # a later --force on that artifact would remove this one with it
         raise ArtifactError(f"{final} is inside the tilec artifact {inside}: write it beside that artifact, not in "
                             f"it (replacing that artifact with --force would remove this one too)")
@@ -622,9 +622,9 @@ class Artifact:
     the bytes it read against the manifest's sha256 again, so a ``compile --force`` that replaces the
     artifact meanwhile is an :class:`ArtifactError`, never a mix of two artifacts' files."""
 
-    def __init__(self, path: Path, manifest: dict, verified: dict[str, tuple] | None = None):
+    def __init__(self, path: Path, manifest: dict, verified: dict[str, tuple]):
         self.path, self.manifest = path, manifest
-        self._verified = verified  # file -> its stat identity when load() hashed it (None: not checked)
+        self._verified = verified  # file -> its identity (_identity) when load() hashed it
 
     @property
     def factory(self) -> dict | None:
@@ -647,7 +647,7 @@ class Artifact:
         except OSError as e:
             raise ArtifactError(f"{self.path}: cannot read {rel} ({e.strerror or e}); was the artifact removed "
                                 f"since it was opened?") from e
-        if self._verified is not None and self._verified.get(rel) != now:
+        if self._verified.get(rel) != now:
             raise ArtifactError(f"{self.path}: {rel} changed since the artifact was opened and verified (another "
                                 f"compile --force replaced it?); open it again")
         return f

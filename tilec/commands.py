@@ -28,7 +28,7 @@ from . import artifact as art_mod
 from .artifact import ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
 from .codegen.build import cache_root, extra_flags
-from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root
+from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root, dump_source
 from .errors import InputError, TilecError, describe_exception
 from .frontend import const_name
 from .ir import BufferKind
@@ -76,10 +76,9 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
         holder = art_mod.enclosing_artifact(dumps) if dumps is not None else None
         if holder is not None:  # its folder there would make a later `compile -o <it> --force` refuse
             where = "is" if holder == dumps.resolve() else "is inside"
-            source = "option dump_dir" if opts.dump_dir else f"${DUMP_ENV_VAR}"
-            raise TilecError(f"{source}={dumps}: the dump directory {where} the tilec artifact {holder}: an artifact "
-                             f"holds only what tilec writes there (a later compile -o {holder} --force would refuse "
-                             f"it); dump elsewhere")
+            raise TilecError(f"{dump_source(opts)}={dumps}: the dump directory {where} the tilec artifact {holder}: "
+                             f"an artifact holds only what tilec writes there (a later compile -o {holder} --force "
+                             f"would refuse it); dump elsewhere")
         check_dump_root(opts)
         nvcc = os.environ.get("TILEC_NVCC")
         if not no_build and nvcc and art_mod._nvcc_version() is None:

@@ -55,6 +55,11 @@ class DumpError(TilecError):
     message names it and where it came from (option ``dump_dir`` or ``$TILEC_DUMP_DIR``)."""
 
 
+def dump_source(opts: Options) -> str:
+    """Where :func:`dump_root`'s path comes from, as messages name it: ``option dump_dir`` or ``$TILEC_DUMP_DIR``."""
+    return "option dump_dir" if opts.dump_dir else f"${ENV_VAR}"
+
+
 def dump_root(opts: Options) -> Path | None:
     """The dump directory: ``opts.dump_dir``, else ``$TILEC_DUMP_DIR``, else None (off)."""
     root = opts.dump_dir or os.environ.get(ENV_VAR) or None
@@ -71,7 +76,7 @@ def check_dump_root(opts: Options) -> None:
     root = dump_root(opts)
     if root is None:
         return
-    source = "option dump_dir" if opts.dump_dir else f"${ENV_VAR}"
+    source = dump_source(opts)
     if root.exists() and not root.is_dir():  # (mkdir would say "File exists")
         what = "a file" if root.is_file() else "not a directory"
         raise DumpError(f"{source}={root}: the dump directory is {what}; give a directory (a new one is created)")
@@ -130,18 +135,15 @@ class DumpHook:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise DumpError(f"tilec {self._origin()}={self.root}: cannot create {self.directory}: "
+                raise DumpError(f"tilec {dump_source(self.opts)}={self.root}: cannot create {self.directory}: "
                                 f"{e.strerror or e}") from e
         if self.directory is None or stage not in STAGE_FILES:
             return
         try:
             self._write(stage, ir)
         except OSError as e:  # e.g. a full disk: the dump directory's problem, named, not the compile's
-            raise DumpError(f"tilec {self._origin()}={self.root}: cannot write the dump {self.directory}: "
+            raise DumpError(f"tilec {dump_source(self.opts)}={self.root}: cannot write the dump {self.directory}: "
                             f"{e.strerror or e}") from e
-
-    def _origin(self) -> str:
-        return "option dump_dir" if self.opts.dump_dir else f"${ENV_VAR}"
 
     def _write(self, stage: str, ir) -> None:
         if isinstance(ir, OpGraph):
