@@ -21,6 +21,15 @@ STAGE_INPUT_BYTES = 64 * 1024  # read-only inputs up to this size are copied, la
 _TENSOR, _POSITION, _IGNORED = range(3)  # what an argument of the compiled step is (CompiledProgram._arg_specs)
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (it moves at every in-place update), or None where torch keeps none (a tensor
+    made under ``torch.inference_mode``)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def _position_of(label: str, a) -> int:
     """The decode position argument ``a`` (named ``label`` in errors) holds: an integer, or an
     integer tensor of one element. Raises TilecError for anything else (a float, a bool, several
@@ -40,7 +49,8 @@ def _position_of(label: str, a) -> int:
 class CompiledProgram:
     """Calls the compiled step: ``program(*args)`` with the same arguments as the captured module.
 
-    Parameters are bound by reference (the module's own tensors). Module buffers are constants
+    Parameters are bound by reference (the module's own tensors; a non-contiguous one through a
+    contiguous copy, copied again at a call after an in-place update of it). Module buffers are constants
     taken when compiling (folded: an in-place edit of one later is not seen; recompile after it).
     Buffers marked STATE (KV caches) are the caller's tensors, updated in place. Intermediates are owned by the program
     and poisoned with NaN before each reference run, so an unwritten element cannot pass a test.
@@ -106,9 +116,14 @@ class CompiledProgram:
         self.staged_inputs = {name for name, b in self.graph.buffers.items()
                               if b.kind is BufferKind.INPUT and name not in written and b.nbytes <= STAGE_INPUT_BYTES
                               and not (name in in_place and name in contiguous)}
+        # parameters that are not contiguous are bound through a contiguous copy, refreshed at a call when the
+        # parameter was updated in place since (its version counter moved): (name, parameter, version or None)
+        self._param_copies: list[list] = []
         for name, b in self.graph.buffers.items():
             if b.kind is BufferKind.PARAM:
                 t = binding.params[name]
+                if not t.is_contiguous():
+                    self._param_copies.append([name, t, _version(t)])
             elif b.kind in (BufferKind.CONST, BufferKind.TABLE):
                 t = self.graph.constants[name].to(self.device)
             elif b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) or name in self.staged_inputs:
@@ -254,6 +269,8 @@ class CompiledProgram:
         when they were read with the positions, else None."""
         self._check_fixed(args)
         positions, flags = self._positions(args, guards)
+        if self._param_copies:
+            self._refresh_param_copies()
         tensors = dict(self.tensors)
         # (trusted: torch.compile's guards already hold shapes, dtypes, devices and strides)
         tensors.update(zip(self._t_bound_names, map(args.__getitem__, self._t_bound_index)))
@@ -261,6 +278,18 @@ class CompiledProgram:
             tensors[name].copy_(args[i])  # a small read-only input: into the program's own buffer
         self._bind_each(args, tensors)
         return tensors, self._one_position(positions), flags
+
+    def _refresh_param_copies(self) -> None:
+        """Copies each non-contiguous parameter again into the contiguous buffer the step reads, when it was
+        updated in place (``load_state_dict``, ``mul_``) since the last copy; every call when its version is
+        not tracked (a tensor made under ``torch.inference_mode``)."""
+        for entry in self._param_copies:
+            name, src, seen = entry
+            now = _version(src)
+            if now is None or now != seen:
+                with torch.no_grad():
+                    self.tensors[name].copy_(src)
+                entry[2] = now
 
     def _bind_each(self, args, tensors: dict) -> None:
         """Checks and binds the tensor arguments that are not trusted, naming the first bad one."""
