@@ -133,6 +133,34 @@ def test_seek_redecodes_a_position_and_skipping_one_is_an_error():
         step.seek(MAX_CACHE_LEN)
 
 
+def _counts_tokens(cache) -> bool:
+    return any(isinstance(getattr(l, "cumulative_length", None), torch.Tensor) for l in cache.layers)
+
+
+def test_a_cache_changed_behind_the_step_is_checked_again():
+    """The step skips reading the cache's counters when its own last step left them at the position asked for;
+    it once did so also after an eager forward, ``cache.reset()`` or another compiled step over the cache had
+    changed them (a fresh user's finding): it wrote position 6 into a cache holding 3 tokens, with no error."""
+    model, cache, _ = build("llama", 1)
+    if not _counts_tokens(cache):
+        pytest.skip("this transformers' StaticCache counts no tokens")
+    step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    tok = torch.tensor([[7]])
+    step(tok, PREFILL)
+    assert step._unchanged(step._counters(), PREFILL + 1)  # consecutive steps: no device read
+    cache.reset()  # a new prompt of 3 tokens, prefilled eagerly
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), cache_position=torch.arange(3), use_cache=True, **cache_kwargs(model, cache))
+    with pytest.raises(ValueError, match=f"position {PREFILL + 1}, but the cache holds 3 tokens"):
+        step(tok, PREFILL + 1)
+    step(tok, 3)  # where the cache is
+    other = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    other(tok, 4)  # another compiled step over the same cache moves it on
+    with pytest.raises(ValueError, match="position 4, but the cache holds 5 tokens"):
+        step(tok, 4)
+    step(tok, 5)
+
+
 def test_decode_position_outside_planned_range_raises():
     model, cache, vocab = build("llama", 1)
     step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))

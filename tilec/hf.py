@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import warnings
+import weakref
 
 import torch
 
@@ -104,6 +105,20 @@ class StaticCacheStep(torch.nn.Module):
                     layer.cumulative_length = c
 
 
+# cache -> the HFDecodeStep that last set its token counters (a step over a cache another step wrote since must
+# check the counters on the device, whatever it remembers)
+_LAST_WRITER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _versions(counters: list[torch.Tensor]) -> tuple | None:
+    """The counters' version counters (they move at every in-place update: an eager forward, ``cache.reset()``),
+    or None where torch keeps none (tensors made under ``torch.inference_mode``)."""
+    try:
+        return tuple(c._version for c in counters)
+    except RuntimeError:
+        return None
+
+
 class HFDecodeStep:
     """A compiled decode step of an HF causal LM over its ``StaticCache``.
 
@@ -147,6 +162,7 @@ class HFDecodeStep:
         state = [t.clone() if t.dim() == 0 else t for t in self.module.state()]
         positions = [1] + [2 + i for i, t in enumerate(state) if t.dim() == 0]
         self._expected: int | None = None  # the cache's token count after our last step (host copy)
+        self._mark: tuple | None = None  # (counter tensors, their versions) as our last step or seek left them
         try:
             self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
                                           max_positions=self.max_len, options=options, hook=hook)
@@ -159,10 +175,13 @@ class HFDecodeStep:
         """``position``: an int, or an integer tensor of one element (read on the host: a device
         tensor costs a sync). Raises :class:`tilec.errors.PositionError` (a ``TilecError`` and a
         ``ValueError``) if it is neither, does not equal the number of tokens the cache holds (on
-        transformers versions whose cache counts them), or is outside ``[0, max_cache_len)``."""
+        transformers versions whose cache counts them), or is outside ``[0, max_cache_len)``. The counters are
+        read on the device (a sync) unless this step's own last step or seek left them at ``position``, unchanged
+        since (their version counters; a cache made under ``torch.inference_mode`` keeps none, and there an eager
+        forward or ``cache.reset()`` in between goes unnoticed - another compiled step over the cache does not)."""
         position = self._check_position(position)
         counters = self._counters()
-        if counters and position != self._expected:  # checked on the device only when in doubt
+        if counters and not self._unchanged(counters, position):  # checked on the device only when in doubt
             held = torch.stack([c.reshape(()) for c in counters]).tolist()
             bad = [h for h in held if h != position]
             if bad:
@@ -176,7 +195,7 @@ class HFDecodeStep:
         if counters:  # advance the cache's own counters as eager HF would (two kernels, no sync)
             torch._foreach_zero_(counters)
             torch._foreach_add_(counters, position + input_ids.shape[1])
-        self._expected = position + input_ids.shape[1]
+        self._remember(counters, position + input_ids.shape[1])
         return logits
 
     def seek(self, position: int | torch.Tensor) -> None:
@@ -188,7 +207,32 @@ class HFDecodeStep:
         if counters:
             torch._foreach_zero_(counters)
             torch._foreach_add_(counters, position)
-        self._expected = position
+        self._remember(counters, position)
+
+    def _remember(self, counters: list[torch.Tensor], held: int) -> None:
+        """Notes that the cache's counters hold ``held`` tokens as this step set them."""
+        self._expected = held
+        self._mark = (counters, _versions(counters))
+        try:
+            _LAST_WRITER[self.cache] = self
+        except TypeError:  # a cache that takes no weak reference: no record (the versions still tell)
+            pass
+
+    def _unchanged(self, counters: list[torch.Tensor], position: int) -> bool:
+        """Whether the counters surely hold ``position`` tokens without reading them: this step set them to
+        that and nothing changed them since - not another compiled step over the cache, not an eager forward or
+        ``cache.reset()`` (their versions; counters made under ``torch.inference_mode`` keep none, and then only
+        another compiled step is noticed)."""
+        if position != self._expected or self._mark is None:
+            return False
+        try:
+            if _LAST_WRITER.get(self.cache) is not self:
+                return False
+        except TypeError:
+            pass
+        seen, versions = self._mark
+        return len(seen) == len(counters) and all(a is b for a, b in zip(seen, counters)) \
+            and versions == _versions(counters)
 
     def _check_position(self, position) -> int:
         """``position`` as an int, checked against the cache's length."""
