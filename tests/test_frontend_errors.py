@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _helpers import assert_close
 from tilec.api import compile_module
 from tilec.errors import DataDependentError, InputError, PositionError, TilecError, UnsupportedNodeError
 from tilec.hf import cache_kwargs
@@ -656,6 +657,46 @@ def test_a_position_argument_must_be_one_integer(pos, got):
         assert torch.equal(prog(x, ok, torch.tensor(4), torch.tensor(4)), x * 2 + 4)
     with pytest.raises(TilecError, match=r"argument 1: expected an integer tensor of shape \[1\]"):
         prog(x, torch.tensor([[4]]), torch.tensor(4), torch.tensor(4))
+
+
+class PerRowPosition(torch.nn.Module):
+    """Reads its position as HF's ``position_ids`` [batch, 1]: one value per sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+
+    def forward(self, x, pos_ids):
+        return self.l(x) * (pos_ids.float() + 1)
+
+
+def test_a_position_tensor_of_several_equal_elements_runs_as_compiled():
+    """The compile accepts a position argument of several elements that all hold p; every call, its own
+    example's included, once refused it ("expected ... an integer tensor of one element": a fresh user's
+    finding). A call reads all its elements now, and refuses elements that differ or another shape."""
+    torch.manual_seed(0)
+    m, x = PerRowPosition().eval(), torch.randn(2, 8)
+    example = torch.tensor([[3], [3]])
+    prog = compile_module(m, (x, example), positions=[1], max_positions=16, options=dict(workers=3))
+    with torch.no_grad():
+        for pos in (example, torch.tensor([[9], [9]], dtype=torch.int32)):
+            assert_close(prog(x, pos), m(x, pos), 1e-6)
+    with pytest.raises(TilecError, match=r"argument 1 \(torch.int64\[2, 1\]\) holds \[5, 6\], not one value"):
+        prog(x, torch.tensor([[5], [6]]))
+    with pytest.raises(TilecError, match=r"argument 1: expected an integer tensor of shape \[2, 1\]"):
+        prog(x, torch.tensor([5]))
+
+
+def test_position_arguments_that_disagree_or_are_empty_are_refused_when_compiling():
+    """Both were compiled, and then no call could run the example (a fresh user's finding)."""
+    m, x = TwoCounters(), torch.randn(1, 8)
+    with pytest.raises(InputError, match=r"positions: the decode position arguments disagree \(argument 1 holds 3, "
+                                         r"argument 2 holds 3, argument 3 holds 4\)"):
+        compile_module(m, (x, torch.tensor([3]), torch.tensor(3), torch.tensor(4)), positions=[1, 2, 3],
+                       max_positions=16)
+    with pytest.raises(InputError, match=r"positions: argument 1 \(int64\[0\]\) is empty"):
+        compile_module(m, (x, torch.tensor([], dtype=torch.int64), torch.tensor(3), torch.tensor(3)),
+                       positions=[1, 2, 3], max_positions=16)
 
 
 def test_linear_of_mixed_dtypes_is_refused_like_eager():

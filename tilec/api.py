@@ -129,7 +129,8 @@ def check_positions(args: tuple, positions, max_positions: int) -> None:
     in ``positions`` names an integer tensor argument whose elements all hold one value: tilec plans
     each element of a position argument as the step's position p (``tilec.frontend``), so a tensor
     of per-token positions ``[p, p + 1, ...]`` would silently become ``[p, p, ...]``; that value
-    must lie in ``[0, max_positions)``, or the step could not run at its own example."""
+    must lie in ``[0, max_positions)`` and be the same in every listed argument (none empty), or the
+    step could not run at its own example."""
     if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 1:
         raise InputError(f"max_positions={max_positions!r}: must be an int >= 1")
     for i in positions:
@@ -141,14 +142,22 @@ def check_positions(args: tuple, positions, max_positions: int) -> None:
             got = f"{a.dtype} tensor" if isinstance(a, torch.Tensor) else type(a).__name__
             raise InputError(f"positions: argument {i} must be an integer tensor holding the decode position, "
                              f"got a {got}")
+        if not a.numel():
+            raise InputError(f"positions: argument {i} ({str(a.dtype).removeprefix('torch.')}{list(a.shape)}) is "
+                             f"empty: it must hold the decode position")
         if a.numel() > 1 and bool((a != a.reshape(-1)[0]).any()):
             shown = a.reshape(-1)[:8].tolist()
             raise InputError(f"positions: argument {i} ({str(a.dtype).removeprefix('torch.')}{list(a.shape)}) holds "
                              f"{shown}{' ...' if a.numel() > 8 else ''}, not one value: tilec plans every element "
                              f"of a position argument as the step's position p, so pass the position alone (e.g. "
                              f"[p]) and compute per-token positions p, p + 1, ... inside the module")
-        if a.numel() and not 0 <= int(a.reshape(-1)[0]) < max_positions:
+        if not 0 <= int(a.reshape(-1)[0]) < max_positions:
             raise InputError(f"positions: argument {i} holds position {int(a.reshape(-1)[0])}, outside the planned "
                              f"range [0, {max_positions}) of max_positions={max_positions}: the compiled step could "
                              f"never run at its own example (raise max_positions, or pass an example position "
                              f"inside it)")
+    held = {i: int(args[i].reshape(-1)[0]) for i in positions}
+    if len(set(held.values())) > 1:
+        said = ", ".join(f"argument {i} holds {p}" for i, p in sorted(held.items()))
+        raise InputError(f"positions: the decode position arguments disagree ({said}): every argument listed in "
+                         f"positions holds the one decode position p of the step")

@@ -159,7 +159,7 @@ class HFDecodeStep:
         device = next(model.parameters()).device
         ids = torch.zeros(batch_size, 1, dtype=torch.int64, device=device)
         pos = torch.zeros(1, dtype=torch.int64, device=device)
-        state = [t.clone() if t.dim() == 0 else t for t in self.module.state()]
+        state = [torch.zeros_like(t) if t.dim() == 0 else t for t in self.module.state()]  # (counters: at p = 0, as pos)
         positions = [1] + [2 + i for i, t in enumerate(state) if t.dim() == 0]
         self._expected: int | None = None  # the cache's token count after our last step (host copy)
         self._mark: tuple | None = None  # (counter tensors, their versions) as our last step or seek left them

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import numbers
 import operator
 
@@ -322,7 +323,8 @@ class CompiledProgram:
         out, tensors = {}, []
         for i, shape in self._position_args:
             a = args[i]
-            if not (isinstance(a, torch.Tensor) and a.numel() == 1 and is_integer(a.dtype)):
+            if not (isinstance(a, torch.Tensor) and is_integer(a.dtype) and
+                    (a.numel() == 1 or a.numel() > 1 and shape is not None and math.prod(shape) > 1)):
                 out[i] = a if type(a) is int else _position_of(self._labels[i], a)  # TilecError unless an int
                 continue
             if shape is not None and a.shape != shape:
@@ -357,9 +359,16 @@ class CompiledProgram:
                 if bad.device == dev:
                     read.append(bad)  # (cat promotes the flags to int64)
             values = torch.cat(read).tolist()
-            out.update(zip(tensors, values))
-            flags = [bool(v) for v in values[len(tensors):]] if len(values) > len(tensors) else \
-                None if bad is None else bad.tolist()
+            k = 0
+            for i in tensors:  # (a position tensor of several elements: all hold p, as its example did)
+                n = args[i].numel()
+                if n > 1 and values[k:k + n].count(values[k]) != n:
+                    raise PositionError(f"{self._labels[i]} ({args[i].dtype}{list(args[i].shape)}) holds "
+                                        f"{values[k:k + min(n, 8)]}{' ...' if n > 8 else ''}, not one value: "
+                                        f"every element of a decode position argument holds the step's position")
+                out[i] = values[k]
+                k += n
+            flags = [bool(v) for v in values[k:]] if len(values) > k else None if bad is None else bad.tolist()
         for i, p in sorted(out.items()):  # (the first out of range in call order)
             if not 0 <= p < self.graph.max_positions:
                 raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
