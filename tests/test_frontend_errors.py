@@ -518,6 +518,29 @@ def test_compile_module_call_mistakes_are_named(call, pattern):
         call(torch.nn.Linear(4, 4), torch.randn(2, 4))
 
 
+class NestedArgs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, extra):
+        return self.lin(x) * extra["scale"] + extra["shift"] if isinstance(extra, dict) else self.lin(x) * sum(extra)
+
+
+@pytest.mark.parametrize("extra, kind, n", [
+    ({"scale": torch.randn(4), "shift": torch.randn(4)}, "dict", "of 2 values"),
+    ([torch.randn(4), torch.randn(4)], "list", "of 2 values"),
+    ((torch.randn(4),), "tuple", "of 1 value"),
+], ids=["dict", "list", "tuple"])
+def test_a_container_argument_is_refused_when_compiling(extra, kind, n):
+    """A dict/list/tuple argument compiled (torch.export flattens it into graph inputs of their own) into a
+    program that could not be called with it: "compiled step takes 3 arguments, got 2" (a fresh user's case)."""
+    with pytest.raises(InputError, match=rf"argument 1 is a {kind} \({n}\): compile_module takes tensors, Python "
+                                         rf"numbers or None as arguments, not containers; pass the tensors it holds "
+                                         rf"as separate arguments"):
+        compile_module(NestedArgs().eval(), (torch.randn(2, 4), extra))
+
+
 class TwoCounters(torch.nn.Module):
     """Two position inputs advanced in place (HF caches' per-layer ``cumulative_length += 1``)."""
 

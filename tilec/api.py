@@ -5,6 +5,7 @@ import inspect
 import time
 
 import torch
+import torch.utils._pytree as pytree
 
 from .capture import export_graph
 from .dump import with_dump
@@ -43,7 +44,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         module: the step to compile (e.g. :class:`tilec.hf.StaticCacheStep`). Its parameters are
             bound by reference (later in-place edits are seen); its buffers are constants taken
             now (folded, e.g. RoPE ``inv_freq`` into tables): recompile after editing one.
-        args: example arguments; their shapes and dtypes are planned for.
+        args: example arguments (tensors, Python numbers or None; not containers of them); their shapes
+            and dtypes are planned for.
         positions: indices in ``args`` of int64 tensors holding the decode position p.
         max_positions: positions p to plan for (``0 <= p < max_positions``).
         options: :class:`Options` or a dict of option values.
@@ -52,8 +54,9 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
 
     Raises:
         UnsupportedNodeError: the graph has ops tilec cannot lower (names node and source line).
-        InputError: meta-device weights or arguments; ``args``, ``positions`` or ``max_positions``
-            do not fit the module (naming the argument and the shapes or values);
+        InputError: meta-device weights or arguments; a container argument (a dict or tuple of
+            tensors); ``args``, ``positions`` or ``max_positions`` do not fit the module (naming
+            the argument and the shapes or values);
             :class:`ExampleInputError` when it fails on ``args``.
         VerificationError: a stage broke an invariant (a tilec bug: please report it).
     """
@@ -112,16 +115,32 @@ def meta_tensors(module: torch.nn.Module, args, label: str = "argument") -> list
 
 def check_call(module, args, positions) -> None:
     """Raises :class:`InputError` unless ``module`` is a ``torch.nn.Module``, ``args`` a tuple or list
-    of example arguments (a bare tensor would be iterated row by row) and ``positions`` a list or
-    tuple of argument indices."""
+    of example arguments (a bare tensor would be iterated row by row), none of them a container
+    (:func:`check_flat`), and ``positions`` a list or tuple of argument indices."""
     if not isinstance(module, torch.nn.Module):
         raise InputError(f"compile_module needs a torch.nn.Module, got a {type(module).__name__} (wrap a function "
                          f"in a Module's forward)")
     if not isinstance(args, (tuple, list)):
         hint = " (wrap a single tensor as (x,))" if isinstance(args, torch.Tensor) else ""
         raise InputError(f"args must be a tuple of example arguments, got a {type(args).__name__}{hint}")
+    check_flat(args)
     if not isinstance(positions, (tuple, list)):
         raise InputError(f"positions={positions!r} must be a list of argument indices, e.g. [1]")
+
+
+def check_flat(args) -> None:
+    """Raises :class:`InputError` naming the first of ``args`` that is a container of values (a dict,
+    list, tuple or another pytree node, even an empty one): ``torch.export`` flattens it into graph
+    inputs of their own, while the compiled step, ``positions``, baked Python values, error labels
+    and the artifact format all index the top-level arguments, so its program could not be called
+    with the arguments it was compiled for. ``None`` is a plain (ignored) argument."""
+    for i, a in enumerate(args):
+        if a is not None and not pytree.tree_is_leaf(a):
+            n = len(pytree.tree_leaves(a))
+            raise InputError(f"argument {i} is a {type(a).__name__} (of {n} value{'' if n == 1 else 's'}): "
+                             f"compile_module takes tensors, Python numbers or None as arguments, not containers; "
+                             f"pass the tensors it holds as separate arguments (forward(self, x, a, b) rather than "
+                             f"forward(self, x, pair) called with (a, b))")
 
 
 def check_positions(args: tuple, positions, max_positions: int) -> None:
