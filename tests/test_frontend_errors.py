@@ -270,6 +270,25 @@ def test_non_contiguous_read_only_argument_is_accepted(two_inputs):
     torch.testing.assert_close(prog(hidden, args[1]), m(*args).detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("width", [8, 20000], ids=["staged", "bound"])
+def test_sparse_and_mkldnn_arguments_are_refused_by_layout(width):
+    """They failed inside tilec with torch's own RuntimeError ("copy_() between dense and sparse Tensors", "Cannot
+    access data pointer of Tensor that doesn't have storage"), and a sparse example compiled into a program its own
+    example could not call (a fresh user's finding)."""
+    m = torch.nn.Linear(width, 4).eval()
+    x = torch.randn(2, width)
+    with pytest.raises(InputError, match=rf"argument 0 is a torch\.sparse_coo tensor \(torch\.float32\[2, {width}\]\): "
+                                         r"a compiled step reads dense \(strided\) tensors only; pass it as a dense "
+                                         r"tensor \(x\.to_dense\(\)\)"):
+        compile_module(m, (x.to_sparse(),))
+    prog = compile_module(m, (x,), options=dict(workers=2))
+    for bad, layout in ((x.to_sparse(), "sparse_coo"), (x.to_mkldnn(), "_mkldnn")):
+        with pytest.raises(TilecError, match=rf"argument 0 \(input\) is a torch\.{layout} tensor \(torch\.float32"
+                                             rf"\[2, {width}\]\): a compiled step reads dense \(strided\) tensors"):
+            prog(bad)
+    torch.testing.assert_close(prog(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_program_still_works_after_a_bad_call(two_inputs):
     m, args, prog = two_inputs
     with pytest.raises(TilecError):

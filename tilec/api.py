@@ -15,7 +15,7 @@ from .guards import build_mask_guards
 from .options import Options
 from .pipeline import Hook, compile_opgraph
 from .ir import is_integer
-from .program import CompiledProgram
+from .program import CompiledProgram, layout_error
 
 
 def check_hook(hook) -> None:
@@ -55,8 +55,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     Raises:
         UnsupportedNodeError: the graph has ops tilec cannot lower (names node and source line).
         InputError: meta-device weights or arguments; a container argument (a dict or tuple of
-            tensors); ``args``, ``positions`` or ``max_positions`` do not fit the module (naming
-            the argument and the shapes or values);
+            tensors) or a sparse or MKLDNN one; ``args``, ``positions`` or ``max_positions`` do not
+            fit the module (naming the argument and the shapes or values);
             :class:`ExampleInputError` when it fails on ``args``.
         VerificationError: a stage broke an invariant (a tilec bug: please report it).
     """
@@ -116,7 +116,8 @@ def meta_tensors(module: torch.nn.Module, args, label: str = "argument") -> list
 def check_call(module, args, positions) -> None:
     """Raises :class:`InputError` unless ``module`` is a ``torch.nn.Module``, ``args`` a tuple or list
     of example arguments (a bare tensor would be iterated row by row), none of them a container
-    (:func:`check_flat`), and ``positions`` a list or tuple of argument indices."""
+    (:func:`check_flat`) or a sparse or MKLDNN tensor (:func:`check_dense`), and ``positions`` a list
+    or tuple of argument indices."""
     if not isinstance(module, torch.nn.Module):
         raise InputError(f"compile_module needs a torch.nn.Module, got a {type(module).__name__} (wrap a function "
                          f"in a Module's forward)")
@@ -124,6 +125,7 @@ def check_call(module, args, positions) -> None:
         hint = " (wrap a single tensor as (x,))" if isinstance(args, torch.Tensor) else ""
         raise InputError(f"args must be a tuple of example arguments, got a {type(args).__name__}{hint}")
     check_flat(args)
+    check_dense(args)
     if not isinstance(positions, (tuple, list)):
         raise InputError(f"positions={positions!r} must be a list of argument indices, e.g. [1]")
 
@@ -141,6 +143,16 @@ def check_flat(args) -> None:
                              f"compile_module takes tensors, Python numbers or None as arguments, not containers; "
                              f"pass the tensors it holds as separate arguments (forward(self, x, a, b) rather than "
                              f"forward(self, x, pair) called with (a, b))")
+
+
+def check_dense(args) -> None:
+    """Raises :class:`InputError` naming the first of ``args`` that is a tensor of a layout other than
+    strided (a sparse or MKLDNN tensor): a compiled step binds dense tensors through their data
+    pointers and strides, so its own call with that example would fail inside torch (a raw
+    ``RuntimeError`` from a copy or a data pointer)."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.layout is not torch.strided:
+            raise InputError(layout_error(f"argument {i}", a))
 
 
 def check_positions(args: tuple, positions, max_positions: int) -> None:

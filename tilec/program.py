@@ -19,6 +19,7 @@ from .refexec import ReferenceExecutor
 
 
 STAGE_INPUT_BYTES = 64 * 1024  # read-only inputs up to this size are copied, larger ones bound in place
+_STRIDED = torch.strided  # the one layout a step binds (sparse, MKLDNN tensors are refused: layout_error)
 _TENSOR, _POSITION, _IGNORED = range(3)  # what an argument of the compiled step is (CompiledProgram._arg_specs)
 
 
@@ -29,6 +30,13 @@ def _version(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+def layout_error(label: str, a: torch.Tensor) -> str:
+    """The error for tensor argument ``a`` (named ``label``) of a layout other than strided (a sparse or
+    MKLDNN tensor): tilec's steps read dense tensors through their data pointers and strides."""
+    return (f"{label} is a {a.layout} tensor ({a.dtype}{list(a.shape)}): a compiled step reads dense (strided) "
+            f"tensors only; pass it as a dense tensor (x.to_dense())")
 
 
 def _position_of(label: str, a) -> int:
@@ -221,13 +229,15 @@ class CompiledProgram:
 
     def check_example(self, args) -> None:
         """Checks ``args`` against the step's arguments without binding them: their count, each tensor's
-        shape and dtype, each baked Python value, the decode position arguments (as a call reads them: a
+        shape, dtype and layout, each baked Python value, the decode position arguments (as a call reads them: a
         device tensor costs a sync). Raises InputError naming the first that does not fit (what
         :func:`tilec.artifact.save` does with its example inputs, which ``tilec run`` passes later)."""
         try:
             self._check_fixed(args)
             for i, (kind, name, shape, dtype, _, _) in enumerate(self._arg_specs):
                 a = args[i]
+                if kind == _TENSOR and isinstance(a, torch.Tensor) and a.layout is not _STRIDED:
+                    raise InputError(layout_error(self._labels[i], a))
                 if kind == _TENSOR and not (isinstance(a, torch.Tensor) and tuple(a.shape) == tuple(shape)
                                             and a.dtype == dtype):
                     got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
@@ -297,7 +307,9 @@ class CompiledProgram:
         dev = self._device_index
         for i, name, shape, dtype, staged, inplace in self._t_checked:
             a = args[i]
-            if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
+            if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype or a.layout is not _STRIDED:
+                if isinstance(a, torch.Tensor) and a.layout is not _STRIDED:
+                    raise TilecError(layout_error(self._labels[i], a))
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
                 raise TilecError(f"{self._labels[i]}: expected {dtype}{list(shape)}, got {got}")
             if not (a.is_cuda and a.get_device() == dev if dev >= 0 else a.is_cpu):
