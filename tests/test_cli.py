@@ -1089,6 +1089,58 @@ def test_saving_from_python_checks_the_example_inputs(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+class _CacheAtPos(torch.nn.Module):
+    def forward(self, x, pos, cache):
+        cache.index_copy_(1, pos, x)
+        return cache * 2.0
+
+
+class _UnreadPos(torch.nn.Module):
+    def forward(self, x, pos):
+        return x * 2.0
+
+
+def test_saving_from_python_records_the_programs_positions(tmp_path):
+    """tilec.artifact.save wrote positions and max_positions as given, unchecked: positions=[2] (the cache) saved an
+    artifact load() refused, and the defaults recorded positions [] and max_positions 1 for a program planned for 8
+    positions at argument 1 (a fresh user's cases). They now default to the program's own, and values that disagree
+    with it are refused before anything is written."""
+    from tilec.api import compile_module
+    from tilec.artifact import ArtifactError
+
+    args = (torch.randn(1, 1, 4), torch.tensor([2]), torch.zeros(1, 8, 4))
+    prog = compile_module(_CacheAtPos(), args, positions=[1], max_positions=8)
+    assert prog.position_args == (1,)
+    for kw, pattern in ((dict(positions=[2]), r"positions lists 2, but the program reads argument 2 \(cache\) as a "
+                                              r"tensor, not as its decode position \(its position arguments: \[1\]\)"),
+                        (dict(positions=[]), r"positions=\[\] omits argument 1, which the program reads as its decode "
+                                             r"position"),
+                        (dict(positions=[3]), r"positions lists 3, not an argument index \(the program takes 3 "
+                                              r"arguments\)"),
+                        (dict(max_positions=4), r"max_positions=4, but the program plans 8 decode positions"),
+                        (dict(positions=[1], max_positions=1), r"max_positions=1, but the program plans 8")):
+        with pytest.raises(ArtifactError, match=pattern):
+            artifact.save(tmp_path / "a", prog, args, build=False, **kw)
+        assert not (tmp_path / "a").exists()
+    for name, kw in (("own", {}), ("given", dict(positions=[1], max_positions=8))):
+        artifact.save(tmp_path / name, prog, args, build=False, **kw)
+        call = artifact.load(tmp_path / name).manifest["call"]
+        assert (call["positions"], call["max_positions"]) == ([1], 8)
+    # a listed position the graph does not read is an ignored argument to the program: recorded when given (an
+    # integer tensor, as load() needs), left out by default (the program cannot know it)
+    args = (torch.randn(2, 4), torch.tensor([0]))
+    prog = compile_module(_UnreadPos(), args, positions=[1], max_positions=4)
+    assert prog.position_args == ()
+    for name, kw, want in (("unread-own", {}, []), ("unread-given", dict(positions=[1], max_positions=4), [1])):
+        artifact.save(tmp_path / name, prog, args, build=False, **kw)
+        call = artifact.load(tmp_path / name).manifest["call"]
+        assert (call["positions"], call["max_positions"]) == (want, 4)
+    with pytest.raises(ArtifactError, match=r"positions lists 1, but example argument 1 is a float, not an integer "
+                                            r"tensor holding the decode position"):
+        artifact.save(tmp_path / "c", prog, (args[0], 0.5), positions=[1], build=False)
+    assert not (tmp_path / "c").exists()
+
+
 def test_compile_force_never_replaces_a_folder_that_is_not_an_artifact(facts, tmp_path):
     out = tmp_path / "precious"
     out.mkdir()

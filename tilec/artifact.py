@@ -62,8 +62,8 @@ from . import codegen
 from .codegen.build import sha256_file as _sha256
 from .dump import render_schedule
 from .errors import InputError, TilecError
-from .frontend import GraphBinding
-from .ir import OpGraph
+from .frontend import IGNORED, POSITION, GraphBinding
+from .ir import OpGraph, is_integer
 from .options import Options
 from .passes.schedule import Schedule
 from .pipeline import Compiled
@@ -101,7 +101,7 @@ class ArtifactArchError(ArtifactError):
 # ---- writing -----------------------------------------------------------------------------
 
 def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: dict | None = None,
-         positions=(), max_positions: int = 1, param_sources: dict[str, str] | None = None,
+         positions=None, max_positions: int | None = None, param_sources: dict[str, str] | None = None,
          build: bool = True, force: bool = False, progress=None) -> Path:
     """Writes ``program`` as an artifact directory at ``path`` (atomically).
 
@@ -110,7 +110,10 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         inputs: the example arguments it was compiled with (tensors, or plain numbers).
         factory: how to rebuild the eager module (``{"spec", "module", "file", "name", "cwd"}``),
             recorded for ``tilec run --check`` and ``tilec bench``.
-        positions, max_positions: as given to ``compile_module``.
+        positions, max_positions: as given to ``compile_module``, recorded for ``tilec run`` and ``tilec bench``;
+            None (the default): the program's own (:attr:`CompiledProgram.position_args`, the plan's
+            ``max_positions``). Given, they must agree with the program (``positions`` may also list
+            integer tensor arguments its graph does not read, which it cannot tell apart).
         param_sources: parameter buffer name -> the module's ``state_dict`` key it came from (over the
             names the capture recorded; either names a parameter in a loaded program's errors).
         build: build ``cuda/libtilec.so`` with nvcc when nvcc is present.
@@ -121,7 +124,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     Returns: the artifact's path.
     Raises:
         ArtifactError: ``path`` holds an artifact (without ``force``) or other files, an example
-            argument is neither a tensor nor a plain number, or the program checks a run-time
+            argument is neither a tensor nor a plain number, ``positions`` or ``max_positions``
+            disagree with the program (nothing is written), or the program checks a run-time
             attention mask (:mod:`tilec.guards`; an artifact does not carry the check).
         TilecError: nvcc failed, ``TILEC_NVCC`` names a program that does not run as nvcc, or a
             codegen template is missing or broken (nothing is written).
@@ -148,6 +152,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
         program.check_example(list(inputs))
     except InputError as e:  # (also a bad decode position)
         raise ArtifactError(f"the example inputs do not fit the program: {e}") from e
+    positions, max_positions = _call_positions(program, inputs, positions, max_positions)
     plan, opts = program.plan, program.opts
     try:
         sources, cuda_note = codegen.render(plan), None
@@ -527,6 +532,47 @@ def _spec_of(text: str | None, root: Path):
         log.warning("tilec: %s: its outputs come back as a tuple: their structure cannot be read here (%s: %s)",
                     root, type(e).__name__, " ".join(str(e).split())[:200])
         return None
+
+
+def _call_positions(program: CompiledProgram, inputs, positions, max_positions) -> tuple[list[int], int]:
+    """``(call.positions, call.max_positions)`` for the manifest of ``program`` saved with example ``inputs``
+    (already checked to fit it): the program's own where None, else the values given once they agree with
+    it. ``positions`` must list every argument the program reads as its decode position and may add others
+    it ignores (a position argument its graph does not read is an ignored argument to the program) when they
+    are integer tensors, as :func:`load` requires. Raises :class:`ArtifactError` naming the disagreement."""
+    own = list(program.position_args)
+    planned = program.graph.max_positions
+    if max_positions is None:
+        max_positions = planned
+    elif isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions != planned:
+        raise ArtifactError(f"max_positions={max_positions!r}, but the program plans {planned} decode position"
+                            f"{'' if planned == 1 else 's'} (it was compiled with max_positions={planned}): leave "
+                            f"max_positions out to record the program's")
+    if positions is None:
+        positions = own
+    elif not isinstance(positions, (list, tuple)):
+        raise ArtifactError(f"positions={positions!r}: a list of argument indices, or None for the program's own "
+                            f"({own})")
+    for i in positions:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(inputs):
+            raise ArtifactError(f"positions lists {i!r}, not an argument index (the program takes {len(inputs)} "
+                                f"argument{'' if len(inputs) == 1 else 's'})")
+        if program.graph.inputs[i] not in (POSITION, IGNORED):
+            raise ArtifactError(f"positions lists {i}, but the program reads {program._labels[i]} as a tensor, not "
+                                f"as its decode position (its position arguments: {own}); leave positions out to "
+                                f"record the program's")
+        a = inputs[i]
+        if not (isinstance(a, torch.Tensor) and is_integer(a.dtype)):  # (load() requires it: run and bench index them)
+            got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+            raise ArtifactError(f"positions lists {i}, but example argument {i} is a {got}, not an integer tensor "
+                                f"holding the decode position (an artifact records its position arguments as "
+                                f"tensors)")
+    missing = [i for i in own if i not in positions]
+    if missing:
+        raise ArtifactError(f"positions={list(positions)} omits {program._labels[missing[0]]}, which the program "
+                            f"reads as its decode position (its position arguments: {own}); leave positions out to "
+                            f"record the program's")
+    return list(positions), max_positions
 
 
 def _describe_inputs(inputs) -> tuple[list[dict], dict[str, torch.Tensor]]:

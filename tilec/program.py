@@ -217,6 +217,12 @@ class CompiledProgram:
                                       if name not in (POSITION, IGNORED)}
 
     @property
+    def position_args(self) -> tuple[int, ...]:
+        """The indices of the arguments the step reads as its decode position: the ``positions`` it was
+        compiled with, less any its graph does not read (those it cannot tell from other ignored arguments)."""
+        return tuple(i for i, name in enumerate(self.graph.inputs) if name == POSITION)
+
+    @property
     def stats(self) -> dict:
         return self.compiled.stats
 
