@@ -82,9 +82,26 @@ def test_an_example_cache_aliasing_a_parameter_is_named(detached):
     m = CacheStep("k").eval()
     weight = m.k_proj.weight.data if detached else m.k_proj.weight
     cache = weight.view(-1)[:H * S * D].view(1, H, S, D)
-    with pytest.raises(TilecError, match=r"argument 2 and the module's parameter k_proj\.weight share memory"):
+    with pytest.raises(TilecError, match=r"argument 2 and the module's parameter k_proj\.weight share memory: "
+                                         r"torch\.export cannot capture an argument that shares memory with the "
+                                         r"module's state \(its parameters and buffers\), and the step updates it in "
+                                         r"place; pass a tensor of its own"):
         compile_module(m, (torch.randn(1, 1, H * D), torch.tensor([0]), cache), positions=[1], max_positions=S,
                        options=dict(executor="reference"))
+
+
+def test_a_read_only_argument_viewing_a_parameter_is_not_said_to_be_updated():
+    """An argument that only views a parameter (read, never written) was refused as "an argument updated in place
+    that aliases the module's state" (a fresh user's case): torch.export does fail on it, but nothing is updated."""
+    from tilec.errors import InputError
+
+    m = torch.nn.Linear(8, 8).eval()
+    with pytest.raises(InputError, match=r"argument 0 and the module's parameter weight share memory: torch\.export "
+                                         r"cannot capture an argument that shares memory with the module's state "
+                                         r"\(its parameters and buffers\), even one it only reads; pass a copy "
+                                         r"\(e\.g\. x\.clone\(\)\)") as info:
+        compile_module(m, (m.weight.detach()[:2],))
+    assert "in place" not in str(info.value)
 
 
 def test_a_strided_cache_is_refused_at_a_call_with_its_strides():

@@ -171,44 +171,72 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
 def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
     """After a failed export: raises :class:`InputError` (bad example arguments) naming two tensor arguments, or an
     argument and a parameter or buffer of the module, whose memory overlaps, when the export succeeds with
-    the (second) argument cloned (``torch.export`` cannot capture an input updated in place that
-    aliases another tensor, and says so only obscurely: an IndexError, or an AttributeError from its
-    guards); returns when nothing overlaps or the overlaps are not the cause. Exports once more with
-    every overlapping argument cloned, then once per overlap to name the one that matters."""
-    def exports_with_clones(idx) -> bool:
+    the (second) argument cloned (``torch.export`` cannot capture an input updated in place that aliases
+    another argument, nor an argument, read or updated, that shares memory with the module's state, and
+    says so only obscurely: an IndexError, or an AttributeError from its guards); returns when nothing
+    overlaps or the overlaps are not the cause. Exports once more with every overlapping argument cloned
+    (which also tells the arguments the step updates in place), then once per overlap to name the one
+    that matters."""
+    def export_with_clones(idx):
         trial = [a.clone() if i in idx else a for i, a in enumerate(args)]
         try:
-            torch.export.export(module, tuple(trial), strict=False).run_decompositions({})
+            return torch.export.export(module, tuple(trial), strict=False).run_decompositions({})
         except Exception:  # noqa: BLE001 - fails with these overlaps gone too: not (only) their cause
-            return False
-        return True
+            return None
 
     ranges = [(i, _byte_range(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.numel() > 0]
     params = dict(module.named_parameters(remove_duplicate=False))
     state = [(("parameter" if name in params else "buffer"), name, _byte_range(t))
              for name, t in itertools.chain(params.items(), module.named_buffers(remove_duplicate=False))
              if isinstance(t, torch.Tensor) and t.numel() > 0 and t.device.type != "meta"]
-    overlaps = []  # (argument to clone, message)
+    pairs = []  # (argument to clone, the argument it overlaps)
     for x, (i, (lo_i, hi_i)) in enumerate(ranges):
-        for j, (lo_j, hi_j) in ranges[x + 1:]:
-            if lo_i < hi_j and lo_j < hi_i:
-                overlaps.append((j, f"arguments {i} and {j} share memory (one tensor, or overlapping views of one): "
-                                    f"torch.export cannot capture them when one is updated in place; pass distinct "
-                                    f"tensors (e.g. a clone)"))
-    for i, (lo_i, hi_i) in ranges:
-        for what, name, (lo, hi) in state:
-            if lo_i < hi and lo < hi_i:
-                overlaps.append((i, f"argument {i} and the module's {what} {name} share memory: torch.export cannot "
-                                    f"capture an argument updated in place that aliases the module's state; pass a "
-                                    f"tensor of its own (e.g. a clone)"))
-    if not overlaps or not exports_with_clones({i for i, _ in overlaps}):
+        pairs += [(j, i) for j, (lo_j, hi_j) in ranges[x + 1:] if lo_i < hi_j and lo_j < hi_i]
+    shared = [(i, f"{what} {name}") for i, (lo_i, hi_i) in ranges for what, name, (lo, hi) in state
+              if lo_i < hi and lo < hi_i]  # (argument to clone, the module's tensor it overlaps)
+    if not pairs and not shared:
         return
+    ep = export_with_clones({i for i, _ in (*pairs, *shared)})
+    if ep is None:
+        return
+    updated = _updated_arguments(ep, len(args))
+    overlaps = [(j, f"arguments {i} and {j} share memory (one tensor, or overlapping views of one): torch.export "
+                    f"cannot capture them when one is updated in place; pass distinct tensors (e.g. a clone)")
+                for j, i in pairs]
+    overlaps += [(i, _state_alias_message(i, what, None if updated is None else i in updated))
+                 for i, what in shared]
     for i, message in overlaps:
-        if len(overlaps) == 1 or exports_with_clones({i}):
+        if len(overlaps) == 1 or export_with_clones({i}) is not None:
             raise InputError(message) from cause
     raise InputError("; ".join(dict.fromkeys(m.split(":")[0] for _, m in overlaps)) +
-                     ": torch.export cannot capture an argument updated in place that aliases another tensor; pass "
-                     "tensors of their own (e.g. clones)") from cause
+                     ": torch.export cannot capture an argument that shares memory with the module's state, or "
+                     "with another argument updated in place; pass tensors of their own (e.g. clones)") from cause
+
+
+def _state_alias_message(i: int, state: str, updated: bool | None) -> str:
+    """Why argument ``i``, sharing memory with the module's ``state`` (``parameter l.weight``), was refused;
+    ``updated``: whether the step updates it in place (None: unknown)."""
+    head = (f"argument {i} and the module's {state} share memory: torch.export cannot capture an argument that "
+            f"shares memory with the module's state (its parameters and buffers)")
+    if updated is None:
+        return f"{head}; pass a tensor of its own (e.g. x.clone())"
+    if updated:
+        return (f"{head}, and the step updates it in place; pass a tensor of its own (e.g. a .clone(), which the "
+                f"step then updates instead of the module's {state.split()[0]})")
+    return f"{head}, even one it only reads; pass a copy (e.g. x.clone())"
+
+
+def _updated_arguments(ep, n_args: int) -> set[int] | None:
+    """The indices of the arguments exported program ``ep`` updates in place; None when its user inputs are
+    not the ``n_args`` arguments one for one (a container argument)."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    users = [spec.arg.name for spec in sig.input_specs if spec.kind == InputKind.USER_INPUT]
+    if len(users) != n_args:
+        return None
+    written = {spec.target for spec in sig.output_specs if spec.kind == OutputKind.USER_INPUT_MUTATION}
+    return {i for i, name in enumerate(users) if name in written}
 
 
 def _check_runs_eagerly(module: torch.nn.Module, args) -> None:
