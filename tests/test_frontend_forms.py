@@ -202,8 +202,34 @@ def test_layernorm_with_its_centered_rows_in_one_variable_is_one_layernorm_op():
     assert [op.kind for op in prog.plan.graph.ops] == ["layernorm"]
     with torch.no_grad():
         assert_close(prog(x), m(x), 1e-6)
-    with pytest.raises(UnsupportedNodeError, match="a row mean is lowered as part of an RMSNorm or LayerNorm"):
+    with pytest.raises(UnsupportedNodeError, match="a row mean is lowered only as part of a norm tilec recognizes"):
         compile_module(Fn(lambda m, x: x - x.mean(-1, keepdim=True)).eval(), (x,))
+
+
+def _layernorm_by_division(m, x):
+    u = x.mean(-1, keepdim=True)
+    return (x - u) / torch.sqrt((x - u).pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda m, x: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5),
+    _layernorm_by_division,  # (both of its means are refused, for one reason)
+], ids=["rmsnorm", "layernorm"])
+def test_a_norm_divided_by_its_sqrt_is_told_to_use_rsqrt(fn):
+    """``x / torch.sqrt(mean(x^2) + eps)`` (and the LayerNorm's) was refused as a mean whose "rounding or shapes
+    differ" (a fresh user's finding): the message now lists the norm forms tilec recognizes and says this division
+    is not one of them, to be written with ``* torch.rsqrt`` (not rewritten by tilec: it rounds differently)."""
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(Fn(fn).eval(), (torch.randn(2, 12),))
+    text = str(info.value)
+    assert "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)" in text and "F.layer_norm" in text, text
+    assert ("this one feeds a division by a square root, x / torch.sqrt(... + eps), which is not one of them: write "
+            "it as x * torch.rsqrt(... + eps)") in text, text
+    assert "its rounding or its shapes differ" not in text, text
+    with pytest.raises(UnsupportedNodeError, match=r"this one is not part of such a form \(its rounding or its shapes "
+                                                   r"differ\)") as info:
+        compile_module(Fn(lambda m, x: x - x.mean(-1, keepdim=True)).eval(), (torch.randn(2, 12),))
+    assert "division" not in str(info.value)
 
 
 def test_layernorm_weight_wider_than_the_rows_is_not_a_layernorm():

@@ -57,10 +57,35 @@ def dtype_why(dtype: torch.dtype) -> str:
     return f"dtype {dtype} is not supported by tilec (supported: {sorted(map(str, DTYPE_CODES))})"
 
 
-MEAN_WHY = ("no tilec op computes a mean alone: a row mean is lowered as part of an RMSNorm or LayerNorm written out "
-            "(tilec/frontend_forms.py has the forms; the README's \"What works\"), and this one is not part of a form "
-            "tilec plans as one op (its rounding or its shapes differ)")
+MEAN_WHY = ("no tilec op computes a mean alone: a row mean is lowered only as part of a norm tilec recognizes - "
+            "F.rms_norm / nn.RMSNorm, F.layer_norm / nn.LayerNorm, or one written out over the last dim with "
+            "torch.rsqrt: RMSNorm x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), LayerNorm (x - u) * "
+            "torch.rsqrt((x - u).pow(2).mean(-1, keepdim=True) + eps) with u = x.mean(-1, keepdim=True), either "
+            "times a [D] weight (tilec/frontend_forms.py has the forms; the README's \"What works\")")
+MEAN_OTHER_WHY = "; this one is not part of such a form (its rounding or its shapes differ)"
+MEAN_DIVISION_WHY = ("; this one feeds a division by a square root, x / torch.sqrt(... + eps), which is not one of "
+                     "them: write it as x * torch.rsqrt(... + eps) (tilec does not rewrite it so itself, as a product "
+                     "by rsqrt rounds differently from eager's division)")
 NO_OP_WHY = "no tilec op computes it (the README's \"What works\" lists what tilec lowers)"
+
+
+def _divides_by_its_sqrt(mean: fx.Node, depth: int = 6) -> bool:
+    """Whether the value of ``mean`` reaches, within ``depth`` ops, a ``sqrt`` that divides something (the
+    divisor of a ``div``, or a ``reciprocal``): a norm written as ``x / torch.sqrt(mean(..) + eps)``, whose
+    ``* torch.rsqrt`` form tilec recognizes (a LayerNorm's first mean reaches it through the centered rows)."""
+    seen, frontier = set(), [mean]
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if is_call(n, aten.sqrt.default) and (is_call(u, aten.reciprocal.default) or (
+                        is_call(u, aten.div.Tensor) and len(u.args) > 1 and u.args[1] is n)):
+                    return True
+                if u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 def _matmul4(n):
@@ -302,7 +327,8 @@ class Lowering(FormsLowering, DsaLowering):
     def _unsupported(self, node: fx.Node, reason: str | None = None):
         """Raises UnsupportedNodeError for ``node`` with ``reason``; without one, the hint about an unlisted
         decode-position argument where it applies, else the dtype an input has that tilec has no code for
-        (:func:`dtype_why`), else ``MEAN_WHY`` for a row mean, else ``NO_OP_WHY``."""
+        (:func:`dtype_why`), else ``MEAN_WHY`` for a row mean (saying so when it feeds a division by its square root,
+        :func:`_divides_by_its_sqrt`), else ``NO_OP_WHY``."""
         if reason is None and self.b.listed_positions:  # a decode position argument the caller did not list?
             for a in node.all_input_nodes:
                 v = val_of(a)
@@ -319,7 +345,7 @@ class Lowering(FormsLowering, DsaLowering):
                     reason = dtype_why(v.dtype)
                     break
         if reason is None and node.target is aten.mean.dim:
-            reason = MEAN_WHY
+            reason = MEAN_WHY + (MEAN_DIVISION_WHY if _divides_by_its_sqrt(node) else MEAN_OTHER_WHY)
         raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason or NO_OP_WHY)
 
     def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP, node: fx.Node | None = None) -> Buffer:
