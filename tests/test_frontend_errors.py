@@ -799,6 +799,30 @@ def test_a_none_output_is_named_not_an_attribute_error():
         compile_module(ReturnsNone().eval(), (torch.randn(2, 24),))
 
 
+class ReturnsMore(torch.nn.Module):
+    def __init__(self, extra):
+        super().__init__()
+        self.lin = torch.nn.Linear(24, 8)
+        self.extra = extra
+
+    def forward(self, x):
+        return self.extra(self.lin(x), x)
+
+
+@pytest.mark.parametrize("extra, said", [
+    (lambda y, x: (y, x.shape), r"forward's result\[1\]\[0\] is 2, not a tensor \(an element of a torch\.Size: a shape "
+                                r"is fixed when compiling"),
+    (lambda y, x: {"y": y, "rows": x.shape[0]}, r"forward's result\['rows'\] is 2, not a tensor"),
+    (lambda y, x: [y, (y, 3)], r"forward's result\[1\]\[1\] is 3, not a tensor"),
+    (lambda y, x: x.shape[0], r"forward returns 2, not a tensor"),
+], ids=["shape", "dict", "nested", "alone"])
+def test_a_non_tensor_output_is_named_where_forward_returns_it(extra, said):
+    """``return y, x.shape`` was refused as "output 1 of forward is 2", the first element of the torch.Size (the
+    outputs are the flattened structure): the value is now named where it sits in forward's result."""
+    with pytest.raises(InputError, match=said + ".*: a compiled step returns tensors only"):
+        compile_module(ReturnsMore(extra).eval(), (torch.randn(2, 24),))
+
+
 class Scaled2(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -75,8 +75,8 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     n_mut = sum(spec.kind in (OutputKind.USER_INPUT_MUTATION, OutputKind.BUFFER_MUTATION) for spec in sig.output_specs)
     for i, n in enumerate(outs):
         if not isinstance(n, fx.Node):  # None, or a Python constant, among forward's results
-            raise InputError(f"output {i - n_mut} of forward is {n!r}, not a tensor: a compiled step returns tensors "
-                             f"only (return just the tensors)")
+            raise InputError(f"{_non_tensor_output(ep.call_spec.out_spec, i - n_mut, n)}: a compiled step returns "
+                             f"tensors only (return just the tensors)")
     out_names = [n.name for n in outs]
     for i, (spec, node_name) in enumerate(zip(sig.output_specs, out_names)):
         if spec.kind in (OutputKind.USER_INPUT_MUTATION, OutputKind.BUFFER_MUTATION):
@@ -95,6 +95,35 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     binding.out_spec = ep.call_spec.out_spec
     binding.listed_positions = True
     return ep.graph_module, binding
+
+
+def _non_tensor_output(spec, k: int, value) -> str:
+    """What forward returned that is not a tensor: ``value``, leaf ``k`` of its flattened result (output
+    structure ``spec``), named where it sits in the result as the user wrote it (``output 1`` of a tuple,
+    ``forward's result[1]['a'][0]``; the outputs are the flattened structure, so a ``torch.Size`` returned
+    as output 1 is several leaves), or by its flat index where the structure cannot be walked."""
+    try:
+        paths = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]
+        path = paths[k][0]
+    except Exception:  # noqa: BLE001 - a container type without key paths: the flat index says where
+        return (f"forward returns a non-tensor value ({value!r}) among its outputs (after flattening its "
+                f"structure: output {k})")
+    parent, s, j = None, spec, k
+    while not s.is_leaf():  # the container holding leaf k
+        parent = s.type
+        # (TreeSpec.child is newer than children_specs, which warns where it is)
+        for child in ([s.child(c) for c in range(s.num_children)] if hasattr(s, "child") else s.children_specs):
+            if j < child.num_leaves:
+                s = child
+                break
+            j -= child.num_leaves
+    if not path:
+        return f"forward returns {value!r}, not a tensor"
+    if len(path) == 1 and isinstance(path[0], pytree.SequenceKey) and parent in (tuple, list):
+        return f"output {path[0].idx} of forward is {value!r}, not a tensor"
+    size = (" (an element of a torch.Size: a shape is fixed when compiling, so take it from the inputs outside "
+            "the step)") if parent is torch.Size else ""
+    return f"forward's result{pytree.keystr(path)} is {value!r}, not a tensor{size}"
 
 
 @contextlib.contextmanager
