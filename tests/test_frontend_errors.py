@@ -729,6 +729,19 @@ def test_a_position_tensor_of_several_equal_elements_runs_as_compiled():
         prog(x, torch.tensor([5]))
 
 
+def test_a_sparse_position_tensor_is_refused_by_layout_and_later_calls_stay_grouped():
+    """A sparse position tensor passed the position read's first check, failed its stack - which turned the
+    grouped read off for every later call - and then raised torch's RuntimeError (a reviewer's finding)."""
+    torch.manual_seed(0)
+    m, x = TwoCounters(), torch.randn(1, 8)
+    prog = compile_module(m, (x, torch.tensor([3]), torch.tensor([3]), torch.tensor([3])), positions=[1, 2, 3],
+                          max_positions=16)
+    with pytest.raises(TilecError, match=r"argument 1 is a torch.sparse_coo tensor .*dense"):
+        prog(x, torch.tensor([4]).to_sparse(), torch.tensor([4]), torch.tensor([4]))
+    assert prog._position_groups is not None
+    assert torch.equal(prog(x, torch.tensor([4]), torch.tensor([4]), torch.tensor([4])), x * 2 + 4)
+
+
 def test_position_arguments_that_disagree_or_are_empty_are_refused_when_compiling():
     """Both were compiled, and then no call could run the example (a fresh user's finding)."""
     m, x = TwoCounters(), torch.randn(1, 8)

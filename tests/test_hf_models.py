@@ -161,6 +161,21 @@ def test_a_cache_changed_behind_the_step_is_checked_again():
     step(tok, 5)
 
 
+def test_a_called_step_and_its_cache_are_freed():
+    """The record of the cache's last compiled writer held the step itself, which holds the cache: neither was
+    ever freed (a reviewer's finding: a whole KV cache and the program kept a step)."""
+    import gc
+    import weakref
+
+    model, cache, _ = build("llama", 1)
+    step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    step(torch.tensor([[7]]), PREFILL)
+    gone = weakref.ref(cache), weakref.ref(step)
+    del step, cache
+    gc.collect()
+    assert [r() for r in gone] == [None, None]
+
+
 def test_decode_position_outside_planned_range_raises():
     model, cache, vocab = build("llama", 1)
     step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))

@@ -64,3 +64,19 @@ def test_a_parameter_made_under_inference_mode_is_copied_every_call():
         prog = compile_module(m, (x,), options=OPTS)
         m.weight.mul_(3)
         assert_close(prog(x), m(x), 1e-6)
+
+
+def test_a_program_compiled_under_inference_mode_refreshes_its_copy_outside_it():
+    """The contiguous copy was made in the compile's mode, so under inference mode it was an inference tensor,
+    and the refresh after an update failed outside it ("Inplace update to inference tensor outside
+    InferenceMode": a reviewer's case); it is a normal tensor now, as the program's other buffers are."""
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        m = _linear(True)
+        x = torch.randn(2, 16)
+        prog = compile_module(m, (x,), options=OPTS)
+    with torch.inference_mode():
+        m.weight.mul_(2)  # (an inference tensor: no version, so every call copies)
+    for mode in (torch.no_grad, torch.enable_grad, torch.inference_mode):
+        with mode():
+            assert_close(prog(x), m(x).detach(), 1e-6)

@@ -42,7 +42,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
 
     Args:
         module: the step to compile (e.g. :class:`tilec.hf.StaticCacheStep`). Its parameters are
-            bound by reference (later in-place edits are seen); its buffers are constants taken
+            bound by reference (later in-place edits are seen; of a non-contiguous parameter, read
+            through a contiguous copy, all but those through ``.data``); its buffers are constants taken
             now (folded, e.g. RoPE ``inv_freq`` into tables): recompile after editing one.
         args: example arguments (tensors, Python numbers or None; not containers of them); their shapes
             and dtypes are planned for.

@@ -12,6 +12,7 @@ from .api import compile_module
 from .errors import DataDependentError, InputError, PositionError
 from .options import Options
 from .ir import is_integer
+from .program import tensor_version
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -105,18 +106,18 @@ class StaticCacheStep(torch.nn.Module):
                     layer.cumulative_length = c
 
 
-# cache -> the HFDecodeStep that last set its token counters (a step over a cache another step wrote since must
-# check the counters on the device, whatever it remembers)
+# cache -> the token of the HFDecodeStep that last set its token counters (a step over a cache another step wrote
+# since must read the counters, whatever it remembers). A token, not the step: the step holds the cache, which
+# would then never be freed
 _LAST_WRITER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _versions(counters: list[torch.Tensor]) -> tuple | None:
-    """The counters' version counters (they move at every in-place update: an eager forward, ``cache.reset()``),
-    or None where torch keeps none (tensors made under ``torch.inference_mode``)."""
-    try:
-        return tuple(c._version for c in counters)
-    except RuntimeError:
-        return None
+def _ends(counters: list[torch.Tensor]) -> tuple:
+    """The first and last counter and their versions: every eager forward, ``cache.reset()`` and compiled step
+    updates all of a cache's counters in place, which moves each one's version (None where torch keeps none:
+    tensors made under ``torch.inference_mode``)."""
+    first, last = counters[0], counters[-1]
+    return first, last, tensor_version(first), tensor_version(last)
 
 
 class HFDecodeStep:
@@ -127,9 +128,13 @@ class HFDecodeStep:
     cache's own position counters as eager HF would.
 
     The step binds the model's parameter tensors when compiled: in-place updates of them
-    (``load_state_dict``, ``weight.data.copy_(...)``) are seen; replacing one
-    (``module.weight = nn.Parameter(...)``, ``weight.data = t``, a new submodule) is not -
-    compile again after that. Buffers (RoPE ``inv_freq``) are constants taken when compiling.
+    (``load_state_dict``, ``weight.mul_(...)``, ``weight.data.copy_(...)``) are seen - of a
+    non-contiguous parameter, which the step reads through a contiguous copy taken again when its
+    version counter moved, all but those through ``.data`` (a view with a version of its own);
+    replacing one (``module.weight = nn.Parameter(...)``, ``weight.data = t``, a new submodule) is
+    not - compile again after that. Buffers (RoPE ``inv_freq``) are constants taken when compiling.
+    The cache's token counters are read back (a sync on a GPU) only when something other than this
+    step may have changed them since its last call (see ``__call__``).
     """
 
     def __init__(self, model, cache, batch_size: int, options=None, hook=None):
@@ -162,7 +167,8 @@ class HFDecodeStep:
         state = [torch.zeros_like(t) if t.dim() == 0 else t for t in self.module.state()]  # (counters: at p = 0, as pos)
         positions = [1] + [2 + i for i, t in enumerate(state) if t.dim() == 0]
         self._expected: int | None = None  # the cache's token count after our last step (host copy)
-        self._mark: tuple | None = None  # (counter tensors, their versions) as our last step or seek left them
+        self._mark: tuple | None = None  # the first and last counter and their versions, as our last step left them
+        self._token = object()  # names this step in _LAST_WRITER
         try:
             self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
                                           max_positions=self.max_len, options=options, hook=hook)
@@ -212,9 +218,12 @@ class HFDecodeStep:
     def _remember(self, counters: list[torch.Tensor], held: int) -> None:
         """Notes that the cache's counters hold ``held`` tokens as this step set them."""
         self._expected = held
-        self._mark = (counters, _versions(counters))
+        if not counters:
+            return
+        self._mark = _ends(counters)
         try:
-            _LAST_WRITER[self.cache] = self
+            if _LAST_WRITER.get(self.cache) is not self._token:
+                _LAST_WRITER[self.cache] = self._token
         except TypeError:  # a cache that takes no weak reference: no record (the versions still tell)
             pass
 
@@ -226,13 +235,13 @@ class HFDecodeStep:
         if position != self._expected or self._mark is None:
             return False
         try:
-            if _LAST_WRITER.get(self.cache) is not self:
+            if _LAST_WRITER.get(self.cache) is not self._token:
                 return False
         except TypeError:
             pass
-        seen, versions = self._mark
-        return len(seen) == len(counters) and all(a is b for a, b in zip(seen, counters)) \
-            and versions == _versions(counters)
+        first, last, v_first, v_last = self._mark
+        return counters[0] is first and counters[-1] is last and tensor_version(first) == v_first \
+            and tensor_version(last) == v_last
 
     def _check_position(self, position) -> int:
         """``position`` as an int, checked against the cache's length."""

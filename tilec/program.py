@@ -23,7 +23,7 @@ _STRIDED = torch.strided  # the one layout a step binds (sparse, MKLDNN tensors 
 _TENSOR, _POSITION, _IGNORED = range(3)  # what an argument of the compiled step is (CompiledProgram._arg_specs)
 
 
-def _version(t: torch.Tensor) -> int | None:
+def tensor_version(t: torch.Tensor) -> int | None:
     """``t``'s version counter (it moves at every in-place update), or None where torch keeps none (a tensor
     made under ``torch.inference_mode``)."""
     try:
@@ -44,6 +44,8 @@ def _position_of(label: str, a) -> int:
     integer tensor of one element. Raises TilecError for anything else (a float, a bool, several
     elements), which eager PyTorch would refuse as an index too."""
     if isinstance(a, torch.Tensor):
+        if a.layout is not _STRIDED:
+            raise TilecError(layout_error(label, a))
         if a.numel() == 1 and is_integer(a.dtype):
             return int(a.reshape(-1)[0])
         got = f"{a.dtype}{list(a.shape)}"
@@ -132,7 +134,7 @@ class CompiledProgram:
             if b.kind is BufferKind.PARAM:
                 t = binding.params[name]
                 if not t.is_contiguous():
-                    self._param_copies.append([name, t, _version(t)])
+                    self._param_copies.append([name, t, tensor_version(t)])
             elif b.kind in (BufferKind.CONST, BufferKind.TABLE):
                 t = self.graph.constants[name].to(self.device)
             elif b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) or name in self.staged_inputs:
@@ -140,7 +142,10 @@ class CompiledProgram:
                     t = torch.empty(b.shape, dtype=b.dtype, device=self.device)
             else:
                 continue
-            self.tensors[name] = t.contiguous()
+            if not t.is_contiguous():  # (a parameter's copy: written at a call after an update, also outside
+                with torch.inference_mode(False):  # inference mode when compiled in it)
+                    t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+            self.tensors[name] = t
         # per argument: (kind, buffer name, shape, dtype, staged, updated in place)
         # (a position tensor's example shape: another shape can broadcast to other output shapes in eager)
         self._arg_specs = [(_POSITION if name == POSITION else _IGNORED, name,
@@ -167,6 +172,8 @@ class CompiledProgram:
                              for i, (kind, name, shape, dtype, staged, inplace) in enumerate(self._arg_specs)
                              if kind == _TENSOR]
         self._position_args = [(i, shape) for i, (kind, _, shape, *_) in enumerate(self._arg_specs) if kind == _POSITION]
+        # elements a call's position tensor holds (its example's: a call of another shape is refused), 1 without one
+        self._position_sizes = {i: 1 if shape is None else math.prod(shape) for i, shape in self._position_args}
         # position tensors by example shape (HF: position_ids [b, 1], then a 0-d counter per layer), each group
         # read with one stack (2 torch calls a group instead of 2 a tensor); None once a stack has failed
         groups: dict[tuple | None, list[int]] = {}
@@ -302,7 +309,7 @@ class CompiledProgram:
         not tracked (a tensor made under ``torch.inference_mode``)."""
         for entry in self._param_copies:
             name, src, seen = entry
-            now = _version(src)
+            now = tensor_version(src)
             if now is None or now != seen:
                 with torch.no_grad():
                     self.tensors[name].copy_(src)
@@ -313,17 +320,23 @@ class CompiledProgram:
         dev = self._device_index
         for i, name, shape, dtype, staged, inplace in self._t_checked:
             a = args[i]
-            if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype or a.layout is not _STRIDED:
-                if isinstance(a, torch.Tensor) and a.layout is not _STRIDED:
-                    raise TilecError(layout_error(self._labels[i], a))
+            if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
                 raise TilecError(f"{self._labels[i]}: expected {dtype}{list(shape)}, got {got}")
             if not (a.is_cuda and a.get_device() == dev if dev >= 0 else a.is_cpu):
                 raise TilecError(f"{self._labels[i]} is on {a.device}, the compiled step runs on {self.device}")
+            # (the layout is read off the common path: a sparse COO tensor is not contiguous, a compressed one has
+            # no strides; an MKLDNN one says it is contiguous, but lives on the CPU only)
+            try:
+                plain = not staged and a.is_contiguous() and (dev >= 0 or a.layout is _STRIDED)
+            except RuntimeError:  # sparse CSR / CSC / BSR
+                plain = False
+            if not plain and a.layout is not _STRIDED:
+                raise TilecError(layout_error(self._labels[i], a))
             if staged:
                 tensors[name].copy_(a)  # a small read-only input: into the program's own buffer
                 continue
-            if not a.is_contiguous():
+            if not plain:
                 if inplace:
                     raise TilecError(f"{self._labels[i]} is updated in place and must be contiguous (got strides "
                                      f"{list(a.stride())} for shape {list(a.shape)}; the step was planned for any "
@@ -336,13 +349,15 @@ class CompiledProgram:
         """(argument index -> the decode position it holds, each checked; the mismatch flags of
         ``guards``, or None). Position tensors and the guards' flags come to the host in one copy,
         the guards evaluated at the first position tensor's value on the device (a GPU call had
-        synchronized twice). Raises PositionError: a shape other than the example's, or a position
-        outside ``[0, max_positions)``."""
+        synchronized twice). Raises PositionError: a shape other than the example's, a tensor of several
+        elements that differ, or a position outside ``[0, max_positions)``; TilecError: neither an int nor a
+        dense integer tensor."""
         out, tensors = {}, []
+        sizes = self._position_sizes
         for i, shape in self._position_args:
             a = args[i]
-            if not (isinstance(a, torch.Tensor) and is_integer(a.dtype) and
-                    (a.numel() == 1 or a.numel() > 1 and shape is not None and math.prod(shape) > 1)):
+            if not (isinstance(a, torch.Tensor) and is_integer(a.dtype) and a.layout is _STRIDED and
+                    (a.numel() == 1 or sizes[i] > 1)):
                 out[i] = a if type(a) is int else _position_of(self._labels[i], a)  # TilecError unless an int
                 continue
             if shape is not None and a.shape != shape:
@@ -379,7 +394,7 @@ class CompiledProgram:
             values = torch.cat(read).tolist()
             k = 0
             for i in tensors:  # (a position tensor of several elements: all hold p, as its example did)
-                n = args[i].numel()
+                n = sizes[i]  # (its shape is the example's)
                 if n > 1 and values[k:k + n].count(values[k]) != n:
                     raise PositionError(f"{self._labels[i]} ({args[i].dtype}{list(args[i].shape)}) holds "
                                         f"{values[k:k + min(n, 8)]}{' ...' if n > 8 else ''}, not one value: "
