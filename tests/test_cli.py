@@ -52,6 +52,12 @@ def linear():
 def unsupported():
     return Sorter(), (torch.randn(2, 8),)
 
+def dtype_by_machine():  # picks its dtype by what the machine has, as examples/factories.py:tiny_llama_step does
+    import os
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if os.environ.get("TILEC_TEST_BF16") else torch.float32
+    return torch.nn.Linear(32, 16).to(dtype), (torch.randn(2, 32, dtype=dtype),)
+
 def nan_weights():  # every output NaN, in eager and in tilec alike
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 16)
@@ -597,6 +603,28 @@ def test_run_check_says_when_no_finite_values_were_compared(facts, tmp_path):
     assert r.exit_code == 0, r.output
     assert re.search(r"^  output 0 +float32\[2, 16\]  0\.000e\+00  ok \(no finite values to compare: the NaN / "
                      r"infinite values match\)$", r.stdout, re.M), r.stdout
+
+
+def test_run_check_refuses_a_factory_that_builds_another_dtype_here(facts, tmp_path, monkeypatch):
+    """An artifact compiled on a CPU machine from a factory that picks bf16 when CUDA is there was checked on a GPU
+    machine against the factory's bf16 module, the artifact's float32 weights cast into it: eager raised a dtype
+    error (index_copy_) - or, for other modules, would have compared a bf16 eager run with a float32 step (seen on
+    an H100, fifty-fifth session). The check now names the parameter and both dtypes, exit 2; bench shows it."""
+    out = tmp_path / "bydtype"
+    monkeypatch.delenv("TILEC_TEST_BF16", raising=False)
+    r = invoke("compile", f"{facts}:dtype_by_machine", "-o", out, "-O", "workers=4", "--no-build")
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("TILEC_TEST_BF16", "1")
+    r = invoke("run", out, "--check", "--executor", "reference")
+    assert r.exit_code == 2, r.output
+    assert re.search(r"tilec: error: the factory \(.*dtype_by_machine\) now builds (weight|bias) as bfloat16 on cpu, but "
+                     r"the artifact compiled it as float32 \(on cpu\): the factory builds another module", r.stderr), r.stderr
+    r = invoke("bench", out, "--executor", "reference", "--iters", "2")
+    assert r.exit_code == 0, r.output
+    assert re.search(r"eager PyTorch +│ +n/a │", r.stdout) and "factory" in r.stdout, r.stdout
+    monkeypatch.delenv("TILEC_TEST_BF16")
+    r = invoke("run", out, "--check", "--executor", "reference")
+    assert r.exit_code == 0 and "PASS" in r.stdout, r.output
 
 
 def test_compile_run_a_factory_without_positions(facts, tmp_path):

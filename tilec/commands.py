@@ -635,7 +635,14 @@ def eager_reference(art, progress: Progress):
                 why = ("no such entry" if target is None else f"shape {tuple(target.shape)} there") if key else "no source"
                 unmapped.append(f"{name} {tuple(t.shape)} -> {key or '?'} ({why})")
                 continue
-            t = t.to(target.device, target.dtype)
+            if target.dtype != t.dtype:  # another module than the one compiled: eager would not be the reference
+                raise Failure(f"the factory ({f['spec']}) now builds {key} as {str(target.dtype).removeprefix('torch.')} "
+                              f"on {target.device}, but the artifact compiled it as "
+                              f"{str(t.dtype).removeprefix('torch.')} (on {art.manifest.get('device', '?')}): the "
+                              f"factory builds another module on this machine (does it pick its dtype by the device?), "
+                              f"so its eager run is no reference for this artifact; make its dtype explicit, or "
+                              f"compile on this machine")
+            t = t.to(target.device)
             if not torch.equal(target, t):
                 target.copy_(t)
                 changed += 1
