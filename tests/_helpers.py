@@ -341,3 +341,23 @@ def greedy_generate(model, compiled: bool, new_tokens: int, options: dict | None
     finally:
         model.forward = forward
         torch._dynamo.reset()
+
+
+class TransposedCacheStep(torch.nn.Module):
+    """A toy decode step over caches kept [B, L, H, D] and passed transposed, [B, H, L, D] views (a fresh user's)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads, self.dh = heads, d // heads
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.o = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x, pos, kc, vc):
+        b = x.shape[0]
+        q, k, v = self.qkv(x).view(b, 1, 3, self.heads, self.dh).unbind(2)
+        q, k, v = [t.transpose(1, 2) for t in (q, k, v)]
+        kc.index_copy_(2, pos, k)
+        vc.index_copy_(2, pos, v)
+        mask = (torch.arange(kc.shape[2]) <= pos).view(1, 1, 1, -1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+        return x + self.o(a.transpose(1, 2).reshape(b, 1, -1))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tilec.backend as backend
-from _helpers import assert_close
+from _helpers import TransposedCacheStep, assert_close
 from tilec.errors import TilecError, UnsupportedNodeError
 from tilec.hf import cache_kwargs
 from tilec.zoo import eager_step, make_model, prefill
@@ -150,6 +150,25 @@ def test_fallback_runs_unsupported_node_eagerly(caplog):
     assert len(lines) == 1
     assert "cumsum" in lines[0] and "aten.cumsum.default" in lines[0]
     assert "test_backend.py" in lines[0] and "torch.cumsum(h, -1)" in lines[0]
+
+
+def test_a_non_contiguous_cache_is_written_eagerly(caplog):
+    """The plan was compiled for the transposed caches, then every call refused them ("updated in place and must be
+    contiguous") - even with fallback on, so the model could not run (a fresh user's finding). Their writes now run
+    eagerly, with one warning each, and the step matches eager, caches included."""
+    torch.manual_seed(0)
+    m = TransposedCacheStep().eval()
+    cm = torch.compile(m, backend="tilec", dynamic=False)
+    x = torch.randn(1, 1, 32)
+    caches = [torch.zeros(1, 16, 4, 8).transpose(1, 2) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    with caplog.at_level(logging.WARNING, logger="tilec"), torch.no_grad():
+        for p in range(3):
+            x = torch.randn(1, 1, 32)
+            assert_close(cm(x, torch.tensor([p]), *caches), m(x, torch.tensor([p]), *ref), 1e-5)
+    assert all(torch.equal(c, r) for c, r in zip(caches, ref))
+    lines = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
+    assert any("cache write into kc, which is not contiguous (strides [512, 8, 32, 1]" in line for line in lines), lines
 
 
 class Noisy(torch.nn.Module):

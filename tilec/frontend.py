@@ -49,7 +49,7 @@ ROUTING_WHY = ("a data-dependent choice (top-k / sort, as mixture-of-experts rou
 SCANS = {getattr(aten, name).default for name in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp")
          if hasattr(aten, name)}
 SCAN_WHY = ("a scan along a dim (each element depends on every earlier one): tilec has no scan op; its tiles compute "
-            "elementwise ops, row reductions, GEMV / GEMM, norms, RoPE, attention and copies")
+            "elementwise ops, GEMV / GEMM, softmax and norms (its only row reductions), RoPE, attention and copies")
 
 
 def dtype_why(dtype: torch.dtype) -> str:
@@ -1029,6 +1029,13 @@ class Lowering(FormsLowering, DsaLowering):
                 self._unsupported(node, "index_put with more than one index tensor or accumulate=True")
             dim, idx = dims[0], indices[dims[0]]
         dim = dim % len(dst.shape)
+        if not val_of(dst_node).is_contiguous():  # (a call would refuse it: its update would land in a copy)
+            cache = val_of(dst_node)
+            self._unsupported(node, f"cache write into {self._argument(dst_node.name)}, which is not contiguous "
+                                    f"(strides {list(cache.stride())} for shape {list(cache.shape)}): tilec updates a "
+                                    f"cache in place as a contiguous tensor; keep the cache contiguous in the layout "
+                                    f"forward reads it (e.g. allocate it [B, H, L, D] rather than transposing a "
+                                    f"[B, L, H, D] one)")
         if val_of(src_n).dtype != val_of(dst_node).dtype:  # eager raises ("source and destination dtypes match")
             self._unsupported(node, f"cache write of a {str(val_of(src_n).dtype).removeprefix('torch.')} value into "
                                     f"a {str(val_of(dst_node).dtype).removeprefix('torch.')} cache: eager PyTorch "
