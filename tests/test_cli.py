@@ -52,7 +52,7 @@ def linear():
 def unsupported():
     return Sorter(), (torch.randn(2, 8),)
 
-def dtype_by_machine():  # picks its dtype by what the machine has, as examples/factories.py:tiny_llama_step does
+def picks_dtype_by_machine():  # picks its dtype by what the machine has, as examples/factories.py:tiny_llama_step does
     import os
     torch.manual_seed(0)
     dtype = torch.bfloat16 if os.environ.get("TILEC_TEST_BF16") else torch.float32
@@ -612,12 +612,12 @@ def test_run_check_refuses_a_factory_that_builds_another_dtype_here(facts, tmp_p
     an H100, fifty-fifth session). The check now names the parameter and both dtypes, exit 2; bench shows it."""
     out = tmp_path / "bydtype"
     monkeypatch.delenv("TILEC_TEST_BF16", raising=False)
-    r = invoke("compile", f"{facts}:dtype_by_machine", "-o", out, "-O", "workers=4", "--no-build")
+    r = invoke("compile", f"{facts}:picks_dtype_by_machine", "-o", out, "-O", "workers=4", "--no-build")
     assert r.exit_code == 0, r.output
     monkeypatch.setenv("TILEC_TEST_BF16", "1")
     r = invoke("run", out, "--check", "--executor", "reference")
     assert r.exit_code == 2, r.output
-    assert re.search(r"tilec: error: the factory \(.*dtype_by_machine\) now builds (weight|bias) as bfloat16 on cpu, but "
+    assert re.search(r"tilec: error: the factory \(.*picks_dtype_by_machine\) now builds (weight|bias) as bfloat16 on cpu, but "
                      r"the artifact compiled it as float32 \(on cpu\): the factory builds another module", r.stderr), r.stderr
     r = invoke("bench", out, "--executor", "reference", "--iters", "2")
     assert r.exit_code == 0, r.output

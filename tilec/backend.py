@@ -284,7 +284,7 @@ def _region_binding(gm: fx.GraphModule, flat_args, kinds, labels: list[str], sna
     values), the rest call inputs."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     binding = GraphBinding(labels=dict(zip((n.name for n in placeholders), labels)),
-                           examples=dict(zip((n.name for n in placeholders), flat_args)))
+                           examples=dict(zip((n.name for n in placeholders), flat_args)), strides_guarded=True)
     for node, t, kind in zip(placeholders, flat_args, kinds):
         if kind == "const":
             binding.consts[node.name] = t.detach().clone() if snapshot else t
@@ -631,7 +631,7 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
                 kinds[i] = "input"
         binding = GraphBinding(user_inputs=[n.name for n in placeholders],
                                labels=dict(zip((n.name for n in placeholders), labels)),
-                               examples=dict(zip((n.name for n in placeholders), flat)))
+                               examples=dict(zip((n.name for n in placeholders), flat)), strides_guarded=True)
         for node, kind, t in zip(placeholders, kinds, flat):
             if kind == "position":
                 binding.positions.add(node.name)

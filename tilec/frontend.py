@@ -165,6 +165,10 @@ class GraphBinding:
     examples: placeholder name -> the example value of a user input (a real tensor or a Python
         value), when the caller has them: a run-time attention mask that is not causal on them is
         refused when compiling (else every call would fail its check, :mod:`tilec.guards`).
+    strides_guarded: every call's arguments have the examples' strides (``torch.compile``'s guards hold
+        them), so a cache written in place whose example is not contiguous could never run (a call binds
+        contiguous caches only): its write is refused as unsupported (the backend runs it eagerly).
+        ``compile_module`` leaves it False: its plan binds any contiguous cache of the example's shape.
     """
 
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -180,6 +184,7 @@ class GraphBinding:
     buffer_names: dict[str, str] = field(default_factory=dict)
     listed_positions: bool = False
     examples: dict[str, object] = field(default_factory=dict)
+    strides_guarded: bool = False
 
     def label(self, name: str) -> str:
         """How the user knows placeholder ``name``: its label (``past_key_values.layers[0].keys``),
@@ -1029,7 +1034,7 @@ class Lowering(FormsLowering, DsaLowering):
                 self._unsupported(node, "index_put with more than one index tensor or accumulate=True")
             dim, idx = dims[0], indices[dims[0]]
         dim = dim % len(dst.shape)
-        if not val_of(dst_node).is_contiguous():  # (a call would refuse it: its update would land in a copy)
+        if self.b.strides_guarded and not val_of(dst_node).is_contiguous():  # (no call could run: _bind_each)
             cache = val_of(dst_node)
             self._unsupported(node, f"cache write into {self._argument(dst_node.name)}, which is not contiguous "
                                     f"(strides {list(cache.stride())} for shape {list(cache.shape)}): tilec updates a "
