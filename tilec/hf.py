@@ -230,8 +230,9 @@ class HFDecodeStep:
     def _unchanged(self, counters: list[torch.Tensor], position: int) -> bool:
         """Whether the counters surely hold ``position`` tokens without reading them: this step set them to
         that and nothing changed them since - not another compiled step over the cache, not an eager forward or
-        ``cache.reset()`` (their versions; counters made under ``torch.inference_mode`` keep none, and then only
-        another compiled step is noticed)."""
+        ``cache.reset()`` (the first and last counters' versions: those update every layer's counter; an edit of
+        one middle layer's counter alone goes unnoticed. Counters made under ``torch.inference_mode`` keep no
+        version, and then only another compiled step is noticed)."""
         if position != self._expected or self._mark is None:
             return False
         try:
