@@ -176,6 +176,29 @@ def test_a_called_step_and_its_cache_are_freed():
     assert [r() for r in gone] == [None, None]
 
 
+def test_a_cache_made_under_inference_mode_is_stepped_inside_it():
+    """Compiling over it outside inference mode ended in torch's raw RuntimeError from inside the export, and a
+    call outside it in a failed task (a fresh user's finding): both are named now; inside it the step matches."""
+    from tilec.errors import InputError
+
+    from tilec.zoo import prefill
+
+    model, _, _ = build("llama", 1)
+    with torch.inference_mode():  # (a pipeline's prefill)
+        cache, _ = prefill(model, batch=1, context=PREFILL, max_cache_len=MAX_CACHE_LEN)
+        eager_cache = copy.deepcopy(cache)
+    with pytest.raises(InputError, match=r"made under torch.inference_mode\(\).*compile and call the step inside"):
+        compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    tok = torch.tensor([[7]])
+    with torch.inference_mode():
+        step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+        got = step(tok, PREFILL)
+        want = model(tok, cache_position=torch.tensor([PREFILL]), use_cache=True, **cache_kwargs(model, eager_cache)).logits
+    assert_close(got, want, TOL, "logits")
+    with pytest.raises(InputError, match=r"call the step inside torch.inference_mode\(\)"):
+        step(tok, PREFILL + 1)
+
+
 def test_decode_position_outside_planned_range_raises():
     model, cache, vocab = build("llama", 1)
     step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))

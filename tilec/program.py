@@ -20,12 +20,16 @@ from .refexec import ReferenceExecutor
 
 STAGE_INPUT_BYTES = 64 * 1024  # read-only inputs up to this size are copied, larger ones bound in place
 _STRIDED = torch.strided  # the one layout a step binds (sparse, MKLDNN tensors are refused: layout_error)
+_WHICH = ("the step's position arguments (those listed in compile_module's positions; under torch.compile, its "
+          "one-element integer inputs)")  # what errors call the arguments read as the decode position
 _TENSOR, _POSITION, _IGNORED = range(3)  # what an argument of the compiled step is (CompiledProgram._arg_specs)
 
 
 def tensor_version(t: torch.Tensor) -> int | None:
     """``t``'s version counter (it moves at every in-place update), or None where torch keeps none (a tensor
-    made under ``torch.inference_mode``)."""
+    made under ``torch.inference_mode``; one detached from it reads a version 0 that never moves)."""
+    if t.is_inference():
+        return None
     try:
         return t._version
     except RuntimeError:
@@ -39,10 +43,11 @@ def layout_error(label: str, a: torch.Tensor) -> str:
             f"tensors only; pass it as a dense tensor (x.to_dense())")
 
 
-def _position_of(label: str, a) -> int:
+def _position_of(label: str, a, shape: tuple | None = None) -> int:
     """The decode position argument ``a`` (named ``label`` in errors) holds: an integer, or an
     integer tensor of one element. Raises TilecError for anything else (a float, a bool, several
-    elements), which eager PyTorch would refuse as an index too."""
+    elements), which eager PyTorch would refuse as an index too; ``shape``: the example's, when it held
+    several elements (then named as what is expected)."""
     if isinstance(a, torch.Tensor):
         if a.layout is not _STRIDED:
             raise TilecError(layout_error(label, a))
@@ -53,8 +58,9 @@ def _position_of(label: str, a) -> int:
         return int(a)
     else:
         got = type(a).__name__
-    raise TilecError(f"{label} holds the decode position: expected an int or an integer tensor of one element, "
-                     f"got {got}")
+    want = "an int or an integer tensor of one element" if shape is None or math.prod(shape) == 1 else \
+        f"an integer tensor of shape {list(shape)} (the example's)"
+    raise TilecError(f"{label} holds the decode position: expected {want}, got {got}")
 
 
 class CompiledProgram:
@@ -277,8 +283,8 @@ class CompiledProgram:
         held = set(positions.values())
         if len(held) > 1:
             said = ", ".join(f"{self._labels[i]} holds {p}" for i, p in sorted(positions.items()))
-            raise PositionError(f"the decode position arguments disagree ({said}): integer inputs with one "
-                                f"element are read as the decode position")
+            raise PositionError(f"the decode position arguments disagree ({said}): {_WHICH} all hold the one "
+                                f"decode position")
         return held.pop() if held else 0
 
     def bind_args(self, args) -> tuple[dict[str, torch.Tensor], int]:
@@ -358,7 +364,7 @@ class CompiledProgram:
             a = args[i]
             if not (isinstance(a, torch.Tensor) and is_integer(a.dtype) and a.layout is _STRIDED and
                     (a.numel() == 1 or sizes[i] > 1)):
-                out[i] = a if type(a) is int else _position_of(self._labels[i], a)  # TilecError unless an int
+                out[i] = a if type(a) is int else _position_of(self._labels[i], a, shape)  # TilecError unless an int
                 continue
             if shape is not None and a.shape != shape:
                 raise PositionError(f"{self._labels[i]}: expected an integer tensor of shape {list(shape)} (the "
@@ -405,9 +411,8 @@ class CompiledProgram:
         for i, p in sorted(out.items()):  # (the first out of range in call order)
             if not 0 <= p < self.graph.max_positions:
                 raise PositionError(f"{self._labels[i]} holds decode position {p}, outside the planned range "
-                                    f"[0, {self.graph.max_positions}) (integer inputs with one element are read "
-                                    f"as the decode position; a larger max_positions plans more, as far as the "
-                                    f"module's caches hold positions)")
+                                    f"[0, {self.graph.max_positions}) ({_WHICH} hold the decode position; a larger "
+                                    f"max_positions plans more, as far as the module's caches hold positions)")
         return out, flags
 
     def _table(self, tensors: dict[str, torch.Tensor], args) -> torch.Tensor:
