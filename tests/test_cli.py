@@ -1146,6 +1146,7 @@ def test_saving_from_python_records_the_programs_positions(tmp_path):
                         (dict(positions=[3]), r"positions lists 3, not an argument index \(the program takes 3 "
                                               r"arguments\)"),
                         (dict(max_positions=4), r"max_positions=4, but the program plans 8 decode positions"),
+                        (dict(positions=[1, 1]), r"positions=\[1, 1\] lists an argument twice"),
                         (dict(positions=[1], max_positions=1), r"max_positions=1, but the program plans 8")):
         with pytest.raises(ArtifactError, match=pattern):
             artifact.save(tmp_path / "a", prog, args, build=False, **kw)

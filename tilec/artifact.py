@@ -567,6 +567,8 @@ def _call_positions(program: CompiledProgram, inputs, positions, max_positions) 
             raise ArtifactError(f"positions lists {i}, but example argument {i} is a {got}, not an integer tensor "
                                 f"holding the decode position (an artifact records its position arguments as "
                                 f"tensors)")
+    if len(set(positions)) != len(positions):
+        raise ArtifactError(f"positions={list(positions)} lists an argument twice")
     missing = [i for i in own if i not in positions]
     if missing:
         raise ArtifactError(f"positions={list(positions)} omits {program._labels[missing[0]]}, which the program "
