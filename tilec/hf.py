@@ -106,6 +106,12 @@ class StaticCacheStep(torch.nn.Module):
                     layer.cumulative_length = c
 
 
+# a cache made under torch.inference_mode holds inference tensors: compiling or calling a step over it outside it
+INFERENCE_CACHE_WHY = ("the StaticCache was made under torch.inference_mode() (its keys and values are inference "
+                       "tensors, which torch lets only code inside it update): compile and call the step inside "
+                       "torch.inference_mode() too, or prefill the cache under torch.no_grad()")
+
+
 # cache -> the token of the HFDecodeStep that last set its token counters (a step over a cache another step wrote
 # since must read the counters, whatever it remembers). A token, not the step: the step holds the cache, which
 # would then never be freed
@@ -152,12 +158,9 @@ class HFDecodeStep:
                              f"{' ...' if len(windowed) > 4 else ''} are {type(layers[windowed[0]]).__name__}"
                              f"{f', window {window}' if window else ''}): tilec plans causal attention over the whole "
                              f"static cache and does not support sliding windows yet")
-        # a cache made under torch.inference_mode holds inference tensors, which only code inside it may update
         self._inference_cache = any(t.is_inference() for layer in layers for t in (layer.keys, layer.values))
         if self._inference_cache and not torch.is_inference_mode_enabled():
-            raise InputError("the StaticCache was made under torch.inference_mode() (its keys and values are "
-                             "inference tensors, which torch lets only code inside it update): compile and call the "
-                             "step inside torch.inference_mode() too, or prefill the cache under torch.no_grad()")
+            raise InputError(INFERENCE_CACHE_WHY)
         cache_batch = int(layers[0].keys.shape[0])
         if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool):
             raise InputError(f"batch_size must be an int, got {batch_size!r}")
@@ -192,8 +195,7 @@ class HFDecodeStep:
         since (their version counters; a cache made under ``torch.inference_mode`` keeps none, and there an eager
         forward or ``cache.reset()`` in between goes unnoticed - another compiled step over the cache does not)."""
         if self._inference_cache and not torch.is_inference_mode_enabled():
-            raise InputError("the StaticCache was made under torch.inference_mode() (inference tensors, which torch "
-                             "lets only code inside it update): call the step inside torch.inference_mode()")
+            raise InputError(INFERENCE_CACHE_WHY)
         position = self._check_position(position)
         counters = self._counters()
         if counters and not self._unchanged(counters, position):  # checked on the device only when in doubt

@@ -28,12 +28,7 @@ _TENSOR, _POSITION, _IGNORED = range(3)  # what an argument of the compiled step
 def tensor_version(t: torch.Tensor) -> int | None:
     """``t``'s version counter (it moves at every in-place update), or None where torch keeps none (a tensor
     made under ``torch.inference_mode``; one detached from it reads a version 0 that never moves)."""
-    if t.is_inference():
-        return None
-    try:
-        return t._version
-    except RuntimeError:
-        return None
+    return None if t.is_inference() else t._version
 
 
 def layout_error(label: str, a: torch.Tensor) -> str:
@@ -233,7 +228,7 @@ class CompiledProgram:
     def position_args(self) -> tuple[int, ...]:
         """The indices of the arguments the step reads as its decode position: the ``positions`` it was
         compiled with, less any its graph does not read (those it cannot tell from other ignored arguments)."""
-        return tuple(i for i, name in enumerate(self.graph.inputs) if name == POSITION)
+        return tuple(i for i, _ in self._position_args)
 
     @property
     def stats(self) -> dict:
