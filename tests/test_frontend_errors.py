@@ -289,6 +289,26 @@ def test_sparse_and_mkldnn_arguments_are_refused_by_layout(width):
     torch.testing.assert_close(prog(x), m(x).detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("width", [8, 20000], ids=["staged", "bound"])
+def test_nested_arguments_are_refused_by_name(width):
+    """A strided nested tensor raised torch's "Internal error: NestedTensorImpl doesn't support sizes. Please file an
+    issue." from inside tilec's shape check, when compiling and at a call; a jagged one was refused by its shape."""
+    m = torch.nn.Linear(width, 4).eval()
+    x = torch.randn(2, width)
+    prog = compile_module(m, (x,), options=dict(workers=2))
+    for layout in (torch.strided, torch.jagged):
+        nt = torch.nested.nested_tensor([torch.randn(width), torch.randn(width)], layout=layout)
+        why = (rf"is a nested tensor \(torch\.float32, {layout} layout\): a compiled step reads dense tensors of the "
+               r"example's shape only; pass it padded to that shape \(x\.to_padded_tensor\(0\.0\)\)")
+        with pytest.raises(InputError, match="argument 0 " + why):
+            compile_module(m, (nt,))
+        if layout is torch.strided:  # (a jagged one has a shape: refused by it at a call)
+            with pytest.raises(TilecError, match=r"argument 0 \(input\) " + why):
+                prog(nt)
+    torch.testing.assert_close(prog(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_program_still_works_after_a_bad_call(two_inputs):
     m, args, prog = two_inputs
     with pytest.raises(TilecError):

@@ -15,7 +15,7 @@ from .guards import build_mask_guards
 from .options import Options
 from .pipeline import Hook, compile_opgraph
 from .ir import is_integer
-from .program import CompiledProgram, layout_error
+from .program import CompiledProgram, layout_error, not_dense
 
 
 def check_hook(hook) -> None:
@@ -148,11 +148,11 @@ def check_flat(args) -> None:
 
 def check_dense(args) -> None:
     """Raises :class:`InputError` naming the first of ``args`` that is a tensor of a layout other than
-    strided (a sparse or MKLDNN tensor): a compiled step binds dense tensors through their data
+    strided (a sparse or MKLDNN tensor) or a nested tensor: a compiled step binds dense tensors through their data
     pointers and strides, so its own call with that example would fail inside torch (a raw
     ``RuntimeError`` from a copy or a data pointer)."""
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.layout is not torch.strided:
+        if isinstance(a, torch.Tensor) and not_dense(a):
             raise InputError(layout_error(f"argument {i}", a))
 
 

@@ -31,9 +31,18 @@ def tensor_version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+def not_dense(a: torch.Tensor) -> bool:
+    """Whether tensor ``a`` is one a step cannot bind: a layout other than strided (sparse, MKLDNN) or a
+    nested tensor (a strided nested tensor has no sizes; a jagged one has no plain strides)."""
+    return a.layout is not _STRIDED or a.is_nested
+
+
 def layout_error(label: str, a: torch.Tensor) -> str:
-    """The error for tensor argument ``a`` (named ``label``) of a layout other than strided (a sparse or
-    MKLDNN tensor): tilec's steps read dense tensors through their data pointers and strides."""
+    """The error for tensor argument ``a`` (named ``label``) that is :func:`not_dense` (a sparse, MKLDNN or
+    nested tensor): tilec's steps read dense tensors through their data pointers and strides."""
+    if a.is_nested:
+        return (f"{label} is a nested tensor ({a.dtype}, {a.layout} layout): a compiled step reads dense tensors "
+                f"of the example's shape only; pass it padded to that shape (x.to_padded_tensor(0.0))")
     return (f"{label} is a {a.layout} tensor ({a.dtype}{list(a.shape)}): a compiled step reads dense (strided) "
             f"tensors only; pass it as a dense tensor (x.to_dense())")
 
@@ -44,7 +53,7 @@ def _position_of(label: str, a, shape: tuple | None = None) -> int:
     elements), which eager PyTorch would refuse as an index too; ``shape``: the example's, when it held
     several elements (then named as what is expected)."""
     if isinstance(a, torch.Tensor):
-        if a.layout is not _STRIDED:
+        if not_dense(a):
             raise TilecError(layout_error(label, a))
         if a.numel() == 1 and is_integer(a.dtype):
             return int(a.reshape(-1)[0])
@@ -250,7 +259,7 @@ class CompiledProgram:
             self._check_fixed(args)
             for i, (kind, name, shape, dtype, _, _) in enumerate(self._arg_specs):
                 a = args[i]
-                if kind == _TENSOR and isinstance(a, torch.Tensor) and a.layout is not _STRIDED:
+                if kind == _TENSOR and isinstance(a, torch.Tensor) and not_dense(a):
                     raise InputError(layout_error(self._labels[i], a))
                 if kind == _TENSOR and not (isinstance(a, torch.Tensor) and tuple(a.shape) == tuple(shape)
                                             and a.dtype == dtype):
@@ -321,7 +330,11 @@ class CompiledProgram:
         dev = self._device_index
         for i, name, shape, dtype, staged, inplace in self._t_checked:
             a = args[i]
-            if not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype:
+            try:
+                bad = not isinstance(a, torch.Tensor) or a.shape != shape or a.dtype != dtype
+            except RuntimeError:  # a strided nested tensor has no sizes (read off the common path)
+                raise TilecError(layout_error(self._labels[i], a)) from None
+            if bad:
                 got = f"{a.dtype}{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
                 raise TilecError(f"{self._labels[i]}: expected {dtype}{list(shape)}, got {got}")
             if not (a.is_cuda and a.get_device() == dev if dev >= 0 else a.is_cpu):
