@@ -4,11 +4,14 @@ that copy once was taken when compiling only, so later in-place updates were sil
 finding, fifty-fifth session: relative L2 0.5 against eager after ``weight.mul_(2)``)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from _helpers import assert_close
 from tilec.api import compile_module
+from tilec.errors import TilecError
 
 OPTS = dict(workers=3, executor="reference")
 
@@ -94,3 +97,99 @@ def test_a_parameter_made_under_inference_mode_and_compiled_outside_it_is_copied
     with torch.inference_mode():
         m.weight.mul_(3)
         assert_close(prog(x), m(x), 1e-6)
+
+
+# ---- replaced parameters (a fresh user's finding, fifty-sixth session: the step kept reading the tensors it was
+# compiled with after load_state_dict(assign=True) - relative L2 0.635 against eager through compile_decode_step -,
+# a new Parameter or submodule, or model.to(dtype); now it binds the module's new tensors: tilec.paramwatch) ----
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 8, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("how", ["assign", "parameter", "submodule", "transposed"])
+def test_replaced_parameters_are_bound_at_the_next_call(how):
+    torch.manual_seed(3)
+    m = _Mlp().eval()
+    x = torch.randn(2, 16)
+    prog = compile_module(m, (x,), options=OPTS)
+    with torch.no_grad():
+        assert_close(prog(x), m(x), 1e-6)
+        if how == "assign":
+            m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()}, assign=True)
+        elif how == "parameter":
+            m.down.weight = torch.nn.Parameter(torch.randn(8, 32))
+        elif how == "submodule":
+            m.up = torch.nn.Linear(16, 32)
+        else:  # a non-contiguous one: read through a contiguous copy, refreshed after in-place updates as before
+            m.down.weight = torch.nn.Parameter(torch.randn(32, 8).t())
+        assert_close(prog(x), m(x), 1e-6)
+        m.down.weight.mul_(-2)  # and later in-place updates of the new tensor are seen as before
+        assert_close(prog(x), m(x), 1e-6)
+
+
+def test_a_converted_module_is_bound_again_or_refused():
+    """model.to(dtype) swaps each parameter's .data (no registration): the first and last parameters' memory tells."""
+    torch.manual_seed(4)
+    m = _Mlp().eval()
+    x = torch.randn(2, 16)
+    prog = compile_module(m, (x,), options=OPTS)
+    m.to(torch.bfloat16)
+    for _ in range(2):  # refused at every call until it fits again (nothing rebound meanwhile)
+        with pytest.raises(TilecError, match=r"parameter up\.weight was replaced after compiling and is now "
+                                             r"torch\.bfloat16\[32, 16\] on cpu; the step was compiled for "
+                                             r"torch\.float32\[32, 16\] on cpu: compile the step again"):
+            prog(x)
+    m.to(torch.float32)  # new float32 tensors (the bf16-rounded values): bound
+    with torch.no_grad():
+        assert_close(prog(x), m(x), 1e-6)
+
+
+def test_a_replacement_of_another_shape_or_a_deleted_parameter_is_refused():
+    torch.manual_seed(5)
+    m = _Mlp().eval()
+    x = torch.randn(2, 16)
+    prog = compile_module(m, (x,), options=OPTS)
+    m.down.weight = torch.nn.Parameter(torch.randn(8, 33))
+    with pytest.raises(TilecError, match=r"parameter down\.weight .* now torch\.float32\[8, 33\] on cpu; .*\[8, 32\]"):
+        prog(x)
+    del m.down.weight
+    m.down.weight = torch.randn(8, 32)  # a plain tensor attribute, no longer a parameter
+    with pytest.raises(TilecError, match=r"parameter down\.weight is no longer a parameter of the compiled module"):
+        prog(x)
+
+
+def test_an_unrelated_registration_costs_one_look_and_changes_nothing():
+    torch.manual_seed(6)
+    m = _Mlp().eval()
+    x = torch.randn(2, 16)
+    prog = compile_module(m, (x,), options=OPTS)
+    bound = dict(prog.tensors)
+    torch.nn.Linear(4, 4)  # registers parameters on another module
+    assert prog._watch.moved() and not prog._watch.changed()
+    with torch.no_grad():
+        assert_close(prog(x), m(x), 1e-6)
+    assert not prog._watch.moved()
+    assert all(prog.tensors[k] is v for k, v in bound.items())
+
+
+def test_compile_decode_step_binds_weights_loaded_with_assign():
+    from tilec.hf import compile_decode_step, cache_kwargs
+    from tilec.zoo import make_model, prefill
+
+    torch.manual_seed(7)
+    model = make_model("llama-tiny")
+    cache, tok = prefill(model, batch=1, context=6, max_cache_len=16)
+    step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=8))
+    model.load_state_dict({k: v * 1.5 for k, v in model.state_dict().items()}, assign=True)
+    eager_cache = copy.deepcopy(cache)
+    got = step(tok, position=6)
+    with torch.no_grad():
+        want = model(tok, cache_position=torch.tensor([6]), **cache_kwargs(model, eager_cache)).logits
+    assert_close(got, want, 1e-5)

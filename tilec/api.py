@@ -43,7 +43,10 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     Args:
         module: the step to compile (e.g. :class:`tilec.hf.StaticCacheStep`). Its parameters are
             bound by reference (later in-place edits are seen; of a non-contiguous parameter, read
-            through a contiguous copy, all but those through ``.data``); its buffers are constants taken
+            through a contiguous copy, all but those through ``.data``); a parameter replaced later
+            (``load_state_dict(..., assign=True)``, a new Parameter or submodule, ``module.to(...)``) is
+            bound at the next call, or refused there when its shape, dtype or device changed
+            (:mod:`tilec.paramwatch`); its buffers are constants taken
             now (folded, e.g. RoPE ``inv_freq`` into tables): recompile after editing one.
         args: example arguments (tensors, Python numbers or None; not containers of them); their shapes
             and dtypes are planned for.
@@ -85,7 +88,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     n_user = len(out_node.args[0]) - binding.mutation_outputs
     single = n_user == 1 if binding.single_output is None else binding.single_output and n_user == 1
     return CompiledProgram(compiled, binding, single_output=single, opts=opts, example_args=args,
-                           out_spec=binding.out_spec, guards=build_mask_guards(gm, binding, graph.mask_guards))
+                           out_spec=binding.out_spec, guards=build_mask_guards(gm, binding, graph.mask_guards),
+                           module=module)
 
 
 def _value_text(node) -> str:

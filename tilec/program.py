@@ -14,6 +14,7 @@ from .frontend import IGNORED, POSITION, GraphBinding
 from .guards import check_mask_guards, mismatches, raise_first_mismatch
 from .ir import BufferKind, is_integer
 from .options import Options
+from .paramwatch import ParamWatch
 from .pipeline import Compiled
 from .refexec import ReferenceExecutor
 
@@ -103,7 +104,7 @@ class CompiledProgram:
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
                  progress=None, example_args=(), library=None, arg_labels=None, out_spec=None, guards=(),
-                 in_place=(), trusted=()):
+                 in_place=(), trusted=(), module=None):
         self.opts = opts = opts or Options()
         self.compiled = compiled
         self.plan = compiled.plan
@@ -156,6 +157,11 @@ class CompiledProgram:
                 with torch.inference_mode(False):  # inference mode when compiled in it)
                     t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
             self.tensors[name] = t
+        # the module's parameters, looked up again when they may have been replaced (compile_module's
+        # programs: a torch.compile region's parameters are guarded arguments, an artifact's its own)
+        params = {name: binding.param_names.get(name, name) for name, b in self.graph.buffers.items()
+                  if b.kind is BufferKind.PARAM}
+        self._watch = ParamWatch(module, params) if module is not None and params else None
         # per argument: (kind, buffer name, shape, dtype, staged, updated in place)
         # (a position tensor's example shape: another shape can broadcast to other output shapes in eager)
         self._arg_specs = [(_POSITION if name == POSITION else _IGNORED, name,
@@ -303,6 +309,8 @@ class CompiledProgram:
         when they were read with the positions, else None."""
         self._check_fixed(args)
         positions, flags = self._positions(args, guards)
+        if self._watch is not None and self._watch.moved():
+            self._rebind_params()
         if self._param_copies:
             self._refresh_param_copies()
         tensors = dict(self.tensors)
@@ -312,6 +320,33 @@ class CompiledProgram:
             tensors[name].copy_(args[i])  # a small read-only input: into the program's own buffer
         self._bind_each(args, tensors)
         return tensors, self._one_position(positions), flags
+
+    def _rebind_params(self) -> None:
+        """Binds the parameters the module now holds in place of those compiled with (``load_state_dict(...,
+        assign=True)``, a new Parameter or submodule, ``model.to(...)``: :mod:`tilec.paramwatch`). Raises
+        TilecError naming the first whose shape, dtype, device or layout the plan cannot take (nothing is
+        rebound then, and every later call raises the same until the step is compiled again)."""
+        changed = self._watch.changed()
+        for name, (target, p) in changed.items():
+            b = self.graph.buffers[name]
+            if not_dense(p) or tuple(p.shape) != b.shape or p.dtype != b.dtype or p.device != self.tensors[name].device:
+                now = f"a {p.layout} tensor" if not_dense(p) else f"{p.dtype}{list(p.shape)} on {p.device}"
+                raise TilecError(f"parameter {target} was replaced after compiling and is now {now}; the step was "
+                                 f"compiled for {b.dtype}{list(b.shape)} on {self.tensors[name].device}: compile "
+                                 f"the step again")
+        for name, (_, p) in changed.items():
+            t = p.detach()
+            self._param_copies = [e for e in self._param_copies if e[0] != name]
+            if t.is_contiguous():
+                self.tensors[name] = t
+            else:  # read through a contiguous copy, refreshed at a call after an in-place update (as compiled)
+                with torch.inference_mode(False):
+                    self.tensors[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+                self._param_copies.append([name, t, tensor_version(t)])
+            self._watch.accept(name, p)
+        if changed:
+            self._tables.clear()  # operand tables (and alias checks) of the old parameters' memory
+        self._watch.settle()
 
     def _refresh_param_copies(self) -> None:
         """Copies each non-contiguous parameter again into the contiguous buffer the step reads, when it was
