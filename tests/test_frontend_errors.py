@@ -309,6 +309,19 @@ def test_nested_arguments_are_refused_by_name(width):
     torch.testing.assert_close(prog(x), m(x).detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_a_nested_position_tensor_is_refused_by_name():
+    """It passed the position read's fast check (integer, strided layout, one element) and raised torch's
+    "NestedTensorImpl doesn't support sizes" at the shape check (a reviewer's finding)."""
+    m, x = TwoCounters(), torch.randn(1, 8)
+    prog = compile_module(m, (x, torch.tensor([3]), torch.tensor([3]), torch.tensor([3])), positions=[1, 2, 3],
+                          max_positions=16)
+    nt = torch.nested.nested_tensor([torch.tensor([4])])
+    with pytest.raises(TilecError, match=r"argument 1 is a nested tensor \(torch\.int64, torch\.strided layout\)"):
+        prog(x, nt, torch.tensor([4]), torch.tensor([4]))
+    assert torch.equal(prog(x, torch.tensor([4]), torch.tensor([4]), torch.tensor([4])), x * 2 + 4)
+
+
 def test_program_still_works_after_a_bad_call(two_inputs):
     m, args, prog = two_inputs
     with pytest.raises(TilecError):

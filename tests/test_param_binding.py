@@ -193,3 +193,99 @@ def test_compile_decode_step_binds_weights_loaded_with_assign():
     with torch.no_grad():
         want = model(tok, cache_position=torch.tensor([6]), **cache_kwargs(model, eager_cache)).logits
     assert_close(got, want, 1e-5)
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.emb(ids))))
+
+
+@pytest.mark.parametrize("which", ["head", "emb", "both"])
+def test_tied_weights_replaced_together_are_bound_and_untied_ones_refused(which):
+    """torch.export binds tied weights as one placeholder under one of their names: replacing the tensor under
+    the other name went unseen, and under the watched one the step used it for both (a reviewer's finding)."""
+    torch.manual_seed(8)
+    m = _Tied().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    prog = compile_module(m, (ids,), options=OPTS)
+    new = torch.nn.Parameter(torch.randn(10, 8))
+    if which == "both":
+        m.load_state_dict({**m.state_dict(), "emb.weight": new, "head.weight": new.detach()}, assign=True)
+        with torch.no_grad():  # two Parameters of one tensor's memory: still tied
+            assert_close(prog(ids), m(ids), 1e-6)
+        return
+    getattr(m, which).weight = new
+    with pytest.raises(TilecError, match=r"parameters (emb\.weight and head\.weight|head\.weight and emb\.weight) "
+                                         r"were one tensor \(tied\) when compiling and no longer are"):
+        prog(ids)
+
+
+def test_a_whole_module_made_anew_without_registrations_is_seen():
+    """to("meta") then to_empty() puts new Parameters under every name without registering any; the old ones
+    stayed alive (an earlier list of them, or the export's reference cycles), so only the names tell."""
+    torch.manual_seed(9)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(2, 16)
+    prog = compile_module(m, (x,), options=OPTS)
+    old = list(m.parameters())  # noqa: F841 (kept alive, as an optimizer would)
+    m.to("meta")
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+        assert_close(prog(x), m(x), 1e-6)
+
+
+def test_save_binds_replaced_parameters_first(tmp_path):
+    from tilec import artifact
+
+    torch.manual_seed(10)
+    m = _Mlp().eval()
+    x = torch.randn(2, 16)
+    prog = compile_module(m, (x,), options=OPTS)
+    m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()}, assign=True)
+    artifact.save(tmp_path / "a", prog, (x,), build=False)  # no call in between: it wrote the old weights
+    with torch.no_grad():
+        assert_close(artifact.load(tmp_path / "a").program(executor="reference")(x), m(x), 1e-6)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, v: float):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), v))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Scaled(1.0)
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_a_new_submodule_with_other_buffer_values_is_refused():
+    """Its parameters were bound and its buffer's new value silently not (the step folds buffers when compiling:
+    a reviewer's finding); a buffer of the same values is fine."""
+    torch.manual_seed(11)
+    m = _Block().eval()
+    x = torch.randn(4, 8)
+    prog = compile_module(m, (x,), options=OPTS)
+    m.block = _Scaled(1.0)
+    with torch.no_grad():
+        assert_close(prog(x), m(x), 1e-6)
+    m.block = _Scaled(3.0)
+    with pytest.raises(TilecError, match=r"buffer block\.scale was replaced after compiling by other values .*"
+                                         r"compile the step again"):
+        prog(x)

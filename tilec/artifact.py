@@ -148,6 +148,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
                             f"carry yet: compile a step without a mask argument (its attention is causal), or use "
                             f"the program in this process")
     call_args, input_tensors = _describe_inputs(inputs)
+    program.sync_params()  # parameters replaced or updated in place since its last call: saved as a call binds them
     try:  # the inputs tilec run and tilec bench will pass
         program.check_example(list(inputs))
     except InputError as e:  # (also a bad decode position)

@@ -1,20 +1,22 @@
-"""Noticing a compiled module's parameters replaced after compiling.
+"""Noticing a compiled module's parameters and buffers replaced after compiling.
 
 A step from :func:`tilec.api.compile_module` (and so :func:`tilec.hf.compile_decode_step`) binds the
-module's parameter tensors when compiling. In-place updates of them are seen (the step reads the same
-memory); replacing one is not - ``load_state_dict(..., assign=True)``, ``module.weight =
-nn.Parameter(...)``, a new submodule, ``model.to(dtype)`` (which swaps each parameter's ``.data``) - and
-the step would go on reading the old tensors. :class:`ParamWatch` lets the step notice, at the cost of a
-few hundred nanoseconds a call:
+module's parameter tensors when compiling and folds its buffers (RoPE ``inv_freq``) into constants.
+In-place updates of the parameters are seen (the step reads the same memory); replacing one was not -
+``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``, a new submodule,
+``model.to(dtype)`` (which swaps each parameter's ``.data``) - and the step went on reading the old
+tensors. :class:`ParamWatch` lets the step notice, at a few hundred nanoseconds a call:
 
-- every parameter or submodule registered on any module in the process bumps a counter (torch's global
-  registration hooks, installed once): ``assign=True``, a new Parameter and a new submodule all register;
-- a conversion of the whole module (``.to()``, ``.half()``, ``.cuda()``) registers nothing, but gives its
-  parameters new memory: the first and last parameter's data pointers are compared at every call.
+- every parameter, buffer or submodule registered on any module in the process bumps a counter (torch's
+  global registration hooks, installed once): ``assign=True``, a new Parameter, a new submodule;
+- a conversion of the whole module (``.to()``, ``.half()``, ``.to_empty()``) registers nothing, but puts
+  new tensors (or new memory) under its parameters' names: the module's first and last bound parameters
+  are compared with what the step binds at every call.
 
-Either sign makes the step look every parameter up again by its module name (:meth:`ParamWatch.changed`).
-Not seen: ``weight.data = t`` of one parameter other than the first or last, with nothing registered
-since (documented in the README).
+Either sign makes the step look every parameter and folded buffer up again by its module names
+(:meth:`ParamWatch.changed`): a parameter replaced by one the plan fits is bound, anything else raises.
+Not seen: ``weight.data = t`` or a write into a module's ``_parameters`` dict of a parameter other than
+the first or last, with nothing registered since; in-place edits of a buffer (README).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 
 from .errors import TilecError
 
-_REGISTERED = [0]  # parameters and submodules registered on any module since the hooks went in
+_REGISTERED = [0]  # parameters, buffers and submodules registered on any module since the hooks went in
 _hooked = False
 
 
@@ -35,63 +37,100 @@ def _count(*_args) -> None:
 def _install_hooks() -> None:
     global _hooked
     if not _hooked:
-        torch.nn.modules.module.register_module_parameter_registration_hook(_count)
-        torch.nn.modules.module.register_module_module_registration_hook(_count)
+        hooks = torch.nn.modules.module
+        hooks.register_module_parameter_registration_hook(_count)
+        hooks.register_module_buffer_registration_hook(_count)
+        hooks.register_module_module_registration_hook(_count)
         _hooked = True
 
 
-class ParamWatch:
-    """The parameters a step binds, as ``module`` holds them: placeholder name -> the module's name for it
-    (``targets``). Holds the module and its parameters weakly (a module collected leaves nothing to watch)."""
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one tensor's data (tied weights loaded as two Parameters of one storage)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+                      and a.stride() == b.stride() and a.device == b.device)
 
-    def __init__(self, module: torch.nn.Module, targets: dict[str, str]):
+
+class ParamWatch:
+    """The parameters a step binds and the buffers it folded, as ``module`` holds them.
+
+    ``params``: placeholder name -> the module's name for the parameter (tied weights: one placeholder,
+    every name of the tensor is watched); ``buffers``: placeholder name -> (the module's name, the value
+    folded). Holds the module weakly (a module collected leaves nothing to watch) and the bound
+    parameters themselves (their memory is bound anyway)."""
+
+    def __init__(self, module: torch.nn.Module, params: dict[str, str], buffers: dict[str, tuple[str, torch.Tensor]]):
         _install_hooks()
         self._root = weakref.ref(module)
-        self._targets = dict(targets)
-        self._seen: dict[str, tuple] = {}  # name -> (weak ref to the Parameter, its data pointer)
-        for name, target in self._targets.items():
-            self.accept(name, module.get_parameter(target))
-        self._generation = _REGISTERED[0]
-        names = list(self._targets)
-        self._ends = [self._seen[n] for n in dict.fromkeys((names[0], names[-1]))] if names else []
+        named = dict(module.named_parameters(remove_duplicate=False))
+        names_of: dict[int, list[str]] = {}
+        for name, p in named.items():
+            names_of.setdefault(id(p), []).append(name)
+        self._names = {ph: names_of[id(named[target])] for ph, target in params.items()}
+        self._seen = {ph: (named[target], named[target].data_ptr()) for ph, target in params.items()}
+        held = dict(module.named_buffers(remove_duplicate=False))
+        self._buffers = {target: (held[target], held[target].data_ptr(), value)
+                         for target, value in buffers.values() if target in held}
+        self.settle()
 
-    def accept(self, name: str, param: torch.Tensor) -> None:
-        """Records ``param`` as what the step now binds for placeholder ``name``."""
-        entry = (weakref.ref(param), param.data_ptr())
-        if name in self._seen:  # (the first and last parameters' entries are compared at every call)
-            old = self._seen[name]
-            self._ends = [entry if e is old else e for e in self._ends]
-        self._seen[name] = entry
+    def _look_at_ends(self, module: torch.nn.Module) -> None:
+        """Notes where the first and last bound parameters live: (the owner's parameter dict, name, placeholder)."""
+        self._ends = []
+        for ph in dict.fromkeys((next(iter(self._names)), next(reversed(self._names)))) if self._names else ():
+            owner, _, leaf = self._names[ph][0].rpartition(".")
+            self._ends.append((module.get_submodule(owner)._parameters, leaf, ph))
 
     def moved(self) -> bool:
         """Whether a parameter may have been replaced since the last look (cheap: see the module's doc)."""
-        if self._generation != _REGISTERED[0]:
+        if self._generation_seen != _REGISTERED[0]:
             return True
-        for ref, ptr in self._ends:
-            p = ref()
-            if p is None or p.data_ptr() != ptr:
+        for params, leaf, ph in self._ends:
+            p, ptr = self._seen[ph]
+            if params.get(leaf) is not p or p.data_ptr() != ptr:
                 return True
         return False
 
     def changed(self) -> dict[str, tuple[str, torch.Tensor]]:
         """The parameters the module now holds in place of those the step binds: placeholder name -> (the
-        module's name, the new tensor). Empty when none changed (or the module is gone). Call :meth:`settle`
-        once they are bound. Raises TilecError naming a parameter the module no longer has."""
+        module's name, the new tensor); empty when none changed (or the module is gone). Call :meth:`accept`
+        for each once bound, then :meth:`settle`. Raises TilecError naming a parameter the module no longer
+        has, tied parameters that are no longer one tensor, or a folded buffer replaced by other values."""
         root = self._root()
         if root is None:
             return {}
+        named = dict(root.named_parameters(remove_duplicate=False))
         out = {}
-        for name, target in self._targets.items():
-            try:
-                p = root.get_parameter(target)
-            except AttributeError:
-                raise TilecError(f"parameter {target} is no longer a parameter of the compiled module (deleted or "
-                                 f"replaced by a plain tensor): compile the step again") from None
-            ref, ptr = self._seen[name]
-            if ref() is not p or p.data_ptr() != ptr:
-                out[name] = (target, p)
+        for ph, names in self._names.items():
+            now = [named.get(n) for n in names]
+            gone = [n for n, p in zip(names, now) if p is None]
+            if gone:
+                raise TilecError(f"parameter {gone[0]} is no longer a parameter of the compiled module (deleted, set "
+                                 f"to None or replaced by a plain tensor): compile the step again")
+            if not all(_same_memory(p, now[0]) for p in now[1:]):
+                raise TilecError(f"parameters {' and '.join(names)} were one tensor (tied) when compiling and no "
+                                 f"longer are: compile the step again")
+            p, ptr = self._seen[ph]
+            if now[0] is not p or now[0].data_ptr() != ptr:
+                out[ph] = (names[0], now[0])
+        held = dict(root.named_buffers(remove_duplicate=False))
+        for target, (b, ptr, value) in list(self._buffers.items()):
+            now = held.get(target)
+            if now is b and now.data_ptr() == ptr:
+                continue
+            if now is None or now.shape != value.shape or now.dtype != value.dtype or now.device != value.device \
+                    or not torch.equal(now, value):
+                raise TilecError(f"buffer {target} was replaced after compiling by other values (a new submodule, "
+                                 f"the module's .to(), a RoPE update): the step folded its values when compiling; "
+                                 f"compile the step again")
+            self._buffers[target] = (now, now.data_ptr(), value)
         return out
 
+    def accept(self, ph: str, param: torch.Tensor) -> None:
+        """Records ``param`` as what the step now binds for placeholder ``ph``."""
+        self._seen[ph] = (param, param.data_ptr())
+
     def settle(self) -> None:
-        """Marks every registration so far as looked at."""
-        self._generation = _REGISTERED[0]
+        """Marks every registration so far as looked at, and notes where the ends live now."""
+        root = self._root()
+        if root is not None:
+            self._look_at_ends(root)
+        self._generation_seen = _REGISTERED[0]

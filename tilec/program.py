@@ -161,7 +161,9 @@ class CompiledProgram:
         # programs: a torch.compile region's parameters are guarded arguments, an artifact's its own)
         params = {name: binding.param_names.get(name, name) for name, b in self.graph.buffers.items()
                   if b.kind is BufferKind.PARAM}
-        self._watch = ParamWatch(module, params) if module is not None and params else None
+        folded = {name: (target, binding.consts[name]) for name, target in binding.buffer_names.items()
+                  if name in binding.consts and name not in written}
+        self._watch = ParamWatch(module, params, folded) if module is not None and (params or folded) else None
         # per argument: (kind, buffer name, shape, dtype, staged, updated in place)
         # (a position tensor's example shape: another shape can broadcast to other output shapes in eager)
         self._arg_specs = [(_POSITION if name == POSITION else _IGNORED, name,
@@ -309,10 +311,7 @@ class CompiledProgram:
         when they were read with the positions, else None."""
         self._check_fixed(args)
         positions, flags = self._positions(args, guards)
-        if self._watch is not None and self._watch.moved():
-            self._rebind_params()
-        if self._param_copies:
-            self._refresh_param_copies()
+        self.sync_params()
         tensors = dict(self.tensors)
         # (trusted: torch.compile's guards already hold shapes, dtypes, devices and strides)
         tensors.update(zip(self._t_bound_names, map(args.__getitem__, self._t_bound_index)))
@@ -320,6 +319,16 @@ class CompiledProgram:
             tensors[name].copy_(args[i])  # a small read-only input: into the program's own buffer
         self._bind_each(args, tensors)
         return tensors, self._one_position(positions), flags
+
+    def sync_params(self) -> None:
+        """Brings the bound parameters up to date with the module's (every call does this first; so does
+        :func:`tilec.artifact.save`): binds parameters replaced since (:meth:`_rebind_params`) and copies
+        non-contiguous ones updated in place into the buffers the step reads. Raises TilecError as
+        :meth:`_rebind_params`."""
+        if self._watch is not None and self._watch.moved():
+            self._rebind_params()
+        if self._param_copies:
+            self._refresh_param_copies()
 
     def _rebind_params(self) -> None:
         """Binds the parameters the module now holds in place of those compiled with (``load_state_dict(...,
@@ -406,7 +415,7 @@ class CompiledProgram:
         for i, shape in self._position_args:
             a = args[i]
             if not (isinstance(a, torch.Tensor) and is_integer(a.dtype) and a.layout is _STRIDED and
-                    (a.numel() == 1 or sizes[i] > 1)):
+                    not a.is_nested and (a.numel() == 1 or sizes[i] > 1)):
                 out[i] = a if type(a) is int else _position_of(self._labels[i], a, shape)  # TilecError unless an int
                 continue
             if shape is not None and a.shape != shape:
