@@ -279,6 +279,17 @@ def shared_args():
     return Accumulate(), (x, x)
 
 not_callable = 42
+
+def inference_weights():  # weights made under inference mode, compiled outside it (torch.export's raw RuntimeError)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        m = torch.nn.Linear(32, 16)
+    return m, (torch.randn(2, 32),)
+
+def changes_directory():  # a factory that moves the working directory (the artifact went there)
+    import os
+    os.chdir(os.path.dirname(os.path.abspath(__file__)))
+    return linear()
 '''
 
 
@@ -663,6 +674,46 @@ def test_example_arguments_the_module_rejects_are_bad_input(facts, tmp_path):
     assert "fails on its example arguments [(1, 32) torch.float32]" in r.stderr
     assert "WRONG_SHAPE_LINE" in r.stderr and "facts.py:" in r.stderr
     assert "fake_tensor" not in r.output and not (tmp_path / "a").exists()
+
+
+def test_weights_made_under_inference_mode_are_bad_input(facts, tmp_path):
+    r = invoke("compile", f"{facts}:inference_weights", "-o", tmp_path / "a", "--no-build")
+    assert r.exit_code == 2, r.output
+    assert ("parameter weight and 1 more of the module was made under torch.inference_mode and requires grad, "
+            "which torch.export cannot trace outside inference mode: compile inside `with torch.inference_mode():`, "
+            "or call module.requires_grad_(False) first") in r.stderr
+
+
+def test_relative_paths_are_taken_before_the_factory_runs(facts, tmp_path, monkeypatch):
+    """A factory that changed the working directory sent the artifact there (`wrote out`, and no ./out)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    r = invoke("compile", f"{facts}:changes_directory", "-o", "out", "-O", "workers=2", "--no-build")
+    assert r.exit_code == 0, r.output
+    assert (work / "out" / "manifest.json").is_file() and not (facts.parent / "out").exists()
+    for cmd in (("run", "out", "--check"), ("bench", "out", "--iters", "2")):  # (the artifact's files read after it)
+        monkeypatch.chdir(work)
+        r = invoke(*cmd)
+        assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("suffix", [".txt", ""])
+def test_a_factory_file_without_the_py_suffix_is_loaded(facts, tmp_path, suffix):
+    """It was an internal error (exit 4, 'NoneType' object has no attribute 'loader')."""
+    f = tmp_path / f"factory{suffix}"
+    f.write_text(FACTORIES)
+    r = invoke("compile", f"{f}:linear", "-o", tmp_path / "a", "-O", "workers=2", "--no-build")
+    assert r.exit_code == 0, r.output
+
+
+def test_an_output_name_of_up_to_255_bytes_is_written(facts, tmp_path):
+    """Names of 238..255 bytes failed: the folders beside the output (.NAME.partial-XXXXXXXX) went past the limit."""
+    out = tmp_path / ("b" * 255)
+    for extra in ((), ("--force",)):
+        r = invoke("compile", f"{facts}:linear", "-o", out, "-O", "workers=2", "--no-build", *extra)
+        assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
 
 
 def test_a_broken_tilec_nvcc_is_an_error_not_a_skipped_build(facts, tmp_path):
@@ -1185,7 +1236,7 @@ BAD_COMPILES = [
     ("no_such_module_xyz:make", [], 2, "cannot import factory module 'no_such_module_xyz': no module named"),
     ("missing/dir/model.py:make", [], 2, "no such file"),
     ("examples/factories.py", [], 2, "expected MODULE:FACTORY"),
-    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_one_too_long, cache_too_short, cache_write, decorated_too_many_args, exits, fixed_slot_write, huge_max_positions, linear"),
+    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_one_too_long, cache_too_short, cache_write, changes_directory, decorated_too_many_args, exits, fixed_slot_write, huge_max_positions, inference_weights, linear"),
     ("{facts}:not_callable", [], 2, "not_callable is not a callable factory (it is of type int)"),
     ("{facts}:returns_none", [], 2, "returned None; expected (module, example_args) or (module, example_args, dict("),
     ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),

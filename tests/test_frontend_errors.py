@@ -145,15 +145,18 @@ class FixedWriteAndCumsum(torch.nn.Module):
 def test_refused_node_in_torchs_own_modules_names_the_module():
     """A compiled torch.nn.Linear (or a Sequential of torch's modules) records only torch's frames: its refused
     node's line is torch's linear.py (a fresh user's case), so the module that ran it follows, by its path."""
+    with pytest.raises(UnsupportedNodeError, match=r"group_norm \(aten\.group_norm\.default\) at "
+                                                   r".*normalization\.py.*\(in the compiled module, a GroupNorm\)"):
+        compile_module(torch.nn.GroupNorm(2, 8), (torch.randn(1, 8, 4),))
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.AvgPool1d(2))
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(seq, (torch.randn(1, 4, 8),))
+    src = info.value.nodes[0][2]
+    assert "pooling.py" in src and src.endswith("(in 2, an AvgPool1d)"), src  # (it said "a AvgPool1d")
     with pytest.raises(UnsupportedNodeError, match=r"linear \(aten\.linear\.default\) at .*linear\.py.*\(in the "
                                                    r"compiled module, a Linear\)") as info:
         compile_module(torch.nn.Linear(8, 4), (torch.randn(1, 8, dtype=torch.bfloat16),))
     assert "mixed dtypes" in str(info.value)
-    seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4).double())
-    with pytest.raises(UnsupportedNodeError) as info:
-        compile_module(seq, (torch.randn(1, 8),))
-    src = dict((n[0], n[2]) for n in info.value.nodes)["linear_1"]
-    assert "linear.py" in src and src.endswith("(in 2, a Linear)"), src
     # a line of the user's is left as it was (the backend groups the nodes it runs eagerly by it)
     with pytest.raises(UnsupportedNodeError) as info:
         compile_module(LibraryModule(), (torch.randn(2, 8),))

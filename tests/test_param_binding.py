@@ -234,9 +234,10 @@ def test_a_whole_module_made_anew_without_registrations_is_seen():
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
     x = torch.randn(2, 16)
     prog = compile_module(m, (x,), options=OPTS)
-    old = list(m.parameters())  # noqa: F841 (kept alive, as an optimizer would)
+    old = list(m.parameters())  # kept alive, as an optimizer would
     m.to("meta")
     m.to_empty(device="cpu")
+    assert all(p is not q for p, q in zip(old, m.parameters()))
     with torch.no_grad():
         for p in m.parameters():
             p.normal_()
@@ -289,3 +290,33 @@ def test_a_new_submodule_with_other_buffer_values_is_refused():
     with pytest.raises(TilecError, match=r"buffer block\.scale was replaced after compiling by other values .*"
                                          r"compile the step again"):
         prog(x)
+
+
+def test_the_registration_hooks_do_not_make_torch_compile_recompile(monkeypatch):
+    """The count the hooks bump was traced by Dynamo in a forward that registers modules (HF slices its ModuleList of
+    layers at every call): a guard on it recompiled the model at every call, once a step had been compiled."""
+    from tilec import backend, paramwatch
+
+    paramwatch._install_hooks()
+    compiles = []
+    real = backend._compile_region
+    monkeypatch.setattr(backend, "_compile_region", lambda *a, **k: compiles.append(1) or real(*a, **k))
+
+    class Sliced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers[:2]:  # a new ModuleList: registers its modules again
+                x = layer(x)
+            return x
+
+    torch._dynamo.reset()
+    m = Sliced().eval()
+    f = torch.compile(m, backend="tilec", options=dict(workers=2))
+    for _ in range(3):
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            assert_close(f(x), m(x), 1e-6)
+    assert len(compiles) == 1

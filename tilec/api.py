@@ -58,7 +58,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
 
     Raises:
         UnsupportedNodeError: the graph has ops tilec cannot lower (names node and source line).
-        InputError: meta-device weights or arguments; a container argument (a dict or tuple of
+        InputError: meta-device weights or arguments; parameters that require grad made under
+            ``torch.inference_mode``, when compiling outside it; a container argument (a dict or tuple of
             tensors) or a sparse or MKLDNN one; ``args``, ``positions`` or ``max_positions`` do not
             fit the module (naming the argument and the shapes or values);
             :class:`ExampleInputError` when it fails on ``args``.
@@ -72,6 +73,13 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         raise InputError(f"{', '.join(meta[:3])}{f' and {len(meta) - 3} more' if len(meta) > 3 else ''}: "
                          f"meta-device tensor(s) with no data; tilec needs real weights and inputs")
     check_positions(args, positions, max_positions)
+    made = [] if torch.is_inference_mode_enabled() else \
+        [n for n, p in module.named_parameters() if p.is_inference() and p.requires_grad]
+    if made:  # torch.export raised "Setting requires_grad=True on inference tensor outside InferenceMode"
+        raise InputError(f"parameter {made[0]}{f' and {len(made) - 1} more' if len(made) > 1 else ''} of the module "
+                         f"was made under torch.inference_mode and requires grad, which torch.export cannot trace "
+                         f"outside inference mode: compile inside `with torch.inference_mode():`, or call "
+                         f"module.requires_grad_(False) first")
     t0 = time.perf_counter()
     gm, binding = export_graph(module, args, set(positions))
     try:

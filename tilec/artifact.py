@@ -284,14 +284,23 @@ def _write_manifest(tmp: Path, program: CompiledProgram, opts: Options, factory,
     _set_modes(tmp)
 
 
+def _side_name(final: Path) -> str:
+    """``final``'s name in the names of the folders beside it: the name itself, or for one too long to take the
+    suffixes within a file system's 255 bytes, its first 150 characters and a hash of the whole."""
+    name = final.name
+    if len(name.encode()) <= 200:
+        return name
+    return f"{name[:150].encode()[:150].decode(errors='ignore')}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+
+
 def _partial_prefix(final: Path) -> str:
     """The name prefix of the folders a compile writes ``final`` in before renaming it into place."""
-    return f".{final.name}.partial-"
+    return f".{_side_name(final)}.partial-"
 
 
 def _old_prefix(final: Path) -> str:
     """The name prefix of the folder ``--force`` moves the replaced artifact into, removed once the new one is in."""
-    return f".{final.name}.old-"
+    return f".{_side_name(final)}.old-"
 
 
 @contextlib.contextmanager
@@ -855,7 +864,8 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
     if check_version and manifest["tilec"] != tilec.__version__:
         raise ArtifactVersionError(f"{root} was built by tilec {manifest['tilec']}; this is tilec {tilec.__version__}. "
                                    f"Recompile it{_recompile_hint(manifest, root)}")
-    return Artifact(root, manifest, verified)
+    # (absolute from here: its files are read later, maybe after a factory changed the working directory)
+    return Artifact(root if root.is_absolute() else Path.cwd() / root, manifest, verified)
 
 
 def _identity(f: Path) -> tuple:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect as pyinspect
 import json
@@ -69,6 +70,7 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
 
     try:  # a bad output path, dump directory or build environment fails before a long compile
         art_mod.check_target(output, force)
+        output = output if output.is_absolute() else Path.cwd() / output  # (the factory may change directory)
         dumps = dump_root(opts)
         if dumps is not None and (dumps.resolve() == output.resolve() or output.resolve() in dumps.resolve().parents):
             raise TilecError(f"the dump directory {dumps} is inside the artifact's output {output}: an artifact "
@@ -209,7 +211,9 @@ def load_factory(spec: str, cwd: str | None = None):
             raise Failure(f"factory module {mod_part}: {what} ({file})")
         file = file.resolve()
         modname = "_tilec_factory_" + hashlib.sha256(str(file).encode()).hexdigest()[:12]
-        spec_obj = importlib.util.spec_from_file_location(modname, file)
+        # (an explicit loader: for a name without the .py suffix, spec_from_file_location finds none)
+        spec_obj = importlib.util.spec_from_file_location(modname, file,
+                                                          loader=importlib.machinery.SourceFileLoader(modname, str(file)))
         module = importlib.util.module_from_spec(spec_obj)
         if str(file.parent) not in sys.path:
             sys.path.insert(0, str(file.parent))

@@ -39,7 +39,8 @@ def source_of(node: fx.Node) -> str:
     text = user if user is not None else frames[-1][1] if frames else ""
     path, cls = module_of(node)
     if user is None and text and cls:
-        text += f" (in {path}, a {cls})" if path else f" (in the compiled module, a {cls})"
+        what = f"{'an' if cls[:1] in tuple('AEIOU') else 'a'} {cls}"  # (an Embedding, a Linear)
+        text += f" (in {path}, {what})" if path else f" (in the compiled module, {what})"
     return text
 
 
