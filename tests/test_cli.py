@@ -689,20 +689,28 @@ def test_relative_paths_are_taken_before_the_factory_runs(facts, tmp_path, monke
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    r = invoke("compile", f"{facts}:changes_directory", "-o", "out", "-O", "workers=2", "--no-build")
+    r = invoke("compile", f"{facts}:changes_directory", "-o", "out", "-O", "workers=2", "-O", "dump_dir=dumps",
+               "--no-build")
     assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("wrote out: ")  # named as given
     assert (work / "out" / "manifest.json").is_file() and not (facts.parent / "out").exists()
+    assert any((work / "dumps").iterdir()) and not (facts.parent / "dumps").exists()
     for cmd in (("run", "out", "--check"), ("bench", "out", "--iters", "2")):  # (the artifact's files read after it)
         monkeypatch.chdir(work)
         r = invoke(*cmd)
         assert r.exit_code == 0, r.output
 
 
-@pytest.mark.parametrize("suffix", [".txt", ""])
+@pytest.mark.parametrize("suffix", [".txt", "", ".pyc"])
 def test_a_factory_file_without_the_py_suffix_is_loaded(facts, tmp_path, suffix):
-    """It was an internal error (exit 4, 'NoneType' object has no attribute 'loader')."""
+    """It was an internal error (exit 4, 'NoneType' object has no attribute 'loader'); a .pyc loads as before."""
     f = tmp_path / f"factory{suffix}"
-    f.write_text(FACTORIES)
+    if suffix == ".pyc":
+        import py_compile
+
+        py_compile.compile(str(facts), cfile=str(f), doraise=True)
+    else:
+        f.write_text(FACTORIES)
     r = invoke("compile", f"{f}:linear", "-o", tmp_path / "a", "-O", "workers=2", "--no-build")
     assert r.exit_code == 0, r.output
 

@@ -128,7 +128,8 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
             disagree with the program (nothing is written), or the program checks a run-time
             attention mask (:mod:`tilec.guards`; an artifact does not carry the check).
         TilecError: nvcc failed, ``TILEC_NVCC`` names a program that does not run as nvcc, or a
-            codegen template is missing or broken (nothing is written).
+            codegen template is missing or broken; a module parameter replaced since the program's last
+            call no longer fits it (:meth:`CompiledProgram.sync_params`; nothing is written).
     """
     given = Path(path)
     final = _absolute(given)  # "." or "a/..": its temporary and backup folders go beside it
@@ -682,6 +683,8 @@ class Artifact:
 
     def __init__(self, path: Path, manifest: dict, verified: dict[str, tuple]):
         self.path, self.manifest = path, manifest
+        # its files are read through the path absolute as of now (a factory may change the working directory)
+        self._root = path if path.is_absolute() else Path.cwd() / path
         self._verified = verified  # file -> its identity (_identity) when load() hashed it
 
     @property
@@ -699,7 +702,7 @@ class Artifact:
         if rel not in self.manifest["files"]:
             raise ArtifactError(f"{self.path}: {rel} is not one of the artifact's files (its manifest does not "
                                 f"list it)")
-        f = self.path / rel
+        f = self._root / rel
         try:
             now = _identity(f)
         except OSError as e:
@@ -785,7 +788,7 @@ class Artifact:
         if kind not in ("cuda", "reference"):
             raise TilecError(f"executor {kind!r}: must be 'cuda' or 'reference'")
         listed = self.manifest["cuda"].get("library") == LIBRARY and LIBRARY in self.manifest["files"]
-        if kind == "cuda" and not listed and os.path.lexists(self.path / LIBRARY):
+        if kind == "cuda" and not listed and os.path.lexists(self._root / LIBRARY):
             # load() hashed only what the manifest lists: an unlisted library is some other plan's code
             raise ArtifactError(f"{self.path / LIBRARY}: this artifact was compiled without a library (its manifest "
                                 f"lists none), so that file is not its plan's; remove it (the program then builds "
@@ -806,7 +809,7 @@ class Artifact:
         except (TypeError, ValueError) as e:
             raise ArtifactError(f"{self.path}: its options are not understood by this tilec ({e}); recompile it"
                                 f"{_recompile_hint(self.manifest, self.path)}") from e
-        lib = self.path / LIBRARY if kind == "cuda" and listed else None
+        lib = self._root / LIBRARY if kind == "cuda" and listed else None
         if lib is not None:
             self.file(LIBRARY)  # still the library load() verified (not one a compile --force put there since)
         compiled = Compiled(stages={"opgraph": graph, "plan": plan}, plan=plan, stats=dict(plan.stats))
@@ -864,8 +867,7 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
     if check_version and manifest["tilec"] != tilec.__version__:
         raise ArtifactVersionError(f"{root} was built by tilec {manifest['tilec']}; this is tilec {tilec.__version__}. "
                                    f"Recompile it{_recompile_hint(manifest, root)}")
-    # (absolute from here: its files are read later, maybe after a factory changed the working directory)
-    return Artifact(root if root.is_absolute() else Path.cwd() / root, manifest, verified)
+    return Artifact(root, manifest, verified)
 
 
 def _identity(f: Path) -> tuple:

@@ -6,6 +6,7 @@ Each ``*_artifact`` function is one command's body; errors meant for the user ar
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import importlib.machinery
@@ -70,7 +71,7 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
 
     try:  # a bad output path, dump directory or build environment fails before a long compile
         art_mod.check_target(output, force)
-        output = output if output.is_absolute() else Path.cwd() / output  # (the factory may change directory)
+        target = output if output.is_absolute() else Path.cwd() / output  # (the factory may change directory)
         dumps = dump_root(opts)
         if dumps is not None and (dumps.resolve() == output.resolve() or output.resolve() in dumps.resolve().parents):
             raise TilecError(f"the dump directory {dumps} is inside the artifact's output {output}: an artifact "
@@ -82,6 +83,8 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
                              f"an artifact holds only what tilec writes there (a later compile -o {holder} --force "
                              f"would refuse it); dump elsewhere")
         check_dump_root(opts)
+        if dumps is not None and not dumps.is_absolute():  # where it is now, whatever directory the factory moves to
+            opts = dataclasses.replace(opts, dump_dir=str(Path.cwd() / dumps))
         nvcc = os.environ.get("TILEC_NVCC")
         if not no_build and nvcc and art_mod._nvcc_version() is None:
             raise TilecError(f"TILEC_NVCC={nvcc} does not run as nvcc (unset it, or use --no-build)")
@@ -118,17 +121,17 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
             raise Failure(f"compile failed: {describe_exception(e)}", EXIT_COMPILE) from e
     with progress.step(f"writing {output}" + ("" if no_build else " (nvcc when present)")):
         try:
-            path = art_mod.save(output, program, snapshot, factory=info, positions=positions,
-                                max_positions=max_positions, param_sources=_param_sources(module, program),
-                                build=not no_build, force=force, progress=progress)
+            art_mod.save(target, program, snapshot, factory=info, positions=positions, max_positions=max_positions,
+                         param_sources=_param_sources(module, program), build=not no_build, force=force,
+                         progress=progress)
         except ArtifactError as e:
             raise Failure(str(e)) from e
         except TilecError as e:
             raise Failure(f"compile failed: {e}", EXIT_COMPILE) from e
     s = program.stats
-    lib = (path / art_mod.LIBRARY).exists()
+    lib = (target / art_mod.LIBRARY).exists()
     try:
-        click.echo(f"wrote {path}: {s['ops']} ops, {s['tasks']} tasks, {s['events']} events on "
+        click.echo(f"wrote {output}: {s['ops']} ops, {s['tasks']} tasks, {s['events']} events on "
                    f"{program.plan.workers} workers (cost-model makespan {s['predicted_step_us']} us: planning "
                    f"weights, not a timing); library "
                    f"{'cuda/libtilec.so (' + program.opts.arch + ')' if lib else 'not built'}")
@@ -136,7 +139,7 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
         if e.errno is None:
             raise
         stdout_to_devnull()
-        click.echo(f"tilec: wrote {path}, but cannot write to standard output: {e.strerror or e}", err=True)
+        click.echo(f"tilec: wrote {output}, but cannot write to standard output: {e.strerror or e}", err=True)
 
 
 
@@ -211,9 +214,10 @@ def load_factory(spec: str, cwd: str | None = None):
             raise Failure(f"factory module {mod_part}: {what} ({file})")
         file = file.resolve()
         modname = "_tilec_factory_" + hashlib.sha256(str(file).encode()).hexdigest()[:12]
-        # (an explicit loader: for a name without the .py suffix, spec_from_file_location finds none)
-        spec_obj = importlib.util.spec_from_file_location(modname, file,
-                                                          loader=importlib.machinery.SourceFileLoader(modname, str(file)))
+        spec_obj = importlib.util.spec_from_file_location(modname, file)
+        if spec_obj is None:  # a suffix no loader claims (factory.txt, no suffix): read it as Python source
+            loader = importlib.machinery.SourceFileLoader(modname, str(file))
+            spec_obj = importlib.util.spec_from_file_location(modname, file, loader=loader)
         module = importlib.util.module_from_spec(spec_obj)
         if str(file.parent) not in sys.path:
             sys.path.insert(0, str(file.parent))

@@ -140,7 +140,8 @@ class HFDecodeStep:
     replacing one (``load_state_dict(..., assign=True)``, ``module.weight = nn.Parameter(...)``, a new
     submodule, ``model.to(...)``) is noticed at the next call, which binds the new tensors or, when their
     shape, dtype or device changed, raises TilecError naming the parameter (:mod:`tilec.paramwatch`, which
-    also says what is not noticed: ``weight.data = t`` of one parameter - compile again after that). Buffers (RoPE ``inv_freq``) are constants taken when compiling.
+    also says what is not noticed: ``weight.data = t`` of one parameter - compile again after that).
+    Buffers (RoPE ``inv_freq``) are constants taken when compiling.
     The cache's token counters are read back (a sync on a GPU) only when something other than this
     step may have changed them since its last call (see ``__call__``).
     """

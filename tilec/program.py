@@ -32,6 +32,13 @@ def tensor_version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` that the step reads in its place (a non-contiguous parameter's: written again at
+    a call after an update, also outside inference mode when compiled in it)."""
+    with torch.inference_mode(False):
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def not_dense(a: torch.Tensor) -> bool:
     """Whether tensor ``a`` is one a step cannot bind: a layout other than strided (sparse, MKLDNN) or a
     nested tensor (a strided nested tensor has no sizes; a jagged one has no plain strides)."""
@@ -98,7 +105,9 @@ class CompiledProgram:
 
     Raises:
         TilecError: an argument has the wrong shape/dtype/layout, positions disagree, or a Python value
-            (baked into the step when compiling) differs from the example's.
+            (baked into the step when compiling) differs from the example's; a module parameter was replaced
+            by one of another shape, dtype or device, tied parameters were untied, or a folded buffer was
+            replaced by other values (:meth:`sync_params`, :mod:`tilec.paramwatch`).
         GuardError: a run-time attention mask is not the causal mask at the call's position (nothing ran).
     """
 
@@ -153,10 +162,7 @@ class CompiledProgram:
                     t = torch.empty(b.shape, dtype=b.dtype, device=self.device)
             else:
                 continue
-            if not t.is_contiguous():  # (a parameter's copy: written at a call after an update, also outside
-                with torch.inference_mode(False):  # inference mode when compiled in it)
-                    t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-            self.tensors[name] = t
+            self.tensors[name] = t if t.is_contiguous() else _contiguous_copy(t)
         # the module's parameters, looked up again when they may have been replaced (compile_module's
         # programs: a torch.compile region's parameters are guarded arguments, an artifact's its own)
         params = {name: binding.param_names.get(name, name) for name, b in self.graph.buffers.items()
@@ -346,11 +352,8 @@ class CompiledProgram:
         for name, (_, p) in changed.items():
             t = p.detach()
             self._param_copies = [e for e in self._param_copies if e[0] != name]
-            if t.is_contiguous():
-                self.tensors[name] = t
-            else:  # read through a contiguous copy, refreshed at a call after an in-place update (as compiled)
-                with torch.inference_mode(False):
-                    self.tensors[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+            self.tensors[name] = t if t.is_contiguous() else _contiguous_copy(t)
+            if not t.is_contiguous():  # refreshed at a call after an in-place update, as when compiled
                 self._param_copies.append([name, t, tensor_version(t)])
             self._watch.accept(name, p)
         if changed:
