@@ -644,3 +644,46 @@ def test_float_positions_in_the_indexer_mask_are_refused():
     q, w, k_cache, block_tables, positions = _score_inputs()
     with pytest.raises(UnsupportedNodeError, match="indexer score masked by float32 positions"):
         compile_module(_Score(), (q, w, k_cache, block_tables, positions.float()))
+
+
+class _RegroupedScales(torch.nn.Module):
+    """A block-scaled FP8 linear whose activation scales come in another layout than [M, K/G] (a fresh user's
+    case): ``rows`` > 1 lays each token's K/G scales over ``rows`` rows; 0 passes them flattened to [M*K/G]."""
+
+    def __init__(self, rows: int, n: int = 256, k: int = 512):
+        super().__init__()
+        self.rows = rows
+        self.weight = torch.nn.Parameter(torch.randn(n, k).div(16).to(torch.float8_e4m3fn), requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(torch.rand(n // 128, k // 128) + 0.5, requires_grad=False)
+
+    def forward(self, xq, xs):
+        m, k = xq.shape
+        x = (xq.float().view(-1, 128) if self.rows == 0 else xq.float().view(self.rows * m, -1, 128)) * xs.unsqueeze(-1)
+        n = self.weight.shape[0]
+        s = self.weight_scale_inv[:, None, :, None].expand(n // 128, 128, k // 128, 128).reshape(n, k)
+        return torch.nn.functional.linear(x.view(m, k), self.weight.float() * s)
+
+
+@pytest.mark.parametrize("rows", [2, 0], ids=["two-rows", "flat"])
+def test_fp8_activation_scales_of_another_grouping_are_not_an_fp8_gemm(rows):
+    """Planned as a block-scaled FP8 GEMM with the group read off the scales' last dim: two rows per token gave a
+    group of 256 (rel. L2 0.46, silently), flattened scales a group of 32 that every call then failed on."""
+    torch.manual_seed(0)
+    mod = _RegroupedScales(rows)
+    xq = torch.randn(2, 512).mul(50).to(torch.float8_e4m3fn)
+    xs = torch.rand(4, 2) + 0.5 if rows else torch.rand(8) + 0.5
+    prog = compile_module(mod, (xq, xs), options=dict(workers=4))
+    assert "fp8_linear" not in {op.kind for op in prog.graph.ops}
+    assert_close(prog(xq, xs), mod(xq, xs), 1e-6)
+
+
+def test_an_unplanned_write_into_a_cache_view_says_what_tilec_plans():
+    """It said "index write into a tensor that is not a graph input (static cache)" of a cache argument."""
+    class Accumulate(torch.nn.Module):
+        def forward(self, k, slots, cache):
+            cache.view(-1, 32).index_put_((slots,), k * 2, accumulate=True)
+            return k + 1
+
+    with pytest.raises(TilecError, match=r"index write into a view of argument 2 \(cache\): tilec plans such a write "
+                                         r"as a paged cache write only .*without accumulate"):
+        compile_module(Accumulate(), (torch.randn(3, 32), torch.tensor([3, 9, 0]), torch.randn(6, 4, 32)))

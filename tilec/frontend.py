@@ -1023,6 +1023,16 @@ class Lowering(FormsLowering, DsaLowering):
             if root is not dst_node and root.op == "placeholder":  # a write into an earlier write's result
                 self._unsupported(node, f"a second write into {self._argument(root.name)} in one step (tilec plans one "
                                         f"in-place write per cache and step: write all of the step's rows at once)")
+            base = dst_node
+            while is_call(base, *RESHAPES):
+                base = base.args[0]
+            if base.op == "placeholder":  # cache.view(-1, D)[...] = new, not the paged write tilec plans
+                self._unsupported(node, f"index write into a view of {self._argument(base.name)}: tilec plans such a "
+                                        f"write as a paged cache write only (cache.view(-1, D)[slots] = new, or "
+                                        f"index_copy_ along dim 0, without accumulate, with slots an integer "
+                                        f"argument of the step - not a buffer, constant or decode position); a write "
+                                        f"at the decode position goes into the cache itself "
+                                        f"(cache.index_copy_(dim, pos, new))")
             self._unsupported(node, "index write into a tensor that is not a graph input (static cache)")
         dst = self.view_of(dst_node)
         if t in (aten.index_copy.default, aten.index_copy_.default):

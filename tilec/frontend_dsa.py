@@ -122,8 +122,13 @@ class DsaLowering:
             qv, av, sv = val_of(q), val_of(a), val_of(s)
             if qv is None or sv is None or qv.dtype != torch.float8_e4m3fn or b.args[1] not in (-1, len(av.shape) - 1):
                 continue
-            if tuple(av.shape[:-1]) == tuple(sv.shape) and tuple(qv.shape) == tuple(val_of(n).shape):
-                return q, s, av.shape[-1]
+            # groups of G along q's last dim only, one scale each: [*lead, K] -> [*lead, K/G, G] * [*lead, K/G, 1]
+            # (another grouping - a row's scales laid out over two rows, or flattened - is another computation:
+            # planned as one, it was silently wrong, rel. L2 0.46 - a fresh user's finding)
+            lead, k, g = tuple(qv.shape[:-1]), qv.shape[-1], av.shape[-1]
+            if k % g == 0 and tuple(av.shape) == (*lead, k // g, g) and tuple(sv.shape) == (*lead, k // g) \
+                    and tuple(qv.shape) == tuple(val_of(n).shape):
+                return q, s, g
         return None
 
     def _weight_dequant(self, n):
