@@ -114,12 +114,17 @@ class _Mlp(torch.nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-@pytest.mark.parametrize("how", ["assign", "parameter", "submodule", "transposed"])
-def test_replaced_parameters_are_bound_at_the_next_call(how):
-    torch.manual_seed(3)
+def _mlp_step(seed: int):
+    """An :class:`_Mlp` (float32), its example x [2, 16] and its compiled step."""
+    torch.manual_seed(seed)
     m = _Mlp().eval()
     x = torch.randn(2, 16)
-    prog = compile_module(m, (x,), options=OPTS)
+    return m, x, compile_module(m, (x,), options=OPTS)
+
+
+@pytest.mark.parametrize("how", ["assign", "parameter", "submodule", "transposed"])
+def test_replaced_parameters_are_bound_at_the_next_call(how):
+    m, x, prog = _mlp_step(3)
     with torch.no_grad():
         assert_close(prog(x), m(x), 1e-6)
         if how == "assign":
@@ -137,10 +142,7 @@ def test_replaced_parameters_are_bound_at_the_next_call(how):
 
 def test_a_converted_module_is_bound_again_or_refused():
     """model.to(dtype) swaps each parameter's .data (no registration): the first and last parameters' memory tells."""
-    torch.manual_seed(4)
-    m = _Mlp().eval()
-    x = torch.randn(2, 16)
-    prog = compile_module(m, (x,), options=OPTS)
+    m, x, prog = _mlp_step(4)
     m.to(torch.bfloat16)
     for _ in range(2):  # refused at every call until it fits again (nothing rebound meanwhile)
         with pytest.raises(TilecError, match=r"parameter up\.weight was replaced after compiling and is now "
@@ -153,10 +155,7 @@ def test_a_converted_module_is_bound_again_or_refused():
 
 
 def test_a_replacement_of_another_shape_or_a_deleted_parameter_is_refused():
-    torch.manual_seed(5)
-    m = _Mlp().eval()
-    x = torch.randn(2, 16)
-    prog = compile_module(m, (x,), options=OPTS)
+    m, x, prog = _mlp_step(5)
     m.down.weight = torch.nn.Parameter(torch.randn(8, 33))
     with pytest.raises(TilecError, match=r"parameter down\.weight .* now torch\.float32\[8, 33\] on cpu; .*\[8, 32\]"):
         prog(x)
@@ -274,10 +273,7 @@ def test_a_whole_module_made_anew_without_registrations_is_seen():
 def test_save_binds_replaced_parameters_first(tmp_path):
     from tilec import artifact
 
-    torch.manual_seed(10)
-    m = _Mlp().eval()
-    x = torch.randn(2, 16)
-    prog = compile_module(m, (x,), options=OPTS)
+    m, x, prog = _mlp_step(10)
     m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()}, assign=True)
     artifact.save(tmp_path / "a", prog, (x,), build=False)  # no call in between: it wrote the old weights
     with torch.no_grad():
