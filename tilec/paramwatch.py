@@ -36,8 +36,12 @@ _hooked = False
 def _count(module, *_args) -> None:
     # Only the watched modules count: HF slices its ModuleList of layers at every forward (a new container that
     # registers them again), and a module made anywhere registers its parameters - neither replaces anything.
-    # (Skipped while Dynamo traces a forward that registers something: a guard on the count would recompile it.)
-    if module in _WATCHED and not torch.compiler.is_compiling():
+    # (Skipped, before anything else is read, while Dynamo traces a forward that registers something: it guards on
+    # what the hook reads - the count recompiled the model at every call, and the watched set, which shrinks as
+    # modules are collected, failed the guard's own build.)
+    if torch.compiler.is_compiling():
+        return
+    if module in _WATCHED:
         _REGISTERED[0] += 1
 
 
