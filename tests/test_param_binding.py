@@ -176,7 +176,7 @@ def test_registrations_outside_the_module_cost_no_look():
     torch.nn.Linear(4, 4)  # registers parameters on another module
     m[:2]  # a new Sequential holding the watched layers
     assert not prog._watch.moved()
-    m[1].register_buffer("unused", torch.zeros(1))  # on a watched module: one look, nothing changed
+    m[0].weight = m[0].weight  # registered again on a watched module: one look, nothing changed
     assert prog._watch.moved() and not prog._watch.changed()
     with torch.no_grad():
         assert_close(prog(x), m(x), 1e-6)
@@ -349,3 +349,48 @@ def test_the_registration_hooks_do_not_make_torch_compile_recompile(monkeypatch)
         with torch.no_grad():
             assert_close(f(x), m(x), 1e-6)
     assert len(compiles) == 1
+
+
+class _Int8Weight(torch.Tensor):
+    """A weight-only quantized wrapper subclass (as torchao's): reports float32 and the weight's shape, holds int8."""
+
+    @staticmethod
+    def __new__(cls, q, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, q.shape, dtype=torch.float32, device=q.device)
+
+    def __init__(self, q, scale):
+        self.q, self.scale = q, scale
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return _Int8Weight(args[0].q, args[0].scale)
+        unwrap = lambda t: t.q.float() * t.scale if isinstance(t, _Int8Weight) else t  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class _FakeQuantLinear(torch.nn.Linear):
+    def forward(self, x):
+        return torch.nn.functional.linear(x, (self.weight * 8).round() / 8, self.bias)
+
+
+@pytest.mark.parametrize("how", ["subclass", "new-bias", "other-class"])
+def test_a_replacement_the_traced_step_cannot_take_is_refused(how):
+    """Each ran silently wrong (a fresh user's finding: rel. L2 0.39 / 0.055 / 0.051): a quantized wrapper subclass
+    was bound as plain memory (its data pointer is 0), a bias added to a bias-free Linear was never read, and a Linear
+    swapped for a fake-quantizing subclass kept the traced forward."""
+    m, x, prog = _mlp_step(13)
+    if how == "subclass":
+        w = m.down.weight.detach()
+        m.down.weight = torch.nn.Parameter(_Int8Weight((w * 64).round().to(torch.int8), 1 / 64), requires_grad=False)
+        why = r"parameter down\.weight was replaced by a _Int8Weight \(a tensor subclass\)"
+    elif how == "new-bias":
+        m.down.bias = torch.nn.Parameter(torch.randn(8))
+        why = r"down\.bias was added to the compiled module after compiling"
+    else:
+        new = _FakeQuantLinear(32, 8, bias=False)
+        new.load_state_dict(m.down.state_dict())
+        m.down = new
+        why = r"submodule down is now a _FakeQuantLinear \(a Linear when compiling\): the step runs the forward it traced"
+    with pytest.raises(TilecError, match=why):
+        prog(x)

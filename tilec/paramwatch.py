@@ -15,7 +15,9 @@ tensors. :class:`ParamWatch` lets the step notice, at a few hundred nanoseconds 
 
 Either sign makes the step look every parameter and folded buffer up again by its module names
 (:meth:`ParamWatch.changed`; ~1-2 ms for a 32-layer model on a CPU core): a parameter replaced by one the
-plan fits is bound, anything else raises. Not seen: ``weight.data = t``, a write into a module's
+plan fits is bound; anything else raises - another shape, dtype or device, a tensor subclass, untied weights,
+a folded buffer of other values, a parameter or buffer added (a new bias), a submodule of another class (its
+forward was not traced: a Linear swapped for a fake-quantizing one; another plain Linear is fine). Not seen: ``weight.data = t``, a write into a module's
 ``_parameters`` dict, setting a parameter to None, or a submodule's own ``.to()`` / ``.half()``, of
 parameters other than the module's first and last, with nothing registered since; in-place edits of a
 buffer (README).
@@ -55,6 +57,11 @@ def _install_hooks() -> None:
         _hooked = True
 
 
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article (an Int8Weight, a Linear)."""
+    return f"{'an' if noun[:1] in tuple('AEIOU') else 'a'} {noun}"
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are one tensor's data (tied weights loaded as two Parameters of one storage)."""
     return a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
@@ -81,6 +88,10 @@ class ParamWatch:
         held = dict(module.named_buffers(remove_duplicate=False))
         self._buffers = {target: (held[target], held[target].data_ptr(), value)
                          for target, value in buffers.values() if target in held}
+        # what the traced forward was made of: a parameter or buffer added later, or a submodule of another class
+        # (whose forward the step never traced), is refused rather than silently left out
+        self._state_names = set(named) | set(held)
+        self._classes = {name: type(m) for name, m in module.named_modules(remove_duplicate=False)}
         self.settle()
 
     def _look_at_ends(self, module: torch.nn.Module) -> None:
@@ -104,9 +115,21 @@ class ParamWatch:
         """The parameters the module now holds in place of those the step binds: placeholder name -> (the
         module's name, the new tensor); empty when none changed. Call :meth:`accept`
         for each once bound, then :meth:`settle`. Raises TilecError naming a parameter the module no longer
-        has, tied parameters that are no longer one tensor, or a folded buffer replaced by other values."""
+        has, one replaced by a tensor subclass, tied parameters that are no longer one tensor, a folded buffer
+        replaced by other values, a parameter or buffer added, or a submodule of another class."""
         root = self._root
         named = dict(root.named_parameters(remove_duplicate=False))
+        held = dict(root.named_buffers(remove_duplicate=False))
+        for name, m in root.named_modules(remove_duplicate=False):
+            was = self._classes.get(name)
+            if was is not None and type(m) is not was:
+                raise TilecError(f"submodule {name} is now {_a(type(m).__name__)} ({_a(was.__name__)} when compiling): "
+                                 f"the step runs the forward it traced, not the new one; compile the step again")
+        added = sorted((set(named) | set(held)) - self._state_names)
+        if added:
+            raise TilecError(f"{added[0]}{f' and {len(added) - 1} more' if len(added) > 1 else ''} was added to the "
+                             f"compiled module after compiling, which the traced step does not read: compile the "
+                             f"step again")
         out = {}
         for ph, names in self._names.items():
             now = [named.get(n) for n in names]
@@ -119,8 +142,10 @@ class ParamWatch:
                                  f"longer are: compile the step again")
             p, ptr = self._seen[ph]
             if now[0] is not p or now[0].data_ptr() != ptr:
+                if type(now[0].detach()) is not torch.Tensor:  # (a quantized wrapper: no plain memory to bind)
+                    raise TilecError(f"parameter {names[0]} was replaced by {_a(type(now[0].detach()).__name__)} (a "
+                                     f"tensor subclass): the step binds plain tensors; compile the step again")
                 out[ph] = (names[0], now[0])
-        held = dict(root.named_buffers(remove_duplicate=False))
         for target, (b, ptr, value) in list(self._buffers.items()):
             now = held.get(target)
             if now is b and now.data_ptr() == ptr:
