@@ -31,7 +31,7 @@ from .artifact import ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
 from .codegen.build import cache_root, extra_flags
 from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root, dump_source
-from .errors import InputError, TilecError, describe_exception
+from .errors import InputError, TilecError, describe_exception, with_article
 from .frontend import const_name
 from .ir import BufferKind
 from .options import OPTION_TYPES, Options, did_you_mean
@@ -336,13 +336,8 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"a Tensor {str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
     if isinstance(x, (tuple, list)):
-        return f"{_article(type(x).__name__)} of {len(x)} element(s)"
-    return "None" if x is None else _article(type(x).__name__)
-
-
-def _article(noun: str) -> str:
-    """``a list``, ``an int``."""
-    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+        return f"{with_article(type(x).__name__)} of {len(x)} element(s)"
+    return "None" if x is None else with_article(type(x).__name__)
 
 
 def _param_sources(module: torch.nn.Module, program) -> dict[str, str]:

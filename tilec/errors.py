@@ -47,6 +47,11 @@ class ExampleInputError(InputError):
     the signature of the ``forward`` they do not fit."""
 
 
+def with_article(noun: str) -> str:
+    """``noun`` after its indefinite article, for messages: ``a list``, ``an int``, ``an Embedding``."""
+    return f"{'an' if noun[:1].lower() in tuple('aeiou') else 'a'} {noun}"
+
+
 def describe_exception(e: BaseException) -> str:
     """``Type: message`` of an exception raised by the user's code, ``Type (no message)`` without a
     message, and ``Type (its message cannot be printed: ...)`` when its ``__str__`` itself raises

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .errors import with_article
+
 aten = torch.ops.aten
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -39,8 +41,7 @@ def source_of(node: fx.Node) -> str:
     text = user if user is not None else frames[-1][1] if frames else ""
     path, cls = module_of(node)
     if user is None and text and cls:
-        what = f"{'an' if cls[:1] in tuple('AEIOU') else 'a'} {cls}"  # (an Embedding, a Linear)
-        text += f" (in {path}, {what})" if path else f" (in the compiled module, {what})"
+        text += f" (in {path or 'the compiled module'}, {with_article(cls)})"
     return text
 
 

@@ -17,10 +17,11 @@ Either sign makes the step look every parameter and folded buffer up again by it
 (:meth:`ParamWatch.changed`; ~1-2 ms for a 32-layer model on a CPU core): a parameter replaced by one the
 plan fits is bound; anything else raises - another shape, dtype or device, a tensor subclass, untied weights,
 a folded buffer of other values, a parameter or buffer added (a new bias), a submodule of another class (its
-forward was not traced: a Linear swapped for a fake-quantizing one; another plain Linear is fine). Not seen: ``weight.data = t``, a write into a module's
-``_parameters`` dict, setting a parameter to None, or a submodule's own ``.to()`` / ``.half()``, of
-parameters other than the module's first and last, with nothing registered since; in-place edits of a
-buffer (README).
+forward was not traced: a Linear swapped for a fake-quantizing one; another plain Linear is fine).
+
+Not seen: ``weight.data = t``, a write into a module's ``_parameters`` dict, setting a parameter to None, or
+a submodule's own ``.to()`` / ``.half()``, of parameters other than the module's first and last, with nothing
+registered since; in-place edits of a buffer; forward hooks added after compiling (README).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import weakref
 
 import torch
 
-from .errors import TilecError
+from .errors import TilecError, with_article
 
 _REGISTERED = [0]  # parameters, buffers and submodules registered on a watched module since the hooks went in
 _WATCHED: weakref.WeakSet = weakref.WeakSet()  # every module of every watched module's tree (as of its last look)
@@ -55,11 +56,6 @@ def _install_hooks() -> None:
         hooks.register_module_buffer_registration_hook(_count)
         hooks.register_module_module_registration_hook(_count)
         _hooked = True
-
-
-def _a(noun: str) -> str:
-    """``noun`` with its indefinite article (an Int8Weight, a Linear)."""
-    return f"{'an' if noun[:1] in tuple('AEIOU') else 'a'} {noun}"
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -123,7 +119,8 @@ class ParamWatch:
         for name, m in root.named_modules(remove_duplicate=False):
             was = self._classes.get(name)
             if was is not None and type(m) is not was:
-                raise TilecError(f"submodule {name} is now {_a(type(m).__name__)} ({_a(was.__name__)} when compiling): "
+                kind, compiled = with_article(type(m).__name__), with_article(was.__name__)
+                raise TilecError(f"submodule {name} is now {kind} ({compiled} when compiling): "
                                  f"the step runs the forward it traced, not the new one; compile the step again")
         added = sorted((set(named) | set(held)) - self._state_names)
         if added:
@@ -143,8 +140,9 @@ class ParamWatch:
             p, ptr = self._seen[ph]
             if now[0] is not p or now[0].data_ptr() != ptr:
                 if type(now[0].detach()) is not torch.Tensor:  # (a quantized wrapper: no plain memory to bind)
-                    raise TilecError(f"parameter {names[0]} was replaced by {_a(type(now[0].detach()).__name__)} (a "
-                                     f"tensor subclass): the step binds plain tensors; compile the step again")
+                    kind = with_article(type(now[0].detach()).__name__)
+                    raise TilecError(f"parameter {names[0]} was replaced by {kind} (a tensor subclass): the step "
+                                     f"binds plain tensors; compile the step again")
                 out[ph] = (names[0], now[0])
         for target, (b, ptr, value) in list(self._buffers.items()):
             now = held.get(target)
