@@ -105,9 +105,11 @@ class CompiledProgram:
 
     Raises:
         TilecError: an argument has the wrong shape/dtype/layout, positions disagree, or a Python value
-            (baked into the step when compiling) differs from the example's; a module parameter was replaced
-            by one of another shape, dtype or device, tied parameters were untied, or a folded buffer was
-            replaced by other values (:meth:`sync_params`, :mod:`tilec.paramwatch`).
+            (baked into the step when compiling) differs from the example's; the module changed after
+            compiling in a way the traced step cannot take - a parameter replaced by one of another shape,
+            dtype or device or by a tensor subclass, tied parameters untied, a folded buffer replaced by other
+            values, a parameter or buffer added, a submodule of another class (:meth:`sync_params`,
+            :mod:`tilec.paramwatch`).
         GuardError: a run-time attention mask is not the causal mask at the call's position (nothing ran).
     """
 
