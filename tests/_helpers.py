@@ -361,3 +361,15 @@ class TransposedCacheStep(torch.nn.Module):
         mask = (torch.arange(kc.shape[2]) <= pos).view(1, 1, 1, -1)
         a = torch.nn.functional.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
         return x + self.o(a.transpose(1, 2).reshape(b, 1, -1))
+
+
+class ScaledLayer(torch.nn.Module):
+    """A Linear [width -> width] times a buffer ``scale`` [width] of value ``s`` (a buffer tilec folds)."""
+
+    def __init__(self, s: float, width: int = 16):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.register_buffer("scale", torch.full((width,), s))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tilec.backend as backend
-from _helpers import TransposedCacheStep, assert_close
+from _helpers import ScaledLayer, TransposedCacheStep, assert_close
 from tilec.errors import TilecError, UnsupportedNodeError
 from tilec.hf import cache_kwargs
 from tilec.zoo import eager_step, make_model, prefill
@@ -1394,16 +1394,6 @@ def test_a_position_that_also_indexes_a_learned_positional_embedding():
             args = (torch.tensor([[7 + p]]), torch.tensor([p]))
             assert_close(f(*args, mine), m(*args, ref), 1e-5, f"output at position {p}")
             assert torch.equal(mine, ref)
-
-
-class ScaledLayer(torch.nn.Module):
-    def __init__(self, s: float):
-        super().__init__()
-        self.lin = torch.nn.Linear(16, 16)
-        self.register_buffer("scale", torch.full((16,), s))
-
-    def forward(self, x):
-        return self.lin(x) * self.scale
 
 
 def test_layers_sharing_a_graph_do_not_hash_their_buffers_every_call(monkeypatch):

@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from _helpers import assert_close
+from _helpers import ScaledLayer, assert_close
 from tilec.api import compile_module
 from tilec.errors import TilecError
 
@@ -280,20 +280,10 @@ def test_save_binds_replaced_parameters_first(tmp_path):
         assert_close(artifact.load(tmp_path / "a").program(executor="reference")(x), m(x), 1e-6)
 
 
-class _Scaled(torch.nn.Module):
-    def __init__(self, v: float):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 8)
-        self.register_buffer("scale", torch.full((8,), v))
-
-    def forward(self, x):
-        return self.lin(x) * self.scale
-
-
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.block = _Scaled(1.0)
+        self.block = ScaledLayer(1.0, 8)
 
     def forward(self, x):
         return self.block(x)
@@ -306,10 +296,10 @@ def test_a_new_submodule_with_other_buffer_values_is_refused():
     m = _Block().eval()
     x = torch.randn(4, 8)
     prog = compile_module(m, (x,), options=OPTS)
-    m.block = _Scaled(1.0)
+    m.block = ScaledLayer(1.0, 8)
     with torch.no_grad():
         assert_close(prog(x), m(x), 1e-6)
-    m.block = _Scaled(3.0)
+    m.block = ScaledLayer(3.0, 8)
     with pytest.raises(TilecError, match=r"buffer block\.scale was replaced after compiling by other values .*"
                                          r"compile the step again"):
         prog(x)

@@ -287,11 +287,11 @@ def _write_manifest(tmp: Path, program: CompiledProgram, opts: Options, factory,
 
 def _side_name(final: Path) -> str:
     """``final``'s name in the names of the folders beside it: the name itself, or for one too long to take the
-    suffixes within a file system's 255 bytes, its first 150 characters and a hash of the whole."""
+    suffixes within a file system's 255 bytes, its first 150 bytes (whole characters) and a hash of the whole."""
     name = final.name
     if len(name.encode()) <= 200:
         return name
-    return f"{name[:150].encode()[:150].decode(errors='ignore')}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+    return f"{name.encode()[:150].decode(errors='ignore')}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
 
 
 def _partial_prefix(final: Path) -> str:
@@ -684,7 +684,7 @@ class Artifact:
     def __init__(self, path: Path, manifest: dict, verified: dict[str, tuple]):
         self.path, self.manifest = path, manifest
         # its files are read through the path absolute as of now (a factory may change the working directory)
-        self._root = path if path.is_absolute() else Path.cwd() / path
+        self._root = path.absolute()
         self._verified = verified  # file -> its identity (_identity) when load() hashed it
 
     @property

@@ -71,7 +71,7 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
 
     try:  # a bad output path, dump directory or build environment fails before a long compile
         art_mod.check_target(output, force)
-        target = output if output.is_absolute() else Path.cwd() / output  # (the factory may change directory)
+        target = output.absolute()  # (the factory may change directory)
         dumps = dump_root(opts)
         if dumps is not None and (dumps.resolve() == output.resolve() or output.resolve() in dumps.resolve().parents):
             raise TilecError(f"the dump directory {dumps} is inside the artifact's output {output}: an artifact "
@@ -84,7 +84,7 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
                              f"would refuse it); dump elsewhere")
         check_dump_root(opts)
         if dumps is not None and not dumps.is_absolute():  # where it is now, whatever directory the factory moves to
-            opts = dataclasses.replace(opts, dump_dir=str(Path.cwd() / dumps))
+            opts = dataclasses.replace(opts, dump_dir=str(dumps.absolute()))
         nvcc = os.environ.get("TILEC_NVCC")
         if not no_build and nvcc and art_mod._nvcc_version() is None:
             raise TilecError(f"TILEC_NVCC={nvcc} does not run as nvcc (unset it, or use --no-build)")

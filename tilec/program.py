@@ -354,8 +354,10 @@ class CompiledProgram:
         for name, (_, p) in changed.items():
             t = p.detach()
             self._param_copies = [e for e in self._param_copies if e[0] != name]
-            self.tensors[name] = t if t.is_contiguous() else _contiguous_copy(t)
-            if not t.is_contiguous():  # refreshed at a call after an in-place update, as when compiled
+            if t.is_contiguous():
+                self.tensors[name] = t
+            else:  # read through a copy, refreshed at a call after an in-place update, as when compiled
+                self.tensors[name] = _contiguous_copy(t)
                 self._param_copies.append([name, t, tensor_version(t)])
             self._watch.accept(name, p)
         if changed:
