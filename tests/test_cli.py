@@ -97,6 +97,9 @@ class Proj(torch.nn.Module):
 def wrong_shape():
     return Proj(), (torch.randn(1, 32),)
 
+def integer_tokens_into_linear():
+    return torch.nn.Linear(8, 4), (torch.randint(0, 9, (2, 8)),)
+
 def returns_one():
     return (torch.nn.Linear(4, 4),)
 
@@ -674,6 +677,18 @@ def test_example_arguments_the_module_rejects_are_bad_input(facts, tmp_path):
     assert "fails on its example arguments [(1, 32) torch.float32]" in r.stderr
     assert "WRONG_SHAPE_LINE" in r.stderr and "facts.py:" in r.stderr
     assert "fake_tensor" not in r.output and not (tmp_path / "a").exists()
+
+
+def test_example_arguments_of_a_dtype_eager_refuses_are_bad_input(facts, tmp_path):
+    """int64 tokens into a float Linear: torch.export's fake kernel lets the matmul of mixed dtypes through, tilec's
+    lowering refused it as an unsupported node (exit 3, "compile failed", with the advice to run it eagerly - which
+    raises too; a fresh user's finding). Now exit 2, bad input, naming the node and both dtypes."""
+    r = invoke("compile", f"{facts}:integer_tokens_into_linear", "-o", tmp_path / "a", "--no-build")
+    assert r.exit_code == 2, r.output
+    assert re.search(r"bad input from integer_tokens_into_linear\(\) at .*facts\.py:\d+: tilec cannot lower 1 FX "
+                     r"node\(s\): linear of mixed dtypes \(input int64, weight float32, bias float32\)", r.stderr), r.stderr
+    assert "eager PyTorch raises on this node too" in r.stderr and "torch.compile" not in r.stderr
+    assert not (tmp_path / "a").exists()
 
 
 def test_weights_made_under_inference_mode_are_bad_input(facts, tmp_path):

@@ -797,6 +797,8 @@ def test_linear_of_mixed_dtypes_is_refused_like_eager():
     with pytest.raises(UnsupportedNodeError, match=r"linear of mixed dtypes \(input float16, weight float32, bias "
                                                    r"float32\): eager PyTorch requires one dtype"):
         compile_module(m, (torch.randn(2, 8, dtype=torch.float16),))
+    with pytest.raises(InputError, match="eager PyTorch raises on this node too"):  # EagerFailsError: bad input
+        compile_module(m, (torch.randn(2, 8, dtype=torch.float16),))
 
 
 def test_keyword_arguments_are_refused_clearly():

@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 
 from .capture import export_graph
 from .dump import with_dump
-from .errors import InputError, OptionsError, UnsupportedNodeError
+from .errors import EagerFailsError, InputError, OptionsError, UnsupportedNodeError
 from .frontend import find_unsupported, lower_graph
 from .guards import build_mask_guards
 from .options import Options
@@ -57,7 +57,9 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
             dump hook of :mod:`tilec.dump` when ``options.dump_dir`` or ``$TILEC_DUMP_DIR`` is set).
 
     Raises:
-        UnsupportedNodeError: the graph has ops tilec cannot lower (names node and source line).
+        UnsupportedNodeError: the graph has ops tilec cannot lower (names node and source line);
+            :class:`EagerFailsError` (also an ``InputError``) for a node eager PyTorch cannot run either
+            (a linear of mixed dtypes).
         InputError: meta-device weights or arguments; parameters that require grad made under
             ``torch.inference_mode``, when compiling outside it; a container argument (a dict or tuple of
             tensors) or a sparse or MKLDNN one; ``args``, ``positions`` or ``max_positions`` do not
@@ -84,6 +86,9 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     gm, binding = export_graph(module, args, set(positions))
     try:
         graph = lower_graph(gm, binding, max_positions)
+    except EagerFailsError as e:  # the module or its example arguments are wrong: eager raises there too
+        raise EagerFailsError([(*e.nodes[0], e.why[0])], e.reason, "eager PyTorch raises on this node too: fix the "
+                              "module or its example arguments (no compile of it can run)") from e
     except UnsupportedNodeError as first:
         every = find_unsupported(gm, binding, max_positions)  # report all of them, not just the first
         nodes = every if len(every) > 1 else [(*first.nodes[0], first.why[0])]

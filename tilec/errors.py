@@ -70,6 +70,13 @@ class PositionError(TilecError, ValueError):
     ``HFDecodeStep`` raised for the latter before."""
 
 
+class EagerFailsError(UnsupportedNodeError, InputError):
+    """A node eager PyTorch cannot run either, on these inputs (a linear of mixed dtypes, a cache write of
+    another dtype): the module or its example arguments are wrong, not tilec's coverage. An
+    :class:`UnsupportedNodeError` (it lists the node) and an :class:`InputError` (``tilec compile`` exits 2,
+    bad input, rather than 3)."""
+
+
 class DataDependentError(TilecError):
     """``torch.export`` cannot capture the module: its forward depends on a tensor's value (a
     branch, a loop count or a size read from data). ``base`` is the message without ``hint``, the

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .errors import InputError, UnsupportedNodeError
+from .errors import EagerFailsError, InputError, UnsupportedNodeError
 from .frontend_dsa import DsaLowering
 from .frontend_forms import FormsLowering
 from .guards import MaskGuard, causal_mismatch
@@ -329,8 +329,9 @@ class Lowering(FormsLowering, DsaLowering):
         """How the user knows placeholder ``name`` (:meth:`GraphBinding.label`)."""
         return self.b.label(name)
 
-    def _unsupported(self, node: fx.Node, reason: str | None = None):
-        """Raises UnsupportedNodeError for ``node`` with ``reason``; without one, the hint about an unlisted
+    def _unsupported(self, node: fx.Node, reason: str | None = None, eager_fails: bool = False):
+        """Raises UnsupportedNodeError for ``node`` with ``reason`` (:class:`EagerFailsError` when
+        ``eager_fails``: eager PyTorch raises on the node too); without one, the hint about an unlisted
         decode-position argument where it applies, else the dtype an input has that tilec has no code for
         (:func:`dtype_why`), else ``MEAN_WHY`` for a row mean (saying so when it feeds a division by its square root,
         :func:`_divides_by_its_sqrt`), else ``NO_OP_WHY``."""
@@ -351,7 +352,8 @@ class Lowering(FormsLowering, DsaLowering):
                     break
         if reason is None and node.target is aten.mean.dim:
             reason = MEAN_WHY + (MEAN_DIVISION_WHY if _divides_by_its_sqrt(node) else MEAN_OTHER_WHY)
-        raise UnsupportedNodeError([(node.name, target_name(node), source_of(node))], reason or NO_OP_WHY)
+        cls = EagerFailsError if eager_fails else UnsupportedNodeError
+        raise cls([(node.name, target_name(node), source_of(node))], reason or NO_OP_WHY)
 
     def _new_buffer(self, name: str, shape, dtype, kind=BufferKind.TEMP, node: fx.Node | None = None) -> Buffer:
         """A new buffer for ``node``'s value (errors name the node, its target and source line)."""
@@ -711,7 +713,7 @@ class Lowering(FormsLowering, DsaLowering):
             names = ["input", "weight", "bias"]
             got = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for n, d in zip(names, dtypes))
             self._unsupported(node, f"linear of mixed dtypes ({got}): eager PyTorch requires one dtype (cast the "
-                                    f"input to the weight's dtype)")
+                                    f"input to the weight's dtype)", eager_fails=True)
         return self._emit(node, "linear", inputs)
 
     def _layernorm(self, node: fx.Node):
@@ -1054,7 +1056,8 @@ class Lowering(FormsLowering, DsaLowering):
         if val_of(src_n).dtype != val_of(dst_node).dtype:  # eager raises ("source and destination dtypes match")
             self._unsupported(node, f"cache write of a {str(val_of(src_n).dtype).removeprefix('torch.')} value into "
                                     f"a {str(val_of(dst_node).dtype).removeprefix('torch.')} cache: eager PyTorch "
-                                    f"requires the same dtype (cast the value to the cache's dtype)")
+                                    f"requires the same dtype (cast the value to the cache's dtype)",
+                              eager_fails=True)
         src = self.view_of(src_n)
         pad = len(dst.shape) - len(src.shape)
         if pad > 0:  # index_put's value broadcasts from the right: torch.export drops its leading unit dims
