@@ -154,6 +154,19 @@ def test_a_converted_module_is_bound_again_or_refused():
         assert_close(prog(x), m(x), 1e-6)
 
 
+def test_a_converted_module_is_named_by_a_weight_not_by_a_folded_buffer():
+    """model.half() converts the folded buffers too (a RoPE table): the refusal named the buffer, "replaced by other
+    values", where the weights' dtype is the cause (a fresh user's finding)."""
+    torch.manual_seed(12)
+    m = _Block().eval()
+    x = torch.randn(4, 8)
+    prog = compile_module(m, (x,), options=OPTS)
+    m.half()
+    with pytest.raises(TilecError, match=r"parameter block\.lin\.weight was replaced after compiling and is now "
+                                         r"torch\.float16\[8, 8\] on cpu; the step was compiled for torch\.float32"):
+        prog(x.half())
+
+
 def test_a_replacement_of_another_shape_or_a_deleted_parameter_is_refused():
     m, x, prog = _mlp_step(5)
     m.down.weight = torch.nn.Parameter(torch.randn(8, 33))

@@ -110,9 +110,9 @@ class ParamWatch:
     def changed(self) -> dict[str, tuple[str, torch.Tensor]]:
         """The parameters the module now holds in place of those the step binds: placeholder name -> (the
         module's name, the new tensor); empty when none changed. Call :meth:`accept`
-        for each once bound, then :meth:`settle`. Raises TilecError naming a parameter the module no longer
-        has, one replaced by a tensor subclass, tied parameters that are no longer one tensor, a folded buffer
-        replaced by other values, a parameter or buffer added, or a submodule of another class."""
+        for each once bound, then :meth:`check_buffers` and :meth:`settle`. Raises TilecError naming a parameter
+        the module no longer has, one replaced by a tensor subclass, tied parameters that are no longer one
+        tensor, a parameter or buffer added, or a submodule of another class."""
         root = self._root
         named = dict(root.named_parameters(remove_duplicate=False))
         held = dict(root.named_buffers(remove_duplicate=False))
@@ -144,6 +144,13 @@ class ParamWatch:
                     raise TilecError(f"parameter {names[0]} was replaced by {kind} (a tensor subclass): the step "
                                      f"binds plain tensors; compile the step again")
                 out[ph] = (names[0], now[0])
+        return out
+
+    def check_buffers(self) -> None:
+        """Raises TilecError naming a folded buffer the module now holds other values in (after :meth:`changed`
+        and the caller's own checks of the new parameters, so ``model.half()`` is named by a weight's dtype
+        rather than by a RoPE table's); a buffer replaced by equal values is watched from now on."""
+        held = dict(self._root.named_buffers(remove_duplicate=False))
         for target, (b, ptr, value) in list(self._buffers.items()):
             now = held.get(target)
             if now is b and now.data_ptr() == ptr:
@@ -154,7 +161,6 @@ class ParamWatch:
                                  f"the module's .to(), a RoPE update): the step folded its values when compiling; "
                                  f"compile the step again")
             self._buffers[target] = (now, now.data_ptr(), value)
-        return out
 
     def accept(self, ph: str, param: torch.Tensor) -> None:
         """Records ``param`` as what the step now binds for placeholder ``ph``."""

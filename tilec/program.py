@@ -351,6 +351,7 @@ class CompiledProgram:
                 raise TilecError(f"parameter {target} was replaced after compiling and is now {now}; the step was "
                                  f"compiled for {b.dtype}{list(b.shape)} on {self.tensors[name].device}: compile "
                                  f"the step again")
+        self._watch.check_buffers()
         for name, (_, p) in changed.items():
             t = p.detach()
             self._param_copies = [e for e in self._param_copies if e[0] != name]
