@@ -232,6 +232,10 @@ def test_compile_decode_step_binds_weights_loaded_with_assign():
     with torch.no_grad():
         want = model(tok, cache_position=torch.tensor([6]), **cache_kwargs(model, eager_cache)).logits
     assert_close(got, want, 1e-5)
+    model.model.norm.weight = torch.nn.Parameter(torch.ones(3))  # named as the user's model names it (a fresh user
+    with pytest.raises(TilecError, match=r"^parameter model\.norm\.weight was replaced after compiling and is now "
+                                         r"torch\.float32\[3\]"):  # saw model.model.norm.weight: the wrapper's)
+        step(tok, position=7)
 
 
 class _Tied(torch.nn.Module):

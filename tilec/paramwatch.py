@@ -70,11 +70,16 @@ class ParamWatch:
     ``params``: placeholder name -> the module's name for the parameter (tied weights: one placeholder,
     every name of the tensor is watched); ``buffers``: placeholder name -> (the module's name, the value
     folded). Holds the module (``compile_module(Wrapper(model), ...)``: a wrapper held weakly was collected at
-    once, and with it every look) and the bound parameters themselves (their memory is bound anyway)."""
+    once, and with it every look) and the bound parameters themselves (their memory is bound anyway). A wrapper
+    whose ``tilec_user_module`` names the attribute holding the user's model (:class:`tilec.hf.StaticCacheStep`:
+    ``"model"``) has its errors name parameters as that model does (``model.embed_tokens.weight``, not
+    ``model.model.embed_tokens.weight``)."""
 
     def __init__(self, module: torch.nn.Module, params: dict[str, str], buffers: dict[str, tuple[str, torch.Tensor]]):
         _install_hooks()
         self._root = module
+        under = getattr(module, "tilec_user_module", None)
+        self._prefix = f"{under}." if isinstance(under, str) else ""
         named = dict(module.named_parameters(remove_duplicate=False))
         names_of: dict[int, list[str]] = {}
         for name, p in named.items():
@@ -89,6 +94,10 @@ class ParamWatch:
         self._state_names = set(named) | set(held)
         self._classes = {name: type(m) for name, m in module.named_modules(remove_duplicate=False)}
         self.settle()
+
+    def shown(self, name: str) -> str:
+        """``name`` (of a parameter, buffer or submodule of the compiled module) as the user's model names it."""
+        return name.removeprefix(self._prefix) if self._prefix and name != self._prefix[:-1] else name
 
     def _look_at_ends(self, module: torch.nn.Module) -> None:
         """Notes where the first and last bound parameters live: (the owner's parameter dict, name, placeholder)."""
@@ -108,11 +117,11 @@ class ParamWatch:
         return False
 
     def changed(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """The parameters the module now holds in place of those the step binds: placeholder name -> (the
-        module's name, the new tensor); empty when none changed. Call :meth:`accept`
-        for each once bound, then :meth:`check_buffers` and :meth:`settle`. Raises TilecError naming a parameter
-        the module no longer has, one replaced by a tensor subclass, tied parameters that are no longer one
-        tensor, a parameter or buffer added, or a submodule of another class."""
+        """The parameters the module now holds in place of those the step binds: placeholder name -> (its
+        name as the user's model has it, :meth:`shown`; the new tensor); empty when none changed. Call
+        :meth:`accept` for each once bound, then :meth:`check_buffers` and :meth:`settle`. Raises TilecError
+        naming a parameter the module no longer has, one replaced by a tensor subclass, tied parameters that are
+        no longer one tensor, a parameter or buffer added, or a submodule of another class."""
         root = self._root
         named = dict(root.named_parameters(remove_duplicate=False))
         held = dict(root.named_buffers(remove_duplicate=False))
@@ -120,30 +129,30 @@ class ParamWatch:
             was = self._classes.get(name)
             if was is not None and type(m) is not was:
                 kind, compiled = with_article(type(m).__name__), with_article(was.__name__)
-                raise TilecError(f"submodule {name} is now {kind} ({compiled} when compiling): "
+                raise TilecError(f"submodule {self.shown(name)} is now {kind} ({compiled} when compiling): "
                                  f"the step runs the forward it traced, not the new one; compile the step again")
         added = sorted((set(named) | set(held)) - self._state_names)
         if added:
-            raise TilecError(f"{added[0]}{f' and {len(added) - 1} more' if len(added) > 1 else ''} was added to the "
-                             f"compiled module after compiling, which the traced step does not read: compile the "
-                             f"step again")
+            more = f" and {len(added) - 1} more" if len(added) > 1 else ""
+            raise TilecError(f"{self.shown(added[0])}{more} was added to the compiled module after compiling, "
+                             f"which the traced step does not read: compile the step again")
         out = {}
         for ph, names in self._names.items():
             now = [named.get(n) for n in names]
             gone = [n for n, p in zip(names, now) if p is None]
             if gone:
-                raise TilecError(f"parameter {gone[0]} is no longer a parameter of the compiled module (deleted, set "
-                                 f"to None or replaced by a plain tensor): compile the step again")
+                raise TilecError(f"parameter {self.shown(gone[0])} is no longer a parameter of the compiled module "
+                                 f"(deleted, set to None or replaced by a plain tensor): compile the step again")
             if not all(_same_memory(p, now[0]) for p in now[1:]):
-                raise TilecError(f"parameters {' and '.join(names)} were one tensor (tied) when compiling and no "
-                                 f"longer are: compile the step again")
+                raise TilecError(f"parameters {' and '.join(map(self.shown, names))} were one tensor (tied) when "
+                                 f"compiling and no longer are: compile the step again")
             p, ptr = self._seen[ph]
             if now[0] is not p or now[0].data_ptr() != ptr:
                 if type(now[0].detach()) is not torch.Tensor:  # (a quantized wrapper: no plain memory to bind)
                     kind = with_article(type(now[0].detach()).__name__)
-                    raise TilecError(f"parameter {names[0]} was replaced by {kind} (a tensor subclass): the step "
-                                     f"binds plain tensors; compile the step again")
-                out[ph] = (names[0], now[0])
+                    raise TilecError(f"parameter {self.shown(names[0])} was replaced by {kind} (a tensor subclass): "
+                                     f"the step binds plain tensors; compile the step again")
+                out[ph] = (self.shown(names[0]), now[0])
         return out
 
     def check_buffers(self) -> None:
@@ -157,9 +166,9 @@ class ParamWatch:
                 continue
             if now is None or now.shape != value.shape or now.dtype != value.dtype or now.device != value.device \
                     or not torch.equal(now, value):
-                raise TilecError(f"buffer {target} was replaced after compiling by other values (a new submodule, "
-                                 f"the module's .to(), a RoPE update): the step folded its values when compiling; "
-                                 f"compile the step again")
+                raise TilecError(f"buffer {self.shown(target)} was replaced after compiling by other values (a new "
+                                 f"submodule, the module's .to(), a RoPE update): the step folded its values when "
+                                 f"compiling; compile the step again")
             self._buffers[target] = (now, now.data_ptr(), value)
 
     def accept(self, ph: str, param: torch.Tensor) -> None:
