@@ -716,6 +716,24 @@ def test_relative_paths_are_taken_before_the_factory_runs(facts, tmp_path, monke
         assert r.exit_code == 0, r.output
 
 
+def test_a_relative_cache_directory_is_taken_before_the_factory_runs(facts, tmp_path, monkeypatch):
+    """TILEC_CACHE_DIR=cache with a factory that changes directory: the cache was checked writable here and the
+    library built in the factory's directory (a fresh user's finding)."""
+    nvcc = tmp_path / "bin" / "nvcc"  # "builds" by writing the file after -o
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Cuda compilation tools, fake'; exit 0; }\n"
+                    "while [ $# -gt 0 ]; do [ \"$1\" = -o ] && : > \"$2\"; shift; done\n")
+    nvcc.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    r = invoke("compile", f"{facts}:changes_directory", "-o", "out", "-O", "workers=2",
+               env={"TILEC_NVCC": str(nvcc), "TILEC_CACHE_DIR": "cache"})
+    assert r.exit_code == 0, r.output
+    assert any(p.name == "program.cu" for p in (work / "cache").rglob("*")) and not (facts.parent / "cache").exists()
+    assert os.environ.get("TILEC_CACHE_DIR") != str(work / "cache")  # put back after the in-process command
+
+
 @pytest.mark.parametrize("suffix", [".txt", "", ".pyc"])
 def test_a_factory_file_without_the_py_suffix_is_loaded(facts, tmp_path, suffix):
     """It was an internal error (exit 4, 'NoneType' object has no attribute 'loader'); a .pyc loads as before."""

@@ -176,6 +176,20 @@ def main(ctx: click.Context, quiet: bool) -> None:
         ctx.call_on_close(_restore_sigterm)  # (main() called in-process)
     for category in (FutureWarning, DeprecationWarning):  # third-party noise (torch.export, transformers)
         warnings.filterwarnings("ignore", category=category)
+    _absolute_cache_dir(ctx)
+
+
+def _absolute_cache_dir(ctx: click.Context) -> None:
+    """A relative ``$TILEC_CACHE_DIR`` made absolute for the command: a factory that changes directory
+    would otherwise have the library built in another cache than the one checked writable before it ran
+    (put back when the command ends, for in-process calls)."""
+    env = os.environ.get("TILEC_CACHE_DIR")
+    if env and not os.path.isabs(env):
+        os.environ["TILEC_CACHE_DIR"] = os.path.abspath(env)
+
+        def restore() -> None:
+            os.environ["TILEC_CACHE_DIR"] = env
+        ctx.call_on_close(restore)
 
 
 def _path(ctx: click.Context, param: click.Parameter, value: str) -> Path:
