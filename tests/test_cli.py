@@ -1277,7 +1277,7 @@ BAD_COMPILES = [
     ("no_such_module_xyz:make", [], 2, "cannot import factory module 'no_such_module_xyz': no module named"),
     ("missing/dir/model.py:make", [], 2, "no such file"),
     ("examples/factories.py", [], 2, "expected MODULE:FACTORY"),
-    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_one_too_long, cache_too_short, cache_write, changes_directory, decorated_too_many_args, exits, fixed_slot_write, huge_max_positions, inference_weights, linear"),
+    ("{facts}:nope", [], 2, "has no 'nope'; functions defined there: cache_one_too_long, cache_too_short, cache_write, changes_directory, decorated_too_many_args, exits, fixed_slot_write, huge_max_positions, inference_weights, integer_tokens_into_linear"),
     ("{facts}:not_callable", [], 2, "not_callable is not a callable factory (it is of type int)"),
     ("{facts}:returns_none", [], 2, "returned None; expected (module, example_args) or (module, example_args, dict("),
     ("{facts}:returns_one", [], 2, "returned a tuple of 1 element(s); expected (module, example_args)"),

@@ -896,6 +896,12 @@ def test_python_values_are_baked_in_and_checked():
                       (0.5, 3.0, "argument 2 is 3.0")):
         with pytest.raises(TilecError, match=rf"{re.escape(bad)}.*the step was compiled for .*a Python value is baked"):
             prog(x, s, n)
+    zero = compile_module(m, (x, 0.0, 3), options=dict(workers=4))  # -0.0 == 0.0 let -0.0 through (x / a: +inf
+    with pytest.raises(TilecError, match=r"argument 1 is -0\.0, but the step was compiled for 0\.0"):  # for -inf)
+        zero(x, -0.0, 3)
+    nan = compile_module(m, (x, float("nan"), 3), options=dict(workers=4))  # a NaN is the value it was compiled for
+    with torch.no_grad():
+        assert torch.isnan(nan(x, float("nan"), 3)).all()
 
 
 class PositionTable(torch.nn.Module):

@@ -292,7 +292,8 @@ class CompiledProgram:
             raise TilecError(f"compiled step takes {n} argument{'' if n == 1 else 's'}, got {len(args)}")
         for i, v in self._baked.items():
             a = args[i]
-            if type(a) is not type(v) or not (a == v or repr(a) == repr(v)):
+            same = repr(a) == repr(v) if isinstance(v, float) else a == v or repr(a) == repr(v)  # -0.0 is not 0.0
+            if type(a) is not type(v) or not same:
                 raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
                                  f"value is baked into the compiled step (compile with a tensor as that "
                                  f"example argument to vary it, or compile for this value)")
