@@ -283,6 +283,28 @@ def test_dump_dir_option_writes_stages(tmp_path):
     assert "01-opgraph.txt" in names and "11-plan.txt" in names and "trace.json" in names
 
 
+def test_every_compile_writes_its_dump_even_when_a_plan_is_cached(tmp_path, monkeypatch):
+    """The in-memory plan cache was read while dumping, so a second compile of the same graph (after a Dynamo
+    reset, or a new dump directory) wrote nothing there, silently (a fresh user's finding); and the dump
+    directory, part of the cache key, gave one graph a plan on disk per dump directory."""
+    monkeypatch.setenv("TILEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TILEC_DUMP_DIR", raising=False)
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    for where in ("first", "first", "second", "env"):  # the first again, after its dump was removed
+        shutil.rmtree(tmp_path / where, ignore_errors=True)
+        torch._dynamo.reset()
+        lin = torch.nn.Linear(8, 8)
+        if where == "env":
+            monkeypatch.setenv("TILEC_DUMP_DIR", str(tmp_path / where))
+        options = {} if where == "env" else {"dump_dir": str(tmp_path / where)}
+        with torch.no_grad():
+            assert_close(torch.compile(lin, backend="tilec", options=options)(x), lin(x))
+        (sub,) = list((tmp_path / where).iterdir())
+        assert (sub / "11-plan.txt").is_file(), where
+    assert len(list((tmp_path / "cache" / "plans").iterdir())) == 1  # one plan for the graph
+
+
 class SortThenLinear(torch.nn.Module):
     """An unsupported node with a tuple value (sort) feeding tilec ops through a transpose."""
 

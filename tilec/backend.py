@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import hashlib
 import logging
-import os
 import re
 import weakref
 
@@ -28,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from . import __version__, plancache
-from .dump import with_dump
+from .dump import dump_root, with_dump
 from .errors import OptionsError, PositionError, TilecError, UnsupportedNodeError
 from .frontend import MAX_POSITIONS, GraphBinding, find_unsupported, lower_graph
 from .fxgraph import is_call, is_random, source_of, val_of
@@ -224,7 +223,8 @@ def _graph_key(gm: fx.GraphModule, kinds, opts: BackendOptions) -> str:
         v = n.meta.get("val")
         if n.op == "placeholder" and isinstance(v, torch.Tensor):
             h.update(f"{n.name}:{tuple(v.shape)}:{v.dtype}:{v.device.type}".encode())
-    h.update(repr((kinds, opts, __version__, plancache.code_digest(), PLAN_FORMAT)).encode())
+    plan_opts = dataclasses.replace(opts, compile=dataclasses.replace(opts.compile, dump_dir=None))  # not the plan's
+    h.update(repr((kinds, plan_opts, __version__, plancache.code_digest(), PLAN_FORMAT)).encode())
     return h.hexdigest()
 
 
@@ -304,11 +304,12 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
     max_positions = opts.max_positions or _cache_length(gm)
     key = _graph_key(gm, kinds, opts) + f":{max_positions}:{opts.compile.arch}:{consts}"
     key = hashlib.sha256(key.encode()).hexdigest()[:32]
-    compiled = _PLAN_CACHE.get(key)
+    dumping = dump_root(opts.compile) is not None  # then every compile writes its dump: no cache is read
+    compiled = None if dumping else _PLAN_CACHE.get(key)
     if compiled is not None:
         CACHE_STATS["memory_hits"] += 1
     else:
-        compiled = plancache.load(key) if not opts.compile.dump_dir and not os.environ.get("TILEC_DUMP_DIR") else None
+        compiled = None if dumping else plancache.load(key)
         if compiled is not None:
             CACHE_STATS["disk_hits"] += 1
         else:
