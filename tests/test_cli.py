@@ -1466,14 +1466,17 @@ def corrupt_byte(path: Path) -> None:
      "run", "manifest.json is corrupt or was modified: its digest does not match"),
     (lambda p: (p / "manifest.json").write_text("{not json"), "inspect", "manifest.json is corrupt"),
     (lambda p: (p / "manifest.json").unlink(), "run", "is not a tilec artifact: manifest.json is missing"),
-    (lambda p: shutil.rmtree(p), "inspect", "no artifact at"),
+    (lambda p: shutil.rmtree(p), "inspect", "no artifact at {path}: it does not exist"),  # (said "not a directory")
+    (lambda p: (shutil.rmtree(p), p.write_text("")), "run", "no artifact at {path}: not a directory"),
+    (lambda p: (shutil.rmtree(p), p.symlink_to(p.parent / "gone")), "bench",
+     "no artifact at {path}: a dangling symbolic link"),
 ], ids=["params", "ir-text", "plan-tables", "missing-file", "manifest-edited", "manifest-garbage", "no-manifest",
-        "no-dir"])
+        "no-dir", "a-file", "dangling-link"])
 def test_bad_artifacts(copy, edit, command, message):
     edit(copy)
     r = invoke(command, copy)
     assert r.exit_code == 2, r.output
-    assert message in r.stderr, r.stderr
+    assert message.format(path=copy) in r.stderr, r.stderr
 
 
 def _edit_manifest(path: Path, edit) -> None:
@@ -1503,15 +1506,19 @@ def _edit_manifest(path: Path, edit) -> None:
     (lambda m: m["call"].update(positions=[True]), "run", "call.positions lists True, not the index of an integer tensor"),
     (lambda m: m["call"].update(positions=[2]), "run", "call.positions lists 2, not the index of an integer tensor"),
     (lambda m: m["call"].update(max_positions=0), "run", "call.max_positions is 0, expected >= 1"),
+    (lambda m: m.update(files={}), "inspect", "ir/01-opgraph.txt is not one of the artifact's files"),
 ], ids=["no-files", "files-str", "no-cuda", "no-args", "bool-max", "renamed-input", "param-sources-list",
         "buffer-sources-str", "factory-str", "factory-no-name", "file-outside", "file-absolute", "file-backslash",
-        "position-out-of-range", "position-str", "position-bool", "position-float-tensor", "max-positions-0"])
+        "position-out-of-range", "position-str", "position-bool", "position-float-tensor", "max-positions-0",
+        "files-empty"])
 def test_a_manifest_missing_a_key_is_an_artifact_error(copy, edit, command, message):
     """A self-consistent manifest (digest recomputed) lacking a key gave internal KeyError /
-    AttributeError, exit 4 (a breaker trial's finding)."""
+    AttributeError, exit 4 (a breaker trial's finding); inspect of a manifest listing no files printed its header and
+    first stage's title, then exited 4 (a fresh user's)."""
     _edit_manifest(copy, edit)
     r = invoke(command, copy)
     assert r.exit_code == 2 and message in r.stderr, r.output
+    assert command != "inspect" or r.stdout == "", r.stdout
 
 
 @pytest.mark.parametrize("what", ["inputs", "params", "constants", "plan", "stage_text"])

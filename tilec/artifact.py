@@ -830,7 +830,9 @@ def load(path: str | os.PathLike, *, check_version: bool = True) -> Artifact:
     """
     root = Path(path)
     if not root.is_dir():
-        raise ArtifactError(f"no artifact at {root}: not a directory")
+        why = "it does not exist" if not root.exists() and not root.is_symlink() else \
+            "a dangling symbolic link" if not root.exists() else "not a directory"
+        raise ArtifactError(f"no artifact at {root}: {why}")
     mpath = root / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(f"{root} is not a tilec artifact: {MANIFEST} is missing")

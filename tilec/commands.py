@@ -366,21 +366,21 @@ def inspect_artifact(progress: Progress, artifact_dir: Path, stage: str | None, 
         stages = [resolve_stage(stage)] if stage is not None else list(STAGES)
     except ValueError as e:
         raise Failure(str(e)) from e
-    if fmt == "json":
-        data = art.stage_json(stages[0]) if stage else {
-            "manifest": art.manifest, "stages": {s: art.stage_json(s) for s in stages}}
-        click.echo(json.dumps(data, indent=1))
-    elif fmt == "dot":
-        click.echo(to_dot(art, stages[0] if stage else "plan"), nl=False)
-    elif stage:
-        click.echo(art.stage_text(stages[0]), nl=False)
-    else:
-        click.echo(_summary(art))
-        for i, s in enumerate(stages, 1):
-            click.echo(f"\n=== {i:02d}-{s} ===")
-            click.echo(art.stage_text(s), nl=False)
-
-
+    try:  # every file read before anything is printed: a damaged artifact prints its error alone
+        if fmt == "json":
+            data = art.stage_json(stages[0]) if stage else {
+                "manifest": art.manifest, "stages": {s: art.stage_json(s) for s in stages}}
+            text = json.dumps(data, indent=1) + "\n"
+        elif fmt == "dot":
+            text = to_dot(art, stages[0] if stage else "plan")
+        elif stage:
+            text = art.stage_text(stages[0])
+        else:
+            text = _summary(art) + "\n" + "".join(f"\n=== {i:02d}-{s} ===\n" + art.stage_text(s)
+                                                 for i, s in enumerate(stages, 1))
+    except ArtifactError as e:  # a file missing, corrupt or not the manifest's: bad input (2), as run and bench
+        raise Failure(str(e)) from e
+    click.echo(text, nl=False)
 
 
 def _summary(art) -> str:
