@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import math
 import os
@@ -658,7 +659,23 @@ def test_compile_a_dotted_module_from_the_current_directory(facts, tmp_path, mon
     r = invoke("compile", "mymodels:linear", "-o", "out", "--no-build", "-O", "workers=2")
     assert r.exit_code == 0, r.output
     f = json.loads((tmp_path / "out" / "manifest.json").read_text())["factory"]
-    assert f == {"spec": "mymodels:linear", "module": "mymodels", "file": None, "name": "linear", "cwd": str(tmp_path)}
+    assert f == {"spec": "mymodels:linear", "module": "mymodels", "file": None, "name": "linear", "cwd": str(tmp_path),
+                 "source_sha256": hashlib.sha256(facts.read_bytes()).hexdigest()}
+
+
+def test_run_check_warns_of_a_factory_edited_since_the_compile(facts, tmp_path):
+    """The check compared the artifact with what the edited factory builds and reported a plain MISMATCH, as if
+    tilec computed wrong values (a fresh user's finding); now it warns first (an edit may be harmless)."""
+    src = tmp_path / "fac.py"
+    src.write_text(facts.read_text())
+    out = tmp_path / "a"
+    assert invoke("compile", f"{src}:linear", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+    r = invoke("run", out, "--check", "--executor", "reference")
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.output
+    src.write_text(facts.read_text().replace("return torch.nn.Linear(32, 16), (torch.randn(2, 32),)",
+                                             "return torch.nn.Linear(32, 16, bias=False), (torch.randn(2, 32),)"))
+    r = invoke("run", out, "--check", "--executor", "reference")
+    assert f"tilec: warning: the factory's module ({src}) was edited since the compile" in r.stderr, r.output
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (a directory nobody can create in)")

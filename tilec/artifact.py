@@ -108,7 +108,7 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     Args:
         program: a program from :func:`tilec.api.compile_module` (all ten stages present).
         inputs: the example arguments it was compiled with (tensors, or plain numbers).
-        factory: how to rebuild the eager module (``{"spec", "module", "file", "name", "cwd"}``),
+        factory: how to rebuild the eager module (``{"spec", "module", "file", "name", "cwd", "source_sha256"}``),
             recorded for ``tilec run --check`` and ``tilec bench``.
         positions, max_positions: as given to ``compile_module``, recorded for ``tilec run`` and ``tilec bench``;
             None (the default): the program's own (:attr:`CompiledProgram.position_args`, the plan's

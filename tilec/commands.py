@@ -200,8 +200,18 @@ def _parse_value(s: str):
     return s
 
 
+def _source_sha256(path) -> str | None:
+    """The sha256 (hex) of the factory module's file, or None when it has none or it cannot be read."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+    except OSError:
+        return None
+
+
 def load_factory(spec: str, cwd: str | None = None):
-    """Imports ``MODULE:FACTORY``; returns ``(callable, info)`` with ``info`` as recorded in the manifest."""
+    """Imports ``MODULE:FACTORY``; returns ``(callable, info)`` with ``info`` as recorded in the manifest
+    (``spec``, ``module``, ``file``, ``name``, ``cwd``, and ``source_sha256``: the module file's sha256, which
+    ``run --check`` and ``bench`` compare to warn of a factory edited since the compile)."""
     mod_part, sep, name = spec.rpartition(":")
     if not sep or not mod_part or not name or mod_part.endswith(":"):
         raise Failure(f"factory {spec!r}: expected MODULE:FACTORY, e.g. examples/factories.py:tiny_llama_step "
@@ -243,6 +253,7 @@ def load_factory(spec: str, cwd: str | None = None):
         except BaseException as e:  # also sys.exit() and a user's own BaseException subclasses
             raise Failure(f"importing factory module {mod_part} failed: {describe_exception(e)}") from e
         info = {"spec": spec, "module": mod_part, "file": None, "name": name, "cwd": cwd}
+    info["source_sha256"] = _source_sha256(getattr(module, "__file__", None))
     fn = getattr(module, name, None)
     if fn is None:
         defined = sorted(n for n, v in vars(module).items() if pyinspect.isfunction(v) and not n.startswith("_")
@@ -614,12 +625,15 @@ def eager_reference(art, progress: Progress):
     spec = f"{f['file']}:{f['name']}" if f.get("file") else f["spec"]
     with progress.step(f"rebuilding the eager module ({f['spec']})"):
         try:
-            fn, _ = load_factory(spec, f.get("cwd"))
+            fn, now = load_factory(spec, f.get("cwd"))
         except Failure as e:  # moved or deleted since the compile: say where the check looks and why
             where = f.get("cwd") or "an unrecorded directory"
             raise Failure(f"{e}; the eager reference (run --check, bench) calls the factory the artifact's manifest "
                           f"records ({f['spec']}, compiled in {where})", e.exit_code) from e
         module, _, _, _ = call_factory(fn, f["spec"])
+    if f.get("source_sha256") and now["source_sha256"] and now["source_sha256"] != f["source_sha256"]:
+        progress.warn(f"the factory's module ({now['file'] or now['module']}) was edited since the compile: eager "
+                      f"runs the code as it is now, which may differ from what the artifact compiled")
     state = module.state_dict(keep_vars=True)
     state.update(dict(module.named_buffers(remove_duplicate=False)))  # with the non-persistent buffers
     sources = art.manifest.get("param_sources") or {}
