@@ -1648,6 +1648,8 @@ def test_usage_errors_exit_2(art):
     for cmd in (["compile", "x:y", "-o", ""], ["run", ""], ["inspect", ""], ["bench", ""]):
         r = invoke(*cmd)  # an empty path was taken as the current directory
         assert r.exit_code == 2 and "an empty path" in r.stderr, (cmd, r.output)
+        hint = "give a new directory (e.g. -o out)" if cmd[0] == "compile" else '(\".\" for the current one)'
+        assert hint in r.stderr, r.stderr  # compile's said '"." for the current one', which it refuses
 
 
 def test_module_entry_point_and_console_script(copy):

@@ -196,7 +196,8 @@ def _path(ctx: click.Context, param: click.Parameter, value: str) -> Path:
     """A path option's value as a Path; an empty one is a usage error (``Path("")`` would be the
     current directory)."""
     if not value:
-        raise click.BadParameter("an empty path; give a directory (\".\" for the current one)")
+        raise click.BadParameter("an empty path; give a new directory (e.g. -o out)" if param.name == "output" else
+                                 "an empty path; give the artifact's directory (\".\" for the current one)")
     return Path(value)
 
 
