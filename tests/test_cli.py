@@ -676,6 +676,13 @@ def test_run_check_warns_of_a_factory_edited_since_the_compile(facts, tmp_path):
                                              "return torch.nn.Linear(32, 16, bias=False), (torch.randn(2, 32),)"))
     r = invoke("run", out, "--check", "--executor", "reference")
     assert f"tilec: warning: the factory's module ({src}) was edited since the compile" in r.stderr, r.output
+    src.write_text(facts.read_text().replace("return torch.nn.Linear(32, 16), (torch.randn(2, 32),)",
+                                             "return torch.nn.Linear(32, 8), (torch.randn(2, 32),)"))
+    r = invoke("run", out, "--check", "--executor", "reference")  # another output shape: no L2 ("nan" before)
+    assert r.exit_code == 1, r.output
+    assert re.search(r"^  output 0 +float32\[2, 8\]  n/a +MISMATCH \(tilec returned float32\[2, 16\]\)$", r.stdout,
+                     re.M), r.stdout
+    assert "FAIL: shapes differ (output 0); nothing of eager's shapes to compare" in r.stdout, r.stdout
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (a directory nobody can create in)")

@@ -523,13 +523,19 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
             why = f" (tilec {got.item()}, eager {ref.item()})"
         elif ref.numel() and not torch.isfinite(ref.detach().cpu().double()).any():
             why = " (no finite values to compare: the NaN / infinite values match)"
-        click.echo(f"  {label:<32} {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}  {err:.3e}  "
+        shown = f"{err:.3e}" if got.shape == ref.shape else "n/a".ljust(9)  # no L2 between two shapes
+        click.echo(f"  {label:<32} {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}  {shown}  "
                    f"{'ok' if ok_row else 'MISMATCH'}{why}")
     ok = all(oks)  # NaN (not finite, wrong shape) fails
-    worst = float("nan") if any(math.isnan(e) for e in errors) else max(errors)
-    differ = [label.strip() for (label, _, ref), row_ok in zip(rows, oks) if not row_ok and not ref.is_floating_point()]
-    click.echo(f"{'PASS' if ok else 'FAIL'}: " + (f"integer values differ ({', '.join(differ)}); " if differ else "")
-               + f"worst relative L2 {worst:.3e} (tolerance {tol:.0e})")
+    shaped = [label.strip() for label, got, ref in rows if got.shape != ref.shape]
+    errors = [e for e, (_, got, ref) in zip(errors, rows) if got.shape == ref.shape]
+    worst = float("nan") if any(math.isnan(e) for e in errors) else max(errors, default=0.0)
+    differ = [label.strip() for (label, got, ref), row_ok in zip(rows, oks)
+              if not row_ok and not ref.is_floating_point() and got.shape == ref.shape]
+    click.echo(f"{'PASS' if ok else 'FAIL'}: " + (f"shapes differ ({', '.join(shaped)}); " if shaped else "")
+               + (f"integer values differ ({', '.join(differ)}); " if differ else "")
+               + (f"worst relative L2 {worst:.3e} (tolerance {tol:.0e})" if errors else "nothing of eager's shapes "
+                  "to compare"))
     if not ok:
         if folded:
             names = ", ".join(folded[:4]) + (", ..." if len(folded) > 4 else "")
