@@ -362,6 +362,8 @@ def test_compile_writes_a_complete_self_contained_artifact(art):
         assert artifact._sha256(art / rel) == digest, rel
     trace = json.loads((art / "trace.json").read_text())
     assert {e["ph"] for e in trace["traceEvents"]} >= {"M", "X"}
+    lines = (art / "trace.json").read_text().splitlines()  # one event per line, as a dump's (it was one line)
+    assert len(lines) == len(trace["traceEvents"]) + 2 and json.loads(lines[1].rstrip(",")) in trace["traceEvents"]
 
 
 def test_plan_reloads_and_runs_without_tracing(art, monkeypatch):

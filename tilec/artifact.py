@@ -71,7 +71,7 @@ from .plan import DESCRIPTOR, KernelPlan
 from .program import CompiledProgram
 from .stages import STAGE_FILES, STAGES
 from .taskgraph import TaskGraph
-from .trace import predicted_trace
+from .trace import predicted_trace, write_trace
 
 log = logging.getLogger("tilec")
 
@@ -505,7 +505,7 @@ def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources:
         text = render_schedule(ir, linearized) if name == "schedule" else ir.render()
         (root / "ir" / fname).write_text(text + "\n")
         _write_json(root / "ir" / fname.replace(".txt", ".json"), stage_json(name, ir, linearized))
-    _write_json(root / "trace.json", predicted_trace(plan, linearized))
+    write_trace(root / "trace.json", predicted_trace(plan, linearized))  # one event per line, as a dump's
     (root / "plan").mkdir()
     tables, meta = plan.to_tables()
     save_tensors(root / "plan" / "plan.safetensors", tables)
