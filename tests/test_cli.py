@@ -665,6 +665,27 @@ def test_compile_a_dotted_module_from_the_current_directory(facts, tmp_path, mon
                  "source_sha256": hashlib.sha256(facts.read_bytes()).hexdigest()}
 
 
+def test_a_non_finite_python_argument_is_stored_as_json_can_read_it(tmp_path):
+    """float("inf") as an example argument was written as the token Infinity, which JSON does not have (strict
+    readers - JSON.parse - refuse the manifest and inspect's JSON; a fresh user's finding): stored as the IR's JSON
+    stores it ({"float": "inf"}) and given back as the float at run."""
+    src = tmp_path / "fac.py"
+    src.write_text("import torch\nclass Mul(torch.nn.Module):\n    def forward(self, x, a):\n        return x * a\n"
+                   "def f():\n    torch.manual_seed(0)\n    return Mul(), (torch.randn(2, 8), float('-inf'))\n")
+    out = tmp_path / "a"
+    assert invoke("compile", f"{src}:f", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+
+    def strict(token):
+        raise ValueError(f"not JSON: {token}")
+    m = json.loads((out / "manifest.json").read_text(), parse_constant=strict)
+    assert m["call"]["args"][1] == {"float": "-inf"}
+    r = invoke("inspect", out, "--format", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout, parse_constant=strict)["manifest"]["call"] == m["call"]
+    assert artifact.load(out).inputs()[1] == float("-inf")
+    r = invoke("run", out, "--check", "--executor", "reference")
+    assert r.exit_code == 0 and "PASS" in r.stdout, r.output
+
+
 def test_run_check_warns_of_a_factory_edited_since_the_compile(facts, tmp_path):
     """The check compared the artifact with what the edited factory builds and reported a plain MISMATCH, as if
     tilec computed wrong values (a fresh user's finding); now it warns first (an edit may be harmless)."""

@@ -32,6 +32,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -594,6 +595,8 @@ def _describe_inputs(inputs) -> tuple[list[dict], dict[str, torch.Tensor]]:
         if isinstance(a, torch.Tensor):
             tensors[f"arg{i}"] = a
             args.append({"tensor": f"arg{i}", "dtype": str(a.dtype).removeprefix("torch."), "shape": list(a.shape)})
+        elif isinstance(a, float) and not math.isfinite(a):  # as the IR's JSON has them: JSON has no inf / nan
+            args.append({"float": repr(a)})
         elif a is None or isinstance(a, (bool, int, float, str)):
             args.append({"value": a})
         else:
@@ -764,7 +767,8 @@ class Artifact:
         if missing:
             raise ArtifactError(f"{self.path}: inputs.safetensors holds no tensor {missing[0]!r}, which the "
                                 f"manifest's call.args names")
-        return [tensors[a["tensor"]] if "tensor" in a else a["value"] for a in self.manifest["call"]["args"]]
+        return [tensors[a["tensor"]] if "tensor" in a else float(a["float"]) if "float" in a else a["value"]
+                for a in self.manifest["call"]["args"]]
 
     def params(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         return self._tensors("params.safetensors", device)
@@ -907,7 +911,7 @@ def _check_schema(manifest: dict, mpath: Path, schema: dict = _SCHEMA, where: st
                                           (not factory.get("file") or isinstance(factory.get("name"), str))):
         raise ArtifactError(f"{mpath} is not a valid manifest: factory lacks its spec (or, with a file, its name)")
     for i, a in enumerate(manifest.get("call", {}).get("args", []) if not where else ()):
-        if not isinstance(a, dict) or not ("tensor" in a or "value" in a):
+        if not isinstance(a, dict) or not ("tensor" in a or "value" in a or a.get("float") in ("inf", "-inf", "nan")):
             raise ArtifactError(f"{mpath} is not a valid manifest: call.args[{i}] is neither a tensor nor a value")
     call = manifest.get("call", {}) if not where else {}
     args = call.get("args", [])
