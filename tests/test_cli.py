@@ -1899,7 +1899,7 @@ def test_a_full_dump_directory_is_named_and_bad_input(facts, tmp_path, monkeypat
     r = invoke("compile", f"{facts}:linear", "-o", tmp_path / "a", "--no-build", "-O", "workers=2",
                "-O", f"dump_dir={tmp_path / 'd'}")
     assert r.exit_code == 2, r.output
-    assert re.search(rf"tilec option dump_dir={tmp_path / 'd'}: cannot write the dump {tmp_path / 'd'}/[0-9a-f]{{12}}: "
+    assert re.search(rf"tilec: error: option dump_dir={tmp_path / 'd'}: cannot write the dump {tmp_path / 'd'}/[0-9a-f]{{12}}: "
                      rf"No space left on device", r.stderr), r.stderr
     assert "compile failed" not in r.stderr and not (tmp_path / "a").exists()
 
@@ -1920,6 +1920,21 @@ def test_a_dump_directory_inside_another_artifact_is_refused_before_compiling(ar
     assert f"{source}={dumps}: the dump directory {where} the tilec artifact {other}: " in r.stderr, r.stderr
     assert "compiling" not in r.stderr and not (tmp_path / "a").exists()
     assert artifact._foreign_entries(other) == []  # nothing written into it
+
+
+def test_compile_module_refuses_a_dump_directory_inside_an_artifact(art, tmp_path):
+    """The Python API wrote its dump there, after which the CLI's compile --force refused the artifact (a fresh
+    user's finding); now compile_module refuses it as the CLI does, before compiling."""
+    from tilec.api import compile_module
+    from tilec.dump import DumpError
+
+    other = tmp_path / "other"
+    shutil.copytree(art, other)
+    with pytest.raises(DumpError, match=rf"option dump_dir={re.escape(str(other / 'dumps'))}: the dump directory is "
+                                        rf"inside the tilec artifact {re.escape(str(other))}: "):
+        compile_module(torch.nn.Linear(4, 4), (torch.randn(1, 4),), options=dict(workers=2,
+                                                                                 dump_dir=str(other / "dumps")))
+    assert artifact._foreign_entries(other) == []
 
 
 def test_example_arguments_sharing_memory_are_bad_input(facts, tmp_path):

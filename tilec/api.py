@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .capture import export_graph
-from .dump import with_dump
+from .dump import check_dump_root, with_dump
 from .errors import EagerFailsError, InputError, OptionsError, UnsupportedNodeError
 from .frontend import find_unsupported, lower_graph
 from .guards import build_mask_guards
@@ -65,10 +65,12 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
             tensors) or a sparse or MKLDNN one; ``args``, ``positions`` or ``max_positions`` do not
             fit the module (naming the argument and the shapes or values);
             :class:`ExampleInputError` when it fails on ``args``.
+        DumpError: the dump directory cannot be made or written, or is (or lies inside) a tilec artifact.
         VerificationError: a stage broke an invariant (a tilec bug: please report it).
     """
     opts = options if isinstance(options, Options) else Options.from_dict(options)
     check_hook(hook)
+    check_dump_root(opts)  # a bad dump directory fails before the compile
     check_call(module, args, positions)
     meta = meta_tensors(module, args)
     if meta:

@@ -72,7 +72,7 @@ from .plan import DESCRIPTOR, KernelPlan
 from .program import CompiledProgram
 from .stages import STAGE_FILES, STAGES
 from .taskgraph import TaskGraph
-from .trace import predicted_trace, write_trace
+from .trace import predicted_trace, trace_text
 
 log = logging.getLogger("tilec")
 
@@ -506,7 +506,7 @@ def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources:
         text = render_schedule(ir, linearized) if name == "schedule" else ir.render()
         (root / "ir" / fname).write_text(text + "\n")
         _write_json(root / "ir" / fname.replace(".txt", ".json"), stage_json(name, ir, linearized))
-    write_trace(root / "trace.json", predicted_trace(plan, linearized))  # one event per line, as a dump's
+    (root / "trace.json").write_text(trace_text(predicted_trace(plan, linearized)))  # one event a line, as a dump
     (root / "plan").mkdir()
     tables, meta = plan.to_tables()
     save_tensors(root / "plan" / "plan.safetensors", tables)

@@ -30,7 +30,7 @@ from . import artifact as art_mod
 from .artifact import ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
 from .codegen.build import cache_root, extra_flags
-from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root, dump_source
+from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root
 from .errors import InputError, TilecError, describe_exception, with_article
 from .frontend import const_name
 from .ir import BufferKind
@@ -76,12 +76,6 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
         if dumps is not None and (dumps.resolve() == output.resolve() or output.resolve() in dumps.resolve().parents):
             raise TilecError(f"the dump directory {dumps} is inside the artifact's output {output}: an artifact "
                              f"holds only what tilec writes there; dump elsewhere")
-        holder = art_mod.enclosing_artifact(dumps) if dumps is not None else None
-        if holder is not None:  # its folder there would make a later `compile -o <it> --force` refuse
-            where = "is" if holder == dumps.resolve() else "is inside"
-            raise TilecError(f"{dump_source(opts)}={dumps}: the dump directory {where} the tilec artifact {holder}: "
-                             f"an artifact holds only what tilec writes there (a later compile -o {holder} --force "
-                             f"would refuse it); dump elsewhere")
         check_dump_root(opts)
         if dumps is not None and not dumps.is_absolute():  # where it is now, whatever directory the factory moves to
             opts = dataclasses.replace(opts, dump_dir=str(dumps.absolute()))

@@ -71,12 +71,21 @@ def check_dump_root(opts: Options) -> None:
     compile rather than after it.
 
     Raises:
-        DumpError: it cannot be created or written, naming where the path came from.
+        DumpError: it cannot be created or written, or it is or lies inside a tilec artifact, naming
+            where the path came from.
     """
     root = dump_root(opts)
     if root is None:
         return
     source = dump_source(opts)
+    from .artifact import enclosing_artifact  # (artifact imports this module)
+
+    holder = enclosing_artifact(root)
+    if holder is not None:  # its folder there would make a later `compile -o <it> --force` refuse
+        where = "is" if holder == root.resolve() else "is inside"
+        raise DumpError(f"{source}={root}: the dump directory {where} the tilec artifact {holder}: an artifact "
+                        f"holds only what tilec writes there (a later compile -o {holder} --force would refuse it); "
+                        f"dump elsewhere")
     if root.exists() and not root.is_dir():  # (mkdir would say "File exists")
         what = "a file" if root.is_file() else "not a directory"
         raise DumpError(f"{source}={root}: the dump directory is {what}; give a directory (a new one is created)")
@@ -135,14 +144,14 @@ class DumpHook:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise DumpError(f"tilec {dump_source(self.opts)}={self.root}: cannot create {self.directory}: "
+                raise DumpError(f"{dump_source(self.opts)}={self.root}: cannot create {self.directory}: "
                                 f"{e.strerror or e}") from e
         if self.directory is None or stage not in STAGE_FILES:
             return
         try:
             self._write(stage, ir)
         except OSError as e:  # e.g. a full disk: the dump directory's problem, named, not the compile's
-            raise DumpError(f"tilec {dump_source(self.opts)}={self.root}: cannot write the dump {self.directory}: "
+            raise DumpError(f"{dump_source(self.opts)}={self.root}: cannot write the dump {self.directory}: "
                             f"{e.strerror or e}") from e
 
     def _write(self, stage: str, ir) -> None:

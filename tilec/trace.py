@@ -288,12 +288,17 @@ def hop_table(trace: dict) -> str:
     return "\n".join(lines)
 
 
-def write_trace(path: str | os.PathLike, trace: dict) -> None:
-    """Writes ``trace`` as JSON to ``path`` atomically, one event per line (diffable)."""
+def trace_text(trace: dict) -> str:
+    """``trace`` as JSON text, one event per line (diffable)."""
     events = ",\n".join(json.dumps(e, sort_keys=True) for e in trace["traceEvents"])
     rest = {k: v for k, v in trace.items() if k != "traceEvents"}
     head = json.dumps(rest, sort_keys=True)[1:-1]
-    write_atomic(path, "{" + head + (", " if head else "") + '"traceEvents": [\n' + events + "\n]}\n")
+    return "{" + head + (", " if head else "") + '"traceEvents": [\n' + events + "\n]}\n"
+
+
+def write_trace(path: str | os.PathLike, trace: dict) -> None:
+    """Writes ``trace`` as JSON to ``path`` atomically, one event per line (:func:`trace_text`)."""
+    write_atomic(path, trace_text(trace))
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
