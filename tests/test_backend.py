@@ -283,6 +283,22 @@ def test_dump_dir_option_writes_stages(tmp_path):
     assert "01-opgraph.txt" in names and "11-plan.txt" in names and "trace.json" in names
 
 
+def test_a_dump_names_the_graph_inputs_as_the_model_does(tmp_path):
+    """torch.compile's graphs name every weight argN_1 (01-opgraph.txt had no way back to the model's names: a
+    fresh user's finding): inputs.txt lists each input buffer, its kind and the model's name for it."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert_close(torch.compile(m, backend="tilec", options={"dump_dir": str(tmp_path)})(x), m(x))
+    (sub,) = list(tmp_path.iterdir())
+    rows = [ln.split("  ") for ln in (sub / "inputs.txt").read_text().splitlines()]
+    names = {label: buf for buf, kind, label in rows}
+    assert set(names) == {"args[0]", "self[0].weight", "self[0].bias", "self[2].weight", "self[2].bias"}, rows
+    opgraph = (sub / "01-opgraph.txt").read_text()
+    assert f"buffer {names['self[2].weight']}: float32[4x16] input" in opgraph, opgraph
+
+
 def test_every_compile_writes_its_dump_even_when_a_plan_is_cached(tmp_path, monkeypatch):
     """The in-memory plan cache was read while dumping, so a second compile of the same graph (after a Dynamo
     reset, or a new dump directory) wrote nothing there, silently (a fresh user's finding); and the dump

@@ -315,7 +315,7 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
         else:
             CACHE_STATS["compiles"] += 1
             graph = lower_graph(gm, binding, max_positions)
-            compiled = compile_opgraph(graph, opts.compile, with_dump(None, opts.compile))
+            compiled = compile_opgraph(graph, opts.compile, with_dump(None, opts.compile, binding.labels))
             plancache.store(key, compiled)
         _PLAN_CACHE[key] = compiled
     user_args = [t for t, k in zip(flat_args, kinds) if k != "const"]

@@ -21,6 +21,8 @@ different compiles never mix::
         11-plan.txt         KernelPlan.render()
         stats.txt           tilec.stats.render_stats (the same numbers as ``program.stats``)
         trace.json          predicted schedule timeline, Chrome/Perfetto trace (tilec.trace)
+        inputs.txt          torch.compile only: each graph input buffer (Dynamo's ``argN_1``) and the
+                            model's name for it (``model.layers.0.self_attn.q_proj.weight``)
 
 Files are written as their stage completes (before its verifier runs), so a compile that
 fails verification leaves the stages up to the failing one for inspection. Every file is
@@ -46,7 +48,7 @@ from .taskgraph import TaskGraph
 from .trace import predicted_trace, write_atomic, write_trace
 
 ENV_VAR = "TILEC_DUMP_DIR"
-STATS_FILE, TRACE_FILE = "stats.txt", "trace.json"
+STATS_FILE, TRACE_FILE, INPUTS_FILE = "stats.txt", "trace.json", "inputs.txt"
 ALL_FILES = (*STAGE_FILES.values(), STATS_FILE, TRACE_FILE)
 
 
@@ -97,12 +99,13 @@ def check_dump_root(opts: Options) -> None:
         raise DumpError(f"{source}={root}: the dump directory is not writable")
 
 
-def with_dump(hook: Hook | None, opts: Options) -> Hook | None:
-    """``hook`` with a :class:`DumpHook` run before it when dumping is enabled; else ``hook``."""
+def with_dump(hook: Hook | None, opts: Options, labels: dict[str, str] | None = None) -> Hook | None:
+    """``hook`` with a :class:`DumpHook` run before it when dumping is enabled; else ``hook``. ``labels``:
+    graph input name -> the user's name for it, written to ``inputs.txt`` (the torch.compile backend's)."""
     root = dump_root(opts)
     if root is None:
         return hook
-    dump = DumpHook(root, opts)
+    dump = DumpHook(root, opts, labels)
     if hook is None:
         return dump
 
@@ -123,15 +126,18 @@ def compile_key(graph: OpGraph, opts: Options) -> str:
 
 class DumpHook:
     """A pipeline hook (``hook(stage, ir, seconds)``) writing :data:`ALL_FILES` under
-    ``root/<compile_key>/``; ``directory`` is that subdirectory once the OpGraph is seen.
+    ``root/<compile_key>/``; ``directory`` is that subdirectory once the OpGraph is seen. With ``labels``
+    (graph input name -> the user's name for it), also :data:`INPUTS_FILE`: each of the OpGraph's input,
+    parameter and state buffers, its kind, and that name.
 
     Raises:
         DumpError: the directory cannot be created or written (naming it and the system's error).
     """
 
-    def __init__(self, root: str | os.PathLike, opts: Options):
+    def __init__(self, root: str | os.PathLike, opts: Options, labels: dict[str, str] | None = None):
         self.root = Path(root)
         self.opts = opts
+        self.labels = labels or {}
         self.directory: Path | None = None
         self._graph: OpGraph | None = None
         self._tg: TaskGraph | None = None
@@ -165,6 +171,10 @@ class DumpHook:
         else:
             text = ir.render()
         write_atomic(self.directory / STAGE_FILES[stage], text + "\n")
+        if stage == "opgraph" and self.labels:
+            rows = [f"{b.name}  {b.kind.value}  {self.labels[b.name]}" for b in ir.buffers.values()
+                    if b.name in self.labels]
+            write_atomic(self.directory / INPUTS_FILE, "\n".join(rows) + "\n")
         if stage == "plan":
             stats = compile_stats(self._graph, self._tg, self._sched)
             write_atomic(self.directory / STATS_FILE, render_stats(stats) + "\n")
