@@ -801,6 +801,24 @@ def test_linear_of_mixed_dtypes_is_refused_like_eager():
         compile_module(m, (torch.randn(2, 8, dtype=torch.float16),))
 
 
+class _CumsumOfTokens(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, tok):
+        return torch.cumsum(self.lin(tok), -1)  # cumsum: unsupported, and lowered first (from the output)
+
+
+def test_a_node_eager_refuses_is_bad_input_whatever_else_is_unsupported():
+    """It was bad input only when the lowering met it first; here the cumsum is met first, and the error was
+    "cannot lower 2 FX node(s)" with the advice to run them eagerly (a reviewer's finding)."""
+    with pytest.raises(InputError, match=r"cannot lower 1 FX node\(s\): linear of mixed dtypes \(input int64, weight "
+                                         r"float32, bias float32\)(.|\n)*eager PyTorch raises on this node too") as info:
+        compile_module(_CumsumOfTokens(), (torch.randint(0, 9, (2, 8)),))
+    assert "aten.cumsum" not in str(info.value)
+
+
 def test_keyword_arguments_are_refused_clearly():
     """A compiled step binds its arguments by position (a raw TypeError before: a re-check trial's finding)."""
     torch.manual_seed(0)

@@ -315,9 +315,15 @@ def test_cache_write_of_another_dtype_is_reported():
             cache[:, :, pos] = k.to(torch.bfloat16)
             return cache * 2
 
+    from tilec.errors import EagerFailsError, InputError
+
     with pytest.raises(UnsupportedNodeError, match=r"cache write of a bfloat16 value into a float32 cache"):
         compile_module(CastWrite(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
                        positions=[1], max_positions=S, options=dict(executor="reference"))
+    with pytest.raises(InputError) as info:  # bad input: eager raises on it too (EagerFailsError)
+        compile_module(CastWrite(), (torch.randn(1, H, 1, D), torch.tensor([0]), torch.randn(1, H, S, D)),
+                       positions=[1], max_positions=S, options=dict(executor="reference"))
+    assert isinstance(info.value, EagerFailsError) and "eager PyTorch raises on this node too" in str(info.value)
 
 
 def test_index_put_write_at_an_unlisted_position_gets_the_positions_hint():

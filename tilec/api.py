@@ -58,8 +58,8 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
 
     Raises:
         UnsupportedNodeError: the graph has ops tilec cannot lower (names node and source line);
-            :class:`EagerFailsError` (also an ``InputError``) for a node eager PyTorch cannot run either
-            (a linear of mixed dtypes).
+            :class:`EagerFailsError` (also an ``InputError``) naming the nodes eager PyTorch cannot run
+            either (a linear of mixed dtypes, a cache write of another dtype), when there are any.
         InputError: meta-device weights or arguments; parameters that require grad made under
             ``torch.inference_mode``, when compiling outside it; a container argument (a dict or tuple of
             tensors) or a sparse or MKLDNN one; ``args``, ``positions`` or ``max_positions`` do not
@@ -88,11 +88,14 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
     gm, binding = export_graph(module, args, set(positions))
     try:
         graph = lower_graph(gm, binding, max_positions)
-    except EagerFailsError as e:  # the module or its example arguments are wrong: eager raises there too
-        raise EagerFailsError([(*e.nodes[0], e.why[0])], e.reason, "eager PyTorch raises on this node too: fix the "
-                              "module or its example arguments (no compile of it can run)") from e
     except UnsupportedNodeError as first:
-        every = find_unsupported(gm, binding, max_positions)  # report all of them, not just the first
+        eager_fails: set[str] = set()
+        every = find_unsupported(gm, binding, max_positions, eager_fails)  # report all of them, not just the first
+        if isinstance(first, EagerFailsError) or eager_fails:  # the module or its example arguments are wrong:
+            bad = [n for n in every if n[0] in eager_fails] or [(*first.nodes[0], first.reason)]  # eager raises too
+            nodes, reason = ([bad[0][:3]], bad[0][3]) if len(bad) == 1 else (bad, "")
+            raise EagerFailsError(nodes, reason, "eager PyTorch raises on this node too: fix the module or its "
+                                  "example arguments (no compile of it can run)") from first
         nodes = every if len(every) > 1 else [(*first.nodes[0], first.why[0])]
         inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}  # named as the user knows them
         nodes = [(binding.label(n[0]), _value_text(inputs[n[0]]), *n[2:]) if n[0] in inputs else n for n in nodes]

@@ -236,6 +236,7 @@ class Lowering(FormsLowering, DsaLowering):
         self.position_updates: dict[str, torch.Tensor] = {}
         self.probe = probe
         self.unsupported: list[tuple[str, str, str, str]] = []
+        self.eager_fails: set[str] = set()  # probe mode: nodes eager PyTorch cannot run either (EagerFailsError)
         self._opaque_buffers: set[str] = set()  # probe mode: buffers standing in for values that run eagerly
         self.cls = self._classify()
 
@@ -435,8 +436,11 @@ class Lowering(FormsLowering, DsaLowering):
                             f"produced")
 
     def record(self, e: UnsupportedNodeError) -> None:
-        """Probe mode: notes ``e``'s node and reason in ``unsupported`` (lowering goes on)."""
+        """Probe mode: notes ``e``'s node and reason in ``unsupported`` (lowering goes on), and the node in
+        ``eager_fails`` for an :class:`EagerFailsError`."""
         self.unsupported.append(e.nodes[0] + (e.reason,))
+        if isinstance(e, EagerFailsError):
+            self.eager_fails.add(e.nodes[0][0])
 
     # ---- demand-driven lowering ------------------------------------------------------
     def value(self, node):
@@ -1102,16 +1106,20 @@ class Lowering(FormsLowering, DsaLowering):
         self.position_updates[target] = val.table
 
 
-def find_unsupported(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 1
-                     ) -> list[tuple[str, str, str, str]]:
-    """Every node the lowering cannot handle: ``(node, target, source line, reason)``.
+def find_unsupported(gm: fx.GraphModule, binding: GraphBinding, max_positions: int = 1,
+                     eager_fails: set[str] | None = None) -> list[tuple[str, str, str, str]]:
+    """Every node the lowering cannot handle: ``(node, target, source line, reason)``; adds to
+    ``eager_fails``, when given, the names of those eager PyTorch cannot run either (a linear of mixed dtypes).
 
     Runs the lowering in probe mode, where an unsupported node is recorded and replaced by
     an input of its shape, so one pass finds them all (not just the first). Raises
     :class:`InputError` as :func:`lower_graph` does (the inputs do not fit the module).
     """
     first = {}
-    for n in _lower(gm, binding, max_positions, probe=True).unsupported:
+    low = _lower(gm, binding, max_positions, probe=True)
+    if eager_fails is not None:
+        eager_fails |= low.eager_fails
+    for n in low.unsupported:
         if n[0] not in first or first[n[0]][3] in ("", NO_OP_WHY):  # once per node: its first specific reason
             first[n[0]] = n
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}  # in graph order: a cause before its consumers
