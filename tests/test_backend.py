@@ -299,6 +299,30 @@ def test_a_dump_names_the_graph_inputs_as_the_model_does(tmp_path):
     assert f"buffer {names['self[2].weight']}: float32[4x16] input" in opgraph, opgraph
 
 
+class _TwoHalves(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return torch.relu(self.b(y))
+
+
+def test_graphs_of_one_structure_dump_into_their_own_folders(tmp_path):
+    """Two graphs alike but for their weights shared a dump folder (named by the OpGraph's text), the second's
+    inputs.txt over the first's (a reviewer's finding): the inputs' names are part of the folder's name."""
+    torch.manual_seed(0)
+    m, x = _TwoHalves(), torch.randn(2, 8)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert_close(torch.compile(m, backend="tilec", options={"dump_dir": str(tmp_path)})(x), m(x))
+    labels = sorted(sorted(row.split("  ")[2] for row in (sub / "inputs.txt").read_text().splitlines())
+                    for sub in tmp_path.iterdir())
+    assert labels == [["self.a.bias", "self.a.weight", "x"], ["self.b.bias", "self.b.weight", "y"]], labels
+
+
 def test_every_compile_writes_its_dump_even_when_a_plan_is_cached(tmp_path, monkeypatch):
     """The in-memory plan cache was read while dumping, so a second compile of the same graph (after a Dynamo
     reset, or a new dump directory) wrote nothing there, silently (a fresh user's finding); and the dump

@@ -774,11 +774,12 @@ def test_a_relative_cache_directory_is_taken_before_the_factory_runs(facts, tmp_
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    r = invoke("compile", f"{facts}:changes_directory", "-o", "out", "-O", "workers=2",
-               env={"TILEC_NVCC": str(nvcc), "TILEC_CACHE_DIR": "cache"})
+    monkeypatch.setenv("TILEC_NVCC", str(nvcc))
+    monkeypatch.setenv("TILEC_CACHE_DIR", "cache")  # (not invoke's env=, which click's runner puts back itself)
+    r = invoke("compile", f"{facts}:changes_directory", "-o", "out", "-O", "workers=2")
     assert r.exit_code == 0, r.output
     assert any(p.name == "program.cu" for p in (work / "cache").rglob("*")) and not (facts.parent / "cache").exists()
-    assert os.environ.get("TILEC_CACHE_DIR") != str(work / "cache")  # put back after the in-process command
+    assert os.environ["TILEC_CACHE_DIR"] == "cache"  # put back after the in-process command
 
 
 @pytest.mark.parametrize("suffix", [".txt", "", ".pyc"])
@@ -1934,6 +1935,11 @@ def test_compile_module_refuses_a_dump_directory_inside_an_artifact(art, tmp_pat
                                         rf"inside the tilec artifact {re.escape(str(other))}: "):
         compile_module(torch.nn.Linear(4, 4), (torch.randn(1, 4),), options=dict(workers=2,
                                                                                  dump_dir=str(other / "dumps")))
+    torch._dynamo.reset()  # and torch.compile (a reviewer's finding)
+    with pytest.raises(Exception, match=r"the dump directory is inside the tilec artifact"):
+        with torch.no_grad():
+            torch.compile(torch.nn.Linear(4, 4), backend="tilec",
+                          options=dict(workers=2, dump_dir=str(other / "dumps")))(torch.randn(1, 4))
     assert artifact._foreign_entries(other) == []
 
 

@@ -82,7 +82,7 @@ log = logging.getLogger("tilec")
 # format 4 (12 operands a row); 8: plan format 5 (13 operands a row, arrival counters); 9: 5..8-row
 # GEMV tiles stream to the tensor-core consumer (tilec.ops.GEMV_RING_ROWS 4: an older plan's stream
 # words for them would make the new runtime abort)
-FORMAT, FORMAT_VERSION = "tilec-artifact", 9
+FORMAT, FORMAT_VERSION = "tilec-artifact", 10  # 10: non-finite Python arguments as {"float": "inf"}
 MANIFEST = "manifest.json"
 LIBRARY = "cuda/libtilec.so"
 

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from . import __version__, plancache
-from .dump import dump_root, with_dump
+from .dump import check_dump_root, dump_root, with_dump
 from .errors import OptionsError, PositionError, TilecError, UnsupportedNodeError
 from .frontend import MAX_POSITIONS, GraphBinding, find_unsupported, lower_graph
 from .fxgraph import is_call, is_random, source_of, val_of
@@ -305,6 +305,8 @@ def _compile_region(gm: fx.GraphModule, flat_args, kinds, opts: BackendOptions, 
     key = _graph_key(gm, kinds, opts) + f":{max_positions}:{opts.compile.arch}:{consts}"
     key = hashlib.sha256(key.encode()).hexdigest()[:32]
     dumping = dump_root(opts.compile) is not None  # then every compile writes its dump: no cache is read
+    if dumping:
+        check_dump_root(opts.compile)  # (one inside an artifact is refused, as compile_module refuses it)
     compiled = None if dumping else _PLAN_CACHE.get(key)
     if compiled is not None:
         CACHE_STATS["memory_hits"] += 1

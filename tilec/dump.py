@@ -2,7 +2,8 @@
 
 Enabled by ``Options(dump_dir=...)`` or the ``TILEC_DUMP_DIR`` environment variable (the
 option wins; an empty variable means off). Each compile writes into its own subdirectory,
-named by a short hash of the OpGraph's text and the options (``dump_dir`` itself excluded),
+named by a short hash of the OpGraph's text and the options (``dump_dir`` itself excluded;
+under torch.compile also the graph inputs' names, :data:`INPUTS_FILE`),
 so recompiling the same graph with the same options overwrites the same files and two
 different compiles never mix::
 
@@ -21,8 +22,8 @@ different compiles never mix::
         11-plan.txt         KernelPlan.render()
         stats.txt           tilec.stats.render_stats (the same numbers as ``program.stats``)
         trace.json          predicted schedule timeline, Chrome/Perfetto trace (tilec.trace)
-        inputs.txt          torch.compile only: each graph input buffer (Dynamo's ``argN_1``) and the
-                            model's name for it (``model.layers.0.self_attn.q_proj.weight``)
+        inputs.txt          torch.compile only: each graph input buffer (Dynamo's ``argN_1``), its kind
+                            and the forward's name for it (``self.model.layers[0].mlp.up_proj.weight``)
 
 Files are written as their stage completes (before its verifier runs), so a compile that
 fails verification leaves the stages up to the failing one for inspection. Every file is
@@ -116,11 +117,14 @@ def with_dump(hook: Hook | None, opts: Options, labels: dict[str, str] | None = 
     return both
 
 
-def compile_key(graph: OpGraph, opts: Options) -> str:
-    """12 hex digits hashing the OpGraph's text and the options other than ``dump_dir``."""
+def compile_key(graph: OpGraph, opts: Options, labels: dict[str, str] | None = None) -> str:
+    """12 hex digits hashing the OpGraph's text, the options other than ``dump_dir`` and, when given, the
+    graph inputs' ``labels`` (two torch.compile graphs of one structure read different weights)."""
     fields = {k: v for k, v in dataclasses.asdict(opts).items() if k != "dump_dir"}
     h = hashlib.sha256(graph.render().encode())
     h.update(json.dumps(fields, sort_keys=True).encode())
+    if labels:
+        h.update(json.dumps(labels, sort_keys=True).encode())
     return h.hexdigest()[:12]
 
 
@@ -146,7 +150,7 @@ class DumpHook:
     def __call__(self, stage: str, ir, seconds: float) -> None:
         if stage == "opgraph":
             self._graph = ir
-            self.directory = self.root / compile_key(ir, self.opts)
+            self.directory = self.root / compile_key(ir, self.opts, self.labels)
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
             except OSError as e:
@@ -172,9 +176,9 @@ class DumpHook:
             text = ir.render()
         write_atomic(self.directory / STAGE_FILES[stage], text + "\n")
         if stage == "opgraph" and self.labels:
-            rows = [f"{b.name}  {b.kind.value}  {self.labels[b.name]}" for b in ir.buffers.values()
+            rows = [f"{b.name}  {b.kind.value}  {self.labels[b.name]}\n" for b in ir.buffers.values()
                     if b.name in self.labels]
-            write_atomic(self.directory / INPUTS_FILE, "\n".join(rows) + "\n")
+            write_atomic(self.directory / INPUTS_FILE, "".join(rows))
         if stage == "plan":
             stats = compile_stats(self._graph, self._tg, self._sched)
             write_atomic(self.directory / STATS_FILE, render_stats(stats) + "\n")

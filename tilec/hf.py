@@ -47,7 +47,7 @@ class StaticCacheStep(torch.nn.Module):
     The cache tensors are passed as inputs so the captured graph updates them in place.
     """
 
-    tilec_user_module = "model"  # errors about the compiled module's parameters name them as ``model`` does
+    tilec_user_module = "model"  # the parameter watch's errors name parameters as ``model`` does (ParamWatch)
 
     def __init__(self, model, cache):
         """Raises InputError unless ``cache`` is a prefilled transformers ``StaticCache``."""
