@@ -2,6 +2,7 @@
 bad call arguments and bad options name what is wrong."""
 from __future__ import annotations
 
+import copy
 import pathlib
 import re
 
@@ -1101,6 +1102,20 @@ def test_a_sliding_window_cache_is_named_as_such():
                                          r", window 4096\): .*does not support sliding windows") as e:
         compile_decode_step(model, cache, 1)
     assert "padding" not in str(e.value)
+    if not hasattr(cache.layers[0], "_is_croppable"):  # (older transformers: no such flag, no advice)
+        return
+    assert "no shorter than the cache, so the attention is plain causal: set model.config.sliding_window = None " \
+           "before building the StaticCache" in str(e.value)  # (Mistral's default window over a short cache: a
+    model.config.sliding_window = None  # fresh user's finding) - and the advice works
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    prompt, tok = torch.randint(0, 100, (1, 4)), torch.randint(0, 100, (1, 1))
+    with torch.no_grad():
+        model(prompt, cache_position=torch.arange(4), use_cache=True, **cache_kwargs(model, cache))
+        step = compile_decode_step(model, cache, 1, options=dict(workers=4))
+        eager_cache = copy.deepcopy(cache)
+        got = step(tok, position=4)
+        want = model(tok, cache_position=torch.tensor([4]), **cache_kwargs(model, eager_cache)).logits
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
 def test_a_constant_attention_mask_is_refused_as_such():

@@ -159,10 +159,15 @@ class HFDecodeStep:
         windowed = [i for i, layer in enumerate(layers) if "Sliding" in type(layer).__name__]
         if windowed:
             window = getattr(model.config, "sliding_window", None)
+            # (transformers' own flag: the cache asked for is no longer than the window - a Mistral config's
+            # default 4096 over a short cache)
+            moot = ("; this window is no shorter than the cache, so the attention is plain causal: set "
+                    "model.config.sliding_window = None before building the StaticCache"
+                    if all(getattr(layers[i], "_is_croppable", None) is True for i in windowed) else "")
             raise InputError(f"{type(model).__name__} has sliding-window attention (cache layers {windowed[:4]}"
                              f"{' ...' if len(windowed) > 4 else ''} are {type(layers[windowed[0]]).__name__}"
                              f"{f', window {window}' if window else ''}): tilec plans causal attention over the whole "
-                             f"static cache and does not support sliding windows yet")
+                             f"static cache and does not support sliding windows yet{moot}")
         self._inference_cache = any(t.is_inference() for layer in layers for t in (layer.keys, layer.values))
         if self._inference_cache and not torch.is_inference_mode_enabled():
             raise InputError(INFERENCE_CACHE_WHY)
