@@ -1236,3 +1236,17 @@ def test_max_positions_past_what_tilec_tabulates_is_refused_at_once():
         compile_module(torch.nn.Embedding(10, 4), (torch.tensor([[3]]),), positions=[0], max_positions=MAX_POSITIONS + 1)
     prog = compile_module(Scale(), args, positions=[1], max_positions=1 << 10)
     assert torch.allclose(prog(*args), Scale()(*args))
+
+
+def test_a_dropout_left_in_training_mode_says_to_call_eval():
+    """The hint said to move the dropout out or run it eagerly under torch.compile (a fresh user's GPT-2 left in
+    training mode); module.eval() is the fix, and after it the module compiles."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 4))
+    x = torch.randn(2, 8)
+    with pytest.raises(UnsupportedNodeError, match=r"native_dropout(.|\n)*hint: The module is in training mode, where "
+                                                   r"dropout draws random masks: call module\.eval\(\) before compiling"):
+        compile_module(m, (x,))
+    m.eval()
+    with torch.no_grad():
+        assert torch.allclose(compile_module(m, (x,), options=dict(workers=2))(x), m(x), atol=1e-6)

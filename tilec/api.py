@@ -100,7 +100,9 @@ def compile_module(module: torch.nn.Module, args: tuple, *, positions=(), max_po
         inputs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}  # named as the user knows them
         nodes = [(binding.label(n[0]), _value_text(inputs[n[0]]), *n[2:]) if n[0] in inputs else n for n in nodes]
         whys = [first.reason, *(n[-1] for n in nodes if isinstance(n[-1], str))]
-        raise UnsupportedNodeError(nodes, first.reason if len(every) <= 1 else "", _hint(args, whys)) from first
+        dropout = module.training and any("dropout" in str(n[1]) for n in nodes)
+        raise UnsupportedNodeError(nodes, first.reason if len(every) <= 1 else "", _hint(args, whys, dropout)) \
+            from first
     compiled = compile_opgraph(graph, opts, with_dump(hook, opts), opgraph_seconds=time.perf_counter() - t0)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     n_user = len(out_node.args[0]) - binding.mutation_outputs
@@ -116,9 +118,13 @@ def _value_text(node) -> str:
     return f"{v.dtype}{list(v.shape)}" if isinstance(v, torch.Tensor) else "graph input"
 
 
-def _hint(args, whys=()) -> str:
+def _hint(args, whys=(), dropout: bool = False) -> str:
     """What a user can do about ops tilec cannot lower (the end of compile_module's error); ``whys``:
-    the reasons given, to say so when a dtype is the cause."""
+    the reasons given, to say so when a dtype is the cause; ``dropout``: a dropout of a module left in
+    training mode is among them (``module.eval()`` removes it)."""
+    if dropout:
+        return ("The module is in training mode, where dropout draws random masks: call module.eval() before "
+                "compiling (tilec compiles inference steps).")
     cast = ("tilec has no float64 kernels: cast the module and its inputs to float32 or bfloat16 (module.float(), "
             "x.float()). ") if any("torch.float64" in (w or "") for w in whys) else ""
     ints = [i for i, a in enumerate(args) if isinstance(a, int) and not isinstance(a, bool)]
