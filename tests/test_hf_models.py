@@ -199,6 +199,33 @@ def test_a_cache_made_under_inference_mode_is_stepped_inside_it():
         step(tok, PREFILL + 1)
 
 
+def test_a_cache_prefilled_with_grad_on_gives_logits_without_autograd_history():
+    """A prefill outside torch.no_grad leaves the cache with a grad history; the reference executor's torch ops then
+    gave the step's logits one (requires_grad, CloneBackward0), whose backward() failed on an unrelated in-place
+    error (a fresh user's finding)."""
+    cls, make_cfg = MODELS["llama"]
+    torch.manual_seed(0)
+    model = cls(make_cfg()).eval()
+    cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
+    model(torch.randint(0, 1000, (1, PREFILL)), **cache_kwargs(model, cache), cache_position=torch.arange(PREFILL),
+          use_cache=True)  # grad mode on
+    assert cache.layers[0].keys.requires_grad
+    with torch.no_grad():  # the same cache's values for eager, detached (a graph's tensors do not deep-copy)
+        eager_cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
+        model(torch.zeros(1, PREFILL, dtype=torch.long), **cache_kwargs(model, eager_cache),
+              cache_position=torch.arange(PREFILL), use_cache=True)
+        for mine, theirs in zip(eager_cache.layers, cache.layers):
+            mine.keys.copy_(theirs.keys)
+            mine.values.copy_(theirs.values)
+    step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    tok = torch.tensor([[7]])
+    got = step(tok, PREFILL)
+    assert not got.requires_grad and got.grad_fn is None
+    with torch.no_grad():
+        want = model(tok, cache_position=torch.tensor([PREFILL]), use_cache=True, **cache_kwargs(model, eager_cache)).logits
+    assert_close(got, want, TOL, "logits")
+
+
 def test_decode_position_outside_planned_range_raises():
     model, cache, vocab = build("llama", 1)
     step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))

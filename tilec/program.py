@@ -546,7 +546,10 @@ class CompiledProgram:
             for name, b in self.graph.buffers.items():
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
                     tensors[name].fill_(float("nan"))
-        self.executor.run(tensors, self._table(tensors, args), position=p, check=self._check)
+            with torch.no_grad():  # its torch ops would record a history from a cache that requires grad
+                self.executor.run(tensors, self._table(tensors, args), position=p, check=self._check)
+        else:
+            self.executor.run(tensors, self._table(tensors, args), position=p, check=self._check)
         # one tensor passed for several arguments gets only its last update (they all write a value
         # tabulated from p, so the same value as writing each in turn); all in one device copy
         last = {id(args[idx]): (args[idx], k) for k, (idx, _) in enumerate(self._updates)
