@@ -18,6 +18,8 @@ settings.register_profile("thorough", deadline=None, max_examples=500, print_blo
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+pytest_plugins = ["_sigterm"]  # a SIGTERM stops the run, also inside an in-process CLI command
+
 
 def pytest_configure(config):
     # third-party deprecation noise (transformers, torch.export) from module-scoped fixtures too

@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -849,7 +850,46 @@ def test_ctrl_c_exits_130(facts, tmp_path, monkeypatch):
     assert "130 interrupted" in invoke("--help").output  # the help lists every exit code
 
 
-def test_sigterm_stops_a_compile_as_ctrl_c_does(facts, tmp_path, monkeypatch):
+@pytest.fixture
+def default_sigterm():
+    """SIGTERM's default action for the test (the session's handler, tests/_sigterm.py, put back after it): tilec's
+    CLI installs its own handler only over the default."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_stops_the_test_run_also_inside_a_cli_command(tmp_path):
+    """A SIGTERM (``timeout``) that landed in an in-process CLI command became that command's exit 143 and the run
+    went on to its end (a fresh user's finding); the suite's plugin stops it after the interrupted test."""
+    mark = tmp_path / "started"
+    (tmp_path / "test_slow.py").write_text(textwrap.dedent(f"""
+        import pathlib, time
+        from click.testing import CliRunner
+        from tilec import cli, commands
+
+        def test_interrupted(monkeypatch):
+            def slow(*a, **k):
+                pathlib.Path({str(mark)!r}).touch()
+                time.sleep(60)
+            monkeypatch.setattr(commands, "load_factory", slow)
+            CliRunner().invoke(cli.main, ["compile", "x.py:f", "-o", {str(tmp_path / 'a')!r}, "--no-build"])
+
+        def test_after():
+            pathlib.Path({str(tmp_path / 'after')!r}).touch()
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "_sigterm", "-p", "no:cacheprovider",
+                             str(tmp_path / "test_slow.py")], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert "Interrupted: SIGTERM" in out and not (tmp_path / "after").exists(), out
+
+
+def test_sigterm_stops_a_compile_as_ctrl_c_does(facts, tmp_path, monkeypatch, default_sigterm):
     """SIGTERM (timeout, a batch scheduler, docker stop) killed the process where it stood: a hidden partial
     artifact stayed for good and nvcc ran on without its parent (a fresh user's case). It now raises in the
     main thread like Ctrl-C: exit 143, nothing left. In-process the handler is restored after the command."""
@@ -933,7 +973,7 @@ def test_sigterm_between_the_force_replaces_renames_puts_the_old_artifact_back(f
     assert len(kept) == 1 and json.loads((kept[0] / "artifact" / "manifest.json").read_text())["options"]["workers"] == 2
 
 
-def test_a_signal_during_the_force_replaces_renames_waits_for_both(facts, tmp_path, monkeypatch):
+def test_a_signal_during_the_force_replaces_renames_waits_for_both(facts, tmp_path, monkeypatch, default_sigterm):
     """A real SIGTERM right after the old artifact was moved aside: it used to land between the renames (both
     artifacts lost, or a false "could not be put back" and a .NAME.old-* folder left - a fresh user's trials with
     real processes). SIGINT / SIGTERM are held back over the two renames: the new artifact is in place, exit 143."""
@@ -964,7 +1004,7 @@ def test_a_killed_force_replaces_old_artifact_folder_is_removed_by_the_next(fact
     assert os.listdir(tmp_path) == ["a"]
 
 
-def test_sigterm_handler_of_the_caller_is_kept(facts, tmp_path, monkeypatch):
+def test_sigterm_handler_of_the_caller_is_kept(facts, tmp_path, monkeypatch, default_sigterm):
     """tilec's SIGTERM handler goes in only over the default action, and out only if it is still tilec's."""
     def mine(signum, frame):
         pass
