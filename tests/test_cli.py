@@ -709,6 +709,33 @@ def test_run_check_warns_of_a_factory_edited_since_the_compile(facts, tmp_path):
     assert "FAIL: shapes differ (output 0); nothing of eager's shapes to compare" in r.stdout, r.stdout
 
 
+FOLDED_FACTORY = """import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("inv", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+    def forward(self, x):
+        return self.lin(x) * torch.cat([self.inv, self.inv]).cos()
+def f():
+    torch.manual_seed(0)
+    return M(), (torch.randn(2, 8),)
+"""
+
+
+def test_a_failed_check_after_a_factory_edit_does_not_blame_the_folded_buffers(tmp_path):
+    """The check's failure note named the buffers the plan folded (the RoPE tables of a Llama) where the factory's
+    edit, warned of above it, was the cause (a fresh user's finding)."""
+    src = tmp_path / "fac.py"
+    src.write_text(FOLDED_FACTORY)
+    out = tmp_path / "a"
+    assert invoke("compile", f"{src}:f", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+    src.write_text(FOLDED_FACTORY.replace("return self.lin(x) *", "return 2 * self.lin(x) *"))
+    r = invoke("run", out, "--check", "--executor", "reference")
+    assert r.exit_code == 1 and "was edited since the compile" in r.stderr, r.output
+    assert "does not store module buffer" not in r.stderr, r.stderr
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (a directory nobody can create in)")
 def test_compile_into_an_unwritable_place_is_bad_input_before_compiling(facts):
     """Exit 2 with the path named, before the compile runs (not an internal error after it)."""

@@ -618,7 +618,8 @@ def build_program(art, executor: str | None, progress: Progress):
 def eager_reference(art, progress: Progress):
     """The factory's module with the artifact's weights loaded, and the module buffers it kept as constants:
     ``(module, device of its inputs, the module's names of the buffers the plan folded into other values)`` -
-    for those eager has only the factory's own values."""
+    for those eager has only the factory's own values; none are named when the factory's file was edited since
+    the compile (a warning says so, and a failed check would otherwise blame those buffers)."""
     f = art.factory
     if not f:
         raise Failure(f"{art.path} records no factory: cannot build the eager reference")
@@ -631,7 +632,8 @@ def eager_reference(art, progress: Progress):
             raise Failure(f"{e}; the eager reference (run --check, bench) calls the factory the artifact's manifest "
                           f"records ({f['spec']}, compiled in {where})", e.exit_code) from e
         module, _, _, _ = call_factory(fn, f["spec"])
-    if f.get("source_sha256") and now["source_sha256"] and now["source_sha256"] != f["source_sha256"]:
+    edited = bool(f.get("source_sha256") and now["source_sha256"] and now["source_sha256"] != f["source_sha256"])
+    if edited:
         progress.warn(f"the factory's module ({now['file'] or now['module']}) was edited since the compile: eager "
                       f"runs the code as it is now, which may differ from what the artifact compiled")
     state = module.state_dict(keep_vars=True)
@@ -671,7 +673,7 @@ def eager_reference(art, progress: Progress):
         progress.warn(f"{len(unmapped)} of the artifact's parameter(s) or buffer(s) could not be matched to the "
                       f"factory module's state ({shown}): has the factory changed since the compile? Eager uses "
                       f"the factory's own values for them")
-    return module.eval(), device, folded
+    return module.eval(), device, [] if edited else folded  # (an edit, warned of, says more than the buffers)
 
 
 # ---- bench -------------------------------------------------------------------------------
