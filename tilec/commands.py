@@ -29,7 +29,7 @@ import tilec
 from . import artifact as art_mod
 from .artifact import ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
-from .codegen.build import cache_root, extra_flags
+from .codegen.build import cache_root, extra_flags, sha256_file
 from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root
 from .errors import InputError, TilecError, describe_exception, with_article
 from .frontend import const_name
@@ -197,7 +197,7 @@ def _parse_value(s: str):
 def _source_sha256(path) -> str | None:
     """The sha256 (hex) of the factory module's file, or None when it has none or it cannot be read."""
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+        return sha256_file(Path(path)) if path else None
     except OSError:
         return None
 

@@ -15,8 +15,7 @@ tensors. :class:`ParamWatch` lets the step notice, at a few hundred nanoseconds 
 
 Either sign makes the step look every parameter (:meth:`ParamWatch.changed`), then every folded buffer
 (:meth:`ParamWatch.check_buffers`), up again by its module names (~1-2 ms for a 32-layer model on a CPU
-core): a parameter replaced by one the
-plan fits is bound; anything else raises - another shape, dtype or device, a tensor subclass, untied weights,
+core): a parameter replaced by one the plan fits is bound; anything else raises - another shape, dtype or device, a tensor subclass, untied weights,
 a folded buffer of other values, a parameter or buffer added (a new bias), a submodule of another class (its
 forward was not traced: a Linear swapped for a fake-quantizing one; another plain Linear is fine).
 

@@ -292,7 +292,7 @@ class CompiledProgram:
             raise TilecError(f"compiled step takes {n} argument{'' if n == 1 else 's'}, got {len(args)}")
         for i, v in self._baked.items():
             a = args[i]
-            same = repr(a) == repr(v) if isinstance(v, float) else a == v or repr(a) == repr(v)  # -0.0 is not 0.0
+            same = repr(a) == repr(v) if isinstance(v, float) else (a == v or repr(a) == repr(v))  # -0.0 != 0.0
             if type(a) is not type(v) or not same:
                 raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
                                  f"value is baked into the compiled step (compile with a tensor as that "
@@ -546,10 +546,7 @@ class CompiledProgram:
             for name, b in self.graph.buffers.items():
                 if b.kind in (BufferKind.TEMP, BufferKind.OUTPUT) and b.dtype.is_floating_point:
                     tensors[name].fill_(float("nan"))
-            with torch.no_grad():  # its torch ops would record a history from a cache that requires grad
-                self.executor.run(tensors, self._table(tensors, args), position=p, check=self._check)
-        else:
-            self.executor.run(tensors, self._table(tensors, args), position=p, check=self._check)
+        self.executor.run(tensors, self._table(tensors, args), position=p, check=self._check)
         # one tensor passed for several arguments gets only its last update (they all write a value
         # tabulated from p, so the same value as writing each in turn); all in one device copy
         last = {id(args[idx]): (args[idx], k) for k, (idx, _) in enumerate(self._updates)

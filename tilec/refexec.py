@@ -67,6 +67,7 @@ class ReferenceExecutor:
         self.counters = torch.zeros(plan.events.shape[0] + plan.arrivals, dtype=torch.int64)
         self.epoch = 0
 
+    @torch.no_grad()  # its torch ops would record a history from a cache that requires grad (none is wanted)
     def run(self, tensors: dict[str, torch.Tensor], operand_table: torch.Tensor,
             queues: torch.Tensor | None = None, position: int = 0, check=None) -> None:
         """One step at decode position ``position``. ``tensors`` maps buffer names to the tensors
