@@ -810,6 +810,32 @@ def test_a_relative_cache_directory_is_taken_before_the_factory_runs(facts, tmp_
     assert os.environ["TILEC_CACHE_DIR"] == "cache"  # put back after the in-process command
 
 
+def test_a_relative_dump_variable_is_taken_before_the_factory_runs_and_named(facts, tmp_path, monkeypatch):
+    """TILEC_DUMP_DIR=dumps with a factory that changes directory: the dumps land here (as with the option), and a
+    dump error names the variable - it said "option dump_dir=...", an option the user never gave (a fresh user's
+    finding)."""
+    from tilec import dump
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("TILEC_DUMP_DIR", "dumps")  # (not invoke's env=, which click's runner puts back itself)
+    r = invoke("compile", f"{facts}:changes_directory", "-o", "out", "-O", "workers=2", "--no-build")
+    assert r.exit_code == 0, r.output
+    assert any((work / "dumps").iterdir()) and not (facts.parent / "dumps").exists()
+    assert os.environ["TILEC_DUMP_DIR"] == "dumps"  # put back after the in-process command
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dump, "write_atomic", full)
+    monkeypatch.chdir(work)
+    r = invoke("compile", f"{facts}:changes_directory", "-o", "out2", "-O", "workers=2", "--no-build")
+    assert r.exit_code == 2, r.output
+    assert f"tilec: error: $TILEC_DUMP_DIR={work / 'dumps'}: cannot write the dump" in r.stderr, r.stderr
+    assert "option dump_dir" not in r.stderr and os.environ["TILEC_DUMP_DIR"] == "dumps"
+
+
 @pytest.mark.parametrize("suffix", [".txt", "", ".pyc"])
 def test_a_factory_file_without_the_py_suffix_is_loaded(facts, tmp_path, suffix):
     """It was an internal error (exit 4, 'NoneType' object has no attribute 'loader'); a .pyc loads as before."""

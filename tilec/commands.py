@@ -50,17 +50,29 @@ def compile_artifact(progress: Progress, factory: str, output: Path, option_pair
     turns dumps off over ``$TILEC_DUMP_DIR`` (the option wins; the variable is restored after)."""
     opts = parse_options(option_pairs)
     dumps_off = opts.dump_dir is None and any(p.partition("=")[0].strip() == "dump_dir" for p in option_pairs)
-    with _without_env(DUMP_ENV_VAR) if dumps_off else contextlib.nullcontext():
+    env_dumps = os.environ.get(DUMP_ENV_VAR)
+    if dumps_off:
+        env = _with_env(DUMP_ENV_VAR, None)
+    elif opts.dump_dir is None and env_dumps and not Path(env_dumps).expanduser().is_absolute():
+        # where it is now, whatever directory the factory moves to; messages still name the variable
+        env = _with_env(DUMP_ENV_VAR, str(Path(env_dumps).expanduser().absolute()))
+    else:
+        env = contextlib.nullcontext()
+    with env:
         _compile_artifact(progress, factory, output, opts, force, no_build)
 
 
 @contextlib.contextmanager
-def _without_env(name: str):
-    """The environment without variable ``name`` inside the block; it is put back after."""
+def _with_env(name: str, value: str | None):
+    """The environment with variable ``name`` set to ``value`` (None: unset) inside the block; its old
+    value is put back after."""
     saved = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
+        os.environ.pop(name, None)
         if saved is not None:
             os.environ[name] = saved
 
