@@ -47,6 +47,24 @@ def test_decode_step_matches_eager(family, dtype, batch, tol):
         assert rel_l2(a.keys, b.keys) < tol and rel_l2(a.values, b.values) < tol, family
 
 
+def test_full_width_partial_rotary_matches_eager():
+    """Phi with ``partial_rotary_factor=1.0`` concatenates the rotated queries and keys with an empty pass-through
+    part: the step compiled, then every call failed ("operand view ... overruns buffer"; a fuzzer's finding)."""
+    cfg = transformers.PhiConfig(**{**COMMON, "partial_rotary_factor": 1.0})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.PhiForCausalLM(cfg).eval()
+    cache, tok = prefill(model, 1, 6, 24, "cpu")
+    eager_cache = copy.deepcopy(cache)
+    step = compile_decode_step(model, cache, 1, options={"workers": 8})
+    with torch.no_grad():
+        for p in (6, 7):
+            got = step(tok, position=p)
+            want = model(tok, cache_position=torch.tensor([p]), use_cache=True, **cache_kwargs(model, eager_cache)).logits
+            assert rel_l2(got, want) < 1e-5, (p, rel_l2(got, want))
+            tok = want[:, -1:].argmax(-1)
+
+
 def test_sliding_window_attention_is_refused_by_name():
     """Gemma-2's sliding-window layers (a StaticSlidingWindowLayer cache of ``window`` slots): the error
     said "position 5 outside the planned range [0, 4) of max_positions=4" (a fresh user's finding)."""

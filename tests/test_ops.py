@@ -296,6 +296,25 @@ def test_concat_and_views():
     assert {"concat", "copy"} <= set(kinds(prog))
 
 
+def test_concat_with_empty_parts():
+    """An empty part (``h[..., 4:]`` of a 4-wide row: the pass-through half of a full-width partial RoPE) compiled,
+    then every call failed: its view, an empty box, "overruns buffer" (a fuzzer's finding). Empty parts are
+    dropped, a legacy 1-D empty tensor too; a concatenation of empty parts only is refused by name."""
+    from tilec.errors import UnsupportedNodeError
+
+    def f(m, x):
+        h = F.linear(x, m.w).view(1, 2, 1, 4).transpose(1, 2)  # [1, 1, 2, 4], not contiguous
+        rot, rest = h[..., :4], h[..., 4:]
+        return torch.cat([rot * 2.0, rest], dim=-1), torch.cat([x.reshape(8) + 1.0, rest.reshape(0)])
+
+    prog, _ = run(Fn(f, w=torch.randn(8, 8)), (torch.randn(1, 8),))
+    assert kinds(prog).count("concat") == 2
+    prog, _ = run(Fn(lambda m, x: torch.cat([x.new_zeros(0), x * 2.0])), (torch.randn(2, 8),))  # (a 1-D empty part)
+    assert kinds(prog) == ["unary", "concat"]
+    with pytest.raises(UnsupportedNodeError, match="a concatenation with an empty result"):
+        compile_module(Fn(lambda m, x: torch.cat([x[:, 8:], x[:, :0]], dim=1) + 1.0).eval(), (torch.randn(2, 8),))
+
+
 def test_fused_gate_up_projection_chunk():
     """Regression: ``chunk``/``split`` (one fused gate-up GEMV, Phi-3 style) used to be unsupported."""
     def f(m, x):

@@ -757,7 +757,12 @@ class Lowering(FormsLowering, DsaLowering):
                           attrs=(("fn", "cast"), ("scalar", 0.0)), name=f"{node.name}_upcast")
 
     def _cat(self, node: fx.Node):
-        parts = [self.view_of(a) for a in node.args[0]]
+        # empty parts add nothing (eager skips them, a 1-D empty tensor of any other rank too); kept, their
+        # views and tiles were empty boxes that the executors refused at every call (Phi's RoPE with
+        # partial_rotary_factor 1.0 concatenates an empty pass-through part)
+        if not val_of(node).numel():
+            self._unsupported(node, "a concatenation with an empty result")
+        parts = [self.view_of(a) for a in node.args[0] if val_of(a).numel()]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         dim = dim % len(val_of(node).shape)
         return self._emit(node, "concat", parts, attrs=(("dim", dim),))
