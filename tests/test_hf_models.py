@@ -133,6 +133,25 @@ def test_seek_redecodes_a_position_and_skipping_one_is_an_error():
         step.seek(MAX_CACHE_LEN)
 
 
+def test_cache_errors_name_the_cache_tensors():
+    """Refusals of a cache tensor named tilec's own arguments ("argument 2 (state_0)"), which the user of
+    compile_decode_step never passes (a fresh user's finding): now ``cache.layers[i].keys`` / ``.values``."""
+    model, cache, _ = build("llama", 1)
+    step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    tok = torch.tensor([[7]])
+    keys0, values1 = cache.layers[0].keys, cache.layers[1].values
+    cache.layers[1].values = keys0  # two cache tensors alias
+    with pytest.raises(TilecError, match=r"^cache\.layers\[0\]\.keys and cache\.layers\[1\]\.values share memory"):
+        step(tok, PREFILL)
+    cache.layers[1].values = values1
+    values0 = cache.layers[0].values
+    cache.layers[0].values = values0.transpose(2, 3).contiguous().transpose(2, 3)  # same shape, not contiguous
+    with pytest.raises(TilecError, match=r"^cache\.layers\[0\]\.values is updated in place and must be contiguous"):
+        step(tok, PREFILL)
+    cache.layers[0].values = values0
+    assert step(tok, PREFILL).shape == (1, 1, 1000)  # nothing broken by the refusals
+
+
 def _counts_tokens(cache) -> bool:
     return any(isinstance(getattr(l, "cumulative_length", None), torch.Tensor) for l in cache.layers)
 

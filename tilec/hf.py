@@ -79,6 +79,11 @@ class StaticCacheStep(torch.nn.Module):
             out += [layer.keys, layer.values] + ([layer.cumulative_length] if counter else [])
         return out
 
+    def state_labels(self) -> list[str]:
+        """How errors name :meth:`state`'s tensors: ``cache.layers[i].keys``, ``.values``, ``.cumulative_length``."""
+        return [f"cache.layers[{i}].{what}" for i, counter in enumerate(self.has_counter)
+                for what in ("keys", "values") + (("cumulative_length",) if counter else ())]
+
     def forward(self, input_ids, cache_position, *state):
         """Raises InputError when ``state`` does not hold one tensor per cache tensor (``state()``)."""
         want = 2 * len(self.has_counter) + sum(self.has_counter)
@@ -191,6 +196,7 @@ class HFDecodeStep:
         try:
             self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
                                           max_positions=self.max_len, options=options, hook=hook)
+            self.program.name_arguments(["input_ids", "position"] + self.module.state_labels())
         except DataDependentError as e:
             # the 0-d arguments are the cache's counters, which tilec passes itself: not the user's to change
             raise DataDependentError(f"{e.base} ({type(model).__name__}'s forward reads a value at run time: its "

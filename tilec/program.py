@@ -246,6 +246,18 @@ class CompiledProgram:
             else:
                 self.executor = ReferenceExecutor(self.plan)
         # a run-time error names the arguments its op reads (a token id outside the table: argument 0 (input_ids))
+        self.name_arguments(self._labels)
+
+    def name_arguments(self, labels: list[str]) -> None:
+        """Sets how errors name the arguments (one label per argument, e.g. ``cache.layers[0].keys``), for a
+        caller that passes the step arguments its user knows by other names (:class:`tilec.hf.HFDecodeStep`).
+
+        Raises:
+            ValueError: not one label per argument.
+        """
+        if len(labels) != len(self.graph.inputs):
+            raise ValueError(f"name_arguments: {len(labels)} labels for {len(self.graph.inputs)} arguments")
+        self._labels = list(labels)
         self.executor.input_labels = {name: label for name, label in zip(self.graph.inputs, self._labels)
                                       if name not in (POSITION, IGNORED)}
 
