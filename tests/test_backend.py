@@ -425,6 +425,52 @@ def test_folded_buffer_values_are_part_of_the_plan_key():
             assert_close(torch.compile(m, backend="tilec")(x), m(x))
 
 
+def test_two_models_of_one_class_decoded_from_two_threads():
+    """Two models of one class (their own weights and caches) decoded from two threads under torch.compile: they
+    share one compiled step (a plan per graph and folded buffers), and calls at once raised false deadlock
+    errors, after which every call of that plan in the process returned NaN logits (a fresh user's finding).
+    A compiled step, and a region switching between modules' plans, now take one call at a time."""
+    import threading
+
+    torch._dynamo.reset()
+    ms = [make_model("llama-tiny"), make_model("llama-tiny", seed=5)]
+    refs = [copy.deepcopy(m) for m in ms]
+    length = 16
+    caches = [prefill(m, 1, 3, length)[0] for m in ms]
+    ref_caches = [prefill(m, 1, 3, length)[0] for m in refs]
+    fs = [torch.compile(m, backend="tilec", dynamic=False) for m in ms]
+    tok = torch.tensor([[7]])
+
+    def rel(i, p):
+        with torch.no_grad():
+            got = fs[i](tok, cache_position=torch.tensor([p]), use_cache=True, **cache_kwargs(ms[i], caches[i])).logits
+        want = eager_step(refs[i], ref_caches[i], tok, p)
+        return float((got - want).norm() / want.norm())
+
+    assert rel(0, 3) < 1e-4 and rel(1, 3) < 1e-4
+    bad = []
+
+    def run(i):
+        for p in range(4, length - 2):
+            try:
+                if not rel(i, p) < 1e-4:
+                    bad.append((i, p, "wrong logits"))
+            except Exception as e:  # noqa: BLE001 - any error is the finding
+                bad.append((i, p, repr(e)[:200]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often, as slower calls' would
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not bad, bad[:3]
+
+
 def test_grad_mode_compiles_an_inference_graph(caplog, monkeypatch):
     """Grad mode with parameters that require grad compiles an inference graph, and says so once
     (outputs without autograd history surprised a fresh user's backward())."""

@@ -152,6 +152,42 @@ def test_cache_errors_name_the_cache_tensors():
     assert step(tok, PREFILL).shape == (1, 1, 1000)  # nothing broken by the refusals
 
 
+def test_one_step_called_from_two_threads_stays_correct():
+    """Two threads calling one step at once raised false deadlock errors, and later single-threaded calls
+    returned NaN logits: the calls shared the executor's event counters and the step's temporaries without a
+    lock (a fresh user's finding). Calls are serialized now; each thread's re-decode of the position is eager's."""
+    import threading
+
+    model, cache, _ = build("llama", 1)
+    eager_cache = copy.deepcopy(cache)
+    step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    tok = torch.tensor([[7]])
+    with torch.no_grad():
+        ref = model(tok, **cache_kwargs(model, eager_cache), cache_position=torch.tensor([PREFILL]), use_cache=True).logits
+    errors, worst = [], []
+
+    def worker():
+        for _ in range(15):
+            try:
+                step.seek(PREFILL)
+                got = step(tok, PREFILL)
+                worst.append(rel_l2(got, ref))
+            except ValueError:  # the other thread stepped in between: the position is refused, as it should be
+                pass
+            except Exception as e:  # noqa: BLE001 - any other error is the finding
+                errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
+    step.seek(PREFILL)
+    assert_close(step(tok, PREFILL), ref, TOL, "logits after the threads")
+    assert worst and max(worst) < TOL
+
+
 def _counts_tokens(cache) -> bool:
     return any(isinstance(getattr(l, "cumulative_length", None), torch.Tensor) for l in cache.layers)
 

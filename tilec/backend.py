@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import logging
 import re
+import threading
 import weakref
 
 import torch
@@ -376,6 +377,7 @@ class _Region:
         self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
         self.known: dict[tuple, tuple[str, list[torch.Tensor]]] = {}  # identity key -> (digest, the tensors)
         self.key = None
+        self._lock = threading.RLock()
         self._use(flat, self._identity(flat))
         _REGIONS.add(self)
 
@@ -407,6 +409,12 @@ class _Region:
             log.warning(message)
 
     def __call__(self, *args):
+        # one call at a time: a call may switch self.program to another module's constants (two models of one
+        # class decoded from two threads ran one model's call on the other's program: false deadlock errors)
+        with self._lock:
+            return self._call(args)
+
+    def _call(self, args):
         key = self._identity(args)
         if key != self.key and not self._use(args, key):
             return self.gm(*args)

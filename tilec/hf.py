@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import threading
 import warnings
 import weakref
 
@@ -193,6 +194,7 @@ class HFDecodeStep:
         self._expected: int | None = None  # the cache's token count after our last step (host copy)
         self._mark: tuple | None = None  # the first and last counter and their versions, as our last step left them
         self._token = object()  # names this step in _LAST_WRITER
+        self._lock = threading.Lock()
         try:
             self.program = compile_module(self.module, (ids, pos, *state), positions=positions,
                                           max_positions=self.max_len, options=options, hook=hook)
@@ -212,6 +214,19 @@ class HFDecodeStep:
         forward or ``cache.reset()`` in between goes unnoticed - another compiled step over the cache does not)."""
         if self._inference_cache and not torch.is_inference_mode_enabled():
             raise InputError(INFERENCE_CACHE_WHY)
+        with self._lock:  # a step, or a seek, at a time: the cache's counters and what this step remembers of them
+            return self._step(input_ids, position)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_lock"]  # (a lock cannot be copied; a copy gets its own)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _step(self, input_ids: torch.Tensor, position) -> torch.Tensor:
         position = self._check_position(position)
         counters = self._counters()
         if counters and not self._unchanged(counters, position):  # checked on the device only when in doubt
@@ -236,11 +251,12 @@ class HFDecodeStep:
         a host sync, so the next step may write there (re-decoding a position, e.g. when a speculative
         token is rejected, or timing the same step repeatedly). Cache contents are untouched."""
         position = self._check_position(position)
-        counters = self._counters()
-        if counters:
-            torch._foreach_zero_(counters)
-            torch._foreach_add_(counters, position)
-        self._remember(counters, position)
+        with self._lock:
+            counters = self._counters()
+            if counters:
+                torch._foreach_zero_(counters)
+                torch._foreach_add_(counters, position)
+            self._remember(counters, position)
 
     def _remember(self, counters: list[torch.Tensor], held: int) -> None:
         """Notes that the cache's counters hold ``held`` tokens as this step set them."""

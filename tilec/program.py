@@ -5,6 +5,7 @@ import bisect
 import math
 import numbers
 import operator
+import threading
 
 import torch
 import torch.utils._pytree as pytree
@@ -238,6 +239,7 @@ class CompiledProgram:
         get = operator.itemgetter(*self._arg_buffers) if self._arg_buffers else (lambda _: ())
         self._arg_tensors = get if len(self._arg_buffers) != 1 else (lambda t: (get(t),))
         self._tables: dict[tuple, torch.Tensor] = {}
+        self._lock = threading.Lock()
         with torch.inference_mode(False):  # its buffers (counters, operand table) are written at each call
             if kind == "cuda":
                 from .cuda import CudaExecutor
@@ -546,6 +548,21 @@ class CompiledProgram:
         return [s for s in spans if s[3]]
 
     def __call__(self, *args, **kwargs):
+        # one call at a time: calls share the step's temporaries and the executor's event counters (two threads
+        # calling at once raised false deadlock errors, and later calls returned NaNs; a fresh user's finding)
+        with self._lock:
+            return self._call(args, kwargs)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_lock"]  # (a lock cannot be copied; a copy gets its own)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _call(self, args, kwargs):
         if kwargs:
             raise TilecError(f"a compiled step takes its arguments by position, in the order of the example "
                              f"arguments it was compiled with; got keyword argument(s) {', '.join(sorted(kwargs))}")
