@@ -1029,6 +1029,28 @@ def test_integer_arithmetic_on_run_time_values_is_refused():
         compile_module(M(), (torch.tensor([[16777217, 5]]),))
 
 
+def test_integer_arithmetic_on_a_bool_tensor_is_refused_past_float32s_integers():
+    """A bool tensor with an integer scalar (an int64 result) computed in float32: ``mask + 16777217`` gave
+    16777216 silently (a fuzzer's finding). Scalars under 2**24 stay exact and compile; larger ones are refused."""
+    mask = torch.tensor([[True, False, True]])
+
+    class Small(torch.nn.Module):
+        def forward(self, m):
+            return m * 4, m + 16777215
+
+    got = compile_module(Small(), (mask,))(mask)
+    for g, w in zip(got, Small()(mask)):
+        assert g.dtype == w.dtype == torch.int64 and torch.equal(g, w)
+
+    class Large(torch.nn.Module):
+        def forward(self, m):
+            return m + 16777217
+
+    with pytest.raises(UnsupportedNodeError, match=r"integer arithmetic on a bool tensor read at run time and the "
+                                                   r"scalar 16777217 \(int64 result\)"):
+        compile_module(Large(), (mask,))
+
+
 @pytest.mark.parametrize("dims", [3, 2])
 def test_attention_on_fewer_than_4_dims_is_an_unsupported_node(dims):
     """3-d and 2-d ``scaled_dot_product_attention`` (valid in eager) crashed with a bare ValueError."""

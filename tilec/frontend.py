@@ -395,9 +395,15 @@ class Lowering(FormsLowering, DsaLowering):
                 self._unsupported(node, f"operand {what} has more than 4 dims (tilec ops take at most 4)")
         if len(shape) > 4 and folded is None:
             self._unsupported(node, f"output of shape {list(shape)} has more than 4 dims")
-        if kind in ("unary", "binary") and is_integer(dtype) and any(is_integer(self.buffers[v.buffer].dtype)
-                                                                      for v in inputs):
-            self._unsupported(node, f"integer arithmetic on values read at run time ({dtype_name(dtype)} result): "
+        dtypes = [self.buffers[v.buffer].dtype for v in inputs]
+        # a bool tensor's 0 / 1 with integer scalars under 2**24 stays exact in float32 (mask * 4); larger
+        # scalars did not (mask + 16777217 gave 16777216: a fuzzer's finding)
+        big = [v for k, v in attrs if k == "scalar" and not (float(v).is_integer() and abs(float(v)) < 2 ** 24)]
+        if kind in ("unary", "binary") and is_integer(dtype) and (any(map(is_integer, dtypes))
+                                                                  or (torch.bool in dtypes and big)):
+            what = "values read at run time" if any(map(is_integer, dtypes)) else \
+                f"a bool tensor read at run time and the scalar {big[0]:.0f}"
+            self._unsupported(node, f"integer arithmetic on {what} ({dtype_name(dtype)} result): "
                                     f"tilec's elementwise ops compute in float32, exact only up to 2**24, where "
                                     f"eager computes in integers (arithmetic on the decode position alone is "
                                     f"computed when compiling, exactly)")
