@@ -1051,6 +1051,35 @@ def test_integer_arithmetic_on_a_bool_tensor_is_refused_past_float32s_integers()
         compile_module(Large(), (mask,))
 
 
+def test_matrix_vector_product_is_refused_as_such_with_advice_that_works():
+    """``x @ v`` with a 1-D ``v`` was refused as "matmul with a batched right operand" (a fuzzer's finding)."""
+    class MatVec(torch.nn.Module):
+        def forward(self, x, v):
+            return x @ v
+
+    class Advised(torch.nn.Module):
+        def forward(self, x, v):
+            return (x @ v.unsqueeze(-1)).squeeze(-1)
+
+    x, v = torch.randn(3, 8), torch.randn(8)
+    with pytest.raises(UnsupportedNodeError, match=r"matmul with a vector right operand \(\[8\]; .*v\.unsqueeze\(-1\)"):
+        compile_module(MatVec(), (x, v))
+    got = compile_module(Advised(), (x, v))(x, v)
+    assert torch.allclose(got, x @ v, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tensor_where_the_step_baked_none_is_named_by_dtype_and_shape():
+    """The refusal printed the whole tensor (a fuzzer's finding)."""
+    class Opt(torch.nn.Module):
+        def forward(self, x, c):
+            return x * 2 if c is None else x + c
+
+    prog = compile_module(Opt(), (torch.randn(4, 6), None))
+    with pytest.raises(TilecError, match=r"^argument 1 is a tensor \(torch\.float32\[4, 6\]\), but the step was "
+                                         r"compiled for None: a Python value is baked"):
+        prog(torch.randn(4, 6), torch.randn(4, 6))
+
+
 @pytest.mark.parametrize("dims", [3, 2])
 def test_attention_on_fewer_than_4_dims_is_an_unsupported_node(dims):
     """3-d and 2-d ``scaled_dot_product_attention`` (valid in eager) crashed with a bare ValueError."""

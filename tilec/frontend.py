@@ -706,6 +706,9 @@ class Lowering(FormsLowering, DsaLowering):
             args = node.args[1:] if t is aten.addmm.default else node.args
             bias = node.args[0] if t is aten.addmm.default else None
             x, wt = self.view_of(args[0]), self.view_of(args[1])
+            if len(wt.shape) == 1:
+                self._unsupported(node, f"matmul with a vector right operand ({list(wt.shape)}; tilec plans a weight "
+                                        f"[K, N]: write it as a [K, 1] matrix, v.unsqueeze(-1), and squeeze the result)")
             if len(wt.shape) != 2:
                 self._unsupported(node, "matmul with a batched right operand (tilec plans a weight [K, N]; a batched "
                                         "matmul only inside attention written out as matmul(softmax(matmul(q, "

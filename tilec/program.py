@@ -308,7 +308,8 @@ class CompiledProgram:
             a = args[i]
             same = repr(a) == repr(v) if isinstance(v, float) else (a == v or repr(a) == repr(v))  # -0.0 != 0.0
             if type(a) is not type(v) or not same:
-                raise TilecError(f"{self._labels[i]} is {a!r}, but the step was compiled for {v!r}: a Python "
+                given = f"a tensor ({a.dtype}{list(a.shape)})" if isinstance(a, torch.Tensor) else repr(a)
+                raise TilecError(f"{self._labels[i]} is {given}, but the step was compiled for {v!r}: a Python "
                                  f"value is baked into the compiled step (compile with a tensor as that "
                                  f"example argument to vary it, or compile for this value)")
 
