@@ -167,7 +167,7 @@ class FormsLowering:
     def _rope_args(self, node: fx.Node, x_node, cs, style: int):
         """The rope op of ``node`` over ``x_node`` with tables ``cs = (cos, sin)``, or None when the
         rope op would compute another thing: a result wider than x (cos / sin broadcasting x's rows),
-        tables whose last dim is not the style's, a result of another dtype than x's but float32.
+        tables whose last dim is not the style's, a result of another dtype than x's but float32, tables of two dtypes.
         The op rounds each product to its x's dtype; with float32 tables on bf16 / fp16 x (OLMo:
         ``q * cos`` promotes to float32) eager's products are float32, so the op reads x upcast."""
         cos, sin = cs
@@ -177,6 +177,8 @@ class FormsLowering:
             return None
         if want.dtype != xval.dtype and not (want.dtype == torch.float32 and xval.dtype in (torch.bfloat16, torch.float16)):
             return None
+        if val_of(cos).dtype != val_of(sin).dtype:  # one product rounded to bf16, the other float32 (a fuzzer's case):
+            return None                             # the elementwise ops keep eager's rounding points
         x = self.view_of(x_node)
         if len(x.shape) > 4:
             return None
