@@ -425,17 +425,29 @@ def test_folded_buffer_values_are_part_of_the_plan_key():
             assert_close(torch.compile(m, backend="tilec")(x), m(x))
 
 
-def test_two_models_of_one_class_decoded_from_two_threads():
+def test_two_models_of_one_class_decoded_from_two_threads(monkeypatch):
     """Two models of one class (their own weights and caches) decoded from two threads under torch.compile: they
     share one compiled step (a plan per graph and folded buffers), and calls at once raised false deadlock
     errors, after which every call of that plan in the process returned NaN logits (a fresh user's finding).
-    A compiled step, and a region switching between modules' plans, now take one call at a time."""
+    A compiled step, and a region switching between modules' plans, now take one call at a time. Here the models'
+    RoPE buffers differ, so the region switches plans at every call (the switch slowed down: a call that ran the other
+    model's plan gives its RoPE)."""
     import threading
+    import time
 
     torch._dynamo.reset()
     ms = [make_model("llama-tiny"), make_model("llama-tiny", seed=5)]
+    ms[1].model.rotary_emb.inv_freq.mul_(0.5)  # (before the references are copied and the graph compiled)
+    use = backend._Region._use
+
+    def slow_use(self, args, key):
+        done = use(self, args, key)
+        time.sleep(0.005)
+        return done
+
+    monkeypatch.setattr(backend._Region, "_use", slow_use)
     refs = [copy.deepcopy(m) for m in ms]
-    length = 16
+    length = 24
     caches = [prefill(m, 1, 3, length)[0] for m in ms]
     ref_caches = [prefill(m, 1, 3, length)[0] for m in refs]
     fs = [torch.compile(m, backend="tilec", dynamic=False) for m in ms]

@@ -911,8 +911,8 @@ def test_python_values_are_baked_in_and_checked():
     prog = compile_module(m, (x, 0.5, 3), options=dict(workers=4))
     with torch.no_grad():
         assert torch.allclose(prog(x, 0.5, 3), m(x, 0.5, 3), atol=1e-5)
-    for s, n, bad in ((0.7, 3, "argument 1 is 0.7"), (0.5, 5, "argument 2 is 5"), (torch.tensor(0.5), 3, "argument 1 is tensor"),
-                      (0.5, 3.0, "argument 2 is 3.0")):
+    for s, n, bad in ((0.7, 3, "argument 1 is 0.7"), (0.5, 5, "argument 2 is 5"), (torch.tensor(0.5), 3, "argument 1 is a tensor (torch.float32[])"),
+                      (0.5, torch.full((2, 8), 3), "argument 2 is a tensor (torch.int64[2, 8])"), (0.5, 3.0, "argument 2 is 3.0")):
         with pytest.raises(TilecError, match=rf"{re.escape(bad)}.*the step was compiled for .*a Python value is baked"):
             prog(x, s, n)
     zero = compile_module(m, (x, 0.0, 3), options=dict(workers=4))  # -0.0 == 0.0 let -0.0 through (x / a: +inf

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _helpers import assert_close, rel_l2
-from tilec.errors import TilecError
+from tilec.errors import PositionError, TilecError
 from tilec.hf import cache_kwargs, compile_decode_step
 
 transformers = pytest.importorskip("transformers")
@@ -172,7 +172,7 @@ def test_one_step_called_from_two_threads_stays_correct():
                 step.seek(PREFILL)
                 got = step(tok, PREFILL)
                 worst.append(rel_l2(got, ref))
-            except ValueError:  # the other thread stepped in between: the position is refused, as it should be
+            except PositionError:  # the other thread stepped in between: the position is refused, as it should be
                 pass
             except Exception as e:  # noqa: BLE001 - any other error is the finding
                 errors.append(e)
@@ -186,6 +186,18 @@ def test_one_step_called_from_two_threads_stays_correct():
     step.seek(PREFILL)
     assert_close(step(tok, PREFILL), ref, TOL, "logits after the threads")
     assert worst and max(worst) < TOL
+
+
+def test_copies_of_a_step_share_or_own_its_lock_as_they_share_its_state():
+    """A shallow copy shares the program's executor and temporaries, so it shares the lock too (a fresh lock let a
+    copy's call race the original's: a reviewer's finding); a deep copy, with its own state, has its own and runs."""
+    model, cache, _ = build("llama", 1)
+    step = compile_decode_step(model, cache, batch_size=1, options=dict(workers=4))
+    assert copy.copy(step)._lock is step._lock and copy.copy(step.program)._lock is step.program._lock
+    twin = copy.deepcopy(step)
+    assert twin._lock is not step._lock and twin.program._lock is not step.program._lock
+    tok = torch.tensor([[7]])
+    assert torch.equal(twin(tok, PREFILL), step(tok, PREFILL))
 
 
 def _counts_tokens(cache) -> bool:

@@ -217,17 +217,29 @@ class HFDecodeStep:
         with self._lock:  # a step, or a seek, at a time: the cache's counters and what this step remembers of them
             return self._step(input_ids, position)
 
-    def __getstate__(self):
+    def __copy__(self):  # a shallow copy shares the cache and the program: and so the lock
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __getstate__(self):  # (deepcopy, pickle: a lock cannot be copied; the copy, with its own state, gets its own)
         state = dict(self.__dict__)
-        del state["_lock"]  # (a lock cannot be copied; a copy gets its own)
+        del state["_lock"]
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    def _after_last_call(self) -> None:
+        """On a GPU, orders this call's counter reads and writes after the program's last call on another stream."""
+        if self.program.executor_kind == "cuda":
+            with self.program._lock:
+                self.program._order_after_last_call()
+
     def _step(self, input_ids: torch.Tensor, position) -> torch.Tensor:
         position = self._check_position(position)
+        self._after_last_call()
         counters = self._counters()
         if counters and not self._unchanged(counters, position):  # checked on the device only when in doubt
             held = torch.stack([c.reshape(()) for c in counters]).tolist()
@@ -252,6 +264,7 @@ class HFDecodeStep:
         token is rejected, or timing the same step repeatedly). Cache contents are untouched."""
         position = self._check_position(position)
         with self._lock:
+            self._after_last_call()
             counters = self._counters()
             if counters:
                 torch._foreach_zero_(counters)

@@ -240,6 +240,7 @@ class CompiledProgram:
         self._arg_tensors = get if len(self._arg_buffers) != 1 else (lambda t: (get(t),))
         self._tables: dict[tuple, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self._last_stream = None  # the CUDA stream of the last call (_order_after_last_call)
         with torch.inference_mode(False):  # its buffers (counters, operand table) are written at each call
             if kind == "cuda":
                 from .cuda import CudaExecutor
@@ -306,8 +307,9 @@ class CompiledProgram:
             raise TilecError(f"compiled step takes {n} argument{'' if n == 1 else 's'}, got {len(args)}")
         for i, v in self._baked.items():
             a = args[i]
-            same = repr(a) == repr(v) if isinstance(v, float) else (a == v or repr(a) == repr(v))  # -0.0 != 0.0
-            if type(a) is not type(v) or not same:
+            # (a tensor first: `a == v` of a tensor of several elements is no bool; floats by repr: -0.0 != 0.0)
+            same = type(a) is type(v) and (repr(a) == repr(v) if isinstance(v, float) else (a == v or repr(a) == repr(v)))
+            if not same:
                 given = f"a tensor ({a.dtype}{list(a.shape)})" if isinstance(a, torch.Tensor) else repr(a)
                 raise TilecError(f"{self._labels[i]} is {given}, but the step was compiled for {v!r}: a Python "
                                  f"value is baked into the compiled step (compile with a tensor as that "
@@ -554,19 +556,36 @@ class CompiledProgram:
         with self._lock:
             return self._call(args, kwargs)
 
-    def __getstate__(self):
+    def __copy__(self):  # a shallow copy shares the executor and temporaries: and so the lock
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __getstate__(self):  # (deepcopy, pickle: a lock cannot be copied; the copy, with its own state, gets its own)
         state = dict(self.__dict__)
-        del state["_lock"]  # (a lock cannot be copied; a copy gets its own)
+        del state["_lock"]
+        state["_last_stream"] = None
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    def _order_after_last_call(self) -> None:
+        """On a GPU, a call on another CUDA stream than the last call's (threads each with their own stream) first
+        waits for the work queued on that stream: the lock orders the host side only, and the two launches would
+        otherwise share the executor's counters, operand table and temporaries on the device at once."""
+        stream = torch.cuda.current_stream(self.device)
+        if self._last_stream is not None and self._last_stream != stream:
+            stream.wait_stream(self._last_stream)
+        self._last_stream = stream
+
     def _call(self, args, kwargs):
         if kwargs:
             raise TilecError(f"a compiled step takes its arguments by position, in the order of the example "
                              f"arguments it was compiled with; got keyword argument(s) {', '.join(sorted(kwargs))}")
+        if self.executor_kind == "cuda":  # (before the binding's own device work: parameter copies, position reads)
+            self._order_after_last_call()
         tensors, p, flags = self._bind(args, self.guards)
         if flags is None:
             check_mask_guards(self.guards, args, p, self._labels)

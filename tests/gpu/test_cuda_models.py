@@ -196,3 +196,36 @@ def test_watchdog_then_recovery():
     want = eager_step(model, eager_cache, tok, 8)
     got = step(tok, 8)
     assert rel(got, want) < 2e-2
+
+
+def test_threads_on_their_own_cuda_streams_are_ordered():
+    """The per-call lock orders the host side only: threads each on a CUDA stream of their own released it once their
+    launch was queued, and the next launch could run beside it on the device over the same counters, operand table
+    and temporaries (a reviewer's reading). A call on another stream than the last one's now waits for that stream."""
+    import threading
+
+    model = make_model("llama-tiny", torch.bfloat16, DEV)
+    cache, tok = prefill(model, 1, 8, 48, DEV)
+    step = compile_decode_step(model, cache, 1, options=dict(watchdog_ms=200, workers=16, attn_kv_chunk=8))
+    want = step(tok, 8).clone()
+    turn = threading.Lock()  # a seek and its step together (the position is the test's, not the race)
+    outs, errors = [], []
+
+    def worker():
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for _ in range(40):
+                try:
+                    with turn:
+                        step.seek(8)
+                        outs.append(step(tok, 8))
+                except Exception as e:  # noqa: BLE001 - any error is the finding
+                    errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors, errors[:2]
+    assert len(outs) == 120 and all(torch.equal(o, want) for o in outs)
