@@ -1061,7 +1061,18 @@ def test_matrix_vector_product_is_refused_as_such_with_advice_that_works():
         def forward(self, x, v):
             return (x @ v.unsqueeze(-1)).squeeze(-1)
 
+    class LinearOfVector(torch.nn.Module):  # (an internal IndexError)
+        def forward(self, x, v):
+            return torch.nn.functional.linear(x, v)
+
+    class AdvisedLinear(torch.nn.Module):
+        def forward(self, x, v):
+            return torch.nn.functional.linear(x, v.unsqueeze(0)).squeeze(-1)
+
     x, v = torch.randn(3, 8), torch.randn(8)
+    with pytest.raises(UnsupportedNodeError, match=r"linear with a weight of shape \[8\] .*v\.unsqueeze\(0\)"):
+        compile_module(LinearOfVector(), (x, v))
+    assert torch.allclose(compile_module(AdvisedLinear(), (x, v))(x, v), x @ v, rtol=1e-5, atol=1e-5)
     with pytest.raises(UnsupportedNodeError, match=r"matmul with a vector right operand \(\[8\]; .*v\.unsqueeze\(-1\)"):
         compile_module(MatVec(), (x, v))
     got = compile_module(Advised(), (x, v))(x, v)

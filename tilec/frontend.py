@@ -700,6 +700,9 @@ class Lowering(FormsLowering, DsaLowering):
         if t is aten.linear.default:
             x, w = self.view_of(node.args[0]), self.view_of(node.args[1])
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            if len(w.shape) != 2:  # (F.linear(x, v) of a vector v, a dot product, was an internal IndexError)
+                self._unsupported(node, f"linear with a weight of shape {list(w.shape)} (tilec plans a weight [N, K]: "
+                                        f"write a vector v as a [1, K] matrix, v.unsqueeze(0), and squeeze the result)")
         else:
             if t is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
                 self._unsupported(node, "addmm with beta or alpha != 1")
