@@ -13,7 +13,7 @@ from .api import compile_module
 from .errors import DataDependentError, InputError, PositionError
 from .options import Options
 from .ir import is_integer
-from .program import tensor_version
+from .program import OneCallAtATime, tensor_version
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -134,7 +134,7 @@ def _ends(counters: list[torch.Tensor]) -> tuple:
     return first, last, tensor_version(first), tensor_version(last)
 
 
-class HFDecodeStep:
+class HFDecodeStep(OneCallAtATime):
     """A compiled decode step of an HF causal LM over its ``StaticCache``.
 
     ``step(input_ids [B, 1], position)`` returns logits [B, 1, V] (float, the model's dtype)
@@ -216,20 +216,6 @@ class HFDecodeStep:
             raise InputError(INFERENCE_CACHE_WHY)
         with self._lock:  # a step, or a seek, at a time: the cache's counters and what this step remembers of them
             return self._step(input_ids, position)
-
-    def __copy__(self):  # a shallow copy shares the cache and the program: and so the lock
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        return new
-
-    def __getstate__(self):  # (deepcopy, pickle: a lock cannot be copied; the copy, with its own state, gets its own)
-        state = dict(self.__dict__)
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def _after_last_call(self) -> None:
         """On a GPU, orders this call's counter reads and writes after the program's last call on another stream."""

@@ -76,7 +76,30 @@ def _position_of(label: str, a, shape: tuple | None = None) -> int:
     raise TilecError(f"{label} holds the decode position: expected {want}, got {got}")
 
 
-class CompiledProgram:
+class OneCallAtATime:
+    """Copying for an object whose calls hold ``self._lock`` (a ``threading.Lock``): a shallow copy shares the
+    object's state, and so the lock; a deep copy or a pickle, with state of its own, gets a lock of its own (a lock
+    cannot be copied) and the attributes named in ``_fresh_on_copy`` reset to None."""
+
+    _fresh_on_copy: tuple[str, ...] = ()
+
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state.update(dict.fromkeys(self._fresh_on_copy))
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class CompiledProgram(OneCallAtATime):
     """Calls the compiled step: ``program(*args)`` with the same arguments as the captured module.
 
     Parameters are bound by reference (the module's own tensors; a non-contiguous one through a
@@ -113,6 +136,8 @@ class CompiledProgram:
             :mod:`tilec.paramwatch`).
         GuardError: a run-time attention mask is not the causal mask at the call's position (nothing ran).
     """
+
+    _fresh_on_copy = ("_last_stream",)
 
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
                  progress=None, example_args=(), library=None, arg_labels=None, out_spec=None, guards=(),
@@ -555,21 +580,6 @@ class CompiledProgram:
         # calling at once raised false deadlock errors, and later calls returned NaNs; a fresh user's finding)
         with self._lock:
             return self._call(args, kwargs)
-
-    def __copy__(self):  # a shallow copy shares the executor and temporaries: and so the lock
-        new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        return new
-
-    def __getstate__(self):  # (deepcopy, pickle: a lock cannot be copied; the copy, with its own state, gets its own)
-        state = dict(self.__dict__)
-        del state["_lock"]
-        state["_last_stream"] = None
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def _order_after_last_call(self) -> None:
         """On a GPU, a call on another CUDA stream than the last call's (threads each with their own stream) first
