@@ -111,6 +111,10 @@ class CudaExecutor:
                 (``"deferred"``); TilecError: the launch failed.
         """
         mode = self.opts.check if check is None else check
+        if mode is True and torch.cuda.is_current_stream_capturing():  # (its synchronize: an obscure CUDA error)
+            raise TilecError("a step compiled with check=True synchronizes after each call, which a CUDA graph "
+                             "capture does not allow: compile with options check=False or check=\"deferred\" to "
+                             "capture it")
         if mode == "deferred":
             self.check_deferred()
         if self._last_table is not operand_table and (

@@ -584,7 +584,12 @@ class CompiledProgram(OneCallAtATime):
     def _order_after_last_call(self) -> None:
         """On a GPU, a call on another CUDA stream than the last call's (threads each with their own stream) first
         waits for the work queued on that stream: the lock orders the host side only, and the two launches would
-        otherwise share the executor's counters, operand table and temporaries on the device at once."""
+        otherwise share the executor's counters, operand table and temporaries on the device at once. Not while a
+        CUDA graph is being captured (a wait on a stream outside the capture is refused there; the graph's replays
+        are ordered by the stream that replays them, and torch.cuda.graph's capture stream waits for the current one)."""
+        if torch.cuda.is_current_stream_capturing():
+            self._last_stream = None
+            return
         stream = torch.cuda.current_stream(self.device)
         if self._last_stream is not None and self._last_stream != stream:
             stream.wait_stream(self._last_stream)

@@ -10,6 +10,7 @@ import torch
 
 from tilec import smem
 from tilec.hf import compile_decode_step
+from tilec.timing import cuda_graph
 from tilec.zoo import eager_step, make_model, prefill
 
 DEV = "cuda"
@@ -229,3 +230,37 @@ def test_threads_on_their_own_cuda_streams_are_ordered():
     torch.cuda.synchronize()
     assert not errors, errors[:2]
     assert len(outs) == 120 and all(torch.equal(o, want) for o in outs)
+
+
+def test_a_step_called_then_captured_in_a_cuda_graph():
+    """After the stream ordering above, a step called on the default stream and then captured into a CUDA graph (on
+    torch.cuda.graph's side stream) made the capture wait on a stream outside it, which CUDA refuses (found by
+    decode.py's CUDA-graph row on an H100). Captured calls skip the wait; the replay's logits are the step's. A step
+    compiled with check=True (a synchronize after each call) cannot be captured: a clear error, not CUDA's."""
+    from tilec.errors import TilecError
+
+    model = make_model("llama-tiny", torch.bfloat16, DEV)
+    cache, tok = prefill(model, 1, 8, 48, DEV)
+    checked = compile_decode_step(model, cache, 1, options=dict(watchdog_ms=200, workers=16, attn_kv_chunk=8))
+    checked(tok, 8)
+    with pytest.raises(TilecError, match=r"check=True synchronizes after each call.*check=False"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            checked.seek(8)
+            checked(tok, 8)
+    step = compile_decode_step(model, cache, 1, options=dict(watchdog_ms=200, workers=16, attn_kv_chunk=8,
+                                                             check=False))
+    step.seek(8)  # (the seek inside the refused capture was captured, not run)
+    want = step(tok, 8).clone()
+    outs = []
+
+    def again():  # as benchmarks/decode.py times the step under a graph
+        step.seek(8)
+        outs.append(step(tok, 8))
+        return outs[-1]
+
+    graph = cuda_graph(again)  # (warm-up calls on a side stream, then the capture on another)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[-1], want)
+    assert torch.equal(again(), want)  # and a plain call after the graph
