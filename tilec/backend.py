@@ -377,7 +377,7 @@ class _Region:
         self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
         self.known: dict[tuple, tuple[str, list[torch.Tensor]]] = {}  # identity key -> (digest, the tensors)
         self.key = None
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._use(flat, self._identity(flat))
         _REGIONS.add(self)
 

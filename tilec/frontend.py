@@ -395,24 +395,31 @@ class Lowering(FormsLowering, DsaLowering):
                 self._unsupported(node, f"operand {what} has more than 4 dims (tilec ops take at most 4)")
         if len(shape) > 4 and folded is None:
             self._unsupported(node, f"output of shape {list(shape)} has more than 4 dims")
-        dtypes = [self.buffers[v.buffer].dtype for v in inputs]
-        # a bool tensor's 0 / 1 with integer scalars under 2**24 stays exact in float32 (mask * 4); larger
-        # scalars did not (mask + 16777217 gave 16777216: a fuzzer's finding)
-        big = [v for k, v in attrs if k == "scalar" and not (float(v).is_integer() and abs(float(v)) < 2 ** 24)]
-        if kind in ("unary", "binary") and is_integer(dtype) and (any(map(is_integer, dtypes))
-                                                                  or (torch.bool in dtypes and big)):
-            what = "values read at run time" if any(map(is_integer, dtypes)) else \
-                f"a bool tensor read at run time and the scalar {big[0]:.0f}"
-            self._unsupported(node, f"integer arithmetic on {what} ({dtype_name(dtype)} result): "
-                                    f"tilec's elementwise ops compute in float32, exact only up to 2**24, where "
-                                    f"eager computes in integers (arithmetic on the decode position alone is "
-                                    f"computed when compiling, exactly)")
+        if kind in ("unary", "binary") and is_integer(dtype):
+            self._check_integer_arithmetic(node, dtype, inputs, attrs)
         buf = self._new_buffer(name or node.name, shape, dtype, node=node)
         out = View.whole(buf)
         written = out if folded is None else View(buf.name, folded[0], contiguous_strides(folded[0]))
         self.ops.append(Op(self._name(f"{kind}_{node.name}" if name is None else name), kind, tuple(inputs), (written,),
                            tuple(sorted(attrs)), self._prov(node)))
         return out
+
+    def _check_integer_arithmetic(self, node: fx.Node, dtype: torch.dtype, inputs, attrs) -> None:
+        """Refuses an elementwise op with an integer result that float32 (what the ops compute in) may not hold
+        exactly: any integer operand read at run time, or a bool one with a scalar at or past 2**24 (a bool's
+        0 / 1 with smaller integer scalars stays exact, mask * 4; mask + 16777217 gave 16777216: a fuzzer's
+        finding)."""
+        dtypes = [self.buffers[v.buffer].dtype for v in inputs]
+        big = [v for k, v in attrs if k == "scalar" and not (float(v).is_integer() and abs(float(v)) < 2 ** 24)]
+        if any(map(is_integer, dtypes)):
+            what = "values read at run time"
+        elif torch.bool in dtypes and big:
+            what = f"a bool tensor read at run time and the scalar {big[0]:.0f}"
+        else:
+            return
+        self._unsupported(node, f"integer arithmetic on {what} ({dtype_name(dtype)} result): tilec's elementwise "
+                                f"ops compute in float32, exact only up to 2**24, where eager computes in integers "
+                                f"(arithmetic on the decode position alone is computed when compiling, exactly)")
 
     def as_view(self, value, node: fx.Node | None = None) -> View:
         """A view for an operand: runtime views pass through; constants and position tables get buffers."""
