@@ -995,6 +995,35 @@ def test_a_deferred_check_started_in_inference_mode_goes_on_outside_it(monkeypat
         ex.run({}, table, position=1)  # raised "Inplace update to inference tensor outside InferenceMode"
 
 
+def test_a_deep_copy_of_the_cuda_executor_shares_its_library_and_owns_its_state():
+    """copy.deepcopy of a step on the CUDA executor failed: ctypes cannot copy the loaded library. The copy now
+    shares the library and owns copies of the counters, epoch, error record and operand table; a check queued by
+    the original stays with it. No GPU: the library is a stand-in that refuses to be copied, as ctypes does."""
+    import copy
+    from types import SimpleNamespace
+
+    from tilec.cuda import _ERR_INTS, CudaExecutor
+
+    class Library:
+        def __deepcopy__(self, memo):
+            raise ValueError("ctypes objects containing pointers cannot be pickled")
+
+    ex = object.__new__(CudaExecutor)
+    ex.opts, ex.device, ex.lib = SimpleNamespace(check="deferred", watchdog_ms=1000), torch.device("cpu"), Library()
+    ex.counters, ex.state = torch.arange(5, dtype=torch.int64) + 3, torch.tensor([7, 0])
+    ex.err, ex.table = torch.zeros(_ERR_INTS, dtype=torch.int32), torch.randint(0, 99, (2, 4, 4))
+    ex._last_table, ex._err_host, ex._err_copied = ex.table.clone(), torch.ones(_ERR_INTS), object()
+    twin = copy.deepcopy(ex)
+    assert twin.lib is ex.lib and twin.opts is not ex.opts
+    for name in ("counters", "state", "err", "table"):
+        mine, theirs = getattr(twin, name), getattr(ex, name)
+        assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr(), name
+    assert twin._last_table is None and twin._err_host is None and twin._err_copied is None
+    assert ex._err_copied is not None and ex._last_table is not None
+    twin.counters += 1
+    assert int(ex.counters[0]) == 3
+
+
 def test_prefill_into_a_static_cache_not_yet_allocated():
     """generate(cache_implementation="static") prefills into a StaticCache that allocates on its first
     update; that graph ended in BackendCompilerFailed (an internal _OperandError in the probe)."""

@@ -7,6 +7,7 @@ data, never code). Event counters are monotonic across steps (epoch-based target
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 
 import torch
@@ -70,6 +71,22 @@ class CudaExecutor:
         # once that copy has completed (an event), at a later call
         self._err_host: torch.Tensor | None = None
         self._err_copied: torch.cuda.Event | None = None
+
+    def __deepcopy__(self, memo) -> "CudaExecutor":
+        """The executor of a ``copy.deepcopy`` of a step: the same loaded library (code only; ctypes cannot copy
+        it), and its own counters, epoch, error record and operand table, copied as they stand on the current
+        stream, so that the copy goes on from where this executor is. A check this executor has queued
+        (``check="deferred"``) stays with it."""
+        new = object.__new__(CudaExecutor)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name == "lib":
+                new.lib = value
+            elif name in ("_err_host", "_err_copied", "_last_table"):
+                setattr(new, name, None)  # (no record queued; the next call uploads its operand table)
+            else:
+                setattr(new, name, copy.deepcopy(value, memo))
+        return new
 
     def use_ring_stages(self, n: int) -> None:
         """Launches from now on with an ``n``-stage weight ring (2..8; the plan's stream words and

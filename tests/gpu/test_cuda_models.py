@@ -264,3 +264,21 @@ def test_a_step_called_then_captured_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(outs[-1], want)
     assert torch.equal(again(), want)  # and a plain call after the graph
+
+
+def test_a_deep_copy_of_a_step_decodes_on_its_own():
+    """copy.deepcopy of a step on the CUDA executor failed (ctypes cannot copy the loaded library); the copy shares
+    the library, owns its counters and cache, and decodes as the step does, bitwise."""
+    model = make_model("llama-tiny", torch.bfloat16, DEV)
+    cache, tok = prefill(model, 1, 8, 48, DEV)
+    step = compile_decode_step(model, cache, 1, options=dict(watchdog_ms=200, workers=16, attn_kv_chunk=8))
+    twin = copy.deepcopy(step)
+    ex, twin_ex = step.program.executor, twin.program.executor
+    assert twin_ex.lib is ex.lib and twin_ex.counters.data_ptr() != ex.counters.data_ptr()
+    got = twin(tok, 8)
+    want = step(tok, 8)
+    assert torch.equal(got, want)
+    for pos in range(9, 13):  # each decodes its own cache on: the same tokens, the same logits
+        tok = want[:, -1:].argmax(-1)
+        got, want = twin(tok, pos), step(tok, pos)
+        assert torch.equal(got, want), pos
