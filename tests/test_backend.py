@@ -857,6 +857,33 @@ def test_one_element_integers_that_are_not_positions(caplog):
     assert sum("such calls run eagerly" in r.getMessage() for r in caplog.records) == 1, caplog.text
 
 
+def test_a_dynamic_rope_seq_len_is_not_called_a_decode_position(caplog):
+    """HF's dynamic RoPE branches in Python on ``seq_len = max(position_ids) + 1``, so Dynamo breaks the step there
+    and passes ``seq_len`` to a graph that writes no cache, planned for the value 0 alone: the warning said "seq_len
+    holds decode position 5". It names the value as a one-element integer input the graph plans for 0 alone; with
+    fallback off the error says so too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=32,
+                      rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).eval()
+    cache, tok = prefill(model, 1, 4, 16)
+    eager_cache = copy.deepcopy(cache)
+    f = torch.compile(model, backend="tilec")
+    with torch.no_grad(), caplog.at_level("WARNING", logger="tilec"):
+        got = f(tok, **cache_kwargs(f, cache), cache_position=torch.tensor([4]), use_cache=True).logits
+    assert_close(got, eager_step(model, eager_cache, tok, 4), 1e-4, "logits")
+    assert "seq_len holds 5: tilec reads a graph's one-element integer inputs as a decode position" in caplog.text
+    assert "this graph writes no KV cache, so it plans the value 0 alone; such calls run eagerly" in caplog.text
+    assert "holds decode position" not in caplog.text, caplog.text
+    torch._dynamo.reset()
+    g = torch.compile(lambda x, n: x * (n + 1), backend="tilec", options={"fallback": False})
+    with pytest.raises(TilecError, match=r"^n holds 3: tilec reads .* plans the value 0 alone$"):
+        g(torch.randn(4), torch.tensor(3))
+
+
 def test_an_options_object_is_accepted():
     from tilec.options import Options
 

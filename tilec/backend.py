@@ -177,6 +177,13 @@ def _cache_length(gm: fx.GraphModule) -> int:
     return best
 
 
+def _writes_cache(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` writes a static cache (an ``index_copy`` / ``index_put``)."""
+    aten = torch.ops.aten
+    return any(is_call(n, aten.index_copy.default, aten.index_copy_.default, aten.index_put.default,
+                       aten.index_put_.default) for n in gm.graph.nodes)
+
+
 def _grown_caches(gm: fx.GraphModule, kinds: list[str]) -> list[fx.Node]:
     """The graph's outputs that are a concatenation onto a per-call graph input (not a parameter or
     constant) or onto an empty tensor, which the graph also reads: a cache grown by concatenation (HF's
@@ -185,10 +192,9 @@ def _grown_caches(gm: fx.GraphModule, kinds: list[str]) -> list[fx.Node]:
     writes a static cache (``index_copy`` / ``index_put``). A concatenation only returned
     (``torch.cat([x, y])`` of a plain function) is none: it ran eagerly with a hint about HF's caches (a
     fresh user's case)."""
-    aten = torch.ops.aten
-    if any(is_call(n, aten.index_copy.default, aten.index_copy_.default, aten.index_put.default,
-                   aten.index_put_.default) for n in gm.graph.nodes):
+    if _writes_cache(gm):
         return []
+    aten = torch.ops.aten
     inputs = {n for n, kind in zip((n for n in gm.graph.nodes if n.op == "placeholder"), kinds) if kind == "input"}
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     grown = []
@@ -372,6 +378,7 @@ class _Region:
         for _, members in self.aliases:  # copied into their shared storage: not restrided first
             for i, *_ in members:
                 self.layouts[i] = None
+        self.writes_cache = _writes_cache(gm)
         self.const_idx = [i for i, k in enumerate(kinds) if k == "const" and isinstance(flat[i], torch.Tensor)]
         self.warned: set[str] = set()
         self.programs: dict[str, tuple[CompiledProgram, list[int]]] = {}
@@ -408,6 +415,20 @@ class _Region:
             self.warned.add(what)
             log.warning(message)
 
+    def _cacheless_position(self, args) -> str | None:
+        """The error for a call whose one-element integer inputs hold values past 0 where this graph writes no
+        cache and plans the value 0 alone (HF's dynamic RoPE: ``seq_len``, ``max(position_ids) + 1``, passed to
+        the graph after a break), or None for a graph planned for more: such an input is no decode position the
+        graph knows of, so the error names it as what it is (it was "seq_len holds decode position 5")."""
+        if self.program.graph.max_positions != 1 or self.writes_cache:
+            return None
+        held = [f"{self.labels[i]} holds {int(args[i].reshape(-1)[0])}" for i, k in enumerate(self.kinds)
+                if k == "position" and isinstance(args[i], torch.Tensor) and args[i].numel() == 1
+                and int(args[i].reshape(-1)[0]) != 0]
+        return (f"{', '.join(held)}: tilec reads a graph's one-element integer inputs as a decode position, computing "
+                f"what depends on them when compiling, for each value it plans; this graph writes no KV cache, so it "
+                f"plans the value 0 alone") if held else None
+
     def __call__(self, *args):
         # one call at a time: a call may switch self.program to another module's constants (two models of one
         # class decoded from two threads ran one model's call on the other's program: false deadlock errors)
@@ -421,9 +442,12 @@ class _Region:
         try:
             outs = self.program(*(args[i] for i in self.user_idx))
         except PositionError as e:  # e.g. a default max_positions of 1 where the graph writes no cache
+            said = None if "position" in self.warned else self._cacheless_position(args)
             if not self.opts.fallback:
+                if said:
+                    raise PositionError(said) from e
                 raise
-            self._warn("position", f"tilec: {e}; such calls run eagerly")
+            self._warn("position", f"tilec: {said or e}; such calls run eagerly")
             return self.gm(*args)
         except GuardError as e:  # e.g. generate() on a padded batch
             if not self.opts.fallback:
