@@ -283,6 +283,30 @@ def test_dump_dir_option_writes_stages(tmp_path):
     assert "01-opgraph.txt" in names and "11-plan.txt" in names and "trace.json" in names
 
 
+def test_an_unusable_dump_dir_is_refused_at_the_backends_call(tmp_path, monkeypatch):
+    """A DumpError (here $TILEC_DUMP_DIR under a file) came from inside AOTAutograd's compile of the first tilec
+    region, behind twice the torch traceback an unknown option has, and not at all for a graph run eagerly whole
+    (a sort): it is refused where a bad option is, when the backend is called, for every graph. Dynamo wraps it in
+    BackendCompilerFailed, whose message shows tilec's."""
+    import traceback
+
+    from tilec.dump import DumpError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("TILEC_DUMP_DIR", str(blocker / "d"))
+    for fn in (torch.nn.Linear(8, 8), lambda x: torch.sort(x, -1).values):
+        torch._dynamo.reset()
+        with torch.no_grad(), pytest.raises(Exception) as e:
+            torch.compile(fn, backend="tilec")(torch.randn(2, 8))
+        err = getattr(e.value, "inner_exception", e.value)
+        assert isinstance(err, DumpError), repr(e.value)
+        assert re.fullmatch(r"\$TILEC_DUMP_DIR=.*/file/d: cannot create the dump directory \(Not a directory\)",
+                            str(err))
+        assert f"backend='tilec' raised:\nDumpError: {err}\n" in str(e.value)
+        assert not any("aot_autograd" in f.filename for f in traceback.extract_tb(err.__traceback__))
+
+
 def test_a_dump_names_the_graph_inputs_as_the_model_does(tmp_path):
     """torch.compile's graphs name every weight argN_1 (01-opgraph.txt had no way back to the model's names: a
     fresh user's finding): inputs.txt lists each input buffer, its kind and the model's name for it."""

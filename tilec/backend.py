@@ -604,10 +604,13 @@ def tilec_backend(gm: fx.GraphModule, example_inputs, options: dict | None = Non
     :class:`UnsupportedNodeError` (listing every unsupported node) when ``fallback=False``,
     :class:`tilec.errors.TilecError` for a shape-generic (dynamic) graph when ``fallback=False``, and
     :class:`tilec.errors.InputError` when a graph's cache writes do not fit its inputs (e.g. a
-    ``max_positions`` option past the cache length)."""
+    ``max_positions`` option past the cache length), and :class:`tilec.dump.DumpError` for a dump
+    directory (option ``dump_dir`` or ``$TILEC_DUMP_DIR``) that cannot be made or written, before
+    tracing, whether or not the graph then compiles (Dynamo wraps each in ``BackendCompilerFailed``)."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     opts = BackendOptions.from_dict({**BackendOptions.as_dict(options), **kwargs})
+    check_dump_root(opts.compile)  # a bad dump directory is refused as a bad option is: at once, for every graph
     if _has_symbolic_shapes(example_inputs):
         # Dynamo made the graph shape-generic after a shape changed ("automatic dynamic");
         # a tilec plan is static, so this graph runs eagerly rather than failing (with fallback on).
