@@ -709,6 +709,39 @@ def test_run_check_warns_of_a_factory_edited_since_the_compile(facts, tmp_path):
     assert "FAIL: shapes differ (output 0); nothing of eager's shapes to compare" in r.stdout, r.stdout
 
 
+def test_run_check_warns_of_an_edit_to_the_model_file_the_factory_imports(tmp_path):
+    """Only the factory's own file was hashed, so an edit to the file defining its model (make.py doing
+    ``from mynet_src import Net``) went unnoticed: the check reported a plain MISMATCH (a reviewer's case). The manifest
+    records that file's sha256 too (``model_sources``: the user's files defining the module's classes; torch's are
+    not recorded); an artifact without it (an earlier version's) is checked as before."""
+    name = "tilec_test_mynet_src"  # (a name of its own: imported into this process's sys.modules)
+    net = tmp_path / f"{name}.py"
+    net.write_text("import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                   "        self.lin = torch.nn.Linear(8, 8)\n    def forward(self, x):\n        return self.lin(x)\n")
+    make = tmp_path / "make.py"
+    make.write_text(f"import torch\nfrom {name} import Net\ndef f():\n    torch.manual_seed(0)\n"
+                    f"    return Net(), (torch.randn(2, 8),)\n")
+    out = tmp_path / "a"
+    try:
+        assert invoke("compile", f"{make}:f", "-o", out, "--no-build", "-O", "workers=2").exit_code == 0
+        f = json.loads((out / "manifest.json").read_text())["factory"]
+        assert f["model_sources"] == {str(net.resolve()): hashlib.sha256(net.read_bytes()).hexdigest()}, f
+        r = invoke("run", out, "--check", "--executor", "reference")
+        assert r.exit_code == 0 and "warning" not in r.stderr, r.output
+        net.write_text(net.read_text().replace("return self.lin(x)", "return 2 * self.lin(x)"))
+        sys.modules.pop(name)  # (a new process imports the file as it is now)
+        r = invoke("run", out, "--check", "--executor", "reference")
+        assert r.exit_code == 1, r.output
+        assert (f"tilec: warning: the module's source {net.resolve()} was edited since the compile: eager runs the "
+                f"code as it is now") in r.stderr, r.output
+        _edit_manifest(out, lambda m: m["factory"].pop("model_sources"))  # an earlier version's artifact
+        sys.modules.pop(name)
+        r = invoke("run", out, "--check", "--executor", "reference")
+        assert r.exit_code == 1 and "warning" not in r.stderr and "MISMATCH" in r.stdout, r.output
+    finally:
+        sys.modules.pop(name, None)
+
+
 FOLDED_FACTORY = """import torch
 class M(torch.nn.Module):
     def __init__(self):

@@ -109,8 +109,9 @@ def save(path: str | os.PathLike, program: CompiledProgram, inputs, *, factory: 
     Args:
         program: a program from :func:`tilec.api.compile_module` (all ten stages present).
         inputs: the example arguments it was compiled with (tensors, or plain numbers).
-        factory: how to rebuild the eager module (``{"spec", "module", "file", "name", "cwd", "source_sha256"}``),
-            recorded for ``tilec run --check`` and ``tilec bench``.
+        factory: how to rebuild the eager module (``{"spec", "module", "file", "name", "cwd", "source_sha256"}``,
+            and ``model_sources`` where the module's classes come from other files of the user's:
+            ``tilec.commands.model_sources``), recorded for ``tilec run --check`` and ``tilec bench``.
         positions, max_positions: as given to ``compile_module``, recorded for ``tilec run`` and ``tilec bench``;
             None (the default): the program's own (:attr:`CompiledProgram.position_args`, the plan's
             ``max_positions``). Given, they must agree with the program (``positions`` may also list

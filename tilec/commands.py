@@ -105,6 +105,9 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
         fn, info = load_factory(factory)
     with progress.step(f"calling {info['name']}()"):
         module, args, positions, max_positions = call_factory(fn, factory)
+    sources = model_sources(module, fn)
+    if sources:  # (absent where there are none: the manifests of earlier versions read the same)
+        info["model_sources"] = sources
     snapshot = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
 
     def hook(stage: str, ir, seconds: float) -> None:
@@ -212,6 +215,40 @@ def _source_sha256(path) -> str | None:
         return sha256_file(Path(path)) if path else None
     except OSError:
         return None
+
+
+def _installed_dirs() -> list[Path]:
+    """Where installed code lives (the standard library, site-packages, torch's and tilec's own packages): its files
+    are not the user's model sources (:func:`model_sources`)."""
+    import site
+    import sysconfig
+
+    dirs = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs.update(getattr(site, "getsitepackages", list)())
+    dirs.add(getattr(site, "getusersitepackages", lambda: None)())
+    dirs.update(os.path.dirname(m.__file__) for m in (torch, tilec))
+    return [Path(d).resolve() for d in dirs if d]
+
+
+def model_sources(module: torch.nn.Module, factory_fn) -> dict[str, str]:
+    """The user's files defining the classes of ``module`` and its submodules, other than the factory's own file
+    (``factory_fn``'s) and installed code (:func:`_installed_dirs`): absolute path -> sha256. A factory that imports
+    its model from a file of its own (``from mymodel import Net``) records that file, so ``run --check`` and
+    ``bench`` warn of an edit to it too (the factory's ``source_sha256`` covers its own file only)."""
+    own = getattr(getattr(factory_fn, "__code__", None), "co_filename", None)
+    skip = {Path(own).resolve()} if own else set()
+    installed = _installed_dirs()
+    out = {}
+    for cls in {type(m) for m in module.modules()}:
+        try:
+            path = Path(pyinspect.getfile(cls)).resolve()
+        except (TypeError, OSError):  # a built-in class, or one of a module not in sys.modules (the factory file's)
+            continue
+        if path not in skip and path.is_file() and not any(path.is_relative_to(d) for d in installed):
+            digest = _source_sha256(path)
+            if digest:
+                out[str(path)] = digest
+    return dict(sorted(out.items()))
 
 
 def load_factory(spec: str, cwd: str | None = None):
@@ -630,8 +667,9 @@ def build_program(art, executor: str | None, progress: Progress):
 def eager_reference(art, progress: Progress):
     """The factory's module with the artifact's weights loaded, and the module buffers it kept as constants:
     ``(module, device of its inputs, the module's names of the buffers the plan folded into other values)`` -
-    for those eager has only the factory's own values; none are named when the factory's file was edited since
-    the compile (a warning says so, and a failed check would otherwise blame those buffers)."""
+    for those eager has only the factory's own values; none are named when the factory's file (or a model source
+    the manifest records, :func:`model_sources`) was edited since the compile (a warning says so, and a failed check
+    would otherwise blame those buffers)."""
     f = art.factory
     if not f:
         raise Failure(f"{art.path} records no factory: cannot build the eager reference")
@@ -644,10 +682,14 @@ def eager_reference(art, progress: Progress):
             raise Failure(f"{e}; the eager reference (run --check, bench) calls the factory the artifact's manifest "
                           f"records ({f['spec']}, compiled in {where})", e.exit_code) from e
         module, _, _, _ = call_factory(fn, f["spec"])
-    edited = bool(f.get("source_sha256") and now["source_sha256"] and now["source_sha256"] != f["source_sha256"])
+    changed = [f"the factory's module ({now['file'] or now['module']})"] if (
+        f.get("source_sha256") and now["source_sha256"] and now["source_sha256"] != f["source_sha256"]) else []
+    changed += [f"the module's source {path}" for path, digest in (f.get("model_sources") or {}).items()
+                if _source_sha256(path) not in (None, digest)]  # (a file gone: cannot tell, as for the factory's)
+    edited = bool(changed)
     if edited:
-        progress.warn(f"the factory's module ({now['file'] or now['module']}) was edited since the compile: eager "
-                      f"runs the code as it is now, which may differ from what the artifact compiled")
+        progress.warn(f"{' and '.join(changed)} {'were' if len(changed) > 1 else 'was'} edited since the compile: "
+                      f"eager runs the code as it is now, which may differ from what the artifact compiled")
     state = module.state_dict(keep_vars=True)
     state.update(dict(module.named_buffers(remove_duplicate=False)))  # with the non-persistent buffers
     sources = art.manifest.get("param_sources") or {}
