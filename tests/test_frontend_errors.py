@@ -1031,24 +1031,26 @@ def test_integer_arithmetic_on_run_time_values_is_refused():
 
 def test_integer_arithmetic_on_a_bool_tensor_is_refused_past_float32s_integers():
     """A bool tensor with an integer scalar (an int64 result) computed in float32: ``mask + 16777217`` gave
-    16777216 silently (a fuzzer's finding). Scalars under 2**24 stay exact and compile; larger ones are refused."""
+    16777216 silently (a fuzzer's finding). What float32 holds exactly for both 0 and 1 compiles (``mask * 16777216``
+    and ``mask ** 16777217`` were refused too, by a bound on the scalar); the rest is refused."""
     mask = torch.tensor([[True, False, True]])
 
-    class Small(torch.nn.Module):
+    class Exact(torch.nn.Module):
         def forward(self, m):
-            return m * 4, m + 16777215
+            return m * 4, m + 16777215, m * 16777216, m ** 16777217, m * -(2 ** 40)
 
-    got = compile_module(Small(), (mask,))(mask)
-    for g, w in zip(got, Small()(mask)):
+    got = compile_module(Exact(), (mask,))(mask)
+    for g, w in zip(got, Exact()(mask)):
         assert g.dtype == w.dtype == torch.int64 and torch.equal(g, w)
 
-    class Large(torch.nn.Module):
-        def forward(self, m):
-            return m + 16777217
+    for inexact in (lambda m: m + 16777217, lambda m: m * 16777217, lambda m: m + 16777216):
+        class Large(torch.nn.Module):
+            def forward(self, m):
+                return inexact(m)
 
-    with pytest.raises(UnsupportedNodeError, match=r"integer arithmetic on a bool tensor read at run time and the "
-                                                   r"scalar 16777217 \(int64 result\)"):
-        compile_module(Large(), (mask,))
+        with pytest.raises(UnsupportedNodeError, match=r"integer arithmetic on a bool tensor read at run time and "
+                                                       r"the scalar 1677721[67] \(int64 result\)"):
+            compile_module(Large(), (mask,))
 
 
 def test_matrix_vector_product_is_refused_as_such_with_advice_that_works():

@@ -32,7 +32,7 @@ from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS
                       val_of)
 from .ir import (DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, dtype_name,
                  is_integer)
-from .ops.ewise import BINARY_FNS
+from .ops.ewise import BINARY_FNS, UNARY_FNS
 
 POSITION, IGNORED = "<position>", "<ignored>"
 
@@ -132,6 +132,24 @@ def fold_dims(shape, views):
     new_views = [View(v.buffer, new_shape, tuple(v.strides[g[-1]] for g in groups), v.offset, v.pos_stride)
                  for v in views]
     return new_shape, new_views
+
+
+def _exact_on_bools(attrs: dict, dtype: torch.dtype) -> bool:
+    """Whether a unary elementwise op (``attrs``: its ``fn`` and ``scalar``) of a bool operand gives, for both 0 and
+    1, the same ``dtype`` values in float32 (how the ops compute) as in eager's int64 math. A binary op of bools
+    (values 0..2) is exact."""
+    if "scalar" not in attrs:
+        return True
+    scalar = attrs["scalar"]
+    if not float(scalar).is_integer():
+        return False
+    fn, bools = UNARY_FNS[attrs["fn"]], torch.tensor([0, 1])
+    try:
+        want = fn(bools, int(scalar))
+    except (RuntimeError, OverflowError):  # e.g. an integer tensor to a negative power
+        return False
+    got = fn(bools.float(), float(torch.tensor(float(scalar), dtype=torch.float32))).to(dtype)
+    return torch.equal(got, want.to(dtype))
 
 
 # The most decode positions a plan covers: every position-dependent value (RoPE rows, masks, cache indices) is
@@ -406,15 +424,14 @@ class Lowering(FormsLowering, DsaLowering):
 
     def _check_integer_arithmetic(self, node: fx.Node, dtype: torch.dtype, inputs, attrs) -> None:
         """Refuses an elementwise op with an integer result that float32 (what the ops compute in) may not hold
-        exactly: any integer operand read at run time, or a bool one with a scalar at or past 2**24 (a bool's
-        0 / 1 with smaller integer scalars stays exact, mask * 4; mask + 16777217 gave 16777216: a fuzzer's
-        finding)."""
+        exactly: any integer operand read at run time, or a bool one whose op with its scalar gives, for 0 or 1,
+        another value in float32 than eager's integer math (``mask + 16777217`` gave 16777216: a fuzzer's finding;
+        ``mask * 16777216`` is exact and compiles)."""
         dtypes = [self.buffers[v.buffer].dtype for v in inputs]
-        big = [v for k, v in attrs if k == "scalar" and not (float(v).is_integer() and abs(float(v)) < 2 ** 24)]
         if any(map(is_integer, dtypes)):
             what = "values read at run time"
-        elif torch.bool in dtypes and big:
-            what = f"a bool tensor read at run time and the scalar {big[0]:.0f}"
+        elif torch.bool in dtypes and not _exact_on_bools(dict(attrs), dtype):
+            what = f"a bool tensor read at run time and the scalar {float(dict(attrs)['scalar']):.0f}"
         else:
             return
         self._unsupported(node, f"integer arithmetic on {what} ({dtype_name(dtype)} result): tilec's elementwise "
