@@ -452,7 +452,7 @@ def test_index_quant_folds_into_the_score():
     unfused = compile_module(mod, inputs, options=dict(workers=WORKERS, fuse_fp8_quant=False))
     ops = fused.plan.graph.ops
     (score,) = [op for op in ops if op.kind == "index_score"]
-    assert score.attr("quant") == (cfg.index_head_dim, False, glm.SCALE_MIN)
+    assert score.attr("quant") == (cfg.index_head_dim, False, glm.SCALE_MIN, False)
     assert score.attr("w_scale") == pytest.approx(cfg.index_head_dim ** -0.5)
     assert graph_dtype(fused, score.inputs[0]) == torch.bfloat16
     assert [op.kind for op in ops].count("fp8_quant") == 1  # the indexer keys' (written to the cache)
@@ -464,6 +464,48 @@ def test_index_quant_folds_into_the_score():
     for name, g, r in zip(OUTPUTS, got, ref):
         assert torch.equal(g, r), name
     compare(got, want, 2e-2)
+
+
+def act_quant_recip(x: torch.Tensor, group: int = 128, pow2: bool = False):
+    """:func:`glm.act_quant` with its scale written ``amax * (1 / 448)`` (a product with the
+    reciprocal, as some FP8 recipes write it): for about half of random groups another float32
+    value than ``amax / 448``, one ulp apart."""
+    xg = x.to(torch.float32).unflatten(-1, (-1, group))
+    scale = xg.abs().amax(-1, keepdim=True).clamp(min=glm.SCALE_MIN) * (1.0 / glm.FP8_MAX)
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (xg / scale).clamp(-glm.FP8_MAX, glm.FP8_MAX).to(glm.FP8)
+    return q.flatten(-2), scale.squeeze(-1)
+
+
+@pytest.mark.parametrize("quant", [glm.act_quant, act_quant_recip], ids=["div", "mul-recip"])
+def test_fp8_scales_are_computed_as_the_source_writes_them(quant, monkeypatch):
+    """``amax / 448`` and ``amax * (1 / 448)`` each compile to the scale they write: the quantized
+    values and scales are bitwise eager's on random inputs, and the quantizations fused into the
+    FP8 GEMMs and the indexer score compute the same (bitwise the unfused plan's). A product with
+    the reciprocal was compiled as a division: scales one ulp off eager's in about half the groups."""
+    import dataclasses as dc
+
+    x = torch.randn(8, 256) * 3 + 0.1
+    want = [t.float() for t in quant(x, 32)]
+    other = act_quant_recip if quant is glm.act_quant else glm.act_quant
+    assert not torch.equal(want[1], other(x, 32)[1])  # the two forms differ on these inputs
+    mod = _Fn(lambda m, v: tuple(t.float() for t in quant(v, 32)))
+    prog = compile_module(mod, (x,), options=dict(workers=2))
+    assert [op.kind for op in prog.compiled.stages["opgraph"].ops].count("fp8_quant") == 1
+    assert all(torch.equal(g, w) for g, w in zip(prog(x), want))
+
+    monkeypatch.setattr(glm, "act_quant", quant)  # the prelude's quantizations, fused (16 indexer heads)
+    cfg = dc.replace(CFG, index_n_heads=16)
+    mod, inputs = glm.make_prelude(cfg, True, torch.bfloat16), glm.make_inputs(cfg, True, torch.bfloat16)
+    fused = compile_module(mod, inputs, options=dict(workers=WORKERS))
+    unfused = compile_module(mod, inputs, options=dict(workers=WORKERS, fuse_fp8_quant=False))
+    kinds = [op.kind for op in fused.plan.graph.ops]
+    assert kinds.count("fp8_linear_quant") == 4 and any(op.attr("quant") for op in fused.plan.graph.ops)
+    a, b = glm.make_inputs(cfg, True, torch.bfloat16, seed=5), glm.make_inputs(cfg, True, torch.bfloat16, seed=5)
+    got, ref = tuple(fused(*a)) + tuple(a[5:]), tuple(unfused(*b)) + tuple(b[5:])
+    for name, g, r in zip(OUTPUTS, got, ref):
+        assert torch.equal(g, r), name
 
 
 def graph_dtype(program, view):

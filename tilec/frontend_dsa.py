@@ -36,15 +36,16 @@ class DsaLowering:
         return View(src.buffer, tuple(out.shape), tuple(out.stride()), out.storage_offset(), src.pos_stride)
 
     def _fp8_scale(self, s):
-        """``amax(|v|, -1, keepdim).clamp(min=a) / 448`` (or ``exp2(ceil(log2(...)))`` of it, a
-        power-of-two scale) -> ``(v node, pow2, a)`` or None."""
+        """``amax(|v|, -1, keepdim).clamp(min=a) / 448`` or ``* (1 / 448)`` (recip: another float32
+        value, kept as written) (or ``exp2(ceil(log2(...)))`` of it, a power-of-two scale)
+        -> ``(v node, pow2, a, recip)`` or None."""
         pow2 = False
         if is_call(s, aten.exp2.default) and is_call(s.args[0], aten.ceil.default) and is_call(s.args[0].args[0], aten.log2.default):
             s, pow2 = s.args[0].args[0].args[0], True
         if is_call(s, aten.div.Tensor) and not isinstance(s.args[1], fx.Node) and float(s.args[1]) == 448.0:
-            base = s.args[0]
+            base, recip = s.args[0], False
         elif is_call(s, aten.mul.Tensor) and not isinstance(s.args[1], fx.Node) and float(s.args[1]) == 1.0 / 448.0:
-            base = s.args[0]
+            base, recip = s.args[0], True
         else:
             return None
         amin = 0.0
@@ -55,11 +56,11 @@ class DsaLowering:
         if not (is_call(base, aten.amax.default) and len(base.args) > 2 and base.args[2]
                 and list(base.args[1]) in ([-1], [len(val_of(base).shape) - 1]) and is_call(base.args[0], aten.abs.default)):
             return None
-        return base.args[0].args[0], pow2, amin
+        return base.args[0].args[0], pow2, amin, recip
 
     def _fp8_quant_parts(self, node):
         """``to_fp8(clamp(v / s, -448, 448))`` with ``v = view(x.float())`` [..., K/G, G] and s its
-        :meth:`_fp8_scale` -> ``(x node, s node, G, pow2, amin)`` or None."""
+        :meth:`_fp8_scale` -> ``(x node, s node, G, pow2, amin, recip)`` or None."""
         if not (is_call(node, *CASTS) and val_of(node) is not None and val_of(node).dtype == torch.float8_e4m3fn):
             return None
         c = node.args[0]
@@ -77,7 +78,7 @@ class DsaLowering:
         xs, vs = tuple(val_of(x).shape), tuple(val_of(v).shape)
         if len(vs) < 2 or vs[:-2] != xs[:-1] or vs[-2] * vs[-1] != xs[-1]:
             return None
-        return x, s, vs[-1], sc[1], sc[2]
+        return x, s, vs[-1], sc[1], sc[2], sc[3]
 
     def _fp8_quant(self, node: fx.Node):
         """Per-group FP8 quantization -> one ``fp8_quant`` op with two outputs: the values
@@ -85,13 +86,13 @@ class DsaLowering:
         m = self._fp8_quant_parts(node)
         if m is None:
             return None
-        x_n, s_n, group, pow2, amin = m
+        x_n, s_n, group, pow2, amin, recip = m
         x = self.view_of(x_n)
         lead, k = x.shape[:-1], x.shape[-1]
         qbuf = self._new_buffer(f"{node.name}_q", lead + (k,), torch.float8_e4m3fn, node=node)
         sbuf = self._new_buffer(f"{node.name}_scale", lead + (k // group,), torch.float32, node=node)
         self.ops.append(Op(self._name(f"fp8_quant_{node.name}"), "fp8_quant", (x,), (View.whole(qbuf), View.whole(sbuf)),
-                           (("amin", amin), ("group", group), ("pow2", pow2)), self._prov(node)))
+                           (("amin", amin), ("group", group), ("pow2", pow2), ("recip", recip)), self._prov(node)))
         sshape = tuple(val_of(s_n).shape)
         self.env[s_n] = View(sbuf.name, sshape, contiguous_strides(sshape))
         shape = tuple(val_of(node).shape)

@@ -12,13 +12,18 @@
 namespace tilec {
 
 // ---- fp8_quant: per group of G along the last dim ---------------------------------------
-// s = max(amax |x|, amin) / fmax (pow2: exp2(ceil(log2(s)))); q = clamp(x / s, +-fmax) -> fp8
+// s = max(amax |x|, amin) / fmax (recip: * RN(1 / fmax), as the source wrote it - another float
+// for about half the groups; pow2: exp2(ceil(log2(s)))); q = clamp(x / s, +-fmax) -> fp8
 // (round to nearest even, saturating). One warp per (row, group).
+__device__ __forceinline__ float fp8_scale(float amax, float amin, float fmax, int recip, int pow2) {
+  const float m = fmaxf(amax, amin), sc = recip ? m * (1.f / fmax) : m / fmax;
+  return pow2 ? exp2f(ceilf(log2f(sc))) : sc;
+}
 template <typename TX, typename TQ, typename TS>
 __device__ void op_fp8_quant(TileCtx& c) {
   const Operand &x = operands()[0], &q = operands()[1], &s = operands()[2];
   const int nd = q.ndim, K = q.sizes[nd - 1];
-  const int G = c.param(0), pow2 = c.param(1);
+  const int G = c.param(0), pow2 = c.param(1), recip = c.param(4);
   const float amin = c.fparam(2), fmax = c.fparam(3);
   int lo[4], hi[4];
   box_of(c, nd, lo, hi);
@@ -59,8 +64,7 @@ __device__ void op_fp8_quant(TileCtx& c) {
           const float v[4] = {__uint_as_float(raw[j].x << 16), __uint_as_float(raw[j].x & 0xffff0000u),
                               __uint_as_float(raw[j].y << 16), __uint_as_float(raw[j].y & 0xffff0000u)};
           const float amax = warp_max(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-          float sc = fmaxf(amax, amin) / fmax;
-          if (pow2) sc = exp2f(ceilf(log2f(sc)));
+          const float sc = fp8_scale(amax, amin, fmax, recip, pow2);
           unsigned word = 0;
 #pragma unroll
           for (int i = 0; i < 4; ++i)
@@ -82,8 +86,7 @@ __device__ void op_fp8_quant(TileCtx& c) {
     float amax = 0.f;
     for (int e = lane; e < G; e += 32) amax = fmaxf(amax, fabsf(ldf<TX>(x, xo + e * xk)));
     amax = warp_max(amax);
-    float sc = fmaxf(amax, amin) / fmax;
-    if (pow2) sc = exp2f(ceilf(log2f(sc)));
+    const float sc = fp8_scale(amax, amin, fmax, recip, pow2);
     for (int e = lane; e < G; e += 32) {
       const float v = ldf<TX>(x, xo + e * xk) / sc;
       stf<TQ>(q, qo + e * qk, fminf(fmaxf(v, -fmax), fmax));
@@ -438,8 +441,8 @@ __device__ __forceinline__ void mma_k32_f16(float* acc, const uint4& alo, const 
 
 // Quantizes nr rows of bf16 x (element offsets xoff[m], K stride xk) in groups of G along K into
 // FP8 rows xq_s [nr][xp] bytes and scales xs_s [nr][K / G], as op_fp8_quant does: s = max(amax,
-// amin) / fmax, q = x / s cast to e4m3 with saturation (the cast saturates, so no clamp is
-// needed). G == 128 with unit stride and 16-byte aligned rows: a thread takes 32 elements (four
+// amin) / fmax (fp8_scale), q = x / s cast to e4m3 with saturation (the cast saturates, so no clamp
+// is needed). G == 128 with unit stride and 16-byte aligned rows: a thread takes 32 elements (four
 // 16-byte loads) of a group at a time, four lanes a group, in a rolled loop with the next chunk's
 // loads in flight while this one is quantized; x / s as x * RN(1 / s) corrected by one fused
 // multiply-add (Markstein), a third of a full division's instructions. That is the correctly
@@ -465,8 +468,8 @@ __device__ __forceinline__ unsigned e4m3x4(float a, float b, float c, float d) {
   return (unsigned)lo | ((unsigned)hi << 16);
 }
 __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long long* xoff, long long xk, int nr,
-                                              int K, int G, int pow2, float amin, float fmax, unsigned char* xq_s,
-                                              int xp, float* xs_s) {
+                                              int K, int G, int pow2, int recip, float amin, float fmax,
+                                              unsigned char* xq_s, int xp, float* xs_s) {
   xoff = shared_ptr(xoff), xq_s = shared_ptr(xq_s), xs_s = shared_ptr(xs_s);
   const int KB = K / G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // every scale at least amin / fmax >= 2^-100: x * RN(1 / s) + correction is x / s correctly
@@ -505,8 +508,7 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
         float amax = fmaxf(__low2float(mx), __high2float(mx));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        float sc = fmaxf(amax, amin) / fmax;
-        if (pow2) sc = exp2f(ceilf(log2f(sc)));
+        const float sc = fp8_scale(amax, amin, fmax, recip, pow2);
         const float rc = __frcp_rn(sc);
         if (ch < nc) {
           unsigned q[8];
@@ -535,8 +537,7 @@ __device__ __noinline__ void stage_quant_rows(const __nv_bfloat16* x, const long
       float amax = 0.f;
       for (int e = lane; e < G; e += 32) amax = fmaxf(amax, fabsf(__bfloat162float(ldc<__nv_bfloat16>(xg + e * xk))));
       amax = warp_max(amax);
-      float sc = fmaxf(amax, amin) / fmax;
-      if (pow2) sc = exp2f(ceilf(log2f(sc)));
+      const float sc = fp8_scale(amax, amin, fmax, recip, pow2);
       for (int e = lane; e < G; e += 32) {
         const float v = __bfloat162float(ldc<__nv_bfloat16>(xg + e * xk)) / sc;
         xq_s[(long long)m * xp + g * G + e] = from_f<__nv_fp8_e4m3>(fminf(fmaxf(v, -fmax), fmax)).__x;
@@ -656,16 +657,16 @@ __device__ __forceinline__ void fp8_linear_ring(const TileCtx& c, const StreamTi
 }
 
 // Operands: x [..., K] bf16, wq [N, K] FP8, ws [ceil(N / BN), K / G] float32, out [..., N].
-// Params: K, G, BN, pow2, amin (float bits), FP8 max (float bits). The plan guarantees at most 16
-// rows a tile, G % 64 == 0, K % G == 0 and shared memory for the staged rows (fp8_linear.py
-// Fp8LinearQuant.smem_bytes); a tile that breaks that is a plan bug and aborts the step. Dispatched
+// Params: K, G, BN, pow2, amin (float bits), FP8 max (float bits), recip (fp8_scale). The plan
+// guarantees at most 16 rows a tile, G % 64 == 0, K % G == 0 and shared memory for the staged rows
+// (fp8_linear.py Fp8LinearQuant.smem_bytes); a tile that breaks that is a plan bug and aborts the step. Dispatched
 // before its event wait (executor.cuh): the row offsets and the weight scales are set up first.
 template <typename TX, typename TWQ, typename TWS, typename TO>
 __device__ void op_fp8_linear_quant(TileCtx& c) {
   static_assert(std::is_same<TX, __nv_bfloat16>::value && std::is_same<TWQ, __nv_fp8_e4m3>::value,
                 "fp8_linear_quant: bf16 x, FP8 weights (tilec/passes/fuse_fp8_quant.py)");
   const Operand &x = operands()[0], &wq = operands()[1], &ws = operands()[2], &out = operands()[3];
-  const int K = c.param(0), G = c.param(1), BN = c.param(2), pow2 = c.param(3), KB = K / G;
+  const int K = c.param(0), G = c.param(1), BN = c.param(2), pow2 = c.param(3), recip = c.param(6), KB = K / G;
   const float amin = c.fparam(4), fmax = c.fparam(5);
   const int nd = out.ndim;
   int lo[4], hi[4];
@@ -702,7 +703,8 @@ __device__ void op_fp8_linear_quant(TileCtx& c) {
     return;
   }
   if (!c.wait()) return;  // (its barrier also publishes the offsets and scales)
-  stage_quant_rows(base<__nv_bfloat16>(x), xoff, x.strides[x.ndim - 1], nr, K, G, pow2, amin, fmax, xq_s, xp, xs_s);
+  stage_quant_rows(base<__nv_bfloat16>(x), xoff, x.strides[x.ndim - 1], nr, K, G, pow2, recip, amin, fmax, xq_s,
+                   xp, xs_s);
   if (ring) {
     fp8_linear_ring<TO>(c, t, G, BN, xq_s, xp, xs_s, ws_s, nr, out, ooff, red);
   } else if (wk == 1 && wn % 16 == 0 && (reinterpret_cast<uintptr_t>(wq.ptr) & 15) == 0) {
@@ -1107,14 +1109,15 @@ __device__ __forceinline__ long long latest_position(const Operand& pos, int r, 
 
 // The query quantization of a fused index_score (param 3; tilec/passes/fuse_fp8_quant.py
 // fuse_index_quant): the staged query rows (nrows x D values of T at `pitch` elements) are
-// replaced in place by their e4m3 quantization - s = max(amax |x|, amin) / fmax (pow2: rounded up
-// to a power of two), q = x / s saturated, as op_fp8_quant computes it - held exactly in T, and
-// the head weights w_s[row] (row = t * H + h, as the rows) become (w * s) * w_scale, the float32
-// products of the unfused graph. kLanes lanes per row (a whole number of rows per warp).
+// replaced in place by their e4m3 quantization - s = max(amax |x|, amin) / fmax (fp8_scale, recip
+// param 8; pow2: rounded up to a power of two), q = x / s saturated, as op_fp8_quant computes it -
+// held exactly in T, and the head weights w_s[row] (row = t * H + h, as the rows) become
+// (w * s) * w_scale, the float32 products of the unfused graph. kLanes lanes per row (a whole
+// number of rows per warp).
 template <typename T, int kLanes>
 __device__ void quantize_query_rows(const TileCtx& c, T* rows, int pitch, int nrows, int D, float* w_s) {
   static_assert(32 % kLanes == 0, "rows per warp");
-  const int pow2 = c.param(4);
+  const int pow2 = c.param(4), recip = c.param(8);
   const float amin = c.fparam(5), fmax = c.fparam(6), w_scale = c.fparam(7);
   const int lane = threadIdx.x & 31, sub = lane % kLanes;
   const int per_pass = kThreads / kLanes;
@@ -1126,8 +1129,7 @@ __device__ void quantize_query_rows(const TileCtx& c, T* rows, int pitch, int nr
     for (int d = sub; d < D; d += kLanes) amax = fmaxf(amax, fabsf(to_f<T>(x[d])));
 #pragma unroll
     for (int o = kLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    float sc = fmaxf(amax, amin) / fmax;
-    if (pow2) sc = exp2f(ceilf(log2f(sc)));
+    const float sc = fp8_scale(amax, amin, fmax, recip, pow2);
     __syncwarp();
     if (row < nrows) {
       for (int d = sub; d < D; d += kLanes)  // an e4m3 value is exact in bf16 and float

@@ -126,6 +126,50 @@ def test_fp8_gemm_fused_quantization_is_bitwise_the_unfused_one(m, k, n, tile_n,
     assert torch.equal(outs[0], outs[1])
 
 
+def act_quant_recip(x, group=128, pow2=False):
+    """:func:`glm.act_quant` with its scale written ``amax * (1 / 448)``: for about half of random
+    groups another float32 value than ``amax / 448`` (tests/test_glm5_prelude.py has its twin)."""
+    xg = x.to(torch.float32).unflatten(-1, (-1, group))
+    scale = xg.abs().amax(-1, keepdim=True).clamp(min=glm.SCALE_MIN) * (1.0 / glm.FP8_MAX)
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (xg / scale).clamp(-glm.FP8_MAX, glm.FP8_MAX).to(glm.FP8)
+    return q.flatten(-2), scale.squeeze(-1)
+
+
+class RecipQuant(torch.nn.Module):
+    def __init__(self, g):
+        super().__init__()
+        self.g = g
+
+    def forward(self, x):
+        return tuple(t.float() for t in act_quant_recip(x, self.g))
+
+
+class RecipGemm(Fp8Gemm):
+    def forward(self, x):
+        return self.lin(act_quant_recip(x, self.g), out_dtype=x.dtype)
+
+
+@pytest.mark.parametrize("g", [128, 64])
+def test_fp8_scales_written_as_a_product_with_the_reciprocal(g):
+    """``amax * (1 / 448)`` (fp8_scale's recip): op_fp8_quant (its 128-group vector path, and a
+    warp a group) gives eager's values and scales bitwise (eager on the CPU: CUDA's ``/ 448`` would
+    itself multiply by the reciprocal), and the fused GEMM's staging (stage_quant_rows, both paths)
+    the unfused GEMM's outputs bitwise, on random inputs."""
+    torch.manual_seed(0)
+    x = (torch.randn(16, 1024) * 3).to(torch.bfloat16)
+    want = RecipQuant(g)(x)
+    assert not torch.equal(want[1], glm.act_quant(x, g)[1])  # the two forms differ on these inputs
+    xd = x.to(DEV)
+    prog = compile_module(RecipQuant(g), (xd,), options=dict(executor="cuda", workers=16))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(prog(xd), want))
+    mod = RecipGemm(1024, 40, g).to(DEV)
+    outs = [compile_module(mod, (xd,), options=dict(executor="cuda", fuse_fp8_quant=fuse, fp8_stream=False))(xd)
+            for fuse in (True, False)]
+    assert torch.equal(outs[0], outs[1])
+
+
 class Score(torch.nn.Module):
     def forward(self, q, w, k_cache, block_tables, positions):
         return glm.paged_index_score(q, w, k_cache, block_tables, positions, scale=q.shape[-1] ** -0.5)

@@ -117,9 +117,10 @@ class Fp8LinearQuant(OpDef):
     form is emulated the same way).
 
     Operands: x [..., K] bf16 (at most :data:`QUANT_ROWS` rows), wq [N, K] float8_e4m3fn,
-    ws [ceil(N/Bn), K/G] float32, out [..., N]. Params: K, G, Bn, pow2, amin bits, FP8 max bits.
-    Attrs: block_n, group, pow2, amin, stream (weights through the ring). Tiles: all rows x
-    ``tile_n`` output columns (at most :data:`QUANT_TILE_N`); coords: the out box, then the K range.
+    ws [ceil(N/Bn), K/G] float32, out [..., N]. Params: K, G, Bn, pow2, amin bits, FP8 max bits, recip.
+    Attrs: block_n, group, pow2, amin, recip (the scale as ``fp8_quant``'s), stream (weights through the
+    ring). Tiles: all rows x ``tile_n`` output columns (at most :data:`QUANT_TILE_N`); coords: the out
+    box, then the K range.
     """
 
     kind, opcode = "fp8_linear_quant", 25
@@ -164,7 +165,7 @@ class Fp8LinearQuant(OpDef):
 
     def params(self, op):
         return [op.inputs[0].shape[-1], op.attr("group"), op.attr("block_n"), int(op.attr("pow2")),
-                f32_bits(op.attr("amin")), f32_bits(FP8_MAX)]
+                f32_bits(op.attr("amin")), f32_bits(FP8_MAX), int(op.attr("recip", False))]
 
     def smem_bytes(self, op):
         x, _, ws = op.inputs
@@ -177,7 +178,7 @@ class Fp8LinearQuant(OpDef):
         k, g, bn, pow2, amin, fmax = t.params[0], t.params[1], t.params[2], t.params[3], bits_f32(t.params[4]), \
             bits_f32(t.params[5])
         (n0, n1), lead = t.coords[-2], t.coords[:-2]
-        xq, sx = quantize(sub(x, lead + ((0, k),)).float(), g, bool(pow2), amin, fmax)
+        xq, sx = quantize(sub(x, lead + ((0, k),)).float(), g, bool(pow2), amin, fmax, bool(t.params[6]))
         sw = ws[torch.arange(n0, n1) // bn].float()
         sub(out, lead + ((n0, n1),)).copy_(block_scaled(xq.float(), sx, wq[n0:n1].float(), sw, g))
 

@@ -1,11 +1,12 @@
 """FP8 quantization in groups along the last dim (DeepSeek-V3's ``act_quant``).
 
-For each group of ``G`` consecutive elements: ``s = max(amax(|x|), amin) / 448`` (rounded up
-to a power of two with ``pow2``), ``q = clamp(x / s, -448, 448)`` cast to float8_e4m3fn
+For each group of ``G`` consecutive elements: ``s = max(amax(|x|), amin) / 448`` (with
+``recip``: ``* (1 / 448)``, a float32 product, as the source wrote it; rounded up to a power of two
+with ``pow2``), ``q = clamp(x / s, -448, 448)`` cast to float8_e4m3fn
 (round to nearest even). Used for GEMM activations (G = 128 per token), indexer keys (one
 scale per position) and indexer queries (one scale per token and head).
 Operands: x [..., K], q [..., K] float8_e4m3fn, scale [..., K/G] float32.
-Params: G, pow2, amin bits, fp8 max bits. Tiles: rows x whole last dim (``tile_rows``).
+Params: G, pow2, amin bits, fp8 max bits, recip. Tiles: rows x whole last dim (``tile_rows``).
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from . import OpDef, Tile, TileArgs, bits_f32, f32_bits, out_tiles, register, su
 FP8_MAX = 448.0
 
 
-def quantize(x: torch.Tensor, group: int, pow2: bool, amin: float, fmax: float = FP8_MAX):
-    """``(q, scale)`` of float32 ``x [..., K]`` (the same torch ops the eager pattern uses)."""
+def quantize(x: torch.Tensor, group: int, pow2: bool, amin: float, fmax: float = FP8_MAX, recip: bool = False):
+    """``(q, scale)`` of float32 ``x [..., K]`` (the same torch ops the eager pattern uses; with
+    ``recip`` the scale is ``max(amax, amin) * (1 / fmax)``, which rounds differently from the quotient)."""
     xg = x.unflatten(-1, (-1, group))
-    s = xg.abs().amax(-1, keepdim=True).clamp(min=amin) / fmax
+    a = xg.abs().amax(-1, keepdim=True).clamp(min=amin)
+    s = a * (1.0 / fmax) if recip else a / fmax
     if pow2:
         s = torch.exp2(torch.ceil(torch.log2(s)))
     q = (xg / s).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
@@ -29,11 +32,12 @@ def quantize(x: torch.Tensor, group: int, pow2: bool, amin: float, fmax: float =
 @register
 class Fp8Quant(OpDef):
     """``fp8_quant``: FP8 (e4m3) quantization in groups of G along the last dim (DeepSeek-V3's
-    ``act_quant``; :func:`quantize`): per group ``s = max(amax|x|, amin) / 448`` (a power of two,
-    rounded up, with ``pow2``), ``q = clamp(x / s, -448, 448)`` cast to float8_e4m3fn.
+    ``act_quant``; :func:`quantize`): per group ``s = max(amax|x|, amin) / 448`` (attr ``recip``:
+    ``* (1 / 448)``, the source's product with the reciprocal; a power of two, rounded up, with
+    ``pow2``), ``q = clamp(x / s, -448, 448)`` cast to float8_e4m3fn.
 
     Operands: x [..., K], q [..., K] float8_e4m3fn, scale [..., K/G] float32. Params: G, pow2,
-    amin (float32 bits), FP8 max 448 (float32 bits). Tiles: ``tile_rows`` rows x the whole last
+    amin (float32 bits), FP8 max 448 (float32 bits), recip. Tiles: ``tile_rows`` rows x the whole last
     dim (a row's groups and scales in one tile).
     """
 
@@ -47,12 +51,13 @@ class Fp8Quant(OpDef):
                 for box in out_tiles(q.shape, opts.tile_rows)]
 
     def params(self, op):
-        return [op.attr("group"), int(op.attr("pow2")), f32_bits(op.attr("amin")), f32_bits(FP8_MAX)]
+        return [op.attr("group"), int(op.attr("pow2")), f32_bits(op.attr("amin")), f32_bits(FP8_MAX),
+                int(op.attr("recip", False))]
 
     def run_tile(self, t: TileArgs):
         x, q, s = t.operands
         group, pow2, amin, fmax = t.params[0], t.params[1], bits_f32(t.params[2]), bits_f32(t.params[3])
         box = t.coords
-        qv, sv = quantize(sub(x, box).float(), group, bool(pow2), amin, fmax)
+        qv, sv = quantize(sub(x, box).float(), group, bool(pow2), amin, fmax, bool(t.params[4]))
         sub(q, box).copy_(qv)
         sub(s, box[:-1] + ((0, s.shape[-1]),)).copy_(sv)

@@ -6,10 +6,10 @@
 ``ks`` is the per-position key scale of an FP8 key cache (1 without one).
 Operands: q [R, T, H, D], w [R, T, H], k_cache [pages, page, D], k_scale [pages, page]
 (FP8 only), block_table [R, P] (int), pos [R, T] (int), out [R, T, KV] float32.
-Params: scale bits, page, has_k_scale, quant, pow2, amin bits, FP8 max bits, w_scale bits.
+Params: scale bits, page, has_k_scale, quant, pow2, amin bits, FP8 max bits, w_scale bits, recip.
 Tiles: one request x a chunk of whole pages, about one tile per worker.
 
-With attr ``quant = (group, pow2, amin)`` (made by :func:`tilec.passes.fuse_index_quant`) ``q`` is
+With attr ``quant = (group, pow2, amin, recip)`` (made by :func:`tilec.passes.fuse_index_quant`) ``q`` is
 bf16 and quantized inside the op, per (token, head) row (group = D), as ``fp8_quant`` would, and
 the head weights become ``(w * s[r, t, h]) * w_scale`` with each row's scale ``s`` - the float32
 products the unfused graph takes (DeepSeek-V3.2's ``fp8_index`` folds the query scales the same way).
@@ -47,7 +47,7 @@ class IndexScore(OpDef):
     Operands: q [R, T, H, D], w [R, T, H], k_cache [pages, page, D], k_scale [pages, page] (FP8
     cache only), block_table [R, P] int, pos [R, T] int, out [R, T, P * page] float32. Params
     (:meth:`params`): scale bits, page, has_k_scale, then with attr ``quant`` 1, pow2, amin bits,
-    FP8 max bits, w_scale bits. Tiles: one request x a chunk of whole pages
+    FP8 max bits, w_scale bits, recip. Tiles: one request x a chunk of whole pages
     (:func:`positions_per_tile`: about ``workers`` tiles in all); each declares the whole key
     cache read (its pages are looked up at run time). Only the pages of positions up to the
     request's latest ``pos`` are read (later ones may not exist yet; eager gathers every page). A
@@ -84,8 +84,8 @@ class IndexScore(OpDef):
         quant = op.attr("quant")
         if quant is None:
             return base
-        _, pow2, amin = quant
-        return base + [1, int(pow2), f32_bits(amin), f32_bits(FP8_MAX), f32_bits(op.attr("w_scale", 1.0))]
+        _, pow2, amin, recip = quant
+        return base + [1, int(pow2), f32_bits(amin), f32_bits(FP8_MAX), f32_bits(op.attr("w_scale", 1.0)), int(recip)]
 
     def smem_bytes(self, op):
         """Device staging (runtime/tilec/ops_glm.cuh). Shapes the tensor-core path takes
@@ -117,7 +117,8 @@ class IndexScore(OpDef):
             keys = kc[pages].flatten(0, 1)[first:first + j1 - j0].float()  # [J, D]
             qr, wr = q[r].float(), w[r].float()
             if len(t.params) > 3 and t.params[3]:  # quantized here (fuse_index_quant)
-                qq, qs = quantize(qr, qr.shape[-1], bool(t.params[4]), bits_f32(t.params[5]), bits_f32(t.params[6]))
+                qq, qs = quantize(qr, qr.shape[-1], bool(t.params[4]), bits_f32(t.params[5]), bits_f32(t.params[6]),
+                                  bool(t.params[8]))
                 qr, wr = qq.float(), (wr * qs.squeeze(-1)) * bits_f32(t.params[7])
             logits = torch.matmul(qr, keys.t()) * scale  # [T, H, J]
             s = torch.matmul(wr.unsqueeze(-2), torch.relu(logits)).squeeze(-2)  # [T, J]

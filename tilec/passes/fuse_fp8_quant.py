@@ -68,7 +68,8 @@ def fuse_fp8_quant(graph: OpGraph, opts=None) -> OpGraph:
             if op.kind == "fp8_linear" and op.inputs[0] == qv and op.inputs[1] == sv and not clobbered:
                 ops[j] = Op(op.name, "fp8_linear_quant", (x, op.inputs[2], op.inputs[3]), op.outputs,
                             tuple(sorted({"block_n": op.attr("block_n"), "group": g, "pow2": q.attr("pow2"),
-                                          "amin": q.attr("amin"), "stream": stream}.items())), op.provenance)
+                                          "amin": q.attr("amin"), "recip": q.attr("recip", False),
+                                          "stream": stream}.items())), op.provenance)
                 fused = changed = True
             else:
                 others = True
@@ -160,7 +161,8 @@ def fuse_index_quant(graph: OpGraph, opts=None) -> OpGraph:
         new_q = dataclasses.replace(qv, buffer=x.buffer)
         new_w = dataclasses.replace(wv, buffer=w_pre.buffer)
         attrs = dict(sc.attrs)
-        attrs.update(quant=(quant.attr("group"), quant.attr("pow2"), quant.attr("amin")), w_scale=m2.attr("scalar"))
+        attrs.update(quant=(quant.attr("group"), quant.attr("pow2"), quant.attr("amin"), quant.attr("recip", False)),
+                     w_scale=m2.attr("scalar"))
         ops[i] = Op(sc.name, sc.kind, (new_q, new_w) + sc.inputs[2:], sc.outputs, tuple(sorted(attrs.items())),
                     sc.provenance)
         ops[iq] = ops[im1] = ops[im2] = None
