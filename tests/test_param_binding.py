@@ -401,3 +401,38 @@ def test_a_replacement_the_traced_step_cannot_take_is_refused(how):
         why = r"submodule down is now a _FakeQuantLinear \(a Linear when compiling\): the step runs the forward it traced"
     with pytest.raises(TilecError, match=why):
         prog(x)
+
+
+class _LinearSum(torch.nn.Module):
+    """``lin(x) + sum(more)``; for a Python number x (baked into the step: no tensor argument), ``lin.weight * x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x, *more):
+        y = self.lin(x) if isinstance(x, torch.Tensor) else self.lin.weight * x
+        for m in more:
+            y = y + m
+        return y
+
+
+@pytest.mark.parametrize("shapes,bound", [((), 0), (((4, 64),), 0), (((512, 64),), 1), (((512, 64), (512, 64)), 2)],
+                         ids=["a-number", "one-small-tensor", "one-tensor", "two-tensors"])
+def test_a_program_round_trips_through_pickle(shapes, bound):
+    """pickle.dumps / loads of a compiled program gives one that returns the original's results, whatever number
+    of buffers it binds from the call's arguments (``bound``: a small tensor is copied into the program's own
+    buffer instead). With none or one it gathered them with a lambda, which pickle cannot hold (AttributeError:
+    Can't pickle local object)."""
+    import pickle
+
+    torch.manual_seed(0)
+    m = _LinearSum().eval()
+    args = tuple(torch.randn(s) for s in shapes) or (3.0,)
+    prog = compile_module(m, args, options=OPTS)
+    assert len(prog._arg_buffers) == bound
+    twin = pickle.loads(pickle.dumps(prog))
+    assert twin._lock is not prog._lock
+    with torch.no_grad():
+        want = m(*args)
+    assert torch.equal(twin(*args), prog(*args)) and torch.allclose(twin(*args), want, atol=1e-5)

@@ -76,6 +76,22 @@ def _position_of(label: str, a, shape: tuple | None = None) -> int:
     raise TilecError(f"{label} holds the decode position: expected {want}, got {got}")
 
 
+def _no_tensors(buffers: dict) -> tuple:
+    """The tensors of a step that binds no buffer from its arguments (:attr:`CompiledProgram._arg_tensors`)."""
+    return ()
+
+
+class _OneTensor:
+    """``(buffers[name],)``: ``operator.itemgetter`` of one name, as a tuple as it gives for several
+    (:attr:`CompiledProgram._arg_tensors`; a class, not a lambda, so that a pickle can hold it)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, buffers: dict) -> tuple:
+        return (buffers[self.name],)
+
+
 class OneCallAtATime:
     """Copying for an object whose calls hold ``self._lock`` (a ``threading.Lock``): a shallow copy shares the
     object's state, and so the lock; a deep copy or a pickle, with state of its own, gets a lock of its own (a lock
@@ -260,9 +276,10 @@ class CompiledProgram(OneCallAtATime):
         # buffers bound from the call's arguments (the rest are bound once, above)
         self._arg_buffers = [n for n in self.graph.inputs if n in self.graph.buffers and n not in self.tensors]
         # their tensors out of a call's buffer dict as a tuple, gathered by itemgetter (one C call; for one
-        # name it returns the bare tensor, so that case is wrapped)
-        get = operator.itemgetter(*self._arg_buffers) if self._arg_buffers else (lambda _: ())
-        self._arg_tensors = get if len(self._arg_buffers) != 1 else (lambda t: (get(t),))
+        # name it returns the bare tensor, so that case is wrapped; callables a pickle can hold, not lambdas)
+        n = len(self._arg_buffers)
+        self._arg_tensors = operator.itemgetter(*self._arg_buffers) if n > 1 else \
+            _OneTensor(self._arg_buffers[0]) if n == 1 else _no_tensors
         self._tables: dict[tuple, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._last_stream = None  # the CUDA stream of the last call (_order_after_last_call)
