@@ -134,6 +134,33 @@ def test_unsupported_op_names_node_target_and_source_line(module, node, target, 
     assert (err.why[0] or err.reason).startswith(why) and why in msg, msg
 
 
+class CumsumInHelper(torch.nn.Module):
+    """The unsupported op sits in a method forward calls, and a Sort in a function beside the class."""
+
+    def forward(self, x):
+        return self._scan(x * 2.0) + 1.0  # MARK-helper-call
+
+    def _scan(self, y):
+        return torch.cumsum(y, dim=-1) + sort_values(y)  # MARK-helper-cumsum
+
+
+def sort_values(y):
+    return torch.sort(y, dim=-1)[0]  # MARK-helper-sort
+
+
+def test_an_op_in_a_helper_names_the_helpers_line():
+    """An unsupported op in a helper forward calls (a method, a function beside the module's class) is named by the
+    helper's line, where it is, not by forward's line calling the helper: torch.export records only frames named
+    forward in a node's stack trace unless told otherwise."""
+    with pytest.raises(UnsupportedNodeError) as info:
+        compile_module(CumsumInHelper(), (torch.randn(2, 8),))
+    msg = str(info.value)
+    (_, _, cumsum), (_, _, sort) = [n for n in info.value.nodes if n[0] in ("cumsum", "sort")]
+    assert f'{THIS_FILE}", line {line_of("MARK-helper-cumsum")}, in _scan: return torch.cumsum(y' in cumsum, msg
+    assert f'{THIS_FILE}", line {line_of("MARK-helper-sort")}, in sort_values: return torch.sort(y' in sort, msg
+    assert f"line {line_of('MARK-helper-call')}" not in msg, msg
+
+
 class FixedWriteAndCumsum(torch.nn.Module):
     """Two unsupported nodes, one of them an in-place write into an input that is not a planned cache
     write: the report lists both (the write's error once masked the other)."""

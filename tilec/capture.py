@@ -33,7 +33,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     """
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with torch.no_grad(), warnings.catch_warnings(), _quiet_fake_tensor_log():
+    with torch.no_grad(), warnings.catch_warnings(), _quiet_fake_tensor_log(), _helper_frames_recorded(module):
         # torch's own pytree deprecation notice (LeafSpec), raised inside export: not the user's
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         err = io.StringIO()
@@ -124,6 +124,45 @@ def _non_tensor_output(spec, k: int, value) -> str:
     size = (" (an element of a torch.Size: a shape is fixed when compiling, so take it from the inputs outside "
             "the step)") if parent is torch.Size else ""
     return f"forward's result{pytree.keystr(path)} is {value!r}, not a tensor{size}"
+
+
+def _user_functions(module: torch.nn.Module) -> set[tuple[str, str]]:
+    """``(file, name)`` of the functions forward may call as helpers: the methods of the module's and its
+    submodules' classes (those not torch's) and the functions defined beside those classes, in their files."""
+    found, seen = set(), set()
+    for m in module.modules():
+        for cls in type(m).__mro__:
+            if cls in seen or cls.__module__.split(".")[0] in ("torch", "builtins"):
+                continue
+            seen.add(cls)
+            owner = sys.modules.get(cls.__module__)
+            for value in (*vars(cls).values(), *(vars(owner).values() if owner is not None else ())):
+                if isinstance(value, (staticmethod, classmethod)):
+                    value = value.__func__
+                elif isinstance(value, property):
+                    value = value.fget
+                if inspect.isfunction(value) and value.__module__ == cls.__module__:
+                    code = getattr(inspect.unwrap(value), "__code__", value.__code__)  # (a decorated method's own)
+                    found.add((code.co_filename, code.co_name))
+    return found
+
+
+@contextlib.contextmanager
+def _helper_frames_recorded(module: torch.nn.Module):
+    """Has torch.export keep the frames of the module's helpers (:func:`_user_functions`) in each node's stack
+    trace, so that :func:`tilec.fxgraph.source_of` names the line inside a helper forward calls: torch keeps only
+    frames named ``forward`` and those registered in ``torch.fx.proxy._STACK_TRACE_ANCHORS`` (an op in
+    ``self._mlp(x)`` was named by forward's line calling it). Registered for the export only; with a torch
+    without that registry, forward's lines as before."""
+    anchors = getattr(fx.proxy, "_STACK_TRACE_ANCHORS", None)
+    added = _user_functions(module) - anchors if isinstance(anchors, set) else set()
+    if added:
+        anchors.update(added)
+    try:
+        yield
+    finally:
+        if added:
+            anchors.difference_update(added)
 
 
 @contextlib.contextmanager
