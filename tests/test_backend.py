@@ -449,6 +449,29 @@ def test_folded_buffer_values_are_part_of_the_plan_key():
             assert_close(torch.compile(m, backend="tilec")(x), m(x))
 
 
+def test_tensor_literals_of_forward_are_part_of_the_plan_key():
+    """A ``torch.tensor(...)`` written in forward is a constant the graph holds (``get_attr``), which the plan bakes
+    in; the plan key hashed the graph's code and inputs only, so a second instance with another literal silently ran
+    the first one's plan - in this process and from the disk cache in another (a fresh user's finding)."""
+    class Literal(torch.nn.Module):
+        def __init__(self, v):
+            super().__init__()
+            self.v = v
+
+        def forward(self, x):
+            return x + torch.tensor([self.v, 0.0, 0.0, 0.0]), x * torch.tensor(self.v)
+
+    x = torch.randn(2, 4)
+    for memory in (True, False):
+        for v in (1.5, 7.25):
+            if not memory:
+                backend._PLAN_CACHE.clear()  # as another process: the disk cache only
+            m = Literal(v)
+            with torch.no_grad():
+                for got, want in zip(torch.compile(m, backend="tilec", dynamic=False)(x), m(x)):
+                    assert torch.equal(got, want), (memory, v)
+
+
 def test_two_models_of_one_class_decoded_from_two_threads(monkeypatch):
     """Two models of one class (their own weights and caches) decoded from two threads under torch.compile: they
     share one compiled step (a plan per graph and folded buffers), and calls at once raised false deadlock

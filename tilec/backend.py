@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import hashlib
 import logging
+import operator
 import re
 import threading
 import weakref
@@ -225,11 +226,19 @@ def _growing_cache(gm: fx.GraphModule, kinds: list[str], tokens: tuple[int, fx.N
 
 
 def _graph_key(gm: fx.GraphModule, kinds, opts: BackendOptions) -> str:
+    """The plan cache's key of ``gm``: its code, its inputs' shapes and dtypes, the values of the tensors it
+    holds itself (``get_attr``: a ``torch.tensor([...])`` written in forward is one, which the plan bakes in; two
+    instances with other literals shared a plan: a fresh user's finding), and the options."""
     h = hashlib.sha256(gm.code.encode())
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if n.op == "placeholder" and isinstance(v, torch.Tensor):
             h.update(f"{n.name}:{tuple(v.shape)}:{v.dtype}:{v.device.type}".encode())
+        elif n.op == "get_attr":
+            held = operator.attrgetter(n.target)(gm)
+            if isinstance(held, torch.Tensor):
+                h.update(n.target.encode())
+                _hash_values(h, held)
     plan_opts = dataclasses.replace(opts, compile=dataclasses.replace(opts.compile, dump_dir=None))  # not the plan's
     h.update(repr((kinds, plan_opts, __version__, plancache.code_digest(), PLAN_FORMAT)).encode())
     return h.hexdigest()
@@ -240,9 +249,14 @@ def _consts_digest(flat_args, kinds) -> str:
     h = hashlib.sha256()
     for t, k in zip(flat_args, kinds):
         if k == "const" and isinstance(t, torch.Tensor):
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            _hash_values(h, t)
     return h.hexdigest()
+
+
+def _hash_values(h, t: torch.Tensor) -> None:
+    """Adds ``t``'s dtype, shape and bytes to the hash ``h``."""
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _reaches(node: fx.Node, is_use, hops: int = 8) -> bool:
