@@ -975,6 +975,25 @@ def test_a_sigterm_stops_the_test_run_also_inside_a_cli_command(tmp_path):
     assert "Interrupted: SIGTERM" in out and not (tmp_path / "after").exists(), out
 
 
+@pytest.mark.parametrize("args,code", [(["--version"], 0), (["inspect", "no-such-artifact"], 2)])
+def test_a_sigterm_in_the_teardown_after_a_command_keeps_its_exit_code(tmp_path, args, code):
+    """The interpreter's teardown after a command takes about a second with torch loaded; a SIGTERM there killed
+    the process (exit 143 by the shell's count) after ``wrote ...`` and a whole artifact (a fresh user's finding).
+    The command's work is done: the process now ends at once with its exit code. (An exit handler stands in
+    for the SIGTERM that lands in the teardown.)"""
+    script = textwrap.dedent(f"""
+        import atexit, os, signal, sys
+        atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))
+        sys.argv = ["tilec", *{args!r}]
+        from tilec.cli import entry
+        entry()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+
+
 def test_sigterm_stops_a_compile_as_ctrl_c_does(facts, tmp_path, monkeypatch, default_sigterm):
     """SIGTERM (timeout, a batch scheduler, docker stop) killed the process where it stood: a hidden partial
     artifact stayed for good and nvcc ran on without its parent (a fresh user's case). It now raises in the

@@ -1,4 +1,4 @@
 """``python -m tilec``: the ``tilec`` command line (:mod:`tilec.cli`)."""
-from .cli import main
+from .cli import entry
 
-main(prog_name="tilec")
+entry()

@@ -56,6 +56,27 @@ def _restore_sigterm() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def entry() -> None:
+    """The ``tilec`` console script and ``python -m tilec``: :func:`main`, then, for the interpreter's teardown after
+    it (about a second with torch loaded), a SIGTERM that ends the process at once with the command's exit code:
+    the command's work is done (such a SIGTERM after ``wrote ...`` exited 143, the code of a compile stopped
+    before its artifact, over a whole artifact: a fresh user's finding)."""
+    try:
+        main(prog_name="tilec")
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (not over a handler of the command's)
+
+            def done(signum, frame):
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                os._exit(code)
+            signal.signal(signal.SIGTERM, done)
+        raise
+
+
 class Failure(click.ClickException):
     """An error shown as ``tilec: error: ...`` that exits with ``code``."""
 
