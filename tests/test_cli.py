@@ -1834,7 +1834,7 @@ def test_module_entry_point_and_console_script(copy):
     p = subprocess.run([sys.executable, "-m", "tilec", "run", str(copy)], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=120, check=False)
     assert p.returncode == 2 and "inputs.safetensors has sha256" in p.stderr, p.stderr
-    assert 'tilec = "tilec.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert 'tilec = "tilec.cli:entry"' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_help_and_usage_errors_do_not_import_torch():

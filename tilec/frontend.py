@@ -140,8 +140,8 @@ def _exact_on_bools(attrs: dict, dtype: torch.dtype) -> bool:
     (values 0..2) is exact."""
     if "scalar" not in attrs:
         return True
-    scalar = attrs["scalar"]
-    if not float(scalar).is_integer():
+    scalar = attrs["scalar"]  # (the lowering's float64: an integer scalar past 2**53 may be rounded already)
+    if not float(scalar).is_integer() or abs(float(scalar)) >= 2 ** 53:
         return False
     fn, bools = UNARY_FNS[attrs["fn"]], torch.tensor([0, 1])
     try:
