@@ -436,3 +436,22 @@ def test_a_program_round_trips_through_pickle(shapes, bound):
     with torch.no_grad():
         want = m(*args)
     assert torch.equal(twin(*args), prog(*args)) and torch.allclose(twin(*args), want, atol=1e-5)
+
+
+def test_a_deep_copy_binds_its_own_buffers_in_its_operand_table(tmp_path):
+    """A deep copy kept the original's cached operand tables, which hold the original's buffer addresses: with no
+    argument bound by reference (the key is then empty) the copy's launch would use them - on the CUDA executor the
+    copy's kernel reading and writing the original's memory (a reviewer's finding)."""
+    from tilec import artifact
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).eval()
+    x = torch.randn(4, 64)
+    artifact.save(tmp_path / "a", compile_module(m, (x,), options=dict(workers=2)), (x,), build=False)
+    prog = artifact.load(tmp_path / "a").program(executor="reference")  # (no module: no parameter watch)
+    tensors, _, _ = prog._bind((x,), prog.guards)
+    prog._table(tensors, (x,))  # the original's table, cached
+    twin = copy.deepcopy(prog)
+    own, _, _ = twin._bind((x,), twin.guards)
+    assert torch.equal(twin._table(own, (x,)), twin.plan.bind_base(own))
+    assert torch.allclose(twin(x), m(x), atol=1e-5) and torch.allclose(prog(x), m(x), atol=1e-5)

@@ -155,6 +155,10 @@ class CompiledProgram(OneCallAtATime):
 
     _fresh_on_copy = ("_last_stream",)
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._tables = {}  # (the original's operand tables hold its buffers' addresses: a deep copy binds its own)
+
     def __init__(self, compiled: Compiled, binding: GraphBinding, single_output: bool, opts: Options | None = None,
                  progress=None, example_args=(), library=None, arg_labels=None, out_spec=None, guards=(),
                  in_place=(), trusted=(), module=None):
