@@ -161,6 +161,46 @@ def test_an_op_in_a_helper_names_the_helpers_line():
     assert f"line {line_of('MARK-helper-call')}" not in msg, msg
 
 
+class UsersSequential(torch.nn.Sequential):
+    """A user's Sequential: its forward is torch's."""
+
+
+def _compile_users_sequential():
+    return compile_module(UsersSequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.AvgPool1d(2)),
+                          (torch.randn(1, 4, 8),))  # MARK-sequential-call
+
+
+def test_a_function_beside_the_users_class_that_forward_does_not_call_is_not_named():
+    """Every function in the file of a user's class was taken as a helper: with a forward of torch's, the op was
+    named by the line of the function calling compile_module (a reviewer's finding). Only the functions the class's
+    methods name (in turn) are helpers; torch's line is named, as for torch's own Sequential."""
+    with pytest.raises(UnsupportedNodeError) as info:
+        _compile_users_sequential()
+    src = info.value.nodes[0][2]
+    assert "pooling.py" in src and f"line {line_of('MARK-sequential-call')}" not in src, src
+
+
+def test_helper_frames_of_exports_at_once_stay_registered_until_the_last_ends():
+    """The helper registrations are process-wide: an export ending removed those another export of the same class,
+    still running, needed (a reviewer's finding). They are counted; torch's own entries are never removed."""
+    import torch.fx.proxy as proxy
+
+    from tilec.capture import _helper_frames_recorded, _user_functions
+
+    anchors = getattr(proxy, "_STACK_TRACE_ANCHORS", None)
+    if not isinstance(anchors, set):
+        pytest.skip("this torch keeps no registry of stack-trace anchors")
+    mine = _user_functions(CumsumInHelper())
+    assert mine and not mine & anchors
+    first, second = _helper_frames_recorded(CumsumInHelper()), _helper_frames_recorded(CumsumInHelper())
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert mine <= anchors
+    second.__exit__(None, None, None)
+    assert not mine & anchors
+
+
 class FixedWriteAndCumsum(torch.nn.Module):
     """Two unsupported nodes, one of them an in-place write into an input that is not a planned cache
     write: the report lists both (the write's error once masked the other)."""

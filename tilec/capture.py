@@ -1,6 +1,7 @@
 """Graph capture for the offline path: ``torch.export`` -> functional aten graph + binding."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import io
@@ -8,6 +9,7 @@ import itertools
 import logging
 import os
 import sys
+import threading
 import traceback
 import warnings
 
@@ -126,25 +128,52 @@ def _non_tensor_output(spec, k: int, value) -> str:
     return f"forward's result{pytree.keystr(path)} is {value!r}, not a tensor{size}"
 
 
+def _names_read(code) -> set[str]:
+    """The global and attribute names ``code`` and the functions nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names_read(const)
+    return names
+
+
 def _user_functions(module: torch.nn.Module) -> set[tuple[str, str]]:
     """``(file, name)`` of the functions forward may call as helpers: the methods of the module's and its
-    submodules' classes (those not torch's) and the functions defined beside those classes, in their files."""
-    found, seen = set(), set()
+    submodules' classes (those not torch's), and the functions of their files that those methods name, and those
+    functions in turn - not the rest of the file (a ``main()`` calling compile_module beside a class whose forward
+    is torch's was named as the op's line: a reviewer's finding), nor a function running now."""
+    running, frame = set(), sys._getframe()
+    while frame is not None:
+        running.add(frame.f_code)
+        frame = frame.f_back
+    found, seen, done = set(), set(), set()
     for m in module.modules():
         for cls in type(m).__mro__:
             if cls in seen or cls.__module__.split(".")[0] in ("torch", "builtins"):
                 continue
             seen.add(cls)
-            owner = sys.modules.get(cls.__module__)
-            for value in (*vars(cls).values(), *(vars(owner).values() if owner is not None else ())):
+            owner = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
+            todo = list(vars(cls).values())
+            while todo:
+                value = todo.pop()
                 if isinstance(value, (staticmethod, classmethod)):
                     value = value.__func__
                 elif isinstance(value, property):
                     value = value.fget
-                if inspect.isfunction(value) and value.__module__ == cls.__module__:
-                    code = getattr(inspect.unwrap(value), "__code__", value.__code__)  # (a decorated method's own)
+                if not inspect.isfunction(value) or value.__module__ != cls.__module__:
+                    continue
+                code = inspect.unwrap(value).__code__  # (a decorated function's own)
+                if code in done:
+                    continue
+                done.add(code)
+                if code not in running:
                     found.add((code.co_filename, code.co_name))
+                todo.extend(owner[name] for name in _names_read(code) if name in owner)
     return found
+
+
+_ANCHORS_LOCK = threading.Lock()
+_ANCHORS_HELD: collections.Counter = collections.Counter()  # entries tilec added, by the exports that need them
 
 
 @contextlib.contextmanager
@@ -152,17 +181,27 @@ def _helper_frames_recorded(module: torch.nn.Module):
     """Has torch.export keep the frames of the module's helpers (:func:`_user_functions`) in each node's stack
     trace, so that :func:`tilec.fxgraph.source_of` names the line inside a helper forward calls: torch keeps only
     frames named ``forward`` and those registered in ``torch.fx.proxy._STACK_TRACE_ANCHORS`` (an op in
-    ``self._mlp(x)`` was named by forward's line calling it). Registered for the export only; with a torch
-    without that registry, forward's lines as before."""
+    ``self._mlp(x)`` was named by forward's line calling it). Registered for the export only, counted across
+    threads exporting at once (torch's own entries are never removed); with a torch without that registry,
+    forward's lines as before."""
     anchors = getattr(fx.proxy, "_STACK_TRACE_ANCHORS", None)
-    added = _user_functions(module) - anchors if isinstance(anchors, set) else set()
-    if added:
-        anchors.update(added)
+    if not isinstance(anchors, set):
+        yield
+        return
+    wanted = _user_functions(module)
+    with _ANCHORS_LOCK:
+        mine = {a for a in wanted if a not in anchors or _ANCHORS_HELD[a] > 0}
+        _ANCHORS_HELD.update(mine)
+        anchors.update(mine)
     try:
         yield
     finally:
-        if added:
-            anchors.difference_update(added)
+        with _ANCHORS_LOCK:
+            _ANCHORS_HELD.subtract(mine)
+            done = {a for a in mine if _ANCHORS_HELD[a] <= 0}
+            for a in done:
+                del _ANCHORS_HELD[a]
+            anchors.difference_update(done)
 
 
 @contextlib.contextmanager
