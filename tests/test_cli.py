@@ -742,6 +742,28 @@ def test_run_check_warns_of_an_edit_to_the_model_file_the_factory_imports(tmp_pa
         sys.modules.pop(name, None)
 
 
+def test_a_decorated_factory_records_its_own_file_once(tmp_path, monkeypatch):
+    """A factory under a decorator (``functools.wraps``) had its decorator's file taken for its own, so the factory's
+    file, defining the model too, was also recorded as a model source: an edit was reported twice (a reviewer's
+    finding)."""
+    (tmp_path / "tilec_test_deco.py").write_text(
+        "import functools\ndef seeded(fn):\n    @functools.wraps(fn)\n    def wrapper(*a, **k):\n"
+        "        import torch\n        torch.manual_seed(0)\n        return fn(*a, **k)\n    return wrapper\n")
+    make = tmp_path / "tilec_test_make.py"
+    make.write_text("import torch\nfrom tilec_test_deco import seeded\nclass Net(torch.nn.Module):\n"
+                    "    def __init__(self):\n        super().__init__()\n        self.lin = torch.nn.Linear(8, 8)\n"
+                    "    def forward(self, x):\n        return self.lin(x)\n@seeded\ndef f():\n"
+                    "    return Net(), (torch.randn(2, 8),)\n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert invoke("compile", "tilec_test_make:f", "-o", "a", "--no-build", "-O", "workers=2").exit_code == 0
+        f = json.loads((tmp_path / "a" / "manifest.json").read_text())["factory"]
+        assert "model_sources" not in f and f["source_sha256"] == hashlib.sha256(make.read_bytes()).hexdigest(), f
+    finally:
+        for name in ("tilec_test_deco", "tilec_test_make"):
+            sys.modules.pop(name, None)
+
+
 FOLDED_FACTORY = """import torch
 class M(torch.nn.Module):
     def __init__(self):

@@ -60,7 +60,8 @@ def entry() -> None:
     """The ``tilec`` console script and ``python -m tilec``: :func:`main`, then, for the interpreter's teardown after
     it (about a second with torch loaded), a SIGTERM that ends the process at once with the command's exit code:
     the command's work is done (such a SIGTERM after ``wrote ...`` exited 143, the code of a compile stopped
-    before its artifact, over a whole artifact: a fresh user's finding)."""
+    before its artifact, over a whole artifact: a fresh user's finding). For a process that ends with the command:
+    called in-process, ``main`` (the handler would stay)."""
     try:
         main(prog_name="tilec")
     except SystemExit as e:

@@ -105,7 +105,7 @@ def _compile_artifact(progress: Progress, factory: str, output: Path, opts: Opti
         fn, info = load_factory(factory)
     with progress.step(f"calling {info['name']}()"):
         module, args, positions, max_positions = call_factory(fn, factory)
-    sources = model_sources(module, fn)
+    sources = model_sources(module, info["file"] or getattr(sys.modules.get(info["module"] or ""), "__file__", None))
     if sources:  # (absent where there are none: the manifests of earlier versions read the same)
         info["model_sources"] = sources
     snapshot = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -230,13 +230,13 @@ def _installed_dirs() -> list[Path]:
     return [Path(d).resolve() for d in dirs if d]
 
 
-def model_sources(module: torch.nn.Module, factory_fn) -> dict[str, str]:
+def model_sources(module: torch.nn.Module, factory_file: str | None) -> dict[str, str]:
     """The user's files defining the classes of ``module`` and its submodules, other than the factory's own file
-    (``factory_fn``'s) and installed code (:func:`_installed_dirs`): absolute path -> sha256. A factory that imports
-    its model from a file of its own (``from mymodel import Net``) records that file, so ``run --check`` and
-    ``bench`` warn of an edit to it too (the factory's ``source_sha256`` covers its own file only)."""
-    own = getattr(getattr(factory_fn, "__code__", None), "co_filename", None)
-    skip = {Path(own).resolve()} if own else set()
+    (``factory_file``, the factory module's: a decorated factory function's code is its decorator's, which
+    recorded the factory's file here too) and installed code (:func:`_installed_dirs`): absolute path -> sha256. A
+    factory that imports its model from a file of its own (``from mymodel import Net``) records that file, so
+    ``run --check`` and ``bench`` warn of an edit to it too (the factory's ``source_sha256`` covers its own file)."""
+    skip = {Path(factory_file).resolve()} if factory_file else set()
     installed = _installed_dirs()
     out = {}
     for cls in {type(m) for m in module.modules()}:
