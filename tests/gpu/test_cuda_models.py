@@ -282,3 +282,22 @@ def test_a_deep_copy_of_a_step_decodes_on_its_own():
         tok = want[:, -1:].argmax(-1)
         got, want = twin(tok, pos), step(tok, pos)
         assert torch.equal(got, want), pos
+
+
+def test_a_deep_copy_of_an_artifacts_program_runs_on_its_own_memory(tmp_path):
+    """A deep copy of a program without a parameter watch (an artifact's) kept the original's operand tables, whose
+    addresses are the original's buffers: the copy's launch read the original's staged input (a reviewer's
+    finding). The copy now binds its own; the original's results stay its own."""
+    from tilec import artifact
+    from tilec.api import compile_module
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).to(DEV).eval()
+    x, y = torch.randn(4, 64, device=DEV), torch.randn(4, 64, device=DEV)
+    artifact.save(tmp_path / "a", compile_module(m, (x,), options=dict(workers=2)), (x,))
+    prog = artifact.load(tmp_path / "a").program(executor="cuda")
+    want = prog(x).clone()
+    twin = copy.deepcopy(prog)
+    got = twin(y)
+    with torch.no_grad():
+        assert rel(got, m(y)) < 1e-5 and torch.equal(prog(x), want)
