@@ -74,9 +74,9 @@ class CudaExecutor:
 
     def __deepcopy__(self, memo) -> "CudaExecutor":
         """The executor of a ``copy.deepcopy`` of a step: the same loaded library (code only; ctypes cannot copy
-        it), and its own counters, epoch and operand table, copied as they stand on the current stream, so that the
-        copy goes on from where this executor is, and a clear error record: what this executor's steps recorded,
-        read or queued for a deferred check, stays with it."""
+        it), and its own counters, epoch, error record and operand table, copied as they stand on the current
+        stream, so that the copy goes on from where this executor is. A check this executor has queued
+        (``check="deferred"``) stays with it."""
         new = object.__new__(CudaExecutor)
         memo[id(self)] = new
         for name, value in self.__dict__.items():
@@ -84,8 +84,6 @@ class CudaExecutor:
                 new.lib = value
             elif name in ("_err_host", "_err_copied", "_last_table"):
                 setattr(new, name, None)  # (no record queued; the next call uploads its operand table)
-            elif name == "err":
-                new.err = torch.zeros_like(value)
             else:
                 setattr(new, name, copy.deepcopy(value, memo))
         return new
