@@ -340,6 +340,30 @@ def test_integer_copies_compile(tmp_path, monkeypatch):
     assert codegen.build(codegen.render(prog.plan)).exists()
 
 
+def test_an_elementwise_integer_result_is_refused_before_nvcc(tmp_path):
+    """Arithmetic on a bool mask with an integer result (``mask * 3``, ``mask + mask``) runs on the reference
+    executor, but the CUDA instances of the elementwise ops have no integer stores: nvcc failed with ptxas's
+    "Unresolved extern function ... from_f" (a fresh user's finding). Rendering now refuses it naming the op, and
+    an artifact is written for the reference executor with that note, as for a dtype without CUDA code."""
+    from tilec import artifact
+    from tilec.errors import TilecError
+
+    class M(torch.nn.Module):
+        def forward(self, m, x):
+            return m * 3, x * 2 + (m * 3).float(), m + m
+
+    args = (torch.tensor([[True, False, True, False]]), torch.randn(1, 4))
+    prog = compile_module(M(), args)
+    for got, want in zip(prog(*args), M()(*args)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    with pytest.raises(TilecError, match=r"op unary_mul\w*: an elementwise op with a int64 result has no CUDA "
+                                         r"implementation yet \(the reference executor runs it"):
+        codegen.render(prog.plan)
+    artifact.save(tmp_path / "a", prog, args)  # (build on: nothing to build)
+    cuda = artifact.load(tmp_path / "a").manifest["cuda"]
+    assert cuda["library"] is None and "int64 result has no CUDA implementation" in cuda["note"], cuda
+
+
 def test_waiting_for_another_build_of_the_same_library_says_so(fake_nvcc, tmp_path):
     """Two compiles building the same library: the second waited on the file lock without a word, for as long as
     nvcc ran in the other (a fresh user's finding). It now says it waits, and for whom, through progress."""
