@@ -57,24 +57,18 @@ def _restore_sigterm() -> None:
 
 
 def entry() -> None:
-    """The ``tilec`` console script and ``python -m tilec``: :func:`main`, then, for the interpreter's teardown after
-    it (about a second with torch loaded), a SIGTERM that ends the process at once with the command's exit code:
-    the command's work is done (such a SIGTERM after ``wrote ...`` exited 143, the code of a compile stopped
-    before its artifact, over a whole artifact: a fresh user's finding). For a process that ends with the command:
-    called in-process, ``main`` (the handler would stay)."""
+    """The ``tilec`` console script and ``python -m tilec``: :func:`main`, then SIGTERM ignored for the interpreter's
+    teardown (about a second with torch loaded), so that the process ends with the command's exit code: its work is
+    done (such a SIGTERM after ``wrote ...`` exited 143, the code of a compile stopped before its artifact, over a
+    whole artifact: a fresh user's finding). Ignored, not handled or blocked: CPython puts a handled signal's default
+    action back before the long part of its teardown, and a blocked one goes to another thread (torch's). For a
+    process that ends with the command: in-process, call ``main``."""
     try:
         main(prog_name="tilec")
-    except SystemExit as e:
-        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    except SystemExit:
         if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (not over a handler of the command's)
-
-            def done(signum, frame):
-                for stream in (sys.stdout, sys.stderr):
-                    with contextlib.suppress(Exception):
-                        stream.flush()
-                os._exit(code)
-            signal.signal(signal.SIGTERM, done)
+                signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _on_sigterm):  # (not over a command's own)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise
 
 
