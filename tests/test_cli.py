@@ -742,6 +742,26 @@ def test_run_check_warns_of_an_edit_to_the_model_file_the_factory_imports(tmp_pa
         sys.modules.pop(name, None)
 
 
+def test_a_base_class_file_of_the_model_is_a_model_source(tmp_path, monkeypatch):
+    """A model whose forward lives in a base class of another file (``class Net(Base)`` in mymodel.py, ``Base`` in
+    base.py): an edit to base.py went unnoticed (a fresh user's finding); the files of base classes are recorded."""
+    base, net = tmp_path / "tilec_test_base.py", tmp_path / "tilec_test_net.py"
+    base.write_text("import torch\nclass Base(torch.nn.Module):\n    def forward(self, x):\n        return self.lin(x)\n")
+    net.write_text("import torch\nfrom tilec_test_base import Base\nclass Net(Base):\n    def __init__(self):\n"
+                   "        super().__init__()\n        self.lin = torch.nn.Linear(8, 8)\n")
+    make = tmp_path / "make.py"
+    make.write_text("import torch\nfrom tilec_test_net import Net\ndef f():\n    torch.manual_seed(0)\n"
+                    "    return Net(), (torch.randn(2, 8),)\n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert invoke("compile", f"{make}:f", "-o", "a", "--no-build", "-O", "workers=2").exit_code == 0
+        f = json.loads((tmp_path / "a" / "manifest.json").read_text())["factory"]
+        assert sorted(f["model_sources"]) == sorted(str(p.resolve()) for p in (base, net)), f
+    finally:
+        for name in ("tilec_test_base", "tilec_test_net"):
+            sys.modules.pop(name, None)
+
+
 def test_a_decorated_factory_records_its_own_file_once(tmp_path, monkeypatch):
     """A factory under a decorator (``functools.wraps``) had its decorator's file taken for its own, so the factory's
     file, defining the model too, was also recorded as a model source: an edit was reported twice (a reviewer's

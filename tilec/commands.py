@@ -231,7 +231,8 @@ def _installed_dirs() -> list[Path]:
 
 
 def model_sources(module: torch.nn.Module, factory_file: str | None) -> dict[str, str]:
-    """The user's files defining the classes of ``module`` and its submodules, other than the factory's own file
+    """The user's files defining the classes of ``module`` and its submodules and their base classes (not the
+    functions they call from other files), other than the factory's own file
     (``factory_file``, the factory module's: a decorated factory function's code is its decorator's, which
     recorded the factory's file here too) and installed code (:func:`_installed_dirs`): absolute path -> sha256. A
     factory that imports its model from a file of its own (``from mymodel import Net``) records that file, so
@@ -239,7 +240,7 @@ def model_sources(module: torch.nn.Module, factory_file: str | None) -> dict[str
     skip = {Path(factory_file).resolve()} if factory_file else set()
     installed = _installed_dirs()
     out = {}
-    for cls in {type(m) for m in module.modules()}:
+    for cls in {c for m in module.modules() for c in type(m).__mro__}:  # (a base class's file too)
         try:
             path = Path(pyinspect.getfile(cls)).resolve()
         except (TypeError, OSError):  # a built-in class, or one of a module not in sys.modules (the factory file's)
