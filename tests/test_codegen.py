@@ -356,12 +356,12 @@ def test_an_elementwise_integer_result_is_refused_before_nvcc(tmp_path):
     prog = compile_module(M(), args)
     for got, want in zip(prog(*args), M()(*args)):
         assert got.dtype == want.dtype and torch.equal(got, want)
-    with pytest.raises(TilecError, match=r"op unary_mul\w*: an elementwise op with a int64 result has no CUDA "
+    with pytest.raises(TilecError, match=r"op unary_mul\w*: an elementwise op whose result is int64 has no CUDA "
                                          r"implementation yet \(the reference executor runs it"):
         codegen.render(prog.plan)
     artifact.save(tmp_path / "a", prog, args)  # (build on: nothing to build)
     cuda = artifact.load(tmp_path / "a").manifest["cuda"]
-    assert cuda["library"] is None and "int64 result has no CUDA implementation" in cuda["note"], cuda
+    assert cuda["library"] is None and "result is int64 has no CUDA implementation" in cuda["note"], cuda
 
 
 def test_waiting_for_another_build_of_the_same_library_says_so(fake_nvcc, tmp_path):

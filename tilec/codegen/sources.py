@@ -67,8 +67,9 @@ def variants(plan: KernelPlan) -> list[Variant]:
         od = opreg.opdef(op.kind)
         dtypes = od.device_dtypes(op, dtypes)
         if op.kind in ("unary", "binary") and not dtypes[-1].is_floating_point:  # (runtime/tilec/common.cuh from_f)
-            raise TilecError(f"op {op.name}: an elementwise op with a {str(dtypes[-1]).removeprefix('torch.')} result "
-                             f"has no CUDA implementation yet (the reference executor runs it; nvcc failed on it)")
+            what = str(dtypes[-1]).removeprefix("torch.")
+            raise TilecError(f"op {op.name}: an elementwise op whose result is {what} has no CUDA implementation "
+                             f"yet (the reference executor runs it; nvcc failed on it)")
         key = (op.kind, variant_signature(g, op))
         args = tuple(_ctype(d, op.name) for d in dtypes) + ((str(od.shape_class(op)),) if od.shape_classed else ())
         if key not in seen:
