@@ -145,12 +145,13 @@ def rope_interleave(x, cos, sin, unsqueeze_dim=1):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def act_quant(x: torch.Tensor, group: int = 128, pow2: bool = False):
+def act_quant(x: torch.Tensor, group: int = 128, pow2: bool = False, *, recip: bool = False):
     """Per-group FP8 quantization of the last dim: ``(q float8_e4m3fn [..., K], scale float32 [..., K/group])``
-    with ``scale = max(amax, 1e-4) / 448`` (rounded up to a power of two with ``pow2``)."""
+    with ``scale = max(amax, 1e-4) / 448`` (``recip``: ``* (1 / 448)``, as some FP8 recipes write it - another
+    float32 value in about half of random groups; rounded up to a power of two with ``pow2``)."""
     xg = x.to(torch.float32).unflatten(-1, (-1, group))
     amax = xg.abs().amax(-1, keepdim=True).clamp(min=SCALE_MIN)
-    scale = amax / FP8_MAX
+    scale = amax * (1.0 / FP8_MAX) if recip else amax / FP8_MAX
     if pow2:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)

@@ -14,6 +14,7 @@ executor against the example's independent plain-torch oracle.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 import sys
@@ -466,16 +467,7 @@ def test_index_quant_folds_into_the_score():
     compare(got, want, 2e-2)
 
 
-def act_quant_recip(x: torch.Tensor, group: int = 128, pow2: bool = False):
-    """:func:`glm.act_quant` with its scale written ``amax * (1 / 448)`` (a product with the
-    reciprocal, as some FP8 recipes write it): for about half of random groups another float32
-    value than ``amax / 448``, one ulp apart."""
-    xg = x.to(torch.float32).unflatten(-1, (-1, group))
-    scale = xg.abs().amax(-1, keepdim=True).clamp(min=glm.SCALE_MIN) * (1.0 / glm.FP8_MAX)
-    if pow2:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (xg / scale).clamp(-glm.FP8_MAX, glm.FP8_MAX).to(glm.FP8)
-    return q.flatten(-2), scale.squeeze(-1)
+act_quant_recip = functools.partial(glm.act_quant, recip=True)  # the scale written amax * (1 / 448)
 
 
 @pytest.mark.parametrize("quant", [glm.act_quant, act_quant_recip], ids=["div", "mul-recip"])

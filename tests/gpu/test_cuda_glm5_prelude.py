@@ -7,6 +7,7 @@ acceptance); the FP8 scores' top-2048 positions (top-KV/8 on the reduced configu
 overlap the FP8 oracle's by >= 99 %. The full-size cases are the acceptance runs (slow).
 """
 import copy
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -126,15 +127,7 @@ def test_fp8_gemm_fused_quantization_is_bitwise_the_unfused_one(m, k, n, tile_n,
     assert torch.equal(outs[0], outs[1])
 
 
-def act_quant_recip(x, group=128, pow2=False):
-    """:func:`glm.act_quant` with its scale written ``amax * (1 / 448)``: for about half of random
-    groups another float32 value than ``amax / 448`` (tests/test_glm5_prelude.py has its twin)."""
-    xg = x.to(torch.float32).unflatten(-1, (-1, group))
-    scale = xg.abs().amax(-1, keepdim=True).clamp(min=glm.SCALE_MIN) * (1.0 / glm.FP8_MAX)
-    if pow2:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (xg / scale).clamp(-glm.FP8_MAX, glm.FP8_MAX).to(glm.FP8)
-    return q.flatten(-2), scale.squeeze(-1)
+act_quant_recip = functools.partial(glm.act_quant, recip=True)  # the scale written amax * (1 / 448)
 
 
 class RecipQuant(torch.nn.Module):
