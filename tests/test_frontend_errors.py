@@ -1121,6 +1121,28 @@ def test_integer_arithmetic_on_a_bool_tensor_is_refused_past_float32s_integers()
             compile_module(Large(), (mask,))
 
 
+def test_an_op_torchs_tracing_refuses_where_eager_runs_it_names_the_users_line():
+    """``mask << 1`` of a bool tensor runs eagerly, but torch's meta kernel (which export traces with) wants an
+    integer dtype: compile_module raised torch's bare RuntimeError from deep inside torch.export. It is now a
+    TilecError naming the user's line and the advice; the advised form (tilec has no shift op: a product with 2**k)
+    compiles and matches eager."""
+    class Shift(torch.nn.Module):
+        def forward(self, m):
+            return m << 1  # the line the error names
+
+    class Product(torch.nn.Module):
+        def forward(self, m):
+            return m * 2
+
+    mask = torch.tensor([[True, False, True, True]])
+    assert torch.equal(Shift()(mask), Product()(mask))  # eager runs both
+    with pytest.raises(TilecError, match=r"(?s)cannot trace the module at .*test_frontend_errors.py:\d+ "
+                                         r"\(return m << 1.*lshift.*torch.bool.*cast a bool tensor.*2\*\*k"):
+        compile_module(Shift(), (mask,))
+    got = compile_module(Product(), (mask,))(mask)
+    assert got.dtype == torch.int64 and torch.equal(got, Shift()(mask))
+
+
 def test_matrix_vector_product_is_refused_as_such_with_advice_that_works():
     """``x @ v`` with a 1-D ``v`` was refused as "matmul with a batched right operand" (a fuzzer's finding)."""
     class MatVec(torch.nn.Module):

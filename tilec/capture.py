@@ -49,6 +49,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             _check_runs_eagerly(module, args)  # the user's own error, named as such
             _check_not_aliased(module, args, e)
             _check_data_dependent(e, [i for i in positions if isinstance(args[i], torch.Tensor) and args[i].dim() == 0])
+            _check_meta_refused(e)
             raise
         _replay_stderr(err.getvalue(), None)
     sig = ep.graph_signature
@@ -267,6 +268,22 @@ def _check_data_dependent(cause: BaseException, zero_dim_positions: list[int] = 
                              f"with torch.where, a fixed loop count), decide outside forward, or compile with "
                              f"torch.compile(module, backend='tilec'), which runs such code eagerly.",
                              zero_d) from cause
+
+
+def _check_meta_refused(cause: BaseException) -> None:
+    """After a failed export of a module that runs eagerly: raises :class:`TilecError` naming the user's
+    source line when torch's tracing kernels (``torch/_meta_registrations.py``, ``torch/_refs``,
+    ``torch/_prims``) refused an op that eager runs - e.g. ``mask << 1`` of a bool tensor, whose meta
+    check wants an integer dtype where eager promotes (torch 2.11-2.13); returns otherwise."""
+    if not isinstance(cause, RuntimeError):
+        return
+    files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(cause.__traceback__)]
+    if not any(part in f for f in files for part in ("/torch/_meta_registrations.py", "/torch/_refs/", "/torch/_prims")):
+        return
+    raise TilecError(f"torch.export cannot trace the module{_raised_at(cause, ('/torch/', '/tilec/'))}: torch's "
+                     f"tracing kernel refuses an op that eager PyTorch runs ({describe_exception(cause)}). Write it "
+                     f"in a form both accept - e.g. cast a bool tensor to an integer dtype first; for a shift, tilec "
+                     f"lowers a product with 2**k, not the shift (torch.compile's tracing refuses it too)") from cause
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
