@@ -438,6 +438,20 @@ def test_a_program_round_trips_through_pickle(shapes, bound):
     assert torch.equal(twin(*args), prog(*args)) and torch.allclose(twin(*args), want, atol=1e-5)
 
 
+def test_pickling_a_program_on_the_cuda_executor_is_a_clear_error():
+    """A program on the CUDA executor holds a loaded library (ctypes) and device buffers: pickle raised ctypes'
+    "objects containing pointers cannot be pickled". It is a TilecError saying what works instead. (The executor
+    is a bare instance here: the refusal does not depend on its state, and this machine has no GPU.)"""
+    import pickle
+
+    from tilec.cuda import CudaExecutor
+
+    prog = compile_module(_LinearSum().eval(), (torch.randn(4, 64),), options=OPTS)
+    prog.executor = object.__new__(CudaExecutor)
+    with pytest.raises(TilecError, match=r"CUDA executor cannot be pickled.*copy\.deepcopy.*artifact.*reference"):
+        pickle.dumps(prog)
+
+
 def test_a_deep_copy_binds_its_own_buffers_in_its_operand_table(tmp_path):
     """A deep copy kept the original's cached operand tables, which hold the original's buffer addresses: with no
     argument bound by reference (the key is then empty) the copy's launch would use them - on the CUDA executor the

@@ -88,6 +88,18 @@ class CudaExecutor:
                 setattr(new, name, copy.deepcopy(value, memo))
         return new
 
+    def __reduce__(self):
+        """Refuses pickling with a clear error: the executor's loaded library (ctypes) and device buffers belong to
+        this process (pickle raised ctypes' "objects containing pointers cannot be pickled").
+
+        Raises:
+            TilecError: always, saying what works instead.
+        """
+        raise TilecError("a step or program on the CUDA executor cannot be pickled: its loaded library and device "
+                         "buffers belong to this process. Within the process use copy.deepcopy; to keep a compile, "
+                         "save an artifact (`tilec compile`, tilec.artifact.save) and load it; or pickle a program "
+                         "compiled with options executor=\"reference\"")
+
     def use_ring_stages(self, n: int) -> None:
         """Launches from now on with an ``n``-stage weight ring (2..8; the plan's stream words and
         scratch do not depend on it): for measuring the ring depth without recompiling.

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tilec import smem
+from tilec.errors import TilecError
 from tilec.hf import compile_decode_step
 from tilec.timing import cuda_graph
 from tilec.zoo import eager_step, make_model, prefill
@@ -237,7 +238,6 @@ def test_a_step_called_then_captured_in_a_cuda_graph():
     torch.cuda.graph's side stream) made the capture wait on a stream outside it, which CUDA refuses (found by
     decode.py's CUDA-graph row on an H100). Captured calls skip the wait; the replay's logits are the step's. A step
     compiled with check=True (a synchronize after each call) cannot be captured: a clear error, not CUDA's."""
-    from tilec.errors import TilecError
 
     model = make_model("llama-tiny", torch.bfloat16, DEV)
     cache, tok = prefill(model, 1, 8, 48, DEV)
@@ -282,6 +282,21 @@ def test_a_deep_copy_of_a_step_decodes_on_its_own():
         tok = want[:, -1:].argmax(-1)
         got, want = twin(tok, pos), step(tok, pos)
         assert torch.equal(got, want), pos
+
+
+def test_pickling_a_step_on_the_cuda_executor_is_a_clear_error():
+    """pickle.dumps of a CUDA step raised ctypes' "objects containing pointers cannot be pickled"; it is a
+    TilecError saying what works instead, and the step still decodes after it."""
+    import pickle
+
+    model = make_model("llama-tiny", torch.bfloat16, DEV)
+    cache, tok = prefill(model, 1, 8, 48, DEV)
+    step = compile_decode_step(model, cache, 1, options=dict(watchdog_ms=200, workers=16, attn_kv_chunk=8))
+    want = step(tok, 8)
+    with pytest.raises(TilecError, match=r"CUDA executor cannot be pickled.*copy\.deepcopy"):
+        pickle.dumps(step)
+    step.seek(8)
+    assert torch.equal(step(tok, 8), want)
 
 
 def test_a_deep_copy_of_an_artifacts_program_runs_on_its_own_memory(tmp_path):
