@@ -10,6 +10,7 @@ import torch
 from _helpers import Fn
 from tilec.api import compile_module
 from tilec.ops import bits_f32, f32_bits
+from tilec.ops.ewise import UNARY_FNS
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -60,3 +61,31 @@ def test_a_scalar_past_float32s_range_is_infinite_as_in_eager():
     (3.4028234663852886e38, 3.4028234663852886e38), (1e-50, 0.0), (math.inf, math.inf)])
 def test_f32_bits_rounds_to_float32(value, want):
     assert bits_f32(f32_bits(value)) == want
+
+
+class _Divide(torch.nn.Module):
+    """A Python number's divisor (CUDA eager: a product with the float reciprocal) and a 0-dim buffer's."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("s", torch.tensor(3.7))
+
+    def forward(self, x):
+        return x / 448., x / 3.7, x / self.s
+
+
+def test_a_scalar_divisor_keeps_eagers_rounding_per_device():
+    """Eager divides by a Python number (a CPU scalar) exactly on the CPU but, on CUDA, multiplies by the float
+    reciprocal (seen on an H100: 558 938 of 2**20 quotients differ); by a tensor on x's device it divides exactly on
+    both. The lowering keeps which one the source wrote (``div_scalar`` / ``div_exact_scalar``; on the CPU a 0-dim
+    buffer is a CPU scalar too), so each executor can match its device's eager (tests/gpu/test_cuda_ops.py: the
+    CUDA executor); the reference executor here is bitwise the CPU's, and its exact form is one rounding."""
+    torch.manual_seed(0)
+    x = torch.rand(4, 4096) * 10
+    prog = compile_module(_Divide(), (x,))
+    assert [op.attr("fn") for op in prog.graph.ops if op.kind == "unary"] == ["div_scalar"] * 3
+    exact = UNARY_FNS["div_exact_scalar"](x, 3.7)
+    assert torch.equal(exact, (x.double() / bits_f32(f32_bits(3.7))).float())
+    for got, want in zip(prog(x), _Divide()(x)):
+        assert torch.equal(got, want)
+    assert not torch.equal(x / 448., x * (1 / 448.))  # the two roundings differ on these inputs

@@ -708,8 +708,12 @@ class Lowering(FormsLowering, DsaLowering):
 
         if scalars[1] is not None and fn in ("add", "sub", "mul", "div", "rsub"):
             s = float(scalars[1])
+            # a divisor eager treats as a CPU scalar (a Python number, a 0-dim CPU tensor) divides as CUDA eager
+            # does, by the float reciprocal; one on x's device (a 0-dim buffer) divides exactly (tilec/ops/ewise.py)
+            d = val_of(b)
+            cpu_scalar = d is None or (d.dim() == 0 and d.device.type == "cpu")
             fn2, s = {"add": ("add_scalar", s), "sub": ("add_scalar", -s), "mul": ("mul_scalar", s),
-                      "div": ("div_scalar", s), "rsub": ("rsub_scalar", s)}[fn]
+                      "div": ("div_scalar" if cpu_scalar else "div_exact_scalar", s), "rsub": ("rsub_scalar", s)}[fn]
             return self._emit(node, "unary", [operand(a, 0)], attrs=(("fn", fn2), ("scalar", s)))
         if scalars[0] is not None and fn in ("add", "mul", "sub"):
             s = float(scalars[0])

@@ -395,8 +395,9 @@ __device__ __noinline__ float unary_slow(int fn, float x, float a) {
     case 9: return sqrtf(x);
     case 10: return cosf(x);
     case 11: return sinf(x);
-    case 16: return x / a;
+    case 16: return x * (1.f / a);  // div_scalar: as CUDA eager divides by a Python number (tilec/ops/ewise.py)
     case 17: return powf(x, a);
+    case 19: return x / a;          // div_exact_scalar
   }
   return x;
 }

@@ -12,11 +12,14 @@
 namespace tilec {
 
 // ---- fp8_quant: per group of G along the last dim ---------------------------------------
-// s = max(amax |x|, amin) / fmax (recip: * RN(1 / fmax), as the source wrote it - another float
-// for about half the groups; pow2: exp2(ceil(log2(s)))); q = clamp(x / s, +-fmax) -> fp8
+// s = max(amax |x|, amin) * RN(1 / fmax) (pow2: exp2(ceil(log2(s)))); q = clamp(x / s, +-fmax) -> fp8
 // (round to nearest even, saturating). One warp per (row, group).
 __device__ __forceinline__ float fp8_scale(float amax, float amin, float fmax, int recip, int pow2) {
-  const float m = fmaxf(amax, amin), sc = recip ? m * (1.f / fmax) : m / fmax;
+  // both forms are this product on CUDA: eager's `amax / 448.` (a Python number's divisor) multiplies by the float
+  // reciprocal there too (ATen's div_true_kernel_cuda; measured bitwise on an H100, sixtieth session) - `recip`
+  // matters only to the reference executor on the CPU, whose eager divides
+  (void)recip;
+  const float m = fmaxf(amax, amin), sc = m * (1.f / fmax);
   return pow2 ? exp2f(ceilf(log2f(sc))) : sc;
 }
 template <typename TX, typename TQ, typename TS>

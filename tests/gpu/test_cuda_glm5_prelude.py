@@ -163,6 +163,30 @@ def test_fp8_scales_written_as_a_product_with_the_reciprocal(g):
     assert torch.equal(outs[0], outs[1])
 
 
+class DivQuant(torch.nn.Module):
+    def __init__(self, g):
+        super().__init__()
+        self.g = g
+
+    def forward(self, x):
+        return glm.act_quant(x, self.g)
+
+
+@pytest.mark.parametrize("g", [128, 64])
+def test_fp8_scales_written_as_a_division_are_cuda_eagers_bitwise(g):
+    """``amax / 448.`` on CUDA: eager multiplies by the float reciprocal (a Python number's divisor, ATen's
+    div_true_kernel_cuda), and op_fp8_quant divided exactly - about half the scales one ulp off CUDA eager's.
+    Both forms are the product on CUDA now: values and scales bitwise CUDA eager's, which differ from the CPU's
+    quotient on these inputs."""
+    torch.manual_seed(0)
+    x = (torch.randn(16, 1024) * 3).to(torch.bfloat16)
+    xd = x.to(DEV)
+    prog = compile_module(DivQuant(g), (xd,), options=dict(executor="cuda", workers=16))
+    want = DivQuant(g)(xd)
+    assert all(torch.equal(a, b) for a, b in zip(prog(xd), want))
+    assert not torch.equal(want[1].cpu(), DivQuant(g)(x)[1])  # CUDA's rounding is not the CPU's here
+
+
 class Score(torch.nn.Module):
     def forward(self, q, w, k_cache, block_tables, positions):
         return glm.paged_index_score(q, w, k_cache, block_tables, positions, scale=q.shape[-1] ** -0.5)

@@ -27,9 +27,14 @@ UNARY_FNS = {
     "mul_scalar": lambda x, a: x * a,
     "add_scalar": lambda x, a: x + a,
     "rsub_scalar": lambda x, a: a - x,
+    # x / a as eager computes it with a CPU scalar divisor (a Python number): CUDA multiplies by the float
+    # reciprocal RN(1 / a), the CPU divides (ATen's div_true_kernel_cuda; torch's own `x / a` here does the same
+    # on either device); the CUDA executor multiplies by 1.f / a
     "div_scalar": lambda x, a: x / a,
     "pow_scalar": lambda x, a: x.pow(a),
     "abs": lambda x, a: x.abs(),
+    # x / a rounded once on every device: eager's division by a tensor on x's device (a 0-dim buffer)
+    "div_exact_scalar": lambda x, a: x / torch.tensor(a, dtype=x.dtype, device=x.device),
 }
 BINARY_FNS = {
     "add": torch.add,
@@ -55,7 +60,9 @@ class Unary(OpDef):
     """``unary``: ``out = fn(x, a)`` elementwise with ``fn`` one of :data:`UNARY_FNS` (neg, SiLU,
     ReLU, GELU (erf / tanh), sigmoid, tanh, exp, rsqrt, sqrt, cos, sin, abs, a dtype cast, and
     ``x * a``, ``x + a``, ``a - x``, ``x / a``, ``x ** a`` with the float scalar a); float32
-    math, cast to out's dtype on store.
+    math, cast to out's dtype on store. ``x / a`` comes in eager's two roundings: ``div_scalar`` (a Python
+    number's divisor: CUDA eager multiplies by the float reciprocal, the CPU divides - each executor matches
+    its device's eager) and ``div_exact_scalar`` (a divisor tensor on x's device: one rounding everywhere).
 
     Operands: x (expanded to out's shape), out. Params: function code (index in UNARY_FNS), scalar
     (float32 bits). Tiles: :func:`~tilec.ops.out_tiles` of out, ``tile_rows`` x ``tile_cols``.

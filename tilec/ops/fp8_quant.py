@@ -2,7 +2,7 @@
 
 For each group of ``G`` consecutive elements: ``s = max(amax(|x|), amin) / 448`` (with
 ``recip``: ``* (1 / 448)``, a float32 product, as the source wrote it; rounded up to a power of two
-with ``pow2``), ``q = clamp(x / s, -448, 448)`` cast to float8_e4m3fn
+with ``pow2``; on CUDA both forms are that product, as eager's division by a Python number is there), ``q = clamp(x / s, -448, 448)`` cast to float8_e4m3fn
 (round to nearest even). Used for GEMM activations (G = 128 per token), indexer keys (one
 scale per position) and indexer queries (one scale per token and head).
 Operands: x [..., K], q [..., K] float8_e4m3fn, scale [..., K/G] float32.
@@ -19,7 +19,8 @@ FP8_MAX = 448.0
 
 def quantize(x: torch.Tensor, group: int, pow2: bool, amin: float, fmax: float = FP8_MAX, recip: bool = False):
     """``(q, scale)`` of float32 ``x [..., K]`` (the same torch ops the eager pattern uses; with
-    ``recip`` the scale is ``max(amax, amin) * (1 / fmax)``, which rounds differently from the quotient)."""
+    ``recip`` the scale is ``max(amax, amin) * (1 / fmax)``, which rounds differently from the quotient on the
+    CPU; on a CUDA tensor torch computes the quotient as that product, as the CUDA executor does)."""
     xg = x.unflatten(-1, (-1, group))
     a = xg.abs().amax(-1, keepdim=True).clamp(min=amin)
     s = a * (1.0 / fmax) if recip else a / fmax
