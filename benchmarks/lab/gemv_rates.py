@@ -11,6 +11,10 @@ stream (forty-ninth and fiftieth sessions, benchmarks/RESULTS.md).
     PYTHONPATH=. python benchmarks/lab/gemv_rates.py
     TILEC_NVCC_FLAGS=-DTILEC_HOLD_AHEAD=8 PYTHONPATH=. python benchmarks/lab/gemv_rates.py
     TILEC_CACHE_DIR=$PWD/.tilec-cache PYTHONPATH=. python benchmarks/lab/gemv_rates.py --prebuild   # no GPU
+
+With ``--variants`` (variants_ab.py's NAME=DEFINE[,DEFINE...] specs) the variants run in one process instead:
+per shape, each variant's library is swapped into the same compiled plan and the variants' CUDA graphs are
+replayed in turn, ``--rounds`` times (their libraries are the variants_ab.py ones: its ``--prebuild`` builds them).
 """
 import argparse
 import os
@@ -46,9 +50,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prebuild", action="store_true", help="only build the libraries (no GPU needed)")
     ap.add_argument("--iters", type=int, default=50, help="replays per median")
+    ap.add_argument("--variants", nargs="+", default=[], metavar="NAME=DEFINES",
+                    help="runtime variants to A/B in this process (variants_ab.py's form)")
+    ap.add_argument("--rounds", type=int, default=5, help="with --variants: rounds of the variants in turn")
     args = ap.parse_args()
     if args.prebuild:
         prebuild()
+        return
+    if args.variants:
+        ab(args.variants, args.iters, args.rounds, ap)
         return
     from tilec.timing import cuda_graph
 
@@ -65,6 +75,44 @@ def main() -> None:
         print(f"{tag:<40} {n:>6} x {k:<6} " + " ".join(f"{t:7.1f}" for t in us)
               + f" us  {mb / min(us):.2f} TB/s (best)  rel.L2 {err:.1e}", flush=True)
         del mod, prog, run, graph
+
+
+def ab(specs, iters: int, rounds: int, ap) -> None:
+    """The three plans under each of ``specs``' variants in this process: per shape the median of
+    ``iters`` replays each round, variants in turn, then each variant's median over the rounds."""
+    import dataclasses
+    import statistics
+
+    from tilec import codegen
+    from tilec.cuda import CudaExecutor
+    from tilec.timing import cuda_graph
+    from variants_ab import parse_variants
+
+    variants = parse_variants(specs, ap)
+    for n, k in SHAPES:
+        mod, x, prog, run = gemv_plan(n, k, COUNT)
+        base = prog.executor
+        opts = dataclasses.replace(base.opts)
+        graphs, errs, exs = {}, {}, {}  # (each graph launches its executor's buffers: keep them alive)
+        for name, lines in variants:
+            lib = codegen.build({**base.sources, "program.cu": lines + base.sources["program.cu"]}, opts.arch)
+            prog.executor = exs[name] = CudaExecutor(base.plan, opts, base.device, lib_path=lib)
+            with torch.no_grad():
+                got, want = prog(x)[0].float(), mod.ws[0](x).float()
+            errs[name] = float((got - want).norm() / want.norm())
+            graphs[name] = cuda_graph(run)
+            once = time_cuda(graphs[name].replay, 3, warmup=1)
+            time_cuda(graphs[name].replay, 3, warmup=max(5, int(GEMV_WARM_MS / once)))
+        res = {name: [] for name, _ in variants}
+        for _ in range(rounds):
+            for name, _ in variants:
+                res[name].append(time_cuda(graphs[name].replay, iters, warmup=5) * 1e3)
+        mb = COUNT * n * k * 2 / 1e6
+        for name, _ in variants:
+            med = statistics.median(res[name])
+            print(f"{name:<12} {n:>6} x {k:<6} {med:8.1f} us  {mb / med:.2f} TB/s  rounds {[round(t, 1) for t in res[name]]}"
+                  f"  rel.L2 {errs[name]:.1e}", flush=True)
+        del mod, prog, run, graphs, exs
 
 
 if __name__ == "__main__":
