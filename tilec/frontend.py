@@ -706,17 +706,28 @@ class Lowering(FormsLowering, DsaLowering):
                 v = self._emit(node, "copy", [v], out_dtype=out_dtype, name=f"{node.name}_{dtype_name(out_dtype)}{i}")
             return v
 
+        def cpu_scalar(x) -> bool:
+            """Whether eager reads operand ``x`` as a CPU scalar (a Python number, a 0-dim CPU tensor): as a float
+            (opmath) value, where a one-element tensor on x's device is first converted to the result's dtype."""
+            d = val_of(x)
+            return d is None or (d.dim() == 0 and d.device.type == "cpu")
+
+        def scalar(x, value) -> float:
+            """The scalar operand as eager computes with it: a one-element tensor on the device in bf16 / fp16
+            arithmetic rounded to that dtype first (a float32 0-dim buffer's 3.7 is 3.703125 in bf16)."""
+            if cpu_scalar(x) or out_dtype not in (torch.bfloat16, torch.float16):
+                return float(value)
+            return float(self.value(x).value.reshape(()).to(out_dtype).item())
+
         if scalars[1] is not None and fn in ("add", "sub", "mul", "div", "rsub"):
-            s = float(scalars[1])
-            # a divisor eager treats as a CPU scalar (a Python number, a 0-dim CPU tensor) divides as CUDA eager
-            # does, by the float reciprocal; one on x's device (a 0-dim buffer) divides exactly (tilec/ops/ewise.py)
-            d = val_of(b)
-            cpu_scalar = d is None or (d.dim() == 0 and d.device.type == "cpu")
+            s = scalar(b, scalars[1])
+            # a divisor eager treats as a CPU scalar divides as CUDA eager does, by the float reciprocal; one on
+            # x's device (a 0-dim buffer) divides exactly (tilec/ops/ewise.py)
             fn2, s = {"add": ("add_scalar", s), "sub": ("add_scalar", -s), "mul": ("mul_scalar", s),
-                      "div": ("div_scalar" if cpu_scalar else "div_exact_scalar", s), "rsub": ("rsub_scalar", s)}[fn]
+                      "div": ("div_scalar" if cpu_scalar(b) else "div_exact_scalar", s), "rsub": ("rsub_scalar", s)}[fn]
             return self._emit(node, "unary", [operand(a, 0)], attrs=(("fn", fn2), ("scalar", s)))
         if scalars[0] is not None and fn in ("add", "mul", "sub"):
-            s = float(scalars[0])
+            s = scalar(a, scalars[0])
             fn2 = {"add": "add_scalar", "mul": "mul_scalar", "sub": "rsub_scalar"}[fn]
             return self._emit(node, "unary", [operand(b, 1)], attrs=(("fn", fn2), ("scalar", s)))
         if fn not in BINARY_FNS:

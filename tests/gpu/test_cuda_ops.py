@@ -153,6 +153,27 @@ def test_wide_misaligned_rows_read_the_float_rows():
     assert [op.kind for op in prog.plan.graph.ops] == ["linear_fused"] and prog.plan.ring_stages == 2
 
 
+class NormLin(torch.nn.Module):
+    """Llama's RMSNorm, then a linear: the norm becomes the GEMV's prologue."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.norm = LlamaRMSNorm(k)
+        self.l = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, y):
+        return self.l(self.norm(y))
+
+
+@pytest.mark.parametrize("k", [2048, 3072, 4096, 4104, 8192])
+def test_rmsnorm_prologue_of_one_row(k):
+    """One bf16 row's RMSNorm prologue: from registers with one 16-byte vector a thread up to K = 2048, two up to
+    4096 (Llama-3.1-8B's hidden size; the sixtieth session's change), through shared memory past that."""
+    torch.manual_seed(0)
+    prog = check(NormLin(k, 96), (torch.randn(1, k, dtype=torch.bfloat16),), torch.bfloat16, workers=8)
+    assert [op.kind for op in prog.plan.graph.ops] == ["linear_fused"]
+
+
 class LinOfView(Lin):
     """The linear of a view of the input: transposed (K stride 16) or offset by one element
     (rows 2 bytes past 16-byte alignment) - the K-outer stream stages such rows one element at a
@@ -241,22 +262,24 @@ def test_elementwise(dtype, n, tile_cols):
 
 class Divide(torch.nn.Module):
     """``x / 448.``, ``x / 3.7`` (Python numbers: CUDA eager multiplies by the float reciprocal) and ``x / s`` of a
-    0-dim buffer on x's device (eager divides exactly)."""
+    0-dim float32 buffer on x's device (eager divides exactly, by s in x's dtype), ``x * s`` and ``s - x``."""
 
     def __init__(self):
         super().__init__()
         self.register_buffer("s", torch.tensor(3.7))
 
     def forward(self, x):
-        return x / 448., x / 3.7, x / self.s
+        return x / 448., x / 3.7, x / self.s, x * self.s, self.s - x
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_division_by_a_scalar_rounds_as_cuda_eager(dtype):
     """CUDA eager divides by a Python number as a product with its float reciprocal (ATen's div_true_kernel_cuda:
     x / 448. differed from the correctly rounded quotient in 558 938 of 2**20 random floats on an H100, sixtieth
-    session) and by a device tensor exactly; the executor did the exact division for both. Bitwise eager now, and
-    the two roundings do differ on these inputs."""
+    session) and by a device tensor exactly; the executor did the exact division for both. A 0-dim float32 tensor on
+    the device is converted to bf16 first in bf16 arithmetic (3.7 -> 3.703125), which the executor did not do (bf16
+    x / s failed bitwise in the sixtieth session's first run of this test). Bitwise eager now, and the two
+    roundings do differ on these inputs."""
     torch.manual_seed(0)
     x = (torch.rand(4, 4096) * 10).to(dtype).to(DEV)
     mod = Divide().to(DEV)
@@ -264,8 +287,8 @@ def test_division_by_a_scalar_rounds_as_cuda_eager(dtype):
     with torch.no_grad():
         want = mod(x)
     got = prog(x)
-    assert [op.attr("fn") for op in prog.graph.ops if op.kind == "unary"] == ["div_scalar", "div_scalar",
-                                                                                "div_exact_scalar"]
+    assert [op.attr("fn") for op in prog.graph.ops if op.kind == "unary"] == [
+        "div_scalar", "div_scalar", "div_exact_scalar", "mul_scalar", "rsub_scalar"]
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
     if dtype == torch.float32:
