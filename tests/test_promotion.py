@@ -64,28 +64,48 @@ def test_f32_bits_rounds_to_float32(value, want):
 
 
 class _Divide(torch.nn.Module):
-    """A Python number's divisor (CUDA eager: a product with the float reciprocal) and a 0-dim buffer's."""
+    """Python numbers' divisors and a tensor made in forward (CPU scalars to eager: CUDA eager multiplies by the float
+    reciprocal), a 0-dim buffer's (it moves with the module: the quotient on every device)."""
 
     def __init__(self):
         super().__init__()
         self.register_buffer("s", torch.tensor(3.7))
 
     def forward(self, x):
-        return x / 448., x / 3.7, x / self.s
+        return x / 448., x / 3.7, x / torch.tensor(448.), x / self.s
 
 
 def test_a_scalar_divisor_keeps_eagers_rounding_per_device():
-    """Eager divides by a Python number (a CPU scalar) exactly on the CPU but, on CUDA, multiplies by the float
-    reciprocal (seen on an H100: 558 938 of 2**20 quotients differ); by a tensor on x's device it divides exactly on
-    both. The lowering keeps which one the source wrote (``div_scalar`` / ``div_exact_scalar``; on the CPU a 0-dim
-    buffer is a CPU scalar too), so each executor can match its device's eager (tests/gpu/test_cuda_ops.py: the
-    CUDA executor); the reference executor here is bitwise the CPU's, and its exact form is one rounding."""
+    """Eager divides by a CPU scalar (a Python number, a 0-dim CPU tensor made in forward) exactly on the CPU but, on
+    CUDA, multiplies by the float reciprocal (seen on an H100: 558 938 of 2**20 quotients differ); by a parameter or
+    buffer, which is on x's device wherever the module runs, it divides exactly on both. The lowering keeps which one
+    the source wrote (``div_scalar`` / ``div_exact_scalar``), so each executor can match its device's eager
+    (tests/gpu/test_cuda_ops.py: the CUDA executor); the reference executor here is bitwise the CPU's."""
     torch.manual_seed(0)
     x = torch.rand(4, 4096) * 10
     prog = compile_module(_Divide(), (x,))
-    assert [op.attr("fn") for op in prog.graph.ops if op.kind == "unary"] == ["div_scalar"] * 3
-    exact = UNARY_FNS["div_exact_scalar"](x, 3.7)
-    assert torch.equal(exact, (x.double() / bits_f32(f32_bits(3.7))).float())
+    assert [op.attr("fn") for op in prog.graph.ops if op.kind == "unary"] == ["div_scalar"] * 3 + ["div_exact_scalar"]
     for got, want in zip(prog(x), _Divide()(x)):
         assert torch.equal(got, want)
+    exact = UNARY_FNS["div_exact_scalar"](x, 3.7)
+    assert torch.equal(exact, (x.double() / bits_f32(f32_bits(3.7))).float())
     assert not torch.equal(x / 448., x * (1 / 448.))  # the two roundings differ on these inputs
+
+
+class _TimesOneElement(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.tensor([1001]))
+
+    def forward(self, x):
+        return x * self.n, x / self.n
+
+
+def test_a_one_element_buffer_in_bf16_arithmetic_on_the_cpu_is_read_unrounded():
+    """CPU eager's mul and div read a one-element operand unrounded (1001, not bf16's 1000); rounding it to the result
+    dtype, as CUDA eager does, is for tensors on a GPU only (a reviewer's case against this session's first form)."""
+    torch.manual_seed(0)
+    x = (torch.rand(4, 4096) * 10).to(torch.bfloat16)
+    m = _TimesOneElement()
+    for got, want in zip(compile_module(m, (x,))(x), m(x)):
+        assert torch.equal(got, want)

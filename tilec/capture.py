@@ -277,13 +277,17 @@ def _check_meta_refused(cause: BaseException) -> None:
     check wants an integer dtype where eager promotes (torch 2.11-2.13); returns otherwise."""
     if not isinstance(cause, RuntimeError):
         return
+    # the innermost frame of torch's own code below its torch._check helpers must be a tracing kernel's
     files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(cause.__traceback__)]
-    if not any(part in f for f in files for part in ("/torch/_meta_registrations.py", "/torch/_refs/", "/torch/_prims")):
+    torch_frames = [f for f in files if "/torch/" in f and not f.endswith("/torch/__init__.py")]
+    if not torch_frames or not any(part in torch_frames[-1] for part in
+                                   ("/torch/_meta_registrations.py", "/torch/_refs/", "/torch/_prims/")):
         return
+    shift = ("; for a shift, tilec lowers a product with 2**k, not the shift" if "shift" in str(cause).lower() else "")
     raise TilecError(f"torch.export cannot trace the module{_raised_at(cause, ('/torch/', '/tilec/'))}: torch's "
                      f"tracing kernel refuses an op that eager PyTorch runs ({describe_exception(cause)}). Write it "
-                     f"in a form both accept - e.g. cast a bool tensor to an integer dtype first; for a shift, tilec "
-                     f"lowers a product with 2**k, not the shift (torch.compile's tracing refuses it too)") from cause
+                     f"in a form both accept - e.g. cast a bool tensor to an integer dtype first{shift} "
+                     f"(torch.compile's tracing refuses it too)") from cause
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

@@ -706,16 +706,14 @@ class Lowering(FormsLowering, DsaLowering):
                 v = self._emit(node, "copy", [v], out_dtype=out_dtype, name=f"{node.name}_{dtype_name(out_dtype)}{i}")
             return v
 
-        def cpu_scalar(x) -> bool:
-            """Whether eager reads operand ``x`` as a CPU scalar (a Python number, a 0-dim CPU tensor): as a float
-            (opmath) value, where a one-element tensor on x's device is first converted to the result's dtype."""
-            d = val_of(x)
-            return d is None or (d.dim() == 0 and d.device.type == "cpu")
+        cpu_scalar = self._eager_cpu_scalar
 
         def scalar(x, value) -> float:
-            """The scalar operand as eager computes with it: a one-element tensor on the device in bf16 / fp16
-            arithmetic rounded to that dtype first (a float32 0-dim buffer's 3.7 is 3.703125 in bf16)."""
-            if cpu_scalar(x) or out_dtype not in (torch.bfloat16, torch.float16):
+            """The scalar operand as eager computes with it: a one-element tensor on a GPU in bf16 / fp16
+            arithmetic rounded to that dtype first, as CUDA eager converts it (a float32 0-dim buffer's 3.7 is
+            3.703125 in bf16); on the CPU as the value (CPU eager's mul and div read it unrounded)."""
+            d = val_of(x)
+            if cpu_scalar(x) or d is None or d.device.type == "cpu" or out_dtype not in (torch.bfloat16, torch.float16):
                 return float(value)
             return float(self.value(x).value.reshape(()).to(out_dtype).item())
 
@@ -733,6 +731,28 @@ class Lowering(FormsLowering, DsaLowering):
         if fn not in BINARY_FNS:
             self._unsupported(node)
         return self._emit(node, "binary", [operand(a, 0), operand(b, 1)], attrs=(("fn", fn),))
+
+    def _eager_cpu_scalar(self, x) -> bool:
+        """Whether eager reads operand ``x`` of an elementwise op as a CPU scalar - a Python number, or a 0-dim
+        tensor on the CPU that is not (made from) a parameter or buffer, which move with the module (e.g.
+        ``torch.tensor(448.)`` made in forward) - whatever device the module runs on: CUDA eager then divides by
+        it as a product with its float reciprocal, and reads it as a float32 value (ATen's div_true_kernel_cuda,
+        gpu_kernel_with_scalars)."""
+        d = val_of(x)
+        if d is None:
+            return True
+        if d.dim() != 0 or d.device.type != "cpu":
+            return False
+        seen, todo = set(), [x]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" and (n.name in self.b.params or n.name in self.b.buffer_names):
+                return False
+            todo.extend(n.all_input_nodes)
+        return True
 
     def _linear(self, node: fx.Node):
         t = node.target
