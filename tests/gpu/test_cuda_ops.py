@@ -261,7 +261,8 @@ def test_elementwise(dtype, n, tile_cols):
 
 
 class Divide(torch.nn.Module):
-    """``x / 448.``, ``x / 3.7`` (Python numbers: CUDA eager multiplies by the float reciprocal) and ``x / s`` of a
+    """``x / 448.``, ``x / 3.7``, ``x / torch.tensor(448.)`` (CPU scalars: CUDA eager multiplies by the float
+    reciprocal) and ``x / s`` of a
     0-dim float32 buffer on x's device (eager divides exactly, by s in x's dtype), ``x * s`` and ``s - x``."""
 
     def __init__(self):
@@ -269,7 +270,7 @@ class Divide(torch.nn.Module):
         self.register_buffer("s", torch.tensor(3.7))
 
     def forward(self, x):
-        return x / 448., x / 3.7, x / self.s, x * self.s, self.s - x
+        return x / 448., x / 3.7, x / torch.tensor(448.), x / self.s, x * self.s, self.s - x
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -288,7 +289,7 @@ def test_division_by_a_scalar_rounds_as_cuda_eager(dtype):
         want = mod(x)
     got = prog(x)
     assert [op.attr("fn") for op in prog.graph.ops if op.kind == "unary"] == [
-        "div_scalar", "div_scalar", "div_exact_scalar", "mul_scalar", "rsub_scalar"]
+        "div_scalar", "div_scalar", "div_scalar", "div_exact_scalar", "mul_scalar", "rsub_scalar"]
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and torch.equal(g, w)
     if dtype == torch.float32:
