@@ -1148,48 +1148,6 @@ __device__ __forceinline__ uint4 rmsnorm_bf16x8(const uint4& a, const uint4& g, 
                          round_to<__nv_bfloat16>(bf16_hi(xw[i]) * rs) * bf16_hi(sw[i]));
   return make_uint4(res[0], res[1], res[2], res[3]);
 }
-// One row's RMSNorm from registers: x [vpr x 8] and the norm weight come in with 16-byte loads, N vectors a
-// thread (one round trip), every warp sums its own vectors' squares, one barrier for the kWarps warp sums (added in
-// warp order, into part[0..kWarps)), and each thread writes its normed bf16 vectors to xb; the multi-row path of
-// stage_bf16_rows stages through shared memory and one warp sums a row (dependent rounds of vectors). Measured on an
-// H200 with N = 1 (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1, context 1024, one process): a step 1.312
-// against 1.339 ms, the q/k/v and gate/up tiles' staging 1.15-1.22 against 2.0-2.1 us; with N = 2 for K = 4096 on an
-// H100 (sixtieth session): Llama-3.1-8B 6.145 against 6.226 ms (every round), those tiles' x staged 1.70 against
-// 3.04 us; logits bitwise equal in both (the sums' order differs from the other path's: last-bit differences in the
-// scale are possible).
-#ifndef TILEC_RMS_VECS
-#define TILEC_RMS_VECS 2  // 16-byte vectors a thread at most on the register path (1: rows past 2048 go through smem)
-#endif
-template <int N>
-__device__ __forceinline__ void rmsnorm_row_regs(const __nv_bfloat16* xrow, const __nv_bfloat16* w, int vpr, int kl,
-                                                 float eps, __nv_bfloat16* xb, float* part) {
-  uint4 xr[N], wr[N];
-  float q = 0.f;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int v = threadIdx.x + i * kThreads;
-    xr[i] = wr[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (v < vpr) {
-      xr[i] = __ldcg(reinterpret_cast<const uint4*>(xrow + v * 8));
-      wr[i] = __ldcg(reinterpret_cast<const uint4*>(w + v * 8));
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i) q = sumsq_bf16x8(q, xr[i]);
-  q = warp_sum(q);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = q;
-  block_sync();
-  float total = 0.f;
-#pragma unroll
-  for (int w8 = 0; w8 < kWarps; ++w8) total += part[w8];
-  const float rs = rsqrtf(total / kl + eps);
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int v = threadIdx.x + i * kThreads;
-    if (v < vpr) *reinterpret_cast<uint4*>(xb + v * 8) = rmsnorm_bf16x8(xr[i], wr[i], rs);
-  }
-  block_sync();
-}
 // Whether stage_bf16_rows can stage these rows (it stages nothing otherwise).
 __device__ __forceinline__ bool bf16_rows_stageable(const TileCtx& c, const long long* xoff, const long long* soff,
                                                     long long xk, int nr, int k0, int kl, int pro, int pitch) {
@@ -1210,14 +1168,31 @@ __device__ __forceinline__ bool stage_bf16_rows(const TileCtx& c, const long lon
   if (!checked && !bf16_rows_stageable(c, xoff, soff, xk, nr, k0, kl, pro, pitch)) return false;
   const __nv_bfloat16* xp = base<__nv_bfloat16>(x);
   const __nv_bfloat16* sp = base<__nv_bfloat16>(side);
-  // One row's RMSNorm from registers (rmsnorm_row_regs): one 16-byte vector a thread up to kl = 2048, two up to
-  // TILEC_RMS_VECS x 2048 (Llama-3.1-8B's 4096); wider rows and several rows take the path below.
-  if (pro == 1 && nr == 1 && vpr <= kThreads) {
-    rmsnorm_row_regs<1>(xp + xoff[0] + k0, sp + k0, vpr, kl, eps, xb, rscale + 32);  // rscale[1..) is free with one row
-    return true;
-  }
-  if (pro == 1 && nr == 1 && vpr <= TILEC_RMS_VECS * kThreads) {
-    rmsnorm_row_regs<2>(xp + xoff[0] + k0, sp + k0, vpr, kl, eps, xb, rscale + 32);
+  // One row's RMSNorm from registers: x and the norm weight come in with 16-byte loads (one
+  // round trip), every warp sums its own vectors' squares, one barrier for the 8 warp sums (added
+  // in warp order), and each thread writes its normed bf16 vectors; the multi-row path below
+  // stages through shared memory and one warp sums a row (8 dependent rounds). Measured on an
+  // H200 (benchmarks/lab/variants_ab.py, Llama-3.2-1B batch 1, context 1024, one process): a
+  // step 1.312 against 1.339 ms, the q/k/v and gate/up tiles' staging 1.15-1.22 against 2.0-2.1
+  // us, logits bitwise equal (the sums' order differs from the other path's: last-bit
+  // differences in the scale are possible).
+  if (pro == 1 && nr == 1 && vpr <= kThreads) {  // one 16-byte vector per thread (kl <= 2048): few registers
+    const int v = threadIdx.x;
+    uint4 xr = make_uint4(0u, 0u, 0u, 0u), wr = xr;
+    if (v < vpr) {
+      xr = __ldcg(reinterpret_cast<const uint4*>(xp + xoff[0] + k0 + v * 8));
+      wr = __ldcg(reinterpret_cast<const uint4*>(sp + k0 + v * 8));
+    }
+    const float q = warp_sum(sumsq_bf16x8(0.f, xr));
+    float* part = rscale + 32;  // rscale[1..kMaxRows) is free with one row
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = q;
+    block_sync();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += part[w];
+    const float rs = rsqrtf(total / kl + eps);
+    if (v < vpr) *reinterpret_cast<uint4*>(xb + v * 8) = rmsnorm_bf16x8(xr, wr, rs);
+    block_sync();
     return true;
   }
 #pragma unroll 1
