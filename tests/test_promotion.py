@@ -109,3 +109,24 @@ def test_a_one_element_buffer_in_bf16_arithmetic_on_the_cpu_is_read_unrounded():
     m = _TimesOneElement()
     for got, want in zip(compile_module(m, (x,))(x), m(x)):
         assert torch.equal(got, want)
+
+
+class _ItemScalars(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("s", torch.tensor(3.7))
+
+    def forward(self, x):
+        return x / self.s.item(), x * self.s.item(), self.s.item() - x
+
+
+def test_a_buffers_item_as_a_scalar_compiles_as_a_python_number():
+    """``x / buffer.item()``: the static value is a Python float, not a tensor - the lowering raised an internal
+    AttributeError ('float' object has no attribute 'numel'; a reviewer's finding). It is a Python number's scalar
+    (a CPU scalar to CUDA eager), bitwise eager here."""
+    torch.manual_seed(0)
+    x = torch.rand(4, 4096) * 10
+    prog = compile_module(_ItemScalars(), (x,))
+    assert [op.attr("fn") for op in prog.graph.ops if op.kind == "unary"] == ["div_scalar", "mul_scalar", "rsub_scalar"]
+    for got, want in zip(prog(x), _ItemScalars()(x)):
+        assert torch.equal(got, want)

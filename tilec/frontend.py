@@ -692,9 +692,19 @@ class Lowering(FormsLowering, DsaLowering):
             self._unsupported(node, "alpha != 1")
         fn = BINARY.get(t) or {aten.add.Scalar: "add", aten.mul.Scalar: "mul", aten.sub.Scalar: "sub",
                                 aten.div.Scalar: "div", aten.rsub.Scalar: "rsub"}[t]
-        scalars = [x if not isinstance(x, fx.Node) else (self.value(x).value.item() if self.cls[x] == "static"
-                                                         and self.value(x).value.numel() == 1 else None)
-                   for x in (a, b)]
+        def static_scalar(x):
+            """``x``'s value when it is a number known when compiling: a Python number, a static one-element tensor,
+            or a static number (``buffer.item()``, a float, not a tensor)."""
+            if not isinstance(x, fx.Node):
+                return x
+            if self.cls[x] != "static":
+                return None
+            v = self.value(x).value
+            if isinstance(v, torch.Tensor):
+                return v.item() if v.numel() == 1 else None
+            return v if isinstance(v, (bool, int, float)) else None
+
+        scalars = [static_scalar(x) for x in (a, b)]
         out_dtype = val_of(node).dtype
 
         def operand(x, i: int) -> View:
