@@ -88,6 +88,18 @@ def _divides_by_its_sqrt(mean: fx.Node, depth: int = 6) -> bool:
     return False
 
 
+def _upstream(node: fx.Node):
+    """``node`` and every node it reads, directly or not, each once (depth first)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        yield n
+        todo.extend(n.all_input_nodes)
+
+
 def _matmul4(n):
     """``matmul(a, b)`` of 4-d a and b, or what AOTAutograd decomposes it into (the ``torch.compile``
     path): ``view(bmm(view(expand(a)), view(expand(b))), [B, H, M, N])`` with expands that change no
@@ -753,16 +765,8 @@ class Lowering(FormsLowering, DsaLowering):
             return True
         if d.dim() != 0 or d.device.type != "cpu":
             return False
-        seen, todo = set(), [x]
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n.op == "placeholder" and (n.name in self.b.params or n.name in self.b.buffer_names):
-                return False
-            todo.extend(n.all_input_nodes)
-        return True
+        return not any(n.op == "placeholder" and (n.name in self.b.params or n.name in self.b.buffer_names)
+                       for n in _upstream(x))
 
     def _linear(self, node: fx.Node):
         t = node.target
@@ -1043,12 +1047,7 @@ class Lowering(FormsLowering, DsaLowering):
         """Why a run-time ``mask`` cannot be checked per call by a :class:`tilec.guards.MaskGuard`
         (its value must follow from the call's arguments alone), or ``""`` when it can."""
         mutated = set(self.b.mutations.values())
-        seen, todo = set(), [mask]
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
+        for n in _upstream(mask):
             if n.op == "placeholder" and n.name in mutated:
                 return f"it reads {self._argument(n.name)}, which the step updates in place"
             if n.op == "call_function" and (n.target in INDEX_WRITES or n.target is aten.copy_.default):
@@ -1057,7 +1056,6 @@ class Lowering(FormsLowering, DsaLowering):
                 return f"it reads {n.name} ({target_name(n)}), a random op (drawn anew on every call)"
             if n.op not in ("placeholder", "get_attr", "call_function"):
                 return f"it reads {n.name}, a {n.op} node"
-            todo.extend(n.all_input_nodes)
         return ""
 
     def _check_slot_index(self, node, idx_node, sq, cache: View):
