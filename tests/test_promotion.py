@@ -130,3 +130,18 @@ def test_a_buffers_item_as_a_scalar_compiles_as_a_python_number():
     assert [op.attr("fn") for op in prog.graph.ops if op.kind == "unary"] == ["div_scalar", "mul_scalar", "rsub_scalar"]
     for got, want in zip(prog(x), _ItemScalars()(x)):
         assert torch.equal(got, want)
+
+
+class _TrueDivide(torch.nn.Module):
+    def forward(self, x, y):
+        return torch.true_divide(x, 3.7), torch.true_divide(x, y)
+
+
+def test_true_divide_is_div():
+    """``torch.true_divide``, div's alias, kept its own name through export and was refused as an op no tilec op
+    computes (a fresh user's finding); it lowers as ``div``, bitwise eager."""
+    torch.manual_seed(0)
+    x, y = torch.rand(4, 256) * 10, torch.rand(4, 256) + 0.5
+    prog = compile_module(_TrueDivide(), (x, y))
+    for got, want in zip(prog(x, y), _TrueDivide()(x, y)):
+        assert torch.equal(got, want)

@@ -283,11 +283,12 @@ def _check_meta_refused(cause: BaseException) -> None:
     if not torch_frames or not any(part in torch_frames[-1] for part in
                                    ("/torch/_meta_registrations.py", "/torch/_refs/", "/torch/_prims/")):
         return
-    shift = ("; for a shift, tilec lowers a product with 2**k, not the shift" if "shift" in str(cause).lower() else "")
+    how = ("- a shift of a bool mask as its product with 2**k, `mask * 2`, which tilec lowers (it has no shift op, "
+           "and refuses integer arithmetic on integer tensors read at run time)" if "shift" in str(cause).lower()
+           else "- e.g. with a bool tensor cast to another dtype first")
     raise TilecError(f"torch.export cannot trace the module{_raised_at(cause, ('/torch/', '/tilec/'))}: torch's "
                      f"tracing kernel refuses an op that eager PyTorch runs ({describe_exception(cause)}). Write it "
-                     f"in a form both accept - e.g. cast a bool tensor to an integer dtype first{shift} "
-                     f"(torch.compile's tracing refuses it too)") from cause
+                     f"in a form both accept {how} (torch.compile's tracing refuses it too)") from cause
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

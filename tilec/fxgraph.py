@@ -103,6 +103,7 @@ UNARY = {
 }
 BINARY = {
     aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
+    aten.true_divide.Tensor: "div",  # torch.true_divide, div's alias (export keeps its name)
     aten.maximum.default: "maximum", aten.minimum.default: "minimum",
 }
 # positional argument names of SDPA and of the fused variants AOTAutograd dispatches it to
