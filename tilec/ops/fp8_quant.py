@@ -1,10 +1,11 @@
 """FP8 quantization in groups along the last dim (DeepSeek-V3's ``act_quant``).
 
 For each group of ``G`` consecutive elements: ``s = max(amax(|x|), amin) / 448`` (with
-``recip``: ``* (1 / 448)``, a float32 product, as the source wrote it; rounded up to a power of two
-with ``pow2``; on CUDA both forms are that product, as eager's division by a Python number is there), ``q = clamp(x / s, -448, 448)`` cast to float8_e4m3fn
-(round to nearest even). Used for GEMM activations (G = 128 per token), indexer keys (one
-scale per position) and indexer queries (one scale per token and head).
+``recip``: ``* (1 / 448)``, a float32 product, as the source wrote it; on CUDA both forms are that
+product, as eager's division by a Python number is there; rounded up to a power of two with
+``pow2``), ``q = clamp(x / s, -448, 448)`` cast to float8_e4m3fn (round to nearest even). Used for
+GEMM activations (G = 128 per token), indexer keys (one scale per position) and indexer queries (one
+scale per token and head).
 Operands: x [..., K], q [..., K] float8_e4m3fn, scale [..., K/G] float32.
 Params: G, pow2, amin bits, fp8 max bits, recip. Tiles: rows x whole last dim (``tile_rows``).
 """
