@@ -728,14 +728,13 @@ class Lowering(FormsLowering, DsaLowering):
                 v = self._emit(node, "copy", [v], out_dtype=out_dtype, name=f"{node.name}_{dtype_name(out_dtype)}{i}")
             return v
 
-        cpu_scalar = self._eager_cpu_scalar
-
         def scalar(x, value) -> float:
             """The scalar operand as eager computes with it: a one-element tensor on a GPU in bf16 / fp16
             arithmetic rounded to that dtype first, as CUDA eager converts it (a float32 0-dim buffer's 3.7 is
-            3.703125 in bf16); on the CPU as the value (CPU eager's mul and div read it unrounded)."""
+            3.703125 in bf16); a Python number, or a tensor on the CPU, as the value (CPU eager's mul and div read
+            it unrounded)."""
             d = val_of(x)
-            if cpu_scalar(x) or d is None or d.device.type == "cpu" or out_dtype not in (torch.bfloat16, torch.float16):
+            if d is None or d.device.type == "cpu" or out_dtype not in (torch.bfloat16, torch.float16):
                 return float(value)
             return float(self.value(x).value.reshape(()).to(out_dtype).item())
 
@@ -744,7 +743,7 @@ class Lowering(FormsLowering, DsaLowering):
             # a divisor eager treats as a CPU scalar divides as CUDA eager does, by the float reciprocal; one on
             # x's device (a 0-dim buffer) divides exactly (tilec/ops/ewise.py)
             fn2, s = {"add": ("add_scalar", s), "sub": ("add_scalar", -s), "mul": ("mul_scalar", s),
-                      "div": ("div_scalar" if cpu_scalar(b) else "div_exact_scalar", s), "rsub": ("rsub_scalar", s)}[fn]
+                      "div": ("div_scalar" if self._eager_cpu_scalar(b) else "div_exact_scalar", s), "rsub": ("rsub_scalar", s)}[fn]
             return self._emit(node, "unary", [operand(a, 0)], attrs=(("fn", fn2), ("scalar", s)))
         if scalars[0] is not None and fn in ("add", "mul", "sub"):
             s = scalar(a, scalars[0])

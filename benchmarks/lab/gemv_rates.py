@@ -80,23 +80,20 @@ def main() -> None:
 def ab(specs, iters: int, rounds: int, ap) -> None:
     """The three plans under each of ``specs``' variants in this process: per shape the median of
     ``iters`` replays each round, variants in turn, then each variant's median over the rounds."""
-    import dataclasses
     import statistics
 
-    from tilec import codegen
     from tilec.cuda import CudaExecutor
     from tilec.timing import cuda_graph
-    from variants_ab import parse_variants
+    from variants_ab import build_variant, parse_variants
 
     variants = parse_variants(specs, ap)
     for n, k in SHAPES:
         mod, x, prog, run = gemv_plan(n, k, COUNT)
         base = prog.executor
-        opts = dataclasses.replace(base.opts)
         graphs, errs, exs = {}, {}, {}  # (each graph launches its executor's buffers: keep them alive)
         for name, lines in variants:
-            lib = codegen.build({**base.sources, "program.cu": lines + base.sources["program.cu"]}, opts.arch)
-            prog.executor = exs[name] = CudaExecutor(base.plan, opts, base.device, lib_path=lib)
+            lib = build_variant(base.sources, lines, base.opts.arch)
+            prog.executor = exs[name] = CudaExecutor(base.plan, base.opts, base.device, lib_path=lib)
             with torch.no_grad():
                 got, want = prog(x)[0].float(), mod.ws[0](x).float()
             errs[name] = float((got - want).norm() / want.norm())

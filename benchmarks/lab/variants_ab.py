@@ -68,6 +68,11 @@ def parse_variants(specs, ap) -> list[tuple[str, str]]:
     return variants
 
 
+def build_variant(sources: dict, lines: str, arch: str) -> str:
+    """The library of generated ``sources`` with a variant's ``#define`` lines prepended to program.cu (cached)."""
+    return codegen.build({**sources, "program.cu": lines + sources["program.cu"]}, arch)
+
+
 def prebuild(variants, batch: int = 1, name: str = "llama-3.2-1b", options: dict | None = None) -> None:
     """Builds each variant's library of the step's program on the CPU (into the build cache)."""
     import torch
@@ -81,8 +86,7 @@ def prebuild(variants, batch: int = 1, name: str = "llama-3.2-1b", options: dict
     srcs = codegen.render(step.program.compiled.plan)
     arch = step.program.opts.arch
     with ThreadPoolExecutor(2) as pool:
-        libs = pool.map(lambda lines: codegen.build({**srcs, "program.cu": lines + srcs["program.cu"]}, arch),
-                        (lines for _, lines in variants))
+        libs = pool.map(lambda lines: build_variant(srcs, lines, arch), (lines for _, lines in variants))
         for (name, _), lib in zip(variants, libs):
             print(f"{name}: {lib}", flush=True)
 
@@ -111,13 +115,9 @@ def main():
     base = step.program.executor
     opts = dataclasses.replace(base.opts, profile=True)
 
-    def build(lines):
-        srcs = dict(base.sources)
-        srcs["program.cu"] = lines + srcs["program.cu"]
-        return codegen.build(srcs, opts.arch)
-
     with ThreadPoolExecutor(len(variants)) as pool:
-        libs = list(pool.map(build, (lines for _, lines in variants)))
+        libs = list(pool.map(lambda lines: build_variant(base.sources, lines, opts.arch),
+                             (lines for _, lines in variants)))
     exs = {name: CudaExecutor(base.plan, opts, base.device, lib_path=lib) for (name, _), lib in zip(variants, libs)}
 
     q = base.queues
