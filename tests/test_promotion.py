@@ -92,6 +92,24 @@ def test_a_scalar_divisor_keeps_eagers_rounding_per_device():
     assert not torch.equal(x / 448., x * (1 / 448.))  # the two roundings differ on these inputs
 
 
+class _Reciprocal(torch.nn.Module):
+    def forward(self, x):
+        return 3.7 / x, torch.reciprocal(x) + 1, 1 / (x * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_reversed_division_lowers_as_eagers_reciprocal(dtype):
+    """``3.7 / x`` is ``reciprocal(x) * 3.7`` to torch.export (Tensor.__rtruediv__); reciprocal was refused as an op no
+    tilec op computes. It is a unary op now, rounded to x's dtype before the product as eager rounds it: bitwise eager
+    on random inputs (tests/gpu/test_cuda_ops.py: the CUDA executor)."""
+    torch.manual_seed(0)
+    x = (torch.rand(4, 256) * 10 + 0.1).to(dtype)
+    prog = compile_module(_Reciprocal(), (x,))
+    assert [op.attr("fn") for op in prog.graph.ops if op.kind == "unary"].count("reciprocal") == 3
+    for got, want in zip(prog(x), _Reciprocal()(x)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 class _TimesOneElement(torch.nn.Module):
     def __init__(self):
         super().__init__()

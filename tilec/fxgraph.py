@@ -99,7 +99,7 @@ SKIP = {aten._assert_tensor_metadata.default, aten._assert_scalar.default, aten.
 UNARY = {
     aten.neg.default: "neg", aten.silu.default: "silu", aten.relu.default: "relu", aten.sigmoid.default: "sigmoid",
     aten.tanh.default: "tanh", aten.exp.default: "exp", aten.rsqrt.default: "rsqrt", aten.sqrt.default: "sqrt",
-    aten.cos.default: "cos", aten.sin.default: "sin", aten.abs.default: "abs",
+    aten.cos.default: "cos", aten.sin.default: "sin", aten.abs.default: "abs", aten.reciprocal.default: "reciprocal",
 }
 BINARY = {
     aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",

@@ -398,6 +398,7 @@ __device__ __noinline__ float unary_slow(int fn, float x, float a) {
     case 16: return x * (1.f / a);  // div_scalar: as CUDA eager divides by a Python number (tilec/ops/ewise.py)
     case 17: return powf(x, a);
     case 19: return x / a;          // div_exact_scalar
+    case 20: return 1.f / x;        // reciprocal (ATen's reciprocal kernel: 1 / x in float, rounded once)
   }
   return x;
 }

@@ -297,6 +297,24 @@ def test_division_by_a_scalar_rounds_as_cuda_eager(dtype):
         assert not torch.equal(want[1], want[2])
 
 
+class Reciprocal(torch.nn.Module):
+    def forward(self, x):
+        return 3.7 / x, torch.reciprocal(x) + 1, 1 / (x * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reciprocal_is_cuda_eagers_bitwise(dtype):
+    """``3.7 / x`` (export: reciprocal(x) * 3.7), ``torch.reciprocal`` and ``1 / (x * 2)`` bitwise CUDA eager's: the
+    runtime's reciprocal is 1.f / x rounded once, as ATen's reciprocal kernel computes it in float."""
+    torch.manual_seed(0)
+    x = (torch.rand(4, 4096) * 10 + 0.1).to(dtype).to(DEV)
+    prog = compile_module(Reciprocal(), (x,), options=dict(executor="cuda"))
+    with torch.no_grad():
+        want = Reciprocal()(x)
+    for g, w in zip(prog(x), want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
 class CatMixed(torch.nn.Module):
     def forward(self, a, b, c):
         return torch.cat([a, b * 2, c.float().to(a.dtype)], -1), torch.cat([a, b], 1).to(torch.float32) + 1

@@ -35,6 +35,8 @@ UNARY_FNS = {
     "abs": lambda x, a: x.abs(),
     # x / a rounded once on every device: eager's division by a tensor on x's device (a 0-dim buffer)
     "div_exact_scalar": lambda x, a: x / torch.tensor(a, dtype=x.dtype, device=x.device),
+    # 1 / x (torch.reciprocal; what export makes of a reversed division `3.7 / x`, then times 3.7)
+    "reciprocal": lambda x, a: torch.reciprocal(x),
 }
 BINARY_FNS = {
     "add": torch.add,
@@ -58,7 +60,7 @@ def _tiles(op, opts):
 @register
 class Unary(OpDef):
     """``unary``: ``out = fn(x, a)`` elementwise with ``fn`` one of :data:`UNARY_FNS` (neg, SiLU,
-    ReLU, GELU (erf / tanh), sigmoid, tanh, exp, rsqrt, sqrt, cos, sin, abs, a dtype cast, and
+    ReLU, GELU (erf / tanh), sigmoid, tanh, exp, rsqrt, sqrt, cos, sin, abs, reciprocal, a dtype cast, and
     ``x * a``, ``x + a``, ``a - x``, ``x / a``, ``x ** a`` with the float scalar a); float32
     math, cast to out's dtype on store. ``x / a`` comes in eager's two roundings: ``div_scalar`` (a Python
     number's divisor: CUDA eager multiplies by the float reciprocal, the CPU divides - each executor matches
