@@ -46,6 +46,23 @@ def test_five_dim_grouped_qkv_lowers_as_copies_of_fewer_dims():
     assert all(len(v.shape) <= 4 for op in ops for v in op.inputs + op.outputs)
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 3, 4, 64), (2, 2, 3, 4, 64)])
+def test_five_dim_elementwise_tiles_across_merged_dims(shape):
+    """A contiguous 5-d elementwise op folds to one dim of 1536 / 3072 elements, tiled 1024 at a time: a tile then
+    spans rows of the unfolded shape and was no box of its output buffer (an internal VerificationError, a
+    reviewer's finding; ``3.7 / x`` of a 5-d x reached it). The output buffer takes the folded shape and its readers
+    - another elementwise op, a transpose, a reshape into a linear, a slice, the outputs - the unfolded view."""
+    w = torch.randn(32, 64) / 8
+
+    def f(m, x, y):
+        a = x * 2 + y
+        return a, torch.exp(a).transpose(1, 3), torch.nn.functional.linear(a.reshape(-1, 64), m.w), \
+            (3.7 / a)[:, :, 0], a[1:] * 2
+
+    ops = run(f, (torch.rand(shape) + 0.1, torch.rand(3, 1, 64)), w=w)
+    assert all(len(v.shape) <= 4 for op in ops for v in op.outputs)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 3), min_size=1, max_size=6), st.randoms(use_true_random=False))
 def test_fold_dims_addresses_the_same_elements(shape, rnd):

@@ -427,9 +427,12 @@ class Lowering(FormsLowering, DsaLowering):
             self._unsupported(node, f"output of shape {list(shape)} has more than 4 dims")
         if kind in ("unary", "binary") and is_integer(dtype):
             self._check_integer_arithmetic(node, dtype, inputs, attrs)
-        buf = self._new_buffer(name or node.name, shape, dtype, node=node)
-        out = View.whole(buf)
-        written = out if folded is None else View(buf.name, folded[0], contiguous_strides(folded[0]))
+        # a folded op's output buffer takes the folded shape, so that every output tile is a box of it (a tile of
+        # merged dims need not be one of the unfolded shape: [2, 1, 3, 4, 64] as [1536] in tiles of 1024); its
+        # readers see the unfolded shape through a view
+        buf = self._new_buffer(name or node.name, shape if folded is None else folded[0], dtype, node=node)
+        written = View.whole(buf)
+        out = written if folded is None else View(buf.name, shape, contiguous_strides(shape))
         self.ops.append(Op(self._name(f"{kind}_{node.name}" if name is None else name), kind, tuple(inputs), (written,),
                            tuple(sorted(attrs)), self._prov(node)))
         return out
