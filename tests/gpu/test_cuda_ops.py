@@ -302,17 +302,22 @@ class Reciprocal(torch.nn.Module):
         return 3.7 / x, torch.reciprocal(x) + 1, 1 / (x * 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_reciprocal_is_cuda_eagers_bitwise(dtype):
     """``3.7 / x`` (export: reciprocal(x) * 3.7), ``torch.reciprocal`` and ``1 / (x * 2)`` bitwise CUDA eager's: the
-    runtime's reciprocal is 1.f / x rounded once, as ATen's reciprocal kernel computes it in float."""
+    runtime's reciprocal is 1.f / x in float32 (ATen's reciprocal kernel), then rounded to the output dtype. Random
+    values of both signs, and +-0, +-inf and values whose reciprocal is subnormal (flushed to zero it would differ)."""
     torch.manual_seed(0)
-    x = (torch.rand(4, 4096) * 10 + 0.1).to(dtype).to(DEV)
+    x = torch.randn(4, 4096) * 10
+    big = torch.finfo(dtype).max / 4
+    x[0, :6] = torch.tensor([0., -0., float("inf"), -float("inf"), big, -big])
+    x = x.to(dtype).to(DEV)
     prog = compile_module(Reciprocal(), (x,), options=dict(executor="cuda"))
     with torch.no_grad():
         want = Reciprocal()(x)
     for g, w in zip(prog(x), want):
-        assert g.dtype == w.dtype and torch.equal(g, w)
+        assert g.dtype == w.dtype and torch.equal(g.isnan(), w.isnan())
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())
 
 
 class CatMixed(torch.nn.Module):
