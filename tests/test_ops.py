@@ -299,6 +299,35 @@ def test_elementwise_zoo():
     assert set(kinds(prog)) <= {"unary", "binary"}
 
 
+class _Clamps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("lo", torch.tensor(-0.2))
+
+    def forward(self, x, y):
+        return (x.clamp(min=0.3), x.clamp(-1, 2), torch.clamp(x, max=0.5), x.clamp_min(0.1), F.relu6(x * 4),
+                F.hardtanh(x), torch.clamp(x, y), torch.clamp(x, self.lo, y), torch.rsub(x, y), torch.rsub(x, 2.5),
+                torch.maximum(x, y), F.relu(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamp_forms_and_rsub_are_eagers_bitwise_with_nans(dtype):
+    """``torch.clamp`` with numbers, tensors and a 0-dim float32 buffer as bounds, ``clamp_min``, ``F.relu6``,
+    ``F.hardtanh`` (maximum with the lower bound, then minimum with the upper) and ``torch.rsub`` of two tensors were
+    refused as ops no tilec op computes (a fuzzer's list); bitwise eager now, NaNs in x and in a bound included
+    (tests/gpu/test_cuda_ops.py: the CUDA executor, whose maximum / minimum / ReLU dropped NaNs)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 64).to(dtype), torch.randn(4, 64).to(dtype)
+    x[0, :3] = float("nan")
+    y[1, :3] = float("nan")
+    mod = _Clamps().to(dtype)
+    prog = compile_module(mod, (x, y))
+    assert {op.kind for op in prog.graph.ops} == {"binary", "unary"}
+    for got, want in zip(prog(x, y), mod(x, y)):
+        assert got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 def test_concat_and_views():
     def f(m, x):
         y = torch.cat([x * 2.0, torch.relu(x)], dim=1)  # [2, 6, 8]

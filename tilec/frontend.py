@@ -27,7 +27,7 @@ from .errors import EagerFailsError, InputError, UnsupportedNodeError
 from .frontend_dsa import DsaLowering
 from .frontend_forms import FormsLowering
 from .guards import MaskGuard, causal_mismatch
-from .fxgraph import (BINARY, CASTS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
+from .fxgraph import (BINARY, CASTS, CLAMPS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
                       Positional, Static, alpha_of, aten, is_call, is_random, source_of, target_name, upcast_source,
                       val_of)
 from .ir import (DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View, contiguous_strides, dtype_name,
@@ -616,8 +616,11 @@ class Lowering(FormsLowering, DsaLowering):
             power = float(node.args[1]) if t is aten.pow.Tensor_Scalar else 2.0
             return self._emit(node, "unary", [self._bcast(node.args[0], node)],
                               attrs=(("fn", "pow_scalar"), ("scalar", power)))
-        if t in BINARY or t in (aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar):
+        if t in BINARY or t in (aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar,
+                                aten.rsub.Tensor):
             return self._binary(node)
+        if t in CLAMPS:
+            return self._clamp(node)
         self._unsupported(node, ROUTING_WHY if t in ROUTING else SCAN_WHY if t in SCANS else None)
 
     # ---- generic lowerings -----------------------------------------------------------
@@ -706,7 +709,7 @@ class Lowering(FormsLowering, DsaLowering):
         if alpha_of(node) != 1:
             self._unsupported(node, "alpha != 1")
         fn = BINARY.get(t) or {aten.add.Scalar: "add", aten.mul.Scalar: "mul", aten.sub.Scalar: "sub",
-                                aten.div.Scalar: "div", aten.rsub.Scalar: "rsub"}[t]
+                                aten.div.Scalar: "div", aten.rsub.Scalar: "rsub", aten.rsub.Tensor: "rsub"}[t]
         def static_scalar(x):
             """``x``'s value when it is a number known when compiling: a Python number, a static one-element tensor,
             or a static number (``buffer.item()``, a float, not a tensor)."""
@@ -748,13 +751,49 @@ class Lowering(FormsLowering, DsaLowering):
             fn2, s = {"add": ("add_scalar", s), "sub": ("add_scalar", -s), "mul": ("mul_scalar", s),
                       "div": ("div_scalar" if self._eager_cpu_scalar(b) else "div_exact_scalar", s), "rsub": ("rsub_scalar", s)}[fn]
             return self._emit(node, "unary", [operand(a, 0)], attrs=(("fn", fn2), ("scalar", s)))
-        if scalars[0] is not None and fn in ("add", "mul", "sub"):
+        if scalars[0] is not None and fn in ("add", "mul", "sub", "rsub"):
             s = scalar(a, scalars[0])
-            fn2 = {"add": "add_scalar", "mul": "mul_scalar", "sub": "rsub_scalar"}[fn]
+            fn2, s = {"add": ("add_scalar", s), "mul": ("mul_scalar", s), "sub": ("rsub_scalar", s),
+                      "rsub": ("add_scalar", -s)}[fn]
             return self._emit(node, "unary", [operand(b, 1)], attrs=(("fn", fn2), ("scalar", s)))
+        if fn == "rsub":  # torch.rsub(x, y) of two tensors: y - x
+            return self._emit(node, "binary", [operand(b, 1), operand(a, 0)], attrs=(("fn", "sub"),))
         if fn not in BINARY_FNS:
             self._unsupported(node)
         return self._emit(node, "binary", [operand(a, 0), operand(b, 1)], attrs=(("fn", fn),))
+
+    def _clamp(self, node: fx.Node) -> View:
+        """``torch.clamp`` (and ``clamp_min`` / ``clamp_max``, ``F.relu6``, ``F.hardtanh``) as a ``maximum`` with the
+        lower bound, then a ``minimum`` with the upper, each bound a tensor operand or a number (a constant in the
+        result's dtype, as eager converts it). Bitwise eager's: each op's result is one of its operands, and rounding
+        to the result's dtype is monotonic, so it commutes with both; NaN propagates (tilec/ops/ewise.py)."""
+        t, args, kw = node.target, node.args, node.kwargs
+
+        def arg(i, name, default=None):
+            return args[i] if len(args) > i else kw.get(name, default)
+
+        if t in (aten.clamp.default, aten.clamp.Tensor):
+            lo, hi = arg(1, "min"), arg(2, "max")
+        elif t in (aten.clamp_min.default, aten.clamp_min.Tensor):
+            lo, hi = arg(1, "min"), None
+        elif t in (aten.clamp_max.default, aten.clamp_max.Tensor):
+            lo, hi = None, arg(1, "max")
+        elif t is aten.relu6.default:
+            lo, hi = 0, 6
+        else:  # hardtanh
+            lo, hi = arg(1, "min_val", -1.0), arg(2, "max_val", 1.0)
+        out_dtype, shape = val_of(node).dtype, tuple(val_of(node).shape)
+        v = self._bcast(args[0], node)
+        bounds = [(fn, b) for fn, b in (("maximum", lo), ("minimum", hi)) if b is not None]
+        for i, (fn, b) in enumerate(bounds):
+            if isinstance(b, fx.Node):
+                bv = self._bcast(b, node)
+            else:
+                c = self.as_view(Static(torch.tensor(b, dtype=out_dtype)), node)
+                bv = View(c.buffer, shape, (0,) * len(shape))
+            last = i == len(bounds) - 1
+            v = self._emit(node, "binary", [v, bv], attrs=(("fn", fn),), name=None if last else f"{node.name}_{fn}")
+        return v
 
     def _eager_cpu_scalar(self, x) -> bool:
         """Whether eager reads operand ``x`` of an elementwise op as a CPU scalar - a Python number, or a 0-dim

@@ -405,7 +405,7 @@ __device__ __noinline__ float unary_slow(int fn, float x, float a) {
 __device__ __forceinline__ float unary_fn(int fn, float x, float a) {
   switch (fn) {
     case 0: return -x;
-    case 2: return fmaxf(x, 0.f);
+    case 2: return x <= 0.f ? 0.f : x;  // relu: NaN stays NaN, as eager's (fmaxf(NaN, 0) is 0)
     case 12: return x;
     case 13: return x * a;
     case 14: return x + a;
@@ -479,8 +479,9 @@ __device__ void op_binary(TileCtx& c) {
       case 1: return x - y;
       case 2: return x * y;
       case 3: return divide(x, y);
-      case 4: return fmaxf(x, y);
-      default: return fminf(x, y);
+      // NaN-propagating, as torch.maximum / minimum (fmaxf / fminf return the other operand)
+      case 4: return x != x ? x : y != y ? y : fmaxf(x, y);
+      default: return x != x ? x : y != y ? y : fminf(x, y);
     }
   });
 }

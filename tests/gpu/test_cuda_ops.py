@@ -320,6 +320,30 @@ def test_reciprocal_is_cuda_eagers_bitwise(dtype):
         assert torch.equal(g.nan_to_num(), w.nan_to_num())
 
 
+class Clamps(torch.nn.Module):
+    def forward(self, x, y):
+        return (x.clamp(min=0.3), x.clamp(-1, 2), F.relu6(x * 4), F.hardtanh(x), torch.clamp(x, y), torch.rsub(x, y),
+                torch.maximum(x, y), torch.minimum(x, y), F.relu(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamps_maximum_and_relu_keep_nans_as_cuda_eager(dtype):
+    """clamp forms (maximum with the lower bound, minimum with the upper), torch.maximum / minimum and ReLU bitwise
+    CUDA eager's with NaNs in x and in y: the runtime took fmaxf / fminf, which return the other operand, so a NaN
+    came out as the bound (or 0 from ReLU) where eager's is NaN."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 4096), torch.randn(4, 4096)
+    x[0, :3] = float("nan")
+    y[1, :3] = float("nan")
+    x, y = x.to(dtype).to(DEV), y.to(dtype).to(DEV)
+    prog = compile_module(Clamps(), (x, y), options=dict(executor="cuda"))
+    with torch.no_grad():
+        want = Clamps()(x, y)
+    for g, w in zip(prog(x, y), want):
+        assert g.dtype == w.dtype and torch.equal(g.isnan(), w.isnan())
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())
+
+
 class CatMixed(torch.nn.Module):
     def forward(self, a, b, c):
         return torch.cat([a, b * 2, c.float().to(a.dtype)], -1), torch.cat([a, b], 1).to(torch.float32) + 1
