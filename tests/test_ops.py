@@ -328,6 +328,23 @@ def test_clamp_forms_and_rsub_are_eagers_bitwise_with_nans(dtype):
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
+def test_two_clamps_keep_their_own_bounds():
+    """Two clamps by numbers in one graph: the first clamp's second constant was named ``const_clamp_1``, the second
+    clamp's first constant too, and overwrote it (every bound of one clamp read -2: a fresh user's silently wrong
+    result); a bound's constant was also looked up by the id of a freed value, and a later clamp read another's."""
+    def f(m, x):
+        return (torch.clamp(x, 0., 6.) + torch.clamp(x, -2., 2.), F.relu6(x) - F.hardtanh(x, -2, 2),
+                x.clamp(min=0.25).clamp_max(1.) + F.relu6(x * 3))
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 64) * 5
+    prog = compile_module(Fn(f).eval(), (x,))
+    for got, want in zip(prog(x), f(None, x)):
+        assert torch.equal(got, want)
+    consts = [b for b in prog.graph.buffers.values() if b.name.startswith("const_")]
+    assert len(consts) == len({b.name for b in consts}) == 12
+
+
 def test_concat_and_views():
     def f(m, x):
         y = torch.cat([x * 2.0, torch.relu(x)], dim=1)  # [2, 6, 8]

@@ -257,6 +257,7 @@ class Lowering(FormsLowering, DsaLowering):
         self.env: dict[fx.Node, object] = {}
         self.state_writes: set[str] = set()
         self._names: dict[str, int] = {}
+        self._taken: set[str] = set()
         self._static_cache: dict = {}
         self._pos_caches: dict[int, dict] = {}
         self._views: dict[int, View] = {}
@@ -348,10 +349,18 @@ class Lowering(FormsLowering, DsaLowering):
 
     # ---- helpers ---------------------------------------------------------------------
     def _name(self, base: str) -> str:
+        """A name not given before (to an op or a buffer): ``base``, else ``base_k`` for the next free k (a
+        constant of node ``clamp``'s second use, ``const_clamp_1``, is also node ``clamp_1``'s constant's base:
+        the second overwrote the first's buffer and value, a fresh user's wrong result)."""
         base = base.replace(".", "_")
         k = self._names.get(base, 0)
+        name = base if k == 0 else f"{base}_{k}"
+        while name in self._taken or name in self.buffers:
+            k += 1
+            name = f"{base}_{k}"
         self._names[base] = k + 1
-        return base if k == 0 else f"{base}_{k}"
+        self._taken.add(name)
+        return name
 
     def _prov(self, node: fx.Node) -> Provenance:
         return Provenance(node.name, target_name(node), source_of(node))
@@ -765,8 +774,10 @@ class Lowering(FormsLowering, DsaLowering):
     def _clamp(self, node: fx.Node) -> View:
         """``torch.clamp`` (and ``clamp_min`` / ``clamp_max``, ``F.relu6``, ``F.hardtanh``) as a ``maximum`` with the
         lower bound, then a ``minimum`` with the upper, each bound a tensor operand or a number (a constant in the
-        result's dtype, as eager converts it). Bitwise eager's: each op's result is one of its operands, and rounding
-        to the result's dtype is monotonic, so it commutes with both; NaN propagates (tilec/ops/ewise.py)."""
+        result's dtype, as eager converts it). Equal to eager's: each op's result is one of its operands, and rounding
+        to the result's dtype is monotonic, so it commutes with both; NaN propagates (tilec/ops/ewise.py). The sign
+        of a zero result may differ (``max(-0., 0.)``: even CPU eager's differs between its scalar and vector
+        loops)."""
         t, args, kw = node.target, node.args, node.kwargs
 
         def arg(i, name, default=None):
@@ -788,8 +799,8 @@ class Lowering(FormsLowering, DsaLowering):
         for i, (fn, b) in enumerate(bounds):
             if isinstance(b, fx.Node):
                 bv = self._bcast(b, node)
-            else:
-                c = self.as_view(Static(torch.tensor(b, dtype=out_dtype)), node)
+            else:  # a constant of its own (as_view's cache is by id: a freed Static's id comes back)
+                c = self._materialize(Static(torch.tensor(b, dtype=out_dtype)), node)
                 bv = View(c.buffer, shape, (0,) * len(shape))
             last = i == len(bounds) - 1
             v = self._emit(node, "binary", [v, bv], attrs=(("fn", fn),), name=None if last else f"{node.name}_{fn}")
