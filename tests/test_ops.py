@@ -345,6 +345,23 @@ def test_two_clamps_keep_their_own_bounds():
     assert len(consts) == len({b.name for b in consts}) == 12
 
 
+class _ArgumentsNamedLikeBuffers(torch.nn.Module):
+    def forward(self, x, clamp_maximum, const_clamp):
+        return torch.clamp(x, -0.5, 0.5) + clamp_maximum * const_clamp
+
+
+def test_arguments_named_like_generated_buffers():
+    """Arguments are buffers of their own names; one named like a buffer tilec generates (the clamp's intermediate
+    ``clamp_maximum``, its bound's ``const_clamp``) shared it: a wrong result, and the caller's tensor overwritten
+    with the clamp's intermediate (a QA helper's finding)."""
+    torch.manual_seed(0)
+    x, y, z = torch.randn(4, 64), torch.randn(4, 64) + 10, torch.randn(4, 64)
+    args = (x, y.clone(), z.clone())
+    got = compile_module(_ArgumentsNamedLikeBuffers(), (x, y, z))(*args)
+    assert torch.equal(got, _ArgumentsNamedLikeBuffers()(x, y, z))
+    assert torch.equal(args[1], y) and torch.equal(args[2], z)
+
+
 def test_concat_and_views():
     def f(m, x):
         y = torch.cat([x * 2.0, torch.relu(x)], dim=1)  # [2, 6, 8]

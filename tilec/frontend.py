@@ -257,7 +257,9 @@ class Lowering(FormsLowering, DsaLowering):
         self.env: dict[fx.Node, object] = {}
         self.state_writes: set[str] = set()
         self._names: dict[str, int] = {}
-        self._taken: set[str] = set()
+        # names _name never gives: the placeholders' buffers take their node names as they are (an argument
+        # `clamp_maximum` or `const_clamp` shared a generated buffer: a wrong result, the caller's input overwritten)
+        self._taken: set[str] = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
         self._static_cache: dict = {}
         self._pos_caches: dict[int, dict] = {}
         self._views: dict[int, View] = {}
