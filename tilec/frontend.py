@@ -262,7 +262,9 @@ class Lowering(FormsLowering, DsaLowering):
         self._taken: set[str] = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
         self._static_cache: dict = {}
         self._pos_caches: dict[int, dict] = {}
-        self._views: dict[int, View] = {}
+        # as_view's cache, by id(value): each value is kept with its view, so that its id is not reused (a freed
+        # temporary's id came back and another constant's view with it: a clamp read another clamp's bound)
+        self._views: dict[int, tuple[object, View]] = {}
         self._mask_checks: dict[tuple, int] = {}  # _check_causal_mask's verdicts: the first bad position, or -1
         self.mask_guards: dict[str, tuple] = {}  # run-time mask node -> (batch, heads, rows, cache length)
         self._example_verdicts: dict[tuple, int | None] = {}  # MaskGuard.key -> _example_not_causal's answer
@@ -469,9 +471,9 @@ class Lowering(FormsLowering, DsaLowering):
         if isinstance(value, View):
             return value
         if id(value) in self._views:
-            return self._views[id(value)]
+            return self._views[id(value)][1]
         view = self._materialize(value, node)
-        self._views[id(value)] = view
+        self._views[id(value)] = (value, view)
         return view
 
     def _materialize(self, value, node: fx.Node | None) -> View:
@@ -801,8 +803,8 @@ class Lowering(FormsLowering, DsaLowering):
         for i, (fn, b) in enumerate(bounds):
             if isinstance(b, fx.Node):
                 bv = self._bcast(b, node)
-            else:  # a constant of its own (as_view's cache is by id: a freed Static's id comes back)
-                c = self._materialize(Static(torch.tensor(b, dtype=out_dtype)), node)
+            else:
+                c = self.as_view(Static(torch.tensor(b, dtype=out_dtype)), node)
                 bv = View(c.buffer, shape, (0,) * len(shape))
             last = i == len(bounds) - 1
             v = self._emit(node, "binary", [v, bv], attrs=(("fn", fn),), name=None if last else f"{node.name}_{fn}")
