@@ -345,6 +345,24 @@ def test_two_clamps_keep_their_own_bounds():
     assert len(consts) == len({b.name for b in consts}) == 12
 
 
+@pytest.mark.parametrize("dtype, form", [(torch.float16, lambda x: x.clamp(max=1e6)),
+                                         (torch.float16, lambda x: F.hardtanh(x, -1e6, 1e6)),
+                                         (torch.bfloat16, lambda x: torch.clamp(x, min=-1e39))])
+def test_a_clamp_bound_that_overflows_the_dtype_is_eagers_error(dtype, form):
+    """A finite bound that overflows the tensor's dtype (``clamp(x16, max=1e6)``) compiled as a clamp to +-inf where
+    eager raises ("value cannot be converted to type c10::Half without overflow"); an EagerFailsError naming the node
+    now. An infinite bound stays a clamp."""
+    from tilec.errors import EagerFailsError
+
+    x = torch.randn(4, 64).to(dtype)
+    with pytest.raises(RuntimeError, match="without overflow"):
+        form(x)
+    with pytest.raises(EagerFailsError, match=r"(?s)overflows float16.*(clamp|hardtanh) \(aten|overflows bfloat16.*clamp \(aten"):
+        compile_module(Fn(lambda m, x: form(x) * 2), (x,))
+    prog = compile_module(Fn(lambda m, x: x.clamp(max=float("inf")) * 2), (x,))
+    assert torch.equal(prog(x), x * 2)
+
+
 class _ArgumentsNamedLikeBuffers(torch.nn.Module):
     def forward(self, x, clamp_maximum, const_clamp):
         return torch.clamp(x, -0.5, 0.5) + clamp_maximum * const_clamp

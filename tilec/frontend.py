@@ -778,7 +778,8 @@ class Lowering(FormsLowering, DsaLowering):
     def _clamp(self, node: fx.Node) -> View:
         """``torch.clamp`` (and ``clamp_min`` / ``clamp_max``, ``F.relu6``, ``F.hardtanh``) as a ``maximum`` with the
         lower bound, then a ``minimum`` with the upper, each bound a tensor operand or a number (a constant in the
-        result's dtype, as eager converts it). Equal to eager's: each op's result is one of its operands, and rounding
+        result's dtype, as eager converts it; a finite number that overflows that dtype is an :class:`EagerFailsError`,
+        as eager raises). Equal to eager's: each op's result is one of its operands, and rounding
         to the result's dtype is monotonic, so it commutes with both; NaN propagates (tilec/ops/ewise.py). The sign
         of a zero result may differ (``max(-0., 0.)``: even CPU eager's differs between its scalar and vector
         loops)."""
@@ -804,7 +805,12 @@ class Lowering(FormsLowering, DsaLowering):
             if isinstance(b, fx.Node):
                 bv = self._bcast(b, node)
             else:
-                c = self.as_view(Static(torch.tensor(b, dtype=out_dtype)), node)
+                bt = torch.tensor(b, dtype=out_dtype)
+                if bool(bt.isinf()) and math.isfinite(b):  # eager: "cannot be converted ... without overflow"
+                    self._unsupported(node, f"its bound {b!r} overflows {str(out_dtype).removeprefix('torch.')} "
+                                            f"(eager PyTorch raises: the value cannot be converted to the tensor's "
+                                            f"dtype without overflow)", eager_fails=True)
+                c = self.as_view(Static(bt), node)
                 bv = View(c.buffer, shape, (0,) * len(shape))
             last = i == len(bounds) - 1
             v = self._emit(node, "binary", [v, bv], attrs=(("fn", fn),), name=None if last else f"{node.name}_{fn}")
