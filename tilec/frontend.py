@@ -741,9 +741,13 @@ class Lowering(FormsLowering, DsaLowering):
         def operand(x, i: int) -> View:
             """Operand ``x`` expanded to the output's shape; an integer tensor in bf16 / fp16 arithmetic is
             first rounded to that dtype, as eager (CUDA) converts it to the result's dtype before the op -
-            the elementwise ops read every operand as float32, so the rounding is a copy before them."""
+            the elementwise ops read every operand as float32, so the rounding is a copy before them. So is a
+            float32 one-element tensor on a GPU (a 0-dim argument: ``x * s``), which CUDA eager converts too (the
+            constant one-element case: ``scalar`` below)."""
             v = self._bcast(x, node)
-            if out_dtype in (torch.bfloat16, torch.float16) and is_integer(self.buffers[v.buffer].dtype):
+            src, d = self.buffers[v.buffer].dtype, val_of(x) if isinstance(x, fx.Node) else None
+            on_gpu = d is not None and d.device.type != "cpu"
+            if out_dtype in (torch.bfloat16, torch.float16) and (is_integer(src) or (on_gpu and src != out_dtype)):
                 v = self._emit(node, "copy", [v], out_dtype=out_dtype, name=f"{node.name}_{dtype_name(out_dtype)}{i}")
             return v
 

@@ -297,6 +297,30 @@ def test_division_by_a_scalar_rounds_as_cuda_eager(dtype):
         assert not torch.equal(want[1], want[2])
 
 
+class ScalarArgument(torch.nn.Module):
+    def forward(self, x, s):
+        return x * s, x / s, s - x, x + s, torch.maximum(x, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_0dim_argument_is_rounded_as_cuda_eager(dtype):
+    """A 0-dim float32 argument ``s`` (a run-time value, not a constant) in bf16 / fp16 arithmetic: CUDA eager converts
+    it to x's dtype first (3.7 -> 3.703125 in bf16), and the executor read it unrounded as float32; a copy to x's
+    dtype now rounds it before each op, as for the constant case above."""
+    torch.manual_seed(0)
+    x = (torch.rand(4, 4096) * 10 + 0.1).to(dtype).to(DEV)
+    s = torch.tensor(3.7, device=DEV)
+    prog = compile_module(ScalarArgument(), (x, s), options=dict(executor="cuda"))
+    assert sum(op.kind == "copy" for op in prog.graph.ops) == 5
+    want = ScalarArgument()(x, s)
+    for g, w in zip(prog(x, s), want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    # and a new value of s at the next call, as eager reads it
+    s2 = torch.tensor(-1.3, device=DEV)
+    for g, w in zip(prog(x, s2), ScalarArgument()(x, s2)):
+        assert torch.equal(g, w)
+
+
 class Reciprocal(torch.nn.Module):
     def forward(self, x):
         return 3.7 / x, torch.reciprocal(x) + 1, 1 / (x * 2)
