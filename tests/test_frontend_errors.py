@@ -1232,6 +1232,29 @@ def test_a_mask_other_than_causal_names_its_first_position(window, first_bad):
         compile_module(_WindowAttention(window), args, positions=[3], max_positions=40)
 
 
+def test_opt_with_eager_attention_is_a_data_dependent_error():
+    """OPT sizes its position ids by ``.item()`` of the cache's length counter; with eager attention torch.export
+    captures that as a symbolic size, and compile_decode_step crashed with torch's GuardOnDataDependentSymNode from
+    tilec's cache-length check (a helper's finding). A DataDependentError naming the node, its line and the read."""
+    import transformers
+
+    from tilec.errors import DataDependentError
+    from tilec.hf import compile_decode_step
+    from tilec.zoo import prefill
+
+    cfg = transformers.OPTConfig(hidden_size=64, num_hidden_layers=1, ffn_dim=96, num_attention_heads=4,
+                                 max_position_embeddings=64, word_embed_proj_dim=64, vocab_size=100, pad_token_id=0,
+                                 bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(cfg).eval()
+    cache, _ = prefill(model, 1, 6, 24, "cpu")
+    with pytest.raises(DataDependentError, match=r"(?s)shapes depend on a tensor's value: \w+ \(aten\.\w+\.\w+\) "
+                                                 r"at .*modeling_opt\.py.* has shape \[1, u\d+\].*\(item \(aten\.item"
+                                                 r"\.default\).*OPTForCausalLM's forward reads a value at run time"):
+        compile_decode_step(model, cache, 1, options={"workers": 8})
+
+
 def test_a_sliding_window_cache_is_named_as_such():
     """Mistral's default sliding_window gives StaticSlidingWindowLayers, whose mask HF builds from a
     Python int: a constant in the graph. The error called it a padding mask (a breaker's finding);
@@ -1342,15 +1365,28 @@ class MaskSelect(torch.nn.Module):
         return x[x > 0] * 2
 
 
-@pytest.mark.parametrize("module,args,node", [(ItemSlice(), (torch.randn(1, 16), torch.tensor(4)), "slice"),
-                                               (MaskSelect(), (torch.randn(1, 16),), "index")])
-def test_a_shape_read_from_data_is_refused_by_name(module, args, node):
+class ItemOnes(torch.nn.Module):
+    def forward(self, x, n):
+        k = n.item()
+        torch._check(k >= 1)
+        return x * torch.ones(1, k).cumsum(1)[:, -1:]
+
+
+@pytest.mark.parametrize("module,args,node,read", [
+    (ItemSlice(), (torch.randn(1, 16), torch.tensor(4)), r"slice\S* \(aten\.slice\.Tensor\)", "item"),
+    (MaskSelect(), (torch.randn(1, 16),), r"index\S* \(aten\.index\.Tensor\)", None),
+    (ItemOnes(), (torch.randn(4, 8), torch.tensor([3])), r"ones \(aten\.ones\.default\)", "item")])
+def test_a_shape_read_from_data_is_refused_by_name(module, args, node, read):
     """torch.export captures ``x[:, :n.item()]`` with a symbolic size (``u1``); the lowering then crashed in
-    torch's symbolic shapes (GuardOnDataDependentSymNode from tilec/ir.py). Now the node is refused, naming
-    its shape and why (a fresh user's case)."""
-    with pytest.raises(UnsupportedNodeError, match=rf"(?s){node}\S* \(aten\.{node}\.Tensor\).*its shape \[[^\]]*u\d+\] "
-                                                   r"depends on a tensor's value read at run time"):
+    torch's symbolic shapes (GuardOnDataDependentSymNode from tilec/ir.py; a fresh user's case), and OPT's position
+    ids sized by ``.item()`` of its cache counter crashed it before the node's refusal (a helper's finding). Now the
+    capture refuses the first such node, naming its shape, its line and the node that read the value."""
+    from tilec.errors import DataDependentError
+
+    with pytest.raises(DataDependentError, match=rf"(?s)shapes depend on a tensor's value: {node} at .*"
+                                                 rf"test_frontend_errors\.py.* has shape \[[^\]]*u\d+\]") as e:
         compile_module(module, args)
+    assert (f"({read} (aten.{read}.default) " in str(e.value)) == (read is not None)
 
 
 @pytest.mark.parametrize("hook, pattern", [

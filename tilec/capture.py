@@ -52,6 +52,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             _check_meta_refused(e)
             raise
         _replay_stderr(err.getvalue(), None)
+    _check_static_shapes(ep.graph_module)
     sig = ep.graph_signature
     state = dict(module.state_dict(keep_vars=True))
     state.update(dict(module.named_buffers(remove_duplicate=False)))
@@ -268,6 +269,37 @@ def _check_data_dependent(cause: BaseException, zero_dim_positions: list[int] = 
                              f"with torch.where, a fixed loop count), decide outside forward, or compile with "
                              f"torch.compile(module, backend='tilec'), which runs such code eagerly.",
                              zero_d) from cause
+
+
+def _check_static_shapes(gm: fx.GraphModule) -> None:
+    """After a successful export: raises :class:`DataDependentError` naming the first node whose tensor has a size
+    that torch.export could only write as a value read from a tensor (an unbacked symbol: ``[1, u0]``), and the
+    node that read it. tilec plans static shapes; the lowering of such a graph could fail inside torch
+    (``GuardOnDataDependentSymNode``) or tilec (OPT sizes its position ids by ``.item()`` of the cache's length
+    counter: a helper's finding) before it reached the node's own refusal."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from .fxgraph import source_of, target_name
+
+    def where(m: fx.Node, same_as: str = "") -> str:
+        src = source_of(m)
+        return f"{m.name} ({target_name(m)})" + (" on the same line" if src and src == same_as else
+                                                 f" at {src}" if src else "")
+
+    first_read = None  # the first node whose value is a symbol read from data (.item())
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if v is None or not free_unbacked_symbols(v):
+            continue
+        if not isinstance(v, torch.Tensor):
+            first_read = first_read or n
+            continue
+        read = f" ({where(first_read, source_of(n))} reads it at run time)" if first_read is not None else ""
+        raise DataDependentError(f"the module's shapes depend on a tensor's value: {where(n)} has shape "
+                                 f"[{', '.join(str(d) for d in v.shape)}], a size taken from data{read}. "
+                                 f"tilec compiles one static graph per step: make the sizes independent of tensor "
+                                 f"values (a Python int, or a tensor's shape), or compile with "
+                                 f"torch.compile(module, backend='tilec'), which runs such code eagerly.")
 
 
 def _check_meta_refused(cause: BaseException) -> None:
