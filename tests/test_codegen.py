@@ -86,6 +86,19 @@ def fake_nvcc(tmp_path, monkeypatch):
     install_nvcc(tmp_path, monkeypatch, writing_to_o("lib"))
 
 
+@pytest.mark.parametrize("script", ["exit 0\n",  # none, or an empty one:
+                                    'while [ $# -gt 1 ]; do if [ "$1" = -o ]; then : > "$2"; fi; shift; done\n'])
+def test_an_nvcc_that_writes_no_library_is_a_tilec_error(tmp_path, monkeypatch, script):
+    """A stand-in nvcc that exits 0 without writing the library (TILEC_NVCC=/bin/true, a wrapper in a container) was
+    an internal FileNotFoundError from the digest (a helper's finding); an empty one likewise. A TilecError naming
+    it, and no cache entry."""
+    install_nvcc(tmp_path, monkeypatch, script)
+    with pytest.raises(TilecError, match=r"nvcc exited 0 but wrote no library \(libtilec\.so missing or empty: is "
+                                         r".*/nvcc nvcc\?\)"):
+        codegen.build({"program.cu": "// no library\n"})
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+
+
 def test_a_cached_library_damaged_on_disk_is_built_again(fake_nvcc, tmp_path, capsys, monkeypatch):
     """The build cache returned any existing libtilec.so: 8 garbage bytes in its place were copied into a new artifact,
     whose manifest then hashed and "verified" them (a fresh user's case). A library is checked against the sha256

@@ -296,7 +296,11 @@ def build(sources: dict[str, str], arch: str = "sm_90a", progress=None) -> Path:
                 extra = extra_flags()
                 note = f" (with TILEC_NVCC_FLAGS={' '.join(extra)})" if extra else ""
                 raise TilecError(f"nvcc failed ({res.returncode}){note}:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
-            _write_digest(tmp / "libtilec.so")
+            built = tmp / "libtilec.so"
+            if not built.is_file() or built.stat().st_size == 0:  # (a stand-in nvcc: an internal error before)
+                raise TilecError(f"nvcc exited 0 but wrote no library ({built.name} missing or empty: is {nvcc} "
+                                 f"nvcc?):\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
+            _write_digest(built)
             os.replace(tmp, final)
             say(f"nvcc {arch}: built in {time.perf_counter() - t0:.0f} s")
         finally:
