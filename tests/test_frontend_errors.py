@@ -1232,13 +1232,38 @@ def test_a_mask_other_than_causal_names_its_first_position(window, first_bad):
         compile_module(_WindowAttention(window), args, positions=[3], max_positions=40)
 
 
+class ParamTimesArg(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4))
+        self.register_buffer("b", torch.randn(4))
+
+    def forward(self, x):
+        return x * self.w + self.b
+
+
+def test_the_modules_own_parameter_as_an_argument_is_refused():
+    """``compile_module(m, (m.w,))``: torch.export captured the argument and the parameter as one input, and every
+    later call read its argument where forward reads ``m.w`` (x * x + b: a silently wrong result, a helper's
+    finding). Refused by name, the buffer too; a detached tensor over the same memory
+    is captured apart and compiles to the right result."""
+    torch.manual_seed(0)
+    m = ParamTimesArg()
+    for arg, what in ((m.w, "parameter w"), (m.b, "buffer b")):
+        with pytest.raises(InputError, match=rf"^argument 0 is the module's {what} itself"):
+            compile_module(m, (arg,))
+    prog = compile_module(m, (m.w.detach(),))
+    x = torch.randn(4)
+    with torch.no_grad():
+        assert torch.equal(prog(x), m(x))
+
+
 def test_opt_with_eager_attention_is_a_data_dependent_error():
     """OPT sizes its position ids by ``.item()`` of the cache's length counter; with eager attention torch.export
     captures that as a symbolic size, and compile_decode_step crashed with torch's GuardOnDataDependentSymNode from
     tilec's cache-length check (a helper's finding). A DataDependentError naming the node, its line and the read."""
     import transformers
 
-    from tilec.errors import DataDependentError
     from tilec.hf import compile_decode_step
     from tilec.zoo import prefill
 

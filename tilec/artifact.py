@@ -275,8 +275,9 @@ def _write_manifest(tmp: Path, program: CompiledProgram, opts: Options, factory,
         "call": {"args": call_args, "positions": list(positions), "max_positions": max_positions,
                  "single_output": program.single_output, "out_spec": _spec_text(program.out_spec)},
         "param_sources": {**program._param_names, **(param_sources or {})},  # the capture's, or the caller's
-        # module buffers (placeholder -> state name): tilec run --check loads those kept as constants
-        "buffer_sources": dict(getattr(program, "_buffer_names", {})),
+        # module buffers and plain tensor attributes (placeholder -> the module's name): tilec run --check loads
+        # those kept as constants
+        "buffer_sources": {**getattr(program, "_buffer_names", {}), **getattr(program, "_attribute_names", {})},
         "stats": program.stats,
         "cuda": {"sources": sorted(f"cuda/{n}" for n in sources), "library": LIBRARY if lib else None,
                  "note": cuda_note},

@@ -35,6 +35,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     """
     from torch.export.graph_signature import InputKind, OutputKind
 
+    _check_no_state_arguments(module, args)
     with torch.no_grad(), warnings.catch_warnings(), _quiet_fake_tensor_log(), _helper_frames_recorded(module):
         # torch's own pytree deprecation notice (LeafSpec), raised inside export: not the user's
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
@@ -70,6 +71,8 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             binding.buffer_names[name] = spec.target
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             binding.consts[name] = ep.constants[spec.target]
+            if spec.kind == InputKind.CONSTANT_TENSOR and isinstance(_attribute(module, spec.target), torch.Tensor):
+                binding.attribute_names[name] = spec.target  # (not a tensor forward made: lifted_tensor_0)
         elif spec.kind == InputKind.USER_INPUT:
             binding.user_inputs.append(name)
             if user_idx in positions:
@@ -99,6 +102,16 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     binding.out_spec = ep.call_spec.out_spec
     binding.listed_positions = True
     return ep.graph_module, binding
+
+
+def _attribute(module: torch.nn.Module, path: str):
+    """The value at dotted attribute ``path`` of ``module`` (``layers.0.scale``), or None."""
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
 
 
 def _non_tensor_output(spec, k: int, value) -> str:
@@ -329,6 +342,47 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + span * t.element_size()
 
 
+def _argument_ranges(args) -> list[tuple[int, tuple[int, int]]]:
+    """``(index, byte range)`` of each non-empty tensor argument."""
+    return [(i, _byte_range(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.numel() > 0]
+
+
+def _state_overlaps(module: torch.nn.Module, args) -> list[tuple[int, str]]:
+    """``(argument index, "parameter l.weight")`` for each tensor argument whose memory overlaps a parameter or
+    buffer of ``module``."""
+    ranges = _argument_ranges(args)
+    if not ranges:
+        return []
+    state = [(what, name, _byte_range(t)) for what, name, t in _module_state(module)
+             if t.numel() > 0 and t.device.type != "meta"]
+    return [(i, f"{what} {name}") for i, (lo_i, hi_i) in ranges for what, name, (lo, hi) in state
+            if lo_i < hi and lo < hi_i]
+
+
+def _module_state(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]]:
+    """``("parameter" | "buffer", name, tensor)`` for each parameter and buffer of ``module``."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return [("parameter" if name in params else "buffer", name, t)
+            for name, t in itertools.chain(params.items(), module.named_buffers(remove_duplicate=False))
+            if isinstance(t, torch.Tensor)]
+
+
+def _check_no_state_arguments(module: torch.nn.Module, args) -> None:
+    """Before the export: raises :class:`InputError` when an argument is a parameter or buffer of the module
+    itself. torch.export captures the two as one graph input
+    (``compile_module(m, (m.w,))``: forward's reads of ``m.w`` become reads of the argument), and the compiled step
+    then read every later call's argument where the module reads its parameter - a silently wrong result (a
+    helper's finding). Another tensor object over the same memory (``m.w.detach()``) is captured apart, and a
+    view of one fails the export (:func:`_check_not_aliased`)."""
+    state = {id(t): f"{what} {name}" for what, name, t in _module_state(module)}
+    for i, a in enumerate(args):
+        if id(a) in state:
+            what = state[id(a)]
+            raise InputError(f"argument {i} is the module's {what} itself: torch.export captures the two as one "
+                             f"input (the compiled step would read each call's argument where forward uses its "
+                             f"{what.split()[0]}); pass a tensor of its own (e.g. a .clone())")
+
+
 def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
     """After a failed export: raises :class:`InputError` (bad example arguments) naming two tensor arguments, or an
     argument and a parameter or buffer of the module, whose memory overlaps, when the export succeeds with
@@ -345,16 +399,11 @@ def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
         except Exception:  # noqa: BLE001 - fails with these overlaps gone too: not (only) their cause
             return None
 
-    ranges = [(i, _byte_range(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.numel() > 0]
-    params = dict(module.named_parameters(remove_duplicate=False))
-    state = [(("parameter" if name in params else "buffer"), name, _byte_range(t))
-             for name, t in itertools.chain(params.items(), module.named_buffers(remove_duplicate=False))
-             if isinstance(t, torch.Tensor) and t.numel() > 0 and t.device.type != "meta"]
+    ranges = _argument_ranges(args)
     pairs = []  # (argument to clone, the argument it overlaps)
     for x, (i, (lo_i, hi_i)) in enumerate(ranges):
         pairs += [(j, i) for j, (lo_j, hi_j) in ranges[x + 1:] if lo_i < hi_j and lo_j < hi_i]
-    shared = [(i, f"{what} {name}") for i, (lo_i, hi_i) in ranges for what, name, (lo, hi) in state
-              if lo_i < hi and lo < hi_i]  # (argument to clone, the module's tensor it overlaps)
+    shared = _state_overlaps(module, args)
     if not pairs and not shared:
         return
     ep = export_with_clones({i for i, _ in (*pairs, *shared)})

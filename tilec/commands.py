@@ -583,9 +583,9 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
     if not ok:
         if folded:
             names = ", ".join(folded[:4]) + (", ..." if len(folded) > 4 else "")
-            click.echo(f"note: the artifact does not store module buffer(s) {names} (the plan folded them into "
-                       f"other values, or does not read them), so eager uses the factory's own values for them: a "
-                       f"factory that draws them at random (unseeded) fails this check", err=True)
+            click.echo(f"note: the artifact does not store module buffer(s) or tensor attribute(s) {names} (the "
+                       f"plan folded them into other values, or does not read them), so eager uses the factory's own "
+                       f"values for them: a factory that draws them at random (unseeded) fails this check", err=True)
         raise click.exceptions.Exit(EXIT_MISMATCH)
 
 
@@ -665,6 +665,13 @@ def build_program(art, executor: str | None, progress: Progress):
             raise Failure(str(e), code) from e
 
 
+def _tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain tensor attributes of ``module`` and its submodules (``self.scale = torch.randn(4)``: neither
+    parameter nor buffer), by dotted name."""
+    return {f"{prefix}.{k}" if prefix else k: v for prefix, m in module.named_modules(remove_duplicate=False)
+            for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
+
+
 def eager_reference(art, progress: Progress):
     """The factory's module with the artifact's weights loaded, and the module buffers it kept as constants:
     ``(module, device of its inputs, the module's names of the buffers the plan folded into other values)`` -
@@ -693,6 +700,7 @@ def eager_reference(art, progress: Progress):
                       f"eager runs the code as it is now, which may differ from what the artifact compiled")
     state = module.state_dict(keep_vars=True)
     state.update(dict(module.named_buffers(remove_duplicate=False)))  # with the non-persistent buffers
+    state.update(_tensor_attributes(module))  # and plain tensor attributes (constants of the plan)
     sources = art.manifest.get("param_sources") or {}
     device = next((t.device for t in state.values()), torch.device("cpu"))
     # the buffers the plan kept as constants (const_<placeholder>); those it folded into other values are not stored

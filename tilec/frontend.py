@@ -192,6 +192,8 @@ class GraphBinding:
     param_names: placeholder name of a parameter -> the module's name for it
         (``layers.0.self_attn.k_proj.weight``), for errors; else the placeholder's name.
     buffer_names: the same for the module's buffers (``cache``, not ``b_cache``).
+    attribute_names: the same for the module's plain tensor attributes (``self.scale = torch.randn(4)``, not
+        registered: constants of the plan), so that ``tilec run --check`` can give eager the artifact's values.
     examples: placeholder name -> the example value of a user input (a real tensor or a Python
         value), when the caller has them: a run-time attention mask that is not causal on them is
         refused when compiling (else every call would fail its check, :mod:`tilec.guards`).
@@ -212,6 +214,7 @@ class GraphBinding:
     labels: dict[str, str] = field(default_factory=dict)
     param_names: dict[str, str] = field(default_factory=dict)
     buffer_names: dict[str, str] = field(default_factory=dict)
+    attribute_names: dict[str, str] = field(default_factory=dict)
     listed_positions: bool = False
     examples: dict[str, object] = field(default_factory=dict)
     strides_guarded: bool = False

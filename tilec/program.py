@@ -186,6 +186,7 @@ class CompiledProgram(OneCallAtATime):
         self.tensors: dict[str, torch.Tensor] = {}
         self._param_names = dict(binding.param_names)  # for errors: the module's names of its parameters
         self._buffer_names = dict(binding.buffer_names)  # module buffers: placeholder -> the module's name
+        self._attribute_names = dict(binding.attribute_names)  # plain tensor attributes, likewise
         written = self.graph.written
         example = list(example_args) if len(example_args) == len(self.graph.inputs) else [None] * len(self.graph.inputs)
         contiguous = {name for name, ex in zip(self.graph.inputs, example)
