@@ -307,7 +307,7 @@ class _Clamps(torch.nn.Module):
     def forward(self, x, y):
         return (x.clamp(min=0.3), x.clamp(-1, 2), torch.clamp(x, max=0.5), x.clamp_min(0.1), F.relu6(x * 4),
                 F.hardtanh(x), torch.clamp(x, y), torch.clamp(x, self.lo, y), torch.rsub(x, y), torch.rsub(x, 2.5),
-                torch.maximum(x, y), F.relu(x))
+                torch.maximum(x, y), F.relu(x), torch.clip(x, -0.5, 0.7), torch.clip(x, max=y))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -783,19 +783,19 @@ class Lowering(FormsLowering, DsaLowering):
         return self._emit(node, "binary", [operand(a, 0), operand(b, 1)], attrs=(("fn", fn),))
 
     def _clamp(self, node: fx.Node) -> View:
-        """``torch.clamp`` (and ``clamp_min`` / ``clamp_max``, ``F.relu6``, ``F.hardtanh``) as a ``maximum`` with the
-        lower bound, then a ``minimum`` with the upper, each bound a tensor operand or a number (a constant in the
-        result's dtype, as eager converts it; a finite number that overflows that dtype is an :class:`EagerFailsError`,
-        as eager raises). Equal to eager's: each op's result is one of its operands, and rounding
-        to the result's dtype is monotonic, so it commutes with both; NaN propagates (tilec/ops/ewise.py). The sign
-        of a zero result may differ (``max(-0., 0.)``: even CPU eager's differs between its scalar and vector
-        loops)."""
+        """``torch.clamp`` (and ``torch.clip``, ``clamp_min`` / ``clamp_max``, ``F.relu6``, ``F.hardtanh``) as a
+        ``maximum`` with the lower bound, then a ``minimum`` with the upper, each bound a tensor operand or a number
+        (a constant in the result's dtype, as eager converts it; a finite number that overflows that dtype is an
+        :class:`EagerFailsError`, as eager raises). Equal to eager's: each op's result is one of its operands, and
+        rounding to the result's dtype is monotonic, so it commutes with both; NaN propagates (tilec/ops/ewise.py).
+        The sign of a zero result may differ (``max(-0., 0.)``: even CPU eager's differs between its scalar and
+        vector loops)."""
         t, args, kw = node.target, node.args, node.kwargs
 
         def arg(i, name, default=None):
             return args[i] if len(args) > i else kw.get(name, default)
 
-        if t in (aten.clamp.default, aten.clamp.Tensor):
+        if t in (aten.clamp.default, aten.clamp.Tensor, aten.clip.default, aten.clip.Tensor):
             lo, hi = arg(1, "min"), arg(2, "max")
         elif t in (aten.clamp_min.default, aten.clamp_min.Tensor):
             lo, hi = arg(1, "min"), None

@@ -101,9 +101,11 @@ UNARY = {
     aten.tanh.default: "tanh", aten.exp.default: "exp", aten.rsqrt.default: "rsqrt", aten.sqrt.default: "sqrt",
     aten.cos.default: "cos", aten.sin.default: "sin", aten.abs.default: "abs", aten.reciprocal.default: "reciprocal",
 }
-# clamp and its forms (relu6, hardtanh): maximum with the lower bound, then minimum with the upper (tilec/frontend.py)
-CLAMPS = {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_min.Tensor, aten.clamp_max.default,
-          aten.clamp_max.Tensor, aten.relu6.default, aten.hardtanh.default}
+# clamp and its forms (clip, relu6, hardtanh): maximum with the lower bound, then minimum with the upper
+# (tilec/frontend.py)
+CLAMPS = {aten.clamp.default, aten.clamp.Tensor, aten.clip.default, aten.clip.Tensor, aten.clamp_min.default,
+          aten.clamp_min.Tensor, aten.clamp_max.default, aten.clamp_max.Tensor, aten.relu6.default,
+          aten.hardtanh.default}
 BINARY = {
     aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
     aten.true_divide.Tensor: "div",  # torch.true_divide, div's alias (export keeps its name)
