@@ -1242,20 +1242,18 @@ class ParamTimesArg(torch.nn.Module):
         return x * self.w + self.b
 
 
-def test_the_modules_own_parameter_as_an_argument_is_refused():
+def test_the_modules_own_parameter_as_an_argument_is_captured_apart():
     """``compile_module(m, (m.w,))``: torch.export captured the argument and the parameter as one input, and every
     later call read its argument where forward reads ``m.w`` (x * x + b: a silently wrong result, a helper's
-    finding). Refused by name, the buffer too; a detached tensor over the same memory
-    is captured apart and compiles to the right result."""
+    finding). The argument is exported as a detached alias now, the buffer too: each call's own value, and the
+    module's."""
     torch.manual_seed(0)
     m = ParamTimesArg()
-    for arg, what in ((m.w, "parameter w"), (m.b, "buffer b")):
-        with pytest.raises(InputError, match=rf"^argument 0 is the module's {what} itself"):
-            compile_module(m, (arg,))
-    prog = compile_module(m, (m.w.detach(),))
-    x = torch.randn(4)
-    with torch.no_grad():
-        assert torch.equal(prog(x), m(x))
+    for arg in (m.w, m.b, m.w.detach()):
+        prog = compile_module(m, (arg,))
+        for x in (torch.randn(4), arg):
+            with torch.no_grad():
+                assert torch.equal(prog(x), m(x))
 
 
 def test_opt_with_eager_attention_is_a_data_dependent_error():
@@ -1397,21 +1395,48 @@ class ItemOnes(torch.nn.Module):
         return x * torch.ones(1, k).cumsum(1)[:, -1:]
 
 
+class TwoReads(torch.nn.Module):
+    def forward(self, x, s, n):
+        a = s.item()
+        k = n.item()  # the size's read
+        torch._check(k >= 1)
+        torch._check(k <= 16)
+        return x[:, :k] * a
+
+
+class ItemIndex(torch.nn.Module):
+    def forward(self, x, n):
+        return x[n.item()] * 2, x.narrow(0, n.item(), 1) * 2
+
+
 @pytest.mark.parametrize("module,args,node,read", [
     (ItemSlice(), (torch.randn(1, 16), torch.tensor(4)), r"slice\S* \(aten\.slice\.Tensor\)", "item"),
     (MaskSelect(), (torch.randn(1, 16),), r"index\S* \(aten\.index\.Tensor\)", None),
-    (ItemOnes(), (torch.randn(4, 8), torch.tensor([3])), r"ones \(aten\.ones\.default\)", "item")])
+    (ItemOnes(), (torch.randn(4, 8), torch.tensor([3])), r"ones \(aten\.ones\.default\)", "item"),
+    (TwoReads(), (torch.randn(2, 16), torch.tensor(0.5), torch.tensor(3)), r"slice\S* \(aten\.slice\.Tensor\)",
+     "item_1")])
 def test_a_shape_read_from_data_is_refused_by_name(module, args, node, read):
     """torch.export captures ``x[:, :n.item()]`` with a symbolic size (``u1``); the lowering then crashed in
     torch's symbolic shapes (GuardOnDataDependentSymNode from tilec/ir.py; a fresh user's case), and OPT's position
     ids sized by ``.item()`` of its cache counter crashed it before the node's refusal (a helper's finding). Now the
-    capture refuses the first such node, naming its shape, its line and the node that read the value."""
-    from tilec.errors import DataDependentError
-
+    capture refuses the first such node, naming its shape, its line and the node that read the size (not another
+    ``.item()`` before it: a reviewer's finding)."""
     with pytest.raises(DataDependentError, match=rf"(?s)shapes depend on a tensor's value: {node} at .*"
                                                  rf"test_frontend_errors\.py.* has shape \[[^\]]*u\d+\]") as e:
         compile_module(module, args)
-    assert (f"({read} (aten.{read}.default) " in str(e.value)) == (read is not None)
+    assert (f"({read} (aten.item.default) " in str(e.value)) == (read is not None)
+    if read == "item_1":
+        assert "k = n.item()  # the size's read" in str(e.value) and "a = s.item()" not in str(e.value)
+
+
+def test_an_index_read_from_data_is_refused_by_name():
+    """``x[n.item()]`` and ``x.narrow(0, n.item(), 1)`` have static shapes and an offset read from data: they
+    compiled with the example's index, a wrong result at any other (a reviewer's finding). Refused, naming the
+    offset (the shape is static)."""
+    x = torch.randn(8, 16)
+    with pytest.raises(DataDependentError, match=r"indexing depends on a tensor's value: select \(aten\.select\.int\) "
+                                                 r"at .* reads its input at an offset taken from data .*\(item "):
+        compile_module(ItemIndex(), (x, torch.tensor(3)))
 
 
 @pytest.mark.parametrize("hook, pattern", [

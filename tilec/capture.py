@@ -35,7 +35,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     """
     from torch.export.graph_signature import InputKind, OutputKind
 
-    _check_no_state_arguments(module, args)
+    args = _detach_state_arguments(module, tuple(args))
     with torch.no_grad(), warnings.catch_warnings(), _quiet_fake_tensor_log(), _helper_frames_recorded(module):
         # torch's own pytree deprecation notice (LeafSpec), raised inside export: not the user's
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
@@ -285,11 +285,12 @@ def _check_data_dependent(cause: BaseException, zero_dim_positions: list[int] = 
 
 
 def _check_static_shapes(gm: fx.GraphModule) -> None:
-    """After a successful export: raises :class:`DataDependentError` naming the first node whose tensor has a size
-    that torch.export could only write as a value read from a tensor (an unbacked symbol: ``[1, u0]``), and the
-    node that read it. tilec plans static shapes; the lowering of such a graph could fail inside torch
-    (``GuardOnDataDependentSymNode``) or tilec (OPT sizes its position ids by ``.item()`` of the cache's length
-    counter: a helper's finding) before it reached the node's own refusal."""
+    """After a successful export: raises :class:`DataDependentError` naming the first node whose tensor has a size or
+    a storage offset that torch.export could only write as a value read from a tensor (an unbacked symbol: shape
+    ``[1, u0]``, or ``x[n.item()]``'s offset), and the node that read that value. tilec plans static shapes and
+    offsets; the lowering of such a graph could fail inside torch (``GuardOnDataDependentSymNode``) or tilec (OPT
+    sizes its position ids by ``.item()`` of the cache's length counter: a helper's finding), or compile an index
+    read from data as the example's (``x[n.item()]``: a wrong result, a reviewer's finding)."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     from .fxgraph import source_of, target_name
@@ -299,19 +300,27 @@ def _check_static_shapes(gm: fx.GraphModule) -> None:
         return f"{m.name} ({target_name(m)})" + (" on the same line" if src and src == same_as else
                                                  f" at {src}" if src else "")
 
-    first_read = None  # the first node whose value is a symbol read from data (.item())
+    readers: dict = {}  # unbacked symbol -> the first node whose value is (or holds) it: the .item() reading it
     for n in gm.graph.nodes:
         v = n.meta.get("val")
-        if v is None or not free_unbacked_symbols(v):
+        syms = free_unbacked_symbols(v) if v is not None else set()
+        if not syms:
             continue
         if not isinstance(v, torch.Tensor):
-            first_read = first_read or n
+            for sym in syms:
+                readers.setdefault(sym, n)
             continue
-        read = f" ({where(first_read, source_of(n))} reads it at run time)" if first_read is not None else ""
-        raise DataDependentError(f"the module's shapes depend on a tensor's value: {where(n)} has shape "
-                                 f"[{', '.join(str(d) for d in v.shape)}], a size taken from data{read}. "
-                                 f"tilec compiles one static graph per step: make the sizes independent of tensor "
-                                 f"values (a Python int, or a tensor's shape), or compile with "
+        in_shape = set().union(*(free_unbacked_symbols(d) for d in v.shape))
+        first = next((readers[sym] for sym in sorted(in_shape or syms, key=str) if sym in readers),
+                     next(iter(readers.values()), None))  # (a symbol derived from the read: its first reader)
+        read = f" ({where(first, source_of(n))} reads it at run time)" if first is not None else ""
+        what = (f"the module's shapes depend on a tensor's value: {where(n)} has shape "
+                f"[{', '.join(str(d) for d in v.shape)}], a size taken from data" if in_shape else
+                f"the module's indexing depends on a tensor's value: {where(n)} reads its input at an offset taken "
+                f"from data (an index read at run time, as x[n.item()])")
+        raise DataDependentError(f"{what}{read}. tilec compiles one static graph per step: make the sizes and "
+                                 f"indices independent of tensor values (Python ints, or a tensor's shape; a decode "
+                                 f"position as a listed position argument), or compile with "
                                  f"torch.compile(module, backend='tilec'), which runs such code eagerly.")
 
 
@@ -367,20 +376,15 @@ def _module_state(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]
             if isinstance(t, torch.Tensor)]
 
 
-def _check_no_state_arguments(module: torch.nn.Module, args) -> None:
-    """Before the export: raises :class:`InputError` when an argument is a parameter or buffer of the module
-    itself. torch.export captures the two as one graph input
-    (``compile_module(m, (m.w,))``: forward's reads of ``m.w`` become reads of the argument), and the compiled step
-    then read every later call's argument where the module reads its parameter - a silently wrong result (a
-    helper's finding). Another tensor object over the same memory (``m.w.detach()``) is captured apart, and a
-    view of one fails the export (:func:`_check_not_aliased`)."""
-    state = {id(t): f"{what} {name}" for what, name, t in _module_state(module)}
-    for i, a in enumerate(args):
-        if id(a) in state:
-            what = state[id(a)]
-            raise InputError(f"argument {i} is the module's {what} itself: torch.export captures the two as one "
-                             f"input (the compiled step would read each call's argument where forward uses its "
-                             f"{what.split()[0]}); pass a tensor of its own (e.g. a .clone())")
+def _detach_state_arguments(module: torch.nn.Module, args: tuple) -> tuple:
+    """``args`` with each argument that is a parameter or buffer of the module itself replaced by a detached alias
+    (the same memory, another tensor object). torch.export captured the module's own tensor passed as an argument
+    (``compile_module(m, (x, m.w))``) and that tensor as one graph input, so where forward also reads ``self.w`` the
+    compiled step read each call's argument in its place - a silently wrong result (a helper's finding); a detached
+    alias is captured apart. (One that the step updates in place then fails the export, and
+    :func:`_check_not_aliased` names it.)"""
+    state = {id(t) for _, _, t in _module_state(module)}
+    return tuple(a.detach() if id(a) in state else a for a in args)
 
 
 def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
