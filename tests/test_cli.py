@@ -71,7 +71,12 @@ class Scaled(torch.nn.Module):  # a buffer drawn at random, unseeded: each facto
     def __init__(self, persistent=True, fold=False, attribute=False):
         super().__init__()
         self.l, self.fold = torch.nn.Linear(8, 8), fold
-        if attribute:  # a plain tensor attribute (not registered), inside a submodule
+        if attribute == "expanded":  # a plain tensor attribute that copy_ cannot write: an expanded view
+            self.scale = torch.randn(8).expand(1, 8)
+        elif attribute == "inference":  # or an inference tensor
+            with torch.inference_mode():
+                self.scale = torch.randn(8)
+        elif attribute:  # a plain tensor attribute (not registered), inside a submodule
             self.l.scale = torch.randn(8)
             self.scale = self.l.scale
         else:
@@ -94,6 +99,12 @@ def random_attribute():
 
 def random_folded_attribute():
     return Scaled(fold=True, attribute=True), (torch.randn(1, 8),)
+
+def random_expanded_attribute():
+    return Scaled(attribute="expanded"), (torch.randn(1, 8),)
+
+def random_inference_attribute():
+    return Scaled(attribute="inference"), (torch.randn(1, 8),)
 
 def returns_none():
     return None
@@ -1372,12 +1383,15 @@ def test_the_current_directory_as_output_is_refused_before_compiling(facts, tmp_
 
 @pytest.mark.parametrize("factory, sources", [("random_buffer", {"b_scale": "scale"}),
                                                ("random_nonpersistent_buffer", {"b_scale": "scale"}),
-                                               ("random_attribute", {"c_scale": "scale"})])
+                                               ("random_attribute", {"c_scale": "scale"}),
+                                               ("random_expanded_attribute", {"c_scale": "scale"}),
+                                               ("random_inference_attribute", {"c_scale": "scale"})])
 def test_run_check_loads_the_artifacts_module_buffers(facts, tmp_path, factory, sources):
     """run --check rebuilt the eager module with the artifact's parameters but the factory's fresh buffers, so a
     module with a random buffer failed a correct artifact (a fresh user's case); the buffers the plan keeps as
     constants now go into the eager module too, and so do plain tensor attributes (``self.scale = torch.randn(8)``:
-    an unexplained MISMATCH, a helper's finding)."""
+    an unexplained MISMATCH, a helper's finding), replaced rather than written (an expanded view, an inference
+    tensor: copy_ raised, a reviewer's finding)."""
     out = tmp_path / "a"
     assert invoke("compile", f"{facts}:{factory}", "-o", out, "--no-build").exit_code == 0
     r = invoke("run", out, "--check")

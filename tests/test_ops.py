@@ -346,12 +346,14 @@ def test_two_clamps_keep_their_own_bounds():
 
 
 @pytest.mark.parametrize("dtype, form", [(torch.float16, lambda x: x.clamp(max=1e6)),
+                                         (torch.float16, lambda x: x.clamp(max=65510.)),  # (rounds to 65504)
                                          (torch.float16, lambda x: F.hardtanh(x, -1e6, 1e6)),
                                          (torch.bfloat16, lambda x: torch.clamp(x, min=-1e39))])
 def test_a_clamp_bound_that_overflows_the_dtype_is_eagers_error(dtype, form):
     """A finite bound that overflows the tensor's dtype (``clamp(x16, max=1e6)``) compiled as a clamp to +-inf where
-    eager raises ("value cannot be converted to type c10::Half without overflow"); an EagerFailsError naming the node
-    now. An infinite bound stays a clamp."""
+    eager raises ("value cannot be converted to type c10::Half without overflow"), as for any finite bound past the
+    dtype's largest value (65510 too, which rounds to 65504: a reviewer's finding); an EagerFailsError naming the
+    node now. An infinite bound stays a clamp."""
     from tilec.errors import EagerFailsError
 
     x = torch.randn(4, 64).to(dtype)

@@ -666,14 +666,27 @@ def build_program(art, executor: str | None, progress: Progress):
 
 
 def _tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The plain tensor attributes of ``module`` and its submodules (``self.scale = torch.randn(4)``: neither
-    parameter nor buffer), by dotted name."""
+    """The plain tensor attributes of ``module`` and its submodules (``self.scale = torch.randn(4)``: neither a
+    parameter nor a buffer, of this module or another), by dotted name."""
+    registered = {id(t) for t in (*module.parameters(), *module.buffers())}
     return {f"{prefix}.{k}" if prefix else k: v for prefix, m in module.named_modules(remove_duplicate=False)
-            for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)}
+            for k, v in vars(m).items() if isinstance(v, torch.Tensor) and id(v) not in registered}
+
+
+def _replace_attribute(module: torch.nn.Module, attributes: dict[str, torch.Tensor], old: torch.Tensor,
+                       new: torch.Tensor) -> None:
+    """Sets every plain tensor attribute of ``module`` that is ``old`` (by identity: ``self.scale = self.l.scale``
+    keeps the two one tensor) to ``new``. Replaced rather than written in place: an attribute may be an expanded
+    view or an inference tensor, which ``copy_`` refuses."""
+    for path, value in attributes.items():
+        if value is old:
+            owner, _, name = path.rpartition(".")
+            setattr(module.get_submodule(owner), name, new)
 
 
 def eager_reference(art, progress: Progress):
-    """The factory's module with the artifact's weights loaded, and the module buffers it kept as constants:
+    """The factory's module with the artifact's weights loaded, and the module buffers and plain tensor attributes it
+    kept as constants:
     ``(module, device of its inputs, the module's names of the buffers the plan folded into other values)`` -
     for those eager has only the factory's own values; none are named when the factory's file (or a model source
     the manifest records, :func:`model_sources`) was edited since the compile (a warning says so, and a failed check
@@ -700,7 +713,8 @@ def eager_reference(art, progress: Progress):
                       f"eager runs the code as it is now, which may differ from what the artifact compiled")
     state = module.state_dict(keep_vars=True)
     state.update(dict(module.named_buffers(remove_duplicate=False)))  # with the non-persistent buffers
-    state.update(_tensor_attributes(module))  # and plain tensor attributes (constants of the plan)
+    attributes = _tensor_attributes(module)
+    state.update(attributes)  # and plain tensor attributes (constants of the plan)
     sources = art.manifest.get("param_sources") or {}
     device = next((t.device for t in state.values()), torch.device("cpu"))
     # the buffers the plan kept as constants (const_<placeholder>); those it folded into other values are not stored
@@ -726,7 +740,10 @@ def eager_reference(art, progress: Progress):
                               f"compile on this machine")
             t = t.to(target.device)
             if not torch.equal(target, t):
-                target.copy_(t)
+                if key in attributes:
+                    _replace_attribute(module, attributes, target, t.clone())
+                else:
+                    target.copy_(t)
                 changed += 1
     if changed:
         progress(f"note: the factory's weights differ from the artifact's in {changed} tensor(s) (not deterministic?); "

@@ -221,13 +221,16 @@ class GraphBinding:
 
     def label(self, name: str) -> str:
         """How the user knows placeholder ``name``: its label (``past_key_values.layers[0].keys``),
-        ``argument 2 (state_0)``, ``parameter k_proj.weight``, ``buffer cache``, or ``buffer NAME``."""
+        ``argument 2 (state_0)``, ``parameter k_proj.weight``, ``buffer cache``, ``tensor attribute scale``, or
+        ``buffer NAME``."""
         if name in self.labels:
             return self.labels[name]
         if name in self.user_inputs:
             return f"argument {self.user_inputs.index(name)} ({name})"
         if name in self.params:
             return f"parameter {self.param_names.get(name, name)}"
+        if name in self.attribute_names:
+            return f"tensor attribute {self.attribute_names[name]}"
         return f"buffer {self.buffer_names.get(name, name)}"
 
 
@@ -757,8 +760,9 @@ class Lowering(FormsLowering, DsaLowering):
         def scalar(x, value) -> float:
             """The scalar operand as eager computes with it: a one-element tensor on a GPU in bf16 / fp16
             arithmetic rounded to that dtype first, as CUDA eager converts it (a float32 0-dim buffer's 3.7 is
-            3.703125 in bf16); a Python number, or a tensor on the CPU, as the value (CPU eager's mul and div read
-            it unrounded)."""
+            3.703125 in bf16); a Python number, or a tensor on the CPU, as the value (CPU eager reads it unrounded
+            in x * s and x / s, and rounds it to x's dtype in other forms - x + s, s - x, s * x: the README's
+            rounding note)."""
             d = val_of(x)
             if d is None or d.device.type == "cpu" or out_dtype not in (torch.bfloat16, torch.float16):
                 return float(value)
@@ -812,12 +816,13 @@ class Lowering(FormsLowering, DsaLowering):
             if isinstance(b, fx.Node):
                 bv = self._bcast(b, node)
             else:
-                bt = torch.tensor(b, dtype=out_dtype)
-                if bool(bt.isinf()) and math.isfinite(b):  # eager: "cannot be converted ... without overflow"
+                info = torch.finfo(out_dtype) if out_dtype.is_floating_point else torch.iinfo(out_dtype) \
+                    if out_dtype != torch.bool else None
+                if info is not None and math.isfinite(b) and not info.min <= b <= info.max:  # as c10's overflows()
                     self._unsupported(node, f"its bound {b!r} overflows {str(out_dtype).removeprefix('torch.')} "
                                             f"(eager PyTorch raises: the value cannot be converted to the tensor's "
                                             f"dtype without overflow)", eager_fails=True)
-                c = self.as_view(Static(bt), node)
+                c = self.as_view(Static(torch.tensor(b, dtype=out_dtype)), node)
                 bv = View(c.buffer, shape, (0,) * len(shape))
             last = i == len(bounds) - 1
             v = self._emit(node, "binary", [v, bv], attrs=(("fn", fn),), name=None if last else f"{node.name}_{fn}")
