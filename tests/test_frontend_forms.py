@@ -395,3 +395,25 @@ def test_rope_of_bf16_rows_with_float32_tables_reads_the_rows_upcast():
     with torch.no_grad():
         assert torch.equal(prog(*args), m(*args))
     assert [op.kind for op in prog.plan.graph.ops] == ["unary", "rope"]
+
+
+class PositionAsNumber(torch.nn.Module):
+    def forward(self, x, pos):
+        return x * pos.item(), x + pos.item() // 2, x * (pos.item() * 0.37)
+
+
+@pytest.mark.parametrize("pos_dims", [0, 1])
+def test_a_positions_item_used_as_a_number(pos_dims):
+    """``x * pos.item()`` with ``pos`` a listed position: the per-position Python numbers crashed the table's
+    torch.stack (an internal TypeError, a reviewer's finding). A float32 table, read unrounded as eager's scalar
+    (float32: bitwise; bf16 products bitwise too - a sum by a number rounds it in CPU eager: README)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 8).to(dtype)
+        pos = torch.tensor([3]).reshape([1] * pos_dims)
+        prog = compile_module(PositionAsNumber(), (x, pos), positions=[1], max_positions=1100)
+        for p in (0, 5, 1001, 1099):
+            q = torch.tensor([p]).reshape(pos.shape)
+            got, want = prog(x, q), PositionAsNumber()(x, q)
+            for i in ((0, 1, 2) if dtype == torch.float32 else (0, 2)):
+                assert torch.equal(got[i], want[i]), (dtype, p, i)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=8.)  # x + 549: a bf16 ulp there is 4

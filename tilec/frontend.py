@@ -355,7 +355,9 @@ class Lowering(FormsLowering, DsaLowering):
                 raise InputError(f"{node.name} ({target_name(node)}){f' at {where}' if where else ''} fails at decode "
                                  f"position {p}: {type(e).__name__}: {e}; max_positions={self.max_positions} plans "
                                  f"positions the module cannot take - use max_positions <= {p}") from e
-        return Positional(torch.stack(tables))
+        # a Python number (.item() of a position, x * pos.item()) as a float32 one-element table: eager computes with
+        # such a scalar unrounded, in float32 (it crashed torch.stack: a reviewer's finding)
+        return Positional(torch.stack([t if isinstance(t, torch.Tensor) else torch.tensor(float(t)) for t in tables]))
 
     # ---- helpers ---------------------------------------------------------------------
     def _name(self, base: str) -> str:
@@ -752,7 +754,7 @@ class Lowering(FormsLowering, DsaLowering):
             constant one-element case: ``scalar`` below)."""
             v = self._bcast(x, node)
             src, d = self.buffers[v.buffer].dtype, val_of(x) if isinstance(x, fx.Node) else None
-            on_gpu = d is not None and d.device.type != "cpu"
+            on_gpu = isinstance(d, torch.Tensor) and d.device.type != "cpu"
             if out_dtype in (torch.bfloat16, torch.float16) and (is_integer(src) or (on_gpu and src != out_dtype)):
                 v = self._emit(node, "copy", [v], out_dtype=out_dtype, name=f"{node.name}_{dtype_name(out_dtype)}{i}")
             return v
