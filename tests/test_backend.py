@@ -2086,3 +2086,31 @@ def test_a_corrupt_plan_cache_entry_that_cannot_be_removed_says_so(tmp_path, mon
     caplog.clear()
     assert compile_fresh()["compiles"] == 1
     assert "it could not be removed (it stays a miss)" in caplog.text and "written again" not in caplog.text
+
+
+class _InferenceBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(16, 16)
+        self.register_buffer("b", torch.randn(16))
+
+    def forward(self, x):
+        return self.l(x) * self.b
+
+
+def test_buffers_made_in_inference_mode_compile(monkeypatch):
+    """A module built under ``torch.inference_mode`` (its buffers inference tensors, as after HF's ``.to()`` there)
+    failed under backend="tilec": the region's identity read each buffer's version counter, which such a tensor
+    does not keep ("Inference tensors do not track version counter", a helper's finding)."""
+    calls = []
+    real = backend._Region.__call__
+    monkeypatch.setattr(backend._Region, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        m = _InferenceBuffer().eval()
+    fn = torch.compile(m, backend="tilec", dynamic=False)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 16)
+            assert_close(fn(x), m(x), 1e-6, "inference buffers")
+    assert calls

@@ -38,7 +38,7 @@ from .ir import DTYPE_CODES, contiguous_strides, is_integer
 from .options import Options, unknown_options_message
 from .pipeline import compile_opgraph
 from .plan import PLAN_FORMAT
-from .program import CompiledProgram
+from .program import CompiledProgram, tensor_version
 
 log = logging.getLogger("tilec")
 
@@ -403,7 +403,10 @@ class _Region:
         _REGIONS.add(self)
 
     def _identity(self, args) -> tuple:
-        return tuple((id(args[i]), args[i]._version, args[i].data_ptr()) for i in self.const_idx)
+        """The constants' identities: object, version and address (a buffer made under ``torch.inference_mode``
+        keeps no version counter - reading one raised, a helper's finding - so its in-place edits, allowed only in
+        inference mode, are not seen, as the README says of edits through ``.data``)."""
+        return tuple((id(args[i]), tensor_version(args[i]), args[i].data_ptr()) for i in self.const_idx)
 
     def _use(self, args, key: tuple) -> bool:
         """Takes the plan for ``args``' constants (``key``: their :meth:`_identity`); False when there is
