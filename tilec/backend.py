@@ -413,7 +413,12 @@ class _Region:
         none and none may be compiled."""
         if key not in self.known:
             if len(self.known) >= 4 * MAX_CONSTANT_SETS:
+                # the current key's tensors stay held: were they freed, a new tensor could take their id, version
+                # and address, and run the current plan with stale constants (a helper's reading)
+                current = self.known.get(self.key)
                 self.known.clear()
+                if current is not None:
+                    self.known[self.key] = current
             self.known[key] = (_consts_digest(args, self.kinds), [args[i] for i in self.const_idx])
         digest = self.known[key][0]
         if digest not in self.programs:
