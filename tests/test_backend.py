@@ -2114,3 +2114,25 @@ def test_buffers_made_in_inference_mode_compile(monkeypatch):
             x = torch.randn(2, 16)
             assert_close(fn(x), m(x), 1e-6, "inference buffers")
     assert calls
+
+
+def test_a_regions_current_constants_stay_held_when_it_forgets_others():
+    """A region forgets the constant identities it has seen past 32; it also let go of the current plan's tensors,
+    whose id / version / address a new tensor could then take and run that plan with stale constants (a helper's
+    reading of the code). The current key's tensors stay held."""
+    torch.manual_seed(0)
+    m = _InferenceBuffer().eval()
+    fn = torch.compile(m, backend="tilec", dynamic=False)
+    with torch.no_grad():
+        fn(torch.randn(2, 16))
+    region = next(r for r in backend._REGIONS if r.const_idx)
+    current = region.key
+    for k in range(4 * backend.MAX_CONSTANT_SETS):  # other identities seen, and no room for another plan
+        region.known[("seen", k)] = ("digest", [])
+    region.programs.update({f"other{k}": region.programs[next(iter(region.programs))]
+                            for k in range(backend.MAX_CONSTANT_SETS)})
+    flat = [None] * (max(region.const_idx) + 1)
+    for i in region.const_idx:
+        flat[i] = torch.randn(16)
+    assert not region._use(flat, ("new",))  # no plan for the new values: the call runs eagerly
+    assert region.key == current and region.known[current][1][0] is m.b
