@@ -893,7 +893,7 @@ def test_a_relative_cache_directory_is_taken_before_the_factory_runs(facts, tmp_
     nvcc = tmp_path / "bin" / "nvcc"  # "builds" by writing the file after -o
     nvcc.parent.mkdir()
     nvcc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Cuda compilation tools, fake'; exit 0; }\n"
-                    "while [ $# -gt 0 ]; do [ \"$1\" = -o ] && : > \"$2\"; shift; done\n")
+                    "while [ $# -gt 0 ]; do [ \"$1\" = -o ] && echo lib > \"$2\"; shift; done\n")
     nvcc.chmod(0o755)
     work = tmp_path / "work"
     work.mkdir()

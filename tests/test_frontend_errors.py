@@ -1490,3 +1490,46 @@ def test_a_dropout_left_in_training_mode_says_to_call_eval():
     m.eval()
     with torch.no_grad():
         assert torch.allclose(compile_module(m, (x,), options=dict(workers=2))(x), m(x), atol=1e-6)
+
+
+class _PowByItem(torch.nn.Module):
+    def forward(self, x, pos):
+        return x ** pos.item()
+
+
+class _WriteAtItem(torch.nn.Module):
+    def forward(self, cache, k, pos):
+        cache[:, pos.item()] = k
+        return cache * 1.0
+
+
+class _Attribute(torch.nn.Module):
+    def __init__(self, name="scale"):
+        super().__init__()
+        self.name = name
+        setattr(self, name, torch.randn(8))
+
+    def forward(self, x):
+        return x * getattr(self, self.name)
+
+
+def test_run_time_values_and_attributes_a_fresh_user_broke():
+    """Raw tracebacks a fresh user found, each a clear error now: ``x ** pos.item()`` (a TypeError from float() of a
+    node), ``cache[:, pos.item()] = k`` (torch.export's IndexError "got SymInt"), a view of a plain tensor
+    attribute as the example argument (an AttributeError from export's guards) and a tensor attribute named like an
+    nn.Module method, ``self.half`` (a KeyError from export's register_buffer). The attribute itself as the
+    argument compiles to eager's values."""
+    with pytest.raises(UnsupportedNodeError, match=r"(?s)its exponent is read at run time.*pow_1 \(aten\.pow"):
+        compile_module(_PowByItem(), (torch.randn(2, 8), torch.tensor([3])), positions=[1], max_positions=16)
+    with pytest.raises(DataDependentError, match=r"index read from data; for a cache written at a position read with "
+                                                 r"\.item\(\), write cache\.index_copy_"):
+        compile_module(_WriteAtItem(), (torch.zeros(2, 8, 4), torch.randn(2, 4), torch.tensor([3])), positions=[2],
+                       max_positions=8)
+    m = _Attribute()
+    with pytest.raises(InputError, match=r"^argument 0 and the module's tensor attribute scale share memory"):
+        compile_module(m, (m.scale.expand(4, 8),))
+    prog = compile_module(m, (m.scale,))
+    x = torch.randn(8)
+    assert torch.equal(prog(x), m(x))
+    with pytest.raises(InputError, match=r"^tensor attribute half is named like nn\.Module\.half: .*rename"):
+        compile_module(_Attribute("half"), (torch.randn(8),))

@@ -84,7 +84,8 @@ def test_an_example_cache_aliasing_a_parameter_is_named(detached):
     cache = weight.view(-1)[:H * S * D].view(1, H, S, D)
     with pytest.raises(TilecError, match=r"argument 2 and the module's parameter k_proj\.weight share memory: "
                                          r"torch\.export cannot capture an argument that shares memory with the "
-                                         r"module's state \(its parameters and buffers\), and the step updates it in "
+                                         r"module's state \(its parameters, buffers and tensor attributes\), and "
+                                         r"the step updates it in "
                                          r"place; pass a tensor of its own"):
         compile_module(m, (torch.randn(1, 1, H * D), torch.tensor([0]), cache), positions=[1], max_positions=S,
                        options=dict(executor="reference"))
@@ -98,7 +99,8 @@ def test_a_read_only_argument_viewing_a_parameter_is_not_said_to_be_updated():
     m = torch.nn.Linear(8, 8).eval()
     with pytest.raises(InputError, match=r"argument 0 and the module's parameter weight share memory: torch\.export "
                                          r"cannot capture an argument that shares memory with the module's state "
-                                         r"\(its parameters and buffers\), even one it only reads; pass a copy "
+                                         r"\(its parameters, buffers and tensor attributes\), even one it only "
+                                         r"reads; pass a copy "
                                          r"\(e\.g\. x\.clone\(\)\)") as info:
         compile_module(m, (m.weight.detach()[:2],))
     assert "in place" not in str(info.value)

@@ -35,6 +35,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     """
     from torch.export.graph_signature import InputKind, OutputKind
 
+    _check_attribute_names(module)
     args = _detach_state_arguments(module, tuple(args))
     with torch.no_grad(), warnings.catch_warnings(), _quiet_fake_tensor_log(), _helper_frames_recorded(module):
         # torch's own pytree deprecation notice (LeafSpec), raised inside export: not the user's
@@ -262,13 +263,15 @@ def _raised_at(e: BaseException, skip: tuple[str, ...]) -> str:
 def _check_data_dependent(cause: BaseException, zero_dim_positions: list[int] = ()) -> None:
     """After a failed export of a module that runs eagerly: raises :class:`DataDependentError` naming the
     user's source line when export failed on a value-dependent branch or size (torch's
-    ``GuardOnDataDependentSymNode``, whose own message is about guards and symbols), and when a
+    ``GuardOnDataDependentSymNode``, whose own message is about guards and symbols; or an ``IndexError`` for an index
+    that is a symbol, ``cache[:, pos.item()] = k``: a fresh user's raw traceback), and when a
     position argument is a 0-d tensor (``cache[:, pos] = k`` then reads its value) saying to pass
     it with one dimension if that is the value read; returns otherwise."""
     from torch.fx.experimental import symbolic_shapes
 
     kind = getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None)
-    if kind is None or not isinstance(cause, kind):
+    symint_index = isinstance(cause, IndexError) and "SymInt" in str(cause)  # cache[:, pos.item()] = k
+    if not symint_index and (kind is None or not isinstance(cause, kind)):
         return
     where = _raised_at(cause, ("/torch/", "/tilec/"))
     # a 0-d position is one possible cause, not the only one (OPT slices position ids by the cache's
@@ -277,10 +280,11 @@ def _check_data_dependent(cause: BaseException, zero_dim_positions: list[int] = 
               f"reads as a number, pass it with one dimension, torch.tensor([p]) (or write the cache with "
               f"index_copy_).") if zero_dim_positions else ""
     raise DataDependentError(f"torch.export cannot capture the module: it depends on a tensor's value{where} (a "
-                             f"branch, a loop count or a size read from data). tilec compiles one static graph per "
-                             f"step: make the computation independent of tensor values (e.g. both branches selected "
-                             f"with torch.where, a fixed loop count), decide outside forward, or compile with "
-                             f"torch.compile(module, backend='tilec'), which runs such code eagerly.",
+                             f"branch, a loop count, a size or an index read from data; for a cache written at a "
+                             f"position read with .item(), write cache.index_copy_(dim, pos, new)). tilec compiles "
+                             f"one static graph per step: make the computation independent of tensor values (e.g. "
+                             f"both branches selected with torch.where, a fixed loop count), decide outside forward, "
+                             f"or compile with torch.compile(module, backend='tilec'), which runs such code eagerly.",
                              zero_d) from cause
 
 
@@ -369,11 +373,32 @@ def _state_overlaps(module: torch.nn.Module, args) -> list[tuple[int, str]]:
 
 
 def _module_state(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]]:
-    """``("parameter" | "buffer", name, tensor)`` for each parameter and buffer of ``module``."""
+    """``("parameter" | "buffer" | "tensor attribute", name, tensor)`` for each parameter, buffer and plain tensor
+    attribute of ``module``."""
     params = dict(module.named_parameters(remove_duplicate=False))
     return [("parameter" if name in params else "buffer", name, t)
             for name, t in itertools.chain(params.items(), module.named_buffers(remove_duplicate=False))
-            if isinstance(t, torch.Tensor)]
+            if isinstance(t, torch.Tensor)] + [("tensor attribute", name, t)
+                                               for name, t in tensor_attributes(module).items()]
+
+
+def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain tensor attributes of ``module`` and its submodules (``self.scale = torch.randn(4)``: neither a
+    parameter nor a buffer, of this module or another), by dotted name."""
+    registered = {id(t) for t in (*module.parameters(), *module.buffers())}
+    return {f"{prefix}.{k}" if prefix else k: v for prefix, m in module.named_modules(remove_duplicate=False)
+            for k, v in vars(m).items() if isinstance(v, torch.Tensor) and id(v) not in registered}
+
+
+def _check_attribute_names(module: torch.nn.Module) -> None:
+    """Raises :class:`InputError` naming a plain tensor attribute named like one of ``nn.Module``'s own
+    (``self.half = t``): torch.export registers such a tensor under its name and fails with a raw KeyError
+    ("attribute 'half' already exists"; a fresh user's finding)."""
+    for path in tensor_attributes(module):
+        name = path.rpartition(".")[2]
+        if hasattr(torch.nn.Module, name):
+            raise InputError(f"tensor attribute {path} is named like nn.Module.{name}: torch.export cannot capture "
+                             f"it (it registers the tensor under that name); rename the attribute")
 
 
 def _detach_state_arguments(module: torch.nn.Module, args: tuple) -> tuple:
@@ -431,7 +456,7 @@ def _state_alias_message(i: int, state: str, updated: bool | None) -> str:
     """Why argument ``i``, sharing memory with the module's ``state`` (``parameter l.weight``), was refused;
     ``updated``: whether the step updates it in place (None: unknown)."""
     head = (f"argument {i} and the module's {state} share memory: torch.export cannot capture an argument that "
-            f"shares memory with the module's state (its parameters and buffers)")
+            f"shares memory with the module's state (its parameters, buffers and tensor attributes)")
     if updated is None:
         return f"{head}; pass a tensor of its own (e.g. x.clone())"
     if updated:

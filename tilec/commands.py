@@ -29,6 +29,7 @@ import tilec
 from . import artifact as art_mod
 from .artifact import ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
+from .capture import tensor_attributes
 from .codegen.build import cache_root, extra_flags, sha256_file
 from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root
 from .errors import InputError, TilecError, describe_exception, with_article
@@ -665,14 +666,6 @@ def build_program(art, executor: str | None, progress: Progress):
             raise Failure(str(e), code) from e
 
 
-def _tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The plain tensor attributes of ``module`` and its submodules (``self.scale = torch.randn(4)``: neither a
-    parameter nor a buffer, of this module or another), by dotted name."""
-    registered = {id(t) for t in (*module.parameters(), *module.buffers())}
-    return {f"{prefix}.{k}" if prefix else k: v for prefix, m in module.named_modules(remove_duplicate=False)
-            for k, v in vars(m).items() if isinstance(v, torch.Tensor) and id(v) not in registered}
-
-
 def _replace_attribute(module: torch.nn.Module, attributes: dict[str, torch.Tensor], old: torch.Tensor,
                        new: torch.Tensor) -> None:
     """Sets every plain tensor attribute of ``module`` that is ``old`` (by identity: ``self.scale = self.l.scale``
@@ -713,7 +706,7 @@ def eager_reference(art, progress: Progress):
                       f"eager runs the code as it is now, which may differ from what the artifact compiled")
     state = module.state_dict(keep_vars=True)
     state.update(dict(module.named_buffers(remove_duplicate=False)))  # with the non-persistent buffers
-    attributes = _tensor_attributes(module)
+    attributes = tensor_attributes(module)
     state.update(attributes)  # and plain tensor attributes (constants of the plan)
     sources = art.manifest.get("param_sources") or {}
     device = next((t.device for t in state.values()), torch.device("cpu"))

@@ -79,7 +79,7 @@ class EagerFailsError(UnsupportedNodeError, InputError):
 
 class DataDependentError(TilecError):
     """``torch.export`` cannot capture the module: its forward depends on a tensor's value (a
-    branch, a loop count or a size read from data). ``base`` is the message without ``hint``, the
+    branch, a loop count, a size or an index read from data). ``base`` is the message without ``hint``, the
     advice for the case where the value read is a 0-d position argument (empty when no position
     argument is 0-d): a caller that passes those arguments itself (``compile_decode_step``) words
     its own advice instead."""

@@ -634,6 +634,9 @@ class Lowering(FormsLowering, DsaLowering):
             fn = "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
             return self._emit(node, "unary", [self._bcast(node.args[0], node)], attrs=(("fn", fn), ("scalar", 0.0)))
         if t is aten.pow.Tensor_Scalar or t is aten.square.default:  # square: ReLU^2 MLPs (Nemotron, Arcee)
+            if t is aten.pow.Tensor_Scalar and isinstance(node.args[1], fx.Node):  # (float() of a Node: a TypeError)
+                self._unsupported(node, "its exponent is read at run time (x ** pos.item()): tilec computes a power "
+                                        "by a number known when compiling")
             power = float(node.args[1]) if t is aten.pow.Tensor_Scalar else 2.0
             return self._emit(node, "unary", [self._bcast(node.args[0], node)],
                               attrs=(("fn", "pow_scalar"), ("scalar", power)))
