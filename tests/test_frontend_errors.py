@@ -1497,6 +1497,15 @@ class _PowByItem(torch.nn.Module):
         return x ** pos.item()
 
 
+class _PowByBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("p", torch.tensor(3.0))
+
+    def forward(self, x):
+        return x ** self.p.item()
+
+
 class _WriteAtItem(torch.nn.Module):
     def forward(self, cache, k, pos):
         cache[:, pos.item()] = k
@@ -1521,6 +1530,8 @@ def test_run_time_values_and_attributes_a_fresh_user_broke():
     argument compiles to eager's values."""
     with pytest.raises(UnsupportedNodeError, match=r"(?s)its exponent is read at run time.*pow_1 \(aten\.pow"):
         compile_module(_PowByItem(), (torch.randn(2, 8), torch.tensor([3])), positions=[1], max_positions=16)
+    x = torch.randn(2, 8)  # a constant exponent read from a buffer folds
+    assert_close(compile_module(_PowByBuffer(), (x,))(x), x ** 3, 1e-6, "pow")
     with pytest.raises(DataDependentError, match=r"index read from data; for a cache written at a position read with "
                                                  r"\.item\(\), write cache\.index_copy_"):
         compile_module(_WriteAtItem(), (torch.zeros(2, 8, 4), torch.randn(2, 4), torch.tensor([3])), positions=[2],

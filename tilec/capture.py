@@ -402,11 +402,11 @@ def _check_attribute_names(module: torch.nn.Module) -> None:
 
 
 def _detach_state_arguments(module: torch.nn.Module, args: tuple) -> tuple:
-    """``args`` with each argument that is a parameter or buffer of the module itself replaced by a detached alias
-    (the same memory, another tensor object). torch.export captured the module's own tensor passed as an argument
-    (``compile_module(m, (x, m.w))``) and that tensor as one graph input, so where forward also reads ``self.w`` the
-    compiled step read each call's argument in its place - a silently wrong result (a helper's finding); a detached
-    alias is captured apart. (One that the step updates in place then fails the export, and
+    """``args`` with each argument that is a parameter, buffer or tensor attribute of the module itself replaced by a
+    detached alias (the same memory, another tensor object). torch.export captured the module's own tensor passed as
+    an argument (``compile_module(m, (x, m.w))``) and that tensor as one graph input, so where forward also reads
+    ``self.w`` the compiled step read each call's argument in its place - a silently wrong result (a helper's
+    finding); a detached alias is captured apart. (One that the step updates in place then fails the export, and
     :func:`_check_not_aliased` names it.)"""
     state = {id(t) for _, _, t in _module_state(module)}
     return tuple(a.detach() if id(a) in state else a for a in args)

@@ -634,10 +634,13 @@ class Lowering(FormsLowering, DsaLowering):
             fn = "gelu_tanh" if node.kwargs.get("approximate", "none") == "tanh" else "gelu"
             return self._emit(node, "unary", [self._bcast(node.args[0], node)], attrs=(("fn", fn), ("scalar", 0.0)))
         if t is aten.pow.Tensor_Scalar or t is aten.square.default:  # square: ReLU^2 MLPs (Nemotron, Arcee)
-            if t is aten.pow.Tensor_Scalar and isinstance(node.args[1], fx.Node):  # (float() of a Node: a TypeError)
-                self._unsupported(node, "its exponent is read at run time (x ** pos.item()): tilec computes a power "
-                                        "by a number known when compiling")
-            power = float(node.args[1]) if t is aten.pow.Tensor_Scalar else 2.0
+            power = node.args[1] if t is aten.pow.Tensor_Scalar else 2.0
+            if isinstance(power, fx.Node):  # a number read from a tensor: a constant one (a buffer's .item()) folds
+                if self.cls[power] != "static":  # (float() of the node was a TypeError: a fresh user's finding)
+                    self._unsupported(node, "its exponent is read at run time (x ** pos.item()): tilec computes a "
+                                            "power by a number known when compiling")
+                power = self.value(power).value
+            power = float(power)
             return self._emit(node, "unary", [self._bcast(node.args[0], node)],
                               attrs=(("fn", "pow_scalar"), ("scalar", power)))
         if t in BINARY or t in (aten.add.Scalar, aten.mul.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.rsub.Scalar,
