@@ -35,7 +35,8 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     """
     from torch.export.graph_signature import InputKind, OutputKind
 
-    _check_attribute_names(module)
+    attributes = tensor_attributes(module)
+    _check_attribute_names(attributes)
     args = _detach_state_arguments(module, tuple(args))
     with torch.no_grad(), warnings.catch_warnings(), _quiet_fake_tensor_log(), _helper_frames_recorded(module):
         # torch's own pytree deprecation notice (LeafSpec), raised inside export: not the user's
@@ -72,7 +73,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             binding.buffer_names[name] = spec.target
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             binding.consts[name] = ep.constants[spec.target]
-            if spec.kind == InputKind.CONSTANT_TENSOR and isinstance(_attribute(module, spec.target), torch.Tensor):
+            if spec.kind == InputKind.CONSTANT_TENSOR and spec.target in attributes:
                 binding.attribute_names[name] = spec.target  # (not a tensor forward made: lifted_tensor_0)
         elif spec.kind == InputKind.USER_INPUT:
             binding.user_inputs.append(name)
@@ -103,16 +104,6 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     binding.out_spec = ep.call_spec.out_spec
     binding.listed_positions = True
     return ep.graph_module, binding
-
-
-def _attribute(module: torch.nn.Module, path: str):
-    """The value at dotted attribute ``path`` of ``module`` (``layers.0.scale``), or None."""
-    obj = module
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 def _non_tensor_output(spec, k: int, value) -> str:
@@ -361,8 +352,8 @@ def _argument_ranges(args) -> list[tuple[int, tuple[int, int]]]:
 
 
 def _state_overlaps(module: torch.nn.Module, args) -> list[tuple[int, str]]:
-    """``(argument index, "parameter l.weight")`` for each tensor argument whose memory overlaps a parameter or
-    buffer of ``module``."""
+    """``(argument index, "parameter l.weight")`` for each tensor argument whose memory overlaps a parameter, buffer
+    or plain tensor attribute of ``module``."""
     ranges = _argument_ranges(args)
     if not ranges:
         return []
@@ -390,11 +381,11 @@ def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for k, v in vars(m).items() if isinstance(v, torch.Tensor) and id(v) not in registered}
 
 
-def _check_attribute_names(module: torch.nn.Module) -> None:
-    """Raises :class:`InputError` naming a plain tensor attribute named like one of ``nn.Module``'s own
-    (``self.half = t``): torch.export registers such a tensor under its name and fails with a raw KeyError
-    ("attribute 'half' already exists"; a fresh user's finding)."""
-    for path in tensor_attributes(module):
+def _check_attribute_names(attributes: dict[str, torch.Tensor]) -> None:
+    """Raises :class:`InputError` naming a plain tensor attribute (of :func:`tensor_attributes`) named like one of
+    ``nn.Module``'s own (``self.half = t``): torch.export registers such a tensor under its name and fails with a raw
+    KeyError ("attribute 'half' already exists"; a fresh user's finding)."""
+    for path in attributes:
         name = path.rpartition(".")[2]
         if hasattr(torch.nn.Module, name):
             raise InputError(f"tensor attribute {path} is named like nn.Module.{name}: torch.export cannot capture "
@@ -414,7 +405,7 @@ def _detach_state_arguments(module: torch.nn.Module, args: tuple) -> tuple:
 
 def _check_not_aliased(module: torch.nn.Module, args, cause: Exception) -> None:
     """After a failed export: raises :class:`InputError` (bad example arguments) naming two tensor arguments, or an
-    argument and a parameter or buffer of the module, whose memory overlaps, when the export succeeds with
+    argument and a parameter, buffer or tensor attribute of the module, whose memory overlaps, when the export succeeds with
     the (second) argument cloned (``torch.export`` cannot capture an input updated in place that aliases
     another argument, nor an argument, read or updated, that shares memory with the module's state, and
     says so only obscurely: an IndexError, or an AttributeError from its guards); returns when nothing
