@@ -100,6 +100,18 @@ def random_attribute():
 def random_folded_attribute():
     return Scaled(fold=True, attribute=True), (torch.randn(1, 8),)
 
+class Tempered(torch.nn.Module):  # an unseeded 0-dim buffer the plan reads as a number (folded into the op)
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+        self.register_buffer("temperature", torch.rand(()) + 0.5)
+
+    def forward(self, x):
+        return self.l(x) / self.temperature.item()
+
+def random_scalar_buffer():
+    return Tempered(), (torch.randn(1, 8),)
+
 def random_expanded_attribute():
     return Scaled(attribute="expanded"), (torch.randn(1, 8),)
 
@@ -362,8 +374,8 @@ def copy(art, tmp_path) -> Path:
 
 def test_compile_writes_a_complete_self_contained_artifact(art):
     files = sorted(p.relative_to(art).as_posix() for p in art.rglob("*") if p.is_file())
-    want = {"manifest.json", "params.safetensors", "constants.safetensors", "inputs.safetensors", "trace.json",
-            "plan/plan.safetensors", "plan/graph.json", "plan/operands.json", "cuda/program.cu",
+    want = {"manifest.json", "params.safetensors", "constants.safetensors", "inputs.safetensors", "state.safetensors",
+            "trace.json", "plan/plan.safetensors", "plan/graph.json", "plan/operands.json", "cuda/program.cu",
             "cuda/tilec_layout.h", "cuda/tables.h", *(f"ir/{s}.{ext}" for s in STAGE_FILES for ext in ("txt", "json"))}
     nvcc = artifact._nvcc_version() is not None
     if nvcc:
@@ -379,6 +391,9 @@ def test_compile_writes_a_complete_self_contained_artifact(art):
     assert m["stats"]["ops"] == 37 and m["stats"]["tasks"] == 106
     assert m["cuda"]["library"] == ("cuda/libtilec.so" if nvcc else None)
     assert m["param_sources"]["p_model_lm_head_weight"] == "model.lm_head.weight"
+    # the RoPE frequencies the plan folded into its cos / sin tables, as compiled, for run --check's eager module
+    inv_freq = artifact.load(art).folded_state()["b_model_model_rotary_emb_inv_freq"]
+    assert torch.equal(inv_freq, 1.0 / 10000.0 ** (torch.arange(0, 32, 2).float() / 32))  # HF's formula
     assert set(m["files"]) == want - {"manifest.json"}
     for rel, digest in m["files"].items():
         assert artifact._sha256(art / rel) == digest, rel
@@ -1399,12 +1414,28 @@ def test_run_check_loads_the_artifacts_module_buffers(facts, tmp_path, factory, 
     assert json.loads((out / "manifest.json").read_text())["buffer_sources"] == sources
 
 
-@pytest.mark.parametrize("factory", ["random_folded_buffer", "random_folded_attribute"])
-def test_run_check_names_a_folded_buffer_when_it_fails(facts, tmp_path, factory):
-    """A buffer (or plain tensor attribute) the plan folded into another value is not stored as such: eager keeps
-    the factory's, and a failed check says so."""
+@pytest.mark.parametrize("factory, name", [("random_folded_buffer", "scale"), ("random_folded_attribute", "scale"),
+                                           ("random_scalar_buffer", "temperature")])
+def test_run_check_loads_the_folded_buffers_as_compiled(facts, tmp_path, factory, name):
+    """A buffer (or plain tensor attribute) the plan folded into another value (``scale.exp()``, a 0-dim
+    ``temperature`` read as a number) was not stored, so eager used the factory's fresh random value and a correct
+    artifact failed the check (a fresh user's case); state.safetensors stores it as compiled now."""
     out = tmp_path / "a"
     assert invoke("compile", f"{facts}:{factory}", "-o", out, "--no-build").exit_code == 0
+    placeholder = {"random_folded_attribute": "c_scale"}.get(factory, f"b_{name}")
+    assert list(artifact.load(out).folded_state()) == [placeholder]
+    r = invoke("run", out, "--check")
+    assert r.exit_code == 0 and "PASS: worst relative L2 0.000e+00" in r.output, r.output
+
+
+@pytest.mark.parametrize("factory", ["random_folded_buffer", "random_folded_attribute"])
+def test_run_check_names_a_folded_buffer_too_large_to_store(facts, tmp_path, factory, monkeypatch):
+    """A folded buffer past STATE_TENSOR_BYTES is not stored: eager keeps the factory's, and a failed check says
+    so."""
+    monkeypatch.setattr(artifact, "STATE_TENSOR_BYTES", 16)  # below the 32-byte scale
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:{factory}", "-o", out, "--no-build").exit_code == 0
+    assert not (out / "state.safetensors").exists()
     r = invoke("run", out, "--check")
     assert r.exit_code == 1 and "MISMATCH" in r.output, r.output
     assert "does not store module buffer(s) or tensor attribute(s) scale (the plan folded them" in r.stderr, r.stderr

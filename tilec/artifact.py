@@ -8,6 +8,9 @@ Layout of an artifact (every file except the manifest has its sha256 in ``manife
     params.safetensors       the parameters (weights) the plan reads, by buffer name
     constants.safetensors    folded constants and position tables (OpGraph.tensors)
     inputs.safetensors       the example inputs: ``arg<i>`` for tensor argument i
+    state.safetensors        the module buffers and plain tensor attributes the plan folded into other values or
+                             does not read, as compiled (by placeholder; each up to STATE_TENSOR_BYTES), for
+                             ``tilec run --check``'s eager module; absent when there are none
     ir/01-opgraph.txt .. ir/11-plan.txt      every stage's stable text (file names of tilec.dump)
     ir/01-opgraph.json .. ir/11-plan.json    every stage as structured JSON (tilec inspect)
     trace.json               the schedule timeline predicted by the cost model (Chrome trace)
@@ -473,8 +476,12 @@ def _is_artifact(root: Path, damaged: bool) -> bool:
 
 
 # What an artifact's folder holds at its top (_write_contents): a damaged manifest's folder may hold nothing else.
-LAYOUT = frozenset({MANIFEST, "params.safetensors", "constants.safetensors", "inputs.safetensors", "trace.json", "ir",
-                    "plan", "cuda"})
+LAYOUT = frozenset({MANIFEST, "params.safetensors", "constants.safetensors", "inputs.safetensors", "state.safetensors",
+                    "trace.json", "ir", "plan", "cuda"})
+
+# The largest folded buffer or tensor attribute state.safetensors stores (bytes): the check needs those drawn at
+# random (a scale, a 0-dim temperature); a larger one (a precomputed mask) is rebuilt alike by the factory.
+STATE_TENSOR_BYTES = 16 << 20
 
 
 def _foreign_entries(root: Path) -> list[str]:
@@ -501,6 +508,9 @@ def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources:
     save_tensors(root / "params.safetensors", params)
     save_tensors(root / "constants.safetensors", graph.tensors())
     save_tensors(root / "inputs.safetensors", inputs)
+    state = {name: t for name, t in getattr(program, "_folded_state", {}).items() if t.nbytes <= STATE_TENSOR_BYTES}
+    if state:
+        save_tensors(root / "state.safetensors", state)
     (root / "ir").mkdir()
     linearized = stages["linearized"]
     for name, fname in STAGE_FILES.items():
@@ -779,6 +789,12 @@ class Artifact:
         """The plan's constant tensors by buffer name (a module buffer the plan did not fold is
         ``const_<placeholder>``, the placeholder named in the manifest's ``buffer_sources``)."""
         return self._tensors("constants.safetensors", device)
+
+    def folded_state(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The module buffers and plain tensor attributes the plan folded into other values (or does not read), as
+        compiled, by placeholder (named in the manifest's ``buffer_sources``); empty for an artifact without
+        ``state.safetensors`` (none to store, or written before it existed)."""
+        return self._tensors("state.safetensors", device) if "state.safetensors" in self.manifest["files"] else {}
 
     def program(self, executor: str | None = None, progress=None) -> CompiledProgram:
         """A runnable program: ``program(*artifact.inputs(program.device))``.

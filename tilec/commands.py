@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 import tilec
 
 from . import artifact as art_mod
-from .artifact import ArtifactError, resolve_stage
+from .artifact import STATE_TENSOR_BYTES, ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
 from .capture import tensor_attributes
 from .codegen.build import cache_root, extra_flags, sha256_file
@@ -585,8 +585,10 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
         if folded:
             names = ", ".join(folded[:4]) + (", ..." if len(folded) > 4 else "")
             click.echo(f"note: the artifact does not store module buffer(s) or tensor attribute(s) {names} (the "
-                       f"plan folded them into other values, or does not read them), so eager uses the factory's own "
-                       f"values for them: a factory that draws them at random (unseeded) fails this check", err=True)
+                       f"plan folded them into other values, or does not read them, and each is larger than "
+                       f"{STATE_TENSOR_BYTES >> 20} MiB, or the artifact predates storing them), so eager uses the "
+                       f"factory's own values for them: a factory that draws them at random (unseeded) fails this "
+                       f"check", err=True)
         raise click.exceptions.Exit(EXIT_MISMATCH)
 
 
@@ -680,8 +682,8 @@ def _replace_attribute(module: torch.nn.Module, attributes: dict[str, torch.Tens
 def eager_reference(art, progress: Progress):
     """The factory's module with the artifact's weights loaded, and the module buffers and plain tensor attributes it
     kept as constants:
-    ``(module, device of its inputs, the module's names of the buffers the plan folded into other values)`` -
-    for those eager has only the factory's own values; none are named when the factory's file (or a model source
+    ``(module, device of its inputs, the module's names of the buffers the plan folded into other values and the
+    artifact does not store)`` - for those eager has only the factory's own values; none are named when the factory's file (or a model source
     the manifest records, :func:`model_sources`) was edited since the compile (a warning says so, and a failed check
     would otherwise blame those buffers)."""
     f = art.factory
@@ -710,15 +712,20 @@ def eager_reference(art, progress: Progress):
     state.update(attributes)  # and plain tensor attributes (constants of the plan)
     sources = art.manifest.get("param_sources") or {}
     device = next((t.device for t in state.values()), torch.device("cpu"))
-    # the buffers the plan kept as constants (const_<placeholder>); those it folded into other values are not stored
+    # the buffers the plan kept as constants (const_<placeholder>), and those it folded into other values as
+    # compiled (state.safetensors, up to a size); larger folded ones are not stored
     buffer_sources = art.manifest.get("buffer_sources") or {}
     consts = art.constants() if buffer_sources else {}
-    buffers = {const_name(name): target for name, target in buffer_sources.items() if const_name(name) in consts}
-    folded = sorted(target for name, target in buffer_sources.items() if const_name(name) not in consts)
+    folded_state = art.folded_state() if buffer_sources else {}
+    stored = [(name, consts[const_name(name)], target) for name, target in buffer_sources.items()
+              if const_name(name) in consts]
+    stored += [(name, folded_state[name], target) for name, target in buffer_sources.items()
+               if const_name(name) not in consts and name in folded_state]
+    folded = sorted(target for name, target in buffer_sources.items()
+                    if const_name(name) not in consts and name not in folded_state)
     changed, unmapped = 0, []
     with torch.no_grad():
-        for name, t in [*art.params().items(), *((n, consts[n]) for n in buffers)]:
-            key = buffers.get(name) or sources.get(name)
+        for name, t, key in [*((n, t, sources.get(n)) for n, t in art.params().items()), *stored]:
             target = state.get(key) if key else None
             if target is None or tuple(target.shape) != tuple(t.shape):
                 why = ("no such entry" if target is None else f"shape {tuple(target.shape)} there") if key else "no source"

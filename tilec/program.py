@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import InputError, PositionError, TilecError
-from .frontend import IGNORED, POSITION, GraphBinding
+from .frontend import IGNORED, POSITION, GraphBinding, const_name
 from .guards import check_mask_guards, mismatches, raise_first_mismatch
 from .ir import BufferKind, is_integer
 from .options import Options
@@ -219,6 +219,11 @@ class CompiledProgram(OneCallAtATime):
         folded = {name: (target, binding.consts[name]) for name, target in binding.buffer_names.items()
                   if name in binding.consts and name not in written}
         self._watch = ParamWatch(module, params, folded) if module is not None and (params or folded) else None
+        # module buffers and plain tensor attributes the plan folded into other values or does not read (not kept as
+        # constants, not written): an artifact stores their values for tilec run --check's eager module
+        self._folded_state = {name: binding.consts[name] for name in (*binding.buffer_names, *binding.attribute_names)
+                              if name in binding.consts and name not in written
+                              and const_name(name) not in self.graph.constants}
         # per argument: (kind, buffer name, shape, dtype, staged, updated in place)
         # (a position tensor's example shape: another shape can broadcast to other output shapes in eager)
         self._arg_specs = [(_POSITION if name == POSITION else _IGNORED, name,
