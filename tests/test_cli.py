@@ -112,6 +112,25 @@ class Tempered(torch.nn.Module):  # an unseeded 0-dim buffer the plan reads as a
 def random_scalar_buffer():
     return Tempered(), (torch.randn(1, 8),)
 
+class Unwritable(torch.nn.Module):  # an unseeded folded buffer that copy_ cannot write
+    def __init__(self, how):
+        super().__init__()
+        self.l = torch.nn.Linear(8, 8)
+        if how == "expanded":
+            self.register_buffer("scale", torch.randn(8).expand(1, 8))
+        else:
+            with torch.inference_mode():
+                self.register_buffer("scale", torch.randn(8))
+
+    def forward(self, x):
+        return self.l(x) * self.scale.exp()
+
+def random_expanded_folded_buffer():
+    return Unwritable("expanded"), (torch.randn(1, 8),)
+
+def random_inference_folded_buffer():
+    return Unwritable("inference"), (torch.randn(1, 8),)
+
 def random_expanded_attribute():
     return Scaled(attribute="expanded"), (torch.randn(1, 8),)
 
@@ -1415,30 +1434,57 @@ def test_run_check_loads_the_artifacts_module_buffers(facts, tmp_path, factory, 
 
 
 @pytest.mark.parametrize("factory, name", [("random_folded_buffer", "scale"), ("random_folded_attribute", "scale"),
-                                           ("random_scalar_buffer", "temperature")])
+                                           ("random_scalar_buffer", "temperature"),
+                                           ("random_expanded_folded_buffer", "scale"),
+                                           ("random_inference_folded_buffer", "scale")])
 def test_run_check_loads_the_folded_buffers_as_compiled(facts, tmp_path, factory, name):
     """A buffer (or plain tensor attribute) the plan folded into another value (``scale.exp()``, a 0-dim
     ``temperature`` read as a number) was not stored, so eager used the factory's fresh random value and a correct
-    artifact failed the check (a fresh user's case); state.safetensors stores it as compiled now."""
+    artifact failed the check (a fresh user's case); state.safetensors stores it as compiled now. Buffers that
+    copy_ refuses to write (an expanded view, an inference tensor: an internal error in run --check and bench, a
+    helper's finding) are replaced in the eager module."""
     out = tmp_path / "a"
     assert invoke("compile", f"{facts}:{factory}", "-o", out, "--no-build").exit_code == 0
     placeholder = {"random_folded_attribute": "c_scale"}.get(factory, f"b_{name}")
     assert list(artifact.load(out).folded_state()) == [placeholder]
     r = invoke("run", out, "--check")
     assert r.exit_code == 0 and "PASS: worst relative L2 0.000e+00" in r.output, r.output
+    r = invoke("bench", out, "--iters", 2, "--warmup", 0)
+    assert r.exit_code == 0 and "eager PyTorch (cpu)" in r.output, r.output
 
 
 @pytest.mark.parametrize("factory", ["random_folded_buffer", "random_folded_attribute"])
-def test_run_check_names_a_folded_buffer_too_large_to_store(facts, tmp_path, factory, monkeypatch):
-    """A folded buffer past STATE_TENSOR_BYTES is not stored: eager keeps the factory's, and a failed check says
-    so."""
-    monkeypatch.setattr(artifact, "STATE_TENSOR_BYTES", 16)  # below the 32-byte scale
+@pytest.mark.parametrize("limit", ["tensor", "total", "predates"])
+def test_run_check_names_a_folded_buffer_it_does_not_store(facts, tmp_path, factory, limit, monkeypatch):
+    """A folded buffer past STATE_TENSOR_BYTES (or past STATE_BYTES with the others) is not stored, nor by an artifact
+    written before state.safetensors: eager keeps the factory's, and a failed check says so and why."""
+    monkeypatch.setattr(artifact, "STATE_TENSOR_BYTES" if limit == "tensor" else "STATE_BYTES", 16)  # the scale: 32
     out = tmp_path / "a"
     assert invoke("compile", f"{facts}:{factory}", "-o", out, "--no-build").exit_code == 0
     assert not (out / "state.safetensors").exists()
+    if limit == "predates":
+        _edit_manifest(out, lambda m: m.pop("state_limits"))
     r = invoke("run", out, "--check")
     assert r.exit_code == 1 and "MISMATCH" in r.output, r.output
-    assert "does not store module buffer(s) or tensor attribute(s) scale (the plan folded them" in r.stderr, r.stderr
+    why = {"tensor": "each larger than 0 MiB, or past 64 MiB in all with the smaller ones it stores",
+           "total": "each larger than 16 MiB, or past 0 MiB in all with the smaller ones it stores",
+           "predates": "the artifact was written by a tilec that did not store them"}[limit]
+    assert (f"does not store module buffer(s) or tensor attribute(s) scale (the plan folded them into other values, "
+            f"or does not read them; {why})") in " ".join(r.stderr.split()), r.stderr
+
+
+def test_a_state_file_that_is_no_safetensors_file_is_named(facts, tmp_path):
+    """A state.safetensors that matches its hash but is no safetensors file (a writer's bug; re-signed): run --check
+    and bench raised an internal SafetensorError; now an error naming the file (as for any of the artifact's tensor
+    files), and bench's eager rows say it."""
+    out = tmp_path / "a"
+    assert invoke("compile", f"{facts}:random_folded_buffer", "-o", out, "--no-build").exit_code == 0
+    (out / "state.safetensors").write_bytes(b"garbage")
+    rehash(out)
+    r = invoke("run", out, "--check")
+    assert r.exit_code == 2 and "state.safetensors is not a readable safetensors file" in r.stderr, r.output
+    r = invoke("bench", out, "--iters", 1)  # times tilec, and says why eager is n/a
+    assert r.exit_code == 0 and "state.safetensors is not a" in r.output and "internal error" not in r.output, r.output
 
 
 def test_check_compares_the_finite_values_when_the_nans_match():

@@ -9,8 +9,9 @@ Layout of an artifact (every file except the manifest has its sha256 in ``manife
     constants.safetensors    folded constants and position tables (OpGraph.tensors)
     inputs.safetensors       the example inputs: ``arg<i>`` for tensor argument i
     state.safetensors        the module buffers and plain tensor attributes the plan folded into other values or
-                             does not read, as compiled (by placeholder; each up to STATE_TENSOR_BYTES), for
-                             ``tilec run --check``'s eager module; absent when there are none
+                             does not read, as compiled (by placeholder; each up to STATE_TENSOR_BYTES, smallest
+                             first up to STATE_BYTES in all), for ``tilec run --check``'s eager module; absent
+                             when there are none
     ir/01-opgraph.txt .. ir/11-plan.txt      every stage's stable text (file names of tilec.dump)
     ir/01-opgraph.json .. ir/11-plan.json    every stage as structured JSON (tilec inspect)
     trace.json               the schedule timeline predicted by the cost model (Chrome trace)
@@ -281,6 +282,8 @@ def _write_manifest(tmp: Path, program: CompiledProgram, opts: Options, factory,
         # module buffers and plain tensor attributes (placeholder -> the module's name): tilec run --check loads
         # those kept as constants
         "buffer_sources": {**getattr(program, "_buffer_names", {}), **getattr(program, "_attribute_names", {})},
+        # state.safetensors' limits (bytes: a tensor, all of them): those it leaves out are larger
+        "state_limits": [STATE_TENSOR_BYTES, STATE_BYTES],
         "stats": program.stats,
         "cuda": {"sources": sorted(f"cuda/{n}" for n in sources), "library": LIBRARY if lib else None,
                  "note": cuda_note},
@@ -482,6 +485,7 @@ LAYOUT = frozenset({MANIFEST, "params.safetensors", "constants.safetensors", "in
 # The largest folded buffer or tensor attribute state.safetensors stores (bytes): the check needs those drawn at
 # random (a scale, a 0-dim temperature); a larger one (a precomputed mask) is rebuilt alike by the factory.
 STATE_TENSOR_BYTES = 16 << 20
+STATE_BYTES = 64 << 20  # and all of them together, smallest first
 
 
 def _foreign_entries(root: Path) -> list[str]:
@@ -508,7 +512,11 @@ def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources:
     save_tensors(root / "params.safetensors", params)
     save_tensors(root / "constants.safetensors", graph.tensors())
     save_tensors(root / "inputs.safetensors", inputs)
-    state = {name: t for name, t in getattr(program, "_folded_state", {}).items() if t.nbytes <= STATE_TENSOR_BYTES}
+    state, total = {}, 0
+    for name, t in sorted(getattr(program, "_folded_state", {}).items(), key=lambda kv: kv[1].nbytes):
+        if t.nbytes > STATE_TENSOR_BYTES or total + t.nbytes > STATE_BYTES:
+            break
+        state[name], total = t, total + t.nbytes
     if state:
         save_tensors(root / "state.safetensors", state)
     (root / "ir").mkdir()
@@ -746,7 +754,12 @@ class Artifact:
 
     def _tensors(self, rel: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         # memory-mapped, not read whole and hashed again (load() hashed it; file() checks it is that file)
-        return load_file(str(self.file(rel)), device=str(device))
+        path = self.file(rel)
+        try:
+            return load_file(str(path), device=str(device))
+        except SafetensorError as e:  # a file that matches its hash but is no safetensors file (written so)
+            raise ArtifactError(f"{self.path}: {rel} is not a readable safetensors file ({e}); compile the "
+                                f"artifact again") from e
 
     def _json(self, rel: str):
         return json.loads(self.read_bytes(rel))
@@ -905,7 +918,7 @@ _SCHEMA = {"tilec": str, "arch": str, "device": str, "options": dict, "stats": d
            "call": {"args": list, "positions": list, "max_positions": int, "single_output": bool},
            "cuda": {"sources": list}}
 # keys that may be null (absent in older artifacts of this format): key -> type when present
-_OPTIONAL = {"param_sources": dict, "buffer_sources": dict, "factory": dict}
+_OPTIONAL = {"param_sources": dict, "buffer_sources": dict, "factory": dict, "state_limits": list}
 
 
 def _check_schema(manifest: dict, mpath: Path, schema: dict = _SCHEMA, where: str = "") -> None:

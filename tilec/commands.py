@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 import tilec
 
 from . import artifact as art_mod
-from .artifact import STATE_TENSOR_BYTES, ArtifactError, resolve_stage
+from .artifact import ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
 from .capture import tensor_attributes
 from .codegen.build import cache_root, extra_flags, sha256_file
@@ -584,9 +584,12 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
     if not ok:
         if folded:
             names = ", ".join(folded[:4]) + (", ..." if len(folded) > 4 else "")
+            limits = art.manifest.get("state_limits")
+            known = isinstance(limits, list) and len(limits) == 2 and all(type(n) is int for n in limits)
+            why = (f"each larger than {limits[0] >> 20} MiB, or past {limits[1] >> 20} MiB in all with the smaller "
+                   f"ones it stores" if known else "the artifact was written by a tilec that did not store them")
             click.echo(f"note: the artifact does not store module buffer(s) or tensor attribute(s) {names} (the "
-                       f"plan folded them into other values, or does not read them, and each is larger than "
-                       f"{STATE_TENSOR_BYTES >> 20} MiB, or the artifact predates storing them), so eager uses the "
+                       f"plan folded them into other values, or does not read them; {why}), so eager uses the "
                        f"factory's own values for them: a factory that draws them at random (unseeded) fails this "
                        f"check", err=True)
         raise click.exceptions.Exit(EXIT_MISMATCH)
@@ -668,11 +671,15 @@ def build_program(art, executor: str | None, progress: Progress):
             raise Failure(str(e), code) from e
 
 
-def _replace_attribute(module: torch.nn.Module, attributes: dict[str, torch.Tensor], old: torch.Tensor,
-                       new: torch.Tensor) -> None:
-    """Sets every plain tensor attribute of ``module`` that is ``old`` (by identity: ``self.scale = self.l.scale``
-    keeps the two one tensor) to ``new``. Replaced rather than written in place: an attribute may be an expanded
-    view or an inference tensor, which ``copy_`` refuses."""
+def _replace_state(module: torch.nn.Module, buffers: dict[str, torch.Tensor], attributes: dict[str, torch.Tensor],
+                   old: torch.Tensor, new: torch.Tensor) -> None:
+    """Sets every buffer and plain tensor attribute of ``module`` that is ``old`` (by identity: ``self.scale =
+    self.l.scale`` keeps the two one tensor; ``buffers`` by name with duplicates) to ``new``. For what ``copy_``
+    refuses to write: an expanded view, an inference tensor."""
+    for path, value in buffers.items():
+        if value is old:
+            owner, _, name = path.rpartition(".")
+            module.get_submodule(owner)._buffers[name] = new
     for path, value in attributes.items():
         if value is old:
             owner, _, name = path.rpartition(".")
@@ -707,7 +714,8 @@ def eager_reference(art, progress: Progress):
         progress.warn(f"{' and '.join(changed)} {'were' if len(changed) > 1 else 'was'} edited since the compile: "
                       f"eager runs the code as it is now, which may differ from what the artifact compiled")
     state = module.state_dict(keep_vars=True)
-    state.update(dict(module.named_buffers(remove_duplicate=False)))  # with the non-persistent buffers
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    state.update(buffers)  # with the non-persistent buffers
     attributes = tensor_attributes(module)
     state.update(attributes)  # and plain tensor attributes (constants of the plan)
     sources = art.manifest.get("param_sources") or {}
@@ -715,8 +723,12 @@ def eager_reference(art, progress: Progress):
     # the buffers the plan kept as constants (const_<placeholder>), and those it folded into other values as
     # compiled (state.safetensors, up to a size); larger folded ones are not stored
     buffer_sources = art.manifest.get("buffer_sources") or {}
-    consts = art.constants() if buffer_sources else {}
-    folded_state = art.folded_state() if buffer_sources else {}
+    try:
+        params = art.params()
+        consts = art.constants() if buffer_sources else {}
+        folded_state = art.folded_state() if buffer_sources else {}
+    except ArtifactError as e:  # a file not the manifest's or unreadable: bad input (2), as elsewhere
+        raise Failure(str(e)) from e
     stored = [(name, consts[const_name(name)], target) for name, target in buffer_sources.items()
               if const_name(name) in consts]
     stored += [(name, folded_state[name], target) for name, target in buffer_sources.items()
@@ -725,7 +737,7 @@ def eager_reference(art, progress: Progress):
                     if const_name(name) not in consts and name not in folded_state)
     changed, unmapped = 0, []
     with torch.no_grad():
-        for name, t, key in [*((n, t, sources.get(n)) for n, t in art.params().items()), *stored]:
+        for name, t, key in [*((n, t, sources.get(n)) for n, t in params.items()), *stored]:
             target = state.get(key) if key else None
             if target is None or tuple(target.shape) != tuple(t.shape):
                 why = ("no such entry" if target is None else f"shape {tuple(target.shape)} there") if key else "no source"
@@ -740,10 +752,17 @@ def eager_reference(art, progress: Progress):
                               f"compile on this machine")
             t = t.to(target.device)
             if not torch.equal(target, t):
+                # attributes are replaced (they may be expanded views or inference tensors, which copy_ refuses);
+                # buffers written in place where they can be, which keeps a buffer that views another one a view
                 if key in attributes:
-                    _replace_attribute(module, attributes, target, t.clone())
+                    _replace_state(module, buffers, attributes, target, t.clone())
                 else:
-                    target.copy_(t)
+                    try:
+                        target.copy_(t)
+                    except RuntimeError:  # (refused before writing anything)
+                        if key not in buffers:
+                            raise
+                        _replace_state(module, buffers, attributes, target, t.clone())
                 changed += 1
     if changed:
         progress(f"note: the factory's weights differ from the artifact's in {changed} tensor(s) (not deterministic?); "
