@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 
 import pytest
 import torch
@@ -320,6 +321,39 @@ def test_a_new_submodule_with_other_buffer_values_is_refused():
     with pytest.raises(TilecError, match=r"buffer block\.scale was replaced after compiling by other values .*"
                                          r"compile the step again"):
         prog(x)
+
+
+class _Attributed(torch.nn.Module):  # plain tensor attributes: one read by the plan as it is, one folded
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.lin.scale = torch.randn(8)
+        self.shift = torch.randn(8)
+
+    def forward(self, x):
+        return self.lin(x) * self.lin.scale + self.shift.exp()
+
+
+@pytest.mark.parametrize("attribute", ["lin.scale", "shift"])
+def test_a_tensor_attribute_replaced_by_other_values_is_refused(attribute):
+    """Setting a plain tensor attribute registers nothing, so a step went on with the values it compiled
+    (``m.scale = torch.full(...)``: a silently wrong result, a fresh user's finding). Each call looks at them now:
+    other values (or none) raise naming the attribute, at every later call too; equal values are watched from then
+    on."""
+    torch.manual_seed(12)
+    m = _Attributed().eval()
+    x = torch.randn(4, 8)
+    prog = compile_module(m, (x,), options=OPTS)
+    owner, _, leaf = attribute.rpartition(".")
+    holder = m.get_submodule(owner)
+    setattr(holder, leaf, getattr(holder, leaf).clone())  # equal values
+    with torch.no_grad():
+        assert_close(prog(x), m(x), 1e-6)
+    setattr(holder, leaf, getattr(holder, leaf) * 3)
+    for _ in range(2):
+        with pytest.raises(TilecError, match=rf"tensor attribute {re.escape(attribute)} was replaced after compiling "
+                                             r"by other values \(or removed\).* compile the step again"):
+            prog(x)
 
 
 def test_the_registration_hooks_do_not_make_torch_compile_recompile(monkeypatch):

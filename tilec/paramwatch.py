@@ -11,17 +11,19 @@ tensors. :class:`ParamWatch` lets the step notice, at a few hundred nanoseconds 
   global registration hooks, installed once): ``assign=True``, a new Parameter, a new submodule;
 - a conversion of the whole module (``.to()``, ``.half()``, ``.to_empty()``) registers nothing, but puts
   new tensors (or new memory) under its parameters' names: the module's first and last bound parameters
-  are compared with what the step binds at every call.
+  are compared with what the step binds at every call;
+- a plain tensor attribute the step took as a constant (``self.scale = t``) registers nothing when set: each call
+  compares the tensor under each such attribute's name with the one seen last (a few ``getattr``).
 
 Either sign makes the step look every parameter (:meth:`ParamWatch.changed`), then every folded buffer
-(:meth:`ParamWatch.check_buffers`), up again by its module names (~1-2 ms for a 32-layer model on a CPU
+and tensor attribute (:meth:`ParamWatch.check_buffers`), up again by its module names (~1-2 ms for a 32-layer model on a CPU
 core): a parameter replaced by one the plan fits is bound; anything else raises - another shape, dtype or device, a tensor subclass, untied weights,
-a folded buffer of other values, a parameter or buffer added (a new bias), a submodule of another class (its
+a folded buffer or tensor attribute of other values, a parameter or buffer added (a new bias), a submodule of another class (its
 forward was not traced: a Linear swapped for a fake-quantizing one; another plain Linear is fine).
 
 Not seen: ``weight.data = t``, a write into a module's ``_parameters`` dict, setting a parameter to None, or
 a submodule's own ``.to()`` / ``.half()``, of parameters other than the module's first and last, with nothing
-registered since; in-place edits of a buffer; forward hooks added after compiling (README).
+registered since; in-place edits of a buffer or tensor attribute; forward hooks added after compiling (README).
 """
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ class ParamWatch:
     ``"model"``) has its errors name parameters as that model does (``model.embed_tokens.weight``, not
     ``model.model.embed_tokens.weight``)."""
 
-    def __init__(self, module: torch.nn.Module, params: dict[str, str], buffers: dict[str, tuple[str, torch.Tensor]]):
+    def __init__(self, module: torch.nn.Module, params: dict[str, str], buffers: dict[str, tuple[str, torch.Tensor]],
+                 attributes: dict[str, tuple[str, torch.Tensor]] | None = None):
         _install_hooks()
         self._root = module
         under = getattr(module, "tilec_user_module", None)
@@ -89,6 +92,14 @@ class ParamWatch:
         held = dict(module.named_buffers(remove_duplicate=False))
         self._buffers = {target: (held[target], held[target].data_ptr(), value)
                          for target, value in buffers.values() if target in held}
+        # plain tensor attributes the step took as constants (setting one registers nothing, so each call looks at
+        # them: a few getattr): the module's name -> [owner, attribute, the tensor there, the value compiled]
+        self._attributes = {}
+        for target, value in (attributes or {}).values():
+            owner, _, leaf = target.rpartition(".")
+            held_now = getattr(module.get_submodule(owner), leaf, None)
+            if isinstance(held_now, torch.Tensor):
+                self._attributes[target] = [module.get_submodule(owner), leaf, held_now, value]
         # what the traced forward was made of: a parameter or buffer added later, or a submodule of another class
         # (whose forward the step never traced), is refused rather than silently left out
         self._state_names = set(named) | set(held)
@@ -110,6 +121,9 @@ class ParamWatch:
         """Whether a parameter may have been replaced since the last look (cheap: see the module's doc)."""
         if self._generation_seen != _REGISTERED[0]:
             return True
+        for owner, leaf, held, _ in self._attributes.values():
+            if getattr(owner, leaf, None) is not held:
+                return True
         for params, leaf, ph in self._ends:
             p, ptr = self._seen[ph]
             if params.get(leaf) is not p or p.data_ptr() != ptr:
@@ -156,9 +170,9 @@ class ParamWatch:
         return out
 
     def check_buffers(self) -> None:
-        """Raises TilecError naming a folded buffer the module now holds other values in (after :meth:`changed`
-        and the caller's own checks of the new parameters, so ``model.half()`` is named by a weight's dtype
-        rather than by a RoPE table's); a buffer replaced by equal values is watched from now on."""
+        """Raises TilecError naming a folded buffer or a plain tensor attribute the module now holds other values in
+        (after :meth:`changed` and the caller's own checks of the new parameters, so ``model.half()`` is named by a
+        weight's dtype rather than by a RoPE table's); one replaced by equal values is watched from now on."""
         held = dict(self._root.named_buffers(remove_duplicate=False))
         for target, (b, ptr, value) in list(self._buffers.items()):
             now = held.get(target)
@@ -170,6 +184,22 @@ class ParamWatch:
                                  f"submodule, the module's .to(), a RoPE update): the step folded its values when "
                                  f"compiling; compile the step again")
             self._buffers[target] = (now, now.data_ptr(), value)
+        for target, entry in self._attributes.items():
+            owner_name, _, leaf = target.rpartition(".")
+            try:
+                owner = self._root.get_submodule(owner_name)
+            except AttributeError:
+                owner = None
+            now = getattr(owner, leaf, None)
+            if now is entry[2] and owner is entry[0]:
+                continue
+            value = entry[3]
+            if not isinstance(now, torch.Tensor) or now.shape != value.shape or now.dtype != value.dtype \
+                    or now.device != value.device or not torch.equal(now, value):
+                raise TilecError(f"tensor attribute {self.shown(target)} was replaced after compiling by other values "
+                                 f"(or removed): the step took its values as constants when compiling; compile the "
+                                 f"step again")
+            entry[:3] = [owner, leaf, now]  # equal values: watched from now on
 
     def accept(self, ph: str, param: torch.Tensor) -> None:
         """Records ``param`` as what the step now binds for placeholder ``ph``."""

@@ -218,7 +218,10 @@ class CompiledProgram(OneCallAtATime):
                   if b.kind is BufferKind.PARAM}
         folded = {name: (target, binding.consts[name]) for name, target in binding.buffer_names.items()
                   if name in binding.consts and name not in written}
-        self._watch = ParamWatch(module, params, folded) if module is not None and (params or folded) else None
+        attributes = {name: (target, binding.consts[name]) for name, target in binding.attribute_names.items()
+                      if name in binding.consts}
+        self._watch = ParamWatch(module, params, folded, attributes) \
+            if module is not None and (params or folded or attributes) else None
         # module buffers and plain tensor attributes the plan folded into other values or does not read (not kept as
         # constants, not written): an artifact stores their values for tilec run --check's eager module
         self._folded_state = {name: binding.consts[name] for name in (*binding.buffer_names, *binding.attribute_names)
