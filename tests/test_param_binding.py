@@ -329,17 +329,22 @@ class _Attributed(torch.nn.Module):  # plain tensor attributes: one read by the 
         self.lin = torch.nn.Linear(8, 8)
         self.lin.scale = torch.randn(8)
         self.shift = torch.randn(8)
+        self.shift[0] = float("nan")  # (equal values: NaN is NaN)
+        self.alias = self.lin.scale  # one tensor under two names: export names the constant by the first
 
     def forward(self, x):
-        return self.lin(x) * self.lin.scale + self.shift.exp()
+        return self.lin(x) * self.lin.scale + self.shift[1:].exp().sum()
 
 
-@pytest.mark.parametrize("attribute", ["lin.scale", "shift"])
-def test_a_tensor_attribute_replaced_by_other_values_is_refused(attribute):
+@pytest.mark.parametrize("attribute, how", [("lin.scale", "other"), ("shift", "other"), ("alias", "other"),
+                                            ("shift", "edited"), ("lin.scale", "removed")])
+def test_a_tensor_attribute_replaced_by_other_values_is_refused(attribute, how):
     """Setting a plain tensor attribute registers nothing, so a step went on with the values it compiled
-    (``m.scale = torch.full(...)``: a silently wrong result, a fresh user's finding). Each call looks at them now:
-    other values (or none) raise naming the attribute, at every later call too; equal values are watched from then
-    on."""
+    (``m.scale = torch.full(...)``: a silently wrong result, a fresh user's finding). Each call looks at them now,
+    under every name of the tensor (a reviewer's finding: ``alias``, the name export did not use), against a copy of
+    the values compiled (an in-place edit, then a replacement: taken as equal values before, a reviewer's finding):
+    other values, or none, raise naming the attribute, at every later call too; equal values (NaN among them) are
+    watched from then on."""
     torch.manual_seed(12)
     m = _Attributed().eval()
     x = torch.randn(4, 8)
@@ -349,7 +354,13 @@ def test_a_tensor_attribute_replaced_by_other_values_is_refused(attribute):
     setattr(holder, leaf, getattr(holder, leaf).clone())  # equal values
     with torch.no_grad():
         assert_close(prog(x), m(x), 1e-6)
-    setattr(holder, leaf, getattr(holder, leaf) * 3)
+    if how == "removed":
+        delattr(holder, leaf)
+    elif how == "edited":
+        getattr(holder, leaf).mul_(3)
+        setattr(holder, leaf, getattr(holder, leaf).clone())
+    else:
+        setattr(holder, leaf, getattr(holder, leaf) * 3)
     for _ in range(2):
         with pytest.raises(TilecError, match=rf"tensor attribute {re.escape(attribute)} was replaced after compiling "
                                              r"by other values \(or removed\).* compile the step again"):

@@ -58,6 +58,7 @@ except ImportError:  # (not on Windows: no partial-folder cleanup there)
 import jinja2
 import torch
 import torch.utils._pytree as pytree
+import safetensors.torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -516,7 +517,8 @@ def _write_contents(root: Path, program: CompiledProgram, inputs: dict, sources:
     for name, t in sorted(getattr(program, "_folded_state", {}).items(), key=lambda kv: kv[1].nbytes):
         if t.nbytes > STATE_TENSOR_BYTES or total + t.nbytes > STATE_BYTES:
             break
-        state[name], total = t, total + t.nbytes
+        if _storable(t):  # (an unread complex128 buffer is no safetensors dtype: left out)
+            state[name], total = t, total + t.nbytes
     if state:
         save_tensors(root / "state.safetensors", state)
     (root / "ir").mkdir()
@@ -623,6 +625,14 @@ def _describe_inputs(inputs) -> tuple[list[dict], dict[str, torch.Tensor]]:
             raise ArtifactError(f"example argument {i} is a {type(a).__name__}: an artifact stores tensors and "
                                 f"plain numbers/strings only")
     return args, tensors
+
+
+_SAFETENSORS_DTYPES = frozenset(getattr(safetensors.torch, "_TYPES", {}).values())
+
+
+def _storable(t: torch.Tensor) -> bool:
+    """Whether safetensors can store ``t``'s dtype (its dtype table; without one, any but a complex dtype)."""
+    return t.dtype in _SAFETENSORS_DTYPES if _SAFETENSORS_DTYPES else not t.is_complex()
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

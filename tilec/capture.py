@@ -75,6 +75,7 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             binding.consts[name] = ep.constants[spec.target]
             if spec.kind == InputKind.CONSTANT_TENSOR and spec.target in attributes:
                 binding.attribute_names[name] = spec.target  # (not a tensor forward made: lifted_tensor_0)
+                binding.consts[name] = binding.consts[name].detach().clone()  # a snapshot, as of buffers
         elif spec.kind == InputKind.USER_INPUT:
             binding.user_inputs.append(name)
             if user_idx in positions:

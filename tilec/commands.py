@@ -586,8 +586,9 @@ def run_artifact(progress: Progress, artifact_dir: Path, executor: str | None, c
             names = ", ".join(folded[:4]) + (", ..." if len(folded) > 4 else "")
             limits = art.manifest.get("state_limits")
             known = isinstance(limits, list) and len(limits) == 2 and all(type(n) is int for n in limits)
-            why = (f"each larger than {limits[0] >> 20} MiB, or past {limits[1] >> 20} MiB in all with the smaller "
-                   f"ones it stores" if known else "the artifact was written by a tilec that did not store them")
+            why = (f"each larger than {limits[0] >> 20} MiB, past {limits[1] >> 20} MiB in all with the smaller "
+                   f"ones it stores, or of a dtype safetensors cannot store" if known
+                   else "the artifact was written by a tilec that did not store them")
             click.echo(f"note: the artifact does not store module buffer(s) or tensor attribute(s) {names} (the "
                        f"plan folded them into other values, or does not read them; {why}), so eager uses the "
                        f"factory's own values for them: a factory that draws them at random (unseeded) fails this "

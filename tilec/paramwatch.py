@@ -15,7 +15,7 @@ tensors. :class:`ParamWatch` lets the step notice, at a few hundred nanoseconds 
 - a plain tensor attribute the step took as a constant (``self.scale = t``) registers nothing when set: each call
   compares the tensor under each such attribute's name with the one seen last (a few ``getattr``).
 
-Either sign makes the step look every parameter (:meth:`ParamWatch.changed`), then every folded buffer
+Any of these signs makes the step look every parameter (:meth:`ParamWatch.changed`), then every folded buffer
 and tensor attribute (:meth:`ParamWatch.check_buffers`), up again by its module names (~1-2 ms for a 32-layer model on a CPU
 core): a parameter replaced by one the plan fits is bound; anything else raises - another shape, dtype or device, a tensor subclass, untied weights,
 a folded buffer or tensor attribute of other values, a parameter or buffer added (a new bias), a submodule of another class (its
@@ -60,6 +60,13 @@ def _install_hooks() -> None:
         _hooked = True
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` holds ``b``'s values: shape, dtype, device and elements, NaN equal to NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    return torch.equal(a, b) or (a.is_floating_point() and bool(torch.isclose(a, b, 0, 0, equal_nan=True).all()))
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are one tensor's data (tied weights loaded as two Parameters of one storage)."""
     return a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
@@ -71,7 +78,8 @@ class ParamWatch:
 
     ``params``: placeholder name -> the module's name for the parameter (tied weights: one placeholder,
     every name of the tensor is watched); ``buffers``: placeholder name -> (the module's name, the value
-    folded). Holds the module (``compile_module(Wrapper(model), ...)``: a wrapper held weakly was collected at
+    folded); ``attributes``: the same for plain tensor attributes the step took as constants (the value compiled, a
+    copy; every name holding the tensor is watched). Holds the module (``compile_module(Wrapper(model), ...)``: a wrapper held weakly was collected at
     once, and with it every look) and the bound parameters themselves (their memory is bound anyway). A wrapper
     whose ``tilec_user_module`` names the attribute holding the user's model (:class:`tilec.hf.StaticCacheStep`:
     ``"model"``) has its errors name parameters as that model does (``model.embed_tokens.weight``, not
@@ -94,12 +102,17 @@ class ParamWatch:
                          for target, value in buffers.values() if target in held}
         # plain tensor attributes the step took as constants (setting one registers nothing, so each call looks at
         # them: a few getattr): the module's name -> [owner, attribute, the tensor there, the value compiled]
+        paths_of: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
+        for prefix, m in module.named_modules(remove_duplicate=False):
+            for leaf, v in vars(m).items():
+                if isinstance(v, torch.Tensor):
+                    paths_of.setdefault(id(v), []).append((m, leaf, f"{prefix}.{leaf}" if prefix else leaf))
         self._attributes = {}
         for target, value in (attributes or {}).values():
             owner, _, leaf = target.rpartition(".")
-            held_now = getattr(module.get_submodule(owner), leaf, None)
-            if isinstance(held_now, torch.Tensor):
-                self._attributes[target] = [module.get_submodule(owner), leaf, held_now, value]
+            held = getattr(module.get_submodule(owner), leaf)
+            for m, name, path in paths_of.get(id(held), ()):  # (self.scale = self.l.scale: both names)
+                self._attributes[path] = [m, name, held, value]
         # what the traced forward was made of: a parameter or buffer added later, or a submodule of another class
         # (whose forward the step never traced), is refused rather than silently left out
         self._state_names = set(named) | set(held)
@@ -178,8 +191,7 @@ class ParamWatch:
             now = held.get(target)
             if now is b and now.data_ptr() == ptr:
                 continue
-            if now is None or now.shape != value.shape or now.dtype != value.dtype or now.device != value.device \
-                    or not torch.equal(now, value):
+            if now is None or not _same_values(now, value):
                 raise TilecError(f"buffer {self.shown(target)} was replaced after compiling by other values (a new "
                                  f"submodule, the module's .to(), a RoPE update): the step folded its values when "
                                  f"compiling; compile the step again")
@@ -194,8 +206,7 @@ class ParamWatch:
             if now is entry[2] and owner is entry[0]:
                 continue
             value = entry[3]
-            if not isinstance(now, torch.Tensor) or now.shape != value.shape or now.dtype != value.dtype \
-                    or now.device != value.device or not torch.equal(now, value):
+            if not isinstance(now, torch.Tensor) or not _same_values(now, value):
                 raise TilecError(f"tensor attribute {self.shown(target)} was replaced after compiling by other values "
                                  f"(or removed): the step took its values as constants when compiling; compile the "
                                  f"step again")
