@@ -283,7 +283,8 @@ def _write_manifest(tmp: Path, program: CompiledProgram, opts: Options, factory,
         # module buffers and plain tensor attributes (placeholder -> the module's name): tilec run --check loads
         # those kept as constants
         "buffer_sources": {**getattr(program, "_buffer_names", {}), **getattr(program, "_attribute_names", {})},
-        # state.safetensors' limits (bytes: a tensor, all of them): those it leaves out are larger
+        # state.safetensors' limits (bytes: a tensor, all of them): it leaves out larger ones (and dtypes it
+        # cannot store)
         "state_limits": [STATE_TENSOR_BYTES, STATE_BYTES],
         "stats": program.stats,
         "cuda": {"sources": sorted(f"cuda/{n}" for n in sources), "library": LIBRARY if lib else None,

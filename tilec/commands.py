@@ -691,9 +691,9 @@ def eager_reference(art, progress: Progress):
     """The factory's module with the artifact's weights loaded, and the module buffers and plain tensor attributes it
     kept as constants:
     ``(module, device of its inputs, the module's names of the buffers the plan folded into other values and the
-    artifact does not store)`` - for those eager has only the factory's own values; none are named when the factory's file (or a model source
-    the manifest records, :func:`model_sources`) was edited since the compile (a warning says so, and a failed check
-    would otherwise blame those buffers)."""
+    artifact does not store)`` - for those eager has only the factory's own values; none are named when the
+    factory's file (or a model source the manifest records, :func:`model_sources`) was edited since the compile (a
+    warning says so, and a failed check would otherwise blame those buffers)."""
     f = art.factory
     if not f:
         raise Failure(f"{art.path} records no factory: cannot build the eager reference")

@@ -16,10 +16,11 @@ tensors. :class:`ParamWatch` lets the step notice, at a few hundred nanoseconds 
   compares the tensor under each such attribute's name with the one seen last (a few ``getattr``).
 
 Any of these signs makes the step look every parameter (:meth:`ParamWatch.changed`), then every folded buffer
-and tensor attribute (:meth:`ParamWatch.check_buffers`), up again by its module names (~1-2 ms for a 32-layer model on a CPU
-core): a parameter replaced by one the plan fits is bound; anything else raises - another shape, dtype or device, a tensor subclass, untied weights,
-a folded buffer or tensor attribute of other values, a parameter or buffer added (a new bias), a submodule of another class (its
-forward was not traced: a Linear swapped for a fake-quantizing one; another plain Linear is fine).
+and tensor attribute (:meth:`ParamWatch.check_buffers`), up again by its module names (~1-2 ms for a 32-layer
+model on a CPU core): a parameter replaced by one the plan fits is bound; anything else raises - another shape,
+dtype or device, a tensor subclass, untied weights, a folded buffer or tensor attribute of other values, a
+parameter or buffer added (a new bias), a submodule of another class (its forward was not traced: a Linear swapped
+for a fake-quantizing one; another plain Linear is fine).
 
 Not seen: ``weight.data = t``, a write into a module's ``_parameters`` dict, setting a parameter to None, or
 a submodule's own ``.to()`` / ``.half()``, of parameters other than the module's first and last, with nothing
@@ -79,8 +80,8 @@ class ParamWatch:
     ``params``: placeholder name -> the module's name for the parameter (tied weights: one placeholder,
     every name of the tensor is watched); ``buffers``: placeholder name -> (the module's name, the value
     folded); ``attributes``: the same for plain tensor attributes the step took as constants (the value compiled, a
-    copy; every name holding the tensor is watched). Holds the module (``compile_module(Wrapper(model), ...)``: a wrapper held weakly was collected at
-    once, and with it every look) and the bound parameters themselves (their memory is bound anyway). A wrapper
+    copy; every name holding the tensor is watched). Holds the module (``compile_module(Wrapper(model), ...)``: a
+    wrapper held weakly was collected at once, and with it every look) and the bound parameters themselves (their memory is bound anyway). A wrapper
     whose ``tilec_user_module`` names the attribute holding the user's model (:class:`tilec.hf.StaticCacheStep`:
     ``"model"``) has its errors name parameters as that model does (``model.embed_tokens.weight``, not
     ``model.model.embed_tokens.weight``)."""
