@@ -32,6 +32,7 @@ import weakref
 
 import torch
 
+from .capture import tensor_attributes
 from .errors import TilecError, with_article
 
 _REGISTERED = [0]  # parameters, buffers and submodules registered on a watched module since the hooks went in
@@ -103,17 +104,16 @@ class ParamWatch:
                          for target, value in buffers.values() if target in held}
         # plain tensor attributes the step took as constants (setting one registers nothing, so each call looks at
         # them: a few getattr): the module's name -> [owner, attribute, the tensor there, the value compiled]
-        paths_of: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
-        for prefix, m in module.named_modules(remove_duplicate=False):
-            for leaf, v in vars(m).items():
-                if isinstance(v, torch.Tensor):
-                    paths_of.setdefault(id(v), []).append((m, leaf, f"{prefix}.{leaf}" if prefix else leaf))
+        held_attributes = tensor_attributes(module) if attributes else {}
+        paths_of: dict[int, list[str]] = {}
+        for path, t in held_attributes.items():
+            paths_of.setdefault(id(t), []).append(path)
         self._attributes = {}
         for target, value in (attributes or {}).values():
-            owner, _, leaf = target.rpartition(".")
-            held = getattr(module.get_submodule(owner), leaf)
-            for m, name, path in paths_of.get(id(held), ()):  # (self.scale = self.l.scale: both names)
-                self._attributes[path] = [m, name, held, value]
+            t = held_attributes[target]
+            for path in paths_of[id(t)]:  # (self.scale = self.l.scale: both names)
+                owner, _, leaf = path.rpartition(".")
+                self._attributes[path] = [module.get_submodule(owner), leaf, t, value]
         # what the traced forward was made of: a parameter or buffer added later, or a submodule of another class
         # (whose forward the step never traced), is refused rather than silently left out
         self._state_names = set(named) | set(held)
