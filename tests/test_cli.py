@@ -76,6 +76,8 @@ class Scaled(torch.nn.Module):  # a buffer drawn at random, unseeded: each facto
         elif attribute == "inference":  # or an inference tensor
             with torch.inference_mode():
                 self.scale = torch.randn(8)
+        elif attribute == "listed":  # a tensor in a container attribute (torch.export: lifted_tensor_0)
+            self.held = [{"s": torch.randn(8)}]
         elif attribute:  # a plain tensor attribute (not registered), inside a submodule
             self.l.scale = torch.randn(8)
             self.scale = self.l.scale
@@ -83,7 +85,8 @@ class Scaled(torch.nn.Module):  # a buffer drawn at random, unseeded: each facto
             self.register_buffer("scale", torch.randn(8), persistent=persistent)
 
     def forward(self, x):
-        return self.l(x) * (self.scale.exp() if self.fold else self.scale)
+        scale = self.held[0]["s"] if hasattr(self, "held") else self.scale
+        return self.l(x) * (scale.exp() if self.fold else scale)
 
 def random_buffer():
     return Scaled(), (torch.randn(1, 8),)
@@ -96,6 +99,12 @@ def random_folded_buffer():
 
 def random_attribute():
     return Scaled(attribute=True), (torch.randn(1, 8),)
+
+def random_listed_attribute():
+    return Scaled(attribute="listed"), (torch.randn(1, 8),)
+
+def random_listed_folded_attribute():
+    return Scaled(fold=True, attribute="listed"), (torch.randn(1, 8),)
 
 def random_folded_attribute():
     return Scaled(fold=True, attribute=True), (torch.randn(1, 8),)
@@ -1431,13 +1440,15 @@ def test_the_current_directory_as_output_is_refused_before_compiling(facts, tmp_
                                                ("random_nonpersistent_buffer", {"b_scale": "scale"}),
                                                ("random_attribute", {"c_scale": "scale"}),
                                                ("random_expanded_attribute", {"c_scale": "scale"}),
-                                               ("random_inference_attribute", {"c_scale": "scale"})])
+                                               ("random_inference_attribute", {"c_scale": "scale"}),
+                                               ("random_listed_attribute", {"c_lifted_tensor_0": "held[0]['s']"})])
 def test_run_check_loads_the_artifacts_module_buffers(facts, tmp_path, factory, sources):
     """run --check rebuilt the eager module with the artifact's parameters but the factory's fresh buffers, so a
     module with a random buffer failed a correct artifact (a fresh user's case); the buffers the plan keeps as
     constants now go into the eager module too, and so do plain tensor attributes (``self.scale = torch.randn(8)``:
     an unexplained MISMATCH, a helper's finding), replaced rather than written (an expanded view, an inference
-    tensor: copy_ raised, a reviewer's finding)."""
+    tensor: copy_ raised, a reviewer's finding) - and a tensor held in a list or dict attribute (``self.held =
+    [{"s": t}]``: a MISMATCH with no note before)."""
     out = tmp_path / "a"
     assert invoke("compile", f"{facts}:{factory}", "-o", out, "--no-build").exit_code == 0
     r = invoke("run", out, "--check")
@@ -1447,6 +1458,7 @@ def test_run_check_loads_the_artifacts_module_buffers(facts, tmp_path, factory, 
 
 @pytest.mark.parametrize("factory, name", [("random_folded_buffer", "scale"), ("random_folded_attribute", "scale"),
                                            ("random_scalar_buffer", "temperature"),
+                                           ("random_listed_folded_attribute", "lifted_tensor_0"),
                                            ("random_expanded_folded_buffer", "scale"),
                                            ("random_inference_folded_buffer", "scale")])
 def test_run_check_loads_the_folded_buffers_as_compiled(facts, tmp_path, factory, name):
@@ -1457,7 +1469,8 @@ def test_run_check_loads_the_folded_buffers_as_compiled(facts, tmp_path, factory
     helper's finding) are replaced in the eager module."""
     out = tmp_path / "a"
     assert invoke("compile", f"{facts}:{factory}", "-o", out, "--no-build").exit_code == 0
-    placeholder = {"random_folded_attribute": "c_scale"}.get(factory, f"b_{name}")
+    placeholder = {"random_folded_attribute": "c_scale",
+                   "random_listed_folded_attribute": "c_lifted_tensor_0"}.get(factory, f"b_{name}")
     assert list(artifact.load(out).folded_state()) == [placeholder]
     r = invoke("run", out, "--check")
     assert r.exit_code == 0 and "PASS: worst relative L2 0.000e+00" in r.output, r.output

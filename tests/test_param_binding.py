@@ -367,6 +367,43 @@ def test_a_tensor_attribute_replaced_by_other_values_is_refused(attribute, how):
             prog(x)
 
 
+class _Held(torch.nn.Module):  # tensors in container attributes: torch.export lifts each to lifted_tensor_<n>
+    def __init__(self):
+        super().__init__()
+        self.tabs = [torch.randn(8), torch.randn(8)]
+        self.d = {"a": (torch.randn(8),)}
+
+    def forward(self, x):
+        return x * self.tabs[1] + self.d["a"][0].exp().sum()
+
+
+@pytest.mark.parametrize("how, name", [("m.tabs[1] = m.tabs[1] * 3", "tabs[1]"),
+                                       ("m.tabs = [m.tabs[0], torch.zeros(8)]", "tabs[1]"),
+                                       ("m.d['a'] = (m.d['a'][0] + 1,)", "d['a'][0]"),
+                                       ("m.d = {}", "d['a'][0]"),
+                                       ("del m.tabs[1]", "tabs[1]")])
+def test_a_tensor_held_in_a_container_attribute_replaced_is_refused(how, name):
+    """A tensor in a list, tuple or dict attribute is a constant of the step, like a plain tensor attribute, but its
+    replacement went unnoticed (``m.tabs[1] = t``: the step went on with the compiled values - a silently wrong result);
+    each call looks at it under its keys now: other values raise naming it, at every later call too, and equal values
+    (a copy; tabs[0], which forward does not read, replaced) are fine."""
+    torch.manual_seed(13)
+    m = _Held().eval()
+    x = torch.randn(4, 8)
+    prog = compile_module(m, (x,), options=OPTS)
+    assert sorted(prog._attribute_names.values()) == ["d['a'][0]", "tabs[1]"]
+    m.tabs[1] = m.tabs[1].clone()
+    m.tabs[0] = torch.randn(8)
+    m.d = {"a": (m.d["a"][0].clone(),)}
+    with torch.no_grad():
+        assert_close(prog(x), m(x), 1e-6)
+    exec(how)
+    for _ in range(2):
+        with pytest.raises(TilecError, match=rf"tensor attribute {re.escape(name)} was replaced after compiling "
+                                             r"by other values \(or removed\).* compile the step again"):
+            prog(x)
+
+
 def test_the_registration_hooks_do_not_make_torch_compile_recompile(monkeypatch):
     """The count the hooks bump was traced by Dynamo in a forward that registers modules (HF slices its ModuleList of
     layers at every call): a guard on it recompiled the model at every call, once a step had been compiled; a guard

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import collections
+import ast
 import contextlib
 import inspect
 import io
 import itertools
 import logging
 import os
+import re
 import sys
 import threading
 import traceback
@@ -60,6 +62,9 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     state = dict(module.state_dict(keep_vars=True))
     state.update(dict(module.named_buffers(remove_duplicate=False)))
     binding = GraphBinding()
+    held_ids = {}
+    for path, t in attributes.items():
+        held_ids.setdefault(id(t), path)
     user_idx = 0
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -73,8 +78,11 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             binding.buffer_names[name] = spec.target
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             binding.consts[name] = ep.constants[spec.target]
-            if spec.kind == InputKind.CONSTANT_TENSOR and spec.target in attributes:
-                binding.attribute_names[name] = spec.target  # (not a tensor forward made: lifted_tensor_0)
+            # a plain attribute by its name; one held in a list / tuple / dict is lifted_tensor_<n>, that very tensor
+            # (not one forward made, which is lifted so too)
+            held = spec.target if spec.target in attributes else held_ids.get(id(binding.consts[name]))
+            if spec.kind == InputKind.CONSTANT_TENSOR and held is not None:
+                binding.attribute_names[name] = held
                 binding.consts[name] = binding.consts[name].detach().clone()  # a snapshot, as of buffers
         elif spec.kind == InputKind.USER_INPUT:
             binding.user_inputs.append(name)
@@ -374,12 +382,88 @@ def _module_state(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]
                                                for name, t in tensor_attributes(module).items()]
 
 
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping: _parameters, _buffers, hooks, ...
+_HELD_DEPTH = 3  # containers within containers looked into for tensors: self.tabs = [[t]] is tabs[0][0]
+
+
 def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The plain tensor attributes of ``module`` and its submodules (``self.scale = torch.randn(4)``: neither a
-    parameter nor a buffer, of this module or another), by dotted name."""
+    parameter nor a buffer, of this module or another), by dotted name; also the tensors held in a list, tuple or
+    dict attribute, up to three containers deep, named by their keys (``self.tabs = [t]``: ``tabs[0]``; ``self.d =
+    {"a": t}``: ``d['a']``; dict keys that are strings or ints only). torch.export lifts such a tensor to a constant
+    (``lifted_tensor_0``) like a plain attribute's, so the step takes its values when compiling; these names let the
+    parameter watch and ``tilec run --check`` find it again (:func:`attribute_tensor`, :func:`set_attribute_tensor`)."""
     registered = {id(t) for t in (*module.parameters(), *module.buffers())}
-    return {f"{prefix}.{k}" if prefix else k: v for prefix, m in module.named_modules(remove_duplicate=False)
-            for k, v in vars(m).items() if isinstance(v, torch.Tensor) and id(v) not in registered}
+    out = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for k, v in vars(m).items():
+            if k in _MODULE_OWN:
+                continue
+            for keys, t in _held_tensors(v, _HELD_DEPTH):
+                if id(t) not in registered:
+                    out[(f"{prefix}.{k}" if prefix else k) + "".join(f"[{key!r}]" for key in keys)] = t
+    return out
+
+
+def _held_tensors(value, depth: int):
+    """``(keys, tensor)`` for ``value`` itself if a tensor (no keys), else for each tensor in it as a list, tuple or
+    dict, ``depth`` containers deep at most."""
+    if isinstance(value, torch.Tensor):
+        yield (), value
+    elif depth and isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            for keys, t in _held_tensors(item, depth - 1):
+                yield (i, *keys), t
+    elif depth and isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, (str, int)) and not isinstance(key, bool):
+                for keys, t in _held_tensors(item, depth - 1):
+                    yield (key, *keys), t
+
+
+_KEY = re.compile(r"\[(-?\d+|'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
+
+
+def attribute_path(name: str) -> tuple[str, str, tuple]:
+    """``(owner submodule, attribute, container keys)`` of a name of :func:`tensor_attributes`: ``l.tabs[0]['a']`` is
+    ``("l", "tabs", (0, "a"))``."""
+    head, bracket, tail = name.partition("[")
+    owner, _, attr = head.rpartition(".")
+    keys = tuple(ast.literal_eval(k) for k in _KEY.findall(bracket + tail))
+    return owner, attr, keys
+
+
+def attribute_tensor(module: torch.nn.Module, name: str):
+    """What ``module`` holds now at ``name`` (a name of :func:`tensor_attributes`); None where the owner, attribute
+    or key is gone."""
+    owner, attr, keys = attribute_path(name)
+    try:
+        value = getattr(module.get_submodule(owner), attr)
+        for key in keys:
+            value = value[key]
+    except (AttributeError, LookupError, TypeError):
+        return None
+    return value
+
+
+def set_attribute_tensor(module: torch.nn.Module, name: str, new: torch.Tensor) -> None:
+    """Puts ``new`` at ``name`` (a name of :func:`tensor_attributes`) in ``module``: a list or dict item in place, a
+    tuple rebuilt with it (and so its container, up to the attribute)."""
+    owner, attr, keys = attribute_path(name)
+    target = module.get_submodule(owner)
+
+    def put(container, keys):
+        if not keys:
+            return new
+        head, rest = keys[0], keys[1:]
+        if isinstance(container, tuple):
+            items = list(container)
+            items[head] = put(items[head], rest)
+            return type(container)(*items) if hasattr(container, "_fields") else type(container)(items)
+        container[head] = put(container[head], rest)
+        return container
+
+    setattr(target, attr, put(getattr(target, attr), keys))
 
 
 def _check_attribute_names(attributes: dict[str, torch.Tensor]) -> None:
@@ -388,7 +472,7 @@ def _check_attribute_names(attributes: dict[str, torch.Tensor]) -> None:
     KeyError ("attribute 'half' already exists"; a fresh user's finding)."""
     for path in attributes:
         name = path.rpartition(".")[2]
-        if hasattr(torch.nn.Module, name):
+        if "[" not in path and hasattr(torch.nn.Module, name):  # (one in a container is lifted_tensor_<n>)
             raise InputError(f"tensor attribute {path} is named like nn.Module.{name}: torch.export cannot capture "
                              f"it (it registers the tensor under that name); rename the attribute")
 

@@ -12,8 +12,9 @@ tensors. :class:`ParamWatch` lets the step notice, at a few hundred nanoseconds 
 - a conversion of the whole module (``.to()``, ``.half()``, ``.to_empty()``) registers nothing, but puts
   new tensors (or new memory) under its parameters' names: the module's first and last bound parameters
   are compared with what the step binds at every call;
-- a plain tensor attribute the step took as a constant (``self.scale = t``) registers nothing when set: each call
-  compares the tensor under each such attribute's name with the one seen last (a few ``getattr``).
+- a plain tensor attribute the step took as a constant (``self.scale = t``, or a tensor in a list, tuple or dict
+  attribute: ``self.tabs[0] = t``) registers nothing when set: each call compares the tensor under each such
+  attribute's name with the one seen last (a few ``getattr``).
 
 Any of these signs makes the step look every parameter (:meth:`ParamWatch.changed`), then every folded buffer
 and tensor attribute (:meth:`ParamWatch.check_buffers`), up again by its module names (~1-2 ms for a 32-layer
@@ -32,7 +33,7 @@ import weakref
 
 import torch
 
-from .capture import tensor_attributes
+from .capture import attribute_path, attribute_tensor, tensor_attributes
 from .errors import TilecError, with_article
 
 _REGISTERED = [0]  # parameters, buffers and submodules registered on a watched module since the hooks went in
@@ -112,8 +113,8 @@ class ParamWatch:
         for target, value in (attributes or {}).values():
             t = held_attributes[target]
             for path in paths_of[id(t)]:  # (self.scale = self.l.scale: both names)
-                owner, _, leaf = path.rpartition(".")
-                self._attributes[path] = [module.get_submodule(owner), leaf, t, value]
+                owner, leaf, keys = attribute_path(path)
+                self._attributes[path] = [module.get_submodule(owner), leaf, keys, t, value]
         # what the traced forward was made of: a parameter or buffer added later, or a submodule of another class
         # (whose forward the step never traced), is refused rather than silently left out
         self._state_names = set(named) | set(held)
@@ -135,8 +136,14 @@ class ParamWatch:
         """Whether a parameter may have been replaced since the last look (cheap: see the module's doc)."""
         if self._generation_seen != _REGISTERED[0]:
             return True
-        for owner, leaf, held, _ in self._attributes.values():
-            if getattr(owner, leaf, None) is not held:
+        for owner, leaf, keys, held, _ in self._attributes.values():
+            now = getattr(owner, leaf, None)
+            try:
+                for key in keys:  # (self.tabs = [t]: tabs[0])
+                    now = now[key]
+            except (LookupError, TypeError):
+                return True
+            if now is not held:
                 return True
         for params, leaf, ph in self._ends:
             p, ptr = self._seen[ph]
@@ -198,20 +205,20 @@ class ParamWatch:
                                  f"compiling; compile the step again")
             self._buffers[target] = (now, now.data_ptr(), value)
         for target, entry in self._attributes.items():
-            owner_name, _, leaf = target.rpartition(".")
+            owner_name, leaf, _ = attribute_path(target)
             try:
                 owner = self._root.get_submodule(owner_name)
             except AttributeError:
                 owner = None
-            now = getattr(owner, leaf, None)
-            if now is entry[2] and owner is entry[0]:
+            now = attribute_tensor(self._root, target)
+            if now is entry[3] and owner is entry[0]:
                 continue
-            value = entry[3]
+            value = entry[4]
             if not isinstance(now, torch.Tensor) or not _same_values(now, value):
                 raise TilecError(f"tensor attribute {self.shown(target)} was replaced after compiling by other values "
                                  f"(or removed): the step took its values as constants when compiling; compile the "
                                  f"step again")
-            entry[:3] = [owner, leaf, now]  # equal values: watched from now on
+            entry[0], entry[3] = owner, now  # equal values: watched from now on
 
     def accept(self, ph: str, param: torch.Tensor) -> None:
         """Records ``param`` as what the step now binds for placeholder ``ph``."""
