@@ -4,7 +4,9 @@ that copy once was taken when compiling only, so later in-place updates were sil
 finding, fifty-fifth session: relative L2 0.5 against eager after ``weight.mul_(2)``)."""
 from __future__ import annotations
 
+import collections
 import copy
+import enum
 import gc
 import re
 
@@ -13,6 +15,7 @@ import torch
 
 from _helpers import ScaledLayer, assert_close
 from tilec.api import compile_module
+from tilec.capture import attribute_tensor, set_attribute_tensor
 from tilec.errors import TilecError
 
 OPTS = dict(workers=3, executor="reference")
@@ -402,6 +405,65 @@ def test_a_tensor_held_in_a_container_attribute_replaced_is_refused(how, name):
         with pytest.raises(TilecError, match=rf"tensor attribute {re.escape(name)} was replaced after compiling "
                                              r"by other values \(or removed\).* compile the step again"):
             prog(x)
+
+
+class _Key(enum.IntEnum):
+    A = 1
+
+
+class _Pair(tuple):  # a tuple subclass whose constructor takes its items one by one
+    def __new__(cls, a, b):
+        return super().__new__(cls, (a, b))
+
+
+class _Holding(torch.nn.Module):
+    def __init__(self, held, path):
+        super().__init__()
+        self.held, self.path = held, path
+
+    def forward(self, x):
+        t = self.held
+        for key in self.path:
+            t = t[key]
+        return x * t
+
+
+@pytest.mark.parametrize("form, path, name", [
+    ("intenum", (_Key.A,), "held[1]"),  # (its repr, held[<_Key.A: 1>], did not read back: every call raised)
+    ("parameter", (0,), "held[0]"),  # (export lifts a new tensor of a Parameter in a list: matched by its memory)
+    ("deep", (0, 0, 0, 0, 0), "held[0][0][0][0][0]"),
+    ("defaultdict", ("a",), "held['a']"),
+    ("pair", (1,), "held[1]")])
+def test_container_attribute_forms_a_breaker_found(form, path, name):
+    """Forms a helper's breaker run found unwatched (a Parameter in a plain list, five containers deep: silently wrong
+    results) or refused at every call (an IntEnum dict key); a defaultdict's missing key is not inserted by the
+    watch; a tuple subclass whose constructor takes other arguments is rebuilt as a plain tuple by run --check's
+    loading (an internal TypeError)."""
+    torch.manual_seed(14)
+    held = {"intenum": lambda: {_Key.A: torch.randn(8)}, "parameter": lambda: [torch.nn.Parameter(torch.randn(8))],
+            "deep": lambda: [[[[[torch.randn(8)]]]]],
+            "defaultdict": lambda: collections.defaultdict(lambda: torch.zeros(8), a=torch.randn(8)),
+            "pair": lambda: _Pair(torch.randn(8), torch.randn(8))}[form]()
+    m = _Holding(held, path).eval()
+    x = torch.randn(4, 8)
+    prog = compile_module(m, (x,), options=OPTS)
+    assert list(prog._attribute_names.values()) == [name]
+    with torch.no_grad():
+        for _ in range(2):
+            assert_close(prog(x), m(x), 1e-6)
+    if form == "pair":
+        set_attribute_tensor(m, name, m.held[1] * 3)
+        assert type(m.held) is tuple and torch.equal(attribute_tensor(m, name), held[1] * 3)
+    elif form == "defaultdict":
+        del m.held["a"]
+    else:
+        container = m.held
+        for key in path[:-1]:
+            container = container[key]
+        container[path[-1]] = torch.randn(8)
+    with pytest.raises(TilecError, match=rf"tensor attribute {re.escape(name)} was replaced after compiling"):
+        prog(x)
+    assert form != "defaultdict" or "a" not in m.held
 
 
 def test_the_registration_hooks_do_not_make_torch_compile_recompile(monkeypatch):

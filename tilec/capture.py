@@ -62,9 +62,10 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     state = dict(module.state_dict(keep_vars=True))
     state.update(dict(module.named_buffers(remove_duplicate=False)))
     binding = GraphBinding()
-    held_ids = {}
+    held_ids, held_memory = {}, {}
     for path, t in attributes.items():
         held_ids.setdefault(id(t), path)
+        held_memory.setdefault(_memory_key(t), path)  # (a Parameter in a list: export lifts a new tensor of it)
     user_idx = 0
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -80,7 +81,9 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
             binding.consts[name] = ep.constants[spec.target]
             # a plain attribute by its name; one held in a list / tuple / dict is lifted_tensor_<n>, that very tensor
             # (not one forward made, which is lifted so too)
-            held = spec.target if spec.target in attributes else held_ids.get(id(binding.consts[name]))
+            t = binding.consts[name]
+            held = spec.target if spec.target in attributes else held_ids.get(id(t)) or (
+                held_memory.get(_memory_key(t)) if isinstance(t, torch.Tensor) else None)
             if spec.kind == InputKind.CONSTANT_TENSOR and held is not None:
                 binding.attribute_names[name] = held
                 binding.consts[name] = binding.consts[name].detach().clone()  # a snapshot, as of buffers
@@ -349,6 +352,13 @@ def _check_meta_refused(cause: BaseException) -> None:
                      f"in a form both accept {how} (torch.compile's tracing refuses it too)") from cause
 
 
+def _memory_key(t: torch.Tensor) -> tuple:
+    """Where and how a tensor lays out its elements: two tensors of one key are one tensor's data."""
+    if t.device.type == "meta" or t.layout != torch.strided or t.numel() == 0:
+        return (id(t),)
+    return t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()
+
+
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) bytes a non-empty tensor's elements span in its storage."""
     span = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
@@ -383,31 +393,39 @@ def _module_state(module: torch.nn.Module) -> list[tuple[str, str, torch.Tensor]
 
 
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))  # nn.Module's own bookkeeping: _parameters, _buffers, hooks, ...
-_HELD_DEPTH = 3  # containers within containers looked into for tensors: self.tabs = [[t]] is tabs[0][0]
+_HELD_DEPTH = 8  # containers within containers looked into for tensors: self.tabs = [[t]] is tabs[0][0]
 
 
 def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The plain tensor attributes of ``module`` and its submodules (``self.scale = torch.randn(4)``: neither a
     parameter nor a buffer, of this module or another), by dotted name; also the tensors held in a list, tuple or
-    dict attribute, up to three containers deep, named by their keys (``self.tabs = [t]``: ``tabs[0]``; ``self.d =
-    {"a": t}``: ``d['a']``; dict keys that are strings or ints only). torch.export lifts such a tensor to a constant
+    dict attribute, up to eight containers deep, named by their keys (``self.tabs = [t]``: ``tabs[0]``; ``self.d =
+    {"a": t}``: ``d['a']``; dict keys that are strings or ints, an enum's by its value). torch.export lifts such a tensor to a constant
     (``lifted_tensor_0``) like a plain attribute's, so the step takes its values when compiling; these names let the
-    parameter watch and ``tilec run --check`` find it again (:func:`attribute_tensor`, :func:`set_attribute_tensor`)."""
+    parameter watch and ``tilec run --check`` find it again (:func:`attribute_tensor`, :func:`set_attribute_tensor`).
+    """
     registered = {id(t) for t in (*module.parameters(), *module.buffers())}
     out = {}
     for prefix, m in module.named_modules(remove_duplicate=False):
         for k, v in vars(m).items():
             if k in _MODULE_OWN:
                 continue
+            name = f"{prefix}.{k}" if prefix else k
+            if isinstance(v, torch.Tensor):
+                if id(v) not in registered:
+                    out[name] = v
+                continue
+            if not k.isidentifier():  # (setattr(m, "a[0]", [t]): its items' names would not read back)
+                continue
             for keys, t in _held_tensors(v, _HELD_DEPTH):
                 if id(t) not in registered:
-                    out[(f"{prefix}.{k}" if prefix else k) + "".join(f"[{key!r}]" for key in keys)] = t
+                    out[name + "".join(f"[{key!r}]" for key in keys)] = t
     return out
 
 
 def _held_tensors(value, depth: int):
-    """``(keys, tensor)`` for ``value`` itself if a tensor (no keys), else for each tensor in it as a list, tuple or
-    dict, ``depth`` containers deep at most."""
+    """``(keys, tensor)`` for each tensor in ``value`` as a list, tuple or dict (``value`` itself if a tensor: no
+    keys), ``depth`` containers deep at most."""
     if isinstance(value, torch.Tensor):
         yield (), value
     elif depth and isinstance(value, (list, tuple)):
@@ -416,41 +434,74 @@ def _held_tensors(value, depth: int):
                 yield (i, *keys), t
     elif depth and isinstance(value, dict):
         for key, item in value.items():
-            if isinstance(key, (str, int)) and not isinstance(key, bool):
+            # (an IntEnum's or a str Enum's repr does not read back: its value does where it finds the same item)
+            plain = int(key) if isinstance(key, int) else str.__str__(key) if isinstance(key, str) else None
+            if plain is not None and dict.get(value, plain, None) is item:
                 for keys, t in _held_tensors(item, depth - 1):
-                    yield (key, *keys), t
+                    yield (plain, *keys), t
 
 
 _KEY = re.compile(r"\[(-?\d+|'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
 
 
-def attribute_path(name: str) -> tuple[str, str, tuple]:
-    """``(owner submodule, attribute, container keys)`` of a name of :func:`tensor_attributes`: ``l.tabs[0]['a']`` is
-    ``("l", "tabs", (0, "a"))``."""
+def _attribute_path(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, tuple]:
+    """``(owner submodule, attribute, container keys)`` of a name of :func:`tensor_attributes` in ``module``:
+    ``l.tabs[0]['a']`` is ``(module.l, "tabs", (0, "a"))``. Raises AttributeError when the owner is gone."""
     head, bracket, tail = name.partition("[")
     owner, _, attr = head.rpartition(".")
+    held = module.get_submodule(owner)
     keys = tuple(ast.literal_eval(k) for k in _KEY.findall(bracket + tail))
-    return owner, attr, keys
+    if not bracket or "".join(f"[{k!r}]" for k in keys) != bracket + tail or attr + bracket + tail in vars(held):
+        return held, name.rpartition(".")[2] if not bracket else attr + bracket + tail, ()  # a plain attribute
+    return held, attr, keys
+
+
+def _item(container, key):
+    """``container[key]`` of a list, tuple or dict (a dict's missing key is a LookupError, not a defaultdict's
+    insertion); LookupError for anything else."""
+    if isinstance(container, dict):
+        if key not in container:
+            raise KeyError(key)
+        return container[key]
+    if isinstance(container, (list, tuple)):
+        return container[key]
+    raise LookupError(key)
 
 
 def attribute_tensor(module: torch.nn.Module, name: str):
     """What ``module`` holds now at ``name`` (a name of :func:`tensor_attributes`); None where the owner, attribute
-    or key is gone."""
-    owner, attr, keys = attribute_path(name)
+    or key is gone (or a container now of another kind)."""
     try:
-        value = getattr(module.get_submodule(owner), attr)
+        owner, attr, keys = _attribute_path(module, name)
+        value = getattr(owner, attr)
         for key in keys:
-            value = value[key]
-    except (AttributeError, LookupError, TypeError):
+            value = _item(value, key)
+    except Exception:  # noqa: BLE001 - gone, or a user's container that raises: not the tensor compiled
         return None
     return value
 
 
+def attribute_watch(module: torch.nn.Module, name: str):
+    """A function of no arguments giving what ``module`` holds now at ``name`` (:func:`attribute_tensor`, with the
+    owner and keys looked up once: called at every step call)."""
+    owner, attr, keys = _attribute_path(module, name)
+
+    def now():
+        try:
+            value = getattr(owner, attr)
+            for key in keys:
+                value = _item(value, key)
+        except Exception:  # noqa: BLE001 - as in attribute_tensor
+            return None
+        return value
+    return now
+
+
 def set_attribute_tensor(module: torch.nn.Module, name: str, new: torch.Tensor) -> None:
     """Puts ``new`` at ``name`` (a name of :func:`tensor_attributes`) in ``module``: a list or dict item in place, a
-    tuple rebuilt with it (and so its container, up to the attribute)."""
-    owner, attr, keys = attribute_path(name)
-    target = module.get_submodule(owner)
+    tuple rebuilt with it (a namedtuple by its ``_make``, a tuple subclass whose constructor takes other arguments
+    as a plain tuple), and so its containers up to the attribute."""
+    owner, attr, keys = _attribute_path(module, name)
 
     def put(container, keys):
         if not keys:
@@ -459,11 +510,14 @@ def set_attribute_tensor(module: torch.nn.Module, name: str, new: torch.Tensor) 
         if isinstance(container, tuple):
             items = list(container)
             items[head] = put(items[head], rest)
-            return type(container)(*items) if hasattr(container, "_fields") else type(container)(items)
+            try:
+                return container._make(items) if hasattr(container, "_make") else type(container)(items)
+            except TypeError:
+                return tuple(items)
         container[head] = put(container[head], rest)
         return container
 
-    setattr(target, attr, put(getattr(target, attr), keys))
+    setattr(owner, attr, put(getattr(owner, attr), keys))
 
 
 def _check_attribute_names(attributes: dict[str, torch.Tensor]) -> None:

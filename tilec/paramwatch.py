@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from .capture import attribute_path, attribute_tensor, tensor_attributes
+from .capture import attribute_tensor, attribute_watch, tensor_attributes
 from .errors import TilecError, with_article
 
 _REGISTERED = [0]  # parameters, buffers and submodules registered on a watched module since the hooks went in
@@ -113,8 +113,7 @@ class ParamWatch:
         for target, value in (attributes or {}).values():
             t = held_attributes[target]
             for path in paths_of[id(t)]:  # (self.scale = self.l.scale: both names)
-                owner, leaf, keys = attribute_path(path)
-                self._attributes[path] = [module.get_submodule(owner), leaf, keys, t, value]
+                self._attributes[path] = [attribute_watch(module, path), t, value]
         # what the traced forward was made of: a parameter or buffer added later, or a submodule of another class
         # (whose forward the step never traced), is refused rather than silently left out
         self._state_names = set(named) | set(held)
@@ -136,14 +135,8 @@ class ParamWatch:
         """Whether a parameter may have been replaced since the last look (cheap: see the module's doc)."""
         if self._generation_seen != _REGISTERED[0]:
             return True
-        for owner, leaf, keys, held, _ in self._attributes.values():
-            now = getattr(owner, leaf, None)
-            try:
-                for key in keys:  # (self.tabs = [t]: tabs[0])
-                    now = now[key]
-            except (LookupError, TypeError):
-                return True
-            if now is not held:
+        for now, held, _ in self._attributes.values():
+            if now() is not held:
                 return True
         for params, leaf, ph in self._ends:
             p, ptr = self._seen[ph]
@@ -205,20 +198,13 @@ class ParamWatch:
                                  f"compiling; compile the step again")
             self._buffers[target] = (now, now.data_ptr(), value)
         for target, entry in self._attributes.items():
-            owner_name, leaf, _ = attribute_path(target)
-            try:
-                owner = self._root.get_submodule(owner_name)
-            except AttributeError:
-                owner = None
             now = attribute_tensor(self._root, target)
-            if now is entry[3] and owner is entry[0]:
-                continue
-            value = entry[4]
-            if not isinstance(now, torch.Tensor) or not _same_values(now, value):
+            if now is not entry[1] and (not isinstance(now, torch.Tensor) or not _same_values(now, entry[2])):
                 raise TilecError(f"tensor attribute {self.shown(target)} was replaced after compiling by other values "
                                  f"(or removed): the step took its values as constants when compiling; compile the "
                                  f"step again")
-            entry[0], entry[3] = owner, now  # equal values: watched from now on
+            # equal values (or the same tensor, perhaps in a new submodule or container): watched there from now on
+            entry[:2] = [attribute_watch(self._root, target), now]
 
     def accept(self, ph: str, param: torch.Tensor) -> None:
         """Records ``param`` as what the step now binds for placeholder ``ph``."""
