@@ -2136,3 +2136,64 @@ def test_a_regions_current_constants_stay_held_when_it_forgets_others():
         flat[i] = torch.randn(16)
     assert not region._use(flat, ("new",))  # no plan for the new values: the call runs eagerly
     assert region.key == current and region.known[current][1][0] is m.b
+
+
+class MaskedDecode(torch.nn.Module):
+    """Decode attention written by hand over a cache passed in, masked as custom code often is: ``masked_fill``
+    of the future positions, ``torch.where`` keeping the allowed ones, or an additive mask (the form planned
+    before); ``window`` masks all but the last 3 positions too (not causal)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.q, self.form = torch.nn.Linear(32, 32, bias=False), form
+
+    def forward(self, x, pos, kc, vc):
+        q = self.q(x).view(1, 1, 2, 16).transpose(1, 2)
+        kc.index_copy_(2, pos, q)
+        vc.index_copy_(2, pos, -q)
+        sc = q @ kc.transpose(2, 3) / 4.0
+        j = torch.arange(kc.shape[2])
+        if self.form == "masked_fill":
+            sc = sc.masked_fill(j > pos[:, None], float("-inf"))
+        elif self.form == "where":
+            sc = torch.where(j <= pos[:, None], sc, torch.finfo(sc.dtype).min)
+        elif self.form == "add":
+            sc = sc + torch.where(j <= pos[:, None], 0.0, float("-inf"))
+        else:  # "window"
+            sc = sc.masked_fill((j > pos[:, None]) | (j < pos[:, None] - 3), float("-inf"))
+        return torch.softmax(sc.float(), -1).to(x.dtype) @ vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["masked_fill", "where", "add"])
+def test_hand_written_attention_masked_by_masked_fill_or_where_compiles_whole(form, dtype):
+    """``scores.masked_fill(j > pos, -inf)`` and ``torch.where(j <= pos, scores, finfo.min)`` were refused ("no tilec
+    op computes it") and ran the whole attention eagerly (a fresh user's finding); both are planned as attention now,
+    their bool mask checked as causal at every planned position (masked_fill rewritten as a where of the negated mask,
+    frontend.masked_fill_as_where). fallback off: nothing eager. Tolerance: float32 1e-5, bf16 2e-2 (relative L2)."""
+    torch._dynamo.reset()
+    torch.manual_seed(15)
+    m = MaskedDecode(form).eval().to(dtype)
+    kc, vc = torch.randn(1, 2, 8, 16, dtype=dtype), torch.randn(1, 2, 8, 16, dtype=dtype)
+    mine, ref = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
+    f = torch.compile(m, backend="tilec", options={"workers": 3, "fallback": False, "max_positions": 8})
+    with torch.no_grad():
+        for p in (3, 4, 7):
+            x = torch.randn(1, 1, 32, dtype=dtype)
+            got, want = f(x, torch.tensor([p]), *mine), m(x, torch.tensor([p]), *ref)
+            assert_close(got, want, 1e-5 if dtype == torch.float32 else 2e-2, f"position {p}")
+            assert_close(mine[0], ref[0], 1e-5 if dtype == torch.float32 else 2e-2, f"keys at position {p}")
+
+
+def test_a_masked_fill_mask_that_is_not_causal_is_refused_naming_the_position():
+    """A sliding window written with masked_fill is not causal: refused, naming the planned position where the mask
+    differs (the message said "at position 4" where the call was at 3 - it is a planned position: a fresh user's
+    note) - never planned as causal attention."""
+    from tilec.api import compile_module
+
+    m = MaskedDecode("window").eval()
+    args = (torch.randn(1, 1, 32), torch.tensor([3]), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16))
+    with pytest.raises(UnsupportedNodeError, match=r"attention mask at decode position 4 is not the causal mask over "
+                                                   r"the static cache \(tilec plans positions 0 to 7, max_positions, "
+                                                   r"and checks the mask at each\)"):
+        compile_module(m, args, positions=[1], max_positions=8)

@@ -775,10 +775,21 @@ class BufferCache(torch.nn.Module):
 def test_in_place_update_of_a_module_buffer_is_refused_at_compile_time():
     """Nothing would bind the buffer when the program runs ("no tensor bound" on every call), so
     the compile refuses it, naming the buffer as the module does (not the capture's ``b_cache``), the
-    write's source line and what to do instead."""
+    write's source line and what to do instead - torch.compile compiles it whole (its hint said torch.compile would
+    run the write eagerly: a fresh user's note)."""
     with pytest.raises(UnsupportedNodeError, match=r"(?s)in-place update of buffer cache, kept in the module rather "
-                                                   r"than passed to forward.*index_copy_\(1, pos, x\)"):
+                                                   r"than passed to forward.*index_copy_\(1, pos, x\).*hint: Pass the "
+                                                   r"cache to forward, or compile the module with torch.compile\(module, "
+                                                   r"backend='tilec'\), which takes its buffers as the graph's inputs"):
         compile_module(BufferCache(), (torch.randn(2, 1, 8), torch.tensor([3])), positions=[1], max_positions=16)
+    torch._dynamo.reset()
+    m, ref = BufferCache(), BufferCache()
+    f = torch.compile(m, backend="tilec", options={"workers": 2, "fallback": False, "max_positions": 16})
+    for p in (3, 9):
+        x = torch.randn(2, 1, 8)
+        with torch.no_grad():
+            assert torch.equal(f(x, torch.tensor([p])), ref(x, torch.tensor([p])))
+    assert torch.equal(m.cache, ref.cache)
 
 
 @pytest.mark.parametrize("pos,got", [(torch.tensor([7.6]), r"torch.float32\[1\]"), (torch.tensor([True]), r"torch.bool\[1\]"),
@@ -1228,7 +1239,7 @@ def test_a_mask_other_than_causal_names_its_first_position(window, first_bad):
         want = _WindowAttention(window)(q, k, v, torch.tensor([30]))
         torch.testing.assert_close(prog(q, k, v, torch.tensor([30])), want)
         return
-    with pytest.raises(UnsupportedNodeError, match=f"attention mask at position {first_bad} is not the causal mask"):
+    with pytest.raises(UnsupportedNodeError, match=f"attention mask at decode position {first_bad} is not the causal mask"):
         compile_module(_WindowAttention(window), args, positions=[3], max_positions=40)
 
 

@@ -469,6 +469,36 @@ def test_a_bool_mask_made_additive_is_checked_as_the_bool(fill):
             prog(*_step_args(5, causal(6)))
 
 
+class MaskedFillStep(MaskedStep):
+    """Attention written by hand, its scores masked by a bool argument: ``masked_fill(~mask, -inf)``."""
+
+    def forward(self, x, k_cache, v_cache, pos, mask):
+        q = self.q(x).view(1, 1, 4, 16).transpose(1, 2)
+        k_cache.index_copy_(2, pos, self.k(x).view(1, 1, 2, 16).transpose(1, 2))
+        v_cache.index_copy_(2, pos, self.v(x).view(1, 1, 2, 16).transpose(1, 2))
+        k, v = k_cache.repeat_interleave(2, 1), v_cache.repeat_interleave(2, 1)
+        scores = (q @ k.transpose(2, 3) * 0.25).masked_fill(~mask, float("-inf"))
+        o = torch.softmax(scores, -1) @ v
+        return self.o(o.transpose(1, 2).reshape(1, 1, 64))
+
+
+def test_a_masked_fill_of_a_mask_argument_is_checked_on_every_call():
+    """masked_fill of the scores by a run-time bool argument: planned as attention (it was refused), the negated
+    mask (frontend.masked_fill_as_where's node, named after the masked_fill) checked at each call."""
+    torch.manual_seed(0)
+    m = MaskedFillStep().eval()
+    with torch.no_grad():
+        prog = compile_module(m, _step_args(3, causal(3)), positions=[3], max_positions=S)
+        assert [op.kind for op in prog.plan.graph.ops].count("attention") == 1
+        for p in (0, 6):
+            args = _step_args(p, causal(p))
+            want, _ = _eager(m, args)
+            assert_close(prog(*args), want, 1e-5, f"position {p}")
+        with pytest.raises(GuardError, match=r"\(node masked_fill_allowed\) is not the causal mask over the static "
+                                             r"cache at position 5"):
+            prog(*_step_args(5, causal(6)))
+
+
 @pytest.mark.parametrize("form, peeled", [
     (lambda c: torch.where(c, 0.0, float("-inf")), True),
     (lambda c: torch.where(c, torch.scalar_tensor(0.0), torch.scalar_tensor(-1e30)), True),  # HF's, under Dynamo

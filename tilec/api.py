@@ -131,6 +131,10 @@ def _hint(args, whys=(), dropout: bool = False) -> str:
     baked = (f"argument{'s' if len(ints) > 1 else ''} {', '.join(map(str, ints))} "
              f"{'are Python ints' if len(ints) > 1 else 'is a Python int'}, baked into the graph as a constant: a "
              f"decode position must be an integer tensor (torch.tensor([p])) listed in positions. ") if ints else ""
+    if any("kept in the module rather than passed to forward" in (w or "") for w in whys):
+        # (under torch.compile a module's buffers are graph inputs: their cache writes compile whole)
+        return (cast + baked + "Pass the cache to forward, or compile the module with torch.compile(module, "
+                "backend='tilec'), which takes its buffers as the graph's inputs and compiles such cache writes.")
     return (cast + baked + "Move such ops out of the compiled module, or compile it with torch.compile(module, "
             "backend='tilec'), which runs them eagerly.")
 

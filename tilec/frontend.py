@@ -26,7 +26,7 @@ import torch.fx as fx
 from .errors import EagerFailsError, InputError, UnsupportedNodeError
 from .frontend_dsa import DsaLowering
 from .frontend_forms import FormsLowering
-from .guards import MaskGuard, causal_mismatch
+from .guards import MASKED_BELOW, MaskGuard, causal_mismatch
 from .fxgraph import (BINARY, CASTS, CLAMPS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
                       Positional, Static, alpha_of, aten, is_call, is_random, source_of, target_name, upcast_source,
                       val_of)
@@ -871,7 +871,8 @@ class Lowering(FormsLowering, DsaLowering):
                 self._unsupported(node, "matmul with a batched right operand (tilec plans a weight [K, N]; a batched "
                                         "matmul only inside attention written out as matmul(softmax(matmul(q, "
                                         "k.transpose(2, 3)) * scale + mask, -1), v), with a constant scale and a float "
-                                        "mask that is causal over the static cache)")
+                                        "mask - or the scores masked by masked_fill(masked, -inf) or torch.where("
+                                        "allowed, scores, -inf), finfo.min too - that is causal over the static cache)")
             w = View(wt.buffer, (wt.shape[1], wt.shape[0]), (wt.strides[1], wt.strides[0]), wt.offset, wt.pos_stride)
         inputs = [x, w]
         if bias is not None:
@@ -1011,7 +1012,7 @@ class Lowering(FormsLowering, DsaLowering):
             pr = pr.args[0]
         if not is_call(pr, aten._softmax.default, aten.softmax.int) or pr.args[1] not in (-1, 3):
             return None
-        sc, mask = upcast_source(pr.args[0]), None
+        sc, mask, selected = upcast_source(pr.args[0]), None, False
         if is_call(sc, aten.add.Tensor):
             for a, m in ((sc.args[0], sc.args[1]), (sc.args[1], sc.args[0])):
                 if isinstance(m, fx.Node) and self._scaled_scores(a) is not None:
@@ -1019,6 +1020,15 @@ class Lowering(FormsLowering, DsaLowering):
                     break
             else:
                 return None
+        elif is_call(sc, *_WHERES):
+            # where(allowed, scores, fill): the bool mask is checked as causal (masked_fill(scores, masked, fill) was
+            # rewritten so: masked_fill_as_where)
+            allowed, a, fill = sc.args[:3]
+            fill = fill if not isinstance(fill, fx.Node) else _fill_value(fill)
+            if not (isinstance(allowed, fx.Node) and val_of(allowed) is not None and val_of(allowed).dtype == torch.bool
+                    and isinstance(fill, (int, float)) and fill <= MASKED_BELOW and self._scaled_scores(a) is not None):
+                return None
+            sc, mask, selected = a, allowed, True
         found = self._scaled_scores(sc)
         if found is None:
             return None
@@ -1027,7 +1037,7 @@ class Lowering(FormsLowering, DsaLowering):
         if not is_call(kt, aten.transpose.int) or sorted(d % 4 for d in kt.args[1:]) != [2, 3]:
             return None
         k_n = upcast_source(kt.args[0])
-        if mask is not None and not val_of(mask).dtype.is_floating_point:
+        if mask is not None and not selected and not val_of(mask).dtype.is_floating_point:
             name = dtype_name(val_of(mask).dtype)
             what = self._argument(mask.name) if mask.op == "placeholder" else f"node {mask.name}"
             self._unsupported(node, f"a{'n' if name[0] in 'aeiou' else ''} {name} mask added to attention scores "
@@ -1100,7 +1110,9 @@ class Lowering(FormsLowering, DsaLowering):
                     break
             self._mask_checks[key] = bad
         if bad >= 0:
-            self._unsupported(node, f"attention mask at position {bad} is not the causal mask over the static cache")
+            self._unsupported(node, f"attention mask at decode position {bad} is not the causal mask over the static "
+                                    f"cache (tilec plans positions 0 to {n - 1}, max_positions, and checks the mask at "
+                                    f"each)")
 
     def _example_not_causal(self, mask: fx.Node, shape: tuple) -> int | None:
         """The example position at which the run-time ``mask``, computed from the example arguments
@@ -1403,7 +1415,59 @@ def _order_state_accesses(ops: list[Op], buffers: dict[str, Buffer], nodes: dict
     return [ops[i] for i in order]
 
 
+_MASKED_FILLS = (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+_WHERES = (aten.where.self, aten.where.ScalarOther)
+
+
+def masked_fill_as_where(gm: fx.GraphModule) -> int:
+    """Rewrites, in place, each ``masked_fill(scores, masked, fill)`` of a bool ``masked`` and a ``fill`` of at most
+    :data:`tilec.guards.MASKED_BELOW` (``-inf``, ``finfo.min``) that a softmax reads (through casts) as
+    ``where(logical_not(masked), scores, fill)`` - the same values, and the form attention written by hand with
+    ``torch.where(allowed, scores, fill)`` takes, whose bool ``allowed`` the attention lowering checks as its causal
+    mask (:meth:`Lowering._eager_attention`). Returns how many it rewrote (0 when run again)."""
+    rewritten = 0
+    for n in list(gm.graph.nodes):
+        if not is_call(n, *_MASKED_FILLS) or len(n.args) != 3 or n.kwargs:
+            continue
+        scores, masked, fill = n.args
+        m, fill_value = val_of(masked), _fill_value(fill)
+        if m is None or m.dtype != torch.bool or fill_value is None or not fill_value <= MASKED_BELOW:
+            continue
+        reader = n
+        while len(reader.users) == 1 and is_call(next(iter(reader.users)), *CASTS):
+            reader = next(iter(reader.users))
+        if not any(is_call(u, aten._softmax.default, aten.softmax.int) for u in reader.users):
+            continue
+        with gm.graph.inserting_before(n):
+            allowed = gm.graph.create_node("call_function", aten.logical_not.default, (masked,),
+                                           name=f"{n.name}_allowed")  # (errors name the mask so)
+            allowed.meta["val"] = torch.ops.aten.logical_not.default(m)
+            where = gm.graph.call_function(aten.where.ScalarOther, (allowed, scores, fill_value))
+        where.meta.update(n.meta)
+        n.replace_all_uses_with(where)
+        name = n.name
+        gm.graph.erase_node(n)
+        if hasattr(where, "_rename"):  # (errors name the node as the user's graph did)
+            where._rename(name)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
+def _fill_value(fill) -> float | None:
+    """A masked_fill's fill as a float: a Python number, or a 0-dim ``scalar_tensor`` / ``full`` node; else None."""
+    if isinstance(fill, (int, float)) and not isinstance(fill, bool):
+        return float(fill)
+    if is_call(fill, aten.scalar_tensor.default, aten.full.default) and val_of(fill) is not None \
+            and val_of(fill).numel() == 1:
+        value = fill.args[0] if fill.target is aten.scalar_tensor.default else fill.args[1]
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return None
+
+
 def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe: bool = False) -> Lowering:
+    masked_fill_as_where(gm)
     low = Lowering(gm, binding, max_positions, probe)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     results = out_node.args[0]
