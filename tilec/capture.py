@@ -22,6 +22,8 @@ import torch.utils._pytree as pytree
 from .errors import DataDependentError, ExampleInputError, InputError, TilecError, describe_exception
 from .frontend import GraphBinding
 
+log = logging.getLogger("tilec")
+
 
 def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = frozenset()):
     """Exports ``module(*args)`` and classifies the placeholders.
@@ -62,7 +64,8 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
     state = dict(module.state_dict(keep_vars=True))
     state.update(dict(module.named_buffers(remove_duplicate=False)))
     binding = GraphBinding()
-    held_ids, held_memory = {}, {}
+    held_ids, held_memory, unregistered = {}, {}, []
+    unregistered_state = _unregistered_module_state(module)
     for path, t in attributes.items():
         held_ids.setdefault(id(t), path)
         held_memory.setdefault(_memory_key(t), path)  # (a Parameter in a list: export lifts a new tensor of it)
@@ -86,12 +89,20 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
                 held_memory.get(_memory_key(t)) if isinstance(t, torch.Tensor) else None)
             if spec.kind == InputKind.CONSTANT_TENSOR and held is not None:
                 binding.attribute_names[name] = held
+            elif spec.kind == InputKind.CONSTANT_TENSOR and isinstance(t, torch.Tensor):
+                unregistered.append(unregistered_state.get(_memory_key(t)))
                 binding.consts[name] = binding.consts[name].detach().clone()  # a snapshot, as of buffers
         elif spec.kind == InputKind.USER_INPUT:
             binding.user_inputs.append(name)
             if user_idx in positions:
                 binding.positions.add(name)
             user_idx += 1
+    unregistered = [u for u in unregistered if u]
+    if unregistered:
+        log.warning("tilec: %s%s: a module held in a list, tuple or dict attribute is not registered (use nn.ModuleList "
+                    "or nn.ModuleDict), so the step takes its weights as constants when compiling - replacing or "
+                    "editing them later is not seen", unregistered[0],
+                    f" and {len(unregistered) - 1} more" if len(unregistered) > 1 else "")
     outs = next(n for n in ep.graph.nodes if n.op == "output").args[0]
     n_mut = sum(spec.kind in (OutputKind.USER_INPUT_MUTATION, OutputKind.BUFFER_MUTATION) for spec in sig.output_specs)
     for i, n in enumerate(outs):
@@ -423,22 +434,37 @@ def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _held_tensors(value, depth: int):
-    """``(keys, tensor)`` for each tensor in ``value`` as a list, tuple or dict (``value`` itself if a tensor: no
+def _held_tensors(value, depth: int, kind: type = torch.Tensor):
+    """``(keys, item)`` for each ``kind`` (a tensor) in ``value`` as a list, tuple or dict (``value`` itself if one: no
     keys), ``depth`` containers deep at most."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, kind):
         yield (), value
     elif depth and isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            for keys, t in _held_tensors(item, depth - 1):
+            for keys, t in _held_tensors(item, depth - 1, kind):
                 yield (i, *keys), t
     elif depth and isinstance(value, dict):
         for key, item in value.items():
             # (an IntEnum's or a str Enum's repr does not read back: its value does where it finds the same item)
             plain = int(key) if isinstance(key, int) else str.__str__(key) if isinstance(key, str) else None
             if plain is not None and dict.get(value, plain, None) is item:
-                for keys, t in _held_tensors(item, depth - 1):
+                for keys, t in _held_tensors(item, depth - 1, kind):
                     yield (plain, *keys), t
+
+
+def _unregistered_module_state(module: torch.nn.Module) -> dict[tuple, str]:
+    """The parameters and buffers of modules held in a list, tuple or dict attribute (``self.blocks = [nn.Linear(8,
+    8)]``: PyTorch registers none of them), by memory (:func:`_memory_key`) -> ``"blocks[0] (Linear) weight"``."""
+    out = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for k, v in vars(m).items():
+            if k in _MODULE_OWN or isinstance(v, torch.nn.Module) or not k.isidentifier():
+                continue
+            for keys, held in _held_tensors(v, _HELD_DEPTH, torch.nn.Module):
+                name = (f"{prefix}.{k}" if prefix else k) + "".join(f"[{key!r}]" for key in keys)
+                for what, t in itertools.chain(held.named_parameters(), held.named_buffers()):
+                    out.setdefault(_memory_key(t), f"{name} ({type(held).__name__}) {what}")
+    return out
 
 
 _KEY = re.compile(r"\[(-?\d+|'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
