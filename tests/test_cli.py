@@ -1611,7 +1611,7 @@ def test_saving_from_python_records_the_programs_positions(tmp_path):
     assert prog.position_args == (1,)
     for kw, pattern in ((dict(positions=[2]), r"positions lists 2, but the program reads argument 2 \(cache\) as a "
                                               r"tensor, not as its decode position \(its position arguments: \[1\]\)"),
-                        (dict(positions=[]), r"positions=\[\] omits argument 1, which the program reads as its decode "
+                        (dict(positions=[]), r"positions=\[\] omits argument 1 \(pos\), which the program reads as its decode "
                                              r"position"),
                         (dict(positions=[3]), r"positions lists 3, not an argument index \(the program takes 3 "
                                               r"arguments\)"),

@@ -388,7 +388,7 @@ def test_a_nested_position_tensor_is_refused_by_name():
     prog = compile_module(m, (x, torch.tensor([3]), torch.tensor([3]), torch.tensor([3])), positions=[1, 2, 3],
                           max_positions=16)
     nt = torch.nested.nested_tensor([torch.tensor([4])])
-    with pytest.raises(TilecError, match=r"argument 1 is a nested tensor \(torch\.int64, torch\.strided layout\)"):
+    with pytest.raises(TilecError, match=r"argument 1 \(pos\) is a nested tensor \(torch\.int64, torch\.strided layout\)"):
         prog(x, nt, torch.tensor([4]), torch.tensor([4]))
     assert torch.equal(prog(x, torch.tensor([4]), torch.tensor([4]), torch.tensor([4])), x * 2 + 4)
 
@@ -495,7 +495,7 @@ def test_decode_position_outside_the_plan_names_the_argument():
             return x + p.to(x.dtype)
 
     prog = compile_module(AddPos(), (torch.randn(2, 4), torch.tensor([1])), positions=[1], max_positions=3)
-    with pytest.raises(TilecError, match=r"argument 1 holds decode position 7, outside the planned range \[0, 3\)"):
+    with pytest.raises(TilecError, match=r"argument 1 \(p\) holds decode position 7, outside the planned range \[0, 3\)"):
         prog(torch.randn(2, 4), torch.tensor([7]))
 
 
@@ -690,8 +690,8 @@ def test_position_arguments_as_ints_tensors_and_one_shared_counter():
     assert torch.equal(prog(x, 6, shared, shared), x * 2 + 6)
     assert int(shared) == 7
     c1, c2 = torch.tensor(6), torch.tensor(7)
-    with pytest.raises(TilecError, match=r"position arguments disagree \(argument 1 holds 6, argument 2 holds 6, "
-                                         r"argument 3 holds 7\)"):
+    with pytest.raises(TilecError, match=r"position arguments disagree \(argument 1 \(pos\) holds 6, argument 2 \(c1\) "
+                                         r"holds 6, argument 3 \(c2\) holds 7\)"):
         prog(x, 6, c1, c2)
     assert int(c1) == 6 and int(c2) == 7
 
@@ -711,11 +711,11 @@ def test_position_arguments_of_other_dtypes_and_shapes_are_read_and_advanced():
         a, b = torch.tensor(9, dtype=c1_dtype).reshape(c1_shape), torch.tensor([9])
         assert torch.equal(prog(x, torch.tensor([9], dtype=pos_dtype), a, b), x * 2 + 9)
         assert a.dtype == c1_dtype and int(a) == int(b) == 10
-        with pytest.raises(TilecError, match=r"position arguments disagree \(argument 1 holds 5, argument 2 holds 5, "
-                                             r"argument 3 holds 6\)"):
+        with pytest.raises(TilecError, match=r"position arguments disagree \(argument 1 \(pos\) holds 5, argument 2 \(c1\) "
+                                             r"holds 5, argument 3 \(c2\) holds 6\)"):
             prog(x, torch.tensor([5], dtype=pos_dtype), torch.tensor(5, dtype=c1_dtype).reshape(c1_shape),
                  torch.tensor([6]))
-        with pytest.raises(TilecError, match=r"^argument 2 holds decode position 100, outside"):
+        with pytest.raises(TilecError, match=r"^argument 2 \(c1\) holds decode position 100, outside"):
             prog(x, torch.tensor([3], dtype=pos_dtype), torch.tensor(100, dtype=c1_dtype).reshape(c1_shape),
                  torch.tensor([200]))
 
@@ -755,8 +755,8 @@ def test_position_tensors_that_do_not_stack_are_read_one_by_one(monkeypatch):
         assert torch.equal(prog(x, torch.tensor([p]), a, b), x * 2 + p)
         assert int(a) == int(b) == p + 1
     assert stacks == [3]  # tried once
-    with pytest.raises(TilecError, match=r"position arguments disagree \(argument 1 holds 5, argument 2 holds 5, "
-                                         r"argument 3 holds 6\)"):
+    with pytest.raises(TilecError, match=r"position arguments disagree \(argument 1 \(pos\) holds 5, argument 2 \(c1\) "
+                                         r"holds 5, argument 3 \(c2\) holds 6\)"):
         prog(x, torch.tensor([5]), torch.tensor([5]), torch.tensor([6]))
 
 
@@ -806,13 +806,13 @@ def test_a_position_argument_must_be_one_integer(pos, got):
     prog = compile_module(m, (x, torch.tensor([3]), torch.tensor(3), torch.tensor(3)), positions=[1, 2, 3],
                           max_positions=16)
     c1, c2 = torch.tensor(4), torch.tensor(4)
-    with pytest.raises(TilecError, match=rf"argument 1 holds the decode position: expected an int or an integer "
+    with pytest.raises(TilecError, match=rf"argument 1 \(pos\) holds the decode position: expected an int or an integer "
                                          rf"tensor of one element, got {got}$"):
         prog(x, pos, c1, c2)
     assert int(c1) == int(c2) == 4
     for ok in (np.int64(4), torch.tensor([4], dtype=torch.int32)):
         assert torch.equal(prog(x, ok, torch.tensor(4), torch.tensor(4)), x * 2 + 4)
-    with pytest.raises(TilecError, match=r"argument 1: expected an integer tensor of shape \[1\]"):
+    with pytest.raises(TilecError, match=r"argument 1 \(pos\): expected an integer tensor of shape \[1\]"):
         prog(x, torch.tensor([[4]]), torch.tensor(4), torch.tensor(4))
 
 
@@ -838,9 +838,9 @@ def test_a_position_tensor_of_several_equal_elements_runs_as_compiled():
     with torch.no_grad():
         for pos in (example, torch.tensor([[9], [9]], dtype=torch.int32)):
             assert_close(prog(x, pos), m(x, pos), 1e-6)
-    with pytest.raises(TilecError, match=r"argument 1 \(torch.int64\[2, 1\]\) holds \[5, 6\], not one value"):
+    with pytest.raises(TilecError, match=r"argument 1 \(pos_ids\) holds \[5, 6\] \(torch.int64\[2, 1\]\), not one value"):
         prog(x, torch.tensor([[5], [6]]))
-    with pytest.raises(TilecError, match=r"argument 1: expected an integer tensor of shape \[2, 1\]"):
+    with pytest.raises(TilecError, match=r"argument 1 \(pos_ids\): expected an integer tensor of shape \[2, 1\]"):
         prog(x, torch.tensor([5]))
 
 
@@ -851,7 +851,7 @@ def test_a_sparse_position_tensor_is_refused_by_layout_and_later_calls_stay_grou
     m, x = TwoCounters(), torch.randn(1, 8)
     prog = compile_module(m, (x, torch.tensor([3]), torch.tensor([3]), torch.tensor([3])), positions=[1, 2, 3],
                           max_positions=16)
-    with pytest.raises(TilecError, match=r"argument 1 is a torch.sparse_coo tensor .*dense"):
+    with pytest.raises(TilecError, match=r"argument 1 \(pos\) is a torch.sparse_coo tensor .*dense"):
         prog(x, torch.tensor([4]).to_sparse(), torch.tensor([4]), torch.tensor([4]))
     assert prog._position_groups is not None
     assert torch.equal(prog(x, torch.tensor([4]), torch.tensor([4]), torch.tensor([4])), x * 2 + 4)
@@ -989,12 +989,14 @@ def test_python_values_are_baked_in_and_checked():
     prog = compile_module(m, (x, 0.5, 3), options=dict(workers=4))
     with torch.no_grad():
         assert torch.allclose(prog(x, 0.5, 3), m(x, 0.5, 3), atol=1e-5)
-    for s, n, bad in ((0.7, 3, "argument 1 is 0.7"), (0.5, 5, "argument 2 is 5"), (torch.tensor(0.5), 3, "argument 1 is a tensor (torch.float32[])"),
-                      (0.5, torch.full((2, 8), 3), "argument 2 is a tensor (torch.int64[2, 8])"), (0.5, 3.0, "argument 2 is 3.0")):
+    for s, n, bad in ((0.7, 3, "argument 1 (s) is 0.7"), (0.5, 5, "argument 2 (n) is 5"),
+                      (torch.tensor(0.5), 3, "argument 1 (s) is a tensor (torch.float32[])"),
+                      (0.5, torch.full((2, 8), 3), "argument 2 (n) is a tensor (torch.int64[2, 8])"),
+                      (0.5, 3.0, "argument 2 (n) is 3.0")):
         with pytest.raises(TilecError, match=rf"{re.escape(bad)}.*the step was compiled for .*a Python value is baked"):
             prog(x, s, n)
     zero = compile_module(m, (x, 0.0, 3), options=dict(workers=4))  # -0.0 == 0.0 let -0.0 through (x / a: +inf
-    with pytest.raises(TilecError, match=r"argument 1 is -0\.0, but the step was compiled for 0\.0"):  # for -inf)
+    with pytest.raises(TilecError, match=r"argument 1 \(s\) is -0\.0, but the step was compiled for 0\.0"):  # for -inf)
         zero(x, -0.0, 3)
     nan = compile_module(m, (x, float("nan"), 3), options=dict(workers=4))  # a NaN is the value it was compiled for
     with torch.no_grad():
@@ -1189,7 +1191,7 @@ def test_a_tensor_where_the_step_baked_none_is_named_by_dtype_and_shape():
             return x * 2 if c is None else x + c
 
     prog = compile_module(Opt(), (torch.randn(4, 6), None))
-    with pytest.raises(TilecError, match=r"^argument 1 is a tensor \(torch\.float32\[4, 6\]\), but the step was "
+    with pytest.raises(TilecError, match=r"^argument 1 \(c\) is a tensor \(torch\.float32\[4, 6\]\), but the step was "
                                          r"compiled for None: a Python value is baked"):
         prog(torch.randn(4, 6), torch.randn(4, 6))
 

@@ -108,7 +108,7 @@ def test_a_mask_argument_is_checked_on_every_call(kind):
             assert_close(args[1], eager_args[1], 1e-6, f"key cache at {p}")
         args = _step_args(5, as_kind(causal(6)))  # one key too many: not this position's causal mask
         before = args[1].clone()
-        with pytest.raises(GuardError, match=r"attention mask computed from argument 4 \(node mask\) is not the "
+        with pytest.raises(GuardError, match=r"attention mask computed from argument 4 \(mask\) is not the "
                                              r"causal mask over the static cache at position 5"):
             prog(*args)
         assert torch.equal(args[1], before), "a refused call wrote the cache"
@@ -325,7 +325,7 @@ def test_a_mask_argument_of_the_wrong_shape_is_named():
     torch.manual_seed(0)
     prog = compile_module(MaskedStep().eval(), _step_args(3, causal(3)), positions=[3], max_positions=S)
     for bad, got in ((None, "NoneType"), (causal(3, s=S + 1), r"torch.bool\[1, 1, 1, 13\]")):
-        with pytest.raises(TilecError, match=rf"argument 4: expected torch.bool\[1, 1, 1, 12\] \(the attention mask is "
+        with pytest.raises(TilecError, match=rf"argument 4 \(mask\): expected torch.bool\[1, 1, 1, 12\] \(the attention mask is "
                                              rf"computed from it\), got {got}"):
             prog(*_step_args(3, causal(3))[:4], bad)
 
@@ -378,7 +378,7 @@ def test_positions_and_masks_come_to_the_host_in_one_read(monkeypatch):
     with torch.no_grad():
         prog(*_step_args(4, causal(4)))
         assert reads == ["tolist"], reads
-        with pytest.raises(GuardError, match=r"argument 4 \(node mask\) is not the causal mask over the static "
+        with pytest.raises(GuardError, match=r"argument 4 \(mask\) is not the causal mask over the static "
                                              r"cache at position 5"):
             prog(*_step_args(5, causal(6)))
 

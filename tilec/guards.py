@@ -187,7 +187,8 @@ class MaskGuard:
     def error(self, p: int, labels=None) -> GuardError:
         """The :class:`GuardError` for a mismatch at position ``p``."""
         reads = ", ".join(labels[i] if labels else f"argument {i}" for i in self.arg_index) or "constants"
-        return GuardError(f"the attention mask computed from {reads} (node {self.name}) is not the causal mask over "
+        node = "" if reads.endswith(f"({self.name})") else f" (node {self.name})"  # (the argument itself)
+        return GuardError(f"the attention mask computed from {reads}{node} is not the causal mask over "
                           f"the static cache at position {p} (e.g. a padded batch, a sliding window, or bidirectional "
                           f"attention): tilec planned this attention as causal")
 

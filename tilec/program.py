@@ -238,8 +238,9 @@ class CompiledProgram(OneCallAtATime):
                             self.graph.buffers[name].kind is BufferKind.STATE or name in written)
                            for name, ex in zip(self.graph.inputs, example)]
         self._labels = list(arg_labels) if arg_labels is not None and len(arg_labels) == len(self.graph.inputs) else \
-            [f"argument {i}" + ("" if name in (POSITION, IGNORED) else f" ({name})")
-             for i, name in enumerate(self.graph.inputs)]
+            [f"argument {i}" + (f" ({name})" if name not in (POSITION, IGNORED) else
+                                f" ({user[i]})" if len(user) == len(self.graph.inputs) else "")
+             for i, name in enumerate(self.graph.inputs) for user in (binding.user_inputs,)]
         # Python values among the example arguments (a float scale, an int count): torch.export
         # baked them into the graph, so a call must pass the same values
         self._baked = {i: a for i, (a, name) in enumerate(zip(example_args, self.graph.inputs))
@@ -535,8 +536,8 @@ class CompiledProgram(OneCallAtATime):
             for i in tensors:  # (a position tensor of several elements: all hold p, as its example did)
                 n = sizes[i]  # (its shape is the example's)
                 if n > 1 and values[k:k + n].count(values[k]) != n:
-                    raise PositionError(f"{self._labels[i]} ({args[i].dtype}{list(args[i].shape)}) holds "
-                                        f"{values[k:k + min(n, 8)]}{' ...' if n > 8 else ''}, not one value: "
+                    raise PositionError(f"{self._labels[i]} holds {values[k:k + min(n, 8)]}{' ...' if n > 8 else ''} "
+                                        f"({args[i].dtype}{list(args[i].shape)}), not one value: "
                                         f"every element of a decode position argument holds the step's position")
                 out[i] = values[k]
                 k += n
