@@ -26,7 +26,7 @@ import torch.fx as fx
 from .errors import EagerFailsError, InputError, UnsupportedNodeError
 from .frontend_dsa import DsaLowering
 from .frontend_forms import FormsLowering
-from .guards import MASKED_BELOW, MaskGuard, causal_mismatch
+from .guards import MaskGuard, causal_mismatch
 from .fxgraph import (BINARY, CASTS, CLAMPS, IDENTITY, INDEX_WRITES, RESHAPES, SDPA_ARGS, SKIP, SPLITS, UNARY, VIEW_OPS,
                       Positional, Static, alpha_of, aten, is_call, is_random, source_of, target_name, upcast_source,
                       val_of)
@@ -871,8 +871,9 @@ class Lowering(FormsLowering, DsaLowering):
                 self._unsupported(node, "matmul with a batched right operand (tilec plans a weight [K, N]; a batched "
                                         "matmul only inside attention written out as matmul(softmax(matmul(q, "
                                         "k.transpose(2, 3)) * scale + mask, -1), v), with a constant scale and a float "
-                                        "mask - or the scores masked by masked_fill(masked, -inf) or torch.where("
-                                        "allowed, scores, -inf), finfo.min too - that is causal over the static cache)")
+                                        "mask - or the scores masked by masked_fill(masked, fill) or torch.where("
+                                        "allowed, scores, fill), the fill -inf or a finfo.min (at most -65504: it "
+                                        "replaces the scores) - that is causal over the static cache)")
             w = View(wt.buffer, (wt.shape[1], wt.shape[0]), (wt.strides[1], wt.strides[0]), wt.offset, wt.pos_stride)
         inputs = [x, w]
         if bias is not None:
@@ -1024,9 +1025,9 @@ class Lowering(FormsLowering, DsaLowering):
             # where(allowed, scores, fill): the bool mask is checked as causal (masked_fill(scores, masked, fill) was
             # rewritten so: masked_fill_as_where)
             allowed, a, fill = sc.args[:3]
-            fill = fill if not isinstance(fill, fx.Node) else _fill_value(fill)
+            fill = fill_value(fill, self.gm, self.b.consts)
             if not (isinstance(allowed, fx.Node) and val_of(allowed) is not None and val_of(allowed).dtype == torch.bool
-                    and isinstance(fill, (int, float)) and fill <= MASKED_BELOW and self._scaled_scores(a) is not None):
+                    and fill is not None and fill <= MASKED_REPLACED_BELOW and self._scaled_scores(a) is not None):
                 return None
             sc, mask, selected = a, allowed, True
         found = self._scaled_scores(sc)
@@ -1419,55 +1420,70 @@ _MASKED_FILLS = (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 _WHERES = (aten.where.self, aten.where.ScalarOther)
 
 
-def masked_fill_as_where(gm: fx.GraphModule) -> int:
-    """Rewrites, in place, each ``masked_fill(scores, masked, fill)`` of a bool ``masked`` and a ``fill`` of at most
-    :data:`tilec.guards.MASKED_BELOW` (``-inf``, ``finfo.min``) that a softmax reads (through casts) as
+MASKED_REPLACED_BELOW = -65504.0  # a fill replacing masked scores at or below this masks them (fp16's finfo.min)
+
+
+def masked_fill_as_where(gm: fx.GraphModule, consts: dict | None = None) -> int:
+    """Rewrites, in place, each ``masked_fill(scores, masked, fill)`` of a bool ``masked`` and a constant ``fill`` of at
+    most :data:`MASKED_REPLACED_BELOW` (``-inf``, a ``finfo.min``) that a softmax reads (through casts) as
     ``where(logical_not(masked), scores, fill)`` - the same values, and the form attention written by hand with
     ``torch.where(allowed, scores, fill)`` takes, whose bool ``allowed`` the attention lowering checks as its causal
-    mask (:meth:`Lowering._eager_attention`). Returns how many it rewrote (0 when run again)."""
+    mask (:meth:`Lowering._eager_attention`). The node keeps its name and source line (its target and arguments
+    change); a fill the scores' dtype cannot hold (fp16 scores filled with -1e30), which eager refuses, is left alone.
+    ``consts``: placeholder name -> tensor, for a fill given as a constant tensor. Returns how many it rewrote (0 when
+    run again)."""
     rewritten = 0
     for n in list(gm.graph.nodes):
         if not is_call(n, *_MASKED_FILLS) or len(n.args) != 3 or n.kwargs:
             continue
         scores, masked, fill = n.args
-        m, fill_value = val_of(masked), _fill_value(fill)
-        if m is None or m.dtype != torch.bool or fill_value is None or not fill_value <= MASKED_BELOW:
+        m, s, value = val_of(masked), val_of(scores), fill_value(fill, gm, consts)
+        if m is None or m.dtype != torch.bool or s is None or not s.dtype.is_floating_point or value is None \
+                or not value <= MASKED_REPLACED_BELOW or (math.isfinite(value) and -value > torch.finfo(s.dtype).max):
             continue
         reader = n
-        while len(reader.users) == 1 and is_call(next(iter(reader.users)), *CASTS):
-            reader = next(iter(reader.users))
-        if not any(is_call(u, aten._softmax.default, aten.softmax.int) for u in reader.users):
+        while len(_readers(reader)) == 1 and is_call(_readers(reader)[0], *CASTS):
+            reader = _readers(reader)[0]
+        if not any(is_call(u, aten._softmax.default, aten.softmax.int) for u in _readers(reader)):
             continue
         with gm.graph.inserting_before(n):
             allowed = gm.graph.create_node("call_function", aten.logical_not.default, (masked,),
                                            name=f"{n.name}_allowed")  # (errors name the mask so)
-            allowed.meta["val"] = torch.ops.aten.logical_not.default(m)
-            where = gm.graph.call_function(aten.where.ScalarOther, (allowed, scores, fill_value))
-        where.meta.update(n.meta)
-        n.replace_all_uses_with(where)
-        name = n.name
-        gm.graph.erase_node(n)
-        if hasattr(where, "_rename"):  # (errors name the node as the user's graph did)
-            where._rename(name)
+        allowed.meta.update({k: v for k, v in n.meta.items() if k != "val"})  # (its source line)
+        allowed.meta["val"] = torch.ops.aten.logical_not.default(m)
+        n.target, n.args = aten.where.ScalarOther, (allowed, scores, value)
         rewritten += 1
     if rewritten:
         gm.recompile()
     return rewritten
 
 
-def _fill_value(fill) -> float | None:
-    """A masked_fill's fill as a float: a Python number, or a 0-dim ``scalar_tensor`` / ``full`` node; else None."""
+def _readers(n: fx.Node) -> list[fx.Node]:
+    """The nodes reading ``n``, less torch.export's metadata checks (``_assert_tensor_metadata`` after a cast)."""
+    return [u for u in n.users if u.target is not aten._assert_tensor_metadata.default]
+
+
+def fill_value(fill, gm: fx.GraphModule | None = None, consts: dict | None = None) -> float | None:
+    """A masked_fill's or where's fill as a float: a Python number, a 0-dim ``scalar_tensor`` / ``full`` node, or a
+    one-element constant tensor (a placeholder in ``consts``, a ``get_attr`` of ``gm``, through ``lift_fresh_copy``
+    and casts: ``torch.tensor(finfo.min)`` in forward); else None."""
     if isinstance(fill, (int, float)) and not isinstance(fill, bool):
         return float(fill)
-    if is_call(fill, aten.scalar_tensor.default, aten.full.default) and val_of(fill) is not None \
-            and val_of(fill).numel() == 1:
+    if not isinstance(fill, fx.Node) or val_of(fill) is None or val_of(fill).numel() != 1 \
+            or not val_of(fill).dtype.is_floating_point:
+        return None
+    if is_call(fill, aten.scalar_tensor.default, aten.full.default):
         value = fill.args[0] if fill.target is aten.scalar_tensor.default else fill.args[1]
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-    return None
+    if is_call(fill, aten.lift_fresh_copy.default, aten.clone.default, *CASTS):
+        return fill_value(fill.args[0], gm, consts)
+    t = (consts or {}).get(fill.name) if fill.op == "placeholder" else \
+        getattr(gm, fill.target, None) if fill.op == "get_attr" and gm is not None else None
+    return float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) and t.numel() == 1 else None
 
 
 def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe: bool = False) -> Lowering:
-    masked_fill_as_where(gm)
+    masked_fill_as_where(gm, binding.consts)
     low = Lowering(gm, binding, max_positions, probe)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     results = out_node.args[0]
