@@ -2238,6 +2238,26 @@ def test_a_masked_fill_mask_that_is_not_causal_is_refused_naming_the_position():
     m = MaskedDecode("window").eval()
     args = (torch.randn(1, 1, 32), torch.tensor([3]), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16))
     with pytest.raises(UnsupportedNodeError, match=r"attention mask at decode position 4 is not the causal mask over "
-                                                   r"the static cache \(tilec plans positions 0 to 7, max_positions, "
-                                                   r"and checks the mask at each\)"):
+                                                   r"the static cache \(tilec plans positions 0 to 7 - max_positions=8, "
+                                                   r"a cache of 8 - and checks the mask at each\)"):
         compile_module(m, args, positions=[1], max_positions=8)
+
+
+def test_a_masked_fill_outside_attention_is_left_as_written():
+    """The rewrite to a where touched any masked_fill a softmax reads, and a refusal then listed a node the user never
+    wrote (``masked_fill_allowed``) and the masked_fill as ``aten.where.ScalarOther`` (a reviewer's finding): only
+    attention scores' masked_fills are rewritten, and a rewritten node is named by the op written."""
+    from tilec.api import compile_module
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x.masked_fill(x > 0, float("-inf")), -1)
+
+    with pytest.raises(UnsupportedNodeError) as e:
+        compile_module(Plain(), (torch.randn(2, 8),))
+    assert "masked_fill (aten.masked_fill.Scalar)" in str(e.value) and "_allowed" not in str(e.value), str(e.value)
+    window = MaskedDecode("window").eval()
+    args = (torch.randn(1, 1, 32), torch.tensor([3]), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16))
+    with pytest.raises(UnsupportedNodeError) as e:
+        compile_module(window, args, positions=[1], max_positions=8)
+    assert "(aten.masked_fill.Scalar)" in str(e.value) and "aten.where" not in str(e.value), str(e.value)

@@ -15,7 +15,7 @@ import torch
 
 from _helpers import ScaledLayer, assert_close
 from tilec.api import compile_module
-from tilec.capture import attribute_tensor, set_attribute_tensor
+from tilec.capture import attribute_paths, attribute_tensor, set_attribute_tensor
 from tilec.errors import TilecError
 
 OPTS = dict(workers=3, executor="reference")
@@ -429,7 +429,7 @@ class _Holding(torch.nn.Module):
 
 
 @pytest.mark.parametrize("form, path, name", [
-    ("intenum", (_Key.A,), "held[1]"),  # (its repr, held[<_Key.A: 1>], did not read back: every call raised)
+    ("intenum", (_Key.A,), "held[<_Key.A: 1>]"),  # (names were parsed back, and this one did not: every call raised)
     ("parameter", (0,), "held[0]"),  # (export lifts a new tensor of a Parameter in a list: matched by its memory)
     ("deep", (0, 0, 0, 0, 0), "held[0][0][0][0][0]"),
     ("defaultdict", ("a",), "held['a']"),
@@ -452,8 +452,8 @@ def test_container_attribute_forms_a_breaker_found(form, path, name):
         for _ in range(2):
             assert_close(prog(x), m(x), 1e-6)
     if form == "pair":
-        set_attribute_tensor(m, name, m.held[1] * 3)
-        assert type(m.held) is tuple and torch.equal(attribute_tensor(m, name), held[1] * 3)
+        set_attribute_tensor(m, attribute_paths(m)[name], m.held[1] * 3)
+        assert type(m.held) is tuple and torch.equal(attribute_tensor(m, attribute_paths(m)[name]), held[1] * 3)
     elif form == "defaultdict":
         del m.held["a"]
     else:
@@ -613,6 +613,50 @@ def test_a_deep_copy_binds_its_own_buffers_in_its_operand_table(tmp_path):
     own, _, _ = twin._bind((x,), twin.guards)
     assert torch.equal(twin._table(own, (x,)), twin.plan.bind_base(own))
     assert torch.allclose(twin(x), m(x), atol=1e-5) and torch.allclose(prog(x), m(x), atol=1e-5)
+
+
+class _Keyed(torch.nn.Module):  # names that do not read back as Python: a ModuleDict key with "[", a tuple dict key
+    def __init__(self):
+        super().__init__()
+        self.md = torch.nn.ModuleDict({"a[0]": torch.nn.Module()})
+        self.md["a[0]"].scale = torch.randn(8)
+        self.d = {(0, 1): torch.randn(8)}
+
+    def forward(self, x):
+        return x * self.md["a[0]"].scale + self.d[(0, 1)]
+
+
+@pytest.mark.parametrize("how, name", [(None, None), ("m.md['a[0]'].scale = torch.randn(8)", "md.a[0].scale"),
+                                       ("m.d[(0, 1)] = torch.randn(8)", "d[(0, 1)]")])
+def test_attribute_names_are_looked_up_not_parsed(how, name):
+    """A reviewer's findings: the watch parsed names back, so a ModuleDict key holding "[" made every call raise
+    ("md.a[0].scale was replaced") and a tuple dict key was not watched at all (replacing it: a silently wrong
+    result). Names are looked up in the module's own walk now (capture.attribute_paths)."""
+    torch.manual_seed(18)
+    m = _Keyed().eval()
+    x = torch.randn(4, 8)
+    prog = compile_module(m, (x,), options=OPTS)
+    with torch.no_grad():
+        assert_close(prog(x), m(x), 1e-6)
+    if how is None:
+        return
+    exec(how)
+    with pytest.raises(TilecError, match=rf"tensor attribute {re.escape(name)} was replaced after compiling"):
+        prog(x)
+
+
+def test_an_attribute_edited_in_place_then_replaced_is_refused():
+    """The step takes a copy of a tensor attribute's values when compiling: editing the compiled tensor in place and
+    then replacing it is other values (a reviewer's finding: the copy was lost for plain attributes, so the plan
+    followed the live tensor and the replacement compared equal to it - a silently wrong result)."""
+    torch.manual_seed(19)
+    m = _Attributed().eval()
+    x = torch.randn(4, 8)
+    prog = compile_module(m, (x,), options=OPTS)
+    m.shift.mul_(2)
+    m.shift = m.shift.clone()
+    with pytest.raises(TilecError, match=r"tensor attribute shift was replaced after compiling"):
+        prog(x)
 
 
 class _ListedBlock(torch.nn.Module):  # a module in a plain list: PyTorch registers none of its parameters

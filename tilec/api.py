@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from .capture import export_graph
 from .dump import check_dump_root, with_dump
 from .errors import EagerFailsError, InputError, OptionsError, UnsupportedNodeError
-from .frontend import find_unsupported, lower_graph
+from .frontend import BUFFER_STATE_WHY, find_unsupported, lower_graph
 from .guards import build_mask_guards
 from .options import Options
 from .pipeline import Hook, compile_opgraph
@@ -131,12 +131,15 @@ def _hint(args, whys=(), dropout: bool = False) -> str:
     baked = (f"argument{'s' if len(ints) > 1 else ''} {', '.join(map(str, ints))} "
              f"{'are Python ints' if len(ints) > 1 else 'is a Python int'}, baked into the graph as a constant: a "
              f"decode position must be an integer tensor (torch.tensor([p])) listed in positions. ") if ints else ""
-    if any("kept in the module rather than passed to forward" in (w or "") for w in whys):
+    general = ("Move such ops out of the compiled module, or compile it with torch.compile(module, backend='tilec'), "
+               "which runs them eagerly.")
+    if any(BUFFER_STATE_WHY in (w or "") for w in whys):
         # (under torch.compile a module's buffers are graph inputs: their cache writes compile whole)
+        others = any(w and BUFFER_STATE_WHY not in w for w in whys)
         return (cast + baked + "Pass the cache to forward, or compile the module with torch.compile(module, "
-                "backend='tilec'), which takes its buffers as the graph's inputs and compiles such cache writes.")
-    return (cast + baked + "Move such ops out of the compiled module, or compile it with torch.compile(module, "
-            "backend='tilec'), which runs them eagerly.")
+                "backend='tilec'), which takes its buffers as the graph's inputs and compiles such cache writes."
+                + (" For the other ops: " + general if others else ""))
+    return cast + baked + general
 
 
 def meta_tensors(module: torch.nn.Module, args, label: str = "argument") -> list[str]:

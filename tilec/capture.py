@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import collections
-import ast
 import contextlib
 import inspect
 import io
 import itertools
 import logging
 import os
-import re
 import sys
 import threading
 import traceback
@@ -89,9 +87,9 @@ def export_graph(module: torch.nn.Module, args: tuple, positions: set[int] = fro
                 held_memory.get(_memory_key(t)) if isinstance(t, torch.Tensor) else None)
             if spec.kind == InputKind.CONSTANT_TENSOR and held is not None:
                 binding.attribute_names[name] = held
+                binding.consts[name] = t.detach().clone()  # a snapshot, as of buffers
             elif spec.kind == InputKind.CONSTANT_TENSOR and isinstance(t, torch.Tensor):
                 unregistered.append(unregistered_state.get(_memory_key(t)))
-                binding.consts[name] = binding.consts[name].detach().clone()  # a snapshot, as of buffers
         elif spec.kind == InputKind.USER_INPUT:
             binding.user_inputs.append(name)
             if user_idx in positions:
@@ -364,10 +362,11 @@ def _check_meta_refused(cause: BaseException) -> None:
 
 
 def _memory_key(t: torch.Tensor) -> tuple:
-    """Where and how a tensor lays out its elements: two tensors of one key are one tensor's data."""
+    """Where and how a tensor lays out its elements, hashable: two tensors of one key are one tensor's data (as
+    ``paramwatch._same_memory`` compares them)."""
     if t.device.type == "meta" or t.layout != torch.strided or t.numel() == 0:
         return (id(t),)
-    return t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()
+    return t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride()
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
@@ -410,27 +409,31 @@ _HELD_DEPTH = 8  # containers within containers looked into for tensors: self.ta
 def tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The plain tensor attributes of ``module`` and its submodules (``self.scale = torch.randn(4)``: neither a
     parameter nor a buffer, of this module or another), by dotted name; also the tensors held in a list, tuple or
-    dict attribute, up to eight containers deep, named by their keys (``self.tabs = [t]``: ``tabs[0]``; ``self.d =
-    {"a": t}``: ``d['a']``; dict keys that are strings or ints, an enum's by its value). torch.export lifts such a tensor to a constant
-    (``lifted_tensor_0``) like a plain attribute's, so the step takes its values when compiling; these names let the
-    parameter watch and ``tilec run --check`` find it again (:func:`attribute_tensor`, :func:`set_attribute_tensor`).
-    """
+    dict attribute, up to eight containers deep, named by their keys' reprs (``self.tabs = [t]``: ``tabs[0]``;
+    ``self.d = {"a": t}``: ``d['a']``). torch.export lifts such a tensor to a constant (``lifted_tensor_0``) like a
+    plain attribute's, so the step takes its values when compiling; these names let the parameter watch and ``tilec
+    run --check`` find it again (:func:`attribute_paths`: a name is looked up there, never parsed)."""
+    return {name: t for name, (t, _) in _attribute_walk(module).items()}
+
+
+def attribute_paths(module: torch.nn.Module) -> dict[str, tuple[str, str, tuple]]:
+    """Each name of :func:`tensor_attributes` -> ``(owner submodule's name, attribute, container keys)``:
+    ``l.tabs[0]['a']`` -> ``("l", "tabs", (0, "a"))``, for :func:`attribute_tensor` and :func:`set_attribute_tensor`."""
+    return {name: path for name, (_, path) in _attribute_walk(module).items()}
+
+
+def _attribute_walk(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tuple[str, str, tuple]]]:
+    """name -> (tensor, path) for :func:`tensor_attributes` and :func:`attribute_paths`."""
     registered = {id(t) for t in (*module.parameters(), *module.buffers())}
     out = {}
     for prefix, m in module.named_modules(remove_duplicate=False):
         for k, v in vars(m).items():
             if k in _MODULE_OWN:
                 continue
-            name = f"{prefix}.{k}" if prefix else k
-            if isinstance(v, torch.Tensor):
-                if id(v) not in registered:
-                    out[name] = v
-                continue
-            if not k.isidentifier():  # (setattr(m, "a[0]", [t]): its items' names would not read back)
-                continue
             for keys, t in _held_tensors(v, _HELD_DEPTH):
                 if id(t) not in registered:
-                    out[name + "".join(f"[{key!r}]" for key in keys)] = t
+                    name = (f"{prefix}.{k}" if prefix else k) + "".join(f"[{key!r}]" for key in keys)
+                    out.setdefault(name, (t, (prefix, k, keys)))
     return out
 
 
@@ -445,11 +448,8 @@ def _held_tensors(value, depth: int, kind: type = torch.Tensor):
                 yield (i, *keys), t
     elif depth and isinstance(value, dict):
         for key, item in value.items():
-            # (an IntEnum's or a str Enum's repr does not read back: its value does where it finds the same item)
-            plain = int(key) if isinstance(key, int) else str.__str__(key) if isinstance(key, str) else None
-            if plain is not None and dict.get(value, plain, None) is item:
-                for keys, t in _held_tensors(item, depth - 1, kind):
-                    yield (plain, *keys), t
+            for keys, t in _held_tensors(item, depth - 1, kind):
+                yield (key, *keys), t
 
 
 def _unregistered_module_state(module: torch.nn.Module) -> dict[tuple, str]:
@@ -458,7 +458,7 @@ def _unregistered_module_state(module: torch.nn.Module) -> dict[tuple, str]:
     out = {}
     for prefix, m in module.named_modules(remove_duplicate=False):
         for k, v in vars(m).items():
-            if k in _MODULE_OWN or isinstance(v, torch.nn.Module) or not k.isidentifier():
+            if k in _MODULE_OWN or isinstance(v, torch.nn.Module):
                 continue
             for keys, held in _held_tensors(v, _HELD_DEPTH, torch.nn.Module):
                 name = (f"{prefix}.{k}" if prefix else k) + "".join(f"[{key!r}]" for key in keys)
@@ -467,67 +467,39 @@ def _unregistered_module_state(module: torch.nn.Module) -> dict[tuple, str]:
     return out
 
 
-_KEY = re.compile(r"\[(-?\d+|'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
-
-
-def _attribute_path(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, tuple]:
-    """``(owner submodule, attribute, container keys)`` of a name of :func:`tensor_attributes` in ``module``:
-    ``l.tabs[0]['a']`` is ``(module.l, "tabs", (0, "a"))``. Raises AttributeError when the owner is gone."""
-    head, bracket, tail = name.partition("[")
-    owner, _, attr = head.rpartition(".")
-    held = module.get_submodule(owner)
-    keys = tuple(ast.literal_eval(k) for k in _KEY.findall(bracket + tail))
-    if not bracket or "".join(f"[{k!r}]" for k in keys) != bracket + tail or attr + bracket + tail in vars(held):
-        return held, name.rpartition(".")[2] if not bracket else attr + bracket + tail, ()  # a plain attribute
-    return held, attr, keys
-
-
-def _item(container, key):
-    """``container[key]`` of a list, tuple or dict (a dict's missing key is a LookupError, not a defaultdict's
-    insertion); LookupError for anything else."""
-    if isinstance(container, dict):
-        if key not in container:
-            raise KeyError(key)
-        return container[key]
-    if isinstance(container, (list, tuple)):
-        return container[key]
-    raise LookupError(key)
-
-
-def attribute_tensor(module: torch.nn.Module, name: str):
-    """What ``module`` holds now at ``name`` (a name of :func:`tensor_attributes`); None where the owner, attribute
-    or key is gone (or a container now of another kind)."""
-    try:
-        owner, attr, keys = _attribute_path(module, name)
-        value = getattr(owner, attr)
-        for key in keys:
-            value = _item(value, key)
-    except Exception:  # noqa: BLE001 - gone, or a user's container that raises: not the tensor compiled
-        return None
+def held_item(value, keys: tuple):
+    """``value[k0][k1]...`` through lists, tuples and dicts only (a dict's missing key is not a defaultdict's
+    insertion); None where a key is gone or a container is of another kind. Never raises."""
+    for key in keys:
+        try:
+            if isinstance(value, dict):
+                value = value[key] if key in value else None
+            elif isinstance(value, (list, tuple)):
+                value = value[key]
+            else:
+                return None
+        except Exception:  # noqa: BLE001 - a user's container that raises: not the tensor compiled
+            return None
     return value
 
 
-def attribute_watch(module: torch.nn.Module, name: str):
-    """A function of no arguments giving what ``module`` holds now at ``name`` (:func:`attribute_tensor`, with the
-    owner and keys looked up once: called at every step call)."""
-    owner, attr, keys = _attribute_path(module, name)
-
-    def now():
-        try:
-            value = getattr(owner, attr)
-            for key in keys:
-                value = _item(value, key)
-        except Exception:  # noqa: BLE001 - as in attribute_tensor
-            return None
-        return value
-    return now
+def attribute_tensor(module: torch.nn.Module, path: tuple[str, str, tuple]):
+    """What ``module`` holds now at ``path`` (of :func:`attribute_paths`); None where the owner, attribute or key is
+    gone (or a container is now of another kind)."""
+    owner, attr, keys = path
+    try:
+        value = vars(module.get_submodule(owner)).get(attr)
+    except AttributeError:
+        return None
+    return held_item(value, keys)
 
 
-def set_attribute_tensor(module: torch.nn.Module, name: str, new: torch.Tensor) -> None:
-    """Puts ``new`` at ``name`` (a name of :func:`tensor_attributes`) in ``module``: a list or dict item in place, a
-    tuple rebuilt with it (a namedtuple by its ``_make``, a tuple subclass whose constructor takes other arguments
-    as a plain tuple), and so its containers up to the attribute."""
-    owner, attr, keys = _attribute_path(module, name)
+def set_attribute_tensor(module: torch.nn.Module, path: tuple[str, str, tuple], new: torch.Tensor) -> None:
+    """Puts ``new`` at ``path`` (of :func:`attribute_paths`) in ``module``: a list or dict item in place, a tuple
+    rebuilt with it (a namedtuple by its ``_make``, a tuple subclass whose constructor takes other arguments as a plain
+    tuple), and so its containers up to the attribute."""
+    owner, attr, keys = path
+    target = module.get_submodule(owner)
 
     def put(container, keys):
         if not keys:
@@ -543,7 +515,7 @@ def set_attribute_tensor(module: torch.nn.Module, name: str, new: torch.Tensor) 
         container[head] = put(container[head], rest)
         return container
 
-    setattr(owner, attr, put(getattr(owner, attr), keys))
+    setattr(target, attr, put(getattr(target, attr), keys))
 
 
 def _check_attribute_names(attributes: dict[str, torch.Tensor]) -> None:
@@ -552,7 +524,7 @@ def _check_attribute_names(attributes: dict[str, torch.Tensor]) -> None:
     KeyError ("attribute 'half' already exists"; a fresh user's finding)."""
     for path in attributes:
         name = path.rpartition(".")[2]
-        if "[" not in path and hasattr(torch.nn.Module, name):  # (one in a container is lifted_tensor_<n>)
+        if not name.endswith("]") and hasattr(torch.nn.Module, name):  # (one in a container is lifted_tensor_<n>)
             raise InputError(f"tensor attribute {path} is named like nn.Module.{name}: torch.export cannot capture "
                              f"it (it registers the tensor under that name); rename the attribute")
 

@@ -29,7 +29,7 @@ import tilec
 from . import artifact as art_mod
 from .artifact import ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
-from .capture import set_attribute_tensor, tensor_attributes
+from .capture import attribute_paths, set_attribute_tensor, tensor_attributes
 from .codegen.build import cache_root, extra_flags, sha256_file
 from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root
 from .errors import InputError, TilecError, describe_exception, with_article
@@ -681,9 +681,10 @@ def _replace_state(module: torch.nn.Module, buffers: dict[str, torch.Tensor], at
         if value is old:
             owner, _, name = path.rpartition(".")
             module.get_submodule(owner)._buffers[name] = new
-    for path, value in attributes.items():
+    paths = attribute_paths(module)
+    for name, value in attributes.items():
         if value is old:
-            set_attribute_tensor(module, path, new)
+            set_attribute_tensor(module, paths[name], new)
 
 
 def eager_reference(art, progress: Progress):

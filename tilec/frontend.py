@@ -35,6 +35,7 @@ from .ir import (DTYPE_CODES, Buffer, BufferKind, Op, OpGraph, Provenance, View,
 from .ops.ewise import BINARY_FNS, UNARY_FNS
 
 POSITION, IGNORED = "<position>", "<ignored>"
+BUFFER_STATE_WHY = "kept in the module rather than passed to forward"  # (an in-place update of a module buffer)
 
 
 
@@ -1027,7 +1028,7 @@ class Lowering(FormsLowering, DsaLowering):
             allowed, a, fill = sc.args[:3]
             fill = fill_value(fill, self.gm, self.b.consts)
             if not (isinstance(allowed, fx.Node) and val_of(allowed) is not None and val_of(allowed).dtype == torch.bool
-                    and fill is not None and fill <= MASKED_REPLACED_BELOW and self._scaled_scores(a) is not None):
+                    and fill is not None and fill <= MASKED_REPLACED_BELOW):
                 return None
             sc, mask, selected = a, allowed, True
         found = self._scaled_scores(sc)
@@ -1112,8 +1113,8 @@ class Lowering(FormsLowering, DsaLowering):
             self._mask_checks[key] = bad
         if bad >= 0:
             self._unsupported(node, f"attention mask at decode position {bad} is not the causal mask over the static "
-                                    f"cache (tilec plans positions 0 to {n - 1}, max_positions, and checks the mask at "
-                                    f"each)")
+                                    f"cache (tilec plans positions 0 to {n - 1} - max_positions={self.max_positions}, "
+                                    f"a cache of {s} - and checks the mask at each)")
 
     def _example_not_causal(self, mask: fx.Node, shape: tuple) -> int | None:
         """The example position at which the run-time ``mask``, computed from the example arguments
@@ -1441,6 +1442,8 @@ def masked_fill_as_where(gm: fx.GraphModule, consts: dict | None = None) -> int:
         if m is None or m.dtype != torch.bool or s is None or not s.dtype.is_floating_point or value is None \
                 or not value <= MASKED_REPLACED_BELOW or (math.isfinite(value) and -value > torch.finfo(s.dtype).max):
             continue
+        if not _attention_scores(scores):  # (another masked_fill stays as the user wrote it)
+            continue
         reader = n
         while len(_readers(reader)) == 1 and is_call(_readers(reader)[0], *CASTS):
             reader = _readers(reader)[0]
@@ -1449,13 +1452,23 @@ def masked_fill_as_where(gm: fx.GraphModule, consts: dict | None = None) -> int:
         with gm.graph.inserting_before(n):
             allowed = gm.graph.create_node("call_function", aten.logical_not.default, (masked,),
                                            name=f"{n.name}_allowed")  # (errors name the mask so)
-        allowed.meta.update({k: v for k, v in n.meta.items() if k != "val"})  # (its source line)
+        allowed.meta.update({k: n.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack")
+                             if k in n.meta})  # (its source line)
         allowed.meta["val"] = torch.ops.aten.logical_not.default(m)
+        n.meta["tilec_written_as"] = n.target  # (errors name the op the user wrote: fxgraph.target_name)
         n.target, n.args = aten.where.ScalarOther, (allowed, scores, value)
         rewritten += 1
     if rewritten:
         gm.recompile()
     return rewritten
+
+
+def _attention_scores(n) -> bool:
+    """Whether ``n`` is ``matmul(q, k^T)`` times / divided by anything (float32 upcasts between): attention scores."""
+    n = upcast_source(n)
+    while is_call(n, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
+        n = upcast_source(n.args[0])
+    return _matmul4(n) is not None
 
 
 def _readers(n: fx.Node) -> list[fx.Node]:
@@ -1501,8 +1514,8 @@ def _lower(gm: fx.GraphModule, binding: GraphBinding, max_positions: int, probe:
                         low.position_update(r, target, r)
                         continue
                     if target in binding.consts:  # no argument binds it, so the program could never run
-                        low._unsupported(r, f"in-place update of {low._argument(target)}, kept in the module rather "
-                                            f"than passed to forward: tilec updates state its caller passes in (a KV "
+                        low._unsupported(r, f"in-place update of {low._argument(target)}, {BUFFER_STATE_WHY}: tilec "
+                                            f"updates state its caller passes in (a KV "
                                             f"cache argument, as HF's StaticCache layers are); pass the tensor to "
                                             f"forward instead of keeping it as a module buffer")
                     v = low.value(r)

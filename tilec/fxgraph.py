@@ -65,8 +65,9 @@ def module_of(node: fx.Node) -> tuple[str, str]:
 
 
 def target_name(node: fx.Node) -> str:
-    """The printable name of the op ``node`` calls."""
-    t = node.target
+    """The printable name of the op ``node`` calls (as the user's graph had it, where a pass rewrote it:
+    ``meta["tilec_written_as"]``)."""
+    t = node.meta.get("tilec_written_as", node.target)
     return getattr(t, "__name__", None) or str(t) if not isinstance(t, torch._ops.OpOverload) else str(t)
 
 

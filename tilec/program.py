@@ -140,7 +140,8 @@ class CompiledProgram(OneCallAtATime):
     partitioned graph computes eagerly): if their example is contiguous they are bound without
     this program's per-tensor checks (about 0.5 µs an argument; a 16-layer model's step takes ~180
     tensor arguments). Positions are checked either way.
-    ``arg_labels``: how errors name each argument (default ``argument i (its buffer)``); the
+    ``arg_labels``: how errors name each argument (default ``argument i (its buffer)``, a position or baked Python
+    value ``argument i (forward's parameter name)``); the
     ``torch.compile`` backend passes the user's names, e.g. ``past_key_values.layers[0].keys``.
 
     Raises:
@@ -237,10 +238,10 @@ class CompiledProgram(OneCallAtATime):
                             name in self.staged_inputs,
                             self.graph.buffers[name].kind is BufferKind.STATE or name in written)
                            for name, ex in zip(self.graph.inputs, example)]
+        user = binding.user_inputs if len(binding.user_inputs) == len(self.graph.inputs) else [""] * len(self.graph.inputs)
         self._labels = list(arg_labels) if arg_labels is not None and len(arg_labels) == len(self.graph.inputs) else \
-            [f"argument {i}" + (f" ({name})" if name not in (POSITION, IGNORED) else
-                                f" ({user[i]})" if len(user) == len(self.graph.inputs) else "")
-             for i, name in enumerate(self.graph.inputs) for user in (binding.user_inputs,)]
+            [f"argument {i}" + (f" ({name})" if name not in (POSITION, IGNORED) else f" ({user[i]})" if user[i] else "")
+             for i, name in enumerate(self.graph.inputs)]
         # Python values among the example arguments (a float scale, an int count): torch.export
         # baked them into the graph, so a call must pass the same values
         self._baked = {i: a for i, (a, name) in enumerate(zip(example_args, self.graph.inputs))

@@ -23,7 +23,7 @@ while read -r name secs cmd; do
   (( left < 15 )) && { echo "== $name skipped (budget)"; continue; }
   (( secs > left )) && secs=$left
   s=$(date +%s)
-  timeout "$secs" bash -c "$cmd" > "$OUT/$name.log" 2>&1; rc=$?
+  timeout "$secs" bash -c "$cmd" < /dev/null > "$OUT/$name.log" 2>&1; rc=$?  # (not the step file on stdin)
   echo "== $name rc=$rc $(( $(date +%s) - s ))s (elapsed $(( $(date +%s) - t0 ))s)"
   tail -n "$TAILN" "$OUT/$name.log"
 done < "$1"
