@@ -14,7 +14,7 @@ tensors. :class:`ParamWatch` lets the step notice, at a few hundred nanoseconds 
   are compared with what the step binds at every call;
 - a plain tensor attribute the step took as a constant (``self.scale = t``, or a tensor in a list, tuple or dict
   attribute: ``self.tabs[0] = t``) registers nothing when set: each call compares the tensor under each such
-  attribute's name with the one seen last (a dict look-up and the container's keys: ~50 ns each on a CPU core).
+  attribute's name with the one seen last (a dict look-up and the container's keys: ~50-130 ns each on a CPU core).
 
 Any of these signs makes the step look every parameter (:meth:`ParamWatch.changed`), then every folded buffer
 and tensor attribute (:meth:`ParamWatch.check_buffers`), up again by its module names (~1-2 ms for a 32-layer
@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from .capture import attribute_paths, attribute_tensor, held_item, tensor_attributes
+from .capture import attribute_tensor, attribute_walk, held_item
 from .errors import TilecError, with_article
 
 _REGISTERED = [0]  # parameters, buffers and submodules registered on a watched module since the hooks went in
@@ -104,19 +104,19 @@ class ParamWatch:
         self._buffers = {target: (held[target], held[target].data_ptr(), value)
                          for target, value in buffers.values() if target in held}
         # plain tensor attributes the step took as constants (setting one registers nothing, so each call looks at
-        # them: a dict look-up each, and a container's keys): the module's name -> [the owner's __dict__, attribute,
-        # container keys, the tensor there, the value compiled]
+        # them: a dict look-up each, and a container's keys): the module's name -> [the owner submodule, attribute,
+        # container keys, the tensor there, the value compiled, the path (owner's name, attribute, keys)]
         self._attributes = {}
         if attributes:
-            paths, held_attributes = attribute_paths(module), tensor_attributes(module)
+            walk = attribute_walk(module)
             names_of_tensor: dict[int, list[str]] = {}
-            for name, t in held_attributes.items():
+            for name, (t, _) in walk.items():
                 names_of_tensor.setdefault(id(t), []).append(name)
             for target, value in attributes.values():
-                t = held_attributes[target]
+                t = walk[target][0]
                 for name in names_of_tensor[id(t)]:  # (self.scale = self.l.scale: both names)
-                    owner, attr, keys = paths[name]
-                    self._attributes[name] = [vars(module.get_submodule(owner)), attr, keys, t, value]
+                    path = walk[name][1]
+                    self._attributes[name] = [module.get_submodule(path[0]), path[1], path[2], t, value, path]
         # what the traced forward was made of: a parameter or buffer added later, or a submodule of another class
         # (whose forward the step never traced), is refused rather than silently left out
         self._state_names = set(named) | set(held)
@@ -138,8 +138,8 @@ class ParamWatch:
         """Whether a parameter may have been replaced since the last look (cheap: see the module's doc)."""
         if self._generation_seen != _REGISTERED[0]:
             return True
-        for owner, attr, keys, held, _ in self._attributes.values():
-            now = owner.get(attr)
+        for owner, attr, keys, held, _, _ in self._attributes.values():
+            now = owner.__dict__.get(attr)  # (the module, not its __dict__: a deep copy of the step has its own)
             if (held_item(now, keys) if keys else now) is not held:
                 return True
         for params, leaf, ph in self._ends:
@@ -201,16 +201,15 @@ class ParamWatch:
                                  f"submodule, the module's .to(), a RoPE update): the step folded its values when "
                                  f"compiling; compile the step again")
             self._buffers[target] = (now, now.data_ptr(), value)
-        paths = attribute_paths(self._root) if self._attributes else {}
         for target, entry in self._attributes.items():
-            path = paths.get(target)
-            now = attribute_tensor(self._root, path) if path else None
+            path = entry[5]
+            now = attribute_tensor(self._root, path)  # (by its path: no walk of the module's containers)
             if now is not entry[3] and (not isinstance(now, torch.Tensor) or not _same_values(now, entry[4])):
                 raise TilecError(f"tensor attribute {self.shown(target)} was replaced after compiling by other values "
-                                 f"(or removed): the step took its values as constants when compiling; compile the "
-                                 f"step again")
+                                 f"(or removed): the step took its values as constants when compiling (a tensor held "
+                                 f"under several names is watched under each); compile the step again")
             # equal values (or the same tensor, perhaps in a new submodule or container): watched there from now on
-            entry[:4] = [vars(self._root.get_submodule(path[0])), path[1], path[2], now]
+            entry[:4] = [self._root.get_submodule(path[0]), path[1], path[2], now]
 
     def accept(self, ph: str, param: torch.Tensor) -> None:
         """Records ``param`` as what the step now binds for placeholder ``ph``."""
