@@ -426,15 +426,22 @@ def attribute_walk(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tup
     """name -> (tensor, path) for :func:`tensor_attributes` and :func:`attribute_paths` (one walk for both)."""
     registered = {id(t) for t in (*module.parameters(), *module.buffers())}
     out = {}
+    for name, t, path in _walk_held(module, torch.Tensor):
+        if id(t) not in registered:
+            out.setdefault(name, (t, path))
+    return out
+
+
+def _walk_held(module: torch.nn.Module, kind: type):
+    """``(name, item, (owner submodule's name, attribute, container keys))`` for each ``kind`` an attribute of
+    ``module`` or of a submodule holds, itself or in its lists, tuples and dicts (:func:`_held_tensors`); nn.Module's
+    own bookkeeping (``_parameters``, ``_buffers``, hooks) is not looked into."""
     for prefix, m in module.named_modules(remove_duplicate=False):
         for k, v in vars(m).items():
             if k in _MODULE_OWN:
                 continue
-            for keys, t in _held_tensors(v, _HELD_DEPTH):
-                if id(t) not in registered:
-                    name = (f"{prefix}.{k}" if prefix else k) + "".join(f"[{key!r}]" for key in keys)
-                    out.setdefault(name, (t, (prefix, k, keys)))
-    return out
+            for keys, item in _held_tensors(v, _HELD_DEPTH, kind):
+                yield (f"{prefix}.{k}" if prefix else k) + "".join(f"[{key!r}]" for key in keys), item, (prefix, k, keys)
 
 
 def _held_tensors(value, depth: int, kind: type = torch.Tensor):
@@ -468,14 +475,10 @@ def _unregistered_module_state(module: torch.nn.Module) -> dict[tuple, str]:
     """The parameters and buffers of modules held in a list, tuple or dict attribute (``self.blocks = [nn.Linear(8,
     8)]``: PyTorch registers none of them), by memory (:func:`_memory_key`) -> ``"blocks[0] (Linear) weight"``."""
     out = {}
-    for prefix, m in module.named_modules(remove_duplicate=False):
-        for k, v in vars(m).items():
-            if k in _MODULE_OWN or isinstance(v, torch.nn.Module):
-                continue
-            for keys, held in _held_tensors(v, _HELD_DEPTH, torch.nn.Module):
-                name = (f"{prefix}.{k}" if prefix else k) + "".join(f"[{key!r}]" for key in keys)
-                for what, t in itertools.chain(held.named_parameters(), held.named_buffers()):
-                    out.setdefault(_memory_key(t), f"{name} ({type(held).__name__}) {what}")
+    for name, held, (_, _, keys) in _walk_held(module, torch.nn.Module):
+        if keys:  # (in a container, not an attribute itself)
+            for what, t in itertools.chain(held.named_parameters(), held.named_buffers()):
+                out.setdefault(_memory_key(t), f"{name} ({type(held).__name__}) {what}")
     return out
 
 

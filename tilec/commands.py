@@ -29,7 +29,7 @@ import tilec
 from . import artifact as art_mod
 from .artifact import ArtifactError, resolve_stage
 from .cli import EXIT_COMPILE, EXIT_ERROR, EXIT_MISMATCH, EXIT_USAGE, Failure, Progress, stdout_to_devnull
-from .capture import attribute_paths, set_attribute_tensor, tensor_attributes
+from .capture import attribute_walk, set_attribute_tensor
 from .codegen.build import cache_root, extra_flags, sha256_file
 from .dump import ENV_VAR as DUMP_ENV_VAR, DumpError, check_dump_root, dump_root
 from .errors import InputError, TilecError, describe_exception, with_article
@@ -672,19 +672,19 @@ def build_program(art, executor: str | None, progress: Progress):
             raise Failure(str(e), code) from e
 
 
-def _replace_state(module: torch.nn.Module, buffers: dict[str, torch.Tensor], attributes: dict[str, torch.Tensor],
+def _replace_state(module: torch.nn.Module, buffers: dict[str, torch.Tensor], attributes: dict[str, tuple],
                    old: torch.Tensor, new: torch.Tensor) -> None:
     """Sets every buffer and plain tensor attribute of ``module`` that is ``old`` (by identity: ``self.scale =
-    self.l.scale`` keeps the two one tensor; ``buffers`` by name with duplicates) to ``new``. For what ``copy_``
+    self.l.scale`` keeps the two one tensor; ``buffers`` by name with duplicates, ``attributes`` name -> (tensor,
+    path) of :func:`tilec.capture.attribute_walk`) to ``new``. For what ``copy_``
     refuses to write: an expanded view, an inference tensor."""
     for path, value in buffers.items():
         if value is old:
             owner, _, name = path.rpartition(".")
             module.get_submodule(owner)._buffers[name] = new
-    paths = attribute_paths(module)
-    for name, value in attributes.items():
+    for value, path in attributes.values():
         if value is old:
-            set_attribute_tensor(module, paths[name], new)
+            set_attribute_tensor(module, path, new)
 
 
 def eager_reference(art, progress: Progress):
@@ -717,8 +717,8 @@ def eager_reference(art, progress: Progress):
     state = module.state_dict(keep_vars=True)
     buffers = dict(module.named_buffers(remove_duplicate=False))
     state.update(buffers)  # with the non-persistent buffers
-    attributes = tensor_attributes(module)
-    state.update(attributes)  # and plain tensor attributes (constants of the plan)
+    attributes = attribute_walk(module)  # name -> (tensor, path)
+    state.update((name, t) for name, (t, _) in attributes.items())  # and plain tensor attributes (plan constants)
     sources = art.manifest.get("param_sources") or {}
     device = next((t.device for t in state.values()), torch.device("cpu"))
     # the buffers the plan kept as constants (const_<placeholder>), and those it folded into other values as

@@ -104,8 +104,8 @@ class ParamWatch:
         self._buffers = {target: (held[target], held[target].data_ptr(), value)
                          for target, value in buffers.values() if target in held}
         # plain tensor attributes the step took as constants (setting one registers nothing, so each call looks at
-        # them: a dict look-up each, and a container's keys): the module's name -> [the owner submodule, attribute,
-        # container keys, the tensor there, the value compiled, the path (owner's name, attribute, keys)]
+        # them: a dict look-up each, and a container's keys): the module's name -> [the owner submodule, the path
+        # (owner's name, attribute, container keys), the tensor there, the value compiled]
         self._attributes = {}
         if attributes:
             walk = attribute_walk(module)
@@ -116,7 +116,7 @@ class ParamWatch:
                 t = walk[target][0]
                 for name in names_of_tensor[id(t)]:  # (self.scale = self.l.scale: both names)
                     path = walk[name][1]
-                    self._attributes[name] = [module.get_submodule(path[0]), path[1], path[2], t, value, path]
+                    self._attributes[name] = [module.get_submodule(path[0]), path, t, value]
         # what the traced forward was made of: a parameter or buffer added later, or a submodule of another class
         # (whose forward the step never traced), is refused rather than silently left out
         self._state_names = set(named) | set(held)
@@ -138,7 +138,7 @@ class ParamWatch:
         """Whether a parameter may have been replaced since the last look (cheap: see the module's doc)."""
         if self._generation_seen != _REGISTERED[0]:
             return True
-        for owner, attr, keys, held, _, _ in self._attributes.values():
+        for owner, (_, attr, keys), held, _ in self._attributes.values():
             now = owner.__dict__.get(attr)  # (the module, not its __dict__: a deep copy of the step has its own)
             if (held_item(now, keys) if keys else now) is not held:
                 return True
@@ -202,14 +202,14 @@ class ParamWatch:
                                  f"compiling; compile the step again")
             self._buffers[target] = (now, now.data_ptr(), value)
         for target, entry in self._attributes.items():
-            path = entry[5]
+            path = entry[1]
             now = attribute_tensor(self._root, path)  # (by its path: no walk of the module's containers)
-            if now is not entry[3] and (not isinstance(now, torch.Tensor) or not _same_values(now, entry[4])):
+            if now is not entry[2] and (not isinstance(now, torch.Tensor) or not _same_values(now, entry[3])):
                 raise TilecError(f"tensor attribute {self.shown(target)} was replaced after compiling by other values "
                                  f"(or removed): the step took its values as constants when compiling (a tensor held "
                                  f"under several names is watched under each); compile the step again")
             # equal values (or the same tensor, perhaps in a new submodule or container): watched there from now on
-            entry[:4] = [self._root.get_submodule(path[0]), path[1], path[2], now]
+            entry[0], entry[2] = self._root.get_submodule(path[0]), now
 
     def accept(self, ph: str, param: torch.Tensor) -> None:
         """Records ``param`` as what the step now binds for placeholder ``ph``."""
